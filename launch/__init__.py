@@ -1,0 +1,1 @@
+"""t2train.launch: torchrun and SLURM launchers."""

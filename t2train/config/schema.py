@@ -1,0 +1,224 @@
+"""Typed configuration: one dataclass per concern, validated as a whole by ``Config.validate``.
+
+Every field has a type the loader enforces and a rule ``validate`` checks; errors name the
+dotted field, the value and what is allowed (``ConfigError``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, malformed or inconsistent; the message names it."""
+
+
+def _require(ok: bool, field_name: str, value, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field_name}={value!r}: {rule}")
+
+
+@dataclass
+class ModelConfig:
+    """Decoder shape. The residual stream is a named, pluggable design (``residual``)."""
+
+    residual: str = "standard"
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None  # grouped-query attention; None = one KV head per head
+    ffn_hidden_size: Optional[int] = None  # None = SwiGLU default, 8/3 * hidden rounded up to 64
+    seq_length: int = 256
+    vocab_size: Optional[int] = None  # None = taken from the dataset's tokenizer
+    make_vocab_size_divisible_by: int = 128
+    tie_embeddings: bool = True
+    rotary_base: int = 10000
+    norm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
+    recompute: Literal["none", "full"] = "none"
+
+    def resolved_ffn_hidden_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return 64 * -(-(8 * self.hidden_size // 3) // 64)
+
+    def validate(self) -> None:
+        from t2train.residual import registered
+
+        _require(self.residual in registered(), "model.residual", self.residual,
+                 f"must be one of {sorted(registered())}")
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                     "make_vocab_size_divisible_by", "rotary_base"):
+            _require(getattr(self, name) >= 1, f"model.{name}", getattr(self, name), "must be >= 1")
+        _require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
+                 self.hidden_size, f"must be divisible by model.num_attention_heads="
+                 f"{self.num_attention_heads}")
+        head_dim = self.hidden_size // self.num_attention_heads
+        _require(head_dim % 2 == 0, "model.hidden_size", self.hidden_size,
+                 f"head dim hidden_size/num_attention_heads={head_dim} must be even for RoPE")
+        if self.num_query_groups is not None:
+            _require(self.num_query_groups >= 1
+                     and self.num_attention_heads % self.num_query_groups == 0,
+                     "model.num_query_groups", self.num_query_groups,
+                     f"must be >= 1 and divide model.num_attention_heads={self.num_attention_heads}")
+        if self.ffn_hidden_size is not None:
+            _require(self.ffn_hidden_size >= 1, "model.ffn_hidden_size", self.ffn_hidden_size,
+                     "must be >= 1")
+        if self.vocab_size is not None:
+            _require(self.vocab_size >= 2, "model.vocab_size", self.vocab_size, "must be >= 2")
+        _require(self.norm_epsilon > 0, "model.norm_epsilon", self.norm_epsilon, "must be > 0")
+        _require(self.init_method_std > 0, "model.init_method_std", self.init_method_std,
+                 "must be > 0")
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron-core parallel layout. Data parallel size = world size / (tensor * pipeline)."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    virtual_pipeline: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+
+    def validate(self, model: ModelConfig) -> None:
+        for name in ("tensor", "pipeline", "virtual_pipeline"):
+            _require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name),
+                     "must be >= 1")
+        _require(model.num_attention_heads % self.tensor == 0, "parallel.tensor", self.tensor,
+                 f"must divide model.num_attention_heads={model.num_attention_heads}")
+        groups = model.num_query_groups or model.num_attention_heads
+        _require(groups % self.tensor == 0, "parallel.tensor", self.tensor,
+                 f"must divide the number of query groups ({groups})")
+        chunks = self.pipeline * self.virtual_pipeline
+        _require(model.num_layers % chunks == 0, "model.num_layers", model.num_layers,
+                 f"must be divisible by parallel.pipeline * parallel.virtual_pipeline = {chunks}")
+        _require(self.virtual_pipeline == 1 or self.pipeline > 1, "parallel.virtual_pipeline",
+                 self.virtual_pipeline, "needs parallel.pipeline > 1")
+        _require(not self.sequence_parallel or self.tensor > 1, "parallel.sequence_parallel",
+                 self.sequence_parallel, "needs parallel.tensor > 1")
+        if self.sequence_parallel:
+            _require(model.seq_length % self.tensor == 0, "model.seq_length", model.seq_length,
+                     f"must be divisible by parallel.tensor={self.tensor} with sequence_parallel")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and schedule. Batch sizes are in sequences."""
+
+    steps: int = 200
+    micro_batch_size: int = 8
+    global_batch_size: int = 32
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    seed: int = 1234
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    eval_interval: int = 50
+    eval_batches: int = 4
+    log_interval: int = 10
+
+    def validate(self) -> None:
+        for name in ("steps", "micro_batch_size", "global_batch_size", "eval_interval",
+                     "eval_batches", "log_interval"):
+            _require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name),
+                     "must be >= 1")
+        _require(self.global_batch_size % self.micro_batch_size == 0, "train.global_batch_size",
+                 self.global_batch_size,
+                 f"must be a multiple of train.micro_batch_size={self.micro_batch_size}")
+        _require(self.lr > 0, "train.lr", self.lr, "must be > 0")
+        _require(0 <= self.min_lr <= self.lr, "train.min_lr", self.min_lr,
+                 f"must be in [0, train.lr={self.lr}]")
+        _require(0 <= self.warmup_steps < self.steps, "train.warmup_steps", self.warmup_steps,
+                 f"must be in [0, train.steps={self.steps})")
+        _require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            _require(0 <= getattr(self, name) < 1, f"train.{name}", getattr(self, name),
+                     "must be in [0, 1)")
+        _require(self.adam_eps > 0, "train.adam_eps", self.adam_eps, "must be > 0")
+        _require(self.clip_grad >= 0, "train.clip_grad", self.clip_grad,
+                 "must be >= 0 (0 disables clipping)")
+        _require(self.seed >= 0, "train.seed", self.seed, "must be >= 0")
+
+
+@dataclass
+class DataConfig:
+    """A prepared dataset directory (``t2train data prepare``): MDS shards plus tokenizer."""
+
+    path: str = ""
+    remote: Optional[str] = None  # object-store URL streamed into ``path`` as a local cache
+    shuffle: bool = True
+    num_workers: int = 0
+
+    def validate(self) -> None:
+        _require(bool(self.path), "data.path", self.path,
+                 "must name a prepared dataset directory (see `t2train data prepare`)")
+        _require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0")
+
+
+@dataclass
+class CheckpointConfig:
+    """Megatron dist-checkpointing saves under ``<run_dir>/checkpoints``."""
+
+    interval: int = 100  # steps between saves; the last step is always saved
+    resume: str = "auto"  # auto | none | a checkpoint directory
+    overwrite: bool = False  # with resume=none, allow reusing a non-empty run directory
+
+    def validate(self) -> None:
+        _require(self.interval >= 1, "checkpoint.interval", self.interval, "must be >= 1")
+        _require(bool(self.resume), "checkpoint.resume", self.resume,
+                 "must be 'auto', 'none' or a checkpoint directory")
+
+
+@dataclass
+class LogConfig:
+    run_dir: str = "runs/{name}"  # {name} expands to the run name
+    tensorboard: bool = True
+
+    def validate(self) -> None:
+        _require(bool(self.run_dir), "log.run_dir", self.run_dir, "must be a directory path")
+
+
+@dataclass
+class Config:
+    name: str = "t2train"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def validate(self) -> "Config":
+        _require(bool(self.name) and "/" not in self.name, "name", self.name,
+                 "must be a non-empty run name without '/'")
+        self.model.validate()
+        self.parallel.validate(self.model)
+        self.train.validate()
+        self.data.validate()
+        self.checkpoint.validate()
+        self.log.validate()
+        return self
+
+    def validate_world(self, world_size: int) -> int:
+        """Check the layout against the launched world; returns the data-parallel size."""
+        model_parallel = self.parallel.tensor * self.parallel.pipeline
+        _require(world_size % model_parallel == 0, "parallel.tensor*parallel.pipeline",
+                 model_parallel, f"must divide the world size {world_size}")
+        dp = world_size // model_parallel
+        per_step = self.train.micro_batch_size * dp
+        _require(self.train.global_batch_size % per_step == 0, "train.global_batch_size",
+                 self.train.global_batch_size,
+                 f"must be a multiple of micro_batch_size * data_parallel = {per_step}")
+        return dp
+
+    @property
+    def run_dir(self) -> str:
+        return self.log.run_dir.format(name=self.name)

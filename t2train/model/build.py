@@ -1,0 +1,97 @@
+"""From a t2train ``Config`` to Megatron's ``TransformerConfig`` and this rank's model chunks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from t2train.config.schema import Config
+
+
+@dataclass
+class T2TransformerConfig(TransformerConfig):
+    """Megatron's config plus the fields t2train's own modules read."""
+
+    t2_attention_backend: str = "auto"
+
+
+def compute_dtype(config: Config) -> torch.dtype:
+    """bf16 on CUDA and fp32 on CPU unless ``train.precision`` says otherwise."""
+    precision = config.train.precision
+    if precision == "auto":
+        precision = "bf16" if torch.cuda.is_available() else "fp32"
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def padded_vocab_size(vocab_size: int, config: Config) -> int:
+    """Megatron pads the vocabulary so every tensor-parallel shard has the same size."""
+    multiple = config.model.make_vocab_size_divisible_by * config.parallel.tensor
+    return -(-vocab_size // multiple) * multiple
+
+
+def transformer_config(config: Config) -> T2TransformerConfig:
+    model, parallel = config.model, config.parallel
+    dtype = compute_dtype(config)
+    on_cuda = torch.cuda.is_available()
+    return T2TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        ffn_hidden_size=model.resolved_ffn_hidden_size(),
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        virtual_pipeline_model_parallel_size=(
+            parallel.virtual_pipeline if parallel.virtual_pipeline > 1 else None),
+        sequence_parallel=parallel.sequence_parallel,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=not on_cuda,
+        bias_activation_fusion=on_cuda,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        cross_entropy_loss_fusion=False,
+        recompute_granularity="full" if model.recompute == "full" else None,
+        recompute_method="uniform" if model.recompute == "full" else None,
+        recompute_num_layers=1 if model.recompute == "full" else None,
+        deallocate_pipeline_outputs=True,
+        # Batched isend/irecv to one peer can be matched out of order on gloo.
+        batch_p2p_comm=on_cuda,
+        t2_attention_backend=model.attention_backend,
+    )
+
+
+def build_model_chunks(config: Config, tf_config: T2TransformerConfig,
+                       vocab_size: int) -> list[torch.nn.Module]:
+    """This rank's model chunks: one per virtual pipeline stage (one without interleaving)."""
+    from t2train.model.gpt import T2GPTModel
+
+    virtual = config.parallel.virtual_pipeline
+    chunks = []
+    for vp_stage in range(virtual):
+        vp = vp_stage if virtual > 1 else None
+        chunk = T2GPTModel(
+            tf_config, config.model.residual, vocab_size=vocab_size,
+            max_sequence_length=config.model.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=config.model.tie_embeddings,
+            rotary_base=config.model.rotary_base, vp_stage=vp)
+        if torch.cuda.is_available():
+            chunk.cuda(torch.cuda.current_device())
+        chunks.append(chunk)
+    return chunks

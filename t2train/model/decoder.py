@@ -1,0 +1,93 @@
+"""The decoder stack of one model chunk: Megatron's ``TransformerBlock`` with a residual stream.
+
+``TransformerBlock`` gives layer construction with pipeline offsets, the final norm and the
+reshardable ``sharded_state_dict``; this subclass replaces its layer loop so that the state
+passed between layers (and across pipeline hops) is whatever the residual design needs.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Optional
+
+from megatron.core import tensor_parallel
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.utils import make_viewless_tensor
+from torch import Tensor
+
+from t2train.model.norm import RMSNorm
+from t2train.model.spec import decoder_layer_spec
+from t2train.residual import get_design
+from t2train.residual.base import State
+
+
+def decoder_block_submodules(config, residual: str, vp_stage: Optional[int],
+                             pp_rank: int) -> TransformerBlockSubmodules:
+    layers = get_num_layers_to_build(config, vp_stage, pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[decoder_layer_spec(residual)] * layers,
+                                      layer_norm=RMSNorm)
+
+
+class ResidualDecoder(TransformerBlock):
+    """Runs this chunk's layers on the residual stream state.
+
+    First chunk: the embedding enters the stream. Other chunks: the packed state arrives
+    through ``set_input_tensor``. Last chunk: the stream's final read goes through the
+    final norm. Otherwise the packed state is returned for the next pipeline hop.
+    """
+
+    def __init__(self, config, residual: str, pre_process: bool, post_process: bool,
+                 vp_stage: Optional[int], pp_rank: int, pg_collection=None):
+        super().__init__(config, decoder_block_submodules(config, residual, vp_stage, pp_rank),
+                         pre_process=pre_process, post_process=post_process,
+                         pg_collection=pg_collection, vp_stage=vp_stage)
+        self.stream = get_design(residual).stream(config)
+
+    def forward(self, hidden_states: Optional[Tensor], attention_mask: Optional[Tensor],
+                rotary_pos_emb: Optional[Tensor] = None) -> Tensor:
+        if self.pre_process:
+            state = self.stream.enter(hidden_states)
+        else:
+            state = self.stream.receive(make_viewless_tensor(self.input_tensor, True, True))
+
+        rng = tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel \
+            else nullcontext()
+        with rng:
+            if self.config.recompute_granularity == "full" and self.training:
+                state = self._recomputed_layers(state, attention_mask, rotary_pos_emb)
+            else:
+                for layer in self.layers:
+                    state = layer(state, attention_mask, rotary_pos_emb)
+
+        if self.post_process:
+            return self.final_layernorm(self.stream.exit(state))
+        # Megatron frees the storage of the tensor it sends, so it must not be a view.
+        return make_viewless_tensor(self.stream.send(state), True, True)
+
+    def _recomputed_layers(self, state: State, attention_mask, rotary_pos_emb) -> State:
+        """Full activation recompute, ``recompute_num_layers`` layers per checkpoint.
+
+        The state is packed into one tensor at checkpoint boundaries so that every earlier
+        state a layer reads is an explicit input of the recomputed function.
+        """
+
+        def run(start: int, end: int):
+            def forward(packed: Tensor, mask, rope) -> Tensor:
+                chunk_state = self.stream.receive(packed)
+                for layer in self.layers[start:end]:
+                    chunk_state = layer(chunk_state, mask, rope)
+                return self.stream.send(chunk_state)
+
+            return forward
+
+        packed = self.stream.send(state)
+        step = self.config.recompute_num_layers
+        for start in range(0, len(self.layers), step):
+            packed = tensor_parallel.checkpoint(
+                run(start, min(start + step, len(self.layers))),
+                self.config.distribute_saved_activations, packed, attention_mask, rotary_pos_emb)
+        return self.stream.receive(packed)

@@ -1,0 +1,88 @@
+"""The t2train GPT: Megatron-core embedding, rotary positions, residual decoder, output head.
+
+A ``LanguageModule`` like Megatron's ``GPTModel`` (same parameter names, so a `standard`
+model loads a ``GPTModel`` state dict and vice versa), with the decoder replaced by
+``ResidualDecoder`` so the residual stream is pluggable. One instance is one pipeline
+chunk: ``pre_process`` holds the embedding, ``post_process`` the final norm and head.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.language_model_embedding import (
+    LanguageModelEmbedding,
+)
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import ModelType
+from torch import Tensor
+
+from t2train.model.decoder import ResidualDecoder
+
+
+class T2GPTModel(LanguageModule):
+    def __init__(self, config, residual: str, vocab_size: int, max_sequence_length: int,
+                 pre_process: bool = True, post_process: bool = True,
+                 share_embeddings_and_output_weights: bool = True, rotary_base: int = 10000,
+                 vp_stage: Optional[int] = None, pg_collection=None):
+        pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.model_type = ModelType.encoder_or_decoder
+        self.residual = residual
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.vp_stage = vp_stage
+
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config=config, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
+                position_embedding_type="rope", tp_group=pg_collection.tp)
+        self.rotary_pos_emb = RotaryEmbedding(
+            kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=rotary_base,
+            use_cpu_initialization=config.use_cpu_initialization, cp_group=pg_collection.cp)
+        self.decoder = ResidualDecoder(
+            config, residual, pre_process=pre_process, post_process=post_process,
+            vp_stage=vp_stage, pp_rank=pg_collection.pp.rank(), pg_collection=pg_collection)
+        if post_process:
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size, vocab_size, config=config, init_method=config.init_method,
+                bias=False, skip_bias_add=False, gather_output=False,
+                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+                tp_group=pg_collection.tp)
+        if pre_process or post_process:
+            self.setup_embeddings_and_output_layer()
+
+    def set_input_tensor(self, input_tensor) -> None:
+        if isinstance(input_tensor, list):
+            if len(input_tensor) != 1:
+                raise ValueError("a pipeline hop carries exactly one (packed) tensor")
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    def forward(self, input_ids: Optional[Tensor], position_ids: Optional[Tensor],
+                attention_mask: Optional[Tensor] = None,
+                labels: Optional[Tensor] = None) -> Tensor:
+        """Per-token loss [b, s] when ``labels`` are given, else logits [b, s, vocab/tp].
+
+        On a chunk without the head, returns the packed stream state for the next stage.
+        """
+        embedding = self.embedding(input_ids=input_ids, position_ids=position_ids) \
+            if self.pre_process else None
+        rotary_len = self.rotary_pos_emb.get_rotary_seq_len(None, self.decoder, embedding,
+                                                            self.config, None)
+        hidden = self.decoder(embedding, attention_mask, rotary_pos_emb=self.rotary_pos_emb(
+            rotary_len))
+        if not self.post_process:
+            return hidden
+        weight = self.shared_embedding_or_output_weight() \
+            if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden, weight=weight)
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        return self.compute_language_model_loss(labels, logits)

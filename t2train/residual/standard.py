@@ -1,0 +1,50 @@
+"""`standard`: the pre-norm additive residual, x <- x + f(Norm(x)).
+
+The stream state is the hidden tensor [s, b, h]; one unit crosses each pipeline hop.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from t2train.residual.base import ResidualDesign, ResidualStream, SublayerResidual
+
+
+class AdditiveResidual(SublayerResidual):
+    def __init__(self, config, layer_number: int = 1):
+        super().__init__(config=config)
+        self.hidden_dropout = config.hidden_dropout
+
+    def read(self, state: Tensor) -> Tensor:
+        return state
+
+    def write(self, state: Tensor, x: Tensor, normed: Tensor, out: Tensor) -> Tensor:
+        return state + F.dropout(out, p=self.hidden_dropout, training=self.training)
+
+
+class HiddenStateStream(ResidualStream):
+    hop_units = 1
+
+    def __init__(self, config):
+        super().__init__(config=config)
+
+    def enter(self, embedding: Tensor) -> Tensor:
+        return embedding
+
+    def exit(self, state: Tensor) -> Tensor:
+        return state
+
+    def send(self, state: Tensor) -> Tensor:
+        return state
+
+    def receive(self, packed: Tensor) -> Tensor:
+        return packed
+
+
+DESIGN = ResidualDesign(
+    name="standard",
+    stream=HiddenStateStream,
+    sublayer=AdditiveResidual,
+    reference="pre-norm residual (Xiong et al. 2020, arXiv 2002.04745)",
+)
