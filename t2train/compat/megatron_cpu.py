@@ -129,39 +129,46 @@ def _set_cpu_rng_functions() -> None:
     random._set_cuda_rng_state = set_state
 
 
-def _with_cuda_type_names(fn):
-    """Run ``fn`` while ``Tensor.type()`` reports CPU tensors under their CUDA names.
+def _cpu_tensor_semantics(fn):
+    """Run ``fn`` with CPU tensors answering megatron's CUDA-only tensor calls.
 
-    The optimizers sort parameters by ``param.type() == 'torch.cuda.FloatTensor'``.
-    Scoped to the wrapped call so no other code sees the changed names.
+    Inside the call, ``Tensor.type()`` reports CPU tensors under their CUDA names (the
+    optimizers sort parameters by ``param.type() == 'torch.cuda.FloatTensor'``) and
+    ``Tensor.cuda()`` keeps a tensor where it is. Scoped to the wrapped call so no other
+    code sees either change.
     """
 
     def wrapped(*args, **kwargs):
-        original = torch.Tensor.type
+        original_type, original_cuda = torch.Tensor.type, torch.Tensor.cuda
 
         def cuda_named_type(self, dtype=None, non_blocking=False, **kw):
             if dtype is None and self.device.type == "cpu":
-                return original(self).replace("torch.", "torch.cuda.", 1)
-            return original(self, dtype, non_blocking, **kw)
+                return original_type(self).replace("torch.", "torch.cuda.", 1)
+            return original_type(self, dtype, non_blocking, **kw)
 
         torch.Tensor.type = cuda_named_type
+        torch.Tensor.cuda = lambda self, *a, **k: self
         try:
             return fn(*args, **kwargs)
         finally:
-            torch.Tensor.type = original
+            torch.Tensor.type, torch.Tensor.cuda = original_type, original_cuda
 
     wrapped.__wrapped__ = fn
     return wrapped
 
 
-def _patch_optimizer_type_checks() -> None:
+def _patch_tensor_method_users() -> None:
     optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
     distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
     clip = importlib.import_module("megatron.core.optimizer.clip_grads")
-    for owner in (distrib.DistributedOptimizer, optimizer.Float16OptimizerWithFloat16Params):
-        owner.__init__ = _with_cuda_type_names(owner.__init__)
+    language = importlib.import_module(
+        "megatron.core.models.common.language_module.language_module")
+    for owner, name in ((distrib.DistributedOptimizer, "__init__"),
+                        (optimizer.Float16OptimizerWithFloat16Params, "__init__"),
+                        (language.LanguageModule, "setup_embeddings_and_output_layer")):
+        setattr(owner, name, _cpu_tensor_semantics(getattr(owner, name)))
     for name in ("clip_grad_by_total_norm_fp32", "count_zeros_fp32"):
-        checked = _with_cuda_type_names(getattr(clip, name))
+        checked = _cpu_tensor_semantics(getattr(clip, name))
         setattr(clip, name, checked)
         setattr(optimizer, name, checked)  # imported there by name
 
@@ -188,6 +195,6 @@ def apply(force: bool = False) -> bool:
             raise RuntimeError(f"megatron-core module {name} no longer imports torch as 'torch'")
         module.torch = proxy
     _set_cpu_rng_functions()
-    _patch_optimizer_type_checks()
+    _patch_tensor_method_users()
     _applied = True
     return True

@@ -1,0 +1,165 @@
+"""Checkpoints on disk: Megatron ``dist_checkpointing`` (torch_dist) published atomically.
+
+Layout under ``<run_dir>/checkpoints``::
+
+    step_00000100/     a complete checkpoint (model, optimizer, schedule, train state, RNG)
+    latest             the name of the newest complete checkpoint
+    step_00000200.incomplete/   being written, or left by a crash: never loaded
+
+Every rank writes its shards into the ``.incomplete`` directory; rank 0 renames it once all
+ranks are done and then replaces ``latest``. A crash at any point leaves the previous
+checkpoint and marker intact.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from t2train.errors import UserInputError
+from t2train.train.setup import TrainingObjects
+
+LATEST = "latest"
+INCOMPLETE = ".incomplete"
+# Reshardable optimizer state so a checkpoint loads into another (TP, PP, DP) layout.
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+class CheckpointError(UserInputError):
+    pass
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _model_keys(objs: TrainingObjects) -> list[str]:
+    return ["model"] if len(objs.model) == 1 else [f"model{i}" for i in range(len(objs.model))]
+
+
+def _model_state(objs: TrainingObjects) -> dict:
+    """Sharded state of the unwrapped chunks (keys independent of the DDP wrapper)."""
+    return {key: chunk.module.sharded_state_dict()
+            for key, chunk in zip(_model_keys(objs), objs.model)}
+
+
+def _layout() -> dict:
+    return {"tp": parallel_state.get_tensor_model_parallel_world_size(),
+            "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+            "dp": parallel_state.get_data_parallel_world_size()}
+
+
+def _rng_object(state: Optional[list]) -> ShardedObject:
+    """This rank's RNG streams, one object per (pp, tp, dp) position."""
+    layout = _layout()
+    return ShardedObject(
+        "rng_state", state, (layout["pp"], layout["tp"], layout["dp"]),
+        (parallel_state.get_pipeline_model_parallel_rank(),
+         parallel_state.get_tensor_model_parallel_rank(),
+         parallel_state.get_data_parallel_rank()), replica_id=0)
+
+
+def _capture_rng() -> list:
+    from megatron.core import tensor_parallel
+
+    return [{"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}]
+
+
+def _restore_rng(states: list) -> None:
+    from megatron.core import tensor_parallel
+
+    state = states[0]
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def save_checkpoint(root: Path, step: int, objs: TrainingObjects, train_state: dict) -> Path:
+    """Collective: every rank calls it. Returns the published checkpoint directory."""
+    final = root / step_dir_name(step)
+    staging = root / (step_dir_name(step) + INCOMPLETE)
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir()
+    dist.barrier()
+
+    state = _model_state(objs)
+    state["optimizer"] = objs.optimizer.sharded_state_dict(state, metadata=_OPTIMIZER_METADATA)
+    state["scheduler"] = objs.scheduler.state_dict()
+    state["train_state"] = dict(train_state, step=step, layout=_layout())
+    state["rng_state"] = _rng_object(_capture_rng())
+    dist_checkpointing.save(state, str(staging))
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if final.exists():  # re-saving the same step after a resume
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        marker = root / (LATEST + ".tmp")
+        marker.write_text(final.name + "\n")
+        os.replace(marker, root / LATEST)
+    dist.barrier()
+    return final
+
+
+def find_latest(root: Path) -> Optional[Path]:
+    """The newest complete checkpoint under ``root``; half-written ones are skipped."""
+    if not root.is_dir():
+        return None
+    for leftover in sorted(root.glob("*" + INCOMPLETE)):
+        warnings.warn(f"ignoring incomplete checkpoint {leftover} (a save was interrupted)")
+    marker = root / LATEST
+    if marker.is_file():
+        named = root / marker.read_text().strip()
+        if (named / "metadata.json").is_file():
+            return named
+        warnings.warn(f"{marker} names {named.name}, which is not a complete checkpoint")
+    complete = sorted(p for p in root.glob("step_*") if not p.name.endswith(INCOMPLETE)
+                      and (p / "metadata.json").is_file())
+    return complete[-1] if complete else None
+
+
+def load_checkpoint(path: Path, objs: TrainingObjects) -> dict:
+    """Collective: load model, optimizer, schedule and (same layout) RNG; returns train state."""
+    if not (path / "metadata.json").is_file():
+        raise CheckpointError(f"{path}: not a t2train checkpoint (no metadata.json)")
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    saved_layout = common["train_state"]["layout"]
+    same_layout = saved_layout == _layout()
+
+    state = _model_state(objs)
+    state["optimizer"] = objs.optimizer.sharded_state_dict(state, is_loading=True,
+                                                           metadata=_OPTIMIZER_METADATA)
+    if same_layout:
+        state["rng_state"] = _rng_object(None)
+    loaded = dist_checkpointing.load(state, str(path))
+
+    for key, chunk in zip(_model_keys(objs), objs.model):
+        chunk.module.load_state_dict(loaded[key])
+    objs.optimizer.load_state_dict(loaded["optimizer"])
+    objs.scheduler.num_steps = 0  # Megatron's scheduler load advances from the current count
+    objs.scheduler.load_state_dict(common["scheduler"])
+    if same_layout:
+        _restore_rng(loaded["rng_state"])
+    elif dist.get_rank() == 0:
+        warnings.warn(f"checkpoint layout {saved_layout} differs from {_layout()}: "
+                      "RNG streams start fresh")
+    return common["train_state"]

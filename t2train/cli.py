@@ -1,0 +1,96 @@
+"""The ``t2train`` command: one entry point, one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+TRAIN_EPILOG = """\
+overrides are dotted config fields, e.g.:
+  model.residual=standard model.num_layers=4 train.steps=300 data.path=DIR
+  parallel.tensor=2 parallel.pipeline=2 checkpoint.resume=auto|none|PATH
+config sections: model, parallel, train, data, checkpoint, log (see t2train/config/schema.py)
+run under torchrun for several processes: torchrun --nproc-per-node=2 -m t2train.cli train ...
+"""
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    from t2train.config.loader import preset_names
+
+    parser.add_argument("--preset", help=f"start from a preset: {', '.join(preset_names())}")
+    parser.add_argument("--config", help="a YAML file of config sections, applied after the "
+                                         "preset")
+    parser.add_argument("overrides", nargs="*", metavar="section.field=value",
+                        help="dotted overrides, applied last")
+
+
+def _load(args):
+    from t2train.config.loader import load_config
+
+    return load_config(args.preset, args.config, args.overrides)
+
+
+def _cmd_train(args) -> int:
+    from t2train.train.loop import train
+
+    summary = train(_load(args))
+    if summary.val_losses and _is_rank_zero():
+        first, last = min(summary.val_losses), max(summary.val_losses)
+        print(f"done: step {summary.final_step}, val loss {summary.val_losses[first]:.4f} "
+              f"(step {first}) -> {summary.val_losses[last]:.4f} (step {last}); "
+              f"run dir {summary.run_dir}")
+    return 0
+
+
+def _cmd_config(args) -> int:
+    from t2train.config.loader import dump_config
+
+    print(dump_config(_load(args)), end="")
+    return 0
+
+
+def _is_rank_zero() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from t2train.data.cli import register as register_data
+
+    parser = argparse.ArgumentParser(
+        prog="t2train",
+        description="Pretrain decoder Transformers with pluggable residual streams "
+                    "(Megatron-core TP/PP, mosaicml-streaming data, TensorBoard).")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser(
+        "train", help="train a model (single process, or one rank under torchrun)",
+        description="Train from a preset/YAML plus overrides; resumes from the newest "
+                    "checkpoint of the run directory by default.",
+        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_arguments(train)
+    train.set_defaults(handler=_cmd_train)
+
+    show = commands.add_parser("config", help="print the resolved, validated config as YAML")
+    _add_config_arguments(show)
+    show.set_defaults(handler=_cmd_config)
+
+    register_data(commands)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from t2train.errors import UserInputError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except UserInputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Process-group setup: torch.distributed from the launcher's environment, then Megatron's
+tensor/pipeline/data-parallel groups, then seeds."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from t2train.compat import megatron_cpu
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int
+    world_size: int
+    local_rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(timeout_minutes: float = 10.0) -> None:
+    """Join the process group torchrun (or SLURM via t2train.launch) described in the env.
+
+    A plain ``python`` run without those variables becomes a world of one.
+    """
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        if os.environ["WORLD_SIZE"] != "1":
+            raise RuntimeError("WORLD_SIZE > 1 but MASTER_PORT is unset: launch with torchrun "
+                               "or `t2train launch`")
+        os.environ["MASTER_PORT"] = str(_free_port())
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        backend = "nccl"
+    else:
+        megatron_cpu.apply()
+        backend = "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_model_parallel(tensor: int, pipeline: int, virtual_pipeline: int) -> Topology:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tensor,
+            pipeline_model_parallel_size=pipeline,
+            virtual_pipeline_model_parallel_size=virtual_pipeline if virtual_pipeline > 1 else None,
+        )
+    return Topology(
+        rank=dist.get_rank(), world_size=dist.get_world_size(),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        dp_size=ps.get_data_parallel_world_size())
+
+
+def set_seed(seed: int, topology: Topology) -> None:
+    """Megatron's seeding: one stream per pipeline stage, the TP-aware CUDA RNG tracker.
+
+    With CPU initialisation every tensor-parallel rank builds the full master weight from the
+    same stream and keeps its shard, so TP changes no initial value.
+    """
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    stage_seed = seed + 100 * topology.pp_rank
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    model_parallel_cuda_manual_seed(stage_seed)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

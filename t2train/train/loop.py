@@ -1,0 +1,143 @@
+"""The training run: check inputs, set up ranks, resume, train, evaluate, checkpoint, log.
+
+Everything that can be checked without touching the run directory (config, dataset,
+resume target) is checked first, so a bad input never creates or alters a run directory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+
+from t2train.config.loader import dump_config
+from t2train.config.schema import Config, ConfigError
+
+
+@dataclass
+class RunSummary:
+    run_dir: Path
+    start_step: int
+    final_step: int
+    losses: dict = field(default_factory=dict)  # step -> training loss
+    val_losses: dict = field(default_factory=dict)  # step -> validation loss
+    checkpoint: Optional[Path] = None
+
+
+def _dataset_facts(config: Config) -> dict:
+    from t2train.data.prepare import read_index
+
+    index = read_index(config.data.path)
+    if config.model.seq_length > index["seq_length"]:
+        raise ConfigError(f"model.seq_length={config.model.seq_length}: longer than the "
+                          f"dataset's samples ({index['seq_length']} tokens) in {config.data.path}")
+    vocab = config.model.vocab_size or index["vocab_size"]
+    if vocab < index["vocab_size"]:
+        raise ConfigError(f"model.vocab_size={vocab}: smaller than the tokenizer's vocabulary "
+                          f"({index['vocab_size']}) of {config.data.path}")
+    return {"vocab_size": vocab}
+
+
+def _resume_target(config: Config, run_dir: Path) -> Optional[Path]:
+    """Which checkpoint to start from, decided before anything is written."""
+    from t2train.checkpoint.store import find_latest
+
+    resume = config.checkpoint.resume
+    if resume == "auto":
+        return find_latest(run_dir / "checkpoints")
+    if resume == "none":
+        if run_dir.exists() and any(run_dir.iterdir()) and not config.checkpoint.overwrite:
+            raise ConfigError(f"checkpoint.resume=none: run directory {run_dir} is not empty; "
+                              "resume it (checkpoint.resume=auto), choose another name, or set "
+                              "checkpoint.overwrite=true")
+        return None
+    path = Path(resume)
+    if not (path / "metadata.json").is_file():
+        raise ConfigError(f"checkpoint.resume={resume!r}: not a checkpoint directory")
+    return path
+
+
+def train(config: Config) -> RunSummary:
+    from t2train.checkpoint.store import load_checkpoint, save_checkpoint
+    from t2train.model.build import padded_vocab_size
+    from t2train.monitor.metrics import Monitor
+    from t2train.parallel.init import init_distributed, init_model_parallel, set_seed
+    from t2train.train.batches import GlobalBatchFeeder
+    from t2train.train.data import open_streams
+    from t2train.train.setup import build_training_objects
+    from t2train.train.step import evaluate, train_step
+
+    facts = _dataset_facts(config)
+    run_dir = Path(config.run_dir)
+    resume_from = _resume_target(config, run_dir)
+
+    init_distributed()
+    dp_size = config.validate_world(dist.get_world_size())
+    topology = init_model_parallel(config.parallel.tensor, config.parallel.pipeline,
+                                   config.parallel.virtual_pipeline)
+    set_seed(config.train.seed, topology)
+    objs = build_training_objects(config, padded_vocab_size(facts["vocab_size"], config))
+
+    train_state: dict = {}
+    if resume_from is not None:
+        train_state = load_checkpoint(resume_from, objs)
+    start_step = train_state.get("step", 0)
+
+    train_cfg = config.train
+    num_micro = train_cfg.global_batch_size // (train_cfg.micro_batch_size * dp_size)
+    streams = open_streams(config, topology, dp_size, train_state.get("data_state"))
+    feeder = GlobalBatchFeeder(streams.train, num_micro, train_cfg.micro_batch_size,
+                               config.model.seq_length)
+    val_feeder = GlobalBatchFeeder(streams.val, num_micro, train_cfg.micro_batch_size,
+                                   config.model.seq_length)
+    val_batches = [val_feeder.next_step() for _ in range(train_cfg.eval_batches)]
+
+    logging_rank = topology.is_logging_rank
+    if logging_rank:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(config))
+    monitor = Monitor(run_dir if logging_rank else None, train_cfg.steps,
+                      tensorboard=config.log.tensorboard,
+                      purge_step=start_step + 1 if start_step else None)
+    params = sum(p.numel() for chunk in objs.model for p in chunk.parameters())
+    monitor.print(f"t2train: {config.model.residual} residual, {config.model.num_layers} layers, "
+                  f"{params / 1e6:.2f}M parameters on rank 0 | world {topology.world_size} = "
+                  f"TP {topology.tp_size} x PP {topology.pp_size} x DP {dp_size} | "
+                  f"{'resuming from ' + str(resume_from) if resume_from else 'fresh start'}")
+
+    summary = RunSummary(run_dir=run_dir, start_step=start_step, final_step=start_step)
+    tokens_per_step = train_cfg.global_batch_size * config.model.seq_length
+    if start_step == 0:
+        summary.val_losses[0] = evaluate(objs, val_batches)
+        monitor.scalars(0, {"val/loss": summary.val_losses[0]})
+        monitor.print(f"step      0 | val loss {summary.val_losses[0]:.4f}")
+    window_start, window_steps = time.monotonic(), 0
+    for step in range(start_step + 1, train_cfg.steps + 1):
+        result = train_step(objs, feeder.next_step())
+        summary.losses[step] = result.loss
+        window_steps += 1
+        if step % train_cfg.log_interval == 0 or step == train_cfg.steps:
+            elapsed = time.monotonic() - window_start
+            tokens_per_sec = tokens_per_step * window_steps / elapsed
+            monitor.scalars(step, {"train/loss": result.loss, "train/lr": result.lr,
+                                   "train/grad_norm": result.grad_norm,
+                                   "throughput/tokens_per_sec": tokens_per_sec})
+            monitor.progress(step, result.loss, result.lr, tokens_per_sec, step - start_step)
+            window_start, window_steps = time.monotonic(), 0
+        if step % train_cfg.eval_interval == 0 or step == train_cfg.steps:
+            summary.val_losses[step] = evaluate(objs, val_batches)
+            monitor.scalars(step, {"val/loss": summary.val_losses[step]})
+            monitor.print(f"step {step:>6} | val loss {summary.val_losses[step]:.4f}")
+        if step % config.checkpoint.interval == 0 or step == train_cfg.steps:
+            saved_at = time.monotonic()
+            summary.checkpoint = save_checkpoint(
+                run_dir / "checkpoints", step, objs,
+                {"data_state": streams.state_dict(), "tokens": step * tokens_per_step})
+            monitor.print(f"step {step:>6} | saved {summary.checkpoint} "
+                          f"({time.monotonic() - saved_at:.1f}s)")
+        summary.final_step = step
+    monitor.close()
+    return summary

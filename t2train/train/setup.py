@@ -1,0 +1,72 @@
+"""Build what one training rank holds: DDP-wrapped model chunks, optimizer, LR schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from t2train.config.schema import Config
+from t2train.model.build import (
+    T2TransformerConfig,
+    build_model_chunks,
+    compute_dtype,
+    transformer_config,
+)
+
+
+@dataclass
+class TrainingObjects:
+    config: Config
+    tf_config: T2TransformerConfig
+    model: list  # DDP-wrapped chunks, one per virtual pipeline stage
+    optimizer: object
+    scheduler: OptimizerParamScheduler
+    vocab_size: int
+
+
+def build_training_objects(config: Config, vocab_size: int) -> TrainingObjects:
+    tf_config = transformer_config(config)
+    chunks = build_model_chunks(config, tf_config, vocab_size)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=config.parallel.distributed_optimizer,
+    )
+    model = [
+        DistributedDataParallel(tf_config, ddp_config, chunk, disable_bucketing=index > 0)
+        for index, chunk in enumerate(chunks)
+    ]
+    train = config.train
+    bf16 = compute_dtype(config) == torch.bfloat16
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=train.lr, min_lr=train.min_lr, weight_decay=train.weight_decay,
+            adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps,
+            clip_grad=train.clip_grad, bf16=bf16, params_dtype=compute_dtype(config),
+            use_distributed_optimizer=config.parallel.distributed_optimizer,
+        ),
+        model,
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=train.lr, min_lr=train.min_lr,
+        lr_warmup_steps=train.warmup_steps, lr_decay_steps=train.steps,
+        lr_decay_style="cosine", start_wd=train.weight_decay, end_wd=train.weight_decay,
+        wd_incr_steps=train.steps, wd_incr_style="constant")
+    _wire_schedule_hooks(tf_config, model, optimizer)
+    return TrainingObjects(config, tf_config, model, optimizer, scheduler, vocab_size)
+
+
+def _wire_schedule_hooks(tf_config, model, optimizer) -> None:
+    """What Megatron's pipeline schedules call back into (as in Megatron-LM's training.py)."""
+    tf_config.grad_scale_func = optimizer.scale_loss
+    tf_config.finalize_model_grads_func = finalize_model_grads
+    no_sync = [chunk.no_sync for chunk in model]
+    tf_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync

@@ -1,0 +1,90 @@
+"""One optimisation step and one evaluation pass through Megatron's pipeline schedules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from t2train.train.batches import MicroBatch
+from t2train.train.setup import TrainingObjects
+
+
+def _loss(per_token_loss: torch.Tensor):
+    loss = per_token_loss.float().mean()
+    # clone: the schedule divides the returned loss in place by the micro-batch count
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator, model):
+    """Megatron's forward_step_func: run one micro-batch through one model chunk."""
+    batch: MicroBatch = next(data_iterator)
+    tokens, labels = batch["tokens"], batch["labels"]
+    b, s = tokens.shape
+    position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    return model(tokens, position_ids, None, labels=labels), _loss
+
+
+def _run_schedule(objs: TrainingObjects, micro_batches: list[MicroBatch], forward_only: bool):
+    train = objs.config.train
+    iterators = [iter(micro_batches) for _ in objs.model]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=objs.model,
+        num_microbatches=len(micro_batches),
+        seq_length=objs.config.model.seq_length,
+        micro_batch_size=train.micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
+def _mean_loss(losses_reduced: list[dict]) -> float:
+    """Average over micro-batches and data-parallel replicas, known on every rank."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        total[0] = sum(float(item["lm loss"]) for item in losses_reduced)
+        total[1] = len(losses_reduced)
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(total, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=parallel_state.get_pipeline_model_parallel_group())
+    return float(total[0] / total[1])
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+    skipped: bool
+
+
+def train_step(objs: TrainingObjects, micro_batches: list[MicroBatch]) -> StepResult:
+    for chunk in objs.model:
+        chunk.train()
+        chunk.zero_grad_buffer()
+    objs.optimizer.zero_grad()
+    losses = _run_schedule(objs, micro_batches, forward_only=False)
+    updated, grad_norm, _ = objs.optimizer.step()
+    if updated:
+        objs.scheduler.step(increment=1)
+    return StepResult(loss=_mean_loss(losses), grad_norm=float(grad_norm or 0.0),
+                      lr=objs.optimizer.param_groups[0]["lr"], skipped=not updated)
+
+
+@torch.no_grad()
+def evaluate(objs: TrainingObjects, batches: list[list[MicroBatch]]) -> float:
+    for chunk in objs.model:
+        chunk.eval()
+    losses = [_mean_loss(_run_schedule(objs, micro_batches, forward_only=True))
+              for micro_batches in batches]
+    for chunk in objs.model:
+        chunk.train()
+    return sum(losses) / len(losses)
