@@ -111,6 +111,11 @@ def _coerce(value: Any, kind: Any, name: str) -> Any:
             raise ConfigError(f"{name}={value!r}: must be an integer")
         return value
     if kind is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{name}={value!r}: must be a number")
         return float(value)

@@ -1,0 +1,88 @@
+"""Config loading and validation: every bad value is named with its rule."""
+
+import pytest
+
+from t2train.config.loader import dump_config, load_config, preset_names
+from t2train.config.schema import ConfigError
+
+DATA = ["data.path=/some/data"]
+
+
+@pytest.mark.parametrize("preset", preset_names())
+def test_every_preset_is_valid(preset):
+    config = load_config(preset, overrides=DATA)
+    assert config.name == preset
+
+
+def test_presets_include_cpu_and_gpu_sizes():
+    assert {"tiny", "125m", "350m", "1b", "7b"} <= set(preset_names())
+
+
+def test_overrides_are_typed_and_win():
+    config = load_config("tiny", overrides=DATA + ["model.num_layers=2", "train.lr=1e-3",
+                                                    "model.tie_embeddings=false"])
+    assert config.model.num_layers == 2
+    assert config.train.lr == pytest.approx(1e-3)
+    assert config.model.tie_embeddings is False
+
+
+def test_yaml_file_between_preset_and_overrides(tmp_path):
+    file = tmp_path / "run.yaml"
+    file.write_text("model:\n  num_layers: 8\n  hidden_size: 128\n")
+    config = load_config("tiny", str(file), DATA + ["model.num_layers=2"])
+    assert (config.model.num_layers, config.model.hidden_size) == (2, 128)
+
+
+def test_dump_round_trips(tmp_path):
+    config = load_config("tiny", overrides=DATA)
+    file = tmp_path / "dumped.yaml"
+    file.write_text(dump_config(config))
+    assert load_config(config_file=str(file)) == config
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.num_layers=0"], "model.num_layers=0: must be >= 1"),
+    (["model.num_layers=two"], "model.num_layers='two': must be an integer"),
+    (["model.num_layerz=2"], "model.num_layerz: unknown field"),
+    (["model.hidden_size=190"], "model.hidden_size=190: must be divisible by"),
+    (["model.hidden_size=100"], "head dim hidden_size/num_attention_heads=25 must be even"),
+    (["model.residual=magic"], "model.residual='magic': must be one of"),
+    (["model.attention_backend=xformers"], "model.attention_backend='xformers': must be one of"),
+    (["parallel.tensor=3"], "parallel.tensor=3: must divide model.num_attention_heads=4"),
+    (["parallel.pipeline=3"], "model.num_layers=4: must be divisible by parallel.pipeline"),
+    (["parallel.virtual_pipeline=2"], "parallel.virtual_pipeline=2: needs parallel.pipeline > 1"),
+    (["train.global_batch_size=12"], "train.global_batch_size=12: must be a multiple of"),
+    (["train.min_lr=1.0"], "train.min_lr=1.0: must be in [0, train.lr="),
+    (["train.warmup_steps=1000"], "train.warmup_steps=1000: must be in [0, train.steps="),
+    (["model=3"], "model=3: must be a mapping"),
+    (["novel.field=1"], "novel: unknown field"),
+    (["model.num_layers"], "expected dotted.key=value"),
+])
+def test_bad_values_are_named(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides=DATA + overrides)
+    assert message in str(err.value)
+
+
+def test_data_path_is_required():
+    with pytest.raises(ConfigError, match="data.path=''"):
+        load_config("tiny")
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match="preset='huge': unknown preset"):
+        load_config("huge", overrides=DATA)
+
+
+def test_malformed_yaml(tmp_path):
+    file = tmp_path / "bad.yaml"
+    file.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(config_file=str(file), overrides=DATA)
+
+
+def test_world_size_must_fit_layout():
+    config = load_config("tiny", overrides=DATA + ["parallel.tensor=2"])
+    with pytest.raises(ConfigError, match="must divide the world size 3"):
+        config.validate_world(3)
+    assert config.validate_world(4) == 2
