@@ -1,0 +1,47 @@
+"""The `t2train` command: help text, and bad input failing fast without touching outputs."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def t2train(*args, cwd: Path):
+    return subprocess.run([sys.executable, "-m", "t2train.cli", *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=300)
+
+
+def test_help_lists_subcommands(tmp_path):
+    proc = t2train("--help", cwd=tmp_path)
+    assert proc.returncode == 0
+    for command in ("train", "data", "config"):
+        assert command in proc.stdout
+
+
+def test_train_help_explains_overrides(tmp_path):
+    proc = t2train("train", "--help", cwd=tmp_path)
+    assert proc.returncode == 0
+    assert "--preset" in proc.stdout and "model.num_layers=4" in proc.stdout
+
+
+@pytest.mark.parametrize("args, cause", [
+    (["--preset", "huge", "data.path=d"], "preset='huge': unknown preset"),
+    (["--preset", "tiny", "data.path=d", "model.num_layers=-1"], "model.num_layers=-1"),
+    (["--preset", "tiny", "data.path=d", "model.layers=2"], "model.layers: unknown field"),
+    (["--preset", "tiny", "data.path=no/such/dir"], "no/such/dir"),
+])
+def test_bad_input_fails_fast_before_any_output(tmp_path, args, cause):
+    proc = t2train("train", *args, "log.run_dir=runs/x", cwd=tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and cause in lines[-1], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_config_prints_resolved_yaml(tmp_path):
+    proc = t2train("config", "--preset", "tiny", "data.path=d", "model.num_layers=2",
+                   cwd=tmp_path)
+    assert proc.returncode == 0
+    assert "num_layers: 2" in proc.stdout and "residual: standard" in proc.stdout
