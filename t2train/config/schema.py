@@ -22,6 +22,62 @@ def _require(ok: bool, field_name: str, value, rule: str) -> None:
 
 
 @dataclass
+class DDLConfig:
+    """`ddl` (Deep Delta Learning): X <- X + beta k (v^T - k^T X) per sublayer."""
+
+    dv: int = 1  # state width: 1 = vector state [s, b, h]; > 1 = matrix state [s, b, h, dv]
+    beta_init: float = 1.0  # beta at initialisation, in (0, 2); the authors' default is 1
+    k_eps: float = 1e-5  # k = k~ / sqrt(|k~|^2 + k_eps^2)
+    v_scale: float = 4.0  # v = v_scale * sigmoid(linear(x))
+    embed_conv_kernel: int = 4  # causal depthwise conv expanding the embedding when dv > 1
+
+    def validate(self, prefix: str) -> None:
+        _require(self.dv >= 1, f"{prefix}.dv", self.dv, "must be >= 1")
+        _require(0 < self.beta_init < 2, f"{prefix}.beta_init", self.beta_init,
+                 "must be in (0, 2)")
+        _require(self.k_eps > 0, f"{prefix}.k_eps", self.k_eps, "must be > 0")
+        _require(self.v_scale > 0, f"{prefix}.v_scale", self.v_scale, "must be > 0")
+        _require(self.embed_conv_kernel >= 1, f"{prefix}.embed_conv_kernel",
+                 self.embed_conv_kernel, "must be >= 1")
+
+
+@dataclass
+class ShortSWAConfig:
+    """`shortswa`: an extra pre-norm sublayer of causal attention over the last w tokens."""
+
+    window: int = 128
+
+    def validate(self, prefix: str) -> None:
+        _require(self.window >= 1, f"{prefix}.window", self.window, "must be >= 1")
+
+
+@dataclass
+class DepthAttnConfig:
+    """`depth_attn`: a causal QKV read over the token's last K residual states per layer."""
+
+    window: int = 4  # K; >= num_layers + 1 reads the full depth
+
+    def validate(self, prefix: str) -> None:
+        _require(self.window >= 1, f"{prefix}.window", self.window, "must be >= 1")
+
+
+@dataclass
+class AttnResConfig:
+    """`attnres` / `block_attnres`: softmax mixing over earlier sublayer outputs."""
+
+    block_size: int = 4  # `block_attnres`: sublayers per block (attention and MLP each count)
+    eps: float = 1e-6  # of the weight-free RMSNorm on keys
+
+    def validate(self, prefix: str, sublayers: int, blocked: bool) -> None:
+        _require(self.block_size >= 1, f"{prefix}.block_size", self.block_size, "must be >= 1")
+        _require(self.eps > 0, f"{prefix}.eps", self.eps, "must be > 0")
+        if blocked:
+            _require(sublayers % self.block_size == 0, f"{prefix}.block_size",
+                     self.block_size, f"must divide the number of sublayers "
+                     f"2 * model.num_layers = {sublayers}")
+
+
+@dataclass
 class ModelConfig:
     """Decoder shape. The residual stream is a named, pluggable design (``residual``)."""
 
@@ -40,6 +96,10 @@ class ModelConfig:
     init_method_std: float = 0.02
     attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
     recompute: Literal["none", "full"] = "none"
+    ddl: DDLConfig = field(default_factory=DDLConfig)
+    shortswa: ShortSWAConfig = field(default_factory=ShortSWAConfig)
+    depth_attn: DepthAttnConfig = field(default_factory=DepthAttnConfig)
+    attnres: AttnResConfig = field(default_factory=AttnResConfig)
 
     def resolved_ffn_hidden_size(self) -> int:
         if self.ffn_hidden_size is not None:
@@ -73,6 +133,11 @@ class ModelConfig:
         _require(self.norm_epsilon > 0, "model.norm_epsilon", self.norm_epsilon, "must be > 0")
         _require(self.init_method_std > 0, "model.init_method_std", self.init_method_std,
                  "must be > 0")
+        self.ddl.validate("model.ddl")
+        self.shortswa.validate("model.shortswa")
+        self.depth_attn.validate("model.depth_attn")
+        self.attnres.validate("model.attnres", 2 * self.num_layers,
+                              blocked=self.residual == "block_attnres")
 
 
 @dataclass

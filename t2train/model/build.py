@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from t2train.config.schema import Config
+from t2train.config.schema import Config, ModelConfig
 
 
 @dataclass
@@ -17,6 +18,7 @@ class T2TransformerConfig(TransformerConfig):
     """Megatron's config plus the fields t2train's own modules read."""
 
     t2_attention_backend: str = "auto"
+    t2_model: Optional[ModelConfig] = None  # residual designs read their options here
 
 
 def compute_dtype(config: Config) -> torch.dtype:
@@ -72,6 +74,7 @@ def transformer_config(config: Config) -> T2TransformerConfig:
         # Batched isend/irecv to one peer can be matched out of order on gloo.
         batch_p2p_comm=on_cuda,
         t2_attention_backend=model.attention_backend,
+        t2_model=model,
     )
 
 

@@ -16,6 +16,7 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.utils import make_viewless_tensor
 from torch import Tensor
 
@@ -45,7 +46,9 @@ class ResidualDecoder(TransformerBlock):
         super().__init__(config, decoder_block_submodules(config, residual, vp_stage, pp_rank),
                          pre_process=pre_process, post_process=post_process,
                          pg_collection=pg_collection, vp_stage=vp_stage)
-        self.stream = get_design(residual).stream(config)
+        self.stream = get_design(residual).stream(
+            config, pre_process, post_process,
+            first_layer=get_transformer_layer_offset(config, vp_stage, pp_rank))
 
     def forward(self, hidden_states: Optional[Tensor], attention_mask: Optional[Tensor],
                 rotary_pos_emb: Optional[Tensor] = None) -> Tensor:

@@ -1,15 +1,16 @@
 """A Megatron ``TransformerLayer`` whose residual connections are delegated to the design.
 
 Submodules are injected through a ``ModuleSpec`` (``spec.py``): the norms, Megatron's
-tensor-parallel ``SelfAttention`` and ``MLP``, and one ``SublayerResidual`` per sublayer.
-Parameter names match Megatron's layer, so checkpoints and state dicts line up with
-``GPTModel``.
+tensor-parallel ``SelfAttention`` and ``MLP``, one ``SublayerResidual`` per sublayer, and
+optionally a layer entry (run once before the sublayers) and an extra first sublayer.
+Parameter names of the shared parts match Megatron's layer, so `standard` checkpoints and
+state dicts line up with ``GPTModel``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -26,28 +27,53 @@ from t2train.residual.base import State
 class ResidualLayerSubmodules(TransformerLayerSubmodules):
     attn_residual: Union[ModuleSpec, type] = IdentityOp
     mlp_residual: Union[ModuleSpec, type] = IdentityOp
+    layer_entry: Optional[Union[ModuleSpec, type]] = None
+    pre_attention_layernorm: Optional[Union[ModuleSpec, type]] = None
+    pre_attention: Optional[Union[ModuleSpec, type]] = None
+    pre_attention_residual: Optional[Union[ModuleSpec, type]] = None
 
 
 class ResidualTransformerLayer(TransformerLayer):
-    """Pre-norm attention then MLP; each sublayer reads and writes the residual state."""
+    """[layer entry] -> [extra sublayer] -> attention -> MLP, each on the residual state."""
 
     def __init__(self, config, submodules: ResidualLayerSubmodules, layer_number: int = 1,
                  hidden_dropout: Optional[float] = None, pg_collection=None, vp_stage=None):
         super().__init__(config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage)
-        self.attn_residual = build_module(submodules.attn_residual, config=config,
-                                          layer_number=self.layer_number)
-        self.mlp_residual = build_module(submodules.mlp_residual, config=config,
-                                         layer_number=self.layer_number)
+        built = {"config": config, "layer_number": self.layer_number}
+        self.attn_residual = build_module(submodules.attn_residual, **built)
+        self.mlp_residual = build_module(submodules.mlp_residual, **built)
+        self.layer_entry = build_module(submodules.layer_entry, **built) \
+            if submodules.layer_entry is not None else None
+        self.pre_attention = None
+        if submodules.pre_attention is not None:
+            self.pre_attention_layernorm = build_module(
+                submodules.pre_attention_layernorm, config=config,
+                hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
+            self.pre_attention = build_module(submodules.pre_attention, config=config,
+                                              layer_number=self.layer_number,
+                                              pg_collection=self.pg_collection)
+            self.pre_attention_residual = build_module(submodules.pre_attention_residual,
+                                                       **built)
+
+    @staticmethod
+    def _sublayer(state: State, residual, norm, mixer: Callable[[Tensor], tuple]) -> State:
+        x = residual.read(state)
+        normed = norm(x)
+        out, bias = mixer(normed)
+        return residual.write(state, x, normed, out if bias is None else out + bias)
 
     def forward(self, state: State, attention_mask: Optional[Tensor] = None,
                 rotary_pos_emb: Optional[Tensor] = None) -> State:
-        x = self.attn_residual.read(state)
-        normed = self.input_layernorm(x)
-        out, bias = self.self_attention(normed, attention_mask=attention_mask,
-                                        rotary_pos_emb=rotary_pos_emb)
-        state = self.attn_residual.write(state, x, normed, out if bias is None else out + bias)
+        if self.layer_entry is not None:
+            state = self.layer_entry.begin(state)
 
-        x = self.mlp_residual.read(state)
-        normed = self.pre_mlp_layernorm(x)
-        out, bias = self.mlp(normed)
-        return self.mlp_residual.write(state, x, normed, out if bias is None else out + bias)
+        def attend(module):
+            return lambda normed: module(normed, attention_mask=attention_mask,
+                                         rotary_pos_emb=rotary_pos_emb)
+
+        if self.pre_attention is not None:
+            state = self._sublayer(state, self.pre_attention_residual,
+                                   self.pre_attention_layernorm, attend(self.pre_attention))
+        state = self._sublayer(state, self.attn_residual, self.input_layernorm,
+                               attend(self.self_attention))
+        return self._sublayer(state, self.mlp_residual, self.pre_mlp_layernorm, self.mlp)

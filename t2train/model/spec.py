@@ -8,20 +8,21 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from t2train.model.norm import RMSNorm
 
 from t2train.model.attention import CausalCoreAttention
 from t2train.model.layer import ResidualLayerSubmodules, ResidualTransformerLayer
+from t2train.model.norm import RMSNorm
 from t2train.residual import get_design
 
 
-def self_attention_spec() -> ModuleSpec:
+def self_attention_spec(core_attention=CausalCoreAttention) -> ModuleSpec:
+    """Megatron's tensor-parallel self-attention around a core attention of our choice."""
     return ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=ColumnParallelLinear,
-            core_attention=CausalCoreAttention,
+            core_attention=core_attention,
             linear_proj=RowParallelLinear,
             q_layernorm=IdentityOp,
             k_layernorm=IdentityOp,
@@ -37,6 +38,8 @@ def mlp_spec() -> ModuleSpec:
 def decoder_layer_spec(residual: str) -> ModuleSpec:
     """The layer spec for ``model.residual``: Megatron's local modules plus the design's."""
     design = get_design(residual)
+    extra = design.pre_attention is not None
+    offset = 1 if extra else 0  # sublayer positions within the layer
     return ModuleSpec(
         module=ResidualTransformerLayer,
         submodules=ResidualLayerSubmodules(
@@ -44,7 +47,12 @@ def decoder_layer_spec(residual: str) -> ModuleSpec:
             self_attention=self_attention_spec(),
             pre_mlp_layernorm=RMSNorm,
             mlp=mlp_spec(),
-            attn_residual=design.sublayer,
-            mlp_residual=design.sublayer,
+            attn_residual=ModuleSpec(module=design.sublayer, params={"position": offset}),
+            mlp_residual=ModuleSpec(module=design.sublayer, params={"position": offset + 1}),
+            layer_entry=design.layer_entry,
+            pre_attention_layernorm=RMSNorm if extra else None,
+            pre_attention=design.pre_attention() if extra else None,
+            pre_attention_residual=(ModuleSpec(module=design.sublayer, params={"position": 0})
+                                    if extra else None),
         ),
     )

@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import importlib
 
-_DESIGNS = {
-    "standard": "t2train.residual.standard",
+_DESIGNS = {  # name -> (module, attribute)
+    "standard": ("t2train.residual.standard", "DESIGN"),
+    "ddl": ("t2train.residual.ddl", "DESIGN"),
+    "shortswa": ("t2train.residual.shortswa", "DESIGN"),
+    "depth_attn": ("t2train.residual.depth_attn", "DESIGN"),
+    "attnres": ("t2train.residual.attnres", "FULL"),
+    "block_attnres": ("t2train.residual.attnres", "BLOCK"),
 }
 
 
@@ -25,4 +30,5 @@ def get_design(name: str):
     if name not in _DESIGNS:
         raise KeyError(f"model.residual={name!r}: unknown residual design, choose one of "
                        f"{sorted(_DESIGNS)}")
-    return importlib.import_module(_DESIGNS[name]).DESIGN
+    module, attribute = _DESIGNS[name]
+    return getattr(importlib.import_module(module), attribute)

@@ -8,26 +8,19 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from t2train.residual.base import ResidualDesign, ResidualStream, SublayerResidual
+from t2train.residual.base import ResidualDesign, ResidualStream, SublayerResidual, no_extra
 
 
 class AdditiveResidual(SublayerResidual):
-    def __init__(self, config, layer_number: int = 1):
-        super().__init__(config=config)
-        self.hidden_dropout = config.hidden_dropout
-
     def read(self, state: Tensor) -> Tensor:
         return state
 
     def write(self, state: Tensor, x: Tensor, normed: Tensor, out: Tensor) -> Tensor:
-        return state + F.dropout(out, p=self.hidden_dropout, training=self.training)
+        return state + F.dropout(out, p=self.config.hidden_dropout, training=self.training)
 
 
 class HiddenStateStream(ResidualStream):
-    hop_units = 1
-
-    def __init__(self, config):
-        super().__init__(config=config)
+    """The state is one [s, b, h] tensor, as in every Megatron model."""
 
     def enter(self, embedding: Tensor) -> Tensor:
         return embedding
@@ -47,4 +40,6 @@ DESIGN = ResidualDesign(
     stream=HiddenStateStream,
     sublayer=AdditiveResidual,
     reference="pre-norm residual (Xiong et al. 2020, arXiv 2002.04745)",
+    extra_parameters=no_extra,
+    extra_flops_per_token=no_extra,
 )

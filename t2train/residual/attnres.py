@@ -1,0 +1,169 @@
+"""`attnres` and `block_attnres`: Attention Residuals (Kimi Team, arXiv 2603.15031).
+
+Every sublayer (attention and MLP each count as a layer l) reads its input as a softmax
+mixture over depth sources instead of the running sum:
+
+    h_l = sum_i alpha_{i->l} v_i,  alpha_{i->l} = softmax_i(w_l . RMSNorm(v_i))
+
+with w_l a learned pseudo-query, zero-initialised (uniform weights at the start), RMSNorm
+weight-free and on the keys only, no temperature. The sublayer output f_l(Norm(h_l)) becomes
+a new source.
+
+* `attnres` (Full): sources are the embedding v_0 and every earlier sublayer output.
+* `block_attnres` (Block): sublayer outputs are summed within blocks of S sublayers
+  (``model.attnres.block_size``); sources are the embedding, the completed block sums and
+  the current block's partial sum. S = 1 is Full.
+
+The final norm reads a last mixture with its own pseudo-query. The stream state is
+``AttnResState(sources, partial)``; a pipeline hop carries all of it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from t2train.residual.base import (
+    ResidualDesign,
+    ResidualStream,
+    SublayerResidual,
+    mark_replicated,
+)
+
+
+class AttnResState(NamedTuple):
+    sources: tuple  # embedding, then completed block sums (Full: every sublayer output)
+    partial: Optional[Tensor]  # the current block's running sum (None at a block start)
+
+    def values(self) -> list[Tensor]:
+        return list(self.sources) + ([self.partial] if self.partial is not None else [])
+
+
+def depth_mix(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
+    """sum_i softmax_i(query . RMSNorm(v_i)) v_i over the sources (each [s, b, h])."""
+    stacked = torch.stack(values)
+    keys = stacked.float() * torch.rsqrt(stacked.float().pow(2).mean(-1, keepdim=True) + eps)
+    weights = torch.softmax(keys @ query.float(), dim=0)
+    return (weights.unsqueeze(-1) * stacked.float()).sum(0).to(stacked.dtype)
+
+
+def mixing_weights(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
+    """The softmax weights of ``depth_mix`` [n_sources, s, b] (for diagnostics)."""
+    stacked = torch.stack(values).float()
+    keys = stacked * torch.rsqrt(stacked.pow(2).mean(-1, keepdim=True) + eps)
+    return torch.softmax(keys @ query.float(), dim=0)
+
+
+def _pseudo_query(config) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.zeros(config.hidden_size, dtype=config.params_dtype))
+
+
+SUBLAYERS_PER_LAYER = 2  # attention and MLP
+
+
+class BlockAttnResidual(SublayerResidual):
+    """Block AttnRes: read the mixture; add the output to the block's partial sum."""
+
+    def __init__(self, config, layer_number: int = 1, position: int = 0):
+        super().__init__(config, layer_number, position)
+        self.query = _pseudo_query(config)
+        self.eps = config.t2_model.attnres.eps
+        self.index = SUBLAYERS_PER_LAYER * (layer_number - 1) + position  # 0-based, global
+        self.block_size = config.t2_model.attnres.block_size
+        mark_replicated(self, config)
+
+    def read(self, state: AttnResState) -> Tensor:
+        return depth_mix(self.query, state.values(), self.eps)
+
+    def write(self, state: AttnResState, x: Tensor, normed: Tensor, out: Tensor) -> AttnResState:
+        partial = out if state.partial is None else state.partial + out
+        if (self.index + 1) % self.block_size == 0:
+            return AttnResState(state.sources + (partial,), None)
+        return AttnResState(state.sources, partial)
+
+
+class FullAttnResidual(BlockAttnResidual):
+    """Full AttnRes: every sublayer output is a source of its own."""
+
+    def write(self, state: AttnResState, x: Tensor, normed: Tensor, out: Tensor) -> AttnResState:
+        return AttnResState(state.sources + (out,), None)
+
+
+class AttnResStream(ResidualStream):
+    """Packs [sources..., partial] along the hidden dim; the final norm reads a mixture."""
+
+    def __init__(self, config, pre_process: bool, post_process: bool, first_layer: int,
+                 block_size: Optional[int] = None):
+        super().__init__(config, pre_process, post_process, first_layer)
+        self.block_size = block_size or config.t2_model.attnres.block_size
+        self.eps = config.t2_model.attnres.eps
+        if post_process:
+            self.final_query = _pseudo_query(config)
+        mark_replicated(self, config)
+
+    def hop_units(self, layers_done: int) -> int:
+        sublayers = SUBLAYERS_PER_LAYER * layers_done
+        return 1 + sublayers // self.block_size + (1 if sublayers % self.block_size else 0)
+
+    def enter(self, embedding: Tensor) -> AttnResState:
+        return AttnResState((embedding,), None)
+
+    def exit(self, state: AttnResState) -> Tensor:
+        return depth_mix(self.final_query, state.values(), self.eps)
+
+    def send(self, state: AttnResState) -> Tensor:
+        return torch.cat(state.values(), dim=-1)
+
+    def receive(self, packed: Tensor) -> AttnResState:
+        units = packed.split(self.config.hidden_size, dim=-1)
+        sublayers = SUBLAYERS_PER_LAYER * self.first_layer
+        if sublayers % self.block_size:
+            return AttnResState(tuple(units[:-1]), units[-1])
+        return AttnResState(tuple(units), None)
+
+
+class FullAttnResStream(AttnResStream):
+    def __init__(self, config, pre_process: bool, post_process: bool, first_layer: int):
+        super().__init__(config, pre_process, post_process, first_layer, block_size=1)
+
+
+def _source_counts(model, block_size: int) -> list[int]:
+    """Sources each sublayer reads, and the final read last."""
+    counts = []
+    for index in range(SUBLAYERS_PER_LAYER * model.num_layers + 1):
+        counts.append(1 + index // block_size + (1 if index % block_size else 0))
+    return counts
+
+
+def extra_parameters(model) -> int:
+    return (SUBLAYERS_PER_LAYER * model.num_layers + 1) * model.hidden_size  # a query per read
+
+
+def extra_flops_for(block_size_of):
+    def extra_flops_per_token(model) -> int:
+        """Per read and source: RMS (2h), score (2h), weighted sum (2h)."""
+        return sum(6 * model.hidden_size * n
+                   for n in _source_counts(model, block_size_of(model)))
+
+    return extra_flops_per_token
+
+
+FULL = ResidualDesign(
+    name="attnres",
+    stream=FullAttnResStream,
+    sublayer=FullAttnResidual,
+    reference="Attention Residuals (Full), Kimi Team, arXiv 2603.15031",
+    extra_parameters=extra_parameters,
+    extra_flops_per_token=extra_flops_for(lambda model: 1),
+)
+
+BLOCK = ResidualDesign(
+    name="block_attnres",
+    stream=AttnResStream,
+    sublayer=BlockAttnResidual,
+    reference="Attention Residuals (Block), Kimi Team, arXiv 2603.15031",
+    extra_parameters=extra_parameters,
+    extra_flops_per_token=extra_flops_for(lambda model: model.attnres.block_size),
+)

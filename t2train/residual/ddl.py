@@ -1,0 +1,163 @@
+"""`ddl`: Deep Delta Learning (Zhang, Liu, Wang, Gu; arXiv 2601.00417).
+
+Per sublayer (attention and MLP each), with state X in R^{d x d_v} per token:
+
+    x_in = X                    (d_v = 1)       or  C(X), the CC compressor (d_v > 1)
+    c    = RMSNorm(x_in)        the sublayer's usual pre-norm
+    k~   = F(c)                 the sublayer output is the write direction
+    k    = k~ / sqrt(|k~|^2 + eps_k^2)
+    beta = 2 sigmoid(w_beta . c + b_beta)  in (0, 2), logits in fp32
+    v    = v_scale sigmoid(W_v x_in + b_v)  in R^{d_v}
+    X   <- X + beta k (v^T - k^T X)         (Eq. 2.2: A X + beta k v^T, A = I - beta k k^T)
+
+beta = 0 is the identity, beta = 1 overwrites the k-readout with v (k^T X_new = v^T), and
+beta -> 2 reflects X across the hyperplane orthogonal to k (Householder).
+
+d_v > 1 (the authors' "CC" model): the embedding is expanded to [s, b, h, d_v] by an
+identity-initialised causal depthwise convolution over tokens ("EC"), and every sublayer and
+the final norm read the state through a per-feature channel mix over d_v (the folded CC
+compressor, x_in_i = sum_j w_ij X_ij, initialised to the mean).
+
+Initialisation follows the authors' code: b_beta = logit(beta_init / 2) (beta ~ 1 by
+default), weights from the model's init method, v bias 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from t2train.residual.base import (
+    ResidualDesign,
+    ResidualStream,
+    SublayerResidual,
+    mark_replicated,
+)
+
+
+def normalized_direction(k: Tensor, eps: float) -> Tensor:
+    """k / sqrt(|k|^2 + eps^2): unit length for |k| >> eps, smooth at 0."""
+    k = k.float()
+    return k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + eps * eps)
+
+
+def delta_update(state: Tensor, k: Tensor, beta: Tensor, v: Tensor) -> Tensor:
+    """X + beta k (v^T - k^T X).
+
+    state [..., h] (d_v = 1) or [..., h, d_v]; k [..., h]; beta [..., 1]; v [..., 1] or
+    [..., d_v]. Computed in fp32, returned in the state's dtype.
+    """
+    x = state.float()
+    if state.dim() == k.dim():  # vector state
+        error = v - (k * x).sum(-1, keepdim=True)
+        return (x + beta * error * k).to(state.dtype)
+    error = v - torch.einsum("...h,...hd->...d", k, x)
+    return (x + (beta * k).unsqueeze(-1) * error.unsqueeze(-2)).to(state.dtype)
+
+
+class ChannelMixRead(torch.nn.Module):
+    """The folded CC compressor: x_in[..., i] = sum_j w[i, j] X[..., i, j]."""
+
+    def __init__(self, hidden: int, dv: int, dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.full((hidden, dv), 1.0 / dv, dtype=dtype))
+
+    def forward(self, state: Tensor) -> Tensor:
+        return (state * self.weight).sum(-1)
+
+
+class DeltaResidual(SublayerResidual):
+    def __init__(self, config, layer_number: int = 1, position: int = 0):
+        super().__init__(config, layer_number, position)
+        options = config.t2_model.ddl
+        self.dv, self.k_eps, self.v_scale = options.dv, options.k_eps, options.v_scale
+        h, dtype = config.hidden_size, config.params_dtype
+        self.beta_proj = torch.nn.Linear(h, 1, dtype=dtype)
+        self.v_proj = torch.nn.Linear(h, self.dv, dtype=dtype)
+        with torch.no_grad():
+            config.init_method(self.beta_proj.weight)
+            config.init_method(self.v_proj.weight)
+            self.beta_proj.bias.fill_(math.log(options.beta_init / (2 - options.beta_init)))
+            self.v_proj.bias.zero_()
+        self.compressor = ChannelMixRead(h, self.dv, dtype) if self.dv > 1 else None
+        mark_replicated(self, config)
+
+    def read(self, state: Tensor) -> Tensor:
+        return state if self.compressor is None else self.compressor(state)
+
+    def write(self, state: Tensor, x: Tensor, normed: Tensor, out: Tensor) -> Tensor:
+        k = normalized_direction(out, self.k_eps)
+        beta = 2 * torch.sigmoid(self.beta_proj(normed).float())
+        v = self.v_scale * torch.sigmoid(self.v_proj(x).float())
+        return delta_update(state, k, beta, v)
+
+
+class DeltaStream(ResidualStream):
+    """d_v = 1: the state is [s, b, h]. d_v > 1: [s, b, h, d_v], sent as [s, b, h * d_v]."""
+
+    def __init__(self, config, pre_process: bool, post_process: bool, first_layer: int):
+        super().__init__(config, pre_process, post_process, first_layer)
+        options = config.t2_model.ddl
+        self.dv, h = options.dv, config.hidden_size
+        self.expander = self.final_read = None
+        if self.dv > 1 and pre_process:
+            kernel = options.embed_conv_kernel
+            self.expander = torch.nn.Conv1d(h, h * self.dv, kernel, groups=h, bias=False,
+                                            padding=0, dtype=config.params_dtype)
+            with torch.no_grad():  # identity: every d_v column starts as the embedding
+                self.expander.weight.zero_()
+                self.expander.weight[:, 0, -1] = 1.0
+        if self.dv > 1 and post_process:
+            self.final_read = ChannelMixRead(h, self.dv, config.params_dtype)
+        mark_replicated(self, config)
+
+    def hop_units(self, layers_done: int) -> int:
+        return self.dv
+
+    def enter(self, embedding: Tensor) -> Tensor:
+        if self.expander is None:
+            return embedding
+        s, b, h = embedding.shape
+        tokens = F.pad(embedding.permute(1, 2, 0), (self.expander.kernel_size[0] - 1, 0))
+        return self.expander(tokens).view(b, h, self.dv, s).permute(3, 0, 1, 2)
+
+    def exit(self, state: Tensor) -> Tensor:
+        return state if self.final_read is None else self.final_read(state)
+
+    def send(self, state: Tensor) -> Tensor:
+        return state if self.dv == 1 else state.flatten(-2)
+
+    def receive(self, packed: Tensor) -> Tensor:
+        return packed if self.dv == 1 else packed.unflatten(-1, (-1, self.dv))
+
+
+def extra_parameters(model) -> int:
+    h, dv, sublayers = model.hidden_size, model.ddl.dv, 2 * model.num_layers
+    per_sublayer = (h + 1) + (h * dv + dv) + (h * dv if dv > 1 else 0)
+    stream = h * dv * model.ddl.embed_conv_kernel + h * dv if dv > 1 else 0
+    return sublayers * per_sublayer + stream
+
+
+def extra_flops_per_token(model) -> int:
+    """beta and v projections, k^T X, the rank-1 write (and the compressor reads)."""
+    h, dv, sublayers = model.hidden_size, model.ddl.dv, 2 * model.num_layers
+    per_sublayer = 2 * h + 2 * h * dv + 2 * h * dv + 2 * h * dv
+    if dv > 1:
+        per_sublayer += 2 * h * dv  # compressor read
+        stream = 2 * h * dv * model.ddl.embed_conv_kernel + 2 * h * dv  # expander, final read
+    else:
+        stream = 0
+    return sublayers * per_sublayer + stream
+
+
+DESIGN = ResidualDesign(
+    name="ddl",
+    stream=DeltaStream,
+    sublayer=DeltaResidual,
+    reference="Deep Delta Learning, Zhang et al., arXiv 2601.00417",
+    extra_parameters=extra_parameters,
+    extra_flops_per_token=extra_flops_per_token,
+)

@@ -1,0 +1,136 @@
+"""`depth_attn`: a causal QKV attention read over depth (the dual of ShortSWA).
+
+Residual Stream Duality (arXiv 2603.16039, Sec. 2.2). For token t at layer l, with the
+residual states h^(i) entering layer i (h^(0) = embedding):
+
+    W = [h^(max(0, l-K+1)), ..., h^(l)]              inclusive of the current state,
+    z = softmax(q K^T / sqrt(d_k)) V,  q = W_Q n(h^(l)),  K = n(W) W_K,  V = n(W) W_V
+
+where n is one RMSNorm (the paper leaves normalisation open; pre-norm keeps the projections
+on the same footing as attention's). This is ``short_window_attention`` with window K over
+the depth axis: ``K >= L + 1`` is the full-depth limit.
+
+Where the read enters (the paper leaves it open): as an extra branch at the start of every
+layer, h^(l) <- h^(l) + W_O z, with W_O zero-initialised so the model starts exactly as
+`standard`. Heads are split across tensor-parallel ranks like attention.
+
+The stream state is ``DepthState(history, current)``: the up to K-1 earlier layer inputs
+and the current hidden state. A pipeline hop carries all of them (the depth cache).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+from torch import Tensor
+
+from t2train.model.norm import RMSNorm
+from t2train.residual.base import ResidualDesign, ResidualStream, SublayerResidual
+from t2train.residual.window_attention import short_window_attention
+
+
+class DepthState(NamedTuple):
+    history: tuple  # earlier layer inputs, oldest first, at most K - 1
+    current: Tensor
+
+
+class DepthRead(MegatronModule):
+    """The layer entry: read the depth window, add W_O z, remember h^(l) for later layers."""
+
+    def __init__(self, config, layer_number: int = 1):
+        super().__init__(config=config)
+        self.window = config.t2_model.depth_attn.window
+        h = config.hidden_size
+        self.heads = divide(config.num_attention_heads, config.tensor_model_parallel_size)
+        self.head_dim = h // config.num_attention_heads
+        self.norm = RMSNorm(config, h, eps=config.layernorm_epsilon)
+        linear = dict(config=config, init_method=config.init_method, bias=False,
+                      skip_bias_add=True)
+        self.linear_q = ColumnParallelLinear(h, h, gather_output=False, **linear)
+        self.linear_kv = ColumnParallelLinear(h, 2 * h, gather_output=False, **linear)
+        self.linear_proj = RowParallelLinear(h, h, input_is_parallel=True,
+                                             init_method=torch.nn.init.zeros_, config=config,
+                                             bias=False, skip_bias_add=True)
+
+    def read(self, states: list[Tensor]) -> Tensor:
+        """z for the last state of ``states`` (each [s, b, h]) over all of them."""
+        n = len(states)
+        current, _ = self.linear_q(self.norm(states[-1]))
+        # Fold the window into the batch dim so one (sequence-parallel aware) matmul projects it.
+        stacked = self.norm(torch.cat(states, dim=1))
+        kv, _ = self.linear_kv(stacked)
+        s, b = current.shape[:2]
+        q = current.reshape(s * b, self.heads, 1, self.head_dim)
+        kv = kv.reshape(s, n, b, self.heads, 2, self.head_dim).permute(4, 0, 2, 3, 1, 5)
+        k, v = (t.reshape(s * b, self.heads, n, self.head_dim) for t in kv)
+        z = short_window_attention(q, k, v, self.window, 1 / math.sqrt(self.head_dim))
+        out, _ = self.linear_proj(z.reshape(s, b, self.heads * self.head_dim))
+        return out
+
+    def begin(self, state: DepthState) -> DepthState:
+        window = list(state.history) + [state.current]
+        current = state.current + self.read(window)
+        keep = self.window - 1
+        history = tuple(window[-keep:]) if keep else ()
+        return DepthState(history, current)
+
+
+class DepthAdditive(SublayerResidual):
+    """Sublayers add to the current state; the history is only read by ``DepthRead``."""
+
+    def read(self, state: DepthState) -> Tensor:
+        return state.current
+
+    def write(self, state: DepthState, x: Tensor, normed: Tensor, out: Tensor) -> DepthState:
+        return DepthState(state.history, state.current + out)
+
+
+class DepthStream(ResidualStream):
+    """Packs [history..., current] along the hidden dim: K units once K-1 layers are done."""
+
+    def hop_units(self, layers_done: int) -> int:
+        return min(layers_done, self.config.t2_model.depth_attn.window - 1) + 1
+
+    def enter(self, embedding: Tensor) -> DepthState:
+        return DepthState((), embedding)
+
+    def exit(self, state: DepthState) -> Tensor:
+        return state.current
+
+    def send(self, state: DepthState) -> Tensor:
+        return torch.cat(list(state.history) + [state.current], dim=-1)
+
+    def receive(self, packed: Tensor) -> DepthState:
+        units = packed.split(self.config.hidden_size, dim=-1)
+        return DepthState(tuple(units[:-1]), units[-1])
+
+
+def _window_sizes(model) -> list[int]:
+    return [min(model.depth_attn.window, layer + 1) for layer in range(model.num_layers)]
+
+
+def extra_parameters(model) -> int:
+    h = model.hidden_size
+    return model.num_layers * (4 * h * h + h)  # W_Q, W_K, W_V, W_O, norm
+
+
+def extra_flops_per_token(model) -> int:
+    """Per layer: q and output projections, K/V projections of n states, scores and mix."""
+    h = model.hidden_size
+    return sum(4 * h * h + 4 * h * h * n + 4 * h * n for n in _window_sizes(model))
+
+
+DESIGN = ResidualDesign(
+    name="depth_attn",
+    stream=DepthStream,
+    sublayer=DepthAdditive,
+    reference="Residual Stream Duality, Zhang, arXiv 2603.16039, Sec. 2.2",
+    extra_parameters=extra_parameters,
+    extra_flops_per_token=extra_flops_per_token,
+    layer_entry=DepthRead,
+)

@@ -1,0 +1,39 @@
+"""Causal short-window attention: the one operator behind sequence ShortSWA and depth reads.
+
+Residual Stream Duality (arXiv 2603.16039, Sec. 2.2): a causal depth-wise attention read
+over a token's last K layer states is causal sliding-window attention over the last K
+positions, applied on the depth axis instead of the token axis. Both t2train designs call
+``short_window_attention``: `shortswa` over tokens, `depth_attn` over the depth axis of a
+transposed state stack. This is the exact PyTorch reference that fused kernels must match.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def window_mask(q_len: int, k_len: int, window: int, device=None) -> Tensor:
+    """Boolean [q_len, k_len] mask, True where attention is allowed.
+
+    Queries are aligned to the end of the keys: query i sits at position
+    ``k_len - q_len + i`` and sees keys j with ``pos - window < j <= pos``.
+    """
+    pos = torch.arange(k_len - q_len, k_len, device=device).unsqueeze(1)
+    keys = torch.arange(k_len, device=device).unsqueeze(0)
+    return (keys <= pos) & (keys > pos - window)
+
+
+def short_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
+                           scale: float | None = None) -> Tensor:
+    """softmax(q k^T * scale + band mask) v over the last ``window`` positions.
+
+    q: [batch, heads, q_len, d]; k, v: [batch, kv_heads, k_len, d] (grouped-query heads
+    allowed). ``window >= k_len`` is full causal attention.
+    """
+    if window < 1:
+        raise ValueError(f"window={window}: must be >= 1")
+    mask = window_mask(q.shape[-2], k.shape[-2], window, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
