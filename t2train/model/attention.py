@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 from torch import Tensor
@@ -45,7 +45,7 @@ class CausalCoreAttention(MegatronModule):
         if config.context_parallel_size != 1:
             raise ValueError("CausalCoreAttention does not support context parallelism")
         tp_size = pg_collection.tp.size() if pg_collection is not None else \
-            tensor_parallel.get_tensor_model_parallel_world_size()
+            parallel_state.get_tensor_model_parallel_world_size()
         projection = config.kv_channels * config.num_attention_heads
         self.hidden_size_per_partition = divide(projection, tp_size)
         head_dim = divide(projection, config.num_attention_heads)

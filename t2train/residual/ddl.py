@@ -38,9 +38,13 @@ from t2train.residual.base import (
 )
 
 
+def _at_least_fp32(t: Tensor) -> Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def normalized_direction(k: Tensor, eps: float) -> Tensor:
     """k / sqrt(|k|^2 + eps^2): unit length for |k| >> eps, smooth at 0."""
-    k = k.float()
+    k = _at_least_fp32(k)
     return k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + eps * eps)
 
 
@@ -48,9 +52,9 @@ def delta_update(state: Tensor, k: Tensor, beta: Tensor, v: Tensor) -> Tensor:
     """X + beta k (v^T - k^T X).
 
     state [..., h] (d_v = 1) or [..., h, d_v]; k [..., h]; beta [..., 1]; v [..., 1] or
-    [..., d_v]. Computed in fp32, returned in the state's dtype.
+    [..., d_v]. Computed in (at least) fp32, returned in the state's dtype.
     """
-    x = state.float()
+    x = _at_least_fp32(state)
     if state.dim() == k.dim():  # vector state
         error = v - (k * x).sum(-1, keepdim=True)
         return (x + beta * error * k).to(state.dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from t2train.model.flops import kv_dim
 from t2train.residual.base import ResidualDesign
 from t2train.residual.standard import AdditiveResidual, HiddenStateStream
 
@@ -25,14 +26,9 @@ def short_attention_spec() -> ModuleSpec:
     return self_attention_spec(core_attention=ShortWindowCoreAttention)
 
 
-def _kv_dim(model) -> int:
-    head_dim = model.hidden_size // model.num_attention_heads
-    return (model.num_query_groups or model.num_attention_heads) * head_dim
-
-
 def extra_parameters(model) -> int:
     h = model.hidden_size
-    return model.num_layers * (h * (h + 2 * _kv_dim(model)) + h * h + h)  # qkv, proj, norm
+    return model.num_layers * (h * (h + 2 * kv_dim(model)) + h * h + h)  # qkv, proj, norm
 
 
 def mean_window(seq_length: int, window: int) -> float:
@@ -42,7 +38,7 @@ def mean_window(seq_length: int, window: int) -> float:
 
 def extra_flops_per_token(model) -> float:
     h = model.hidden_size
-    projections = 2 * h * (h + 2 * _kv_dim(model)) + 2 * h * h
+    projections = 2 * h * (h + 2 * kv_dim(model)) + 2 * h * h
     scores_and_mix = 4 * h * mean_window(model.seq_length, model.shortswa.window)
     return model.num_layers * (projections + scores_and_mix)
 
