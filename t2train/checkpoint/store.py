@@ -69,6 +69,12 @@ def _rng_object(state: Optional[list]) -> ShardedObject:
          parallel_state.get_data_parallel_rank()), replica_id=0)
 
 
+def _has_optimizer_state(optimizer) -> bool:
+    """Adam's moments exist only after the first update; before it there is nothing to save."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(len(state) for part in parts for state in part.optimizer.state.values())
+
+
 def _capture_rng() -> list:
     from megatron.core import tensor_parallel
 
@@ -102,9 +108,13 @@ def save_checkpoint(root: Path, step: int, objs: TrainingObjects, train_state: d
     dist.barrier()
 
     state = _model_state(objs)
-    state["optimizer"] = objs.optimizer.sharded_state_dict(state, metadata=_OPTIMIZER_METADATA)
+    has_optimizer = _has_optimizer_state(objs.optimizer)
+    if has_optimizer:
+        state["optimizer"] = objs.optimizer.sharded_state_dict(state,
+                                                               metadata=_OPTIMIZER_METADATA)
     state["scheduler"] = objs.scheduler.state_dict()
-    state["train_state"] = dict(train_state, step=step, layout=_layout())
+    state["train_state"] = dict(train_state, step=step, layout=_layout(),
+                                has_optimizer=has_optimizer)
     state["rng_state"] = _rng_object(_capture_rng())
     dist_checkpointing.save(state, str(staging))
 
@@ -146,15 +156,18 @@ def load_checkpoint(path: Path, objs: TrainingObjects) -> dict:
     same_layout = saved_layout == _layout()
 
     state = _model_state(objs)
-    state["optimizer"] = objs.optimizer.sharded_state_dict(state, is_loading=True,
-                                                           metadata=_OPTIMIZER_METADATA)
+    has_optimizer = common["train_state"]["has_optimizer"]
+    if has_optimizer:
+        state["optimizer"] = objs.optimizer.sharded_state_dict(state, is_loading=True,
+                                                               metadata=_OPTIMIZER_METADATA)
     if same_layout:
         state["rng_state"] = _rng_object(None)
     loaded = dist_checkpointing.load(state, str(path))
 
     for key, chunk in zip(_model_keys(objs), objs.model):
         chunk.module.load_state_dict(loaded[key])
-    objs.optimizer.load_state_dict(loaded["optimizer"])
+    if has_optimizer:
+        objs.optimizer.load_state_dict(loaded["optimizer"])
     objs.scheduler.num_steps = 0  # Megatron's scheduler load advances from the current count
     objs.scheduler.load_state_dict(common["scheduler"])
     if same_layout:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Optional
 
+import torch
+
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_block import (
     TransformerBlock,
@@ -55,7 +57,7 @@ class ResidualDecoder(TransformerBlock):
         if self.pre_process:
             state = self.stream.enter(hidden_states)
         else:
-            state = self.stream.receive(make_viewless_tensor(self.input_tensor, True, True))
+            state = self._receive_hop(self.input_tensor)
 
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel \
             else nullcontext()
@@ -68,8 +70,26 @@ class ResidualDecoder(TransformerBlock):
 
         if self.post_process:
             return self.final_layernorm(self.stream.exit(state))
-        # Megatron frees the storage of the tensor it sends, so it must not be a view.
-        return make_viewless_tensor(self.stream.send(state), True, True)
+        return self._send_hop(state)
+
+    def _receive_hop(self, hop: Tensor) -> State:
+        units = self.stream.hop_units(self.stream.first_layer)
+        seq = hop.shape[0] // self.stream.padded_hop_units
+        packed = make_viewless_tensor(hop, True, True)[: units * seq]
+        return self.stream.receive(packed, self.stream.first_layer)
+
+    def _send_hop(self, state: State) -> Tensor:
+        """The packed state, zero-padded to the layout's hop size, in a fresh tensor.
+
+        Megatron frees the storage of the tensor it sends, so it must not be a view.
+        """
+        packed = self.stream.send(state)
+        units = self.stream.hop_units(self.stream.first_layer + len(self.layers))
+        padding = self.stream.padded_hop_units - units
+        if padding:
+            seq = packed.shape[0] // units
+            packed = torch.cat([packed, packed.new_zeros(padding * seq, *packed.shape[1:])])
+        return make_viewless_tensor(packed, True, True)
 
     def _recomputed_layers(self, state: State, attention_mask, rotary_pos_emb) -> State:
         """Full activation recompute, ``recompute_num_layers`` layers per checkpoint.
@@ -80,7 +100,7 @@ class ResidualDecoder(TransformerBlock):
 
         def run(start: int, end: int):
             def forward(packed: Tensor, mask, rope) -> Tensor:
-                chunk_state = self.stream.receive(packed)
+                chunk_state = self.stream.receive(packed, self.stream.first_layer + start)
                 for layer in self.layers[start:end]:
                     chunk_state = layer(chunk_state, mask, rope)
                 return self.stream.send(chunk_state)
@@ -93,4 +113,4 @@ class ResidualDecoder(TransformerBlock):
             packed = tensor_parallel.checkpoint(
                 run(start, min(start + step, len(self.layers))),
                 self.config.distribute_saved_activations, packed, attention_mask, rotary_pos_emb)
-        return self.stream.receive(packed)
+        return self.stream.receive(packed, self.stream.first_layer + len(self.layers))

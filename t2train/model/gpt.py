@@ -74,10 +74,9 @@ class T2GPTModel(LanguageModule):
         """
         embedding = self.embedding(input_ids=input_ids, position_ids=position_ids) \
             if self.pre_process else None
-        rotary_len = self.rotary_pos_emb.get_rotary_seq_len(None, self.decoder, embedding,
-                                                            self.config, None)
-        hidden = self.decoder(embedding, attention_mask, rotary_pos_emb=self.rotary_pos_emb(
-            rotary_len))
+        # Every stage gets the tokens; a packed pipeline hop is longer than the sequence.
+        rotary = self.rotary_pos_emb(input_ids.shape[1])
+        hidden = self.decoder(embedding, attention_mask, rotary_pos_emb=rotary)
         if not self.post_process:
             return hidden
         weight = self.shared_embedding_or_output_weight() \

@@ -92,7 +92,7 @@ class FullAttnResidual(BlockAttnResidual):
 
 
 class AttnResStream(ResidualStream):
-    """Packs [sources..., partial] along the hidden dim; the final norm reads a mixture."""
+    """Packs [sources..., partial] along the sequence dim; the final norm reads a mixture."""
 
     def __init__(self, config, pre_process: bool, post_process: bool, first_layer: int,
                  block_size: Optional[int] = None):
@@ -114,12 +114,11 @@ class AttnResStream(ResidualStream):
         return depth_mix(self.final_query, state.values(), self.eps)
 
     def send(self, state: AttnResState) -> Tensor:
-        return torch.cat(state.values(), dim=-1)
+        return torch.cat(state.values(), dim=0)
 
-    def receive(self, packed: Tensor) -> AttnResState:
-        units = packed.split(self.config.hidden_size, dim=-1)
-        sublayers = SUBLAYERS_PER_LAYER * self.first_layer
-        if sublayers % self.block_size:
+    def receive(self, packed: Tensor, layers_done: int) -> AttnResState:
+        units = packed.chunk(self.hop_units(layers_done), dim=0)
+        if (SUBLAYERS_PER_LAYER * layers_done) % self.block_size:
             return AttnResState(tuple(units[:-1]), units[-1])
         return AttnResState(tuple(units), None)
 

@@ -11,8 +11,10 @@ the design:
 
 ``ResidualStream`` owns the state between layers: it turns the embedding into the initial
 state (``enter``), reads the final hidden state for the last norm (``exit``), and packs the
-state into the single tensor Megatron's pipeline schedules send between stages
-(``send``/``receive``; ``hop_units(first_layer)`` tensors of [s, b, h] each).
+state into one tensor (``send``/``receive``): ``hop_units(layers_done)`` tensors of
+[s, b, h] concatenated along the sequence dim. Megatron's schedules send one tensor shape on
+every hop, so the decoder pads each hop to ``padded_hop_units``, the largest hop of the
+layout (the naive transfer; cached transfer is the depth-cache issue).
 """
 
 from __future__ import annotations
@@ -62,6 +64,15 @@ class ResidualStream(MegatronModule):
         """[s, b, h] units in the packed state after ``layers_done`` layers."""
         return 1
 
+    @property
+    def padded_hop_units(self) -> int:
+        """Units of every pipeline hop: the largest state at any chunk boundary."""
+        chunks = self.config.pipeline_model_parallel_size * (
+            self.config.virtual_pipeline_model_parallel_size or 1)
+        per_chunk = self.config.num_layers // chunks
+        return max([1] + [self.hop_units(k * per_chunk) for k in range(1, chunks)])
+
+
     def enter(self, embedding: Tensor) -> State:
         raise NotImplementedError
 
@@ -69,9 +80,11 @@ class ResidualStream(MegatronModule):
         raise NotImplementedError
 
     def send(self, state: State) -> Tensor:
+        """The state as one tensor [units * s, b, h]."""
         raise NotImplementedError
 
-    def receive(self, packed: Tensor) -> State:
+    def receive(self, packed: Tensor, layers_done: int) -> State:
+        """Inverse of ``send`` for the state after ``layers_done`` layers (global count)."""
         raise NotImplementedError
 
 

@@ -13,10 +13,12 @@ Per sublayer (attention and MLP each), with state X in R^{d x d_v} per token:
 beta = 0 is the identity, beta = 1 overwrites the k-readout with v (k^T X_new = v^T), and
 beta -> 2 reflects X across the hyperplane orthogonal to k (Householder).
 
-d_v > 1 (the authors' "CC" model): the embedding is expanded to [s, b, h, d_v] by an
+d_v > 1 (the authors' "CC" model): the embedding is expanded to d_v columns by an
 identity-initialised causal depthwise convolution over tokens ("EC"), and every sublayer and
 the final norm read the state through a per-feature channel mix over d_v (the folded CC
-compressor, x_in_i = sum_j w_ij X_ij, initialised to the mean).
+compressor, x_in_i = sum_j w_ij X_ij, initialised to the mean). The matrix state is stored
+column-major as [d_v, s, b, h]: each column X_j is updated like a vector state with its own
+v_j, and a pipeline hop sends it as [d_v * s, b, h] without any copy.
 
 Initialisation follows the authors' code: b_beta = logit(beta_init / 2) (beta ~ 1 by
 default), weights from the model's init method, v bias 0.
@@ -49,28 +51,25 @@ def normalized_direction(k: Tensor, eps: float) -> Tensor:
 
 
 def delta_update(state: Tensor, k: Tensor, beta: Tensor, v: Tensor) -> Tensor:
-    """X + beta k (v^T - k^T X).
+    """X + beta k (v^T - k^T X), column by column.
 
-    state [..., h] (d_v = 1) or [..., h, d_v]; k [..., h]; beta [..., 1]; v [..., 1] or
-    [..., d_v]. Computed in (at least) fp32, returned in the state's dtype.
+    state [s, b, h] or [d_v, s, b, h]; k [s, b, h]; beta [s, b, 1]; v [s, b, 1] or
+    [d_v, s, b, 1]. Computed in (at least) fp32, returned in the state's dtype.
     """
     x = _at_least_fp32(state)
-    if state.dim() == k.dim():  # vector state
-        error = v - (k * x).sum(-1, keepdim=True)
-        return (x + beta * error * k).to(state.dtype)
-    error = v - torch.einsum("...h,...hd->...d", k, x)
-    return (x + (beta * k).unsqueeze(-1) * error.unsqueeze(-2)).to(state.dtype)
+    error = v - (k * x).sum(-1, keepdim=True)
+    return (x + beta * error * k).to(state.dtype)
 
 
 class ChannelMixRead(torch.nn.Module):
-    """The folded CC compressor: x_in[..., i] = sum_j w[i, j] X[..., i, j]."""
+    """The folded CC compressor: x_in[..., i] = sum_j w[j, i] X_j[..., i]."""
 
     def __init__(self, hidden: int, dv: int, dtype):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.full((hidden, dv), 1.0 / dv, dtype=dtype))
+        self.weight = torch.nn.Parameter(torch.full((dv, hidden), 1.0 / dv, dtype=dtype))
 
     def forward(self, state: Tensor) -> Tensor:
-        return (state * self.weight).sum(-1)
+        return torch.einsum("jsbh,jh->sbh", state, self.weight)
 
 
 class DeltaResidual(SublayerResidual):
@@ -95,12 +94,14 @@ class DeltaResidual(SublayerResidual):
     def write(self, state: Tensor, x: Tensor, normed: Tensor, out: Tensor) -> Tensor:
         k = normalized_direction(out, self.k_eps)
         beta = 2 * torch.sigmoid(self.beta_proj(normed).float())
-        v = self.v_scale * torch.sigmoid(self.v_proj(x).float())
+        v = self.v_scale * torch.sigmoid(self.v_proj(x).float())  # [s, b, d_v]
+        if self.dv > 1:
+            v = v.permute(2, 0, 1).unsqueeze(-1)  # one value per state column
         return delta_update(state, k, beta, v)
 
 
 class DeltaStream(ResidualStream):
-    """d_v = 1: the state is [s, b, h]. d_v > 1: [s, b, h, d_v], sent as [s, b, h * d_v]."""
+    """d_v = 1: the state is [s, b, h]. d_v > 1: [d_v, s, b, h], sent as [d_v * s, b, h]."""
 
     def __init__(self, config, pre_process: bool, post_process: bool, first_layer: int):
         super().__init__(config, pre_process, post_process, first_layer)
@@ -126,16 +127,16 @@ class DeltaStream(ResidualStream):
             return embedding
         s, b, h = embedding.shape
         tokens = F.pad(embedding.permute(1, 2, 0), (self.expander.kernel_size[0] - 1, 0))
-        return self.expander(tokens).view(b, h, self.dv, s).permute(3, 0, 1, 2)
+        return self.expander(tokens).view(b, h, self.dv, s).permute(2, 3, 0, 1).contiguous()
 
     def exit(self, state: Tensor) -> Tensor:
         return state if self.final_read is None else self.final_read(state)
 
     def send(self, state: Tensor) -> Tensor:
-        return state if self.dv == 1 else state.flatten(-2)
+        return state if self.dv == 1 else state.flatten(0, 1)
 
-    def receive(self, packed: Tensor) -> Tensor:
-        return packed if self.dv == 1 else packed.unflatten(-1, (-1, self.dv))
+    def receive(self, packed: Tensor, layers_done: int) -> Tensor:
+        return packed if self.dv == 1 else packed.unflatten(0, (self.dv, -1))
 
 
 def extra_parameters(model) -> int:

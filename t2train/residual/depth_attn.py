@@ -91,7 +91,7 @@ class DepthAdditive(SublayerResidual):
 
 
 class DepthStream(ResidualStream):
-    """Packs [history..., current] along the hidden dim: K units once K-1 layers are done."""
+    """Packs [history..., current] along the sequence dim: K units once K-1 layers are done."""
 
     def hop_units(self, layers_done: int) -> int:
         return min(layers_done, self.config.t2_model.depth_attn.window - 1) + 1
@@ -103,10 +103,10 @@ class DepthStream(ResidualStream):
         return state.current
 
     def send(self, state: DepthState) -> Tensor:
-        return torch.cat(list(state.history) + [state.current], dim=-1)
+        return torch.cat(list(state.history) + [state.current], dim=0)
 
-    def receive(self, packed: Tensor) -> DepthState:
-        units = packed.split(self.config.hidden_size, dim=-1)
+    def receive(self, packed: Tensor, layers_done: int) -> DepthState:
+        units = packed.chunk(self.hop_units(layers_done), dim=0)
         return DepthState(tuple(units[:-1]), units[-1])
 
 

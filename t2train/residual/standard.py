@@ -31,7 +31,7 @@ class HiddenStateStream(ResidualStream):
     def send(self, state: Tensor) -> Tensor:
         return state
 
-    def receive(self, packed: Tensor) -> Tensor:
+    def receive(self, packed: Tensor, layers_done: int) -> Tensor:
         return packed
 
 

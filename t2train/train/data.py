@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch.distributed as dist
+
 from t2train.config.schema import Config
 from t2train.parallel.init import Topology
 from t2train.train.batches import is_reader
@@ -15,9 +17,15 @@ class Streams:
     train: Optional[object]  # TokenBatches on the replica's reading rank, else None
     val: Optional[object]
 
-    def state_dict(self) -> Optional[dict]:
-        """The train stream's position; streaming's state is global, so rank 0's suffices."""
-        return self.train.state_dict() if self.train is not None else None
+    def shared_state_dict(self) -> dict:
+        """The train stream's position, known on every rank (collective).
+
+        Streaming's state is global (samples seen by all readers), so rank 0's reader state
+        resumes every reader, also under a different data-parallel size.
+        """
+        state = [self.train.state_dict() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(state, src=0)
+        return state[0]
 
 
 def open_streams(config: Config, topology: Topology, dp_size: int,

@@ -135,7 +135,7 @@ def train(config: Config) -> RunSummary:
             saved_at = time.monotonic()
             summary.checkpoint = save_checkpoint(
                 run_dir / "checkpoints", step, objs,
-                {"data_state": streams.state_dict(), "tokens": step * tokens_per_step})
+                {"data_state": streams.shared_state_dict(), "tokens": step * tokens_per_step})
             monitor.print(f"step {step:>6} | saved {summary.checkpoint} "
                           f"({time.monotonic() - saved_at:.1f}s)")
         summary.final_step = step

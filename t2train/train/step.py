@@ -29,6 +29,10 @@ def forward_step(data_iterator, model):
     return model(tokens, position_ids, None, labels=labels), _loss
 
 
+def hop_units(objs: TrainingObjects) -> int:
+    return objs.model[0].module.decoder.stream.padded_hop_units
+
+
 def _run_schedule(objs: TrainingObjects, micro_batches: list[MicroBatch], forward_only: bool):
     train = objs.config.train
     iterators = [iter(micro_batches) for _ in objs.model]
@@ -37,7 +41,8 @@ def _run_schedule(objs: TrainingObjects, micro_batches: list[MicroBatch], forwar
         data_iterator=iterators if len(iterators) > 1 else iterators[0],
         model=objs.model,
         num_microbatches=len(micro_batches),
-        seq_length=objs.config.model.seq_length,
+        # A pipeline hop packs the residual state's units along the sequence dim.
+        seq_length=objs.config.model.seq_length * hop_units(objs),
         micro_batch_size=train.micro_batch_size,
         forward_only=forward_only,
     )

@@ -1,0 +1,127 @@
+"""``t2train data prepare|fetch``: the command-line face of the data layer."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from t2train.data.errors import DataError
+
+PREPARE_EPILOG = """\
+examples:
+  t2train data prepare --corpus shakespeare --out data/shakespeare --seq-length 256
+  t2train data prepare --input 'corpus/*.jsonl' --text-field content --out data/web \\
+      --tokenizer my/tokenizer.json
+writes OUT/train/ and OUT/val/ (MDS shards), OUT/tokenizer.json and OUT/index.json;
+train with: t2train train ... data.path=OUT
+"""
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("T2TRAIN_CACHE") or Path.home() / ".cache" / "t2train")
+
+
+def register(subparsers) -> None:
+    """Add the ``data`` command (with ``prepare`` and ``fetch``) to a subparsers object."""
+    from t2train.data.corpora import CORPORA
+
+    data = subparsers.add_parser("data", help="prepare datasets (tokenize text into MDS shards)",
+                                 description="Prepare text for training, or fetch a named "
+                                             "public corpus.")
+    commands = data.add_subparsers(dest="data_command", required=True)
+
+    prepare = commands.add_parser(
+        "prepare", help="tokenize text files into a dataset directory",
+        description="Tokenize text into fixed-length samples of seq_length+1 tokens, split "
+                    "into train/val, and write mosaicml-streaming MDS shards.",
+        epilog=PREPARE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = prepare.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", action="append", metavar="PATH_OR_GLOB",
+                        help="a .txt file (one document) or .jsonl file (one document per "
+                             "line), or a glob of them; repeat for more (quote globs)")
+    source.add_argument("--corpus", choices=sorted(CORPORA),
+                        help="a named public corpus, downloaded once into --cache-dir")
+    prepare.add_argument("--out", required=True, help="the dataset directory to create")
+    prepare.add_argument("--seq-length", type=int, default=256,
+                         help="tokens per training sequence (samples hold one more, for the "
+                              "labels); default %(default)s")
+    prepare.add_argument("--vocab-size", type=int, default=8192,
+                         help="size of the byte-level BPE trained on the input; default "
+                              "%(default)s (ignored with --tokenizer)")
+    prepare.add_argument("--tokenizer", metavar="TOKENIZER_JSON",
+                         help="use this Hugging Face tokenizer.json instead of training one; "
+                              "it must define the <|endoftext|> token")
+    prepare.add_argument("--text-field", default="text",
+                         help="the JSON field holding each document's text in .jsonl inputs; "
+                              "default %(default)s")
+    prepare.add_argument("--val-fraction", type=float, default=0.05,
+                         help="share of samples held out for validation; default %(default)s")
+    prepare.add_argument("--seed", type=int, default=0,
+                         help="seed of the train/val assignment; default %(default)s")
+    prepare.add_argument("--overwrite", action="store_true",
+                         help="replace a dataset already in --out")
+    _add_cache_dir(prepare)
+    prepare.set_defaults(handler=main_data)
+
+    fetch = commands.add_parser("fetch", help="download a named corpus into the cache",
+                                description="Download a named public corpus into the cache "
+                                            "(once) and print its files, one per line.")
+    fetch.add_argument("corpus", choices=sorted(CORPORA), help="the corpus to fetch")
+    _add_cache_dir(fetch)
+    fetch.set_defaults(handler=main_data)
+
+
+def _add_cache_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
+                        help="where downloaded corpora are kept; default $T2TRAIN_CACHE or "
+                             "~/.cache/t2train (now %(default)s)")
+
+
+def main_data(args: argparse.Namespace) -> int:
+    """Run ``data prepare`` or ``data fetch``; a bad input prints ``error: ...`` and returns 2."""
+    try:
+        return _prepare(args) if args.data_command == "prepare" else _fetch(args)
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _fetch(args) -> int:
+    from t2train.data.corpora import fetch_corpus
+
+    files = fetch_corpus(args.corpus, args.cache_dir)
+    print("\n".join(map(str, files)))
+    print(f"{args.corpus}: {len(files)} files in {files[0].parent}", file=sys.stderr)
+    return 0
+
+
+def _prepare(args) -> int:
+    from t2train.data.corpora import fetch_corpus
+    from t2train.data.prepare import prepare_dataset
+
+    inputs = args.input or [str(p) for p in fetch_corpus(args.corpus, args.cache_dir)]
+    start = time.monotonic()
+    index = prepare_dataset(inputs, args.out, args.seq_length, vocab_size=args.vocab_size,
+                            tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                            seed=args.seed, text_field=args.text_field,
+                            overwrite=args.overwrite)
+    elapsed = time.monotonic() - start
+    total = index["total_tokens"]
+    tok = index["tokenizer"]
+    print(f"prepared {args.out}: {total:,} tokens from {len(index['sources'])} files in "
+          f"{elapsed:.1f}s ({total / elapsed:,.0f} tokens/s)")
+    for split, facts in index["splits"].items():
+        print(f"  {split:<5} {facts['samples']:>9,} samples of {index['seq_length'] + 1} tokens "
+              f"in {facts['shards']} shard(s)")
+    print(f"  tokenizer: {tok['source']}, vocab {index['vocab_size']}, eos id "
+          f"{index['eos_id']}, sha256 {tok['sha256'][:12]}")
+    skipped = len(index["skipped_empty_files"])
+    replaced = sum(s["replaced_chars"] for s in index["sources"])
+    notes = [f"skipped {skipped} empty file(s)"] if skipped else []
+    notes += [f"replaced {replaced} invalid UTF-8 sequence(s) with U+FFFD"] if replaced else []
+    notes += [f"dropped the last {index['dropped_tokens']} tokens (less than one sample)"]
+    print(f"  {'; '.join(notes)}")
+    return 0

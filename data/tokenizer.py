@@ -1,0 +1,75 @@
+"""The tokenizer of a prepared dataset: trained here (byte-level BPE) or brought by the user.
+
+Either way it is saved as ``tokenizer.json`` next to the shards and identified by its sha256,
+so a model is never trained or evaluated with token ids from a different vocabulary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from t2train.data.errors import DataError
+
+EOS = "<|endoftext|>"  # separates documents in the token stream
+TOKENIZER_FILE = "tokenizer.json"
+MIN_VOCAB = 257  # the 256 byte tokens plus EOS
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE (GPT-2 style: any input is encodable, no unknown token) on ``texts``.
+
+    A small corpus may end with fewer merges than asked: the real size is
+    ``tokenizer.get_vocab_size()``.
+    """
+    if vocab_size < MIN_VOCAB:
+        raise DataError(f"vocab_size={vocab_size}: must be >= {MIN_VOCAB} "
+                        "(256 byte tokens plus the end-of-text token)")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """A user's ``tokenizer.json``; it must define the ``<|endoftext|>`` token."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"tokenizer {path}: no such file (expected a Hugging Face tokenizer.json)")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception on bad JSON
+        raise DataError(f"tokenizer {path}: not a valid tokenizer.json ({err})") from None
+    eos_id(tokenizer, path)
+    return tokenizer
+
+
+def eos_id(tokenizer: Tokenizer, source: str | Path = "tokenizer") -> int:
+    """The id of the end-of-text token that joins documents."""
+    token_id = tokenizer.token_to_id(EOS)
+    if token_id is None:
+        raise DataError(f"{source}: has no {EOS!r} token; expected it as the end-of-document "
+                        f"(EOS) token that separates documents")
+    return token_id
+
+
+def save_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> str:
+    """Write ``out_dir/tokenizer.json``; returns its sha256."""
+    path = Path(out_dir) / TOKENIZER_FILE
+    tokenizer.save(str(path))
+    return file_sha256(path)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

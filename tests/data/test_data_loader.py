@@ -1,0 +1,138 @@
+"""TokenBatches / reader_world: shapes, shifted labels, deterministic order, exact resume, and
+data-parallel readers (with and without non-reading model-parallel peers) under gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from datetime import timedelta
+from itertools import islice
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from t2train.data.loader import StreamingWorld, TokenBatches, reader_world
+from t2train.data.prepare import DataError, read_index
+
+ONE = StreamingWorld(0, 1, 0, 1)
+
+
+def take(batches, n):
+    return [b["tokens"].clone() for b in islice(batches, n)]
+
+
+def test_shapes_and_labels_are_tokens_shifted_by_one(dataset):
+    batches = TokenBatches(dataset, "train", 4, 32, ONE, seed=0)
+    batch = next(batches)
+    assert batch["tokens"].shape == batch["labels"].shape == (4, 32)
+    assert batch["tokens"].dtype == batch["labels"].dtype == torch.int64
+    assert torch.equal(batch["tokens"][:, 1:], batch["labels"][:, :-1])
+
+    cropped = next(TokenBatches(dataset, "train", 4, 8, ONE, seed=0))
+    assert cropped["tokens"].shape == (4, 8)
+    assert torch.equal(cropped["tokens"], batch["tokens"][:, :8])
+    assert torch.equal(cropped["labels"], batch["labels"][:, :8])
+    assert "RANK" not in os.environ  # streaming's env is set only while it is called
+
+
+def test_order_is_deterministic_per_seed(dataset):
+    first = take(TokenBatches(dataset, "train", 4, 32, ONE, seed=1), 5)
+    again = take(TokenBatches(dataset, "train", 4, 32, ONE, seed=1), 5)
+    other = take(TokenBatches(dataset, "train", 4, 32, ONE, seed=2), 5)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
+
+
+def test_state_dict_resumes_with_exactly_the_next_batches(dataset):
+    per_epoch = read_index(dataset)["splits"]["train"]["samples"] // 8
+    for consumed in (7, per_epoch + 3):  # mid-epoch, and into the second epoch
+        batches = TokenBatches(dataset, "train", 8, 32, ONE, seed=5)
+        take(batches, consumed)
+        state = batches.state_dict()
+        assert state["epoch"] == consumed // per_epoch
+        following = take(batches, per_epoch)  # crosses the next epoch boundary
+
+        resumed = TokenBatches(dataset, "train", 8, 32, ONE, seed=5)
+        resumed.load_state_dict(state)
+        again = take(resumed, per_epoch)
+        assert all(torch.equal(a, b) for a, b in zip(following, again, strict=True))
+
+
+def test_finite_mode_is_one_pass_per_loop(dataset):
+    samples = read_index(dataset)["splits"]["val"]["samples"]
+    val = TokenBatches(dataset, "val", 8, 32, ONE, seed=0, shuffle=False, finite=True)
+    first = [b["tokens"] for b in val]
+    second = [b["tokens"] for b in val]
+    assert sum(len(b) for b in first) == samples  # the last batch may be short
+    assert torch.equal(torch.cat(first), torch.cat(second))
+
+
+def test_dataset_shorter_than_seq_length(dataset):
+    with pytest.raises(DataError, match=r"seq_length=64: needs samples of 65 tokens, but the "
+                                        r"samples of .* have 33 tokens"):
+        TokenBatches(dataset, "train", 4, 64, ONE, seed=0)
+
+
+def test_split_smaller_than_a_micro_batch(dataset):
+    samples = read_index(dataset)["splits"]["val"]["samples"]
+    val = TokenBatches(dataset, "val", samples + 1, 32, ONE, seed=0)
+    with pytest.raises(DataError, match=rf"val: {samples} samples give no full micro-batch"):
+        next(val)
+
+
+def test_reader_world_without_torch_distributed():
+    assert reader_world(True, 0, 1) == ONE
+    assert reader_world(False, 0, 1) is None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world_size, readers, port, path, out_dir):
+    """One process; the ranks in ``readers`` read (data-parallel rank = position), as tensor
+    rank 0 of a replica does; the others idle, as its model-parallel peers do."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=60))
+    reading = rank in readers
+    world = reader_world(reading, readers.index(rank) if reading else 0, len(readers))
+    result = {"world": None, "samples": []}
+    if world is not None:
+        result["world"] = [world.rank, world.world_size, world.local_rank, world.local_world_size]
+        batches = TokenBatches(path, "train", 2, 32, world, seed=0, finite=True)
+        result["samples"] = [row.tolist() for b in batches for row in b["tokens"]]
+        result["state"] = batches.state_dict()
+    # Without routing streaming's barriers to the readers' group, this barrier of the idle
+    # rank would pair with a reader's barrier inside StreamingDataset() and break the run.
+    dist.barrier()
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size, readers", [(2, [0, 1]), (3, [0, 2])],
+                         ids=["dp2", "dp2-with-idle-peer"])
+def test_data_parallel_readers_see_disjoint_halves(dataset, tmp_path, world_size, readers):
+    mp.spawn(_rank_main, args=(world_size, readers, _free_port(), str(dataset), str(tmp_path)),
+             nprocs=world_size)
+    results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world_size)]
+    assert all(results[r]["world"] is None for r in range(world_size) if r not in readers)
+    first, second = (results[r] for r in readers)
+    assert [first["world"], second["world"]] == [[0, 2, 0, 2], [1, 2, 1, 2]]
+    assert first["state"] == second["state"]
+    assert len(first["samples"]) == len(second["samples"])
+
+    everything = {tuple(row.tolist()) for b in TokenBatches(dataset, "train", 8, 32, ONE, seed=0,
+                                                            shuffle=False, finite=True)
+                  for row in b["tokens"]}
+    seen = [{tuple(s) for s in r["samples"]} for r in (first, second)]
+    assert seen[0] | seen[1] == everything
+    # streaming pads an epoch to a multiple of the readers by repeating samples (here < 2)
+    assert 0 <= 2 * len(first["samples"]) - len(everything) < 2
+    assert len(seen[0] & seen[1]) < 2

@@ -1,0 +1,213 @@
+"""prepare_dataset / read_index: what is written, that it is exactly the tokenized input, and
+that bad input fails with a message naming the cause, before any output exists."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from textgen import english_ish
+from tokenizers import Tokenizer
+
+from t2train.data.loader import StreamingWorld, TokenBatches
+from t2train.data.prepare import DataError, prepare_dataset, read_index
+from t2train.data.tokenizer import EOS, file_sha256
+
+ONE = StreamingWorld(0, 1, 0, 1)
+
+
+def all_samples(path, split, seq_length):
+    """Every sample of a split, in stored order, as rows of seq_length+1 ids."""
+    batches = TokenBatches(path, split, 1, seq_length, ONE, seed=0, shuffle=False, finite=True)
+    return [np.append(b["tokens"][0].numpy(), b["labels"][0, -1].item()) for b in batches]
+
+
+def test_index_describes_shards_of_the_tokenized_input(text_files, tmp_path):
+    out = tmp_path / "ds"
+    index = prepare_dataset([str(p) for p in text_files], out, seq_length=31, vocab_size=300,
+                            val_fraction=0.2, seed=3)
+
+    assert read_index(out) == index == json.loads((out / "index.json").read_text())
+    assert {p.name for p in out.iterdir()} == {"index.json", "tokenizer.json", "train", "val"}
+    assert index["seq_length"] == 31 and index["token_dtype"] == "uint16"
+    assert index["tokenizer"]["sha256"] == file_sha256(out / "tokenizer.json")
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert index["vocab_size"] == tok.get_vocab_size() <= 300
+    assert index["eos_id"] == tok.token_to_id(EOS)
+
+    # Token counts add up: per file, per split, and what did not fill a last sample.
+    assert [s["path"] for s in index["sources"]] == [str(p.resolve()) for p in text_files]
+    assert sum(s["tokens"] for s in index["sources"]) == index["total_tokens"]
+    train, val = index["splits"]["train"], index["splits"]["val"]
+    assert train["tokens"] == 32 * train["samples"] and val["tokens"] == 32 * val["samples"]
+    assert train["tokens"] + val["tokens"] + index["dropped_tokens"] == index["total_tokens"]
+    assert 0 <= index["dropped_tokens"] < 32
+    assert val["samples"] > 0 and train["shards"] >= 1 and val["shards"] >= 1
+    assert 0.1 < val["samples"] / (train["samples"] + val["samples"]) < 0.3
+
+    # The samples are exactly the documents' tokens joined by EOS, cut every 32 tokens.
+    stream = np.concatenate([np.append(tok.encode(p.read_text()).ids, index["eos_id"])
+                             for p in text_files])
+    expected = {tuple(stream[i:i + 32]) for i in range(0, len(stream) - 31, 32)}
+    got = [tuple(s) for split in ("train", "val") for s in all_samples(out, split, 31)]
+    assert len(got) == len(expected) and set(got) == expected
+
+
+def test_same_inputs_and_seed_give_the_same_dataset(text_files, tmp_path):
+    a = prepare_dataset(text_files, tmp_path / "a", seq_length=16, vocab_size=300)
+    b = prepare_dataset(text_files, tmp_path / "b", seq_length=16, vocab_size=300)
+    assert a == b
+    for split in ("train", "val"):
+        x, y = all_samples(tmp_path / "a", split, 16), all_samples(tmp_path / "b", split, 16)
+        assert len(x) == len(y) and all(np.array_equal(p, q) for p, q in zip(x, y, strict=True))
+
+
+def test_jsonl_with_a_given_tokenizer_and_text_field(text_files, tmp_path):
+    first = prepare_dataset(text_files, tmp_path / "first", seq_length=16, vocab_size=300)
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": i, "body": english_ish(i, 5)}) + "\n"
+                             for i in range(30)) + "\n")  # a trailing blank line is ignored
+    index = prepare_dataset([str(jsonl)], tmp_path / "ds", seq_length=16, text_field="body",
+                            tokenizer=tmp_path / "first" / "tokenizer.json")
+    assert index["tokenizer"]["sha256"] == first["tokenizer"]["sha256"]
+    assert index["sources"][0]["documents"] == 30
+    tok = Tokenizer.from_file(str(tmp_path / "first" / "tokenizer.json"))
+    assert index["total_tokens"] == sum(len(tok.encode(english_ish(i, 5)).ids) + 1
+                                        for i in range(30))
+
+
+def test_globs_empty_files_and_invalid_utf8(text_files, tmp_path):
+    folder = text_files[0].parent
+    (folder / "empty.txt").write_text("")
+    (folder / "blank.txt").write_text("\n  \n")
+    (folder / "bad.txt").write_bytes(b"caf\xe9 \xff\xfe and more words\n" * 50)
+    with pytest.warns(UserWarning, match=r"bad.txt: 150 invalid UTF-8"):
+        index = prepare_dataset([str(folder / "*.txt")], tmp_path / "ds", seq_length=16,
+                                vocab_size=300)
+    assert sorted(p.rsplit("/", 1)[1] for p in index["skipped_empty_files"]) == \
+        ["blank.txt", "empty.txt"]
+    assert len(index["sources"]) == 4
+    assert [s["replaced_chars"] for s in index["sources"] if s["path"].endswith("bad.txt")] \
+        == [150]
+
+
+@pytest.mark.parametrize("inputs, cause", [
+    (["no/such/file.txt"], "input no/such/file.txt: no such file"),
+    (["no/such/*.txt"], "input 'no/such/*.txt': the glob matches no files"),
+    ([], "no inputs"),
+])
+def test_missing_inputs_fail_before_any_output(tmp_path, inputs, cause):
+    with pytest.raises(DataError, match=cause.replace("*", r"\*").replace(".", r"\.")):
+        prepare_dataset(inputs, tmp_path / "out" / "ds", seq_length=16)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsupported_suffix_and_bad_settings(text_files, tmp_path):
+    other = tmp_path / "notes.md"
+    other.write_text("# hi\n")
+    with pytest.raises(DataError, match=r"notes.md: unsupported type '.md', expected .txt or "):
+        prepare_dataset([other], tmp_path / "ds", seq_length=16)
+    with pytest.raises(DataError, match=r"val_fraction=0: must be > 0 and < 1"):
+        prepare_dataset(text_files, tmp_path / "ds", seq_length=16, val_fraction=0)
+    with pytest.raises(DataError, match=r"vocab_size=100: must be >= 257"):
+        prepare_dataset(text_files, tmp_path / "ds", seq_length=16, vocab_size=100)
+    with pytest.raises(DataError, match=r"compression='lzma': expected one of"):
+        prepare_dataset(text_files, tmp_path / "ds", seq_length=16, compression="lzma")
+    assert not (tmp_path / "ds").exists()
+
+
+def test_missing_json_field_names_file_and_line(tmp_path):
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text('{"text": "one two three"}\n{"body": "four"}\n')
+    with pytest.raises(DataError, match=r"docs.jsonl:2: no field 'text' \(fields: 'body'\); "
+                                        r"choose the text field with --text-field"):
+        prepare_dataset([jsonl], tmp_path / "out" / "ds", seq_length=4)
+    jsonl.write_text('{"text": "one"}\nnot json\n')
+    with pytest.raises(DataError, match=r"docs.jsonl:2: not valid JSON"):
+        prepare_dataset([jsonl], tmp_path / "out" / "ds", seq_length=4)
+    assert not (tmp_path / "out").exists()
+
+
+def test_error_while_writing_leaves_no_dataset(tmp_path):
+    """A JSON error found after shards were started: nothing is left beside the output."""
+    tok_dir = tmp_path / "tok"
+    prepare_dataset([_write(tmp_path / "a.txt", english_ish(0, 30))], tok_dir, seq_length=8,
+                    vocab_size=300)
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text(json.dumps({"text": english_ish(1, 30)}) + "\n" + '{"body": "x"}\n')
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(DataError, match=r"docs.jsonl:2: no field 'text'"):
+        prepare_dataset([jsonl], out / "ds", seq_length=8, tokenizer=tok_dir / "tokenizer.json")
+    assert list(out.iterdir()) == []
+
+
+def test_non_empty_out_dir_and_overwrite(text_files, tmp_path):
+    out = tmp_path / "ds"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(DataError, match=rf"output directory {out} is not empty; .*--overwrite"):
+        prepare_dataset(text_files, out, seq_length=16, vocab_size=300)
+    with pytest.raises(DataError, match=r"holds no prepared dataset \(index.json\); refusing"):
+        prepare_dataset(text_files, out, seq_length=16, vocab_size=300, overwrite=True)
+    assert (out / "keep.txt").read_text() == "mine"
+
+    (out / "keep.txt").unlink()
+    prepare_dataset(text_files, out, seq_length=16, vocab_size=300)
+    index = prepare_dataset(text_files, out, seq_length=8, vocab_size=300, overwrite=True)
+    assert read_index(out)["seq_length"] == 8 == index["seq_length"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "ds"]  # no temp dirs left
+
+
+def test_too_little_text_for_two_samples(tmp_path):
+    with pytest.raises(DataError, match=r"fewer than 2 samples of seq_length\+1=1025"):
+        prepare_dataset([_write(tmp_path / "a.txt", "just a few words\n")], tmp_path / "ds",
+                        seq_length=1024, vocab_size=300)
+    assert not (tmp_path / "ds").exists()
+
+
+def test_two_samples_fill_both_splits(tmp_path):
+    text = english_ish(0, 3)
+    tok_dir = tmp_path / "tok"
+    prepare_dataset([_write(tmp_path / "big.txt", english_ish(1, 20))], tok_dir, seq_length=4,
+                    vocab_size=300)
+    n = len(Tokenizer.from_file(str(tok_dir / "tokenizer.json")).encode(text).ids) + 1
+    index = prepare_dataset([_write(tmp_path / "a.txt", text)], tmp_path / "ds",
+                            seq_length=n // 2 - 1, tokenizer=tok_dir / "tokenizer.json",
+                            val_fraction=0.01)
+    assert index["splits"]["train"]["samples"] == index["splits"]["val"]["samples"] == 1
+
+
+def test_user_tokenizer_without_eos(text_files, tmp_path):
+    prepare_dataset(text_files, tmp_path / "ds", seq_length=16, vocab_size=300)
+    spec = json.loads((tmp_path / "ds" / "tokenizer.json").read_text())
+    spec["added_tokens"] = []
+    spec["model"]["vocab"] = {k: v for k, v in spec["model"]["vocab"].items() if k != EOS}
+    bad = _write(tmp_path / "tokenizer.json", json.dumps(spec))
+    with pytest.raises(DataError, match=r"has no '<\|endoftext\|>' token; expected it as the "
+                                        r"end-of-document \(EOS\) token"):
+        prepare_dataset(text_files, tmp_path / "other", seq_length=16, tokenizer=bad)
+    with pytest.raises(DataError, match=r"not a valid tokenizer.json"):
+        prepare_dataset(text_files, tmp_path / "other", seq_length=16,
+                        tokenizer=_write(tmp_path / "t.json", "{}"))
+    assert not (tmp_path / "other").exists()
+
+
+def test_read_index_errors(tmp_path):
+    with pytest.raises(DataError, match=rf"dataset {tmp_path}/nope: no such directory"):
+        read_index(tmp_path / "nope")
+    with pytest.raises(DataError, match=r"not a prepared dataset \(no index.json\); run "
+                                        r"`t2train data prepare`"):
+        read_index(tmp_path)
+    _write(tmp_path / "index.json", "{not json")
+    with pytest.raises(DataError, match=r"index.json: malformed"):
+        read_index(tmp_path)
+    _write(tmp_path / "index.json", json.dumps({"format": "t2train-mds", "version": 1}))
+    with pytest.raises(DataError, match=r"malformed \(seq_length=None, expected an integer"):
+        read_index(tmp_path)
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path

@@ -1,0 +1,73 @@
+"""Train 3 steps in several (TP, PP, VPP) layouts from the same weights; report losses.
+
+For each model (``--models``: ``;``-separated lists of ``,``-separated overrides), the first
+layout trains from its seed and saves a step-0 checkpoint; every other layout loads that
+checkpoint (Megatron resharding) and trains on the same global batches.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from common import parse_args, write_result
+from t2train.checkpoint.store import load_checkpoint, save_checkpoint
+from t2train.config.loader import load_config
+from t2train.parallel.init import init_distributed, init_model_parallel, set_seed
+from t2train.train.setup import build_training_objects
+from t2train.train.step import train_step
+
+VOCAB, SEQ, MICRO, GLOBAL, STEPS = 128, 16, 1, 4, 3
+
+
+def global_batches():
+    g = torch.Generator().manual_seed(3)
+    for _ in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (GLOBAL, SEQ + 1), generator=g)
+        yield [{"tokens": tokens[i:i + MICRO, :-1], "labels": tokens[i:i + MICRO, 1:]}
+               for i in range(0, GLOBAL, MICRO)]
+
+
+def run_layout(layout: tuple[int, int, int], overrides: list[str], checkpoint: Path,
+               load: bool) -> list[float]:
+    tp, pp, vpp = layout
+    parallel_state.destroy_model_parallel()
+    topology = init_model_parallel(tp, pp, vpp)
+    set_seed(11, topology)
+    config = load_config(overrides=[
+        "data.path=unused", "model.num_layers=4", "model.hidden_size=64",
+        "model.num_attention_heads=4", f"model.seq_length={SEQ}", f"parallel.tensor={tp}",
+        f"parallel.pipeline={pp}", f"parallel.virtual_pipeline={vpp}",
+        f"train.micro_batch_size={MICRO}", f"train.global_batch_size={GLOBAL}",
+        "train.warmup_steps=1", "train.steps=3", *overrides])
+    objs = build_training_objects(config, VOCAB)
+    if load:
+        load_checkpoint(checkpoint, objs)
+    else:
+        save_checkpoint(checkpoint.parent, 0, objs, {})
+    dp, dp_rank = topology.dp_size, topology.dp_rank
+    per_replica = GLOBAL // MICRO // dp
+    return [train_step(objs, batch[dp_rank * per_replica:(dp_rank + 1) * per_replica]).loss
+            for batch in global_batches()]
+
+
+def main() -> None:
+    args = parse_args([("--scratch", str), ("--layouts", str), ("--models", str)])
+    layouts = [tuple(int(n) for n in item.split("x")) for item in args.layouts.split(",")]
+    init_distributed()
+    losses = {}
+    for number, model in enumerate(args.models.split(";")):
+        checkpoint = Path(args.scratch) / str(number) / "step_00000000"
+        losses[model] = {}
+        for index, layout in enumerate(layouts):
+            losses[model]["x".join(map(str, layout))] = run_layout(
+                layout, model.split(","), checkpoint, load=index > 0)
+            dist.barrier()
+    write_result(args.out, {"losses": losses})
+
+
+if __name__ == "__main__":
+    main()
