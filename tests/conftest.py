@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_streaming(tmp_path_factory):
+    """Keep streaming's never-deleted filelocks out of /tmp, and its shared memory tidy.
+
+    streaming puts ``<prefix>_*_filelock`` files in ``tempfile.gettempdir()`` (also in spawned
+    children, hence TMPDIR) and segments in /dev/shm; segments this session created and left
+    behind are removed at the end.
+    """
+    scratch = str(tmp_path_factory.mktemp("streaming-tmp"))
+    before = set(os.listdir("/dev/shm"))
+    saved_tempdir, saved_env = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir = os.environ["TMPDIR"] = scratch
+    yield
+    tempfile.tempdir = saved_tempdir
+    if saved_env is None:
+        os.environ.pop("TMPDIR")
+    else:
+        os.environ["TMPDIR"] = saved_env
+    gc.collect()
+    for name in set(os.listdir("/dev/shm")) - before:
+        if re.fullmatch(r"\d{6}_\w+", name):
+            Path("/dev/shm", name).unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")

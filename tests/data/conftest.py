@@ -1,11 +1,7 @@
-"""Fixtures of the data-layer tests: small generated English-ish corpora, isolated streaming."""
+"""Fixtures of the data-layer tests: small generated English-ish corpora."""
 
 from __future__ import annotations
 
-import gc
-import os
-import re
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,27 +33,3 @@ def dataset(tmp_path_factory) -> Path:
     prepare_dataset([str(folder / "*.txt")], out, seq_length=32, vocab_size=400,
                     val_fraction=0.1)
     return out
-
-
-@pytest.fixture(scope="session", autouse=True)
-def isolated_streaming(tmp_path_factory):
-    """Keep streaming's never-deleted filelocks out of /tmp, and its shared memory tidy.
-
-    streaming puts ``<prefix>_*_filelock`` files in ``tempfile.gettempdir()`` (also in spawned
-    children, hence TMPDIR) and segments in /dev/shm; segments this session created and left
-    behind are removed at the end.
-    """
-    scratch = str(tmp_path_factory.mktemp("streaming-tmp"))
-    before = set(os.listdir("/dev/shm"))
-    saved_tempdir, saved_env = tempfile.tempdir, os.environ.get("TMPDIR")
-    tempfile.tempdir = os.environ["TMPDIR"] = scratch
-    yield
-    tempfile.tempdir = saved_tempdir
-    if saved_env is None:
-        os.environ.pop("TMPDIR")
-    else:
-        os.environ["TMPDIR"] = saved_env
-    gc.collect()
-    for name in set(os.listdir("/dev/shm")) - before:
-        if re.fullmatch(r"\d{6}_\w+", name):
-            Path("/dev/shm", name).unlink(missing_ok=True)
