@@ -1,21 +1,15 @@
-"""Shared fixtures: a one-rank Megatron world for in-process tests, torchrun for real ones."""
+"""Shared fixtures: isolated streaming state and a one-rank Megatron world for in-process tests."""
 
 from __future__ import annotations
 
 import gc
-import json
 import os
 import re
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-WORKERS = Path(__file__).resolve().parent / "workers"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -60,17 +54,3 @@ def megatron_world():
     topology = init_model_parallel(1, 1, 1)
     set_seed(1234, topology)
     return topology
-
-
-def run_torchrun(worker: str, nproc: int, args: list[str], out: Path,
-                 timeout: int = 600) -> dict:
-    """Run ``tests/workers/<worker>`` on ``nproc`` ranks; it writes its result JSON to ``out``."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(WORKERS / worker), "--out", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=REPO)
-    if proc.returncode != 0:
-        raise AssertionError(f"{worker} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                             f"{proc.stderr[-8000:]}")
-    return json.loads(out.read_text())

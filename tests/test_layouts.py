@@ -7,7 +7,7 @@ Depth windows and attention-residual blocks cross the 1-layer interleaved chunks
 
 import pytest
 
-from conftest import run_torchrun
+from torchrun_helper import run_torchrun
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import run_torchrun
+from torchrun_helper import run_torchrun
 
 pytestmark = pytest.mark.slow
 
