@@ -167,6 +167,9 @@ class ParallelConfig:
         _require(not self.sequence_parallel or self.tensor > 1, "parallel.sequence_parallel",
                  self.sequence_parallel, "needs parallel.tensor > 1")
         if self.sequence_parallel:
+            _require(model.residual != "ddl" or model.ddl.dv == 1, "parallel.sequence_parallel",
+                     True, "is not supported with model.ddl.dv > 1 (the embedding expander's "
+                     "causal token convolution needs the whole sequence on each rank)")
             _require(model.seq_length % self.tensor == 0, "model.seq_length", model.seq_length,
                      f"must be divisible by parallel.tensor={self.tensor} with sequence_parallel")
 

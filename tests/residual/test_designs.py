@@ -125,3 +125,9 @@ def test_block_size_must_divide_the_sublayers():
     with pytest.raises(ConfigError, match="model.attnres.block_size=4: must divide"):
         load_config(overrides=BASE + ["model.residual=block_attnres",
                                       "model.attnres.block_size=4"])
+
+
+def test_expanded_ddl_refuses_sequence_parallelism():
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel=True: is not supported"):
+        load_config(overrides=BASE + ["model.residual=ddl", "model.ddl.dv=4", "parallel.tensor=2",
+                                      "parallel.sequence_parallel=true"])
