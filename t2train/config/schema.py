@@ -149,6 +149,9 @@ class ParallelConfig:
     virtual_pipeline: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    # Residual-state units over pipeline hops: `naive` resends every unit; `cached` (with
+    # virtual stages) skips units the receiving rank kept from its previous chunk.
+    depth_cache: Literal["naive", "cached"] = "cached"
 
     def validate(self, model: ModelConfig) -> None:
         for name in ("tensor", "pipeline", "virtual_pipeline"):

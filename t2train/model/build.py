@@ -19,6 +19,7 @@ class T2TransformerConfig(TransformerConfig):
 
     t2_attention_backend: str = "auto"
     t2_model: Optional[ModelConfig] = None  # residual designs read their options here
+    t2_depth_cache: str = "cached"  # pipeline transfer of residual-state units
 
 
 def compute_dtype(config: Config) -> torch.dtype:
@@ -75,6 +76,7 @@ def transformer_config(config: Config) -> T2TransformerConfig:
         batch_p2p_comm=on_cuda,
         t2_attention_backend=model.attention_backend,
         t2_model=model,
+        t2_depth_cache=parallel.depth_cache,
     )
 
 
@@ -83,7 +85,10 @@ def build_model_chunks(config: Config, tf_config: T2TransformerConfig,
     """This rank's model chunks: one per virtual pipeline stage (one without interleaving)."""
     from t2train.model.gpt import T2GPTModel
 
+    from t2train.parallel.depth_cache import DepthCache
+
     virtual = config.parallel.virtual_pipeline
+    cache = DepthCache() if config.parallel.depth_cache == "cached" and virtual > 1 else None
     chunks = []
     for vp_stage in range(virtual):
         vp = vp_stage if virtual > 1 else None
@@ -94,6 +99,7 @@ def build_model_chunks(config: Config, tf_config: T2TransformerConfig,
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             share_embeddings_and_output_weights=config.model.tie_embeddings,
             rotary_base=config.model.rotary_base, vp_stage=vp)
+        chunk.decoder.depth_cache = cache
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)

@@ -24,6 +24,8 @@ from torch import Tensor
 
 from t2train.model.norm import RMSNorm
 from t2train.model.spec import decoder_layer_spec
+from t2train.parallel.depth_cache import DepthCache, HopPlan
+from t2train.parallel.traffic import HopTraffic
 from t2train.residual import get_design
 from t2train.residual.base import State
 
@@ -40,7 +42,8 @@ class ResidualDecoder(TransformerBlock):
 
     First chunk: the embedding enters the stream. Other chunks: the packed state arrives
     through ``set_input_tensor``. Last chunk: the stream's final read goes through the
-    final norm. Otherwise the packed state is returned for the next pipeline hop.
+    final norm. Otherwise the packed state is returned for the next pipeline hop: its units
+    concatenated along the sequence dim (``t2train/parallel/depth_cache.py`` decides which).
     """
 
     def __init__(self, config, residual: str, pre_process: bool, post_process: bool,
@@ -51,6 +54,19 @@ class ResidualDecoder(TransformerBlock):
         self.stream = get_design(residual).stream(
             config, pre_process, post_process,
             first_layer=get_transformer_layer_offset(config, vp_stage, pp_rank))
+        virtual = config.virtual_pipeline_model_parallel_size or 1
+        self.hops = HopPlan(self.stream.unit_ids, config.pipeline_model_parallel_size,
+                            config.pipeline_model_parallel_size * virtual, len(self.layers),
+                            cached=config.t2_depth_cache == "cached" and virtual > 1)
+        self.chunk = self.stream.first_layer // len(self.layers)
+        self.last_virtual_stage = (vp_stage or 0) == virtual - 1
+        self.depth_cache: Optional[DepthCache] = None  # shared by this rank's chunks, if cached
+        self.micro_batch = 0
+        self.traffic = HopTraffic()
+
+    def start_schedule(self) -> None:
+        """Called before each pipeline schedule: micro-batches are numbered from 0 again."""
+        self.micro_batch = 0
 
     def forward(self, hidden_states: Optional[Tensor], attention_mask: Optional[Tensor],
                 rotary_pos_emb: Optional[Tensor] = None) -> Tensor:
@@ -69,26 +85,52 @@ class ResidualDecoder(TransformerBlock):
                     state = layer(state, attention_mask, rotary_pos_emb)
 
         if self.post_process:
-            return self.final_layernorm(self.stream.exit(state))
-        return self._send_hop(state)
+            output = self.final_layernorm(self.stream.exit(state))
+        else:
+            output = self._send_hop(state)
+        if self.depth_cache is not None and self.last_virtual_stage:
+            self.depth_cache.drop(self.micro_batch)
+        self.micro_batch += 1
+        return output
 
     def _receive_hop(self, hop: Tensor) -> State:
-        units = self.stream.hop_units(self.stream.first_layer)
-        seq = hop.shape[0] // self.stream.padded_hop_units
-        packed = make_viewless_tensor(hop, True, True)[: units * seq]
-        return self.stream.receive(packed, self.stream.first_layer)
+        """Rebuild the state from the hop's units and, when cached, the units kept here."""
+        self.traffic.received(hop)
+        layers_done = self.stream.first_layer
+        arriving = self.hops.sent_ids(self.chunk)
+        seq = hop.shape[0] // self.hops.padded_units
+        received = iter(make_viewless_tensor(hop, True, True)[: len(arriving) * seq]
+                        .chunk(len(arriving)))
+        cache, units = self.depth_cache, []
+        for uid in self.stream.unit_ids(layers_done):
+            if cache is not None and uid not in arriving:
+                units.append(cache.read(self.micro_batch, uid))
+            elif cache is not None and uid is not None:
+                units.append(cache.own(self.micro_batch, uid, next(received)))
+            else:
+                units.append(next(received))
+        return self.stream.from_units(units, layers_done)
 
     def _send_hop(self, state: State) -> Tensor:
-        """The packed state, zero-padded to the layout's hop size, in a fresh tensor.
+        """The units the next chunk lacks, zero-padded to the layout's hop size.
 
-        Megatron frees the storage of the tensor it sends, so it must not be a view.
+        Megatron frees the storage of the tensor it sends, so it is a fresh tensor, never a
+        view of the state or of a cached unit.
         """
-        packed = self.stream.send(state)
-        units = self.stream.hop_units(self.stream.first_layer + len(self.layers))
-        padding = self.stream.padded_hop_units - units
+        units = self.stream.to_units(state)
+        ids = self.stream.unit_ids(self.stream.first_layer + len(self.layers))
+        cache = self.depth_cache
+        if cache is not None:
+            units = [cache.own(self.micro_batch, uid, unit)
+                     if uid is not None and not cache.holds(self.micro_batch, uid) else unit
+                     for uid, unit in zip(ids, units)]
+        wanted = self.hops.sent_ids(self.chunk + 1)
+        sent = [unit for uid, unit in zip(ids, units) if uid is None or uid in wanted]
+        padding = self.hops.padded_units - len(sent)
         if padding:
-            seq = packed.shape[0] // units
-            packed = torch.cat([packed, packed.new_zeros(padding * seq, *packed.shape[1:])])
+            sent.append(sent[0].new_zeros(padding * sent[0].shape[0], *sent[0].shape[1:]))
+        packed = torch.cat(sent)
+        self.traffic.sent(packed)
         return make_viewless_tensor(packed, True, True)
 
     def _recomputed_layers(self, state: State, attention_mask, rotary_pos_emb) -> State:
@@ -97,20 +139,28 @@ class ResidualDecoder(TransformerBlock):
         The state is packed into one tensor at checkpoint boundaries so that every earlier
         state a layer reads is an explicit input of the recomputed function.
         """
+        first = self.stream.first_layer
+
+        def pack(chunk_state: State) -> Tensor:
+            return torch.cat(self.stream.to_units(chunk_state))
+
+        def unpack(packed: Tensor, layers_done: int) -> State:
+            units = packed.chunk(len(self.stream.unit_ids(layers_done)))
+            return self.stream.from_units(list(units), layers_done)
 
         def run(start: int, end: int):
             def forward(packed: Tensor, mask, rope) -> Tensor:
-                chunk_state = self.stream.receive(packed, self.stream.first_layer + start)
+                chunk_state = unpack(packed, first + start)
                 for layer in self.layers[start:end]:
                     chunk_state = layer(chunk_state, mask, rope)
-                return self.stream.send(chunk_state)
+                return pack(chunk_state)
 
             return forward
 
-        packed = self.stream.send(state)
+        packed = pack(state)
         step = self.config.recompute_num_layers
         for start in range(0, len(self.layers), step):
             packed = tensor_parallel.checkpoint(
                 run(start, min(start + step, len(self.layers))),
                 self.config.distribute_saved_activations, packed, attention_mask, rotary_pos_emb)
-        return self.stream.receive(packed, self.stream.first_layer + len(self.layers))
+        return unpack(packed, first + len(self.layers))

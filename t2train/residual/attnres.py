@@ -92,7 +92,7 @@ class FullAttnResidual(BlockAttnResidual):
 
 
 class AttnResStream(ResidualStream):
-    """Packs [sources..., partial] along the sequence dim; the final norm reads a mixture."""
+    """Units [sources..., partial]: sources (ids 0, 1, ...) never change; the partial does."""
 
     def __init__(self, config, pre_process: bool, post_process: bool, first_layer: int,
                  block_size: Optional[int] = None):
@@ -103,9 +103,10 @@ class AttnResStream(ResidualStream):
             self.final_query = _pseudo_query(config)
         mark_replicated(self, config)
 
-    def hop_units(self, layers_done: int) -> int:
+    def unit_ids(self, layers_done: int) -> list:
         sublayers = SUBLAYERS_PER_LAYER * layers_done
-        return 1 + sublayers // self.block_size + (1 if sublayers % self.block_size else 0)
+        sources = list(range(1 + sublayers // self.block_size))
+        return sources + ([None] if sublayers % self.block_size else [])
 
     def enter(self, embedding: Tensor) -> AttnResState:
         return AttnResState((embedding,), None)
@@ -113,11 +114,10 @@ class AttnResStream(ResidualStream):
     def exit(self, state: AttnResState) -> Tensor:
         return depth_mix(self.final_query, state.values(), self.eps)
 
-    def send(self, state: AttnResState) -> Tensor:
-        return torch.cat(state.values(), dim=0)
+    def to_units(self, state: AttnResState) -> list[Tensor]:
+        return state.values()
 
-    def receive(self, packed: Tensor, layers_done: int) -> AttnResState:
-        units = packed.chunk(self.hop_units(layers_done), dim=0)
+    def from_units(self, units: list[Tensor], layers_done: int) -> AttnResState:
         if (SUBLAYERS_PER_LAYER * layers_done) % self.block_size:
             return AttnResState(tuple(units[:-1]), units[-1])
         return AttnResState(tuple(units), None)

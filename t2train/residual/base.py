@@ -10,11 +10,11 @@ the design:
   e.g. the depth-wise attention read.
 
 ``ResidualStream`` owns the state between layers: it turns the embedding into the initial
-state (``enter``), reads the final hidden state for the last norm (``exit``), and packs the
-state into one tensor (``send``/``receive``): ``hop_units(layers_done)`` tensors of
-[s, b, h] concatenated along the sequence dim. Megatron's schedules send one tensor shape on
-every hop, so the decoder pads each hop to ``padded_hop_units``, the largest hop of the
-layout (the naive transfer; cached transfer is the depth-cache issue).
+state (``enter``), reads the final hidden state for the last norm (``exit``), and splits the
+state into [s, b, h] units (``to_units``/``from_units``) for pipeline hops and activation
+recompute. ``unit_ids`` names each unit: an id for a unit that never changes once made
+(an earlier layer's state, an AttnRes source), which a rank may keep and not receive again
+(the depth cache, ``t2train/parallel/depth_cache.py``); None for one that changes.
 """
 
 from __future__ import annotations
@@ -60,17 +60,9 @@ class ResidualStream(MegatronModule):
         self.post_process = post_process
         self.first_layer = first_layer
 
-    def hop_units(self, layers_done: int) -> int:
-        """[s, b, h] units in the packed state after ``layers_done`` layers."""
-        return 1
-
-    @property
-    def padded_hop_units(self) -> int:
-        """Units of every pipeline hop: the largest state at any chunk boundary."""
-        chunks = self.config.pipeline_model_parallel_size * (
-            self.config.virtual_pipeline_model_parallel_size or 1)
-        per_chunk = self.config.num_layers // chunks
-        return max([1] + [self.hop_units(k * per_chunk) for k in range(1, chunks)])
+    def unit_ids(self, layers_done: int) -> list:
+        """Ids of the state's units after ``layers_done`` layers (None: changes per layer)."""
+        return [None]
 
 
     def enter(self, embedding: Tensor) -> State:
@@ -79,12 +71,12 @@ class ResidualStream(MegatronModule):
     def exit(self, state: State) -> Tensor:
         raise NotImplementedError
 
-    def send(self, state: State) -> Tensor:
-        """The state as one tensor [units * s, b, h]."""
+    def to_units(self, state: State) -> list[Tensor]:
+        """The state as [s, b, h] units, in ``unit_ids`` order."""
         raise NotImplementedError
 
-    def receive(self, packed: Tensor, layers_done: int) -> State:
-        """Inverse of ``send`` for the state after ``layers_done`` layers (global count)."""
+    def from_units(self, units: list[Tensor], layers_done: int) -> State:
+        """Inverse of ``to_units`` for the state after ``layers_done`` layers (global count)."""
         raise NotImplementedError
 
 

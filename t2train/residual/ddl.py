@@ -18,7 +18,7 @@ identity-initialised causal depthwise convolution over tokens ("EC"), and every 
 the final norm read the state through a per-feature channel mix over d_v (the folded CC
 compressor, x_in_i = sum_j w_ij X_ij, initialised to the mean). The matrix state is stored
 column-major as [d_v, s, b, h]: each column X_j is updated like a vector state with its own
-v_j, and a pipeline hop sends it as [d_v * s, b, h] without any copy.
+v_j, and a pipeline hop carries its d_v columns as d_v units.
 
 Initialisation follows the authors' code: b_beta = logit(beta_init / 2) (beta ~ 1 by
 default), weights from the model's init method, v bias 0.
@@ -101,7 +101,7 @@ class DeltaResidual(SublayerResidual):
 
 
 class DeltaStream(ResidualStream):
-    """d_v = 1: the state is [s, b, h]. d_v > 1: [d_v, s, b, h], sent as [d_v * s, b, h]."""
+    """d_v = 1: the state is [s, b, h]. d_v > 1: [d_v, s, b, h], d_v units per hop."""
 
     def __init__(self, config, pre_process: bool, post_process: bool, first_layer: int):
         super().__init__(config, pre_process, post_process, first_layer)
@@ -119,8 +119,8 @@ class DeltaStream(ResidualStream):
             self.final_read = ChannelMixRead(h, self.dv, config.params_dtype)
         mark_replicated(self, config)
 
-    def hop_units(self, layers_done: int) -> int:
-        return self.dv
+    def unit_ids(self, layers_done: int) -> list:
+        return [None] * self.dv
 
     def enter(self, embedding: Tensor) -> Tensor:
         if self.expander is None:
@@ -132,11 +132,11 @@ class DeltaStream(ResidualStream):
     def exit(self, state: Tensor) -> Tensor:
         return state if self.final_read is None else self.final_read(state)
 
-    def send(self, state: Tensor) -> Tensor:
-        return state if self.dv == 1 else state.flatten(0, 1)
+    def to_units(self, state: Tensor) -> list[Tensor]:
+        return [state] if self.dv == 1 else list(state.unbind(0))
 
-    def receive(self, packed: Tensor, layers_done: int) -> Tensor:
-        return packed if self.dv == 1 else packed.unflatten(0, (self.dv, -1))
+    def from_units(self, units: list[Tensor], layers_done: int) -> Tensor:
+        return units[0] if self.dv == 1 else torch.stack(units)
 
 
 def extra_parameters(model) -> int:

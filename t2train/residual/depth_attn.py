@@ -91,10 +91,14 @@ class DepthAdditive(SublayerResidual):
 
 
 class DepthStream(ResidualStream):
-    """Packs [history..., current] along the sequence dim: K units once K-1 layers are done."""
+    """Units [history..., current]: the states entering layers l-n+1 .. l (ids l-n+1 .. l).
 
-    def hop_units(self, layers_done: int) -> int:
-        return min(layers_done, self.config.t2_model.depth_attn.window - 1) + 1
+    Every unit is the input of a finished layer and never changes, so all can be cached.
+    """
+
+    def unit_ids(self, layers_done: int) -> list:
+        count = min(layers_done, self.config.t2_model.depth_attn.window - 1) + 1
+        return list(range(layers_done - count + 1, layers_done + 1))
 
     def enter(self, embedding: Tensor) -> DepthState:
         return DepthState((), embedding)
@@ -102,11 +106,10 @@ class DepthStream(ResidualStream):
     def exit(self, state: DepthState) -> Tensor:
         return state.current
 
-    def send(self, state: DepthState) -> Tensor:
-        return torch.cat(list(state.history) + [state.current], dim=0)
+    def to_units(self, state: DepthState) -> list[Tensor]:
+        return list(state.history) + [state.current]
 
-    def receive(self, packed: Tensor, layers_done: int) -> DepthState:
-        units = packed.chunk(self.hop_units(layers_done), dim=0)
+    def from_units(self, units: list[Tensor], layers_done: int) -> DepthState:
         return DepthState(tuple(units[:-1]), units[-1])
 
 

@@ -28,11 +28,11 @@ class HiddenStateStream(ResidualStream):
     def exit(self, state: Tensor) -> Tensor:
         return state
 
-    def send(self, state: Tensor) -> Tensor:
-        return state
+    def to_units(self, state: Tensor) -> list[Tensor]:
+        return [state]
 
-    def receive(self, packed: Tensor, layers_done: int) -> Tensor:
-        return packed
+    def from_units(self, units: list[Tensor], layers_done: int) -> Tensor:
+        return units[0]
 
 
 DESIGN = ResidualDesign(

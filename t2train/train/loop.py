@@ -124,7 +124,8 @@ def train(config: Config) -> RunSummary:
             tokens_per_sec = tokens_per_step * window_steps / elapsed
             monitor.scalars(step, {"train/loss": result.loss, "train/lr": result.lr,
                                    "train/grad_norm": result.grad_norm,
-                                   "throughput/tokens_per_sec": tokens_per_sec})
+                                   "throughput/tokens_per_sec": tokens_per_sec,
+                                   **result.traffic})
             monitor.progress(step, result.loss, result.lr, tokens_per_sec, step - start_step)
             window_start, window_steps = time.monotonic(), 0
         if step % train_cfg.eval_interval == 0 or step == train_cfg.steps:

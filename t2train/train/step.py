@@ -10,6 +10,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from t2train.parallel.traffic import collect_traffic
 from t2train.train.batches import MicroBatch
 from t2train.train.setup import TrainingObjects
 
@@ -30,11 +31,13 @@ def forward_step(data_iterator, model):
 
 
 def hop_units(objs: TrainingObjects) -> int:
-    return objs.model[0].module.decoder.stream.padded_hop_units
+    return objs.model[0].module.decoder.hops.padded_units
 
 
 def _run_schedule(objs: TrainingObjects, micro_batches: list[MicroBatch], forward_only: bool):
     train = objs.config.train
+    for chunk in objs.model:
+        chunk.module.decoder.start_schedule()
     iterators = [iter(micro_batches) for _ in objs.model]
     return get_forward_backward_func()(
         forward_step_func=forward_step,
@@ -69,19 +72,22 @@ class StepResult:
     grad_norm: float
     lr: float
     skipped: bool
+    traffic: dict  # pipeline bytes and hops of this step, summed over ranks
 
 
 def train_step(objs: TrainingObjects, micro_batches: list[MicroBatch]) -> StepResult:
     for chunk in objs.model:
         chunk.train()
         chunk.zero_grad_buffer()
+        chunk.module.decoder.traffic.reset()
     objs.optimizer.zero_grad()
     losses = _run_schedule(objs, micro_batches, forward_only=False)
     updated, grad_norm, _ = objs.optimizer.step()
     if updated:
         objs.scheduler.step(increment=1)
     return StepResult(loss=_mean_loss(losses), grad_norm=float(grad_norm or 0.0),
-                      lr=objs.optimizer.param_groups[0]["lr"], skipped=not updated)
+                      lr=objs.optimizer.param_groups[0]["lr"], skipped=not updated,
+                      traffic=collect_traffic(objs.model))
 
 
 @torch.no_grad()

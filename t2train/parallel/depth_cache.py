@@ -1,0 +1,117 @@
+"""The depth cache: which residual-state units cross each pipeline hop, and the rank-local
+store that lets a hop skip units the receiving rank already holds.
+
+Depth reads need earlier layers' states, so a pipeline hop carries the residual stream's
+units (see ``ResidualStream.unit_ids``). With virtual stages, rank r runs chunks
+r, r + P, r + 2P, ... on the same micro-batch; every unit that never changes and was in the
+state rank r produced at the end of chunk c - P is still there when chunk c starts, so the
+hop into chunk c need not carry it (the Attention Residuals paper's cache-based pipeline
+communication, arXiv 2603.15031 Sec. 4.1). ``naive`` resends everything.
+
+Gradients: the first chunk on a rank where a cacheable unit appears (produced there, or
+received) owns it. Later chunks read a detached leaf whose gradient is deposited into the
+unit's slot; the owner's copy adds the slot to its own gradient when its backward runs,
+which the schedule guarantees is later (backward visits the chunks of a micro-batch in
+reverse). No graph is traversed twice and the sent (deallocated) tensor is never cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class HopPlan:
+    """Which unit ids cross the hop into each chunk, for a layout and a transfer mode."""
+
+    unit_ids: object  # (layers_done) -> list of ids, the stream's ``unit_ids``
+    pipeline: int
+    chunks: int  # pipeline * virtual stages
+    layers_per_chunk: int
+    cached: bool
+
+    def held(self, chunk: int) -> set:
+        """Ids the rank running ``chunk`` kept from its previous chunk of the micro-batch."""
+        if not self.cached or chunk < self.pipeline:
+            return set()
+        boundary = (chunk - self.pipeline + 1) * self.layers_per_chunk
+        return {uid for uid in self.unit_ids(boundary) if uid is not None}
+
+    def sent_ids(self, chunk: int) -> list:
+        """Ids carried by the hop into ``chunk`` (None: a changing unit, always sent)."""
+        held = self.held(chunk)
+        return [uid for uid in self.unit_ids(chunk * self.layers_per_chunk)
+                if uid is None or uid not in held]
+
+    @property
+    def padded_units(self) -> int:
+        """Megatron sends one tensor shape on every hop: the largest hop of the layout."""
+        return max([1] + [len(self.sent_ids(c)) for c in range(1, self.chunks)])
+
+    def hop_units(self) -> list[int]:
+        """Units each hop would carry without padding, hops into chunks 1 .. chunks-1."""
+        return [len(self.sent_ids(c)) for c in range(1, self.chunks)]
+
+
+class _AddSlotGradient(torch.autograd.Function):
+    """Identity whose backward adds the gradient later chunks deposited in ``slot``."""
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor, slot: list) -> Tensor:
+        ctx.slot = slot
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        deposited = ctx.slot[0]
+        return (grad if deposited is None else grad + deposited), None
+
+
+@dataclass
+class _Entry:
+    tensor: Tensor  # the owner's copy (before its gradient augmentation)
+    slot: list = field(default_factory=lambda: [None])
+
+
+class DepthCache:
+    """Units this rank holds, per micro-batch, shared by all its virtual-stage chunks."""
+
+    def __init__(self):
+        self._store: dict[int, dict[int, _Entry]] = {}
+
+    def holds(self, micro_batch: int, uid: Optional[int]) -> bool:
+        return uid is not None and uid in self._store.get(micro_batch, {})
+
+    def own(self, micro_batch: int, uid: int, tensor: Tensor) -> Tensor:
+        """Register the owner's copy; use the returned tensor downstream in its chunk."""
+        entry = _Entry(tensor.detach())
+        self._store.setdefault(micro_batch, {})[uid] = entry
+        if not tensor.requires_grad:
+            return tensor
+        return _AddSlotGradient.apply(tensor, entry.slot)
+
+    def read(self, micro_batch: int, uid: int) -> Tensor:
+        """A later chunk's copy: a leaf whose gradient goes to the owner's slot."""
+        entry = self._store[micro_batch][uid]
+        leaf = entry.tensor.detach().requires_grad_(torch.is_grad_enabled())
+        if leaf.requires_grad:
+            leaf.register_hook(lambda grad, slot=entry.slot: _deposit(slot, grad))
+        return leaf
+
+    def drop(self, micro_batch: int) -> None:
+        """Forget a micro-batch once no later chunk on this rank will read it."""
+        self._store.pop(micro_batch, None)
+
+    def clear(self) -> None:
+        self._store.clear()
+
+    def __len__(self) -> int:
+        return sum(len(units) for units in self._store.values())
+
+
+def _deposit(slot: list, grad: Tensor) -> None:
+    slot[0] = grad if slot[0] is None else slot[0] + grad
