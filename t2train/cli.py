@@ -40,6 +40,33 @@ def _cmd_train(args) -> int:
         print(f"done: step {summary.final_step}, val loss {summary.val_losses[first]:.4f} "
               f"(step {first}) -> {summary.val_losses[last]:.4f} (step {last}); "
               f"run dir {summary.run_dir}")
+    if summary.stopped:
+        from t2train.train.preemption import REQUEUE_EXIT_CODE
+
+        if _is_rank_zero():
+            print(f"stopped early at step {summary.final_step} ({summary.stopped}); saved "
+                  f"{summary.checkpoint}; exit code {REQUEUE_EXIT_CODE}: run again to resume")
+        return REQUEUE_EXIT_CODE
+    return 0
+
+
+def _cmd_launch(args) -> int:
+    from t2train.launch.launcher import launch
+
+    return launch(args)
+
+
+def _cmd_plan(args) -> int:
+    from t2train.config.loader import load_config
+    from t2train.parallel.plan import format_plan, plan_layout
+
+    given = any(item.startswith("data.path=") for item in args.overrides)
+    # The plan reads no data; a placeholder satisfies the config's required field.
+    config = load_config(args.preset, args.config,
+                         args.overrides if given else ["data.path=unused", *args.overrides])
+    vocab = config.model.vocab_size or args.vocab_size
+    world = args.world_size or config.parallel.tensor * config.parallel.pipeline
+    print(format_plan(config, plan_layout(config, vocab, world)))
     return 0
 
 
@@ -58,6 +85,7 @@ def _is_rank_zero() -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     from t2train.data.cli import register as register_data
+    from t2train.launch.launcher import LAUNCH_EPILOG, add_arguments as add_launch_arguments
 
     parser = argparse.ArgumentParser(
         prog="t2train",
@@ -76,6 +104,28 @@ def build_parser() -> argparse.ArgumentParser:
     show = commands.add_parser("config", help="print the resolved, validated config as YAML")
     _add_config_arguments(show)
     show.set_defaults(handler=_cmd_config)
+
+    plan = commands.add_parser(
+        "plan", help="per pipeline stage: parameters, memory, depth cache, bytes per hop",
+        description="Estimate what a layout puts on each pipeline stage (parameters, "
+                    "activation and depth-cache memory) and the exact bytes of each pipeline "
+                    "hop, naive vs cached, without running anything.",
+        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_arguments(plan)
+    plan.add_argument("--world-size", type=int, help="processes (default TP x PP, i.e. DP = 1)")
+    plan.add_argument("--vocab-size", type=int, default=32000,
+                      help="vocabulary when model.vocab_size is unset (default 32000)")
+    plan.set_defaults(handler=_cmd_plan)
+
+    launch = commands.add_parser(
+        "launch", help="train under torchrun: one machine, or each node of a SLURM job step",
+        description="Run `t2train train` under torchrun. Inside a SLURM job step (srun, one "
+                    "task per node) the nodes, node rank and c10d rendezvous come from SLURM; "
+                    "otherwise it runs standalone on this machine. Prints the topology first.",
+        epilog=LAUNCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_launch_arguments(launch)
+    _add_config_arguments(launch)
+    launch.set_defaults(handler=_cmd_launch)
 
     register_data(commands)
     return parser

@@ -45,3 +45,19 @@ def test_config_prints_resolved_yaml(tmp_path):
                    cwd=tmp_path)
     assert proc.returncode == 0
     assert "num_layers: 2" in proc.stdout and "residual: standard" in proc.stdout
+
+
+def test_plan_prints_stages_and_hops(tmp_path):
+    proc = t2train("plan", "--preset", "tiny", "model.residual=attnres", "model.num_layers=8",
+                   "parallel.pipeline=4", "parallel.virtual_pipeline=2",
+                   "train.global_batch_size=32", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "hops  naive: units per hop [3, 5, 7, 9, 11, 13, 15]" in proc.stdout
+    assert "hops cached: units per hop [3, 5, 7, 6, 6, 6, 6]" in proc.stdout
+    assert proc.stdout.count("\n") >= 7  # header, columns, 4 stages, 2 hop lines
+
+
+def test_plan_refuses_impossible_layouts(tmp_path):
+    proc = t2train("plan", "--preset", "tiny", "parallel.pipeline=3", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "model.num_layers=4: must be divisible by parallel.pipeline" in proc.stderr

@@ -86,3 +86,11 @@ def test_world_size_must_fit_layout():
     with pytest.raises(ConfigError, match="must divide the world size 3"):
         config.validate_world(3)
     assert config.validate_world(4) == 2
+
+
+def test_interleaving_needs_micro_batches_divisible_by_pipeline():
+    config = load_config("tiny", overrides=DATA + ["parallel.pipeline=2",
+                                                    "parallel.virtual_pipeline=2",
+                                                    "train.global_batch_size=24"])
+    with pytest.raises(ConfigError, match="gives 3 micro-batches per step"):
+        config.validate_world(2)

@@ -27,16 +27,15 @@ LAYOUTS = ["1x1x1", "2x1x1", "1x2x1", "1x2x2"]
 @pytest.fixture(scope="module")
 def losses(tmp_path_factory):
     scratch = tmp_path_factory.mktemp("layouts")
-    result = run_torchrun("layout_equivalence.py", 2,
-                          ["--scratch", str(scratch), "--layouts", ",".join(LAYOUTS),
-                           "--models", ";".join(MODELS.values())], scratch / "result.json",
-                          timeout=1200)
-    return result["losses"]
+    runs = ";".join(f"{','.join(LAYOUTS)}|{model}" for model in MODELS.values())
+    result = run_torchrun("layout_equivalence.py", 2, ["--scratch", str(scratch), "--runs", runs],
+                          scratch / "result.json", timeout=1200)
+    return {run.split("|")[1]: layouts for run, layouts in result["runs"].items()}
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_layouts_match_single_process(losses, model):
-    runs = losses[MODELS[model]]
+    runs = {layout: run["losses"] for layout, run in losses[MODELS[model]].items()}
     reference = runs["1x1x1"]
     assert len(reference) == 3 and reference[0] > reference[-1] - 1.0
     for layout in LAYOUTS[1:]:

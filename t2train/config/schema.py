@@ -197,8 +197,14 @@ class TrainConfig:
     eval_interval: int = 50
     eval_batches: int = 4
     log_interval: int = 10
+    # Save and stop at the next step boundary (exit code 75, see t2train/train/preemption.py)
+    # on these signals, or once this process has run exit_duration_mins (0 = no limit).
+    exit_signals: str = "SIGUSR1,SIGTERM"
+    exit_duration_mins: float = 0.0
 
     def validate(self) -> None:
+        from t2train.train.preemption import parse_signals
+
         for name in ("steps", "micro_batch_size", "global_batch_size", "eval_interval",
                      "eval_batches", "log_interval"):
             _require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name),
@@ -219,21 +225,55 @@ class TrainConfig:
         _require(self.clip_grad >= 0, "train.clip_grad", self.clip_grad,
                  "must be >= 0 (0 disables clipping)")
         _require(self.seed >= 0, "train.seed", self.seed, "must be >= 0")
+        parse_signals(self.exit_signals)
+        _require(self.exit_duration_mins >= 0, "train.exit_duration_mins",
+                 self.exit_duration_mins, "must be >= 0 (0 disables the time limit)")
 
 
 @dataclass
 class DataConfig:
     """A prepared dataset directory (``t2train data prepare``): MDS shards plus tokenizer."""
 
-    path: str = ""
+    path: str = ""  # the dataset: trained on (unless ``mix`` is set) and evaluated on (val)
     remote: Optional[str] = None  # object-store URL streamed into ``path`` as a local cache
     shuffle: bool = True
     num_workers: int = 0
+    # Train on several prepared datasets instead, mixed by relative weight:
+    # "DIR=WEIGHT,DIR=WEIGHT", e.g. "data/web=3,data/code=1" (75% / 25% of every epoch's
+    # samples). They must share data.path's tokenizer; data.remote applies to data.path if listed.
+    mix: str = ""
+    # Fixes the sample order independently of the number of nodes (mosaicml-streaming); it must
+    # divide, or be a multiple of, the node count a run starts on (1 fits any). A resumed run
+    # keeps the value of its checkpoint and may change the node count.
+    num_canonical_nodes: int = 1
 
     def validate(self) -> None:
         _require(bool(self.path), "data.path", self.path,
                  "must name a prepared dataset directory (see `t2train data prepare`)")
         _require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0")
+        _require(self.num_canonical_nodes >= 1, "data.num_canonical_nodes",
+                 self.num_canonical_nodes, "must be >= 1")
+        self.mix_weights()
+
+    def mix_weights(self) -> list[tuple[str, float]]:
+        """``mix`` as (dataset directory, weight) pairs, [] when unset; checks its syntax."""
+        if not self.mix:
+            return []
+        pairs = []
+        for entry in self.mix.split(","):
+            path, _, weight = entry.strip().rpartition("=")
+            try:
+                value = float(weight)
+            except ValueError:
+                value = None
+            _require(bool(path) and value is not None and 0 < value < float("inf"), "data.mix",
+                     self.mix, f"entry {entry.strip()!r} must be DIR=WEIGHT with a weight > 0, "
+                     "entries separated by commas")
+            pairs.append((path, value))
+        paths = [path for path, _ in pairs]
+        _require(len(set(paths)) == len(paths), "data.mix", self.mix,
+                 "must name each dataset directory once")
+        return pairs
 
 
 @dataclass
@@ -290,6 +330,12 @@ class Config:
         _require(self.train.global_batch_size % per_step == 0, "train.global_batch_size",
                  self.train.global_batch_size,
                  f"must be a multiple of micro_batch_size * data_parallel = {per_step}")
+        if self.parallel.virtual_pipeline > 1:
+            micro_batches = self.train.global_batch_size // per_step
+            _require(micro_batches % self.parallel.pipeline == 0, "train.global_batch_size",
+                     self.train.global_batch_size,
+                     f"gives {micro_batches} micro-batches per step; the interleaved schedule "
+                     f"needs a multiple of parallel.pipeline={self.parallel.pipeline}")
         return dp
 
     @property

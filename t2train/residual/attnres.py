@@ -91,6 +91,13 @@ class FullAttnResidual(BlockAttnResidual):
         return AttnResState(state.sources + (out,), None)
 
 
+def source_unit_ids(layers_done: int, block_size: int) -> list:
+    """Sources 0 .. n-1 (embedding, completed blocks) and None for an open block's partial."""
+    sublayers = SUBLAYERS_PER_LAYER * layers_done
+    sources = list(range(1 + sublayers // block_size))
+    return sources + ([None] if sublayers % block_size else [])
+
+
 class AttnResStream(ResidualStream):
     """Units [sources..., partial]: sources (ids 0, 1, ...) never change; the partial does."""
 
@@ -104,9 +111,7 @@ class AttnResStream(ResidualStream):
         mark_replicated(self, config)
 
     def unit_ids(self, layers_done: int) -> list:
-        sublayers = SUBLAYERS_PER_LAYER * layers_done
-        sources = list(range(1 + sublayers // self.block_size))
-        return sources + ([None] if sublayers % self.block_size else [])
+        return source_unit_ids(layers_done, self.block_size)
 
     def enter(self, embedding: Tensor) -> AttnResState:
         return AttnResState((embedding,), None)

@@ -1,8 +1,9 @@
 """Train 3 steps in several (TP, PP, VPP) layouts from the same weights; report losses.
 
-For each model (``--models``: ``;``-separated lists of ``,``-separated overrides), the first
-layout trains from its seed and saves a step-0 checkpoint; every other layout loads that
-checkpoint (Megatron resharding) and trains on the same global batches.
+``--runs`` is a ``;``-separated list of ``LAYOUTS|OVERRIDES`` (layouts like ``1x2x2`` and
+overrides like ``model.residual=ddl``, each ``,``-separated). For each, the first layout
+trains from its seed and saves a step-0 checkpoint; every other layout loads that checkpoint
+(Megatron resharding) and trains on the same global batches.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from t2train.parallel.init import init_distributed, init_model_parallel, set_see
 from t2train.train.setup import build_training_objects
 from t2train.train.step import train_step
 
-VOCAB, SEQ, MICRO, GLOBAL, STEPS = 128, 16, 1, 4, 3
+VOCAB, SEQ, MICRO, GLOBAL, STEPS = 128, 8, 1, 4, 3
 
 
 def global_batches():
@@ -32,13 +33,13 @@ def global_batches():
 
 
 def run_layout(layout: tuple[int, int, int], overrides: list[str], checkpoint: Path,
-               load: bool) -> list[float]:
+               load: bool) -> dict:
     tp, pp, vpp = layout
     parallel_state.destroy_model_parallel()
     topology = init_model_parallel(tp, pp, vpp)
     set_seed(11, topology)
     config = load_config(overrides=[
-        "data.path=unused", "model.num_layers=4", "model.hidden_size=64",
+        "data.path=unused", "model.num_layers=4", "model.hidden_size=32",
         "model.num_attention_heads=4", f"model.seq_length={SEQ}", f"parallel.tensor={tp}",
         f"parallel.pipeline={pp}", f"parallel.virtual_pipeline={vpp}",
         f"train.micro_batch_size={MICRO}", f"train.global_batch_size={GLOBAL}",
@@ -50,23 +51,26 @@ def run_layout(layout: tuple[int, int, int], overrides: list[str], checkpoint: P
         save_checkpoint(checkpoint.parent, 0, objs, {})
     dp, dp_rank = topology.dp_size, topology.dp_rank
     per_replica = GLOBAL // MICRO // dp
-    return [train_step(objs, batch[dp_rank * per_replica:(dp_rank + 1) * per_replica]).loss
-            for batch in global_batches()]
+    results = [train_step(objs, batch[dp_rank * per_replica:(dp_rank + 1) * per_replica])
+               for batch in global_batches()]
+    return {"losses": [r.loss for r in results], "traffic": results[0].traffic,
+            "padded_units": objs.model[0].module.decoder.hops.padded_units}
 
 
 def main() -> None:
-    args = parse_args([("--scratch", str), ("--layouts", str), ("--models", str)])
-    layouts = [tuple(int(n) for n in item.split("x")) for item in args.layouts.split(",")]
+    args = parse_args([("--scratch", str), ("--runs", str)])
     init_distributed()
-    losses = {}
-    for number, model in enumerate(args.models.split(";")):
+    results = {}
+    for number, run in enumerate(args.runs.split(";")):
+        layouts, overrides = run.split("|")
         checkpoint = Path(args.scratch) / str(number) / "step_00000000"
-        losses[model] = {}
-        for index, layout in enumerate(layouts):
-            losses[model]["x".join(map(str, layout))] = run_layout(
-                layout, model.split(","), checkpoint, load=index > 0)
+        results[run] = {}
+        for index, layout in enumerate(layouts.split(",")):
+            shape = tuple(int(n) for n in layout.split("x"))
+            results[run][layout] = run_layout(shape, overrides.split(","), checkpoint,
+                                              load=index > 0)
             dist.barrier()
-    write_result(args.out, {"losses": losses})
+    write_result(args.out, {"runs": results})
 
 
 if __name__ == "__main__":
