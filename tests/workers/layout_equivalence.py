@@ -12,12 +12,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
-from common import parse_args, write_result
+from common import parse_args, use_layout, write_result
 from t2train.checkpoint.store import load_checkpoint, save_checkpoint
 from t2train.config.loader import load_config
-from t2train.parallel.init import init_distributed, init_model_parallel, set_seed
+from t2train.parallel.init import init_distributed, set_seed
 from t2train.train.setup import build_training_objects
 from t2train.train.step import train_step
 
@@ -35,8 +34,7 @@ def global_batches():
 def run_layout(layout: tuple[int, int, int], overrides: list[str], checkpoint: Path,
                load: bool) -> dict:
     tp, pp, vpp = layout
-    parallel_state.destroy_model_parallel()
-    topology = init_model_parallel(tp, pp, vpp)
+    topology = use_layout(tp, pp, vpp)
     set_seed(11, topology)
     config = load_config(overrides=[
         "data.path=unused", "model.num_layers=4", "model.hidden_size=32",

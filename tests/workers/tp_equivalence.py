@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import dist_checkpointing
 
-from common import fixed_batch, parse_args, write_result
+from common import fixed_batch, parse_args, use_layout, write_result
 from t2train.config.loader import load_config
 from t2train.model.build import build_model_chunks, transformer_config
-from t2train.parallel.init import init_distributed, init_model_parallel, set_seed
+from t2train.parallel.init import init_distributed, set_seed
 
 VOCAB = 256
 
 
 def build(tp: int, extra: list[str]):
-    parallel_state.destroy_model_parallel()
-    topology = init_model_parallel(tp, 1, 1)
+    topology = use_layout(tp, 1, 1)
     set_seed(7, topology)
     config = load_config("tiny", overrides=["data.path=unused", "model.seq_length=32",
                                             f"parallel.tensor={tp}", *extra])
