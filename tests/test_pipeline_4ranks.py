@@ -20,8 +20,10 @@ DESIGNS = {
     "block_attnres": "model.residual=block_attnres,model.attnres.block_size=4",
 }
 DEEP = "model.num_layers=8"  # 4 stages x 2 virtual stages of one layer each
+RECOMPUTE = {"depth_attn": ",model.recompute=full"}  # cached leaves as recompute inputs
 CACHE = {
-    f"{name}_{mode}": f"1x1x1,1x4x2|{DESIGNS[name]},{DEEP},parallel.depth_cache={mode}"
+    f"{name}_{mode}": (f"1x1x1,1x4x2|{DESIGNS[name]},{DEEP},parallel.depth_cache={mode}"
+                       f"{RECOMPUTE.get(name, '')}")
     for name in ("attnres", "block_attnres", "depth_attn") for mode in ("naive", "cached")
 }
 DATA_PARALLEL = {
