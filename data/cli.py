@@ -14,7 +14,8 @@ PREPARE_EPILOG = """\
 examples:
   t2train data prepare --corpus shakespeare --out data/shakespeare --seq-length 256
   t2train data prepare --input 'corpus/*.jsonl' --text-field content --out data/web \\
-      --tokenizer my/tokenizer.json
+      --tokenizer my/tokenizer.json --workers 8
+  t2train data prepare --input 'crawl/*.parquet' --out data/crawl --vocab-size 32000
 writes OUT/train/ and OUT/val/ (MDS shards), OUT/tokenizer.json and OUT/index.json;
 train with: t2train train ... data.path=OUT
 """
@@ -22,6 +23,10 @@ train with: t2train train ... data.path=OUT
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("T2TRAIN_CACHE") or Path.home() / ".cache" / "t2train")
+
+
+def default_workers() -> int:
+    return len(os.sched_getaffinity(0))
 
 
 def register(subparsers) -> None:
@@ -40,8 +45,9 @@ def register(subparsers) -> None:
         epilog=PREPARE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = prepare.add_mutually_exclusive_group(required=True)
     source.add_argument("--input", action="append", metavar="PATH_OR_GLOB",
-                        help="a .txt file (one document) or .jsonl file (one document per "
-                             "line), or a glob of them; repeat for more (quote globs)")
+                        help="a .txt file (one document), .jsonl file (one document per "
+                             "line) or .parquet file (one document per row), or a glob of "
+                             "them; repeat for more (quote globs)")
     source.add_argument("--corpus", choices=sorted(CORPORA),
                         help="a named public corpus, downloaded once into --cache-dir")
     prepare.add_argument("--out", required=True, help="the dataset directory to create")
@@ -55,12 +61,19 @@ def register(subparsers) -> None:
                          help="use this Hugging Face tokenizer.json instead of training one; "
                               "it must define the <|endoftext|> token")
     prepare.add_argument("--text-field", default="text",
-                         help="the JSON field holding each document's text in .jsonl inputs; "
-                              "default %(default)s")
+                         help="the JSON field (.jsonl) or column (.parquet) holding each "
+                              "document's text; default %(default)s")
     prepare.add_argument("--val-fraction", type=float, default=0.05,
                          help="share of samples held out for validation; default %(default)s")
     prepare.add_argument("--seed", type=int, default=0,
                          help="seed of the train/val assignment; default %(default)s")
+    prepare.add_argument("--workers", type=int, default=default_workers(),
+                         help="processes that tokenize in parallel (1: in this process); the "
+                              "output is the same for any number; default: the usable CPUs, "
+                              "%(default)s here")
+    prepare.add_argument("--compression", default="zstd",
+                         help="shard compression (a mosaicml-streaming codec, e.g. zstd, "
+                              "zstd:9, gz, br, snappy) or 'none'; default %(default)s")
     prepare.add_argument("--overwrite", action="store_true",
                          help="replace a dataset already in --out")
     _add_cache_dir(prepare)
@@ -107,12 +120,14 @@ def _prepare(args) -> int:
     index = prepare_dataset(inputs, args.out, args.seq_length, vocab_size=args.vocab_size,
                             tokenizer=args.tokenizer, val_fraction=args.val_fraction,
                             seed=args.seed, text_field=args.text_field,
-                            overwrite=args.overwrite)
+                            overwrite=args.overwrite, workers=args.workers,
+                            compression=None if args.compression == "none" else args.compression,
+                            progress=sys.stderr.isatty())
     elapsed = time.monotonic() - start
     total = index["total_tokens"]
     tok = index["tokenizer"]
     print(f"prepared {args.out}: {total:,} tokens from {len(index['sources'])} files in "
-          f"{elapsed:.1f}s ({total / elapsed:,.0f} tokens/s)")
+          f"{elapsed:.1f}s ({total / elapsed:,.0f} tokens/s, {args.workers} worker(s))")
     for split, facts in index["splits"].items():
         print(f"  {split:<5} {facts['samples']:>9,} samples of {index['seq_length'] + 1} tokens "
               f"in {facts['shards']} shard(s)")
@@ -120,7 +135,9 @@ def _prepare(args) -> int:
           f"{index['eos_id']}, sha256 {tok['sha256'][:12]}")
     skipped = len(index["skipped_empty_files"])
     replaced = sum(s["replaced_chars"] for s in index["sources"])
+    empty_docs = sum(s["empty_documents"] for s in index["sources"])
     notes = [f"skipped {skipped} empty file(s)"] if skipped else []
+    notes += [f"skipped {empty_docs} empty document(s)"] if empty_docs else []
     notes += [f"replaced {replaced} invalid UTF-8 sequence(s) with U+FFFD"] if replaced else []
     notes += [f"dropped the last {index['dropped_tokens']} tokens (less than one sample)"]
     print(f"  {'; '.join(notes)}")

@@ -8,12 +8,11 @@ How mosaicml-streaming 0.13 learns its world, and how this module overrides it:
 
 * It reads the environment variables RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE, not
   torch.distributed, and not only at construction: ``StreamingDataset()`` reads them
-  (``World.detect``), so does ``clean_stale_shared_memory()`` (which rank cleans), and
-  ``StreamingDataLoader.state_dict()`` reads them again (it multiplies this rank's sample count
+  (``World.detect``), and ``StreamingDataLoader.state_dict()`` reads them again (it multiplies this rank's sample count
   by WORLD_SIZE). ``streaming_env`` sets them to the readers' world for every call into
   streaming and restores them afterwards, so the trainer's own environment stays untouched.
 * It calls ``torch.distributed.barrier()`` on the *default* group while constructing a dataset
-  (three times) and while cleaning shared memory (once). When only some ranks read, the others
+  (three times). When only some ranks read, the others
   never enter those barriers and the readers hang. ``streaming_env`` routes those barriers to
   a group of the readers only (``StreamingWorld.group``, made by ``reader_world``).
 """
@@ -26,19 +25,19 @@ import socket
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from streaming import StreamingDataLoader, StreamingDataset
-from streaming.base.util import clean_stale_shared_memory
 
 from t2train.data.errors import DataError
-from t2train.data.prepare import read_index
+from t2train.data.shm import clean_stale_streaming_files
+from t2train.data.streams import DataStream, split_streams
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-_shm_cleaned = False  # stale shared memory is cleaned once per process (see _clean_stale_shm)
+_host_cleaned = False  # stale streaming files are cleaned once per process (_clean_stale_files)
 
 
 @dataclass(frozen=True)
@@ -126,42 +125,53 @@ def reader_world(is_reader: bool, dp_rank: int, dp_size: int,
 
 
 class TokenBatches:
-    """Micro-batches ``{"tokens", "labels"}`` (int64 ``[micro_batch_size, seq_length]``) of one
-    split, for one data-parallel replica; ``labels`` are ``tokens`` shifted by one.
+    """Micro-batches ``{"tokens", "labels", "sample_ids"}`` of one split, for one data-parallel
+    replica: ``tokens``/``labels`` are int64 ``[micro_batch_size, seq_length]``, ``labels`` the
+    tokens shifted by one, and ``sample_ids`` (int64 ``[micro_batch_size]``) name the samples.
 
-    By default it never ends (a new epoch follows each one) and drops the last partial batch, so
-    every batch has the same shape; ``state_dict()``/``load_state_dict()`` resume exactly.
-    ``finite=True`` yields one pass (last batch possibly smaller) per ``for`` loop, for
-    validation. ``remote`` (an object-store URL of a prepared dataset) streams shards into
-    ``path``, which then acts as the local cache and must hold the dataset's index.json.
+    ``path`` is a prepared dataset directory, or several ``DataStream``s to mix. ``remote``
+    (an object-store URL of a prepared dataset) streams shards into ``path``, which then acts
+    as the local cache. By default it never ends (a new epoch follows each one) and drops the
+    last partial batch, so every batch has the same shape; ``state_dict()`` /
+    ``load_state_dict()`` resume exactly. ``finite=True`` yields one pass (last batch possibly
+    smaller) per ``for`` loop, for validation.
+
+    The sample order depends on the datasets, ``seed`` and ``num_canonical_nodes`` only, not
+    on the number of readers: sample ids follow one global sequence, of which each step's
+    micro-batches over all readers take the next ``micro_batch_size * readers * micro-batches``
+    (reader ``r`` of ``R`` on one host takes every ``R``-th). So a run resumed with another
+    number of data-parallel readers and the same global batch continues the same sequence.
+    ``num_canonical_nodes`` must divide, or be a multiple of, the readers' node count of a
+    fresh run (the default 1 fits any); a resumed run keeps the value and seed of its state.
     """
 
-    def __init__(self, path: str | Path, split: str, micro_batch_size: int, seq_length: int,
-                 world: StreamingWorld, seed: int, shuffle: bool = True,
-                 remote: Optional[str] = None, num_workers: int = 0, finite: bool = False):
-        index = read_index(path)
-        if split not in index["splits"]:
-            raise DataError(f"dataset {path}: no split {split!r} (has "
-                            f"{', '.join(index['splits'])})")
-        if seq_length > index["seq_length"]:
-            raise DataError(f"seq_length={seq_length}: needs samples of {seq_length + 1} tokens, "
-                            f"but the samples of {path} have {index['seq_length'] + 1} tokens "
-                            f"(prepared with seq_length={index['seq_length']})")
+    def __init__(self, path: str | Path | Sequence[DataStream], split: str,
+                 micro_batch_size: int, seq_length: int, world: StreamingWorld, seed: int,
+                 shuffle: bool = True, remote: Optional[str] = None, num_workers: int = 0,
+                 finite: bool = False, num_canonical_nodes: int = 1):
+        if isinstance(path, (str, Path)):
+            path = [DataStream(path, remote)]
+        elif remote is not None:
+            raise ValueError("remote: give each DataStream its own remote when mixing datasets")
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={micro_batch_size}: must be >= 1")
-        self.where = f"{path}/{split}"
-        self.samples = index["splits"][split]["samples"]
+        if num_canonical_nodes < 1:
+            raise ValueError(f"num_canonical_nodes={num_canonical_nodes}: must be >= 1")
+        self.where = " + ".join(f"{stream.path}/{split}" for stream in path)
         self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
         self.world, self.finite = world, finite
+        streams = split_streams(path, split, seq_length)
         with streaming_env(world):
-            _clean_stale_shm()
-            self.dataset = StreamingDataset(
-                local=str(Path(path) / split),
-                remote=f"{remote.rstrip('/')}/{split}" if remote else None,
-                shuffle=shuffle, shuffle_seed=seed, batch_size=micro_batch_size)
+            if world.local_rank == 0:
+                _clean_stale_files()
+            if dist.is_initialized():  # every reader picks its prefix after the cleaning
+                dist.barrier()
+            self.dataset = _NumberedDataset(
+                streams=streams, shuffle=shuffle, shuffle_seed=seed,
+                num_canonical_nodes=num_canonical_nodes, batch_size=micro_batch_size)
             self.loader = StreamingDataLoader(self.dataset, batch_size=micro_batch_size,
                                               num_workers=num_workers, drop_last=not finite,
-                                              collate_fn=_stack_tokens)
+                                              collate_fn=_collate)
         self._batches: Optional[Iterator[dict]] = None  # the current pass (epoch)
 
     def __iter__(self) -> "TokenBatches":
@@ -180,8 +190,8 @@ class TokenBatches:
                 self._batches = None
                 if self.finite:
                     raise StopIteration
-        raise DataError(f"{self.where}: {self.samples} samples give no full micro-batch of "
-                        f"{self.micro_batch_size} per data-parallel reader ("
+        raise DataError(f"{self.where}: {self.dataset.epoch_size} samples give no full "
+                        f"micro-batch of {self.micro_batch_size} per data-parallel reader ("
                         f"{self.world.world_size} readers); lower the micro-batch size or add data")
 
     def state_dict(self) -> dict:
@@ -195,27 +205,34 @@ class TokenBatches:
             self.loader.load_state_dict(state)
         self._batches = None
 
-    def _shift(self, samples: torch.Tensor) -> dict[str, torch.Tensor]:
-        samples = samples.to(torch.int64)  # stored as uint16/uint32
+    def _shift(self, batch: dict) -> dict[str, torch.Tensor]:
+        samples = batch["tokens"].to(torch.int64)  # stored as uint16/uint32
         return {"tokens": samples[:, :self.seq_length].contiguous(),
-                "labels": samples[:, 1:self.seq_length + 1].contiguous()}
+                "labels": samples[:, 1:self.seq_length + 1].contiguous(),
+                "sample_ids": batch["sample_ids"]}
 
 
-def _stack_tokens(samples: list[dict]) -> torch.Tensor:
-    """One ``[batch, sample_length]`` tensor (a writable copy of streaming's read-only arrays)."""
-    return torch.from_numpy(np.stack([sample["tokens"] for sample in samples]))
+class _NumberedDataset(StreamingDataset):
+    """A ``StreamingDataset`` whose samples carry their ``sample_id``: the sample's index in
+    the loader's datasets (stream after stream, each in stored order), so a test or tool can
+    name exactly which samples a reader saw, across resumption and reader counts."""
+
+    def get_item(self, sample_id: int, retry: int = 7) -> dict:
+        return dict(super().get_item(sample_id, retry), sample_id=sample_id)
 
 
-def _clean_stale_shm() -> None:
-    """Remove shared memory left by killed runs, once per process, before its first dataset.
+def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    """One ``[batch, sample_length]`` tensor (a writable copy of streaming's read-only arrays)
+    and the samples' ids."""
+    return {"tokens": torch.from_numpy(np.stack([sample["tokens"] for sample in samples])),
+            "sample_ids": torch.tensor([sample["sample_id"] for sample in samples],
+                                       dtype=torch.int64)}
 
-    Not again later: ``clean_stale_shared_memory`` unlinks every streaming segment on the host,
-    including those of this process's live datasets (and of any other streaming job running
-    on the same host at that moment). It is best effort: it stops at the first prefix number
-    with nothing left over, and streaming never deletes its ``/tmp/<prefix>_*_filelock`` files,
-    so each run takes new, higher prefixes and leftovers above them can stay.
-    """
-    global _shm_cleaned
-    if not _shm_cleaned:
-        clean_stale_shared_memory()
-        _shm_cleaned = True
+
+def _clean_stale_files() -> None:
+    """Remove what killed runs left on this host, once per process, before its first dataset
+    (``shm.py``; live datasets of this and other jobs are never touched)."""
+    global _host_cleaned
+    if not _host_cleaned:
+        clean_stale_streaming_files()
+        _host_cleaned = True

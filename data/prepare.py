@@ -1,4 +1,4 @@
-"""Turn text files into a prepared dataset: MDS shards of fixed-length token samples.
+"""Turn input files into a prepared dataset: MDS shards of fixed-length token samples.
 
 Layout of ``out_dir`` (what ``t2train train data.path=...`` reads)::
 
@@ -8,15 +8,14 @@ Layout of ``out_dir`` (what ``t2train train data.path=...`` reads)::
 
 Documents are joined with the EOS token into one stream that is cut into samples of
 ``seq_length + 1`` tokens (inputs plus the next-token label), so no padding is ever trained on.
-Inputs are streamed in bounded pieces, never read whole. Everything is written into a hidden
-temporary directory beside ``out_dir`` and renamed at the end: an interrupted run leaves no
-directory that looks like a finished dataset.
+Inputs are streamed in bounded pieces (``inputs.py``) and encoded in bounded batches, in
+order, possibly by several processes (``tokenize.py``), so memory does not grow with the
+input. Everything is written into a hidden temporary directory beside ``out_dir`` and renamed
+at the end: an interrupted run leaves no directory that looks like a finished dataset.
 """
 
 from __future__ import annotations
 
-import codecs
-import glob
 import json
 import shutil
 import uuid
@@ -27,10 +26,13 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 from streaming import MDSWriter
 from streaming.base.compression import get_compressions, is_compression
+from tqdm import tqdm
 
 from t2train.data.errors import DataError
+from t2train.data.inputs import InputFile, resolve_inputs
+from t2train.data.tokenize import Batch, encode_batches
 from t2train.data.tokenizer import (TOKENIZER_FILE, eos_id, load_tokenizer, save_tokenizer,
-                                    train_tokenizer)
+                                    token_dtype, train_tokenizer)
 
 __all__ = ["DataError", "prepare_dataset", "read_index", "resolve_inputs"]
 
@@ -38,35 +40,37 @@ FORMAT = "t2train-mds"
 VERSION = 1
 INDEX_FILE = "index.json"
 SPLITS = ("train", "val")
-SUFFIXES = (".txt", ".jsonl")
-_READ_BYTES = 1 << 20  # longest read from a file at once
-_PIECE_CHARS = 1 << 18  # a plain-text piece is cut at the next blank line after this size
 _BATCH_CHARS = 1 << 22  # text handed to the tokenizer per (parallel) batch
-_FFFD = "\ufffd".encode()
 
 
 def prepare_dataset(inputs: Sequence[str], out_dir: str | Path, seq_length: int,
                     vocab_size: int = 8192, tokenizer: Optional[str | Path] = None,
                     val_fraction: float = 0.05, compression: Optional[str] = "zstd",
-                    seed: int = 0, text_field: str = "text", overwrite: bool = False) -> dict:
-    """Tokenize ``inputs`` (files or globs; ``.txt`` or ``.jsonl``) into ``out_dir``.
+                    seed: int = 0, text_field: str = "text", overwrite: bool = False,
+                    workers: int = 1, progress: bool = False) -> dict:
+    """Tokenize ``inputs`` (files or globs; ``.txt``, ``.jsonl``, ``.parquet``) into ``out_dir``.
 
-    A ``.txt`` file is one document; each line of a ``.jsonl`` file is one, its text in
-    ``text_field``. Without ``tokenizer`` (a ``tokenizer.json``), a byte-level BPE of
-    ``vocab_size`` is trained on the inputs first. Each sample goes to ``val`` with probability
+    A ``.txt`` file is one document; each line of a ``.jsonl`` file and each row of a
+    ``.parquet`` file is one, its text in ``text_field``. Without ``tokenizer`` (a
+    ``tokenizer.json``), a byte-level BPE of ``vocab_size`` is trained on the inputs first.
+    ``workers`` processes encode the text (the output does not depend on it); ``progress``
+    shows progress bars on stderr. Each sample goes to ``val`` with probability
     ``val_fraction`` (seeded), and both splits get at least one sample. Returns the index
     written to ``out_dir/index.json``.
     """
-    _check_settings(seq_length, val_fraction, compression, text_field)
-    sources = [_Source(path, text_field) for path in resolve_inputs(inputs)]
+    _check_settings(seq_length, val_fraction, compression, text_field, workers)
+    if tokenizer is None:
+        token_dtype(vocab_size)  # refuse a vocabulary too large to store before training it
+    files = [InputFile(path, text_field) for path in resolve_inputs(inputs)]
     out_dir = Path(out_dir)
     _check_out_dir(out_dir, overwrite)
     if tokenizer is not None:
         tok = load_tokenizer(tokenizer)
     else:  # a first pass over the inputs, before anything is written
-        tok = train_tokenizer((text for src in sources for text, _ in src.pieces()), vocab_size)
+        tok = train_tokenizer((text for _, text, _ in _read(files, "reading for BPE", progress)),
+                              vocab_size)
     vocab = tok.get_vocab_size()
-    dtype = _token_dtype(vocab)
+    dtype = token_dtype(vocab)
 
     tmp = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex[:8]}.incomplete")
     tmp.mkdir(parents=True)
@@ -78,7 +82,7 @@ def prepare_dataset(inputs: Sequence[str], out_dir: str | Path, seq_length: int,
                                "requested_vocab_size": None if tokenizer else vocab_size},
                  "text_field": text_field, "val_fraction": val_fraction, "seed": seed,
                  "compression": compression}
-        index.update(_write_splits(sources, tok, index, tmp))
+        index.update(_write_splits(files, tok, index, tmp, workers, progress))
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         _move_into_place(tmp, out_dir)
     except BaseException:
@@ -119,100 +123,7 @@ def read_index(path: str | Path) -> dict:
     return index
 
 
-def resolve_inputs(inputs: Sequence[str]) -> list[Path]:
-    """Expand globs, check every path exists and is .txt/.jsonl; in order, without repeats."""
-    if not inputs:
-        raise DataError("no inputs: give input files or globs (or a corpus name)")
-    paths: list[Path] = []
-    for item in map(str, inputs):
-        if glob.has_magic(item):
-            matches = sorted(Path(p) for p in glob.glob(item, recursive=True))
-            if not matches:
-                raise DataError(f"input {item!r}: the glob matches no files")
-        else:
-            matches = [Path(item)]
-            if not matches[0].exists():
-                raise DataError(f"input {item}: no such file")
-        for path in matches:
-            if not path.is_file():
-                raise DataError(f"input {path}: not a file")
-            if path.suffix not in SUFFIXES:
-                raise DataError(f"input {path}: unsupported type {path.suffix or '(none)'!r}, "
-                                f"expected {' or '.join(SUFFIXES)}")
-            if path not in paths:
-                paths.append(path)
-    return paths
-
-
-class _Source:
-    """One input file read as a stream of ``(text, ends_document)`` pieces.
-
-    Invalid UTF-8 is decoded with U+FFFD replacements (counted in ``replaced``) rather than
-    failing a long run over one bad byte.
-    """
-
-    def __init__(self, path: Path, text_field: str):
-        self.path, self.text_field = path, text_field
-        self.replaced = 0
-        self.documents = 0
-
-    def pieces(self) -> Iterator[tuple[str, bool]]:
-        self.replaced = self.documents = 0
-        yield from self._jsonl() if self.path.suffix == ".jsonl" else self._txt()
-
-    def _counted(self, raw: bytes, text: str) -> str:
-        """``text`` decoded from ``raw``; counts the replacement characters decoding added."""
-        self.replaced += text.count("\ufffd") - raw.count(_FFFD)
-        return text
-
-    def _txt(self) -> Iterator[tuple[str, bool]]:
-        """The whole file is one document, cut into pieces at blank lines (paragraphs)."""
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        lines: list[str] = []
-        size, content = 0, False
-        with open(self.path, "rb") as f:
-            for raw in iter(lambda: f.readline(_READ_BYTES), b""):
-                line = self._counted(raw, decoder.decode(raw))
-                lines.append(line)
-                size += len(line)
-                if size >= _PIECE_CHARS and (not line.strip() or size >= 4 * _PIECE_CHARS):
-                    piece, lines, size = "".join(lines), [], 0
-                    content = content or bool(piece.strip())
-                    if content:
-                        yield piece, False
-        piece = "".join(lines) + self._counted(b"", decoder.decode(b"", final=True))
-        if content or piece.strip():  # a file of only whitespace is empty
-            self.documents = 1
-            yield piece, True
-
-    def _jsonl(self) -> Iterator[tuple[str, bool]]:
-        with open(self.path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                line = self._counted(raw, raw.decode("utf-8", errors="replace"))
-                if not line.strip():
-                    continue
-                where = f"{self.path}:{lineno}"
-                try:
-                    record = json.loads(line)
-                except ValueError as err:
-                    raise DataError(f"{where}: not valid JSON ({err})") from None
-                if not isinstance(record, dict):
-                    raise DataError(f"{where}: a JSON {type(record).__name__}, expected an "
-                                    f"object with a {self.text_field!r} field")
-                if self.text_field not in record:
-                    raise DataError(f"{where}: no field {self.text_field!r} (fields: "
-                                    f"{', '.join(map(repr, record)) or 'none'}); choose the text "
-                                    "field with --text-field")
-                text = record[self.text_field]
-                if not isinstance(text, str):
-                    raise DataError(f"{where}: field {self.text_field!r} is "
-                                    f"{type(text).__name__}, expected a string")
-                if text.strip():
-                    self.documents += 1
-                    yield text, True
-
-
-def _check_settings(seq_length, val_fraction, compression, text_field) -> None:
+def _check_settings(seq_length, val_fraction, compression, text_field, workers) -> None:
     if not isinstance(seq_length, int) or seq_length < 1:
         raise DataError(f"seq_length={seq_length!r}: must be an integer >= 1")
     if not 0 < val_fraction < 1:
@@ -222,7 +133,10 @@ def _check_settings(seq_length, val_fraction, compression, text_field) -> None:
         raise DataError(f"compression={compression!r}: expected one of "
                         f"{', '.join(sorted(get_compressions()))} or none")
     if not text_field:
-        raise DataError("text_field='': must name the JSON field holding each document's text")
+        raise DataError("text_field='': must name the JSON field or Parquet column holding "
+                        "each document's text")
+    if not isinstance(workers, int) or workers < 1:
+        raise DataError(f"workers={workers!r}: must be an integer >= 1")
 
 
 def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
@@ -241,22 +155,14 @@ def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
                         f"dataset ({INDEX_FILE}); refusing to delete it, even with --overwrite")
 
 
-def _token_dtype(vocab_size: int) -> str:
-    if vocab_size <= np.iinfo(np.uint16).max:
-        return "uint16"
-    if vocab_size <= np.iinfo(np.uint32).max:
-        return "uint32"
-    raise DataError(f"tokenizer vocabulary of {vocab_size} tokens: too large, at most "
-                    f"{np.iinfo(np.uint32).max} fit the uint32 token column")
-
-
-def _write_splits(sources: list[_Source], tok, index: dict, out: Path) -> dict:
+def _write_splits(files: list[InputFile], tok, index: dict, out: Path, workers: int,
+                  progress: bool) -> dict:
     """Stream tokens into train/val shards; returns the index fields that describe them."""
     dtype, eos, length = index["token_dtype"], index["eos_id"], index["seq_length"] + 1
     columns = {"tokens": f"ndarray:{dtype}"}
     rng = np.random.default_rng(index["seed"])
     counts = dict.fromkeys(SPLITS, 0)
-    stats: list[dict] = []
+    tokens = [0] * len(files)
     with MDSWriter(out=str(out / "train"), columns=columns, compression=index["compression"]) \
             as train, MDSWriter(out=str(out / "val"), columns=columns,
                                 compression=index["compression"]) as val:
@@ -266,12 +172,18 @@ def _write_splits(sources: list[_Source], tok, index: dict, out: Path) -> dict:
             writers[split].write({"tokens": sample})
             counts[split] += 1
 
+        def stream() -> Iterator[np.ndarray]:
+            batches = _batches(_read(files, "tokenizing", progress))
+            for file_index, ids in encode_batches(tok, eos, dtype, batches, workers):
+                tokens[file_index] += len(ids)
+                yield ids
+
         pending = None  # written one sample late, so the last one can fill an empty split
-        for sample in _samples(_token_stream(sources, tok, eos, dtype, stats), length):
+        for sample in _samples(stream(), length):
             if pending is not None:
                 write(*pending)
             pending = (sample, "val" if rng.random() < index["val_fraction"] else "train")
-        total = sum(s["tokens"] for s in stats)
+        total = sum(tokens)
         if pending is None or counts["train"] + counts["val"] == 0:
             raise DataError(f"the inputs give {total} tokens, fewer than 2 samples of "
                             f"seq_length+1={length}; need one for train and one for val: add "
@@ -282,6 +194,7 @@ def _write_splits(sources: list[_Source], tok, index: dict, out: Path) -> dict:
                       "shards": len(json.loads((out / split / "index.json").read_text())
                                     ["shards"])}
               for split in SPLITS}
+    stats = [dict(file.stats(), tokens=count) for file, count in zip(files, tokens, strict=True)]
     return {"sources": [s for s in stats if s["tokens"]],
             "skipped_empty_files": [s["path"] for s in stats if not s["tokens"]],
             "total_tokens": total,
@@ -289,38 +202,33 @@ def _write_splits(sources: list[_Source], tok, index: dict, out: Path) -> dict:
             "splits": splits}
 
 
-def _token_stream(sources: list[_Source], tok, eos: int, dtype: str,
-                  stats: list[dict]) -> Iterator[np.ndarray]:
-    """Token ids of all documents, each followed by EOS; appends one stats entry per file."""
-    for src in sources:
-        tokens = 0
-        batch: list[tuple[str, bool]] = []
-        size = 0
-        for text, ends in src.pieces():
-            batch.append((text, ends))
-            size += len(text)
-            if size >= _BATCH_CHARS:
-                ids = _encode(tok, batch, eos, dtype)
-                tokens += len(ids)
-                yield ids
-                batch, size = [], 0
-        if batch:
-            ids = _encode(tok, batch, eos, dtype)
-            tokens += len(ids)
-            yield ids
-        stats.append({"path": str(src.path.resolve()), "bytes": src.path.stat().st_size,
-                      "documents": src.documents, "tokens": tokens,
-                      "replaced_chars": src.replaced})
+def _read(files: list[InputFile], what: str,
+          progress: bool) -> Iterator[tuple[int, str, bool]]:
+    """``(file_index, text, ends_document)`` of every file in order, with a progress bar."""
+    with tqdm(total=sum(f.size for f in files), desc=what, unit="B", unit_scale=True,
+              disable=not progress) as bar:
+        done = 0  # the bytes of the files before this one
+        for file_index, file in enumerate(files):
+            for text, ends in file.pieces():
+                yield file_index, text, ends
+                bar.update(done + file.bytes_read - bar.n)
+            done += file.size
+            bar.update(done - bar.n)
 
 
-def _encode(tok, batch: list[tuple[str, bool]], eos: int, dtype: str) -> np.ndarray:
-    encodings = tok.encode_batch_fast([text for text, _ in batch], add_special_tokens=False)
-    parts = []
-    for encoding, (_, ends) in zip(encodings, batch, strict=True):
-        parts.append(np.asarray(encoding.ids, dtype=dtype))
-        if ends:
-            parts.append(np.array([eos], dtype=dtype))
-    return np.concatenate(parts)
+def _batches(pieces: Iterator[tuple[int, str, bool]]) -> Iterator[tuple[int, Batch]]:
+    """About ``_BATCH_CHARS`` of text per batch, each batch from one file (tagged with it)."""
+    batch: Batch = []
+    size, current = 0, None
+    for file_index, text, ends in pieces:
+        if batch and (file_index != current or size >= _BATCH_CHARS):
+            yield current, batch
+            batch, size = [], 0
+        current = file_index
+        batch.append((text, ends))
+        size += len(text)
+    if batch:
+        yield current, batch
 
 
 def _samples(chunks: Iterator[np.ndarray], length: int) -> Iterator[np.ndarray]:

@@ -10,6 +10,7 @@ import hashlib
 from pathlib import Path
 from typing import Iterable
 
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from t2train.data.errors import DataError
@@ -65,6 +66,19 @@ def save_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> str:
     path = Path(out_dir) / TOKENIZER_FILE
     tokenizer.save(str(path))
     return file_sha256(path)
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The narrowest unsigned column type that holds every id below ``vocab_size``.
+
+    Shards store ids as uint16 or uint32; a vocabulary whose ids do not fit uint32 cannot be
+    stored without wrapping ids around, so it is refused.
+    """
+    for dtype in ("uint16", "uint32"):
+        if vocab_size - 1 <= np.iinfo(dtype).max:
+            return dtype
+    raise DataError(f"tokenizer vocabulary of {vocab_size} tokens: too large, ids above "
+                    f"{np.iinfo(np.uint32).max} do not fit the uint32 token column")
 
 
 def file_sha256(path: Path) -> str:

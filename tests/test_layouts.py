@@ -1,7 +1,8 @@
 """Every residual design gives the same training losses in every parallel layout.
 
-Real 2-rank torchrun runs on gloo: TP=2, PP=2 (1F1B) and PP=2 x VPP=2 (interleaved) each
-train 3 steps from the (1, 1, 1) run's step-0 checkpoint on the same global batches.
+Real 2-rank torchrun runs on gloo: TP=2 (with and without sequence parallelism), PP=2 (1F1B)
+and PP=2 x VPP=2 (interleaved) each train 3 steps from the (1, 1, 1) run's step-0
+checkpoint on the same global batches, then evaluate once with the final parameters.
 Depth windows and attention-residual blocks cross the 1-layer interleaved chunks.
 """
 
@@ -21,13 +22,16 @@ MODELS = {
     "block_attnres": "model.residual=block_attnres,model.attnres.block_size=4",
     "recompute": "model.residual=depth_attn,model.depth_attn.window=3,model.recompute=full",
 }
-LAYOUTS = ["1x1x1", "2x1x1", "1x2x1", "1x2x2"]
+SEQUENCE_PARALLEL_REFUSED = {"ddl_dv4"}  # the embedding expander needs whole sequences
+LAYOUTS = ["1x1x1", "2x1x1", "2x1x1s", "1x2x1", "1x2x2"]  # s: sequence parallel
 
 
 @pytest.fixture(scope="module")
 def losses(tmp_path_factory):
     scratch = tmp_path_factory.mktemp("layouts")
-    runs = ";".join(f"{','.join(LAYOUTS)}|{model}" for model in MODELS.values())
+    runs = ";".join(
+        f"{','.join(l for l in LAYOUTS if not (name in SEQUENCE_PARALLEL_REFUSED and 's' in l))}"
+        f"|{model}" for name, model in MODELS.items())
     result = run_torchrun("layout_equivalence.py", 2, ["--scratch", str(scratch), "--runs", runs],
                           scratch / "result.json", timeout=1200)
     return {run.split("|")[1]: layouts for run, layouts in result["runs"].items()}
@@ -37,7 +41,7 @@ def losses(tmp_path_factory):
 def test_layouts_match_single_process(losses, model):
     runs = {layout: run["losses"] for layout, run in losses[MODELS[model]].items()}
     reference = runs["1x1x1"]
-    assert len(reference) == 3 and reference[0] > reference[-1] - 1.0
-    for layout in LAYOUTS[1:]:
-        for step, (got, want) in enumerate(zip(runs[layout], reference)):
+    assert len(reference) == 4  # 3 training steps, then a forward with the final parameters
+    for layout, losses in runs.items():
+        for step, (got, want) in enumerate(zip(losses, reference)):
             assert abs(got - want) < 1e-5, f"{layout} step {step + 1}: {got} vs {want}"

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from t2train.config.schema import Config
+from t2train.config.schema import Config, DataConfig
 from t2train.parallel.init import Topology
 from t2train.train.batches import is_reader
 
@@ -28,6 +28,17 @@ class Streams:
         return state[0]
 
 
+def train_and_val_streams(data: DataConfig) -> tuple[list, list]:
+    """The datasets (``DataStream``s) to train and evaluate on: train on ``data.mix`` if set,
+    else on ``data.path``; evaluate on ``data.path``'s val split."""
+    from t2train.data.streams import DataStream
+
+    main = DataStream(data.path, data.remote)
+    mixed = [DataStream(path, data.remote if path == data.path else None, weight)
+             for path, weight in data.mix_weights()]
+    return mixed or [main], [main]
+
+
 def open_streams(config: Config, topology: Topology, dp_size: int,
                  data_state: Optional[dict]) -> Streams:
     from t2train.data.loader import TokenBatches, reader_world
@@ -36,11 +47,13 @@ def open_streams(config: Config, topology: Topology, dp_size: int,
     world = reader_world(reading, topology.dp_rank, dp_size)
     if not reading:
         return Streams(None, None)
-    common = dict(path=config.data.path, micro_batch_size=config.train.micro_batch_size,
+    train_streams, val_streams = train_and_val_streams(config.data)
+    common = dict(micro_batch_size=config.train.micro_batch_size,
                   seq_length=config.model.seq_length, world=world, seed=config.train.seed,
-                  remote=config.data.remote, num_workers=config.data.num_workers)
-    train = TokenBatches(split="train", shuffle=config.data.shuffle, **common)
+                  num_workers=config.data.num_workers,
+                  num_canonical_nodes=config.data.num_canonical_nodes)
+    train = TokenBatches(train_streams, "train", shuffle=config.data.shuffle, **common)
     if data_state is not None:
         train.load_state_dict(data_state)
-    val = TokenBatches(split="val", shuffle=False, **common)
+    val = TokenBatches(val_streams, "val", shuffle=False, **common)
     return Streams(train, val)

@@ -9,12 +9,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch.distributed as dist
 
 from t2train.config.loader import dump_config
 from t2train.config.schema import Config, ConfigError
+
+if TYPE_CHECKING:
+    from t2train.train.preemption import StopGuard
 
 
 @dataclass
@@ -25,6 +28,7 @@ class RunSummary:
     losses: dict = field(default_factory=dict)  # step -> training loss
     val_losses: dict = field(default_factory=dict)  # step -> validation loss
     checkpoint: Optional[Path] = None
+    stopped: Optional[str] = None  # why the run stopped before train.steps (signal, time limit)
 
 
 def _dataset_facts(config: Config) -> dict:
@@ -61,6 +65,15 @@ def _resume_target(config: Config, run_dir: Path) -> Optional[Path]:
 
 
 def train(config: Config) -> RunSummary:
+    """Run to ``train.steps``, or stop early with a checkpoint (``RunSummary.stopped``)."""
+    from t2train.train.preemption import StopGuard, parse_signals
+
+    with StopGuard(parse_signals(config.train.exit_signals),
+                   config.train.exit_duration_mins) as guard:
+        return _run(config, guard)
+
+
+def _run(config: Config, guard: "StopGuard") -> RunSummary:
     from t2train.checkpoint.store import load_checkpoint, save_checkpoint
     from t2train.model.build import padded_vocab_size
     from t2train.monitor.metrics import Monitor
@@ -110,6 +123,15 @@ def train(config: Config) -> RunSummary:
 
     summary = RunSummary(run_dir=run_dir, start_step=start_step, final_step=start_step)
     tokens_per_step = train_cfg.global_batch_size * config.model.seq_length
+
+    def save(step: int) -> None:
+        saved_at = time.monotonic()
+        summary.checkpoint = save_checkpoint(
+            run_dir / "checkpoints", step, objs,
+            {"data_state": streams.shared_state_dict(), "tokens": step * tokens_per_step})
+        monitor.print(f"step {step:>6} | saved {summary.checkpoint} "
+                      f"({time.monotonic() - saved_at:.1f}s)")
+
     if start_step == 0:
         summary.val_losses[0] = evaluate(objs, val_batches)
         monitor.scalars(0, {"val/loss": summary.val_losses[0]})
@@ -132,13 +154,16 @@ def train(config: Config) -> RunSummary:
             summary.val_losses[step] = evaluate(objs, val_batches)
             monitor.scalars(step, {"val/loss": summary.val_losses[step]})
             monitor.print(f"step {step:>6} | val loss {summary.val_losses[step]:.4f}")
-        if step % config.checkpoint.interval == 0 or step == train_cfg.steps:
-            saved_at = time.monotonic()
-            summary.checkpoint = save_checkpoint(
-                run_dir / "checkpoints", step, objs,
-                {"data_state": streams.shared_state_dict(), "tokens": step * tokens_per_step})
-            monitor.print(f"step {step:>6} | saved {summary.checkpoint} "
-                          f"({time.monotonic() - saved_at:.1f}s)")
+        saved = step % config.checkpoint.interval == 0 or step == train_cfg.steps
+        if saved:
+            save(step)
         summary.final_step = step
+        if step < train_cfg.steps:
+            summary.stopped = guard.should_stop()  # collective: every rank stops here or none
+        if summary.stopped:
+            monitor.print(f"step {step:>6} | stopping early: {summary.stopped}")
+            if not saved:
+                save(step)
+            break
     monitor.close()
     return summary

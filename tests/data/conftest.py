@@ -33,3 +33,21 @@ def dataset(tmp_path_factory) -> Path:
     prepare_dataset([str(folder / "*.txt")], out, seq_length=32, vocab_size=400,
                     val_fraction=0.1)
     return out
+
+
+@pytest.fixture(scope="session")
+def mix_datasets(tmp_path_factory, dataset) -> tuple[Path, Path]:
+    """Two datasets of short samples (seq_length 8) with ``dataset``'s tokenizer, the first
+    about four times larger than the second, for mixing."""
+    from t2train.data.prepare import prepare_dataset
+
+    root = tmp_path_factory.mktemp("mix")
+    out = []
+    for name, docs in (("big", 16), ("small", 4)):
+        for i in range(docs):
+            (root / f"{name}{i}.txt").write_text(english_ish(seed=1000 * len(out) + i,
+                                                             paragraphs=200))
+        prepare_dataset([str(root / f"{name}*.txt")], root / name, seq_length=8,
+                        tokenizer=dataset / "tokenizer.json", val_fraction=0.01)
+        out.append(root / name)
+    return out[0], out[1]

@@ -28,12 +28,14 @@ def run(*argv) -> int:
 def test_prepare_prints_a_summary(text_files, tmp_path, capsys):
     out = tmp_path / "ds"
     assert run("prepare", "--input", text_files[0], "--input", f"{text_files[0].parent}/doc[12]*",
-               "--out", out, "--seq-length", 16, "--vocab-size", 300) == 0
+               "--out", out, "--seq-length", 16, "--vocab-size", 300, "--workers", 1,
+               "--compression", "none") == 0
     printed = capsys.readouterr().out
     index = read_index(out)
     assert len(index["sources"]) == 3
     assert f"prepared {out}: {index['total_tokens']:,} tokens from 3 files in" in printed
-    assert "tokens/s" in printed
+    assert "tokens/s, 1 worker(s))" in printed
+    assert index["compression"] is None
     assert f"train {index['splits']['train']['samples']:>9,} samples of 17 tokens in 1 shard" \
         in printed
 
@@ -50,7 +52,8 @@ def test_help_explains_every_option(capsys):
     text = capsys.readouterr().out
     for option in ("--input", "--corpus", "--out", "--seq-length", "--vocab-size",
                    "--tokenizer", "--text-field", "--val-fraction", "--overwrite",
-                   "--cache-dir", "T2TRAIN_CACHE", "shakespeare"):
+                   "--workers", "--compression", ".parquet", "--cache-dir", "T2TRAIN_CACHE",
+                   "shakespeare"):
         assert option in text
 
 

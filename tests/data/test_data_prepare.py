@@ -4,6 +4,7 @@ that bad input fails with a message naming the cause, before any output exists."
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from tokenizers import Tokenizer
 
 from t2train.data.loader import StreamingWorld, TokenBatches
 from t2train.data.prepare import DataError, prepare_dataset, read_index
-from t2train.data.tokenizer import EOS, file_sha256
+from t2train.data.tokenizer import EOS, file_sha256, token_dtype
 
 ONE = StreamingWorld(0, 1, 0, 1)
 
@@ -106,7 +107,8 @@ def test_missing_inputs_fail_before_any_output(tmp_path, inputs, cause):
 def test_unsupported_suffix_and_bad_settings(text_files, tmp_path):
     other = tmp_path / "notes.md"
     other.write_text("# hi\n")
-    with pytest.raises(DataError, match=r"notes.md: unsupported type '.md', expected .txt or "):
+    with pytest.raises(DataError, match=r"notes.md: unsupported type '.md', expected "
+                                        r"\.txt, \.jsonl or \.parquet"):
         prepare_dataset([other], tmp_path / "ds", seq_length=16)
     with pytest.raises(DataError, match=r"val_fraction=0: must be > 0 and < 1"):
         prepare_dataset(text_files, tmp_path / "ds", seq_length=16, val_fraction=0)
@@ -211,3 +213,79 @@ def test_read_index_errors(tmp_path):
 def _write(path, text):
     path.write_text(text)
     return path
+
+
+def test_parquet_inputs_stream_rows_as_documents(text_files, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    first = prepare_dataset(text_files, tmp_path / "first", seq_length=16, vocab_size=300)
+    texts = [english_ish(i, 5) for i in range(40)]
+    pq.write_table(pa.table({"id": list(range(40)), "body": texts}), tmp_path / "docs.parquet",
+                   row_group_size=7)
+    index = prepare_dataset([tmp_path / "docs.parquet"], tmp_path / "ds", seq_length=16,
+                            text_field="body", tokenizer=tmp_path / "first" / "tokenizer.json")
+    tok = Tokenizer.from_file(str(tmp_path / "first" / "tokenizer.json"))
+    assert index["sources"][0]["documents"] == 40
+    assert index["total_tokens"] == sum(len(tok.encode(t).ids) + 1 for t in texts)
+    assert index["tokenizer"]["sha256"] == first["tokenizer"]["sha256"]
+
+
+def test_bad_parquet_inputs(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"body": ["one two", "three"]}), path)
+    with pytest.raises(DataError, match=r"docs.parquet: no column 'text' \(columns: 'body'\); "
+                                        r"choose the text column with --text-field"):
+        prepare_dataset([path], tmp_path / "ds", seq_length=4)
+    pq.write_table(pa.table({"text": ["one two", None]}), path)
+    with pytest.raises(DataError, match=r"docs.parquet: row 2: column 'text' is null, expected "
+                                        r"a string"):
+        prepare_dataset([path], tmp_path / "ds", seq_length=4)
+    pq.write_table(pa.table({"text": [1, 2]}), path)
+    with pytest.raises(DataError, match=r"column 'text' has type int64, expected string"):
+        prepare_dataset([path], tmp_path / "ds", seq_length=4)
+    path.write_bytes(b"PAR1 but not really")
+    with pytest.raises(DataError, match=r"docs.parquet: not a readable Parquet file"):
+        prepare_dataset([path], tmp_path / "ds", seq_length=4)
+    assert not (tmp_path / "ds").exists()
+
+
+def test_invalid_utf8_and_empty_documents_in_binary_parquet_and_jsonl(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    words = english_ish(3, 40).encode()
+    pq.write_table(pa.table({"text": pa.array([words, b"caf\xe9 au lait", b"  "],
+                                              pa.binary())}), tmp_path / "a.parquet")
+    (tmp_path / "b.jsonl").write_text('{"text": "   "}\n{"text": "some words here"}\n')
+    with pytest.warns(UserWarning, match=r"a.parquet: 1 invalid UTF-8 sequence"):
+        index = prepare_dataset([tmp_path / "a.parquet", tmp_path / "b.jsonl"], tmp_path / "ds",
+                                seq_length=8, vocab_size=300)
+    facts = {Path(s["path"]).name: s for s in index["sources"]}
+    assert facts["a.parquet"]["replaced_chars"] == 1
+    assert [facts[n]["documents"] for n in ("a.parquet", "b.jsonl")] == [2, 1]
+    assert [facts[n]["empty_documents"] for n in ("a.parquet", "b.jsonl")] == [1, 1]
+
+
+def test_parallel_tokenization_writes_the_same_dataset(text_files, tmp_path):
+    one = prepare_dataset(text_files, tmp_path / "one", seq_length=16, vocab_size=300)
+    two = prepare_dataset(text_files, tmp_path / "two", seq_length=16, vocab_size=300, workers=2)
+    assert one == two
+    for split in ("train", "val"):
+        shards = sorted((tmp_path / "one" / split).iterdir())
+        assert [p.read_bytes() for p in shards] == \
+            [(tmp_path / "two" / split / p.name).read_bytes() for p in shards]
+    with pytest.raises(DataError, match=r"workers=0: must be an integer >= 1"):
+        prepare_dataset(text_files, tmp_path / "three", seq_length=16, workers=0)
+
+
+def test_vocabulary_too_large_for_the_token_column(text_files, tmp_path):
+    assert token_dtype(2 ** 16) == "uint16" and token_dtype(2 ** 16 + 1) == "uint32"
+    assert token_dtype(2 ** 32) == "uint32"
+    with pytest.raises(DataError, match=r"tokenizer vocabulary of 4294967297 tokens: too large, "
+                                        r"ids above 4294967295 do not fit the uint32 token column"):
+        prepare_dataset(text_files, tmp_path / "ds", seq_length=16, vocab_size=2 ** 32 + 1)
+    assert not (tmp_path / "ds").exists()

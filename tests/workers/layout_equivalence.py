@@ -18,7 +18,7 @@ from t2train.checkpoint.store import load_checkpoint, save_checkpoint
 from t2train.config.loader import load_config
 from t2train.parallel.init import init_distributed, set_seed
 from t2train.train.setup import build_training_objects
-from t2train.train.step import train_step
+from t2train.train.step import evaluate, train_step
 
 VOCAB, SEQ, MICRO, GLOBAL, STEPS = 128, 8, 1, 4, 3
 
@@ -31,9 +31,9 @@ def global_batches():
                for i in range(0, GLOBAL, MICRO)]
 
 
-def run_layout(layout: tuple[int, int, int], overrides: list[str], checkpoint: Path,
-               load: bool) -> dict:
-    tp, pp, vpp = layout
+def run_layout(layout: str, overrides: list[str], checkpoint: Path, load: bool) -> dict:
+    """``layout`` is TPxPPxVPP, with a trailing ``s`` for sequence parallelism."""
+    tp, pp, vpp = (int(n) for n in layout.rstrip("s").split("x"))
     topology = use_layout(tp, pp, vpp)
     set_seed(11, topology)
     config = load_config(overrides=[
@@ -41,6 +41,7 @@ def run_layout(layout: tuple[int, int, int], overrides: list[str], checkpoint: P
         "model.num_attention_heads=4", f"model.seq_length={SEQ}", f"parallel.tensor={tp}",
         f"parallel.pipeline={pp}", f"parallel.virtual_pipeline={vpp}",
         f"train.micro_batch_size={MICRO}", f"train.global_batch_size={GLOBAL}",
+        f"parallel.sequence_parallel={layout.endswith('s')}",
         "train.warmup_steps=1", "train.steps=3", *overrides])
     objs = build_training_objects(config, VOCAB)
     if load:
@@ -51,7 +52,10 @@ def run_layout(layout: tuple[int, int, int], overrides: list[str], checkpoint: P
     per_replica = GLOBAL // MICRO // dp
     results = [train_step(objs, batch[dp_rank * per_replica:(dp_rank + 1) * per_replica])
                for batch in global_batches()]
-    return {"losses": [r.loss for r in results], "traffic": results[0].traffic,
+    # One more forward after the last update: equal only if every parameter ended up equal.
+    final = evaluate(objs, [next(global_batches())[dp_rank * per_replica:
+                                                   (dp_rank + 1) * per_replica]])
+    return {"losses": [r.loss for r in results] + [final], "traffic": results[0].traffic,
             "padded_units": objs.model[0].module.decoder.hops.padded_units}
 
 
@@ -64,8 +68,7 @@ def main() -> None:
         checkpoint = Path(args.scratch) / str(number) / "step_00000000"
         results[run] = {}
         for index, layout in enumerate(layouts.split(",")):
-            shape = tuple(int(n) for n in layout.split("x"))
-            results[run][layout] = run_layout(shape, overrides.split(","), checkpoint,
+            results[run][layout] = run_layout(layout, overrides.split(","), checkpoint,
                                               load=index > 0)
             dist.barrier()
     write_result(args.out, {"runs": results})

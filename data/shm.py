@@ -1,0 +1,68 @@
+"""Remove what killed mosaicml-streaming runs left on this host: shared memory and lock files.
+
+streaming gives each dataset a six-digit prefix and names its shared-memory segments
+``/dev/shm/<prefix>_<name>`` and its lock files ``<tmpdir>/<prefix>_<name>_filelock``. A run
+killed by SIGKILL or a crash never unlinks them, and they break later runs: a new dataset
+skips every prefix that still has lock files (so prefixes only grow), and one whose leftover
+``<prefix>_locals`` segment names the same local directory with a remote fails with
+"Reused local directory".
+
+streaming's own ``clean_stale_shared_memory`` is not enough: it unlinks prefixes from 0 up to
+the first one without leftovers (missing later ones, which is where the prefixes of runs that
+skipped lock files are), unlinks the segments of live datasets too (other jobs on the host),
+and never removes lock files. Here a prefix is stale when no process on the host maps any of
+its segments, as read from ``/proc/<pid>/maps``: a live dataset keeps its segments mapped from
+construction to destruction. Files of other users are left alone (they cannot be unlinked).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN
+
+SHM_DIR = Path("/dev/shm")
+_SEGMENT = re.compile(r"(\d{6})_(?:%s)" % "|".join(sorted({*SHM_TO_CLEAN, LOCALS})))
+_LOCK = re.compile(rf"(\d{{6}})_(?:{BARRIER_FILELOCK}|{CACHE_FILELOCK})")
+
+
+def clean_stale_streaming_files(lock_dir: Optional[str | Path] = None) -> list[Path]:
+    """Unlink the segments and lock files of streaming prefixes no live process uses.
+
+    ``lock_dir`` is where streaming puts lock files (default: ``tempfile.gettempdir()``, as
+    streaming does). Returns what was removed.
+    """
+    lock_dir = Path(lock_dir or tempfile.gettempdir())
+    live = _mapped_prefixes()
+    removed = []
+    for folder, pattern in ((SHM_DIR, _SEGMENT), (lock_dir, _LOCK)):
+        if not folder.is_dir():
+            continue
+        for path in folder.iterdir():
+            match = pattern.fullmatch(path.name)
+            if match and match.group(1) not in live:
+                try:
+                    path.unlink()
+                except FileNotFoundError:  # removed meanwhile by another cleaner
+                    continue
+                except PermissionError:  # another user's, which this user cannot remove
+                    continue
+                removed.append(path)
+    return removed
+
+
+def _mapped_prefixes() -> set[str]:
+    """The prefixes of the streaming segments that some process on this host maps now."""
+    mapped = re.compile(rf"{re.escape(str(SHM_DIR))}/{_SEGMENT.pattern}")
+    prefixes: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # the process ended, or is another user's
+            continue
+        prefixes.update(match.group(1) for match in mapped.finditer(text))
+    return prefixes

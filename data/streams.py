@@ -1,0 +1,98 @@
+"""The MDS streams one loader reads: a prepared dataset, or several mixed by proportion.
+
+A prepared dataset is a local directory, or a remote one (any URL mosaicml-streaming
+downloads from: s3://, gs://, oci://, azure, hf://, or a plain path on a shared filesystem)
+streamed into a local cache directory; the dataset's ``index.json`` is fetched into the cache
+first, since it describes the samples. Datasets are mixed only when they are interchangeable
+token streams: the same tokenizer (by sha256) and samples long enough for the run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from streaming import Stream
+from streaming.base.storage import CloudDownloader
+
+from t2train.data.errors import DataError
+from t2train.data.prepare import INDEX_FILE, read_index
+
+
+@dataclass(frozen=True)
+class DataStream:
+    """One prepared dataset of a loader.
+
+    ``path`` is the dataset directory, or with ``remote`` (the dataset's URL) the local cache
+    it is streamed into (one cache per remote dataset). ``proportion`` is the dataset's
+    relative share of each epoch's samples when several are mixed (up- or down-sampled to
+    match); None for every stream reads each dataset once per epoch.
+    """
+
+    path: str | Path
+    remote: Optional[str] = None
+    proportion: Optional[float] = None
+
+
+def split_streams(streams: Sequence[DataStream], split: str, seq_length: int) -> list[Stream]:
+    """mosaicml-streaming ``Stream``s of ``split`` of each dataset, checked to be mixable."""
+    if not streams:
+        raise ValueError("no datasets: give at least one DataStream")
+    weighted = [s.proportion is not None for s in streams]
+    if any(weighted) and not all(weighted):
+        raise DataError(f"proportions {[s.proportion for s in streams]}: give every mixed "
+                        "dataset a proportion, or none")
+    locals_ = [Path(s.path).resolve() for s in streams]
+    if len(set(locals_)) != len(locals_):
+        raise DataError(f"datasets {[str(s.path) for s in streams]}: each dataset (or remote "
+                        "cache) directory may appear only once")
+    first = None
+    result = []
+    for stream in streams:
+        if stream.proportion is not None and not stream.proportion > 0:
+            raise DataError(f"dataset {stream.path}: proportion={stream.proportion}, must be > 0")
+        index = _index(stream)
+        _check_split(stream.path, index, split, seq_length)
+        first = first or (stream.path, index)
+        if index["tokenizer"]["sha256"] != first[1]["tokenizer"]["sha256"]:
+            raise DataError(f"dataset {stream.path}: its tokenizer (sha256 "
+                            f"{index['tokenizer']['sha256'][:12]}) differs from that of "
+                            f"{first[0]} ({first[1]['tokenizer']['sha256'][:12]}); mixed datasets "
+                            "must be prepared with the same tokenizer.json (--tokenizer)")
+        result.append(Stream(local=str(Path(stream.path) / split),
+                             remote=f"{stream.remote.rstrip('/')}/{split}" if stream.remote
+                             else None,
+                             proportion=stream.proportion))
+    return result
+
+
+def _check_split(path, index: dict, split: str, seq_length: int) -> None:
+    if split not in index["splits"]:
+        raise DataError(f"dataset {path}: no split {split!r} (has {', '.join(index['splits'])})")
+    if seq_length > index["seq_length"]:
+        raise DataError(f"seq_length={seq_length}: needs samples of {seq_length + 1} tokens, "
+                        f"but the samples of {path} have {index['seq_length'] + 1} tokens "
+                        f"(prepared with seq_length={index['seq_length']})")
+
+
+def _index(stream: DataStream) -> dict:
+    if stream.remote:
+        _fetch(f"{stream.remote.rstrip('/')}/{INDEX_FILE}", Path(stream.path) / INDEX_FILE)
+    return read_index(stream.path)
+
+
+def _fetch(remote: str, local: Path) -> None:
+    """Download ``remote`` to ``local`` once; atomically, as several readers may share a cache."""
+    if local.is_file():
+        return
+    local.parent.mkdir(parents=True, exist_ok=True)
+    partial = local.with_name(f".{local.name}.{os.getpid()}.partial")
+    try:
+        CloudDownloader.direct_download(remote, str(partial))
+    except Exception as err:  # each storage client raises its own errors
+        partial.unlink(missing_ok=True)
+        raise DataError(f"remote dataset file {remote}: could not download it into the cache "
+                        f"{local.parent} ({type(err).__name__}: {err})") from None
+    os.replace(partial, local)

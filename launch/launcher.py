@@ -1,0 +1,69 @@
+"""``t2train launch``: training under torchrun on one machine or on every node of a SLURM step.
+
+Everything that can fail without starting a process (config, SLURM variables, devices,
+rendezvous port, layout against the world size) is checked first, so a bad launch ends
+with one ``error:`` line instead of a hung rendezvous.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+LAUNCH_EPILOG = """\
+examples:
+  t2train launch --nproc-per-node=2 --preset tiny data.path=DIR parallel.tensor=2
+  srun --ntasks-per-node=1 t2train launch --preset 1b data.path=DIR   (one task per node)
+inside a SLURM job step the node count, node rank and rendezvous point come from SLURM and
+processes per node default to the node's GPUs (SLURM_GPUS_ON_NODE, else visible CUDA devices).
+exit code 75: the trainer saved a checkpoint and stopped early (signal or --exit-duration);
+run the same command again to resume (slurm/pretrain.sbatch requeues itself).
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc-per-node", type=int, metavar="N",
+                        help="processes per node (default: GPUs of the node; required on CPU)")
+    parser.add_argument("--port", type=int,
+                        help="c10d rendezvous port (default: free port; under SLURM derived "
+                             "from the job id)")
+    parser.add_argument("--standalone", action="store_true",
+                        help="one machine, even inside a SLURM allocation")
+    parser.add_argument("--exit-duration", type=float, metavar="MINUTES",
+                        help="save and stop (exit 75) after this many minutes of training; "
+                             "sets train.exit_duration_mins")
+
+
+def overrides(args: argparse.Namespace) -> list[str]:
+    """The dotted overrides, with ``--exit-duration`` as the config field it sets."""
+    extra = ([] if args.exit_duration is None
+             else [f"train.exit_duration_mins={args.exit_duration}"])
+    return [*args.overrides, *extra]
+
+
+def train_argv(args: argparse.Namespace) -> list[str]:
+    """The ``t2train train`` arguments every worker gets."""
+    argv = ["--preset", args.preset] if args.preset else []
+    argv += ["--config", args.config] if args.config else []
+    return argv + overrides(args)
+
+
+def launch(args: argparse.Namespace) -> int:
+    import torch
+
+    from t2train.config.loader import load_config
+    from t2train.launch import plan as plans
+    from t2train.launch import slurm_env, torchrun
+    from t2train.train.preemption import parse_signals
+
+    config = load_config(args.preset, args.config, overrides(args))
+    step = (None if args.standalone or not slurm_env.in_slurm_job(os.environ)
+            else slurm_env.read_step(os.environ))
+    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nproc = plans.processes_per_node(args.nproc_per_node, step and step.gpus_on_node,
+                                     cuda_devices)
+    plan = (plans.plan_slurm(step, nproc, args.port) if step
+            else plans.plan_standalone(nproc, args.port))
+    config.validate_world(plan.world_size)
+    print(plan.describe(), flush=True)
+    return torchrun.run(plan, train_argv(args), parse_signals(config.train.exit_signals))

@@ -1,0 +1,98 @@
+"""Run ``t2train train`` under torchrun's elastic agent, in this process, from a LaunchPlan.
+
+The agent runs in-process so that the workers' exit codes reach the job script: torchrun's
+own ``main`` turns any worker failure into exit code 1, which would hide that the trainer
+stopped early on purpose (``REQUEUE_EXIT_CODE``) and wants to be requeued.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from typing import Iterable
+
+from t2train.launch.plan import LaunchPlan
+from t2train.train.preemption import REQUEUE_EXIT_CODE, block
+
+
+TORCH_HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+def torchrun_argv(plan: LaunchPlan, train_argv: list[str],
+                  agent_signals: Iterable[str] = TORCH_HANDLED_SIGNALS) -> list[str]:
+    return [f"--nnodes={plan.nnodes}", f"--nproc-per-node={plan.nproc_per_node}",
+            f"--signals-to-handle={','.join(agent_signals)}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={plan.rdzv_host}:{plan.rdzv_port}",
+            f"--rdzv-id={plan.rdzv_id}",
+            f"--rdzv-conf=is_host={'true' if plan.is_rdzv_host else 'false'}",
+            "--max-restarts=0", "--module", "t2train.cli", "train", *train_argv]
+
+
+def exit_code(codes: Iterable[int]) -> int:
+    """One exit code for the node from its workers' (negative: killed by that signal).
+
+    A worker exits with REQUEUE_EXIT_CODE only after the checkpoint is published on every
+    rank, so that code wins over peers that torchrun killed while they were exiting.
+    """
+    codes = list(codes)
+    if REQUEUE_EXIT_CODE in codes:
+        return REQUEUE_EXIT_CODE
+    failed = [code for code in codes if code != 0] or [1]
+    return failed[0] if failed[0] > 0 else 128 - failed[0]
+
+
+def _hand_signals_to_workers(signals: list[signal.Signals]) -> list[str]:
+    """Make the stop signals reach every worker, and never end or disturb this agent.
+
+    Blocked in this (main) thread, they are inherited blocked by the workers it starts, which
+    poll them at step boundaries (StopGuard), and by the workers' own children. A signal sent
+    to this process (``kill PID``, or SLURM's signal to every process of the step) is passed
+    on to the workers whichever thread the kernel hands it to: a thread started before the
+    block (``import torch`` starts one) runs the handler, else the waiting thread takes it.
+    A worker that receives it twice sees it once. torch's agent is told to leave these
+    signals alone: its handler would shut the workers down before they can save.
+    """
+    import psutil
+
+    def forward(sig: int, _frame=None) -> None:
+        for child in psutil.Process().children():
+            try:
+                child.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+
+    def wait_and_forward() -> None:
+        while True:
+            forward(signal.sigwait(signals))
+
+    block(signals)
+    for sig in signals:
+        signal.signal(sig, forward)
+    threading.Thread(target=wait_and_forward, daemon=True, name="t2train-signals").start()
+    names = {sig.name for sig in signals}
+    return [name for name in TORCH_HANDLED_SIGNALS if name not in names]
+
+
+def run(plan: LaunchPlan, train_argv: list[str], exit_signals: list[signal.Signals]) -> int:
+    """Start the node's workers and wait for them; returns the node's exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run as torchrun
+
+    agent_signals = (_hand_signals_to_workers(exit_signals) if exit_signals
+                     else TORCH_HANDLED_SIGNALS)
+    try:
+        torchrun(parse_args(torchrun_argv(plan, train_argv, agent_signals)))
+    except ChildFailedError as err:
+        code = exit_code(failure.exitcode for failure in err.failures.values())
+        if code == REQUEUE_EXIT_CODE:
+            print(f"t2train launch: training saved a checkpoint and stopped early; exit code "
+                  f"{code} (run the same command again to resume)", flush=True)
+        else:
+            print(err.format_msg(), file=sys.stderr, flush=True)
+        return code
+    except SignalException as err:
+        print(f"t2train launch: stopped by {err.sigval.name}", file=sys.stderr, flush=True)
+        return 128 + err.sigval
+    return 0

@@ -1,0 +1,108 @@
+"""Stop a run early, with a checkpoint, before the job around it ends.
+
+A cluster ends jobs with a signal (SLURM: ``--signal=USR1@N`` before the time limit,
+SIGTERM on preemption or ``scancel``) or simply at a wall-clock limit. ``StopGuard`` turns
+both into a decision the ranks take together at a step boundary: every rank contributes a
+flag to one all-reduce, so all of them stop after the same step, save it through the normal
+checkpoint path and leave with ``REQUEUE_EXIT_CODE``, which the job script answers by
+requeueing itself.
+
+Signals are *blocked* and polled rather than only handled: SLURM delivers them to every
+process of the job step, and a blocked signal mask is inherited by every child process,
+including the ones started with ``spawn`` (dist-checkpointing's writer queue). A handled
+signal would be reset to its default action in those children and kill them. ``t2train
+launch`` blocks the signals before torchrun starts, so they are blocked in every worker from
+its first instruction; a trainer started another way blocks them when the guard opens and
+also records them with a handler, in case a thread created earlier receives one.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from t2train.config.schema import ConfigError
+
+# EX_TEMPFAIL (sysexits.h): the run saved a checkpoint and stopped early; run it again.
+REQUEUE_EXIT_CODE = 75
+
+_UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
+
+
+def parse_signals(spec: str, field_name: str = "train.exit_signals") -> list[signal.Signals]:
+    """``"SIGUSR1,SIGTERM"`` -> signals; an empty string means none."""
+    names = [name.strip().upper() for name in spec.split(",") if name.strip()]
+    signals = []
+    for name in names:
+        full = name if name.startswith("SIG") else "SIG" + name
+        if full not in signal.Signals.__members__ or full in _UNCATCHABLE:
+            raise ConfigError(f"{field_name}={spec!r}: {name!r} is not a catchable signal "
+                                 "name; expected a comma-separated list like SIGUSR1,SIGTERM")
+        signals.append(signal.Signals[full])
+    return signals
+
+
+def block(signals: Iterable[signal.Signals]) -> None:
+    """Hold ``signals`` pending in this thread and every thread or process it starts."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(signals))
+
+
+class StopGuard:
+    """Collects stop requests (signals, elapsed time) and agrees on them across ranks.
+
+    Use as a context manager around the run; ``should_stop`` is a collective.
+    """
+
+    def __init__(self, signals: Iterable[signal.Signals], exit_duration_mins: float):
+        self.signals = list(signals)
+        self.exit_duration_s = exit_duration_mins * 60
+        self.started = time.monotonic()
+        self._received: Optional[signal.Signals] = None
+        self._saved_handlers: dict = {}
+        self._saved_mask: set = set()
+
+    def __enter__(self) -> "StopGuard":
+        self.started = time.monotonic()
+        self._saved_mask = signal.pthread_sigmask(signal.SIG_BLOCK, set(self.signals))
+        for sig in self.signals:
+            self._saved_handlers[sig] = signal.signal(sig, self._record)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        # A signal still pending would fire under the restored handler: consume it.
+        while self.signals and signal.sigtimedwait(self.signals, 0) is not None:
+            pass
+        for sig, handler in self._saved_handlers.items():
+            signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._saved_mask)
+
+    def _record(self, signum, _frame) -> None:
+        self._received = signal.Signals(signum)
+
+    def _local_request(self) -> int:
+        """0: carry on; 1: out of time; 2 + i: received ``self.signals[i]``."""
+        delivered = signal.sigtimedwait(self.signals, 0) if self.signals else None
+        if delivered is not None:
+            self._received = signal.Signals(delivered.si_signo)
+        if self._received is not None:
+            return 2 + self.signals.index(self._received)
+        if self.exit_duration_s and time.monotonic() - self.started >= self.exit_duration_s:
+            return 1
+        return 0
+
+    def should_stop(self) -> Optional[str]:
+        """Collective: why every rank stops now (a signal name or the time limit), or None."""
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if torch.cuda.is_available() else torch.device("cpu"))
+        flag = torch.tensor([self._local_request()], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        code = int(flag.item())
+        if code == 0:
+            return None
+        if code == 1:
+            return f"train.exit_duration_mins={self.exit_duration_s / 60:g} reached"
+        return f"received {self.signals[code - 2].name}"

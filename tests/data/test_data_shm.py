@@ -1,0 +1,79 @@
+"""Shared memory and lock files of a killed (SIGKILL) reader are removed at start; those of a
+live dataset are kept and it reads on."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from t2train.data import loader
+from t2train.data.loader import StreamingWorld, TokenBatches
+from t2train.data.shm import SHM_DIR, clean_stale_streaming_files
+
+ONE = StreamingWorld(0, 1, 0, 1)
+READER = """
+import sys, time
+from t2train.data import loader
+from t2train.data.loader import StreamingWorld, TokenBatches
+batches = TokenBatches(sys.argv[1], "train", 4, 32, StreamingWorld(0, 1, 0, 1), seed=0)
+next(batches)
+print("reading", flush=True)
+time.sleep(600)
+"""
+
+
+def mapped_segments(pid: int) -> set[Path]:
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return {Path(p) for p in re.findall(rf"({SHM_DIR}/\d{{6}}_\w+)", maps)}
+
+
+def prefix(path: Path) -> int:
+    return int(path.name[:6])
+
+
+@pytest.mark.slow
+def test_files_of_a_killed_run_are_removed_and_live_ones_kept(dataset, tmp_path, monkeypatch):
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    # Its own session, killed as a whole as a scheduler kills a job: else Python's resource
+    # tracker of the reader outlives it and unlinks some segments by itself.
+    reader = subprocess.Popen([sys.executable, "-c", READER, str(dataset)], text=True,
+                              stdout=subprocess.PIPE, env=dict(os.environ, TMPDIR=str(locks)),
+                              start_new_session=True)
+    try:
+        assert reader.stdout.readline() == "reading\n"
+        # Its lock files name its prefix; it also maps segments of the live datasets of
+        # earlier tests in this process (streaming attaches them while choosing a prefix).
+        (dead_prefix,) = {prefix(p) for p in locks.iterdir()}
+        dead_segments = {p for p in mapped_segments(reader.pid) if prefix(p) == dead_prefix}
+    finally:
+        os.killpg(reader.pid, signal.SIGKILL)
+        reader.wait()
+    dead = dead_segments | set(locks.iterdir())
+    assert dead_segments and all(p.exists() for p in dead_segments)  # left behind
+    assert {p.name[7:] for p in locks.iterdir()} == {"barrier_filelock", "cache_filelock"}
+
+    # A new reader process cleans at start (lock files go to tempfile.gettempdir()), so the
+    # dead run's prefix is free again (streaming skips a prefix that has lock files).
+    monkeypatch.setattr(tempfile, "tempdir", str(locks))
+    monkeypatch.setattr(loader, "_host_cleaned", False)
+    live = TokenBatches(dataset, "val", 4, 32, ONE, seed=0)
+    next(live)
+    live_prefix = live.dataset._shm_prefix_int
+    assert live_prefix <= dead_prefix
+    assert all(not p.exists() or prefix(p) == live_prefix for p in dead)
+    kept = {p for p in mapped_segments(os.getpid()) | set(locks.iterdir())
+            if prefix(p) == live_prefix}
+    assert len({p.parent for p in kept}) == 2  # live segments and live lock files
+
+    # Cleaning again (another job starting on this host) leaves the live dataset alone.
+    assert not set(clean_stale_streaming_files(locks)) & kept
+    assert all(p.exists() for p in kept)
+    assert next(live)["tokens"].shape == (4, 32)

@@ -1,0 +1,148 @@
+"""`t2train launch` on one machine: real torchrun workers, bad launches, a stop signal.
+
+The signal goes to the launcher process only (as ``kill PID`` or a container runtime would
+send it), so the launcher must pass it on; test_slurm_jobs.py covers SLURM's way, which
+signals every process of the job step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_run import TINY_MODEL
+
+from t2train.launch.plan import LaunchError, plan_standalone, processes_per_node
+from t2train.launch.torchrun import exit_code
+from t2train.train.preemption import REQUEUE_EXIT_CODE
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _launch_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "t2train.launch", *args]
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    return dict(env, PYTHONUNBUFFERED="1")
+
+
+def _train_args(data: Path, run_dir: Path, *extra: str) -> list[str]:
+    """Runs use parallel.tensor=2 on 2 processes: one data reader (DP=1), so no two readers
+    race for mosaicml-streaming's shared-memory prefix on a host where other jobs use it."""
+    return [*TINY_MODEL, f"data.path={data}", f"log.run_dir={run_dir}", *extra]
+
+
+def _logged_steps(run_dir: Path) -> list[int]:
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return []
+    return [r["step"] for r in map(json.loads, metrics.read_text().splitlines())
+            if "train/loss" in r]
+
+
+@pytest.mark.slow
+def test_standalone_launch_prints_the_topology_and_trains(hamlet, tmp_path):
+    proc = subprocess.run(
+        _launch_cmd("--nproc-per-node=2", *_train_args(
+            hamlet, tmp_path / "run", "parallel.tensor=2", "train.steps=6",
+            "train.eval_interval=6", "checkpoint.interval=6")),
+        capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "t2train launch: standalone | 1 node(s)" in proc.stdout
+    assert "2 process(es) per node | world size 2 | c10d rendezvous 127.0.0.1:" in proc.stdout
+    assert "TP 2 x PP 1 x DP 1" in proc.stdout
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_00000006"
+
+
+@pytest.mark.slow
+def test_a_signal_to_the_launcher_saves_and_exits_with_the_requeue_code(hamlet, tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "launch.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            _launch_cmd("--nproc-per-node=2", *_train_args(
+                hamlet, run_dir, "parallel.tensor=2", "train.steps=400",
+                "train.eval_interval=400", "checkpoint.interval=400")),
+            stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while len(_logged_steps(run_dir)) < 2 and proc.poll() is None:
+            assert time.monotonic() < deadline, "training did not start in 300 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = log.read_text()
+    assert proc.returncode == REQUEUE_EXIT_CODE, output[-4000:]
+    stopped = _logged_steps(run_dir)[-1]
+    assert stopped < 400
+    assert f"step {stopped:>6} | stopping early: received SIGTERM" in output
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
+    assert "training saved a checkpoint and stopped early" in output
+
+
+@pytest.mark.parametrize("args, env, cause", [
+    ([], {}, "--nproc-per-node: not given and there is no GPU to count"),
+    (["--nproc-per-node=2"], {"SLURM_JOB_ID": "7"}, "SLURM_STEP_ID is not set"),
+    (["--nproc-per-node=3", "parallel.tensor=2"], {},
+     "parallel.tensor*parallel.pipeline=2: must divide the world size 3"),
+    (["--nproc-per-node=2", "train.exit_signals=SIGNOPE"], {},
+     "train.exit_signals='SIGNOPE': 'SIGNOPE' is not a catchable signal name"),
+])
+def test_bad_launches_fail_with_one_line(hamlet, tmp_path, args, env, cause):
+    if not args and torch.cuda.is_available():
+        pytest.skip("with CUDA the process count defaults to the devices")
+    proc = subprocess.run(_launch_cmd(*args, *_train_args(hamlet, tmp_path / "run")),
+                          capture_output=True, text=True, env=dict(_env(), **env), cwd=REPO,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {cause}"), proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_rendezvous_port_in_use_is_refused():
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(LaunchError, match=f"--port={port}: port {port} is already in use"):
+            plan_standalone(2, port)
+
+
+def test_processes_per_node_comes_from_the_option_or_the_gpus():
+    assert processes_per_node(2, None, cuda_devices=0) == 2  # CPU: processes per node
+    assert processes_per_node(None, 4, cuda_devices=4) == 4
+    assert processes_per_node(None, None, cuda_devices=2) == 2
+    with pytest.raises(LaunchError, match="--nproc-per-node: not given and there is no GPU"):
+        processes_per_node(None, None, cuda_devices=0)
+    with pytest.raises(LaunchError, match="--nproc-per-node=3: more processes than the 2 CUDA"):
+        processes_per_node(3, None, cuda_devices=2)
+
+
+@pytest.mark.gpu
+def test_more_processes_than_cuda_devices_is_refused(hamlet, tmp_path):
+    too_many = torch.cuda.device_count() + 1
+    proc = subprocess.run(_launch_cmd(f"--nproc-per-node={too_many}",
+                                      *_train_args(hamlet, tmp_path / "run")),
+                          capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: --nproc-per-node={too_many}: more processes than the "
+        f"{torch.cuda.device_count()} CUDA device(s) visible on this node")
+
+
+def test_the_node_exit_code_prefers_a_completed_requeue_save():
+    assert exit_code([REQUEUE_EXIT_CODE, -15]) == REQUEUE_EXIT_CODE  # peer killed on exit
+    assert exit_code([1, 0]) == 1
+    assert exit_code([-9]) == 128 + 9

@@ -1,0 +1,107 @@
+"""The project's real ``slurm/pretrain.sbatch`` on a real SLURM (local cluster, 2 nodes).
+
+CPU overrides: ``--gpus-per-node=0`` and ``NPROC_PER_NODE=2``, so each simulated node runs
+the launcher under srun and two torchrun workers: a world of 4 with ``parallel.tensor=2``
+(tensor-parallel pairs inside a node, data parallelism across the two nodes).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tiny_run import TINY_MODEL
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+SBATCH = REPO / "slurm" / "pretrain.sbatch"
+STEPS = 30
+TRAIN = [*TINY_MODEL, "parallel.tensor=2", f"train.steps={STEPS}",
+         f"train.eval_interval={STEPS}", f"checkpoint.interval={STEPS}"]
+JOB_TIMEOUT = 300
+
+
+def _submit(cluster, data: Path, out: Path, name: str) -> tuple[str, Path]:
+    log = out / f"{name}.out"
+    job = cluster.sbatch(
+        "--nodes=2", "--gpus-per-node=0", f"--job-name={name}", f"--output={log}",
+        f"--error={log}", f"--chdir={out}", str(SBATCH), f"name={name}", *TRAIN,
+        env={"DATA": str(data), "PRESET": "", "NPROC_PER_NODE": "2", "OUTPUT_DIR": str(out / "runs"),
+             "T2TRAIN": str(Path(sys.executable).parent / "t2train"), "PYTHONUNBUFFERED": "1"})
+    return job, log
+
+
+def _done(fields: dict) -> bool:
+    return fields.get("JobState") in {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
+                                      "NODE_FAIL", "OUT_OF_MEMORY"} or not fields
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in _metrics(run_dir) if "train/loss" in r}
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_cluster, hamlet, tmp_path_factory) -> dict:
+    """One uninterrupted 2-node job: its log, final state and per-step losses."""
+    out = tmp_path_factory.mktemp("reference")
+    started = time.monotonic()
+    job, log = _submit(slurm_cluster, hamlet, out, "reference")
+    fields = slurm_cluster.wait_job(job, _done, JOB_TIMEOUT, log)
+    return {"job": job, "fields": fields, "log": log.read_text(),
+            "run_dir": out / "runs" / "reference", "seconds": time.monotonic() - started}
+
+
+def test_two_node_job_trains_under_srun_and_torchrun(reference):
+    log, job = reference["log"], reference["job"]
+    assert reference["fields"]["JobState"] == "COMPLETED", log[-6000:]
+    for rank, node in enumerate(("n1", "n2")):
+        assert (f"t2train launch: SLURM job {job} (restart 0) | 2 node(s) n1,n2 | node rank "
+                f"{rank} on {node} | 2 process(es) per node | world size 4 | c10d rendezvous "
+                f"127.0.0.1:") in log, log[-6000:]
+    assert "TP 2 x PP 1 x DP 2" in log
+    val = {r["step"]: r["val/loss"] for r in _metrics(reference["run_dir"]) if "val/loss" in r}
+    assert val[STEPS] < val[0] - 0.5, val
+    losses = _losses(reference["run_dir"])
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert sum(list(losses.values())[-5:]) < sum(list(losses.values())[:5])
+
+
+def test_usr1_saves_requeues_and_resumes_with_the_same_losses(slurm_cluster, hamlet,
+                                                              tmp_path, reference):
+    job, log = _submit(slurm_cluster, hamlet, tmp_path, "preempted")
+    run_dir = tmp_path / "runs" / "preempted"
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while len(_losses(run_dir)) < 3:
+        assert time.monotonic() < deadline and not _done(slurm_cluster.job(job)), \
+            log.read_text()[-6000:] if log.is_file() else "no log"
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True,
+                   env=slurm_cluster.env, timeout=60)
+
+    # The job requeues itself; SLURM holds a requeued job ~2 min (BeginTime): release it.
+    slurm_cluster.wait_job(job, lambda f: f.get("Restarts") == "1"
+                           and f.get("JobState") == "PENDING", JOB_TIMEOUT, log)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True,
+                   env=slurm_cluster.env, timeout=60)
+    fields = slurm_cluster.wait_job(job, _done, JOB_TIMEOUT, log)
+    text = log.read_text()
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", text[-6000:]
+
+    stopped = int(text.split("| stopping early: received SIGUSR1")[0].rsplit("step", 1)[1])
+    assert 3 <= stopped < STEPS
+    assert f"job {job}: checkpoint saved, requeueing" in text
+    assert f"SLURM job {job} (restart 1)" in text
+    assert f"resuming from {run_dir}/checkpoints/step_{stopped:08d}" in text
+    resumed, uninterrupted = _losses(run_dir), _losses(reference["run_dir"])
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert resumed == uninterrupted  # bitwise: same data order, RNG and optimizer state
