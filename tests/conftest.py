@@ -54,3 +54,22 @@ def megatron_world():
     topology = init_model_parallel(1, 1, 1)
     set_seed(1234, topology)
     return topology
+
+
+@pytest.fixture(scope="session")
+def shakespeare(tmp_path_factory) -> Path:
+    """Five plays as 64-token samples with a 1k BPE (seconds to prepare; cached corpus)."""
+    from t2train.data.cli import default_cache_dir
+    from t2train.data.corpora import fetch_corpus
+    from t2train.data.errors import DataError
+    from t2train.data.prepare import prepare_dataset
+
+    try:
+        files = fetch_corpus("shakespeare", default_cache_dir())
+    except DataError as err:
+        pytest.skip(f"Shakespeare corpus unavailable: {err}")
+    plays = [str(f) for f in files if f.name.startswith(("hamlet", "macbeth", "othello",
+                                                          "lear", "tempest"))]
+    out = tmp_path_factory.mktemp("shakespeare") / "bpe1k-s64"
+    prepare_dataset(plays, out, seq_length=64, vocab_size=1024, val_fraction=0.05)
+    return out

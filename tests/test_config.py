@@ -57,6 +57,8 @@ def test_dump_round_trips(tmp_path):
     (["model=3"], "model=3: must be a mapping"),
     (["novel.field=1"], "novel: unknown field"),
     (["model.num_layers"], "expected dotted.key=value"),
+    (["log.diagnostics_interval=-1"], "log.diagnostics_interval=-1: must be >= 0"),
+    (["log.peak_tflops=-5"], "log.peak_tflops=-5.0: must be >= 0"),
 ])
 def test_bad_values_are_named(overrides, message):
     with pytest.raises(ConfigError) as err:

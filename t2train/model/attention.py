@@ -18,7 +18,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 from torch import Tensor
 
-from t2train.residual.window_attention import short_window_attention
+from t2train.monitor import probe
+from t2train.residual.window_attention import short_window_attention, window_attention_entropy
 
 
 def flash_attn_available() -> bool:
@@ -42,6 +43,7 @@ class CausalCoreAttention(MegatronModule):
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  cp_comm_type: Optional[str] = None, pg_collection=None):
         super().__init__(config=config)
+        self.layer_number = layer_number
         if config.context_parallel_size != 1:
             raise ValueError("CausalCoreAttention does not support context parallelism")
         tp_size = pg_collection.tp.size() if pg_collection is not None else \
@@ -97,6 +99,8 @@ class ShortWindowCoreAttention(CausalCoreAttention):
         self.window = config.t2_model.shortswa.window
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, dropout: float) -> Tensor:
+        probe.record("shortswa_entropy", self.layer_number, lambda: window_attention_entropy(
+            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), self.window, self.softmax_scale))
         if self.backend == "flash":
             from flash_attn import flash_attn_func
 

@@ -1,6 +1,9 @@
-"""Where training numbers go: TensorBoard scalars, a JSON-lines file, and the console.
+"""Where training numbers go: TensorBoard (scalars, images, histograms), a JSON-lines file
+of the scalars beside the event files, and the console.
 
-Only the logging rank (global rank 0) writes; every other rank holds a silent ``Monitor``.
+Only the logging rank (global rank 0) writes files; every other rank holds a ``Monitor``
+without a run directory, which prints only when ``console`` is set (``log.all_ranks``, for
+debugging), its lines prefixed with the rank.
 """
 
 from __future__ import annotations
@@ -21,12 +24,16 @@ def _format_duration(seconds: float) -> str:
 
 class Monitor:
     def __init__(self, run_dir: Optional[Path], total_steps: int, tensorboard: bool = True,
-                 purge_step: Optional[int] = None):
+                 purge_step: Optional[int] = None, console: Optional[bool] = None,
+                 prefix: str = ""):
         self.enabled = run_dir is not None
+        self.console = self.enabled if console is None else console
+        self.prefix = prefix
         self.total_steps = total_steps
         self.started = time.monotonic()
         self.writer = None
         self.jsonl = None
+        self.warned: set[str] = set()
         if not self.enabled:
             return
         if tensorboard:
@@ -46,9 +53,18 @@ class Monitor:
         record.update({k: (v if math.isfinite(v) else str(v)) for k, v in values.items()})
         self.jsonl.write(json.dumps(record) + "\n")
 
+    def image(self, step: int, tag: str, pixels) -> None:
+        """An [height, width, 3] uint8 picture."""
+        if self.writer is not None:
+            self.writer.add_image(tag, pixels, step, dataformats="HWC")
+
+    def histogram(self, step: int, tag: str, values) -> None:
+        if self.writer is not None:
+            self.writer.add_histogram(tag, values, step)
+
     def progress(self, step: int, loss: float, lr: float, tokens_per_sec: float,
                  steps_done_here: int) -> None:
-        if not self.enabled:
+        if not self.console:
             return
         elapsed = time.monotonic() - self.started
         eta = elapsed / max(steps_done_here, 1) * (self.total_steps - step)
@@ -56,8 +72,14 @@ class Monitor:
                    f"{tokens_per_sec:9.0f} tok/s | eta {_format_duration(eta)}")
 
     def print(self, message: str) -> None:
-        if self.enabled:
-            print(message, file=sys.stdout, flush=True)
+        if self.console:
+            print(self.prefix + message, file=sys.stdout, flush=True)
+
+    def warn_once(self, key: str, message: str) -> None:
+        """``warning: message`` the first time ``key`` comes up; later ones are dropped."""
+        if key not in self.warned:
+            self.warned.add(key)
+            self.print(f"warning: {message}")
 
     def close(self) -> None:
         if self.writer is not None:

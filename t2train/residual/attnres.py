@@ -25,6 +25,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from t2train.kernels import dispatch
+from t2train.monitor import probe
 from t2train.residual.base import (
     ResidualDesign,
     ResidualStream,
@@ -44,9 +46,10 @@ class AttnResState(NamedTuple):
 def depth_mix(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
     """sum_i softmax_i(query . RMSNorm(v_i)) v_i over the sources (each [s, b, h])."""
     stacked = torch.stack(values)
-    keys = stacked.float() * torch.rsqrt(stacked.float().pow(2).mean(-1, keepdim=True) + eps)
-    weights = torch.softmax(keys @ query.float(), dim=0)
-    return (weights.unsqueeze(-1) * stacked.float()).sum(0).to(stacked.dtype)
+    x = stacked.to(torch.promote_types(stacked.dtype, torch.float32))  # fp32, or fp64 for checks
+    keys = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    weights = torch.softmax(keys @ query.to(x.dtype), dim=0)
+    return (weights.unsqueeze(-1) * x).sum(0).to(stacked.dtype)
 
 
 def mixing_weights(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
@@ -75,7 +78,10 @@ class BlockAttnResidual(SublayerResidual):
         mark_replicated(self, config)
 
     def read(self, state: AttnResState) -> Tensor:
-        return depth_mix(self.query, state.values(), self.eps)
+        values = state.values()
+        probe.record("attnres", self.index, lambda: mixing_weights(
+            self.query, values, self.eps).mean((1, 2)))
+        return dispatch.depth_mix(self.query, state.sources, state.partial, self.eps)
 
     def write(self, state: AttnResState, x: Tensor, normed: Tensor, out: Tensor) -> AttnResState:
         partial = out if state.partial is None else state.partial + out
@@ -117,7 +123,11 @@ class AttnResStream(ResidualStream):
         return AttnResState((embedding,), None)
 
     def exit(self, state: AttnResState) -> Tensor:
-        return depth_mix(self.final_query, state.values(), self.eps)
+        values = state.values()
+        final = SUBLAYERS_PER_LAYER * self.config.num_layers  # numbered after the last sublayer
+        probe.record("attnres", final, lambda: mixing_weights(
+            self.final_query, values, self.eps).mean((1, 2)))
+        return dispatch.depth_mix(self.final_query, state.sources, state.partial, self.eps)
 
     def to_units(self, state: AttnResState) -> list[Tensor]:
         return state.values()

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from t2train.monitor import probe
 from t2train.residual.base import (
     ResidualDesign,
     ResidualStream,
@@ -94,6 +95,10 @@ class DeltaResidual(SublayerResidual):
     def write(self, state: Tensor, x: Tensor, normed: Tensor, out: Tensor) -> Tensor:
         k = normalized_direction(out, self.k_eps)
         beta = 2 * torch.sigmoid(self.beta_proj(normed).float())
+        sublayer = (self.layer_number, self.position)
+        probe.record("ddl_beta", sublayer, lambda: beta)
+        probe.record("ddl_kx", sublayer, lambda: (  # the readout k^T X that v replaces
+            k * _at_least_fp32(state)).sum(-1))
         v = self.v_scale * torch.sigmoid(self.v_proj(x).float())  # [s, b, d_v]
         if self.dv > 1:
             v = v.permute(2, 0, 1).unsqueeze(-1)  # one value per state column

@@ -30,8 +30,9 @@ from megatron.core.utils import divide
 from torch import Tensor
 
 from t2train.model.norm import RMSNorm
+from t2train.monitor import probe
 from t2train.residual.base import ResidualDesign, ResidualStream, SublayerResidual
-from t2train.residual.window_attention import short_window_attention
+from t2train.residual.window_attention import short_window_attention, window_attention_probs
 
 
 class DepthState(NamedTuple):
@@ -44,6 +45,7 @@ class DepthRead(MegatronModule):
 
     def __init__(self, config, layer_number: int = 1):
         super().__init__(config=config)
+        self.layer_number = layer_number
         self.window = config.t2_model.depth_attn.window
         h = config.hidden_size
         self.heads = divide(config.num_attention_heads, config.tensor_model_parallel_size)
@@ -68,7 +70,11 @@ class DepthRead(MegatronModule):
         q = current.reshape(s * b, self.heads, 1, self.head_dim)
         kv = kv.reshape(s, n, b, self.heads, 2, self.head_dim).permute(4, 0, 2, 3, 1, 5)
         k, v = (t.reshape(s * b, self.heads, n, self.head_dim) for t in kv)
-        z = short_window_attention(q, k, v, self.window, 1 / math.sqrt(self.head_dim))
+        scale = 1 / math.sqrt(self.head_dim)
+        # Weights over the states entering layers l-n+1 .. l (0-based), averaged.
+        probe.record("depth_attn", self.layer_number, lambda: window_attention_probs(
+            q, k, self.window, scale).mean((0, 1, 2)))
+        z = short_window_attention(q, k, v, self.window, scale)
         out, _ = self.linear_proj(z.reshape(s, b, self.heads * self.head_dim))
         return out
 

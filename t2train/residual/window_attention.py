@@ -37,3 +37,30 @@ def short_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
     mask = window_mask(q.shape[-2], k.shape[-2], window, device=q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
+
+
+def window_attention_probs(q: Tensor, k: Tensor, window: int,
+                           scale: float | None = None) -> Tensor:
+    """The weights ``short_window_attention`` applies, [batch, heads, q_len, k_len], in fp32.
+
+    Materialises the scores, so it is for diagnostics on small slices, not for training.
+    """
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    mask = window_mask(q.shape[-2], k.shape[-2], window, device=q.device)
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+
+
+def window_attention_entropy(q: Tensor, k: Tensor, window: int, scale: float | None = None,
+                             queries: int = 128) -> Tensor:
+    """Mean entropy (nats) of the attention weights of the last ``queries`` queries.
+
+    Only the keys those queries can see are scored, so the cost is queries x (queries +
+    window) per head. Uniform weights over w keys give log(w).
+    """
+    q = q[..., -queries:, :]
+    k = k[..., -(q.shape[-2] + window - 1):, :]
+    probs = window_attention_probs(q, k, window, scale)
+    return -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1).mean()

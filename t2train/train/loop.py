@@ -76,7 +76,9 @@ def train(config: Config) -> RunSummary:
 def _run(config: Config, guard: "StopGuard") -> RunSummary:
     from t2train.checkpoint.store import load_checkpoint, save_checkpoint
     from t2train.model.build import padded_vocab_size
+    from t2train.monitor.diagnostics import Diagnostics, diagnostic_micro_batches
     from t2train.monitor.metrics import Monitor
+    from t2train.monitor.step_metrics import loss_scalars, step_meter
     from t2train.parallel.init import init_distributed, init_model_parallel, set_seed
     from t2train.train.batches import GlobalBatchFeeder
     from t2train.train.data import open_streams
@@ -114,12 +116,19 @@ def _run(config: Config, guard: "StopGuard") -> RunSummary:
         (run_dir / "config.yaml").write_text(dump_config(config))
     monitor = Monitor(run_dir if logging_rank else None, train_cfg.steps,
                       tensorboard=config.log.tensorboard,
-                      purge_step=start_step + 1 if start_step else None)
+                      purge_step=start_step + 1 if start_step else None,
+                      console=logging_rank or config.log.all_ranks,
+                      prefix=f"[rank {topology.rank}] " if config.log.all_ranks else "")
     params = sum(p.numel() for chunk in objs.model for p in chunk.parameters())
     monitor.print(f"t2train: {config.model.residual} residual, {config.model.num_layers} layers, "
                   f"{params / 1e6:.2f}M parameters on rank 0 | world {topology.world_size} = "
                   f"TP {topology.tp_size} x PP {topology.pp_size} x DP {dp_size} | "
                   f"{'resuming from ' + str(resume_from) if resume_from else 'fresh start'}")
+    meter, mfu_note = step_meter(config, objs.vocab_size, topology.world_size)
+    monitor.print(mfu_note)
+    diagnostics = Diagnostics(objs, config.log.diagnostics_interval,
+                              diagnostic_micro_batches(val_batches, config), monitor,
+                              sends=topology.tp_rank == 0 and topology.dp_rank == 0)
 
     summary = RunSummary(run_dir=run_dir, start_step=start_step, final_step=start_step)
     tokens_per_step = train_cfg.global_batch_size * config.model.seq_length
@@ -129,30 +138,34 @@ def _run(config: Config, guard: "StopGuard") -> RunSummary:
         summary.checkpoint = save_checkpoint(
             run_dir / "checkpoints", step, objs,
             {"data_state": streams.shared_state_dict(), "tokens": step * tokens_per_step})
-        monitor.print(f"step {step:>6} | saved {summary.checkpoint} "
-                      f"({time.monotonic() - saved_at:.1f}s)")
+        seconds = time.monotonic() - saved_at
+        monitor.scalars(step, {"checkpoint/save_seconds": seconds})
+        monitor.print(f"step {step:>6} | saved {summary.checkpoint} ({seconds:.1f}s)")
 
     if start_step == 0:
         summary.val_losses[0] = evaluate(objs, val_batches)
-        monitor.scalars(0, {"val/loss": summary.val_losses[0]})
+        monitor.scalars(0, loss_scalars("val", summary.val_losses[0]))
         monitor.print(f"step      0 | val loss {summary.val_losses[0]:.4f}")
-    window_start, window_steps = time.monotonic(), 0
     for step in range(start_step + 1, train_cfg.steps + 1):
-        result = train_step(objs, feeder.next_step())
+        started = time.monotonic()
+        micro_batches = feeder.next_step()
+        fed = time.monotonic()
+        result = train_step(objs, micro_batches)
+        meter.record(time.monotonic() - started, fed - started, result.skipped)
         summary.losses[step] = result.loss
-        window_steps += 1
+        if result.skipped:
+            monitor.warn_once("skipped", f"step {step}: optimizer step skipped (non-finite "
+                                         "gradients); train/skipped_steps counts them")
         if step % train_cfg.log_interval == 0 or step == train_cfg.steps:
-            elapsed = time.monotonic() - window_start
-            tokens_per_sec = tokens_per_step * window_steps / elapsed
-            monitor.scalars(step, {"train/loss": result.loss, "train/lr": result.lr,
-                                   "train/grad_norm": result.grad_norm,
-                                   "throughput/tokens_per_sec": tokens_per_sec,
-                                   **result.traffic})
-            monitor.progress(step, result.loss, result.lr, tokens_per_sec, step - start_step)
-            window_start, window_steps = time.monotonic(), 0
+            scalars = meter.scalars(result, objs.model)
+            monitor.scalars(step, scalars)
+            monitor.progress(step, result.loss, result.lr, scalars["throughput/tokens_per_sec"],
+                             step - start_step)
+        if diagnostics.due(step):
+            diagnostics.log(step)
         if step % train_cfg.eval_interval == 0 or step == train_cfg.steps:
             summary.val_losses[step] = evaluate(objs, val_batches)
-            monitor.scalars(step, {"val/loss": summary.val_losses[step]})
+            monitor.scalars(step, loss_scalars("val", summary.val_losses[step]))
             monitor.print(f"step {step:>6} | val loss {summary.val_losses[step]:.4f}")
         saved = step % config.checkpoint.interval == 0 or step == train_cfg.steps
         if saved:
