@@ -18,8 +18,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 from torch import Tensor
 
+from t2train.kernels.dispatch import short_window_attention
 from t2train.monitor import probe
-from t2train.residual.window_attention import short_window_attention, window_attention_entropy
+from t2train.residual.window_attention import window_attention_entropy
 
 
 def flash_attn_available() -> bool:
@@ -90,8 +91,9 @@ class CausalCoreAttention(MegatronModule):
 class ShortWindowCoreAttention(CausalCoreAttention):
     """Causal attention over the last ``model.shortswa.window`` tokens (ShortSWA).
 
-    flash-attn's ``window_size=(w - 1, 0)`` on CUDA, else the shared PyTorch reference
-    ``short_window_attention`` (the same function the depth read uses).
+    flash-attn's ``window_size=(w - 1, 0)`` on CUDA, else ``short_window_attention`` (the
+    same operator the depth read uses): the Triton kernel on CUDA, the PyTorch reference on
+    CPU (see ``t2train.kernels.dispatch``).
     """
 
     def __init__(self, config, *args, **kwargs):

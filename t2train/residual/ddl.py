@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from t2train.kernels import dispatch
 from t2train.monitor import probe
 from t2train.residual.base import (
     ResidualDesign,
@@ -60,6 +61,22 @@ def delta_update(state: Tensor, k: Tensor, beta: Tensor, v: Tensor) -> Tensor:
     x = _at_least_fp32(state)
     error = v - (k * x).sum(-1, keepdim=True)
     return (x + beta * error * k).to(state.dtype)
+
+
+def delta_write(state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor,
+                k_eps: float, v_scale: float) -> Tensor:
+    """The sublayer write: k = normalized_direction(out), beta = 2 sigmoid(beta_logit),
+    v = v_scale sigmoid(v_logit) (logits in fp32), then ``delta_update``.
+
+    out [s, b, h]; beta_logit [s, b, 1]; v_logit [s, b, d_v] (column j of a [d_v, s, b, h]
+    state gets v[..., j]).
+    """
+    k = normalized_direction(out, k_eps)
+    beta = 2 * torch.sigmoid(_at_least_fp32(beta_logit))
+    v = v_scale * torch.sigmoid(_at_least_fp32(v_logit))
+    if state.dim() == out.dim() + 1:
+        v = v.permute(2, 0, 1).unsqueeze(-1)  # one value per state column
+    return delta_update(state, k, beta, v)
 
 
 class ChannelMixRead(torch.nn.Module):
@@ -93,16 +110,13 @@ class DeltaResidual(SublayerResidual):
         return state if self.compressor is None else self.compressor(state)
 
     def write(self, state: Tensor, x: Tensor, normed: Tensor, out: Tensor) -> Tensor:
-        k = normalized_direction(out, self.k_eps)
-        beta = 2 * torch.sigmoid(self.beta_proj(normed).float())
+        beta_logit = self.beta_proj(normed)
         sublayer = (self.layer_number, self.position)
-        probe.record("ddl_beta", sublayer, lambda: beta)
+        probe.record("ddl_beta", sublayer, lambda: 2 * torch.sigmoid(beta_logit.float()))
         probe.record("ddl_kx", sublayer, lambda: (  # the readout k^T X that v replaces
-            k * _at_least_fp32(state)).sum(-1))
-        v = self.v_scale * torch.sigmoid(self.v_proj(x).float())  # [s, b, d_v]
-        if self.dv > 1:
-            v = v.permute(2, 0, 1).unsqueeze(-1)  # one value per state column
-        return delta_update(state, k, beta, v)
+            normalized_direction(out, self.k_eps) * _at_least_fp32(state)).sum(-1))
+        return dispatch.delta_write(state, out, beta_logit, self.v_proj(x),
+                                    self.k_eps, self.v_scale)
 
 
 class DeltaStream(ResidualStream):

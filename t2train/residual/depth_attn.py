@@ -29,10 +29,11 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 from torch import Tensor
 
+from t2train.kernels.dispatch import short_window_attention
 from t2train.model.norm import RMSNorm
 from t2train.monitor import probe
 from t2train.residual.base import ResidualDesign, ResidualStream, SublayerResidual
-from t2train.residual.window_attention import short_window_attention, window_attention_probs
+from t2train.residual.window_attention import window_attention_probs
 
 
 class DepthState(NamedTuple):

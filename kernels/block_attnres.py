@@ -1,0 +1,281 @@
+"""Two-phase Block Attention Residuals (arXiv 2603.15031 Sec. 4.2), forward and backward.
+
+Exact counterpart of ``t2train.residual.attnres.depth_mix`` over the completed sources v_n
+(embedding and block sums, stacked [N, ..., h]) and the current block's partial sum p:
+
+Phase 1 (the S pseudo-queries w_s of a block at once, one read of the sources):
+
+    z_sn = (w_s . v_n) rsqrt(mean(v_n^2) + eps),  O_s = sum_n softmax_n(z_s)_n v_n,
+    LSE_s = logsumexp_n z_sn                                     (fp32)
+
+Phase 2 (per sublayer, elementwise in the token): with z_p the partial sum's logit,
+
+    out = (e^LSE O + e^z_p p) / (e^LSE + e^z_p)
+
+Backward of phase 1, with w = softmax, dO_s and dLSE_s incoming and r_n the rsqrt:
+
+    dz_sn = w_sn (dO_s . v_n - dO_s . O_s + dLSE_s)
+    dv_n = sum_s (w_sn dO_s + dz_sn r_n w_s) - (r_n^2 / h) (sum_s dz_sn z_sn) v_n
+    dw_s = sum_tokens sum_n dz_sn r_n v_n
+
+Phase 2's backward is the same algebra for two sources. Query gradients are reduced over
+blocks of ``ROWS`` tokens in registers, then over blocks by PyTorch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from t2train.kernels.common import interpreting
+
+
+@triton.jit
+def _phase1_logits(V, Q, DO, row, rows, hidden, n_src, n_q, eps,
+                   BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+                   WITH_DO: tl.constexpr):
+    """r [BLOCK_N], z [BLOCK_N, BLOCK_S] and (WITH_DO) dO . v [BLOCK_N, BLOCK_S] for one token."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_s = tl.arange(0, BLOCK_S)
+    sumsq = tl.zeros([BLOCK_N], tl.float32)
+    dots = tl.zeros([BLOCK_N, BLOCK_S], tl.float32)
+    dov = tl.zeros([BLOCK_N, BLOCK_S], tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = offs_h[None, :] < hidden
+        v = tl.load(V + (offs_n[:, None] * rows + row) * hidden + offs_h[None, :],
+                    mask=(offs_n[:, None] < n_src) & h_ok, other=0.0).to(tl.float32)
+        q = tl.load(Q + offs_s[:, None] * hidden + offs_h[None, :],
+                    mask=(offs_s[:, None] < n_q) & h_ok, other=0.0).to(tl.float32)
+        sumsq += tl.sum(v * v, 1)
+        dots += tl.sum(v[:, None, :] * q[None, :, :], 2)
+        if WITH_DO:
+            do = tl.load(DO + (offs_s[:, None] * rows + row) * hidden + offs_h[None, :],
+                         mask=(offs_s[:, None] < n_q) & h_ok, other=0.0)
+            dov += tl.sum(v[:, None, :] * do[None, :, :], 2)
+    r = 1.0 / tl.sqrt(sumsq / hidden + eps)
+    return r, dots * r[:, None], dov
+
+
+@triton.jit
+def _phase1_fwd_kernel(V, Q, O, LSE, rows, hidden, n_src, n_q, eps,
+                       BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
+    row = tl.program_id(0)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_s = tl.arange(0, BLOCK_S)
+    r, z, _ = _phase1_logits(V, Q, V, row, rows, hidden, n_src, n_q, eps,
+                             BLOCK_N, BLOCK_S, BLOCK_H, False)
+    z = tl.where(offs_n[:, None] < n_src, z, float("-inf"))
+    m = tl.max(z, 0)
+    p = tl.exp(z - m[None, :])
+    total = tl.sum(p, 0)
+    w = p / total[None, :]
+    tl.store(LSE + offs_s * rows + row, m + tl.log(total), mask=offs_s < n_q)
+    for h0 in range(0, hidden, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = offs_h[None, :] < hidden
+        v = tl.load(V + (offs_n[:, None] * rows + row) * hidden + offs_h[None, :],
+                    mask=(offs_n[:, None] < n_src) & h_ok, other=0.0).to(tl.float32)
+        o = tl.sum(w[:, :, None] * v[:, None, :], 0)
+        tl.store(O + (offs_s[:, None] * rows + row) * hidden + offs_h[None, :], o,
+                 mask=(offs_s[:, None] < n_q) & h_ok)
+
+
+@triton.jit
+def _phase1_bwd_scores_kernel(V, Q, LSE, DO, DLSE, W, DZR, COEF, rows, hidden, n_src, n_q,
+                              eps, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+                              BLOCK_H: tl.constexpr):
+    """Per token: w, dz r and (r^2 / h) sum_s dz z, the coefficients of dv and dw."""
+    row = tl.program_id(0)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_s = tl.arange(0, BLOCK_S)
+    ok = (offs_n[:, None] < n_src) & (offs_s[None, :] < n_q)
+    r, z, dov = _phase1_logits(V, Q, DO, row, rows, hidden, n_src, n_q, eps,
+                               BLOCK_N, BLOCK_S, BLOCK_H, True)
+    lse = tl.load(LSE + offs_s * rows + row, mask=offs_s < n_q, other=0.0)
+    dlse = tl.load(DLSE + offs_s * rows + row, mask=offs_s < n_q, other=0.0)
+    w = tl.where(ok, tl.exp(z - lse[None, :]), 0.0)
+    doo = tl.sum(w * dov, 0)
+    dz = w * (dov - doo[None, :] + dlse[None, :])
+    scores = row * n_src * n_q + offs_n[:, None] * n_q + offs_s[None, :]
+    tl.store(W + scores, w, mask=ok)
+    tl.store(DZR + scores, dz * r[:, None], mask=ok)
+    tl.store(COEF + row * n_src + offs_n, r * r / hidden * tl.sum(dz * z, 1),
+             mask=offs_n < n_src)
+
+
+@triton.jit
+def _phase1_bwd_grads_kernel(V, Q, DO, W, DZR, COEF, DV, DQ_PART, rows, hidden, n_src, n_q,
+                             BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+                             BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
+    """dv for ROWS tokens on one slice of h, and their partial query gradient."""
+    pid_h, block = tl.program_id(0), tl.program_id(1)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h[None, :] < hidden
+    n_ok, s_ok = offs_n < n_src, offs_s < n_q
+    q = tl.load(Q + offs_s[:, None] * hidden + offs_h[None, :], mask=s_ok[:, None] & h_ok,
+                other=0.0).to(tl.float32)
+    dq = tl.zeros([BLOCK_S, BLOCK_H], tl.float32)
+    for i in range(ROWS):
+        row = block * ROWS + i
+        row_ok = row < rows
+        v_mask = n_ok[:, None] & h_ok & row_ok
+        v_at = (offs_n[:, None] * rows + row) * hidden + offs_h[None, :]
+        v = tl.load(V + v_at, mask=v_mask, other=0.0).to(tl.float32)
+        do = tl.load(DO + (offs_s[:, None] * rows + row) * hidden + offs_h[None, :],
+                     mask=s_ok[:, None] & h_ok & row_ok, other=0.0)
+        scores = row * n_src * n_q + offs_n[:, None] * n_q + offs_s[None, :]
+        score_ok = n_ok[:, None] & s_ok[None, :] & row_ok
+        w = tl.load(W + scores, mask=score_ok, other=0.0)
+        dzr = tl.load(DZR + scores, mask=score_ok, other=0.0)
+        coef = tl.load(COEF + row * n_src + offs_n, mask=n_ok & row_ok, other=0.0)
+        dv = (tl.sum(w[:, :, None] * do[None, :, :] + dzr[:, :, None] * q[None, :, :], 1)
+              - coef[:, None] * v)
+        tl.store(DV + v_at, dv.to(DV.dtype.element_ty), mask=v_mask)
+        dq += tl.sum(dzr[:, :, None] * v[:, None, :], 0)
+    tl.store(DQ_PART + (block * n_q + offs_s[:, None]) * hidden + offs_h[None, :], dq,
+             mask=s_ok[:, None] & h_ok)
+
+
+@triton.jit
+def _phase2_row(P, Q, O, LSE, row, hidden, eps, BLOCK_H: tl.constexpr):
+    """p, q, O, the rsqrt r_p, the logit z_p, the weight of p and the merged output."""
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < hidden
+    p = tl.load(P + row * hidden + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    q = tl.load(Q + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    o = tl.load(O + row * hidden + offs_h, mask=h_ok, other=0.0)
+    r = 1.0 / tl.sqrt(tl.sum(p * p, 0) / hidden + eps)
+    z = tl.sum(q * p, 0) * r
+    gamma = tl.sigmoid(z - tl.load(LSE + row))  # e^z / (e^LSE + e^z)
+    return offs_h, h_ok, p, q, o, r, z, gamma, o + gamma * (p - o)
+
+
+@triton.jit
+def _phase2_fwd_kernel(P, Q, O, LSE, Y, rows, hidden, eps, BLOCK_H: tl.constexpr,
+                       ROWS: tl.constexpr):
+    for i in range(ROWS):
+        row = tl.program_id(0) * ROWS + i
+        if row < rows:
+            offs_h, h_ok, p, q, o, r, z, gamma, y = _phase2_row(P, Q, O, LSE, row, hidden, eps,
+                                                                BLOCK_H)
+            tl.store(Y + row * hidden + offs_h, y.to(Y.dtype.element_ty), mask=h_ok)
+
+
+@triton.jit
+def _phase2_bwd_kernel(P, Q, O, LSE, G, DP, DO, DLSE, DQ_PART, rows, hidden, eps,
+                       BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
+    block = tl.program_id(0)
+    dq = tl.zeros([BLOCK_H], tl.float32)
+    for i in range(ROWS):
+        row = block * ROWS + i
+        if row < rows:
+            offs_h, h_ok, p, q, o, r, z, gamma, y = _phase2_row(P, Q, O, LSE, row, hidden,
+                                                                eps, BLOCK_H)
+            g = tl.load(G + row * hidden + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+            dz = gamma * tl.sum(g * (p - y), 0)  # and dLSE = -dz
+            dp = gamma * g + dz * r * (q - z * r / hidden * p)
+            tl.store(DP + row * hidden + offs_h, dp.to(DP.dtype.element_ty), mask=h_ok)
+            tl.store(DO + row * hidden + offs_h, (1.0 - gamma) * g, mask=h_ok)
+            tl.store(DLSE + row, -dz)
+            dq += dz * r * p
+    offs_h = tl.arange(0, BLOCK_H)
+    tl.store(DQ_PART + block * hidden + offs_h, dq, mask=offs_h < hidden)
+
+
+def _phase1_blocks(n_src: int, n_q: int, hidden: int) -> dict:
+    block_n, block_s = triton.next_power_of_2(n_src), triton.next_power_of_2(n_q)
+    block_h = max(16, min(triton.next_power_of_2(hidden), 8192 // (block_n * block_s)))
+    return dict(BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_H=block_h)
+
+
+ROWS = 4 if interpreting() else 32
+
+
+class Phase1(torch.autograd.Function):
+    """queries [S, h], sources [N, ..., h] -> O [S, ..., h] and LSE [S, ...], both fp32."""
+
+    @staticmethod
+    def forward(ctx, queries: Tensor, sources: Tensor, eps: float):
+        queries, sources = queries.contiguous(), sources.contiguous()
+        n_src, hidden, n_q = sources.shape[0], sources.shape[-1], queries.shape[0]
+        rows = sources[0].numel() // hidden
+        out = torch.empty((n_q, *sources.shape[1:]), device=sources.device, dtype=torch.float32)
+        lse = torch.empty(out.shape[:-1], device=sources.device, dtype=torch.float32)
+        _phase1_fwd_kernel[(rows,)](sources, queries, out, lse, rows, hidden, n_src, n_q, eps,
+                                    **_phase1_blocks(n_src, n_q, hidden))
+        ctx.save_for_backward(queries, sources, lse)
+        ctx.eps = eps
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor | None, d_lse: Tensor | None):
+        queries, sources, lse = ctx.saved_tensors
+        n_src, hidden, n_q = sources.shape[0], sources.shape[-1], queries.shape[0]
+        rows = sources[0].numel() // hidden
+        d_out = lse.new_zeros(*lse.shape, hidden) if d_out is None else d_out.float().contiguous()
+        d_lse = torch.zeros_like(lse) if d_lse is None else d_lse.float().contiguous()
+        w = torch.empty(rows, n_src, n_q, device=lse.device, dtype=torch.float32)
+        dzr, coef = torch.empty_like(w), torch.empty(rows, n_src, device=lse.device)
+        blocks = _phase1_blocks(n_src, n_q, hidden)
+        _phase1_bwd_scores_kernel[(rows,)](sources, queries, lse, d_out, d_lse, w, dzr, coef,
+                                           rows, hidden, n_src, n_q, ctx.eps, **blocks)
+        d_sources = torch.empty_like(sources)
+        grid = (triton.cdiv(hidden, blocks["BLOCK_H"]), triton.cdiv(rows, ROWS))
+        dq_part = torch.empty(grid[1], n_q, hidden, device=lse.device, dtype=torch.float32)
+        _phase1_bwd_grads_kernel[grid](sources, queries, d_out, w, dzr, coef, d_sources,
+                                       dq_part, rows, hidden, n_src, n_q, ROWS=ROWS, **blocks)
+        return dq_part.sum(0).to(queries.dtype), d_sources, None
+
+
+class Phase2(torch.autograd.Function):
+    """partial [..., h], query [h], O [..., h] and LSE [...] of phase 1 -> merged [..., h]."""
+
+    @staticmethod
+    def forward(ctx, partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float):
+        partial, query, out, lse = (t.contiguous() for t in (partial, query, out, lse))
+        hidden = partial.shape[-1]
+        rows = partial.numel() // hidden
+        merged = torch.empty_like(partial)
+        _phase2_fwd_kernel[(triton.cdiv(rows, ROWS),)](
+            partial, query, out, lse, merged, rows, hidden, eps,
+            BLOCK_H=triton.next_power_of_2(hidden), ROWS=ROWS)
+        ctx.save_for_backward(partial, query, out, lse)
+        ctx.eps = eps
+        return merged
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        partial, query, out, lse = ctx.saved_tensors
+        hidden = partial.shape[-1]
+        rows = partial.numel() // hidden
+        d_partial, d_out, d_lse = (torch.empty_like(t) for t in (partial, out, lse))
+        blocks = triton.cdiv(rows, ROWS)
+        dq_part = torch.empty(blocks, hidden, device=out.device, dtype=torch.float32)
+        _phase2_bwd_kernel[(blocks,)](partial, query, out, lse, grad.contiguous(), d_partial,
+                                      d_out, d_lse, dq_part, rows, hidden, ctx.eps,
+                                      BLOCK_H=triton.next_power_of_2(hidden), ROWS=ROWS)
+        return d_partial, dq_part.sum(0).to(query.dtype), d_out, d_lse, None
+
+
+def phase_1(queries: Tensor, sources: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """O [S, ..., h] and LSE [S, ...] (fp32) of S pseudo-queries over stacked sources."""
+    return Phase1.apply(queries, sources, eps)
+
+
+def phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float) -> Tensor:
+    """Merge one query's phase-1 result with the partial sum, in the partial's dtype."""
+    return Phase2.apply(partial, query, out, lse, eps)
+
+
+def depth_mix(query: Tensor, sources: list[Tensor], partial: Tensor | None,
+              eps: float) -> Tensor:
+    """``t2train.residual.attnres.depth_mix(query, sources + [partial], eps)`` in two phases."""
+    out, lse = phase_1(query[None], torch.stack(sources), eps)
+    if partial is None:
+        return out[0].to(sources[0].dtype)
+    return phase_2(partial, query, out[0], lse[0], eps)

@@ -1,0 +1,253 @@
+"""Fused short causal window attention (FlashAttention-2 style), forward and backward.
+
+Exact counterpart of ``t2train.residual.window_attention.short_window_attention``:
+
+    O = softmax(Q K^T * scale + band) V,  query i at p = k_len - q_len + i sees keys j with
+    p - window < j <= p
+
+Queries are tiled in blocks of ``BLOCK_M`` rows; a program visits only the key tiles that
+intersect its band, keeping a running max m and sum l (online softmax, base 2):
+
+    m' = max(m, rowmax S),  l' = l 2^(m - m') + rowsum 2^(S - m'),  acc' = acc 2^(m - m') + P V
+
+and stores O = acc / l and LSE = m + log2 l. The backward recomputes P = 2^(S - LSE) per tile
+with D = rowsum(dO * O):  dV = P^T dO,  dS = P (dO V^T - D),  dQ = dS K scale,  dK = dS^T Q scale.
+dK/dV programs own one key tile and loop over the grouped query heads of their KV head, so
+grouped-query attention needs no atomics. Inputs need a unit last-dim stride only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from t2train.kernels.common import dot, fp32_dot, interpreting
+
+LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
+                heads, group, q_len, k_len, window, head_dim, qk_scale,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                FP32_DOT: tl.constexpr):
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    hk = h // group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    pos = offs_m + k_len - q_len
+    d_ok = offs_d[None, :] < head_dim
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
+                mask=(offs_m[:, None] < q_len) & d_ok, other=0.0)
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    first = pid_m * BLOCK_M + k_len - q_len
+    lo = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(first + BLOCK_M, k_len)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n[:, None] < k_len
+        k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :],
+                    mask=n_ok & d_ok, other=0.0)
+        v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :],
+                    mask=n_ok & d_ok, other=0.0)
+        keep = ((offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] > pos[:, None] - window)
+                & (offs_n[None, :] < k_len))
+        s = tl.where(keep, dot(q, tl.trans(k), FP32_DOT) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, FP32_DOT)
+        m_i = m_new
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only rows past q_len see no key
+    m_ok = offs_m < q_len
+    tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :],
+             (acc / l_i[:, None]).to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok)
+    tl.store(LSE + bh * q_len + offs_m, m_i + tl.log2(l_i), mask=m_ok)
+
+
+@triton.jit
+def _delta_kernel(O, DO, DELTA, sob, soh, som, sdb, sdh, sdm, heads, q_len, head_dim,
+                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """D = rowsum(dO * O) in fp32."""
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim)
+    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :], mask=mask,
+                other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :], mask=mask,
+                 other=0.0)
+    tl.store(DELTA + bh * q_len + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1),
+             mask=offs_m < q_len)
+
+
+@triton.jit
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+                 sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm,
+                 heads, group, q_len, k_len, window, head_dim, scale, qk_scale,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 FP32_DOT: tl.constexpr):
+    pid_n, bhk = tl.program_id(0), tl.program_id(1)
+    kv_heads = heads // group
+    b, hk = bhk // kv_heads, bhk % kv_heads
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < head_dim
+    n_ok = offs_n[:, None] < k_len
+    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :],
+                mask=n_ok & d_ok, other=0.0)
+    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :],
+                mask=n_ok & d_ok, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    shift = k_len - q_len  # query i sits at position i + shift
+    lo = tl.maximum(pid_n * BLOCK_N - shift, 0) // BLOCK_M * BLOCK_M
+    hi = tl.minimum(pid_n * BLOCK_N + BLOCK_N + window - 1 - shift, q_len)
+    for h in range(hk * group, hk * group + group):
+        row = (b * heads + h) * q_len
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < q_len
+            q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
+                        mask=m_ok[:, None] & d_ok, other=0.0)
+            do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :],
+                         mask=m_ok[:, None] & d_ok, other=0.0)
+            lse = tl.load(LSE + row + offs_m, mask=m_ok, other=0.0)
+            delta = tl.load(DELTA + row + offs_m, mask=m_ok, other=0.0)
+            pos = offs_m + shift
+            keep = ((offs_n[:, None] <= pos[None, :]) & (offs_n[:, None] > pos[None, :] - window)
+                    & m_ok[None, :])
+            s_t = dot(k, tl.trans(q), FP32_DOT) * qk_scale
+            p_t = tl.where(keep, tl.exp2(s_t - lse[None, :]), 0.0)
+            dv += dot(p_t.to(do.dtype), do, FP32_DOT)
+            dp_t = dot(v, tl.trans(do), FP32_DOT)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += dot(ds_t.to(q.dtype), q, FP32_DOT)
+    out = bhk * k_len * head_dim + offs_n[:, None] * head_dim + offs_d[None, :]
+    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=n_ok & d_ok)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=n_ok & d_ok)
+
+
+@triton.jit
+def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+               sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm,
+               heads, group, q_len, k_len, window, head_dim, scale, qk_scale,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               FP32_DOT: tl.constexpr):
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    hk = h // group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < head_dim
+    m_ok = offs_m < q_len
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
+                mask=m_ok[:, None] & d_ok, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :],
+                 mask=m_ok[:, None] & d_ok, other=0.0)
+    lse = tl.load(LSE + bh * q_len + offs_m, mask=m_ok, other=0.0)
+    delta = tl.load(DELTA + bh * q_len + offs_m, mask=m_ok, other=0.0)
+    pos = offs_m + k_len - q_len
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    first = pid_m * BLOCK_M + k_len - q_len
+    lo = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(first + BLOCK_M, k_len)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n[:, None] < k_len
+        k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :],
+                    mask=n_ok & d_ok, other=0.0)
+        v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :],
+                    mask=n_ok & d_ok, other=0.0)
+        keep = ((offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] > pos[:, None] - window)
+                & m_ok[:, None])
+        s = dot(q, tl.trans(k), FP32_DOT) * qk_scale
+        p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
+        ds = p * (dot(do, tl.trans(v), FP32_DOT) - delta[:, None])
+        dq += dot(ds.to(k.dtype), k, FP32_DOT)
+    tl.store(DQ + bh * q_len * head_dim + offs_m[:, None] * head_dim + offs_d[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok)
+
+
+def _tiles(q_len: int, head_dim: int) -> dict:
+    """Tile sizes: tl.dot needs >= 16; small tiles keep the interpreter fast."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=block_d)
+    block_m = min(64, max(16, triton.next_power_of_2(q_len)))
+    return dict(BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_D=block_d,
+                num_warps=4)
+
+
+def _unit_last(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _strides(t: Tensor) -> tuple:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+class WindowAttention(torch.autograd.Function):
+    """Autograd wrapper: q [b, h, q_len, d], k/v [b, kv_heads, k_len, d] -> [b, h, q_len, d]."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, window: int, scale: float) -> Tensor:
+        q, k, v = (_unit_last(t) for t in (q, k, v))
+        batch, heads, q_len, head_dim = q.shape
+        k_len = k.shape[2]
+        o = torch.empty_like(q)  # keeps q's (possibly permuted) layout
+        lse = torch.empty(batch, heads, q_len, device=q.device, dtype=torch.float32)
+        tiles = _tiles(q_len, head_dim)
+        grid = (triton.cdiv(q_len, tiles["BLOCK_M"]), batch * heads)
+        _fwd_kernel[grid](q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v),
+                          *_strides(o), heads, heads // k.shape[1], q_len, k_len, window,
+                          head_dim, scale * LOG2E, FP32_DOT=fp32_dot(q.dtype), **tiles)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.window, ctx.scale = window, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        q, k, v, o, lse = ctx.saved_tensors
+        do = _unit_last(do)
+        batch, heads, q_len, head_dim = q.shape
+        kv_heads, k_len = k.shape[1], k.shape[2]
+        tiles = _tiles(q_len, head_dim)
+        delta = torch.empty_like(lse)
+        rows = (triton.cdiv(q_len, tiles["BLOCK_M"]), batch * heads)
+        _delta_kernel[rows](o, do, delta, *_strides(o), *_strides(do), heads, q_len, head_dim,
+                            BLOCK_M=tiles["BLOCK_M"], BLOCK_D=tiles["BLOCK_D"])
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+        dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+        common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), heads,
+                  heads // kv_heads, q_len, k_len, ctx.window, head_dim, ctx.scale,
+                  ctx.scale * LOG2E)
+        flags = dict(FP32_DOT=fp32_dot(q.dtype), **tiles)
+        _dkdv_kernel[(triton.cdiv(k_len, tiles["BLOCK_N"]), batch * kv_heads)](
+            q, k, v, do, lse, delta, dk, dv, *common, **flags)
+        _dq_kernel[rows](q, k, v, do, lse, delta, dq, *common, **flags)
+        return dq, dk, dv, None, None
+
+
+def window_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
+                     scale: float | None = None) -> Tensor:
+    """Triton ``short_window_attention`` (same arguments, same result)."""
+    if window < 1:
+        raise ValueError(f"window={window}: must be >= 1")
+    if q.shape[2] > k.shape[2]:
+        raise ValueError("window attention needs q_len <= k_len (queries end-aligned)")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]}")
+    if scale is None:
+        scale = 1 / math.sqrt(q.shape[-1])
+    return WindowAttention.apply(q, k, v, window, scale)

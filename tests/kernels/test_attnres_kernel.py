@@ -1,0 +1,64 @@
+"""Triton two-phase Block AttnRes vs ``t2train.residual.attnres.depth_mix`` (interpreter)."""
+
+import pytest
+import torch
+from kernel_checks import DEVICE, assert_matches
+
+from t2train.residual.attnres import depth_mix
+
+EPS = 1e-6
+
+
+def _inputs(n_sources, dtype, tokens=(3, 2), hidden=24):
+    g = torch.Generator().manual_seed(3)
+    make = lambda *s: torch.randn(*s, generator=g).to(DEVICE, dtype)  # noqa: E731
+    query = make(hidden)
+    sources = [make(*tokens, hidden) * (1 + n) for n in range(n_sources)]
+    return query, make(*tokens, hidden), *sources
+
+
+def _check(n_sources, with_partial, dtype):
+    from t2train.kernels.block_attnres import depth_mix as two_phase
+
+    def kernel(query, partial, *sources):
+        return two_phase(query, list(sources), partial if with_partial else None, EPS)
+
+    def reference(query, partial, *sources):
+        return depth_mix(query, list(sources) + ([partial] if with_partial else []), EPS)
+
+    assert_matches(kernel, reference, _inputs(n_sources, dtype), dtype)
+
+
+@pytest.mark.parametrize("with_partial", [True, False], ids=["partial", "block_start"])
+@pytest.mark.parametrize("n_sources", [1, 3])
+def test_fp32(n_sources, with_partial):
+    _check(n_sources, with_partial, torch.float32)
+
+
+def test_fp16():
+    _check(3, True, torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_partial", [True, False], ids=["partial", "block_start"])
+def test_bf16(with_partial):
+    _check(3, with_partial, torch.bfloat16)
+
+
+def test_phase_1_batches_the_block_queries():
+    """S queries at once equal S separate mixtures; the LSE is the softmax normaliser."""
+    from t2train.kernels.block_attnres import phase_1
+
+    query, _, *sources = _inputs(5, torch.float32)
+    queries = torch.stack([query, -query, 0.5 * query])
+    out, lse = phase_1(queries, torch.stack(sources), EPS)
+    for s, q in enumerate(queries):
+        torch.testing.assert_close(out[s], depth_mix(q, sources, EPS), atol=1e-5, rtol=1e-5)
+    stacked = torch.stack(sources)
+    keys = stacked * torch.rsqrt(stacked.pow(2).mean(-1, keepdim=True) + EPS)
+    torch.testing.assert_close(lse, torch.logsumexp(keys @ queries.T, 0).permute(2, 0, 1))
+
+
+def test_reference_passes_gradcheck():
+    inputs = [t.double().requires_grad_() for t in _inputs(3, torch.float32, (2, 1), 6)]
+    assert torch.autograd.gradcheck(lambda q, *v: depth_mix(q, list(v), EPS), inputs)

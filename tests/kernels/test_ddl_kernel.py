@@ -1,0 +1,44 @@
+"""Triton DDL write vs ``t2train.residual.ddl.delta_write`` (interpreter on CPU)."""
+
+import pytest
+import torch
+from kernel_checks import DEVICE, assert_matches
+
+from t2train.residual.ddl import delta_write
+
+K_EPS, V_SCALE = 1e-5, 4.0
+
+
+def _inputs(dv, dtype, tokens=(3, 2), hidden=40, tiny=True):
+    g = torch.Generator().manual_seed(2)
+    make = lambda *s: torch.randn(*s, generator=g).to(DEVICE, dtype)  # noqa: E731
+    state = make(*tokens, hidden) if dv == 1 else make(dv, *tokens, hidden)
+    out = make(*tokens, hidden)
+    if tiny:  # |k~| ~ eps: the guard matters (and dk~ ~ 1/eps overflows fp16)
+        out[0, 0] *= 1e-6
+    return state, out, make(*tokens, 1), make(*tokens, dv)
+
+
+def _check(dv, dtype):
+    from t2train.kernels.ddl_update import delta_write as fused
+
+    assert_matches(lambda *t: fused(*t, K_EPS, V_SCALE),
+                   lambda *t: delta_write(*t, K_EPS, V_SCALE),
+                   _inputs(dv, dtype, tiny=dtype == torch.float32), dtype)
+
+
+@pytest.mark.parametrize("dv", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_matches_reference(dv, dtype):
+    _check(dv, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dv", [1, 4])
+def test_bf16(dv):
+    _check(dv, torch.bfloat16)
+
+
+def test_reference_passes_gradcheck():
+    inputs = [t.double().requires_grad_() for t in _inputs(4, torch.float32, (2, 1), 6, tiny=False)]
+    assert torch.autograd.gradcheck(lambda *t: delta_write(*t, 1e-3, V_SCALE), inputs)

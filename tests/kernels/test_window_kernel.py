@@ -1,0 +1,68 @@
+"""Triton short window attention vs the PyTorch reference (interpreter on CPU)."""
+
+import pytest
+import torch
+from kernel_checks import DEVICE, assert_matches
+
+from t2train.residual.window_attention import short_window_attention
+
+# batch, heads, kv_heads, q_len, k_len, head_dim, window
+SHAPES = {
+    "sequence": (1, 2, 2, 24, 24, 16, 5),
+    "gqa": (1, 4, 2, 20, 20, 24, 7),
+    "window_one": (1, 2, 1, 17, 17, 16, 1),
+    "full_window": (1, 2, 2, 20, 20, 16, 64),
+    "depth_read": (6, 2, 2, 1, 3, 16, 4),
+    "depth_truncated": (3, 2, 1, 1, 9, 16, 4),
+    "head_dim_128": (1, 1, 1, 18, 18, 128, 8),
+}
+
+
+def _inputs(shape, dtype):
+    b, h, hk, lq, lk, d, _ = shape
+    g = torch.Generator().manual_seed(1)
+    make = lambda *s: torch.randn(*s, generator=g).to(DEVICE, dtype)  # noqa: E731
+    return make(b, h, lq, d), make(b, hk, lk, d), make(b, hk, lk, d)
+
+
+def _check(shape, dtype):
+    from t2train.kernels.window_attention import window_attention
+
+    window, scale = shape[-1], shape[-2] ** -0.5
+    assert_matches(lambda q, k, v: window_attention(q, k, v, window, scale),
+                   lambda q, k, v: short_window_attention(q, k, v, window, scale),
+                   _inputs(shape, dtype), dtype)
+
+
+@pytest.mark.parametrize("case", SHAPES)
+def test_fp32(case):
+    _check(SHAPES[case], torch.float32)
+
+
+@pytest.mark.parametrize("case", ["sequence", "gqa", "depth_read"])
+def test_fp16(case):
+    _check(SHAPES[case], torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SHAPES)
+def test_bf16(case):
+    _check(SHAPES[case], torch.bfloat16)
+
+
+def test_strided_inputs_and_default_scale():
+    """[s, b, h, d] activations permuted to [b, h, s, d], as the core attention passes them."""
+    from t2train.kernels.window_attention import window_attention
+
+    q, k, v = (t.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+               for t in _inputs(SHAPES["gqa"], torch.float32))
+    assert not q.is_contiguous()
+    assert_matches(lambda q, k, v: window_attention(q, k, v, 6),
+                   lambda q, k, v: short_window_attention(q, k, v, 6), (q, k, v),
+                   torch.float32)
+
+
+def test_reference_passes_gradcheck():
+    q, k, v = (t.double().requires_grad_() for t in _inputs(SHAPES["gqa"], torch.float32))
+    q, k, v = q[:, :2, :4, :4], k[:, :1, :6, :4], v[:, :1, :6, :4]
+    assert torch.autograd.gradcheck(lambda *t: short_window_attention(*t, 3, 0.5), (q, k, v))
