@@ -62,7 +62,7 @@ def _phase1_logits(V, Q, DO, row, rows, hidden, n_src, n_q, eps,
 @triton.jit
 def _phase1_fwd_kernel(V, Q, O, LSE, rows, hidden, n_src, n_q, eps,
                        BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # 64-bit offsets: N sources can pass 2^31 elements
     offs_n = tl.arange(0, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
     r, z, _ = _phase1_logits(V, Q, V, row, rows, hidden, n_src, n_q, eps,
@@ -88,7 +88,7 @@ def _phase1_bwd_scores_kernel(V, Q, LSE, DO, DLSE, W, DZR, COEF, rows, hidden, n
                               eps, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
                               BLOCK_H: tl.constexpr):
     """Per token: w, dz r and (r^2 / h) sum_s dz z, the coefficients of dv and dw."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
     ok = (offs_n[:, None] < n_src) & (offs_s[None, :] < n_q)
@@ -111,7 +111,7 @@ def _phase1_bwd_grads_kernel(V, Q, DO, W, DZR, COEF, DV, DQ_PART, rows, hidden, 
                              BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
                              BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
     """dv for ROWS tokens on one slice of h, and their partial query gradient."""
-    pid_h, block = tl.program_id(0), tl.program_id(1)
+    pid_h, block = tl.program_id(0), tl.program_id(1).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -159,7 +159,7 @@ def _phase2_row(P, Q, O, LSE, row, hidden, eps, BLOCK_H: tl.constexpr):
 def _phase2_fwd_kernel(P, Q, O, LSE, Y, rows, hidden, eps, BLOCK_H: tl.constexpr,
                        ROWS: tl.constexpr):
     for i in range(ROWS):
-        row = tl.program_id(0) * ROWS + i
+        row = tl.program_id(0).to(tl.int64) * ROWS + i
         if row < rows:
             offs_h, h_ok, p, q, o, r, z, gamma, y = _phase2_row(P, Q, O, LSE, row, hidden, eps,
                                                                 BLOCK_H)
@@ -169,7 +169,7 @@ def _phase2_fwd_kernel(P, Q, O, LSE, Y, rows, hidden, eps, BLOCK_H: tl.constexpr
 @triton.jit
 def _phase2_bwd_kernel(P, Q, O, LSE, G, DP, DO, DLSE, DQ_PART, rows, hidden, eps,
                        BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
-    block = tl.program_id(0)
+    block = tl.program_id(0).to(tl.int64)
     dq = tl.zeros([BLOCK_H], tl.float32)
     for i in range(ROWS):
         row = block * ROWS + i
@@ -194,6 +194,11 @@ def _phase1_blocks(n_src: int, n_q: int, hidden: int) -> dict:
 
 
 ROWS = 4 if interpreting() else 32
+
+
+def _phase2_blocks(hidden: int) -> dict:
+    block_h = triton.next_power_of_2(hidden)
+    return dict(BLOCK_H=block_h, ROWS=ROWS, num_warps=min(16, max(4, block_h // 512)))
 
 
 class Phase1(torch.autograd.Function):
@@ -243,7 +248,7 @@ class Phase2(torch.autograd.Function):
         merged = torch.empty_like(partial)
         _phase2_fwd_kernel[(triton.cdiv(rows, ROWS),)](
             partial, query, out, lse, merged, rows, hidden, eps,
-            BLOCK_H=triton.next_power_of_2(hidden), ROWS=ROWS)
+            **_phase2_blocks(hidden))
         ctx.save_for_backward(partial, query, out, lse)
         ctx.eps = eps
         return merged
@@ -258,7 +263,7 @@ class Phase2(torch.autograd.Function):
         dq_part = torch.empty(blocks, hidden, device=out.device, dtype=torch.float32)
         _phase2_bwd_kernel[(blocks,)](partial, query, out, lse, grad.contiguous(), d_partial,
                                       d_out, d_lse, dq_part, rows, hidden, ctx.eps,
-                                      BLOCK_H=triton.next_power_of_2(hidden), ROWS=ROWS)
+                                      **_phase2_blocks(hidden))
         return d_partial, dq_part.sum(0).to(query.dtype), d_out, d_lse, None
 
 

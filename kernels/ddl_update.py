@@ -46,7 +46,7 @@ def _load_row(X_RAW, K_RAW, BETA, VLOG, row, rows, hidden, dv, eps2, v_scale,
 @triton.jit
 def _fwd_kernel(X, K_RAW, BETA, VLOG, Y, rows, hidden, dv, eps2, v_scale,
                 BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # 64-bit offsets: states can pass 2^31 elements
     x, tile, tile_ok, k, r, beta, sig_v, err = _load_row(
         X, K_RAW, BETA, VLOG, row, rows, hidden, dv, eps2, v_scale, BLOCK_H, BLOCK_V)
     y = x + (beta * err)[:, None] * k[None, :]
@@ -56,7 +56,7 @@ def _fwd_kernel(X, K_RAW, BETA, VLOG, Y, rows, hidden, dv, eps2, v_scale,
 @triton.jit
 def _bwd_kernel(X, K_RAW, BETA, VLOG, G, DX, DK, DBETA, DVLOG, rows, hidden, dv, eps2,
                 v_scale, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     x, tile, tile_ok, k, r, beta, sig_v, err = _load_row(
         X, K_RAW, BETA, VLOG, row, rows, hidden, dv, eps2, v_scale, BLOCK_H, BLOCK_V)
     g = tl.load(G + tile, mask=tile_ok, other=0.0).to(tl.float32)

@@ -35,7 +35,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, so
                 heads, group, q_len, k_len, window, head_dim, qk_scale,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 FP32_DOT: tl.constexpr):
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    pid_m, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit base offsets
     b, h = bh // heads, bh % heads
     hk = h // group
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -77,7 +77,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, so
 def _delta_kernel(O, DO, DELTA, sob, soh, som, sdb, sdh, sdm, heads, q_len, head_dim,
                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """D = rowsum(dO * O) in fp32."""
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    pid_m, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit base offsets
     b, h = bh // heads, bh % heads
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -96,7 +96,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                  heads, group, q_len, k_len, window, head_dim, scale, qk_scale,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  FP32_DOT: tl.constexpr):
-    pid_n, bhk = tl.program_id(0), tl.program_id(1)
+    pid_n, bhk = tl.program_id(0), tl.program_id(1).to(tl.int64)
     kv_heads = heads // group
     b, hk = bhk // kv_heads, bhk % kv_heads
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -143,7 +143,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                heads, group, q_len, k_len, window, head_dim, scale, qk_scale,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                FP32_DOT: tl.constexpr):
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    pid_m, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit base offsets
     b, h = bh // heads, bh % heads
     hk = h // group
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -13,7 +13,7 @@ VARIANTS = {
     "depth_attn": ["model.residual=depth_attn", "model.depth_attn.window=2"],
     "ddl": ["model.residual=ddl"],
     "ddl_dv4": ["model.residual=ddl", "model.ddl.dv=4"],
-    "attnres": ["model.residual=attnres"],
+    # Blocks of 2 sublayers: reads alternate phase 1 alone (block start) and both phases.
     "block_attnres": ["model.residual=block_attnres", "model.attnres.block_size=2"],
 }
 STEPS = 2
