@@ -64,12 +64,11 @@ def _leaf(*shape, scale=1.0) -> torch.Tensor:
     return (torch.randn(*shape, device="cuda", dtype=DTYPE) * scale).requires_grad_()
 
 
-def window_cases() -> list[Case]:
+def window_cases():
     """Sequence ShortSWA shapes: 32k tokens, 16 heads of 128, windows 64/128/512."""
     from t2train.kernels.window_attention import window_attention
 
     heads, head_dim, tokens = 16, 128, 32768
-    cases = []
     for seq in (4096, 16384):
         for window in (64, 128, 512):
             batch = tokens // seq
@@ -80,10 +79,8 @@ def window_cases() -> list[Case]:
             impls += _flash_impls(batch, heads, seq, head_dim, window)
             pairs = sum(min(window, p + 1) for p in range(seq))
             flops = 4 * batch * heads * head_dim * pairs
-            cases.append(Case("window_attention",
-                              f"b={batch} h={heads} s={seq} d={head_dim} w={window}", impls,
-                              {"fwd": flops, "fwd+bwd": 3.5 * flops}, "TFLOP/s"))
-    return cases
+            yield Case("window_attention", f"b={batch} h={heads} s={seq} d={head_dim} w={window}",
+                       impls, {"fwd": flops, "fwd+bwd": 3.5 * flops}, "TFLOP/s")
 
 
 def _flex_impls(batch, heads, seq, head_dim, window) -> list[Impl]:
@@ -111,29 +108,26 @@ def _flash_impls(batch, heads, seq, head_dim, window) -> list[Impl]:
                                                        window_size=(window - 1, 0)), [q, k, v])]
 
 
-def ddl_cases() -> list[Case]:
+def ddl_cases():
     """The DDL write over 32k tokens of width 2048, d_v = 1 and 4."""
     from t2train.kernels.ddl_update import delta_write as fused
     from t2train.residual.ddl import delta_write
 
     tokens, hidden, k_eps, v_scale = (4096, 8), 2048, 1e-5, 4.0
     compiled = torch.compile(delta_write)
-    cases = []
     for dv in (1, 4):
         state = _leaf(*tokens, hidden) if dv == 1 else _leaf(dv, *tokens, hidden)
         out, beta, v = _leaf(*tokens, hidden), _leaf(*tokens, 1), _leaf(*tokens, dv)
         inputs = [state, out, beta, v]
-        impls = [Impl(name, lambda f=f: f(state, out, beta, v, k_eps, v_scale), inputs)
+        impls = [Impl(name, lambda f=f, args=tuple(inputs): f(*args, k_eps, v_scale), inputs)
                  for name, f in (("triton", fused), ("eager", delta_write),
                                  ("torch.compile", compiled))]
         unit = state.element_size() * out.numel()
-        cases.append(Case("ddl_write", f"s={tokens[0]} b={tokens[1]} h={hidden} d_v={dv}",
-                          impls, {"fwd": (2 * dv + 1) * unit, "fwd+bwd": (5 * dv + 3) * unit},
-                          "GB/s"))
-    return cases
+        yield Case("ddl_write", f"s={tokens[0]} b={tokens[1]} h={hidden} d_v={dv}", impls,
+                   {"fwd": (2 * dv + 1) * unit, "fwd+bwd": (5 * dv + 3) * unit}, "GB/s")
 
 
-def attnres_cases() -> list[Case]:
+def attnres_cases():
     """One block of S sublayer reads over N stored sources, 16k tokens of width 2048."""
     from t2train.kernels.block_attnres import phase_1, phase_2
     from t2train.residual.attnres import depth_mix
@@ -160,9 +154,9 @@ def attnres_cases() -> list[Case]:
             far.phase_1_batched_attention_triton_op, far.phase_2_online_softmax_merge_triton_op),
             inputs))
     unit = sources[0].numel() * sources.element_size()
-    return [Case("block_attnres", f"N={n_src} S={n_q} b={batch} t={seq} d={hidden}", impls,
-                 {"fwd": (n_src + 2 * n_q) * unit, "fwd+bwd": (3 * n_src + 5 * n_q) * unit},
-                 "GB/s")]
+    yield Case("block_attnres", f"N={n_src} S={n_q} b={batch} t={seq} d={hidden}", impls,
+               {"fwd": (n_src + 2 * n_q) * unit, "fwd+bwd": (3 * n_src + 5 * n_q) * unit},
+               "GB/s")
 
 
 def copy_bandwidth_gbs() -> float:

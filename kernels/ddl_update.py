@@ -82,7 +82,8 @@ def _launch(hidden: int, dv: int) -> dict:
 
 
 class DeltaWrite(torch.autograd.Function):
-    """state [s, b, h] or [d_v, s, b, h]; out [s, b, h]; beta_logit [s, b, 1]; v_logit [s, b, d_v]."""
+    """state [s, b, h] or [d_v, s, b, h]; out [s, b, h]; beta_logit [s, b, 1];
+    v_logit [s, b, d_v]."""
 
     @staticmethod
     def forward(ctx, state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor,
