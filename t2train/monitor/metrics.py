@@ -9,9 +9,12 @@ debugging), its lines prefixed with the rank.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -20,6 +23,18 @@ def _format_duration(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     hours, rest = divmod(seconds, 3600)
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def quiet_other_ranks(all_ranks: bool) -> None:
+    """Python warnings and library log lines on global rank 0 only, unless ``log.all_ranks``.
+
+    Called before the training libraries are imported, so it reads the rank the launcher put
+    in the environment (``RANK``, as torch.distributed does). Errors still print everywhere.
+    """
+    if all_ranks or os.environ.get("RANK", "0") == "0":
+        return
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
 
 
 class Monitor:

@@ -66,8 +66,10 @@ def _resume_target(config: Config, run_dir: Path) -> Optional[Path]:
 
 def train(config: Config) -> RunSummary:
     """Run to ``train.steps``, or stop early with a checkpoint (``RunSummary.stopped``)."""
+    from t2train.monitor.metrics import quiet_other_ranks
     from t2train.train.preemption import StopGuard, parse_signals
 
+    quiet_other_ranks(config.log.all_ranks)
     with StopGuard(parse_signals(config.train.exit_signals),
                    config.train.exit_duration_mins) as guard:
         return _run(config, guard)

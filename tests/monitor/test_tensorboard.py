@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -27,11 +28,11 @@ from t2train.config.loader import load_config
 
 pytestmark = pytest.mark.slow
 
-RUN = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
-       "model.seq_length=64", "train.micro_batch_size=4", "train.global_batch_size=8",
-       "train.warmup_steps=2", "train.steps=20", "train.eval_interval=10",
-       "train.eval_batches=1", "train.log_interval=5", "log.diagnostics_interval=10",
-       "checkpoint.interval=20", "checkpoint.resume=none"]
+TINY = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
+        "model.seq_length=64", "train.micro_batch_size=4", "train.global_batch_size=8",
+        "train.eval_batches=1", "checkpoint.resume=none"]
+RUN = TINY + ["train.steps=20", "train.warmup_steps=2", "train.log_interval=5",
+              "train.eval_interval=10", "log.diagnostics_interval=10"]
 
 SUBLAYERS = ["layer_01.attn", "layer_01.mlp", "layer_02.attn", "layer_02.mlp"]
 DDL_HISTOGRAMS = {f"diagnostics/ddl_{name}/{sublayer}"
@@ -42,7 +43,6 @@ DEPTH_IMAGE = {"diagnostics/depth_attention"}
 VARIANTS = {
     "standard": ([], set(), set(), set()),
     "ddl": (["model.residual=ddl"], set(), set(), DDL_HISTOGRAMS),
-    "ddl_dv4": (["model.residual=ddl", "model.ddl.dv=4"], set(), set(), DDL_HISTOGRAMS),
     "shortswa": (["model.residual=shortswa", "model.shortswa.window=16"],
                  {"diagnostics/shortswa_entropy/layer_01", "diagnostics/shortswa_entropy/layer_02"},
                  set(), set()),
@@ -148,6 +148,32 @@ def test_console_is_a_progress_line_per_interval(runs):
     assert len(progress) == 4
     assert all(" | loss " in line and " | eta " in line for line in progress)
     assert "warning" not in console
+
+
+def test_pipeline_stages_send_their_diagnostics_and_other_ranks_stay_quiet(
+        shakespeare, tmp_path):
+    """PP = 2 under torchrun: layer 1 lives on rank 0, layer 2 and the final norm on rank 1."""
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", "--redirects=3", f"--log-dir={logs}",
+               "-m", "t2train.cli", "train", f"data.path={shakespeare}", f"log.run_dir={run_dir}",
+               *TINY, "train.steps=5", "train.warmup_steps=1", "train.log_interval=5",
+               "train.eval_interval=5", "log.diagnostics_interval=5", "model.residual=ddl",
+               "parallel.pipeline=2"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    events = _events(run_dir)
+    tags = events.Tags()
+    assert set(tags["histograms"]) == DDL_HISTOGRAMS
+    assert {"diagnostics/residual_rms/layer_01", "diagnostics/residual_rms/layer_02",
+            "diagnostics/residual_rms/final"} <= set(tags["scalars"])
+    assert events.Scalars("pipeline/forward_bytes")[-1].value > 0
+    [rank0] = logs.glob("*/attempt_0/0")
+    [rank1] = logs.glob("*/attempt_0/1")
+    assert "step      5/5 | loss" in (rank0 / "stdout.log").read_text()
+    assert (rank1 / "stdout.log").read_text() == "" and (rank1 / "stderr.log").read_text() == ""
 
 
 def _free_port() -> int:
