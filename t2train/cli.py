@@ -84,6 +84,7 @@ def _is_rank_zero() -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from t2train.checkpoint.inspect import register as register_ckpt
     from t2train.data.cli import register as register_data
     from t2train.launch.launcher import LAUNCH_EPILOG, add_arguments as add_launch_arguments
 
@@ -128,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.set_defaults(handler=_cmd_launch)
 
     register_data(commands)
+    register_ckpt(commands)
     return parser
 
 

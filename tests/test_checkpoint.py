@@ -1,5 +1,7 @@
-"""Megatron dist-checkpoint round trip: a reloaded model and optimizer continue identically."""
+"""Megatron dist-checkpoint round trip: a reloaded model and optimizer continue identically;
+async saves, retention, refusals of unusable checkpoints, ``t2train ckpt inspect``."""
 
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -8,7 +10,13 @@ import torch
 from t2train.config.loader import load_config
 
 
-def _objects(seed: int):
+def _config(*overrides: str):
+    return load_config("tiny", overrides=["data.path=unused", "model.num_layers=2",
+                                          "model.seq_length=16", "train.micro_batch_size=2",
+                                          "train.global_batch_size=4", *overrides])
+
+
+def _objects(seed: int, config=None):
     from megatron.core import parallel_state
 
     from t2train.parallel.init import Topology, set_seed
@@ -16,10 +24,7 @@ def _objects(seed: int):
 
     set_seed(seed, Topology(0, 1, 0, 0, parallel_state.get_pipeline_model_parallel_rank(),
                             0, 1, 1, 1))
-    config = load_config("tiny", overrides=["data.path=unused", "model.num_layers=2",
-                                            "model.seq_length=16", "train.micro_batch_size=2",
-                                            "train.global_batch_size=4"])
-    return build_training_objects(config, vocab_size=128)
+    return build_training_objects(config or _config(), vocab_size=128)
 
 
 def _steps(objs, count: int, seed: int) -> list[float]:
@@ -68,3 +73,97 @@ def test_incomplete_checkpoint_is_ignored(megatron_world, tmp_path: Path):
     (tmp_path / "step_00000002.incomplete").mkdir()
     with pytest.warns(UserWarning, match="incomplete checkpoint"):
         assert find_latest(tmp_path) == good
+
+
+def test_async_save_is_published_when_the_writer_is_done(megatron_world, tmp_path: Path):
+    from t2train.checkpoint.manager import Checkpointer
+    from t2train.checkpoint.store import load_checkpoint
+
+    config = _config("checkpoint.async_save=true")
+    trained = _objects(seed=1, config=config)
+    _steps(trained, 2, seed=0)
+    reports = []
+    saver = Checkpointer(tmp_path, config, trained, lambda *args: reports.append(args))
+    path = saver.save(2, {"tokens": 64})
+    before = _params(trained)
+    _steps(trained, 1, seed=3)  # training goes on while the forked writer saves step 2
+    assert not path.exists() and not reports  # published only when finalized
+    saver.close()
+    assert path.is_dir() and (tmp_path / "latest").read_text().strip() == path.name
+    (step, blocked, total, reported), = reports
+    assert (step, reported) == (2, path) and 0 < blocked <= total
+
+    fresh = _objects(seed=2, config=config)
+    state = load_checkpoint(path, fresh, config)
+    assert state["step"] == 2 and state["config"]["checkpoint"]["async_save"]
+    assert state["code_version"]
+    for name, value in before.items():  # the state at save time, not after the next step
+        assert torch.equal(_params(fresh)[name], value), name
+
+
+def test_retention_keeps_the_newest_and_every_mth(megatron_world, tmp_path: Path):
+    from t2train.checkpoint.manager import Checkpointer
+    from t2train.checkpoint.retention import steps_to_delete
+
+    assert steps_to_delete([1, 2, 3, 4, 5, 6], keep_last=2, keep_every=0) == [1, 2, 3, 4]
+    assert steps_to_delete([2, 4, 6, 8, 10], keep_last=1, keep_every=4) == [2, 6]
+    assert steps_to_delete([1, 2, 3], keep_last=0, keep_every=2) == []  # 0: keep all
+
+    config = _config("checkpoint.keep_last=2", "checkpoint.keep_every=3")
+    objs = _objects(seed=1, config=config)
+    saver = Checkpointer(tmp_path, config, objs, lambda *args: None)
+    for step in range(1, 6):
+        saver.save(step, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest", "step_00000003", "step_00000004", "step_00000005"]
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_fields(megatron_world,
+                                                                    tmp_path: Path):
+    from t2train.checkpoint.store import CheckpointError, load_checkpoint, save_checkpoint
+
+    config = _config("model.residual=ddl", "model.ddl.dv=1")
+    path = save_checkpoint(tmp_path, 1, _objects(seed=1, config=config),
+                           {"config": asdict(config)})
+    other = _config("model.residual=ddl", "model.ddl.dv=4")
+    with pytest.raises(CheckpointError, match=r"model\.ddl\.dv: checkpoint 1, this run 4"):
+        load_checkpoint(path, _objects(seed=1, config=other), other)
+    standard = _config()
+    with pytest.raises(CheckpointError, match="model.residual: checkpoint 'ddl', this run "
+                                              "'standard'") as err:
+        load_checkpoint(path, _objects(seed=1, config=standard), standard)
+    assert "ddl.dv" not in str(err.value)  # another design's settings are not compared
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_damaged_shard_is_named(megatron_world, tmp_path: Path, damage):
+    from t2train.checkpoint.store import CheckpointError, load_checkpoint, save_checkpoint
+
+    objs = _objects(seed=1)
+    _steps(objs, 1, seed=0)
+    path = save_checkpoint(tmp_path, 1, objs, {})
+    shard = sorted(path.glob("*.distcp"))[-1]
+    if damage == "missing":
+        shard.unlink()
+    else:
+        shard.write_bytes(shard.read_bytes()[:100])
+    fresh = _objects(seed=2)
+    before = _params(fresh)
+    with pytest.raises(CheckpointError, match=f"{shard.name}: shard file {damage}"):
+        load_checkpoint(path, fresh)
+    assert all(torch.equal(_params(fresh)[n], v) for n, v in before.items())  # untouched
+
+
+def test_inspect_prints_step_layout_design_and_shards(megatron_world, tmp_path: Path, capsys):
+    from t2train.checkpoint.store import save_checkpoint
+    from t2train.cli import main
+
+    config = _config("model.residual=shortswa")
+    path = save_checkpoint(tmp_path, 7, _objects(seed=1, config=config),
+                           {"config": asdict(config), "tokens": 448, "code_version": "0.1+abc"})
+    assert main(["ckpt", "inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    for expected in ("step 7, tokens 448", "TP 1 x PP 1 x DP 1", "shortswa residual, 2 layers",
+                     "code 0.1+abc", "common.pt", ".distcp"):
+        assert expected in out
+    assert main(["ckpt", "inspect", str(tmp_path)]) == 2  # not a checkpoint: one-line error

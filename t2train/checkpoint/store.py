@@ -1,14 +1,13 @@
 """Checkpoints on disk: Megatron ``dist_checkpointing`` (torch_dist) published atomically.
 
-Layout under ``<run_dir>/checkpoints``::
-
-    step_00000100/     a complete checkpoint (model, optimizer, schedule, train state, RNG)
-    latest             the name of the newest complete checkpoint
-    step_00000200.incomplete/   being written, or left by a crash: never loaded
-
-Every rank writes its shards into the ``.incomplete`` directory; rank 0 renames it once all
-ranks are done and then replaces ``latest``. A crash at any point leaves the previous
-checkpoint and marker intact.
+A checkpoint holds the model, the optimizer (fully reshardable), the LR schedule, every
+rank's RNG streams and the ``train_state`` the trainer passes (step, tokens, data loader
+state, resolved config, code version). Every rank writes its shards into
+``step_N.incomplete/`` (``paths.py``); once all are done, rank 0 renames it to ``step_N/``
+and then replaces ``latest``. A crash at any point leaves the previous checkpoint and marker
+intact. With an ``AsyncCallsQueue`` the shards are written by a forked process (a
+copy-on-write snapshot of the state) while training goes on, and the publication runs when
+the queue finalizes the save.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import random
 import shutil
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -26,21 +25,14 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from t2train.errors import UserInputError
+from t2train.checkpoint.compatibility import check_same_model, check_shard_files
+from t2train.checkpoint.errors import CheckpointError
+from t2train.checkpoint.paths import (INCOMPLETE, LATEST, complete_steps, is_complete,
+                                      step_dir_name)
 from t2train.train.setup import TrainingObjects
 
-LATEST = "latest"
-INCOMPLETE = ".incomplete"
 # Reshardable optimizer state so a checkpoint loads into another (TP, PP, DP) layout.
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-class CheckpointError(UserInputError):
-    pass
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
 
 
 def _model_keys(objs: TrainingObjects) -> list[str]:
@@ -96,8 +88,15 @@ def _restore_rng(states: list) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def save_checkpoint(root: Path, step: int, objs: TrainingObjects, train_state: dict) -> Path:
-    """Collective: every rank calls it. Returns the published checkpoint directory."""
+def save_checkpoint(root: Path, step: int, objs: TrainingObjects, train_state: dict,
+                    async_queue=None, on_published: Optional[Callable[[Path], None]] = None
+                    ) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint directory it publishes.
+
+    Without ``async_queue`` it returns once the checkpoint is published. With one (Megatron's
+    ``AsyncCallsQueue``) it returns once the shards' writer has started; the checkpoint is
+    published when the queue finalizes the save. ``on_published(path)`` then runs on every rank.
+    """
     final = root / step_dir_name(step)
     staging = root / (step_dir_name(step) + INCOMPLETE)
     if dist.get_rank() == 0:
@@ -116,18 +115,36 @@ def save_checkpoint(root: Path, step: int, objs: TrainingObjects, train_state: d
     state["train_state"] = dict(train_state, step=step, layout=_layout(),
                                 has_optimizer=has_optimizer)
     state["rng_state"] = _rng_object(_capture_rng())
-    dist_checkpointing.save(state, str(staging))
 
+    def publish() -> None:
+        _publish(root, staging, final, on_published)
+
+    if async_queue is None:
+        dist_checkpointing.save(state, str(staging))
+        publish()
+    else:
+        request = dist_checkpointing.save(state, str(staging), async_sharded_save=True)
+        request.add_finalize_fn(publish)
+        async_queue.schedule_async_request(request)
+    return final
+
+
+def _publish(root: Path, staging: Path, final: Path,
+             on_published: Optional[Callable[[Path], None]]) -> None:
+    """Collective: rename the finished staging directory and point ``latest`` at it."""
     dist.barrier()
     if dist.get_rank() == 0:
-        if final.exists():  # re-saving the same step after a resume
-            shutil.rmtree(final)
+        replaced = final.with_name(final.name + ".replaced")
+        if final.exists():  # re-saving the same step after a resume: moved aside, not lost
+            os.replace(final, replaced)
         os.replace(staging, final)
+        shutil.rmtree(replaced, ignore_errors=True)
         marker = root / (LATEST + ".tmp")
         marker.write_text(final.name + "\n")
         os.replace(marker, root / LATEST)
     dist.barrier()
-    return final
+    if on_published is not None:
+        on_published(final)
 
 
 def find_latest(root: Path) -> Optional[Path]:
@@ -139,19 +156,25 @@ def find_latest(root: Path) -> Optional[Path]:
     marker = root / LATEST
     if marker.is_file():
         named = root / marker.read_text().strip()
-        if (named / "metadata.json").is_file():
+        if is_complete(named):
             return named
         warnings.warn(f"{marker} names {named.name}, which is not a complete checkpoint")
-    complete = sorted(p for p in root.glob("step_*") if not p.name.endswith(INCOMPLETE)
-                      and (p / "metadata.json").is_file())
-    return complete[-1] if complete else None
+    steps = complete_steps(root)
+    return root / step_dir_name(steps[-1]) if steps else None
 
 
-def load_checkpoint(path: Path, objs: TrainingObjects) -> dict:
-    """Collective: load model, optimizer, schedule and (same layout) RNG; returns train state."""
-    if not (path / "metadata.json").is_file():
-        raise CheckpointError(f"{path}: not a t2train checkpoint (no metadata.json)")
-    common = dist_checkpointing.load_common_state_dict(str(path))
+def load_checkpoint(path: Path, objs: TrainingObjects, config=None) -> dict:
+    """Collective: load model, optimizer, schedule and (same layout) RNG; returns train state.
+
+    With the run's ``config``, a checkpoint of another model shape or residual design is
+    refused naming the field; a missing shard file is named before anything is loaded.
+    """
+    if not is_complete(path):
+        raise CheckpointError(f"{path}: not a complete t2train checkpoint (no metadata.json)")
+    common = _read(path, lambda: dist_checkpointing.load_common_state_dict(str(path)))
+    if config is not None:
+        check_same_model(path, common["train_state"].get("config", {}).get("model"), config.model)
+    check_shard_files(path)
     saved_layout = common["train_state"]["layout"]
     same_layout = saved_layout == _layout()
 
@@ -162,7 +185,7 @@ def load_checkpoint(path: Path, objs: TrainingObjects) -> dict:
                                                                metadata=_OPTIMIZER_METADATA)
     if same_layout:
         state["rng_state"] = _rng_object(None)
-    loaded = dist_checkpointing.load(state, str(path))
+    loaded = _read(path, lambda: dist_checkpointing.load(state, str(path)))
 
     for key, chunk in zip(_model_keys(objs), objs.model):
         chunk.module.load_state_dict(loaded[key])
@@ -176,3 +199,16 @@ def load_checkpoint(path: Path, objs: TrainingObjects) -> dict:
         warnings.warn(f"checkpoint layout {saved_layout} differs from {_layout()}: "
                       "RNG streams start fresh")
     return common["train_state"]
+
+
+def _read(path: Path, load: Callable):
+    """Run a dist_checkpointing read, naming the checkpoint in any failure."""
+    try:
+        return load()
+    except CheckpointError:
+        raise
+    except Exception as err:  # torch DCP and Megatron raise many types for unreadable data
+        raise CheckpointError(f"{path}: cannot load the checkpoint ({type(err).__name__}: "
+                              f"{str(err).strip().splitlines()[-1] if str(err).strip() else ''}); "
+                              "it may be corrupt: resume from an earlier step_* "
+                              "(checkpoint.resume=PATH)") from err

@@ -283,9 +283,22 @@ class CheckpointConfig:
     interval: int = 100  # steps between saves; the last step is always saved
     resume: str = "auto"  # auto | none | a checkpoint directory
     overwrite: bool = False  # with resume=none, allow reusing a non-empty run directory
+    # Retention: keep the newest keep_last checkpoints plus every keep_every-th step
+    # (0 = keep all / none extra). The newest is never deleted.
+    keep_last: int = 0
+    keep_every: int = 0
+    # Write shards from a forked process while training continues; published when done.
+    async_save: bool = False
+    # Save again right after loading, in this run's layout: with train.steps equal to the
+    # checkpoint's step this reshards a checkpoint for another (TP, PP, DP) without training.
+    save_on_resume: bool = False
 
     def validate(self) -> None:
         _require(self.interval >= 1, "checkpoint.interval", self.interval, "must be >= 1")
+        _require(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last,
+                 "must be >= 0 (0 keeps every checkpoint)")
+        _require(self.keep_every >= 0, "checkpoint.keep_every", self.keep_every,
+                 "must be >= 0 (0: no extra checkpoints kept)")
         _require(bool(self.resume), "checkpoint.resume", self.resume,
                  "must be 'auto', 'none' or a checkpoint directory")
 

@@ -76,7 +76,8 @@ def train(config: Config) -> RunSummary:
 
 
 def _run(config: Config, guard: "StopGuard") -> RunSummary:
-    from t2train.checkpoint.store import load_checkpoint, save_checkpoint
+    from t2train.checkpoint.manager import Checkpointer
+    from t2train.checkpoint.store import load_checkpoint
     from t2train.model.build import padded_vocab_size
     from t2train.monitor.diagnostics import Diagnostics, diagnostic_micro_batches
     from t2train.monitor.metrics import Monitor
@@ -100,7 +101,7 @@ def _run(config: Config, guard: "StopGuard") -> RunSummary:
 
     train_state: dict = {}
     if resume_from is not None:
-        train_state = load_checkpoint(resume_from, objs)
+        train_state = load_checkpoint(resume_from, objs, config)
     start_step = train_state.get("step", 0)
 
     train_cfg = config.train
@@ -135,15 +136,20 @@ def _run(config: Config, guard: "StopGuard") -> RunSummary:
     summary = RunSummary(run_dir=run_dir, start_step=start_step, final_step=start_step)
     tokens_per_step = train_cfg.global_batch_size * config.model.seq_length
 
-    def save(step: int) -> None:
-        saved_at = time.monotonic()
-        summary.checkpoint = save_checkpoint(
-            run_dir / "checkpoints", step, objs,
-            {"data_state": streams.shared_state_dict(), "tokens": step * tokens_per_step})
-        seconds = time.monotonic() - saved_at
-        monitor.scalars(step, {"checkpoint/save_seconds": seconds})
-        monitor.print(f"step {step:>6} | saved {summary.checkpoint} ({seconds:.1f}s)")
+    def report_save(step: int, blocked: float, total: float, path: Path) -> None:
+        monitor.scalars(step, {"checkpoint/save_seconds": total,
+                               "checkpoint/blocked_seconds": blocked})
+        monitor.print(f"step {step:>6} | saved {path} ({total:.1f}s"
+                      f"{f', training blocked {blocked:.1f}s' if blocked < total else ''})")
 
+    checkpointer = Checkpointer(run_dir / "checkpoints", config, objs, report_save)
+
+    def save(step: int) -> None:
+        summary.checkpoint = checkpointer.save(
+            step, {"data_state": streams.shared_state_dict(), "tokens": step * tokens_per_step})
+
+    if resume_from is not None and config.checkpoint.save_on_resume:
+        save(start_step)
     if start_step == 0:
         summary.val_losses[0] = evaluate(objs, val_batches)
         monitor.scalars(0, loss_scalars("val", summary.val_losses[0]))
@@ -169,7 +175,8 @@ def _run(config: Config, guard: "StopGuard") -> RunSummary:
             summary.val_losses[step] = evaluate(objs, val_batches)
             monitor.scalars(step, loss_scalars("val", summary.val_losses[step]))
             monitor.print(f"step {step:>6} | val loss {summary.val_losses[step]:.4f}")
-        saved = step % config.checkpoint.interval == 0 or step == train_cfg.steps
+        checkpointer.poll()
+        saved = checkpointer.due(step, train_cfg.steps)
         if saved:
             save(step)
         summary.final_step = step
@@ -180,5 +187,6 @@ def _run(config: Config, guard: "StopGuard") -> RunSummary:
             if not saved:
                 save(step)
             break
+    checkpointer.close()
     monitor.close()
     return summary

@@ -1,0 +1,55 @@
+"""``t2train ckpt inspect PATH``: what a checkpoint holds, without loading its tensors."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from t2train.checkpoint.errors import CheckpointError
+from t2train.checkpoint.paths import is_complete
+
+
+def read_train_state(path: Path) -> dict:
+    """The checkpoint's train state (step, tokens, layout, config, ...) from common.pt."""
+    from megatron.core import dist_checkpointing
+
+    if not is_complete(path):
+        raise CheckpointError(f"{path}: not a complete t2train checkpoint (no metadata.json)")
+    try:
+        return dist_checkpointing.load_common_state_dict(str(path))["train_state"]
+    except Exception as err:
+        raise CheckpointError(f"{path}/common.pt: cannot read ({err})") from err
+
+
+def describe(path: Path) -> str:
+    state = read_train_state(path)
+    model = state.get("config", {}).get("model", {})
+    layout = state["layout"]
+    files = sorted(p for p in path.iterdir() if p.is_file())
+    total = sum(p.stat().st_size for p in files)
+    lines = [f"checkpoint {path}",
+             f"  step {state['step']}, tokens {state.get('tokens', 0):,}",
+             f"  layout TP {layout['tp']} x PP {layout['pp']} x DP {layout['dp']}",
+             f"  model {model.get('residual', '?')} residual, {model.get('num_layers', '?')} "
+             f"layers, hidden {model.get('hidden_size', '?')}",
+             f"  optimizer state: {'yes' if state['has_optimizer'] else 'no (before the first update)'}",
+             f"  code {state.get('code_version', 'unknown')}",
+             f"  files ({len(files)}, {total / 2**20:.2f} MiB):"]
+    width = max(len(p.name) for p in files)
+    lines += [f"    {p.name:<{width}}  {p.stat().st_size / 2**20:9.3f} MiB" for p in files]
+    return "\n".join(lines)
+
+
+def _cmd_inspect(args) -> int:
+    print(describe(Path(args.path)))
+    return 0
+
+
+def register(commands) -> None:
+    ckpt = commands.add_parser("ckpt", help="checkpoint tools")
+    tools = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    inspect = tools.add_parser(
+        "inspect", help="print step, tokens, layout, residual design and size per shard file",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    inspect.add_argument("path", help="a checkpoint directory, e.g. runs/NAME/checkpoints/step_00000100")
+    inspect.set_defaults(handler=_cmd_inspect)

@@ -1,0 +1,51 @@
+"""Train every residual design 2N steps, or resume each from its step-N checkpoint (one rank).
+
+``--phase straight`` trains each design from scratch to 2N, saving at N; ``--phase resume``
+(a fresh process) continues each from that checkpoint to 2N. Writes {design: {step: loss}}.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common import parse_args, write_result
+
+from t2train.config.loader import load_config
+from t2train.train.loop import train
+
+TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+        "model.seq_length=64", "train.micro_batch_size=4", "train.global_batch_size=8",
+        "train.lr=3e-3", "train.min_lr=3e-4", "train.warmup_steps=2", "train.eval_batches=1",
+        "train.eval_interval=1000", "train.log_interval=1", "log.tensorboard=false"]
+DESIGNS = {
+    "standard": [],
+    "ddl": ["model.residual=ddl"],
+    "ddl_dv4": ["model.residual=ddl", "model.ddl.dv=4"],
+    "shortswa": ["model.residual=shortswa", "model.shortswa.window=16"],
+    "depth_attn": ["model.residual=depth_attn", "model.depth_attn.window=3"],
+    "attnres": ["model.residual=attnres"],
+    "block_attnres": ["model.residual=block_attnres", "model.attnres.block_size=2"],
+}
+
+
+def main() -> None:
+    args = parse_args([("--data", Path), ("--root", Path), ("--phase", str),
+                       ("--steps-before-save", int)])
+    n = args.steps_before_save
+    losses = {}
+    for name, design in DESIGNS.items():
+        straight = args.root / name
+        common = [*TINY, *design, f"data.path={args.data}", f"train.steps={2 * n}",
+                  f"checkpoint.interval={n}"]
+        if args.phase == "straight":
+            run = [f"log.run_dir={straight}", "checkpoint.resume=none"]
+        else:
+            run = [f"log.run_dir={args.root / (name + '-resumed')}",
+                   f"checkpoint.resume={straight / 'checkpoints' / f'step_{n:08d}'}"]
+        summary = train(load_config(overrides=[*common, *run]))
+        losses[name] = summary.losses
+    write_result(args.out, losses)
+
+
+if __name__ == "__main__":
+    main()
