@@ -15,7 +15,7 @@ run under torchrun for several processes: torchrun --nproc-per-node=2 -m t2train
 """
 
 
-def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     from t2train.config.loader import preset_names
 
     parser.add_argument("--preset", help=f"start from a preset: {', '.join(preset_names())}")
@@ -35,7 +35,7 @@ def _cmd_train(args) -> int:
     from t2train.train.loop import train
 
     summary = train(_load(args))
-    if summary.val_losses and _is_rank_zero():
+    if summary.val_losses and is_rank_zero():
         first, last = min(summary.val_losses), max(summary.val_losses)
         print(f"done: step {summary.final_step}, val loss {summary.val_losses[first]:.4f} "
               f"(step {first}) -> {summary.val_losses[last]:.4f} (step {last}); "
@@ -43,7 +43,7 @@ def _cmd_train(args) -> int:
     if summary.stopped:
         from t2train.train.preemption import REQUEUE_EXIT_CODE
 
-        if _is_rank_zero():
+        if is_rank_zero():
             print(f"stopped early at step {summary.final_step} ({summary.stopped}); saved "
                   f"{summary.checkpoint}; exit code {REQUEUE_EXIT_CODE}: run again to resume")
         return REQUEUE_EXIT_CODE
@@ -77,13 +77,15 @@ def _cmd_config(args) -> int:
     return 0
 
 
-def _is_rank_zero() -> bool:
+def is_rank_zero() -> bool:
     import torch.distributed as dist
 
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from t2train.bench.compare import register as register_compare
+    from t2train.bench.step import register as register_bench
     from t2train.checkpoint.inspect import register as register_ckpt
     from t2train.data.cli import register as register_data
     from t2train.launch.launcher import LAUNCH_EPILOG, add_arguments as add_launch_arguments
@@ -99,11 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train from a preset/YAML plus overrides; resumes from the newest "
                     "checkpoint of the run directory by default.",
         epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_config_arguments(train)
+    add_config_arguments(train)
     train.set_defaults(handler=_cmd_train)
 
     show = commands.add_parser("config", help="print the resolved, validated config as YAML")
-    _add_config_arguments(show)
+    add_config_arguments(show)
     show.set_defaults(handler=_cmd_config)
 
     plan = commands.add_parser(
@@ -112,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "activation and depth-cache memory) and the exact bytes of each pipeline "
                     "hop, naive vs cached, without running anything.",
         epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_config_arguments(plan)
+    add_config_arguments(plan)
     plan.add_argument("--world-size", type=int, help="processes (default TP x PP, i.e. DP = 1)")
     plan.add_argument("--vocab-size", type=int, default=32000,
                       help="vocabulary when model.vocab_size is unset (default 32000)")
@@ -125,11 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "otherwise it runs standalone on this machine. Prints the topology first.",
         epilog=LAUNCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_launch_arguments(launch)
-    _add_config_arguments(launch)
+    add_config_arguments(launch)
     launch.set_defaults(handler=_cmd_launch)
 
     register_data(commands)
     register_ckpt(commands)
+    register_bench(commands)
+    register_compare(commands)
     return parser
 
 

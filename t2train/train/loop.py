@@ -31,7 +31,7 @@ class RunSummary:
     stopped: Optional[str] = None  # why the run stopped before train.steps (signal, time limit)
 
 
-def _dataset_facts(config: Config) -> dict:
+def dataset_facts(config: Config) -> dict:
     from t2train.data.prepare import read_index
 
     index = read_index(config.data.path)
@@ -88,7 +88,7 @@ def _run(config: Config, guard: "StopGuard") -> RunSummary:
     from t2train.train.setup import build_training_objects
     from t2train.train.step import evaluate, train_step
 
-    facts = _dataset_facts(config)
+    facts = dataset_facts(config)
     run_dir = Path(config.run_dir)
     resume_from = _resume_target(config, run_dir)
 
