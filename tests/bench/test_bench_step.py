@@ -1,0 +1,40 @@
+"""`t2train bench step` end to end on a tiny model: two designs and the plain-PyTorch loop."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from t2train.cli import main
+
+pytestmark = pytest.mark.slow
+
+TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+        "model.seq_length=64", "train.micro_batch_size=4", "train.global_batch_size=8"]
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+
+
+def test_step_bench_prints_one_row_per_design_and_the_reference(megatron_world, shakespeare,
+                                                               capsys):
+    code = main(["bench", "step", f"data.path={shakespeare}", *TINY,
+                 "--designs", "standard,ddl", "--warmup", "1", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    header, separator, *rows = _table_rows(out)
+    assert header == ["design", "params (M)", "step time (ms, median)", "vs standard",
+                      "tokens/s", "process RSS (GiB)", "pipeline bytes/step"]
+    assert set(separator) == {"---"}
+    assert [row[0] for row in rows] == ["standard", "ddl", "plain PyTorch (standard)"]
+    for row in rows:
+        assert len(row) == len(header)
+        assert all(math.isfinite(float(cell)) and float(cell) >= 0 for cell in row[1:])
+        assert float(row[2]) > 0 and float(row[4]) > 0
+        assert float(row[6]) == 0  # no pipeline parallelism
+    assert rows[0][3] == "1.00"
+    assert rows[0][1] == rows[2][1]  # the reference has the standard model's parameters
+    assert "stack overhead" in out

@@ -1,0 +1,38 @@
+"""`t2train experiment compare` end to end: two designs, one seed, a few steps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from t2train.cli import main
+
+pytestmark = pytest.mark.slow
+
+TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+        "model.seq_length=64", "train.micro_batch_size=4", "train.global_batch_size=8",
+        "train.warmup_steps=2", "train.eval_batches=2", "log.tensorboard=false"]
+
+
+def test_compare_writes_a_table_and_one_run_per_design_and_seed(megatron_world, shakespeare,
+                                                                tmp_path, capsys):
+    out = tmp_path / "compare"
+    code = main(["experiment", "compare", f"data.path={shakespeare}", *TINY,
+                 "--designs", "standard,ddl", "--seeds", "1", "--steps", "5", "--out", str(out)])
+    assert code == 0
+    text = (out / "compare.md").read_text()
+    assert text.strip() in capsys.readouterr().out
+    header, separator, *rows = [[cell.strip() for cell in line.strip("|").split("|")]
+                                for line in text.splitlines()]
+    assert header == ["design", "seeds", "mean val loss", "std", "min-max", "tokens",
+                      "train FLOPs/token", "total train FLOPs", "params (M)"]
+    assert set(separator) == {"---"}
+    assert [row[0] for row in rows] == ["standard", "ddl"]
+    for row in rows:
+        assert row[1] == "1" and float(row[3]) == 0.0
+        assert 0 < float(row[2]) < math.log(2048)  # below uniform over the padded vocabulary
+        assert int(row[5]) == 5 * 8 * 64
+        assert float(row[7]) == pytest.approx(float(row[6]) * int(row[5]), rel=1e-3)
+    assert sorted(p.name for p in out.iterdir()) == ["compare.md", "ddl-seed1234",
+                                                     "standard-seed1234"]
