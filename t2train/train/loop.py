@@ -101,7 +101,12 @@ def _run(config: Config, guard: "StopGuard") -> RunSummary:
 
     train_state: dict = {}
     if resume_from is not None:
+        loading_started = time.monotonic()
         train_state = load_checkpoint(resume_from, objs, config)
+        start = (f"resumed from {resume_from} (loaded in "
+                 f"{time.monotonic() - loading_started:.1f}s)")
+    else:
+        start = "fresh start"
     start_step = train_state.get("step", 0)
 
     train_cfg = config.train
@@ -125,8 +130,7 @@ def _run(config: Config, guard: "StopGuard") -> RunSummary:
     params = sum(p.numel() for chunk in objs.model for p in chunk.parameters())
     monitor.print(f"t2train: {config.model.residual} residual, {config.model.num_layers} layers, "
                   f"{params / 1e6:.2f}M parameters on rank 0 | world {topology.world_size} = "
-                  f"TP {topology.tp_size} x PP {topology.pp_size} x DP {dp_size} | "
-                  f"{'resuming from ' + str(resume_from) if resume_from else 'fresh start'}")
+                  f"TP {topology.tp_size} x PP {topology.pp_size} x DP {dp_size} | {start}")
     meter, mfu_note = step_meter(config, objs.vocab_size, topology.world_size)
     monitor.print(mfu_note)
     diagnostics = Diagnostics(objs, config.log.diagnostics_interval,
