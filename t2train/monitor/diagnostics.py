@@ -56,9 +56,9 @@ class Diagnostics:
 
     def log(self, step: int) -> None:
         """Record, gather to the logging rank and write (collective: every rank calls it)."""
-        records = self._record() if self.sends else {}
+        records = self._record()  # every rank runs the forward: it is collective too
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(records, gathered, dst=0)
+        dist.gather_object(records if self.sends else {}, gathered, dst=0)
         if dist.get_rank() == 0:
             merged: probe.Records = {}
             for part in gathered:

@@ -18,7 +18,10 @@ from t2train.monitor.system import memory_gib
 
 
 def perplexity(loss: float) -> float:
-    return math.exp(loss) if loss < 700 else float("inf") if loss == loss else loss
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 def loss_scalars(split: str, loss: float) -> dict[str, float]:
@@ -40,7 +43,7 @@ def param_norm(chunks) -> float:
     for chunk in chunks:
         for param in chunk.parameters():
             if not getattr(param, "shared", False) and param_is_not_tensor_parallel_duplicate(param):
-                squares += param.detach().double().pow(2).sum()
+                squares += torch.linalg.vector_norm(param.detach(), dtype=torch.float32) ** 2
     dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
     return math.sqrt(float(squares))
 

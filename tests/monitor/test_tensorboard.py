@@ -152,14 +152,15 @@ def test_console_is_a_progress_line_per_interval(runs):
 
 def test_pipeline_stages_send_their_diagnostics_and_other_ranks_stay_quiet(
         shakespeare, tmp_path):
-    """PP = 2 under torchrun: layer 1 lives on rank 0, layer 2 and the final norm on rank 1."""
+    """TP = 2 x PP = 2 under torchrun: layer 1 lives on the first stage, layer 2 and the
+    final norm on the second; every rank runs the diagnostics pass, one per stage sends."""
     run_dir, logs = tmp_path / "run", tmp_path / "logs"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", "--redirects=3", f"--log-dir={logs}",
+               "--nproc-per-node=4", "--redirects=3", f"--log-dir={logs}",
                "-m", "t2train.cli", "train", f"data.path={shakespeare}", f"log.run_dir={run_dir}",
                *TINY, "train.steps=5", "train.warmup_steps=1", "train.log_interval=5",
                "train.eval_interval=5", "log.diagnostics_interval=5", "model.residual=ddl",
-               "parallel.pipeline=2"]
+               "parallel.tensor=2", "parallel.pipeline=2"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -171,9 +172,10 @@ def test_pipeline_stages_send_their_diagnostics_and_other_ranks_stay_quiet(
             "diagnostics/residual_rms/final"} <= set(tags["scalars"])
     assert events.Scalars("pipeline/forward_bytes")[-1].value > 0
     [rank0] = logs.glob("*/attempt_0/0")
-    [rank1] = logs.glob("*/attempt_0/1")
     assert "step      5/5 | loss" in (rank0 / "stdout.log").read_text()
-    assert (rank1 / "stdout.log").read_text() == "" and (rank1 / "stderr.log").read_text() == ""
+    for rank in (1, 2, 3):
+        [quiet] = logs.glob(f"*/attempt_0/{rank}")
+        assert (quiet / "stdout.log").read_text() == "" == (quiet / "stderr.log").read_text()
 
 
 def _free_port() -> int:
