@@ -32,7 +32,8 @@ def describe(path: Path) -> str:
              f"  layout TP {layout['tp']} x PP {layout['pp']} x DP {layout['dp']}",
              f"  model {model.get('residual', '?')} residual, {model.get('num_layers', '?')} "
              f"layers, hidden {model.get('hidden_size', '?')}",
-             f"  optimizer state: {'yes' if state['has_optimizer'] else 'no (before the first update)'}",
+             "  optimizer state: " + ("yes" if state["has_optimizer"]
+                                      else "no (before the first update)"),
              f"  code {state.get('code_version', 'unknown')}",
              f"  files ({len(files)}, {total / 2**20:.2f} MiB):"]
     width = max(len(p.name) for p in files)
@@ -51,5 +52,6 @@ def register(commands) -> None:
     inspect = tools.add_parser(
         "inspect", help="print step, tokens, layout, residual design and size per shard file",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    inspect.add_argument("path", help="a checkpoint directory, e.g. runs/NAME/checkpoints/step_00000100")
+    inspect.add_argument("path", help="a checkpoint directory, e.g. "
+                                      "runs/NAME/checkpoints/step_00000100")
     inspect.set_defaults(handler=_cmd_inspect)

@@ -51,10 +51,10 @@ def _logged_steps(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_standalone_launch_prints_the_topology_and_trains(hamlet, tmp_path):
+def test_standalone_launch_prints_the_topology_and_trains(shakespeare, tmp_path):
     proc = subprocess.run(
         _launch_cmd("--nproc-per-node=2", *_train_args(
-            hamlet, tmp_path / "run", "parallel.tensor=2", "train.steps=6",
+            shakespeare, tmp_path / "run", "parallel.tensor=2", "train.steps=6",
             "train.eval_interval=6", "checkpoint.interval=6")),
         capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -65,12 +65,12 @@ def test_standalone_launch_prints_the_topology_and_trains(hamlet, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_signal_to_the_launcher_saves_and_exits_with_the_requeue_code(hamlet, tmp_path):
+def test_a_signal_to_the_launcher_saves_and_exits_with_the_requeue_code(shakespeare, tmp_path):
     run_dir, log = tmp_path / "run", tmp_path / "launch.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
             _launch_cmd("--nproc-per-node=2", *_train_args(
-                hamlet, run_dir, "parallel.tensor=2", "train.steps=400",
+                shakespeare, run_dir, "parallel.tensor=2", "train.steps=400",
                 "train.eval_interval=400", "checkpoint.interval=400")),
             stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, start_new_session=True)
     try:
@@ -100,10 +100,10 @@ def test_a_signal_to_the_launcher_saves_and_exits_with_the_requeue_code(hamlet, 
     (["--nproc-per-node=2", "train.exit_signals=SIGNOPE"], {},
      "train.exit_signals='SIGNOPE': 'SIGNOPE' is not a catchable signal name"),
 ])
-def test_bad_launches_fail_with_one_line(hamlet, tmp_path, args, env, cause):
+def test_bad_launches_fail_with_one_line(shakespeare, tmp_path, args, env, cause):
     if not args and torch.cuda.is_available():
         pytest.skip("with CUDA the process count defaults to the devices")
-    proc = subprocess.run(_launch_cmd(*args, *_train_args(hamlet, tmp_path / "run")),
+    proc = subprocess.run(_launch_cmd(*args, *_train_args(shakespeare, tmp_path / "run")),
                           capture_output=True, text=True, env=dict(_env(), **env), cwd=REPO,
                           timeout=300)
     assert proc.returncode == 2, proc.stderr
@@ -131,10 +131,10 @@ def test_processes_per_node_comes_from_the_option_or_the_gpus():
 
 
 @pytest.mark.gpu
-def test_more_processes_than_cuda_devices_is_refused(hamlet, tmp_path):
+def test_more_processes_than_cuda_devices_is_refused(shakespeare, tmp_path):
     too_many = torch.cuda.device_count() + 1
     proc = subprocess.run(_launch_cmd(f"--nproc-per-node={too_many}",
-                                      *_train_args(hamlet, tmp_path / "run")),
+                                      *_train_args(shakespeare, tmp_path / "run")),
                           capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (

@@ -51,11 +51,11 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def reference(slurm_cluster, hamlet, tmp_path_factory) -> dict:
+def reference(slurm_cluster, shakespeare, tmp_path_factory) -> dict:
     """One uninterrupted 2-node job: its log, final state and per-step losses."""
     out = tmp_path_factory.mktemp("reference")
     started = time.monotonic()
-    job, log = _submit(slurm_cluster, hamlet, out, "reference")
+    job, log = _submit(slurm_cluster, shakespeare, out, "reference")
     fields = slurm_cluster.wait_job(job, _done, JOB_TIMEOUT, log)
     return {"job": job, "fields": fields, "log": log.read_text(),
             "run_dir": out / "runs" / "reference", "seconds": time.monotonic() - started}
@@ -76,9 +76,9 @@ def test_two_node_job_trains_under_srun_and_torchrun(reference):
     assert sum(list(losses.values())[-5:]) < sum(list(losses.values())[:5])
 
 
-def test_usr1_saves_requeues_and_resumes_with_the_same_losses(slurm_cluster, hamlet,
+def test_usr1_saves_requeues_and_resumes_with_the_same_losses(slurm_cluster, shakespeare,
                                                               tmp_path, reference):
-    job, log = _submit(slurm_cluster, hamlet, tmp_path, "preempted")
+    job, log = _submit(slurm_cluster, shakespeare, tmp_path, "preempted")
     run_dir = tmp_path / "runs" / "preempted"
     deadline = time.monotonic() + JOB_TIMEOUT
     while len(_losses(run_dir)) < 3:

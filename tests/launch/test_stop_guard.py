@@ -31,10 +31,10 @@ def test_the_time_limit_stops_the_run(megatron_world):
 
 
 @pytest.mark.slow
-def test_train_saves_and_exits_with_the_requeue_code_at_the_time_limit(megatron_world, hamlet,
+def test_train_saves_and_exits_with_the_requeue_code_at_the_time_limit(megatron_world, shakespeare,
                                                                        tmp_path):
     run_dir = tmp_path / "run"
-    code = t2train_main(["train", *TINY_MODEL, f"data.path={hamlet}", f"log.run_dir={run_dir}",
+    code = t2train_main(["train", *TINY_MODEL, f"data.path={shakespeare}", f"log.run_dir={run_dir}",
                          "train.steps=50", "train.exit_duration_mins=1e-9",
                          "checkpoint.interval=50", "train.eval_interval=50"])
     assert code == REQUEUE_EXIT_CODE
