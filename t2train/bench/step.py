@@ -83,10 +83,11 @@ def _tokens_per_step(config) -> int:
 
 def _real_batches(config, count: int) -> list:
     """``count`` steps' micro-batches from the train split, read once and reused per design."""
+    import torch.distributed as dist
+
     from t2train.parallel.init import init_distributed, init_model_parallel
     from t2train.train.batches import GlobalBatchFeeder
     from t2train.train.data import open_streams
-    import torch.distributed as dist
 
     init_distributed()
     dp_size = config.validate_world(dist.get_world_size())
