@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from t2train.cli import main
+from bench_cli import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -19,11 +18,9 @@ def _table_rows(text: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
 
 
-def test_step_bench_prints_one_row_per_design_and_the_reference(megatron_world, shakespeare,
-                                                               capsys):
-    code = main(["bench", "step", f"data.path={shakespeare}", *TINY,
-                 "--designs", "standard,ddl", "--warmup", "1", "--steps", "2"])
-    out = capsys.readouterr().out
+def test_step_bench_prints_one_row_per_design_and_the_reference(shakespeare):
+    code, out = run_cli("bench", "step", f"data.path={shakespeare}", *TINY,
+                        "--designs", "standard,ddl", "--warmup", "1", "--steps", "2")
     assert code == 0
     header, separator, *rows = _table_rows(out)
     assert header == ["design", "params (M)", "step time (ms, median)", "vs standard",

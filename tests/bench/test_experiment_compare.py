@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from t2train.cli import main
+from bench_cli import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -15,14 +14,14 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads
         "train.warmup_steps=2", "train.eval_batches=2", "log.tensorboard=false"]
 
 
-def test_compare_writes_a_table_and_one_run_per_design_and_seed(megatron_world, shakespeare,
-                                                                tmp_path, capsys):
+def test_compare_writes_a_table_and_one_run_per_design_and_seed(shakespeare, tmp_path):
     out = tmp_path / "compare"
-    code = main(["experiment", "compare", f"data.path={shakespeare}", *TINY,
-                 "--designs", "standard,ddl", "--seeds", "1", "--steps", "5", "--out", str(out)])
+    code, printed = run_cli("experiment", "compare", f"data.path={shakespeare}", *TINY,
+                            "--designs", "standard,ddl", "--seeds", "1", "--steps", "5",
+                            "--out", str(out))
     assert code == 0
     text = (out / "compare.md").read_text()
-    assert text.strip() in capsys.readouterr().out
+    assert text.strip() in printed
     header, separator, *rows = [[cell.strip() for cell in line.strip("|").split("|")]
                                 for line in text.splitlines()]
     assert header == ["design", "seeds", "mean val loss", "std", "min-max", "tokens",
