@@ -11,6 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU the Triton kernels (tests/kernels) run on Triton's CPU interpreter. Triton reads
+# TRITON_INTERPRET when a @triton.jit function is defined, so it is set here, before any test
+# module can import t2train.kernels: a helper defined without it cannot be called from a kernel
+# defined with it. Elsewhere the kernels are only used on CUDA (T2_KERNELS=auto).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
