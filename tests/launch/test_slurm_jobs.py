@@ -101,7 +101,7 @@ def test_usr1_saves_requeues_and_resumes_with_the_same_losses(slurm_cluster, sha
     assert 3 <= stopped < STEPS
     assert f"job {job}: checkpoint saved, requeueing" in text
     assert f"SLURM job {job} (restart 1)" in text
-    assert f"resuming from {run_dir}/checkpoints/step_{stopped:08d}" in text
+    assert f"resumed from {run_dir}/checkpoints/step_{stopped:08d}" in text
     resumed, uninterrupted = _losses(run_dir), _losses(reference["run_dir"])
     assert sorted(resumed) == list(range(1, STEPS + 1))
     assert resumed == uninterrupted  # bitwise: same data order, RNG and optimizer state
