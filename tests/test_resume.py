@@ -120,14 +120,9 @@ def test_kill_9_during_a_save_resumes_from_the_previous_checkpoint(shakespeare, 
     steps = [f"train.steps={3 * N}", f"checkpoint.interval={N}"]
     reference = _train(tmp_path / "straight", 1, data, *steps, "checkpoint.resume=none")
 
-    # Killed mid-save: the step-2N save never got published. A loaded machine may starve
-    # this poller past the whole save window; then the run finished and is tried again.
-    for attempt in range(3):
-        run_dir = tmp_path / f"killed{attempt}"
-        if _kill_during_save(run_dir, data, steps):
-            break
-    else:
-        pytest.fail("the trainer finished its step-2N save before it could be killed, 3 times")
+    # Killed mid-save: every shard of step 2N is written, it is not published yet.
+    run_dir = tmp_path / "killed"
+    _kill_before_publishing(run_dir, 2 * N, data, steps)
     checkpoints = run_dir / "checkpoints"
     assert not (checkpoints / f"step_{2 * N:08d}").exists()
     assert (checkpoints / "latest").read_text().strip() == f"step_{N:08d}"
@@ -141,19 +136,19 @@ def test_kill_9_during_a_save_resumes_from_the_previous_checkpoint(shakespeare, 
     assert all(after_restart[step] == reference[step] for step in after_restart)
 
 
-def _kill_during_save(run_dir: Path, data: str, steps: list[str]) -> bool:
-    """Start a run and SIGKILL it while the step-2N save is being written; False if missed."""
-    staging = run_dir / "checkpoints" / f"step_{2 * N:08d}.incomplete"
-    cmd = [sys.executable, "-m", "t2train.cli", "train", *TINY, data, *steps,
-           f"log.run_dir={run_dir}", "checkpoint.resume=none"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+def _kill_before_publishing(run_dir: Path, step: int, data: str, steps: list[str]) -> None:
+    """Run the trainer until its ``step`` save has written every shard, then SIGKILL it."""
+    marker = run_dir.parent / f"{run_dir.name}.hanging"
+    cmd = [sys.executable, str(REPO / "tests" / "workers" / "hang_before_publish.py"),
+           str(step), str(marker), "--", *TINY, data, *steps, f"log.run_dir={run_dir}",
+           "checkpoint.resume=none"]
+    log = run_dir.parent / f"{run_dir.name}.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     deadline = time.monotonic() + 300
-    while not staging.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.002)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its checkpoint writers
-    except ProcessLookupError:  # already gone
-        pass
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the trainer and any checkpoint writers
     proc.wait()
-    return staging.exists()
+    assert marker.exists(), f"no step-{step} save was reached:\n{log.read_text()[-6000:]}"
