@@ -31,7 +31,7 @@ demo: $(VENV)/.installed $(DEMO_DATA)/index.json
 	$(VENV)/bin/t2train train --preset tiny name=demo data.path=$(DEMO_DATA)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 clean-demo:
 	rm -rf runs/demo $(DEMO_DATA)

@@ -171,8 +171,17 @@ PartitionName=test Nodes=n[1-{len(self.nodes)}] Default=YES MaxTime=INFINITE Sta
         return proc.stdout.strip().split(";")[0]
 
     def job(self, job_id: str) -> dict:
-        """``scontrol show job`` as a dict ({} once the job is gone)."""
-        proc = self._run("scontrol", "show", "job", "--oneliner", job_id)
+        """``scontrol show job`` as a dict ({} once the job is gone).
+
+        A busy slurmctld can time out a query; that is retried, never read as "job gone".
+        """
+        for _ in range(20):
+            proc = self._run("scontrol", "show", "job", "--oneliner", job_id)
+            if proc.returncode == 0 or "Invalid job id" in proc.stderr:
+                break
+            time.sleep(1)
+        else:
+            raise RuntimeError(f"scontrol show job {job_id} keeps failing: {proc.stderr}")
         fields = {}
         for item in proc.stdout.split():
             key, _, value = item.partition("=")

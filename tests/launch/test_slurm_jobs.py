@@ -95,7 +95,8 @@ def test_usr1_saves_requeues_and_resumes_with_the_same_losses(slurm_cluster, sha
                    env=slurm_cluster.env, timeout=60)
     fields = slurm_cluster.wait_job(job, _done, JOB_TIMEOUT, log)
     text = log.read_text()
-    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", text[-6000:]
+    assert fields.get("JobState") == "COMPLETED" and fields.get("Restarts") == "1", \
+        f"{fields}\n{text[-6000:]}"
 
     stopped = int(text.split("| stopping early: received SIGUSR1")[0].rsplit("step", 1)[1])
     assert 3 <= stopped < STEPS
