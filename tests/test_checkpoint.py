@@ -16,15 +16,19 @@ def _config(*overrides: str):
                                           "train.global_batch_size=4", *overrides])
 
 
-def _objects(seed: int, config=None):
+def _engine(seed: int, config=None):
     from megatron.core import parallel_state
 
+    from t2train.engine.megatron import MegatronEngine
     from t2train.parallel.init import Topology, set_seed
-    from t2train.train.setup import build_training_objects
 
     set_seed(seed, Topology(0, 1, 0, 0, parallel_state.get_pipeline_model_parallel_rank(),
                             0, 1, 1, 1))
-    return build_training_objects(config or _config(), vocab_size=128)
+    return MegatronEngine(config or _config(), vocab_size=128)
+
+
+def _objects(seed: int, config=None):
+    return _engine(seed, config).objs
 
 
 def _steps(objs, count: int, seed: int) -> list[float]:
@@ -80,10 +84,11 @@ def test_async_save_is_published_when_the_writer_is_done(megatron_world, tmp_pat
     from t2train.checkpoint.store import load_checkpoint
 
     config = _config("checkpoint.async_save=true")
-    trained = _objects(seed=1, config=config)
+    engine = _engine(seed=1, config=config)
+    trained = engine.objs
     _steps(trained, 2, seed=0)
     reports = []
-    saver = Checkpointer(tmp_path, config, trained, lambda *args: reports.append(args))
+    saver = Checkpointer(tmp_path, config, engine, lambda *args: reports.append(args))
     path = saver.save(2, {"tokens": 64})
     before = _params(trained)
     _steps(trained, 1, seed=3)  # training goes on while the forked writer saves step 2
@@ -110,8 +115,7 @@ def test_retention_keeps_the_newest_and_every_mth(megatron_world, tmp_path: Path
     assert steps_to_delete([1, 2, 3], keep_last=0, keep_every=2) == []  # 0: keep all
 
     config = _config("checkpoint.keep_last=2", "checkpoint.keep_every=3")
-    objs = _objects(seed=1, config=config)
-    saver = Checkpointer(tmp_path, config, objs, lambda *args: None)
+    saver = Checkpointer(tmp_path, config, _engine(seed=1, config=config), lambda *args: None)
     for step in range(1, 6):
         saver.save(step, {})
     assert sorted(p.name for p in tmp_path.iterdir()) == [

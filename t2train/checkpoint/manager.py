@@ -11,7 +11,6 @@ from typing import Callable
 import torch.distributed as dist
 
 from t2train.checkpoint.retention import apply_retention
-from t2train.checkpoint.store import save_checkpoint
 from t2train.config.schema import Config
 
 
@@ -40,9 +39,9 @@ class Checkpointer:
     the state is prepared and the writer forked.
     """
 
-    def __init__(self, root: Path, config: Config, objs,
+    def __init__(self, root: Path, config: Config, engine,
                  report: Callable[[int, float, float, Path], None]):
-        self.root, self.objs, self.report = root, objs, report
+        self.root, self.engine, self.report = root, engine, report
         self.settings = config.checkpoint
         self.manifest = {"config": asdict(config), "code_version": code_version()}
         self.queue = None
@@ -59,8 +58,8 @@ class Checkpointer:
         """Save ``step`` (waits for an async save still running: one in flight at a time)."""
         self.wait()
         started = time.monotonic()
-        path = save_checkpoint(self.root, step, self.objs, dict(train_state, **self.manifest),
-                               self.queue, self._published)
+        path = self.engine.save(self.root, step, dict(train_state, **self.manifest), self.queue,
+                                self._published)
         blocked = time.monotonic() - started
         if self.queue is None:
             self.report(step, blocked, blocked, path)

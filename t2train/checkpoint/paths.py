@@ -1,6 +1,7 @@
 """Names under ``<run_dir>/checkpoints``: one place for the on-disk layout.
 
-    step_00000100/              a complete checkpoint (has metadata.json)
+    step_00000100/              a complete checkpoint (Megatron's metadata.json, or
+                                t2train_engine.json for a DeepSpeed engine checkpoint)
     step_00000200.incomplete/   being written, or left by a crash: never loaded
     latest                      the name of the newest complete checkpoint
 """
@@ -8,9 +9,11 @@
 from __future__ import annotations
 
 import re
+import json
 from pathlib import Path
 
 LATEST = "latest"
+ENGINE_FILE = "t2train_engine.json"  # written last into a DeepSpeed engine checkpoint
 INCOMPLETE = ".incomplete"
 STEP_DIR = re.compile(r"step_(\d{8})")
 
@@ -20,8 +23,15 @@ def step_dir_name(step: int) -> str:
 
 
 def is_complete(path: Path) -> bool:
-    """Megatron writes metadata.json last, once every rank's shards are written."""
-    return (path / "metadata.json").is_file()
+    """Megatron writes metadata.json last, once every rank's shards are written; the
+    DeepSpeed engine writes ENGINE_FILE last."""
+    return (path / "metadata.json").is_file() or (path / ENGINE_FILE).is_file()
+
+
+def checkpoint_engine(path: Path) -> str:
+    """``train.engine`` of the run that wrote a complete checkpoint."""
+    marker = path / ENGINE_FILE
+    return json.loads(marker.read_text())["engine"] if marker.is_file() else "megatron"
 
 
 def complete_steps(root: Path) -> list[int]:

@@ -27,8 +27,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from t2train.checkpoint.compatibility import check_same_model, check_shard_files
 from t2train.checkpoint.errors import CheckpointError
-from t2train.checkpoint.paths import (INCOMPLETE, LATEST, complete_steps, is_complete,
-                                      step_dir_name)
+from t2train.checkpoint.paths import (INCOMPLETE, LATEST, checkpoint_engine, complete_steps,
+                                      is_complete, step_dir_name)
 from t2train.train.setup import TrainingObjects
 
 # Reshardable optimizer state so a checkpoint loads into another (TP, PP, DP) layout.
@@ -45,7 +45,7 @@ def _model_state(objs: TrainingObjects) -> dict:
             for key, chunk in zip(_model_keys(objs), objs.model)}
 
 
-def _layout() -> dict:
+def current_layout() -> dict:
     return {"tp": parallel_state.get_tensor_model_parallel_world_size(),
             "pp": parallel_state.get_pipeline_model_parallel_world_size(),
             "dp": parallel_state.get_data_parallel_world_size()}
@@ -53,7 +53,7 @@ def _layout() -> dict:
 
 def _rng_object(state: Optional[list]) -> ShardedObject:
     """This rank's RNG streams, one object per (pp, tp, dp) position."""
-    layout = _layout()
+    layout = current_layout()
     return ShardedObject(
         "rng_state", state, (layout["pp"], layout["tp"], layout["dp"]),
         (parallel_state.get_pipeline_model_parallel_rank(),
@@ -67,7 +67,7 @@ def _has_optimizer_state(optimizer) -> bool:
     return any(len(state) for part in parts for state in part.optimizer.state.values())
 
 
-def _capture_rng() -> list:
+def capture_rng() -> list:
     from megatron.core import tensor_parallel
 
     return [{"python": random.getstate(), "numpy": np.random.get_state(),
@@ -76,7 +76,7 @@ def _capture_rng() -> list:
              "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}]
 
 
-def _restore_rng(states: list) -> None:
+def restore_rng(states: list) -> None:
     from megatron.core import tensor_parallel
 
     state = states[0]
@@ -112,12 +112,12 @@ def save_checkpoint(root: Path, step: int, objs: TrainingObjects, train_state: d
         state["optimizer"] = objs.optimizer.sharded_state_dict(state,
                                                                metadata=_OPTIMIZER_METADATA)
     state["scheduler"] = objs.scheduler.state_dict()
-    state["train_state"] = dict(train_state, step=step, layout=_layout(),
+    state["train_state"] = dict(train_state, step=step, layout=current_layout(),
                                 has_optimizer=has_optimizer)
-    state["rng_state"] = _rng_object(_capture_rng())
+    state["rng_state"] = _rng_object(capture_rng())
 
     def publish() -> None:
-        _publish(root, staging, final, on_published)
+        publish_checkpoint(root, staging, final, on_published)
 
     if async_queue is None:
         dist_checkpointing.save(state, str(staging))
@@ -129,7 +129,7 @@ def save_checkpoint(root: Path, step: int, objs: TrainingObjects, train_state: d
     return final
 
 
-def _publish(root: Path, staging: Path, final: Path,
+def publish_checkpoint(root: Path, staging: Path, final: Path,
              on_published: Optional[Callable[[Path], None]]) -> None:
     """Collective: rename the finished staging directory and point ``latest`` at it."""
     dist.barrier()
@@ -163,20 +163,29 @@ def find_latest(root: Path) -> Optional[Path]:
     return root / step_dir_name(steps[-1]) if steps else None
 
 
+def check_engine(path: Path, engine: str) -> None:
+    """Raise CheckpointError unless ``path`` is a complete checkpoint written by ``engine``."""
+    if not is_complete(path):
+        raise CheckpointError(f"{path}: not a complete t2train checkpoint (no metadata.json)")
+    written_by = checkpoint_engine(path)
+    if written_by != engine:
+        raise CheckpointError(f"{path}: written by train.engine={written_by}, this run uses "
+                              f"train.engine={engine}; resume it with train.engine={written_by}")
+
+
 def load_checkpoint(path: Path, objs: TrainingObjects, config=None) -> dict:
     """Collective: load model, optimizer, schedule and (same layout) RNG; returns train state.
 
     With the run's ``config``, a checkpoint of another model shape or residual design is
     refused naming the field; a missing shard file is named before anything is loaded.
     """
-    if not is_complete(path):
-        raise CheckpointError(f"{path}: not a complete t2train checkpoint (no metadata.json)")
+    check_engine(path, "megatron")
     common = _read(path, lambda: dist_checkpointing.load_common_state_dict(str(path)))
     if config is not None:
         check_same_model(path, common["train_state"].get("config", {}).get("model"), config.model)
     check_shard_files(path)
     saved_layout = common["train_state"]["layout"]
-    same_layout = saved_layout == _layout()
+    same_layout = saved_layout == current_layout()
 
     state = _model_state(objs)
     has_optimizer = common["train_state"]["has_optimizer"]
@@ -194,9 +203,9 @@ def load_checkpoint(path: Path, objs: TrainingObjects, config=None) -> dict:
     objs.scheduler.num_steps = 0  # Megatron's scheduler load advances from the current count
     objs.scheduler.load_state_dict(common["scheduler"])
     if same_layout:
-        _restore_rng(loaded["rng_state"])
+        restore_rng(loaded["rng_state"])
     elif dist.get_rank() == 0:
-        warnings.warn(f"checkpoint layout {saved_layout} differs from {_layout()}: "
+        warnings.warn(f"checkpoint layout {saved_layout} differs from {current_layout()}: "
                       "RNG streams start fresh")
     return common["train_state"]
 

@@ -193,6 +193,9 @@ class TrainConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     seed: int = 1234
+    # megatron: Megatron-core DDP/distributed optimizer and pipeline schedules (every layout);
+    # deepspeed: DeepSpeed ZeRO (the `deepspeed` section) on Megatron-core TP, PP = 1.
+    engine: Literal["megatron", "deepspeed"] = "megatron"
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     eval_interval: int = 50
     eval_batches: int = 4
@@ -304,6 +307,29 @@ class CheckpointConfig:
 
 
 @dataclass
+class DeepSpeedConfig:
+    """``train.engine=deepspeed``: what t2train/engine/deepspeed_config.py writes into
+    DeepSpeed's JSON config, beside batch sizes, optimizer, clipping and precision."""
+
+    # What ZeRO shards over data-parallel ranks: 0 nothing, 1 optimizer states,
+    # 2 + gradients, 3 + parameters.
+    zero_stage: int = 1
+    offload_optimizer: bool = False  # optimizer states and their update on the host (CUDA only)
+    offload_params: bool = False  # parameters on the host between uses (ZeRO-3, CUDA only)
+    # A DeepSpeed JSON adding fields t2train does not set (bucket sizes, comms logging, ...);
+    # a field t2train sets must have the same value there, else the run stops naming both.
+    config_file: str = ""
+
+    def validate(self) -> None:
+        _require(self.zero_stage in (0, 1, 2, 3), "deepspeed.zero_stage", self.zero_stage,
+                 "must be 0, 1, 2 or 3")
+        _require(not self.offload_optimizer or self.zero_stage >= 1, "deepspeed.offload_optimizer",
+                 self.offload_optimizer, "needs deepspeed.zero_stage >= 1")
+        _require(not self.offload_params or self.zero_stage == 3, "deepspeed.offload_params",
+                 self.offload_params, "needs deepspeed.zero_stage=3")
+
+
+@dataclass
 class LogConfig:
     run_dir: str = "runs/{name}"  # {name} expands to the run name
     tensorboard: bool = True
@@ -330,6 +356,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def validate(self) -> "Config":
@@ -340,8 +367,23 @@ class Config:
         self.train.validate()
         self.data.validate()
         self.checkpoint.validate()
+        self.deepspeed.validate()
         self.log.validate()
+        if self.train.engine == "deepspeed":
+            self._validate_deepspeed_engine()
         return self
+
+    def _validate_deepspeed_engine(self) -> None:
+        """What DeepSpeed ZeRO replaces or cannot run: Megatron's pipeline and its optimizer."""
+        why = "is not supported with train.engine=deepspeed"
+        _require(self.parallel.pipeline == 1, "parallel.pipeline", self.parallel.pipeline,
+                 f"must be 1 with train.engine=deepspeed (pipeline stages need Megatron's "
+                 f"schedules: use train.engine=megatron)")
+        _require(not self.parallel.sequence_parallel, "parallel.sequence_parallel", True,
+                 f"{why} (its norm gradients need Megatron's tensor-parallel all-reduce)")
+        _require(not self.parallel.distributed_optimizer, "parallel.distributed_optimizer", True,
+                 f"{why}: ZeRO (deepspeed.zero_stage) shards the optimizer instead")
+        _require(not self.checkpoint.async_save, "checkpoint.async_save", True, why)
 
     def validate_world(self, world_size: int) -> int:
         """Check the layout against the launched world; returns the data-parallel size."""

@@ -43,13 +43,13 @@ def _sublayer(index: int) -> str:
 
 
 class Diagnostics:
-    def __init__(self, objs, interval: int, micro_batches: list, monitor, sends: bool):
-        self.objs = objs
+    def __init__(self, engine, interval: int, micro_batches: list, monitor, sends: bool):
+        self.engine = engine
         self.interval = interval
         self.micro_batches = micro_batches
         self.monitor = monitor
         self.sends = sends  # this rank's records reach the logging rank
-        self.num_layers = objs.config.model.num_layers
+        self.num_layers = engine.config.model.num_layers
 
     def due(self, step: int) -> bool:
         return self.interval > 0 and step % self.interval == 0
@@ -67,10 +67,8 @@ class Diagnostics:
             self._write(step, merged)
 
     def _record(self) -> probe.Records:
-        from t2train.train.step import evaluate
-
         hooks = []
-        for chunk in self.objs.model:
+        for chunk in self.engine.model:
             decoder = chunk.module.decoder
             for layer in decoder.layers:
                 hooks.append(layer.input_layernorm.register_forward_pre_hook(
@@ -80,7 +78,7 @@ class Diagnostics:
                     _rms_hook(self.num_layers + 1)))
         try:
             with probe.recording() as records:
-                evaluate(self.objs, [self.micro_batches])
+                self.engine.evaluate([self.micro_batches])
         finally:
             for hook in hooks:
                 hook.remove()
@@ -131,14 +129,14 @@ class Diagnostics:
         for read, row in weights.items():
             matrix[read, :len(row)] = row.numpy()
         rows = [_sublayer(i) for i in range(reads - 1)] + ["final"]
-        if self.objs.config.model.residual == "attnres":
+        if self.engine.config.model.residual == "attnres":
             columns = ["emb"] + [_sublayer(i) for i in range(sources - 1)]
         else:
             columns = ["emb"] + [f"block {i}" for i in range(1, sources)]
         self._write_heatmap(step, matrix, rows, columns, "reading sublayer", "source")
 
     def _write_heatmap(self, step: int, matrix, rows, columns, ylabel, xlabel) -> None:
-        residual = self.objs.config.model.residual
+        residual = self.engine.config.model.residual
         self.monitor.image(step, "diagnostics/depth_attention", plots.heatmap(
             matrix, rows, columns, f"{residual}: mean attention over depth, step {step}",
             xlabel, ylabel))

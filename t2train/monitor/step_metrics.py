@@ -75,7 +75,7 @@ class StepMeter:
         self.data_wait += data_wait
         self.skipped_steps += int(skipped)
 
-    def scalars(self, result, chunks) -> dict[str, float]:
+    def scalars(self, result, parameter_norm: float) -> dict[str, float]:
         """Every interval scalar, from the window and the last step's ``StepResult``."""
         tokens_per_sec = self.tokens_per_step * self.steps / max(self.seconds, 1e-9)
         tflops = tflops_per_device(tokens_per_sec, self.flops_per_token, self.devices)
@@ -83,7 +83,7 @@ class StepMeter:
             **loss_scalars("train", result.loss),
             "train/lr": result.lr,
             "train/grad_norm": result.grad_norm,
-            "train/param_norm": param_norm(chunks),
+            "train/param_norm": parameter_norm,
             "train/skipped_steps": self.skipped_steps,
             "throughput/tokens_per_sec": tokens_per_sec,
             "throughput/tokens_per_sec_per_device": tokens_per_sec / self.devices,

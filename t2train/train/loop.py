@@ -47,6 +47,7 @@ def dataset_facts(config: Config) -> dict:
 
 def _resume_target(config: Config, run_dir: Path) -> Optional[Path]:
     """Which checkpoint to start from, decided before anything is written."""
+    from t2train.checkpoint.paths import is_complete
     from t2train.checkpoint.store import find_latest
 
     resume = config.checkpoint.resume
@@ -59,7 +60,7 @@ def _resume_target(config: Config, run_dir: Path) -> Optional[Path]:
                               "checkpoint.overwrite=true")
         return None
     path = Path(resume)
-    if not (path / "metadata.json").is_file():
+    if not is_complete(path):
         raise ConfigError(f"checkpoint.resume={resume!r}: not a checkpoint directory")
     return path
 
@@ -77,7 +78,7 @@ def train(config: Config) -> RunSummary:
 
 def _run(config: Config, guard: "StopGuard") -> RunSummary:
     from t2train.checkpoint.manager import Checkpointer
-    from t2train.checkpoint.store import load_checkpoint
+    from t2train.engine import build_engine
     from t2train.model.build import padded_vocab_size
     from t2train.monitor.diagnostics import Diagnostics, diagnostic_micro_batches
     from t2train.monitor.metrics import Monitor
@@ -85,8 +86,6 @@ def _run(config: Config, guard: "StopGuard") -> RunSummary:
     from t2train.parallel.init import init_distributed, init_model_parallel, set_seed
     from t2train.train.batches import GlobalBatchFeeder
     from t2train.train.data import open_streams
-    from t2train.train.setup import build_training_objects
-    from t2train.train.step import evaluate, train_step
 
     facts = dataset_facts(config)
     run_dir = Path(config.run_dir)
@@ -97,12 +96,12 @@ def _run(config: Config, guard: "StopGuard") -> RunSummary:
     topology = init_model_parallel(config.parallel.tensor, config.parallel.pipeline,
                                    config.parallel.virtual_pipeline)
     set_seed(config.train.seed, topology)
-    objs = build_training_objects(config, padded_vocab_size(facts["vocab_size"], config))
+    engine = build_engine(config, padded_vocab_size(facts["vocab_size"], config))
 
     train_state: dict = {}
     if resume_from is not None:
         loading_started = time.monotonic()
-        train_state = load_checkpoint(resume_from, objs, config)
+        train_state = engine.load(resume_from)
         start = (f"resumed from {resume_from} (loaded in "
                  f"{time.monotonic() - loading_started:.1f}s)")
     else:
@@ -127,13 +126,12 @@ def _run(config: Config, guard: "StopGuard") -> RunSummary:
                       purge_step=start_step + 1 if start_step else None,
                       console=logging_rank or config.log.all_ranks,
                       prefix=f"[rank {topology.rank}] " if config.log.all_ranks else "")
-    params = sum(p.numel() for chunk in objs.model for p in chunk.parameters())
     monitor.print(f"t2train: {config.model.residual} residual, {config.model.num_layers} layers, "
-                  f"{params / 1e6:.2f}M parameters on rank 0 | world {topology.world_size} = "
+                  f"{engine.num_parameters() / 1e6:.2f}M parameters on rank 0 | world {topology.world_size} = "
                   f"TP {topology.tp_size} x PP {topology.pp_size} x DP {dp_size} | {start}")
-    meter, mfu_note = step_meter(config, objs.vocab_size, topology.world_size)
+    meter, mfu_note = step_meter(config, engine.vocab_size, topology.world_size)
     monitor.print(mfu_note)
-    diagnostics = Diagnostics(objs, config.log.diagnostics_interval,
+    diagnostics = Diagnostics(engine, config.log.diagnostics_interval,
                               diagnostic_micro_batches(val_batches, config), monitor,
                               sends=topology.tp_rank == 0 and topology.dp_rank == 0)
 
@@ -146,7 +144,7 @@ def _run(config: Config, guard: "StopGuard") -> RunSummary:
         monitor.print(f"step {step:>6} | saved {path} ({total:.1f}s"
                       f"{f', training blocked {blocked:.1f}s' if blocked < total else ''})")
 
-    checkpointer = Checkpointer(run_dir / "checkpoints", config, objs, report_save)
+    checkpointer = Checkpointer(run_dir / "checkpoints", config, engine, report_save)
 
     def save(step: int) -> None:
         summary.checkpoint = checkpointer.save(
@@ -155,28 +153,28 @@ def _run(config: Config, guard: "StopGuard") -> RunSummary:
     if resume_from is not None and config.checkpoint.save_on_resume:
         save(start_step)
     if start_step == 0:
-        summary.val_losses[0] = evaluate(objs, val_batches)
+        summary.val_losses[0] = engine.evaluate(val_batches)
         monitor.scalars(0, loss_scalars("val", summary.val_losses[0]))
         monitor.print(f"step      0 | val loss {summary.val_losses[0]:.4f}")
     for step in range(start_step + 1, train_cfg.steps + 1):
         started = time.monotonic()
         micro_batches = feeder.next_step()
         fed = time.monotonic()
-        result = train_step(objs, micro_batches)
+        result = engine.train_step(micro_batches)
         meter.record(time.monotonic() - started, fed - started, result.skipped)
         summary.losses[step] = result.loss
         if result.skipped:
             monitor.warn_once("skipped", f"step {step}: optimizer step skipped (non-finite "
                                          "gradients); train/skipped_steps counts them")
         if step % train_cfg.log_interval == 0 or step == train_cfg.steps:
-            scalars = meter.scalars(result, objs.model)
+            scalars = meter.scalars(result, engine.param_norm())
             monitor.scalars(step, scalars)
             monitor.progress(step, result.loss, result.lr, scalars["throughput/tokens_per_sec"],
                              step - start_step)
         if diagnostics.due(step):
             diagnostics.log(step)
         if step % train_cfg.eval_interval == 0 or step == train_cfg.steps:
-            summary.val_losses[step] = evaluate(objs, val_batches)
+            summary.val_losses[step] = engine.evaluate(val_batches)
             monitor.scalars(step, loss_scalars("val", summary.val_losses[step]))
             monitor.print(f"step {step:>6} | val loss {summary.val_losses[step]:.4f}")
         checkpointer.poll()

@@ -44,24 +44,31 @@ def build_training_objects(config: Config, vocab_size: int) -> TrainingObjects:
         DistributedDataParallel(tf_config, ddp_config, chunk, disable_bucketing=index > 0)
         for index, chunk in enumerate(chunks)
     ]
+    optimizer = get_megatron_optimizer(optimizer_config(config), model)
+    scheduler = lr_scheduler(optimizer, config)
+    _wire_schedule_hooks(tf_config, model, optimizer)
+    return TrainingObjects(config, tf_config, model, optimizer, scheduler, vocab_size)
+
+
+def optimizer_config(config: Config) -> OptimizerConfig:
     train = config.train
-    bf16 = compute_dtype(config) == torch.bfloat16
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam", lr=train.lr, min_lr=train.min_lr, weight_decay=train.weight_decay,
-            adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps,
-            clip_grad=train.clip_grad, bf16=bf16, params_dtype=compute_dtype(config),
-            use_distributed_optimizer=config.parallel.distributed_optimizer,
-        ),
-        model,
-    )
-    scheduler = OptimizerParamScheduler(
+    return OptimizerConfig(
+        optimizer="adam", lr=train.lr, min_lr=train.min_lr, weight_decay=train.weight_decay,
+        adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps,
+        clip_grad=train.clip_grad, bf16=compute_dtype(config) == torch.bfloat16,
+        params_dtype=compute_dtype(config),
+        use_distributed_optimizer=config.parallel.distributed_optimizer)
+
+
+def lr_scheduler(optimizer, config: Config) -> OptimizerParamScheduler:
+    """Linear warm-up then cosine decay to ``train.min_lr`` (Megatron's scheduler, which also
+    applies each parameter group's ``wd_mult``: no weight decay on biases and norms)."""
+    train = config.train
+    return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=train.lr, min_lr=train.min_lr,
         lr_warmup_steps=train.warmup_steps, lr_decay_steps=train.steps,
         lr_decay_style="cosine", start_wd=train.weight_decay, end_wd=train.weight_decay,
         wd_incr_steps=train.steps, wd_incr_style="constant")
-    _wire_schedule_hooks(tf_config, model, optimizer)
-    return TrainingObjects(config, tf_config, model, optimizer, scheduler, vocab_size)
 
 
 def _wire_schedule_hooks(tf_config, model, optimizer) -> None:

@@ -21,13 +21,17 @@ def _loss(per_token_loss: torch.Tensor):
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def forward_step(data_iterator, model):
-    """Megatron's forward_step_func: run one micro-batch through one model chunk."""
-    batch: MicroBatch = next(data_iterator)
+def model_loss(model, batch: MicroBatch) -> torch.Tensor:
+    """One micro-batch through a model (chunk): per-token loss [b, s] on the last stage."""
     tokens, labels = batch["tokens"], batch["labels"]
     b, s = tokens.shape
     position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-    return model(tokens, position_ids, None, labels=labels), _loss
+    return model(tokens, position_ids, None, labels=labels)
+
+
+def forward_step(data_iterator, model):
+    """Megatron's forward_step_func: run one micro-batch through one model chunk."""
+    return model_loss(model, next(data_iterator)), _loss
 
 
 def hop_units(objs: TrainingObjects) -> int:
@@ -53,17 +57,25 @@ def _run_schedule(objs: TrainingObjects, micro_batches: list[MicroBatch], forwar
 
 def _mean_loss(losses_reduced: list[dict]) -> float:
     """Average over micro-batches and data-parallel replicas, known on every rank."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
-    total = torch.zeros(2, dtype=torch.float64, device=device)
+    total = torch.zeros(2, dtype=torch.float64, device=_device())
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        total[0] = sum(float(item["lm loss"]) for item in losses_reduced)
-        total[1] = len(losses_reduced)
-        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        total[:] = data_parallel_sum([float(item["lm loss"]) for item in losses_reduced])
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(total, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                        group=parallel_state.get_pipeline_model_parallel_group())
     return float(total[0] / total[1])
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def data_parallel_sum(losses: list[float]) -> torch.Tensor:
+    """(sum, count) of these micro-batch losses over all data-parallel replicas."""
+    total = torch.tensor([sum(losses), len(losses)], dtype=torch.float64, device=_device())
+    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return total
 
 
 @dataclass

@@ -20,7 +20,7 @@ def main() -> int:
     step, marker, separator, *train_args = sys.argv[1:]
     assert separator == "--", "usage: hang_before_publish.py STEP MARKER -- ARGS"
     hang_at = store.step_dir_name(int(step))
-    publish = store._publish
+    publish = store.publish_checkpoint
 
     def publish_unless_hanging(root, staging, final, on_published):
         if final.name == hang_at:
@@ -29,7 +29,7 @@ def main() -> int:
                 time.sleep(60)
         publish(root, staging, final, on_published)
 
-    store._publish = publish_unless_hanging
+    store.publish_checkpoint = publish_unless_hanging
     return cli.main(["train", *train_args])
 
 

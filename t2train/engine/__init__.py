@@ -1,0 +1,49 @@
+"""Training engines: what the training loop drives to step, evaluate, save and load a model.
+
+Both engines train the same Megatron-core model (t2train/model/) with the same data, schedule
+and logging; they differ in how gradients, optimizer state and checkpoints are handled:
+
+* ``megatron`` (megatron.py): Megatron-core DDP or distributed optimizer and its pipeline
+  schedules; every TP/SP/PP/VPP layout; reshardable dist-checkpointing checkpoints.
+* ``deepspeed`` (deepspeed_engine.py): DeepSpeed ZeRO stages 0-3 with optional host offload,
+  Megatron-core TP as DeepSpeed's model-parallel unit, PP = 1; DeepSpeed's sharded checkpoints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional, Protocol
+
+from t2train.config.schema import Config
+from t2train.train.batches import MicroBatch
+from t2train.train.step import StepResult
+
+
+class Engine(Protocol):
+    config: Config
+    vocab_size: int
+    model: list  # this rank's chunks; each has ``.module``, the T2GPTModel
+
+    def train_step(self, micro_batches: list[MicroBatch]) -> StepResult: ...
+
+    def evaluate(self, batches: list[list[MicroBatch]]) -> float: ...
+
+    def save(self, root: Path, step: int, train_state: dict, async_queue=None,
+             on_published: Optional[Callable[[Path], None]] = None) -> Path: ...
+
+    def load(self, path: Path) -> dict: ...
+
+    def param_norm(self) -> float: ...
+
+    def num_parameters(self) -> int: ...
+
+
+def build_engine(config: Config, vocab_size: int) -> Engine:
+    """Collective: every rank builds its part of the model and optimizer."""
+    if config.train.engine == "deepspeed":
+        from t2train.engine.deepspeed_engine import DeepSpeedEngine
+
+        return DeepSpeedEngine(config, vocab_size)
+    from t2train.engine.megatron import MegatronEngine
+
+    return MegatronEngine(config, vocab_size)

@@ -1,0 +1,38 @@
+"""The Megatron-core engine: DDP chunks, Megatron's optimizer and pipeline schedules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+from t2train.checkpoint.store import load_checkpoint, save_checkpoint
+from t2train.config.schema import Config
+from t2train.monitor.step_metrics import param_norm
+from t2train.train.batches import MicroBatch
+from t2train.train.setup import build_training_objects
+from t2train.train.step import StepResult, evaluate, train_step
+
+
+class MegatronEngine:
+    def __init__(self, config: Config, vocab_size: int):
+        self.objs = build_training_objects(config, vocab_size)
+        self.config, self.vocab_size, self.model = config, vocab_size, self.objs.model
+
+    def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
+        return train_step(self.objs, micro_batches)
+
+    def evaluate(self, batches: list[list[MicroBatch]]) -> float:
+        return evaluate(self.objs, batches)
+
+    def save(self, root: Path, step: int, train_state: dict, async_queue=None,
+             on_published: Optional[Callable[[Path], None]] = None) -> Path:
+        return save_checkpoint(root, step, self.objs, train_state, async_queue, on_published)
+
+    def load(self, path: Path) -> dict:
+        return load_checkpoint(path, self.objs, self.config)
+
+    def param_norm(self) -> float:
+        return param_norm(self.model)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for chunk in self.model for p in chunk.parameters())
