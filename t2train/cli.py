@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from t2train.errors import UserInputError
+    from t2train.errors import TrainingHalted, UserInputError
 
     args = build_parser().parse_args(argv)
     try:
@@ -146,6 +146,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UserInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except TrainingHalted as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -57,7 +57,12 @@ def megatron_world():
     """torch.distributed (gloo, world 1) and Megatron's groups at TP = PP = 1."""
     from t2train.parallel.init import init_distributed, init_model_parallel, set_seed
 
+    before = dict(os.environ)
     init_distributed()
+    # init_distributed fills in RANK, MASTER_PORT, ...; trainers started by later tests must
+    # not inherit them (they would bind this process's rendezvous port).
+    os.environ.clear()
+    os.environ.update(before)
     topology = init_model_parallel(1, 1, 1)
     set_seed(1234, topology)
     return topology

@@ -17,6 +17,9 @@ import pytest
 import torch
 from torchrun_helper import run_torchrun
 
+from t2train.checkpoint.errors import CheckpointError
+from t2train.checkpoint.inspect import describe
+from t2train.checkpoint.store import check_engine
 from t2train.config.loader import load_config
 from t2train.config.schema import ConfigError
 from t2train.engine.deepspeed_config import deepspeed_config
@@ -47,8 +50,14 @@ def test_zero_stages_match_megatron_and_resume_exactly(shakespeare, tmp_path, de
         assert max(gaps.values()) < TOLERANCE, (run, gaps)
         assert _tags(tmp_path / run) == _tags(tmp_path / "megatron"), run
 
+    checkpoint = tmp_path / "zero3" / "checkpoints" / f"step_{SAVE_AT:08d}"
+    assert "DeepSpeed ZeRO-3" in describe(checkpoint)
+    with pytest.raises(CheckpointError, match="written by train.engine=deepspeed"):
+        check_engine(checkpoint, "megatron")
+
     resumed = run_torchrun("engine_equivalence.py", 2, [*args, "--phase", "resume"],
                            tmp_path / "resumed.json", timeout=900)
+    assert "'zero_stage': 1}, this run is" in resumed.pop("refused")
     for run, losses in resumed.items():
         tail = {step: loss for step, loss in straight[run].items() if int(step) > SAVE_AT}
         assert losses == tail, run  # exact float equality

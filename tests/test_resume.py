@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrun_helper import REPO, run_torchrun
+from torchrun_helper import REPO, child_env, run_torchrun
 
 from t2train.checkpoint.store import find_latest
 
@@ -53,7 +53,7 @@ def _train(run_dir: Path, nproc: int, *overrides: str, timeout: int = 600) -> di
            f"--nproc-per-node={nproc}", "-m", "t2train.cli", "train", *TINY,
            f"log.run_dir={run_dir}", *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=child_env())
     assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return _losses(run_dir)
 
@@ -145,7 +145,7 @@ def _kill_before_publishing(run_dir: Path, step: int, data: str, steps: list[str
     log = run_dir.parent / f"{run_dir.name}.log"
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env=child_env())
     deadline = time.monotonic() + 300
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from t2train.checkpoint.errors import CheckpointError
-from t2train.checkpoint.paths import is_complete
+from t2train.checkpoint.paths import ENGINE_FILE, checkpoint_engine, is_complete
 
 
 def read_train_state(path: Path) -> dict:
-    """The checkpoint's train state (step, tokens, layout, config, ...) from common.pt."""
+    """The checkpoint's train state (step, tokens, layout, config, ...) from Megatron's
+    common.pt, or the DeepSpeed engine's summary file."""
     from megatron.core import dist_checkpointing
 
     if not is_complete(path):
         raise CheckpointError(f"{path}: not a complete t2train checkpoint (no metadata.json)")
+    if checkpoint_engine(path) == "deepspeed":
+        return json.loads((path / ENGINE_FILE).read_text())
     try:
         return dist_checkpointing.load_common_state_dict(str(path))["train_state"]
     except Exception as err:
@@ -29,7 +33,8 @@ def describe(path: Path) -> str:
     total = sum(p.stat().st_size for p in files)
     lines = [f"checkpoint {path}",
              f"  step {state['step']}, tokens {state.get('tokens', 0):,}",
-             f"  layout TP {layout['tp']} x PP {layout['pp']} x DP {layout['dp']}",
+             f"  layout TP {layout['tp']} x PP {layout['pp']} x DP {layout['dp']}"
+             + (f", DeepSpeed ZeRO-{layout['zero_stage']}" if "zero_stage" in layout else ""),
              f"  model {model.get('residual', '?')} residual, {model.get('num_layers', '?')} "
              f"layers, hidden {model.get('hidden_size', '?')}",
              "  optimizer state: " + ("yes" if state["has_optimizer"]

@@ -18,7 +18,9 @@ class ConfigError(UserInputError):
 
 def _require(ok: bool, field_name: str, value, rule: str) -> None:
     if not ok:
-        raise ConfigError(f"{field_name}={value!r}: {rule}")
+        text = repr(value)
+        raise ConfigError(f"{field_name}={text if len(text) <= 200 else text[:197] + '...'}: "
+                          f"{rule}")
 
 
 @dataclass
@@ -204,6 +206,13 @@ class TrainConfig:
     # on these signals, or once this process has run exit_duration_mins (0 = no limit).
     exit_signals: str = "SIGUSR1,SIGTERM"
     exit_duration_mins: float = 0.0
+    # An update whose loss or gradients are non-finite is skipped (train/skipped_steps); after
+    # this many skipped in a row the run stops (exit code 3) without saving anything new.
+    max_skipped_steps: int = 5
+    # Also skip a step whose loss exceeds this factor times the mean of the last
+    # loss_spike_window applied steps' losses (0 = off; Megatron engine only).
+    loss_spike_factor: float = 0.0
+    loss_spike_window: int = 20
 
     def validate(self) -> None:
         from t2train.train.preemption import parse_signals
@@ -227,10 +236,17 @@ class TrainConfig:
         _require(self.adam_eps > 0, "train.adam_eps", self.adam_eps, "must be > 0")
         _require(self.clip_grad >= 0, "train.clip_grad", self.clip_grad,
                  "must be >= 0 (0 disables clipping)")
-        _require(self.seed >= 0, "train.seed", self.seed, "must be >= 0")
+        # numpy seeds must be < 2**32, and each pipeline stage adds 100 * its rank.
+        _require(0 <= self.seed < 2**31, "train.seed", self.seed, "must be in [0, 2**31)")
         parse_signals(self.exit_signals)
         _require(self.exit_duration_mins >= 0, "train.exit_duration_mins",
                  self.exit_duration_mins, "must be >= 0 (0 disables the time limit)")
+        _require(self.max_skipped_steps >= 1, "train.max_skipped_steps", self.max_skipped_steps,
+                 "must be >= 1")
+        _require(self.loss_spike_factor == 0 or self.loss_spike_factor > 1,
+                 "train.loss_spike_factor", self.loss_spike_factor, "must be 0 (off) or > 1")
+        _require(self.loss_spike_window >= 1, "train.loss_spike_window", self.loss_spike_window,
+                 "must be >= 1")
 
 
 @dataclass
@@ -311,8 +327,8 @@ class DeepSpeedConfig:
     """``train.engine=deepspeed``: what t2train/engine/deepspeed_config.py writes into
     DeepSpeed's JSON config, beside batch sizes, optimizer, clipping and precision."""
 
-    # What ZeRO shards over data-parallel ranks: 0 nothing, 1 optimizer states,
-    # 2 + gradients, 3 + parameters.
+    # What ZeRO shards over data-parallel ranks: 1 optimizer states, 2 + gradients,
+    # 3 + parameters.
     zero_stage: int = 1
     offload_optimizer: bool = False  # optimizer states and their update on the host (CUDA only)
     offload_params: bool = False  # parameters on the host between uses (ZeRO-3, CUDA only)
@@ -321,10 +337,8 @@ class DeepSpeedConfig:
     config_file: str = ""
 
     def validate(self) -> None:
-        _require(self.zero_stage in (0, 1, 2, 3), "deepspeed.zero_stage", self.zero_stage,
-                 "must be 0, 1, 2 or 3")
-        _require(not self.offload_optimizer or self.zero_stage >= 1, "deepspeed.offload_optimizer",
-                 self.offload_optimizer, "needs deepspeed.zero_stage >= 1")
+        _require(self.zero_stage in (1, 2, 3), "deepspeed.zero_stage", self.zero_stage,
+                 "must be 1, 2 or 3 (plain data parallelism is train.engine=megatron)")
         _require(not self.offload_params or self.zero_stage == 3, "deepspeed.offload_params",
                  self.offload_params, "needs deepspeed.zero_stage=3")
 
@@ -384,6 +398,9 @@ class Config:
         _require(not self.parallel.distributed_optimizer, "parallel.distributed_optimizer", True,
                  f"{why}: ZeRO (deepspeed.zero_stage) shards the optimizer instead")
         _require(not self.checkpoint.async_save, "checkpoint.async_save", True, why)
+        _require(self.train.loss_spike_factor == 0, "train.loss_spike_factor",
+                 self.train.loss_spike_factor, f"{why} (DeepSpeed applies the update itself; "
+                 "it skips non-finite gradients on its own)")
 
     def validate_world(self, world_size: int) -> int:
         """Check the layout against the launched world; returns the data-parallel size."""

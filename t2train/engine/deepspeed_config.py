@@ -41,9 +41,10 @@ def _owned(config: Config, dp_size: int) -> dict[str, tuple[Any, str]]:
         "steps_per_print": (10**9, "train.log_interval"),  # t2train logs, not DeepSpeed
         "wall_clock_breakdown": (False, "log"),
     }
-    if ds.zero_stage >= 1:
-        owned["zero_optimization.offload_optimizer.device"] = (
-            "cpu" if ds.offload_optimizer else "none", "deepspeed.offload_optimizer")
+    owned["zero_optimization.offload_optimizer.device"] = (
+        "cpu" if ds.offload_optimizer else "none", "deepspeed.offload_optimizer")
+    if bf16:  # skip updates with non-finite gradients, as ZeRO does in fp32
+        owned["bf16.check_grad_overflow"] = (True, "train.max_skipped_steps")
     if ds.zero_stage == 3:
         owned["zero_optimization.offload_param.device"] = (
             "cpu" if ds.offload_params else "none", "deepspeed.offload_params")

@@ -10,8 +10,10 @@ biases and norms) and LR schedule, the loss, the data order, RNG and logging.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -71,7 +73,11 @@ class DeepSpeedEngine:
         import deepspeed
 
         # DeepSpeed compiles some ops on first use: into the project, not the home cache.
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.cwd() / ".cache" / "torch_extensions"))
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR",
+                              str(Path.cwd() / ".cache" / "torch_extensions"))
+        # DeepSpeed's ZeRO calls a torch collective torch has deprecated (its concern, not ours)
+        warnings.filterwarnings("ignore", category=FutureWarning,
+                                message=".*reduce_scatter_tensor.* is deprecated")
         self.config, self.vocab_size = config, vocab_size
         self.zero_stage = config.deepspeed.zero_stage
         chunk, = build_model_chunks(config, transformer_config(config), vocab_size)
@@ -95,14 +101,19 @@ class DeepSpeedEngine:
             self.ds.backward(loss)  # scaled by 1 / gradient_accumulation_steps
             self.ds.step()
             losses.append(float(loss.detach()))
+        # ZeRO skips an update whose gradient norm is not finite (fp32; bf16 with
+        # check_grad_overflow, which the generated config sets).
         updated = self.ds.was_step_applied()
         if updated:
             self.scheduler.step(increment=1)
         total = data_parallel_sum(losses)
+        loss = float(total[0] / total[1])
+        reason = "" if updated else (f"non-finite loss ({loss})" if not math.isfinite(loss)
+                                     else "non-finite gradients")
         grad_norm = self.ds.get_global_grad_norm()
-        return StepResult(loss=float(total[0] / total[1]), grad_norm=float(grad_norm or 0.0),
+        return StepResult(loss=loss, grad_norm=float(grad_norm or 0.0),
                           lr=self.ds.optimizer.param_groups[0]["lr"], skipped=not updated,
-                          traffic=collect_traffic(self.model))
+                          traffic=collect_traffic(self.model), skip_reason=reason)
 
     @torch.no_grad()
     def evaluate(self, batches: list[list[MicroBatch]]) -> float:
@@ -139,9 +150,11 @@ class DeepSpeedEngine:
             "rng_state": capture_rng()})
         dist.barrier()
         if dist.get_rank() == 0:
+            # What `t2train ckpt inspect` and the resume checks read, without unpickling.
+            summary = {key: state.get(key) for key in ("step", "tokens", "layout", "config",
+                                                        "code_version")}
             (staging / ENGINE_FILE).write_text(json.dumps(
-                {"engine": "deepspeed", "layout": state["layout"],
-                 "model": train_state.get("config", {}).get("model")}, indent=1))
+                dict(summary, engine="deepspeed", has_optimizer=True), indent=1))
         publish_checkpoint(root, staging, final, on_published)
         return final
 
@@ -153,7 +166,7 @@ class DeepSpeedEngine:
         """
         check_engine(path, "deepspeed")
         written = json.loads((path / ENGINE_FILE).read_text())
-        check_same_model(path, written.get("model"), self.config.model)
+        check_same_model(path, (written.get("config") or {}).get("model"), self.config.model)
         if written["layout"] != self._layout():
             raise CheckpointError(f"{path}: DeepSpeed checkpoint of layout {written['layout']}, "
                                   f"this run is {self._layout()}; DeepSpeed engine checkpoints "

@@ -9,6 +9,7 @@ from t2train.checkpoint.store import load_checkpoint, save_checkpoint
 from t2train.config.schema import Config
 from t2train.monitor.step_metrics import param_norm
 from t2train.train.batches import MicroBatch
+from t2train.train.numerics import UpdateGuard
 from t2train.train.setup import build_training_objects
 from t2train.train.step import StepResult, evaluate, train_step
 
@@ -17,9 +18,10 @@ class MegatronEngine:
     def __init__(self, config: Config, vocab_size: int):
         self.objs = build_training_objects(config, vocab_size)
         self.config, self.vocab_size, self.model = config, vocab_size, self.objs.model
+        self.guard = UpdateGuard(config.train)
 
     def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
-        return train_step(self.objs, micro_batches)
+        return train_step(self.objs, micro_batches, self.guard)
 
     def evaluate(self, batches: list[list[MicroBatch]]) -> float:
         return evaluate(self.objs, batches)

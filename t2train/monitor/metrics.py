@@ -48,7 +48,6 @@ class Monitor:
         self.started = time.monotonic()
         self.writer = None
         self.jsonl = None
-        self.warned: set[str] = set()
         if not self.enabled:
             return
         if tensorboard:
@@ -89,12 +88,6 @@ class Monitor:
     def print(self, message: str) -> None:
         if self.console:
             print(self.prefix + message, file=sys.stdout, flush=True)
-
-    def warn_once(self, key: str, message: str) -> None:
-        """``warning: message`` the first time ``key`` comes up; later ones are dropped."""
-        if key not in self.warned:
-            self.warned.add(key)
-            self.print(f"warning: {message}")
 
     def close(self) -> None:
         if self.writer is not None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from t2train.config.loader import dump_config
 from t2train.config.schema import Config, ConfigError
+from t2train.errors import TrainingHalted
 
 if TYPE_CHECKING:
     from t2train.train.preemption import StopGuard
@@ -78,6 +79,7 @@ def train(config: Config) -> RunSummary:
 
 def _run(config: Config, guard: "StopGuard") -> RunSummary:
     from t2train.checkpoint.manager import Checkpointer
+    from t2train.checkpoint.store import find_latest
     from t2train.engine import build_engine
     from t2train.model.build import padded_vocab_size
     from t2train.monitor.diagnostics import Diagnostics, diagnostic_micro_batches
@@ -126,9 +128,12 @@ def _run(config: Config, guard: "StopGuard") -> RunSummary:
                       purge_step=start_step + 1 if start_step else None,
                       console=logging_rank or config.log.all_ranks,
                       prefix=f"[rank {topology.rank}] " if config.log.all_ranks else "")
+    engine_name = (f"deepspeed ZeRO-{config.deepspeed.zero_stage}"
+                   if config.train.engine == "deepspeed" else "megatron")
     monitor.print(f"t2train: {config.model.residual} residual, {config.model.num_layers} layers, "
-                  f"{engine.num_parameters() / 1e6:.2f}M parameters on rank 0 | world {topology.world_size} = "
-                  f"TP {topology.tp_size} x PP {topology.pp_size} x DP {dp_size} | {start}")
+                  f"{engine.num_parameters() / 1e6:.2f}M parameters on rank 0 | world "
+                  f"{topology.world_size} = TP {topology.tp_size} x PP {topology.pp_size} x DP "
+                  f"{dp_size} | engine {engine_name} | {start}")
     meter, mfu_note = step_meter(config, engine.vocab_size, topology.world_size)
     monitor.print(mfu_note)
     diagnostics = Diagnostics(engine, config.log.diagnostics_interval,
@@ -156,6 +161,7 @@ def _run(config: Config, guard: "StopGuard") -> RunSummary:
         summary.val_losses[0] = engine.evaluate(val_batches)
         monitor.scalars(0, loss_scalars("val", summary.val_losses[0]))
         monitor.print(f"step      0 | val loss {summary.val_losses[0]:.4f}")
+    skipped_in_a_row = 0
     for step in range(start_step + 1, train_cfg.steps + 1):
         started = time.monotonic()
         micro_batches = feeder.next_step()
@@ -163,9 +169,18 @@ def _run(config: Config, guard: "StopGuard") -> RunSummary:
         result = engine.train_step(micro_batches)
         meter.record(time.monotonic() - started, fed - started, result.skipped)
         summary.losses[step] = result.loss
+        skipped_in_a_row = skipped_in_a_row + 1 if result.skipped else 0
         if result.skipped:
-            monitor.warn_once("skipped", f"step {step}: optimizer step skipped (non-finite "
-                                         "gradients); train/skipped_steps counts them")
+            monitor.print(f"step {step:>6} | update skipped: {result.skip_reason} "
+                          f"({skipped_in_a_row} in a row; train/skipped_steps counts them)")
+        if skipped_in_a_row >= train_cfg.max_skipped_steps:
+            checkpointer.close()
+            monitor.close()
+            raise TrainingHalted(
+                f"step {step}: {skipped_in_a_row} updates skipped in a row "
+                f"(train.max_skipped_steps={train_cfg.max_skipped_steps}), the last for "
+                f"{result.skip_reason}; stopped without saving. Last checkpoint: "
+                f"{summary.checkpoint or find_latest(run_dir / 'checkpoints') or 'none'}")
         if step % train_cfg.log_interval == 0 or step == train_cfg.steps:
             scalars = meter.scalars(result, engine.param_norm())
             monitor.scalars(step, scalars)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -11,6 +11,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from t2train.parallel.traffic import collect_traffic
+from t2train.train.numerics import UpdateGuard, grads_finite
 from t2train.train.batches import MicroBatch
 from t2train.train.setup import TrainingObjects
 
@@ -85,21 +86,28 @@ class StepResult:
     lr: float
     skipped: bool
     traffic: dict  # pipeline bytes and hops of this step, summed over ranks
+    skip_reason: str = ""  # why the update was skipped (t2train/train/numerics.py)
 
 
-def train_step(objs: TrainingObjects, micro_batches: list[MicroBatch]) -> StepResult:
+def train_step(objs: TrainingObjects, micro_batches: list[MicroBatch],
+               guard: Optional[UpdateGuard] = None) -> StepResult:
+    """Forward, backward and (unless ``guard`` says skip) the optimizer update."""
     for chunk in objs.model:
         chunk.train()
         chunk.zero_grad_buffer()
         chunk.module.decoder.traffic.reset()
     objs.optimizer.zero_grad()
-    losses = _run_schedule(objs, micro_batches, forward_only=False)
-    updated, grad_norm, _ = objs.optimizer.step()
+    loss = _mean_loss(_run_schedule(objs, micro_batches, forward_only=False))
+    reason = guard.skip_reason(loss, grads_finite(objs.model)) if guard else None
+    updated, grad_norm = False, float("nan")
+    if reason is None:
+        updated, grad_norm, _ = objs.optimizer.step()
+        reason = "" if updated else "the optimizer found non-finite gradients"
     if updated:
         objs.scheduler.step(increment=1)
-    return StepResult(loss=_mean_loss(losses), grad_norm=float(grad_norm or 0.0),
+    return StepResult(loss=loss, grad_norm=float(grad_norm or 0.0),
                       lr=objs.optimizer.param_groups[0]["lr"], skipped=not updated,
-                      traffic=collect_traffic(objs.model))
+                      traffic=collect_traffic(objs.model), skip_reason=reason)
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""The console: rank 0 prints, other ranks only with ``log.all_ranks``; warnings once."""
+"""The console: rank 0 prints, other ranks only with ``log.all_ranks``."""
 
 import logging
 import warnings
@@ -16,13 +16,6 @@ def test_all_ranks_prefixes_each_line_with_the_rank(capsys):
     monitor = Monitor(None, total_steps=10, console=True, prefix="[rank 3] ")
     monitor.progress(step=5, loss=2.0, lr=1e-3, tokens_per_sec=100.0, steps_done_here=5)
     assert capsys.readouterr().out.startswith("[rank 3] step      5/10 | loss  2.0000")
-
-
-def test_a_warning_is_printed_the_first_time_only(tmp_path, capsys):
-    monitor = Monitor(tmp_path, total_steps=10, tensorboard=False)
-    for step in range(3):
-        monitor.warn_once("skipped", f"step {step} skipped")
-    assert capsys.readouterr().out == "warning: step 0 skipped\n"
 
 
 def test_other_ranks_drop_python_warnings_and_library_logs(monkeypatch):

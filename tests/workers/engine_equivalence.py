@@ -1,8 +1,10 @@
 """Train one design with the Megatron engine and with DeepSpeed ZeRO-1/2/3 (DP = world).
 
 ``--phase straight``: each engine trains from scratch for STEPS steps, saving at SAVE_AT.
-``--phase resume`` (a fresh process): each ZeRO run resumes from its SAVE_AT checkpoint.
-Writes {run: {step: loss}}; runs are named ``megatron`` and ``zero1`` .. ``zero3``.
+``--phase resume`` (a fresh process): each ZeRO run resumes from its SAVE_AT checkpoint,
+and a ZeRO-2 run is pointed at the ZeRO-1 checkpoint (refused: another layout).
+Writes {run: {step: loss}}; runs are named ``megatron`` and ``zero1`` .. ``zero3``; the
+refusal's message is under ``refused``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from pathlib import Path
 
 from common import parse_args, write_result
 
+from t2train.checkpoint.errors import CheckpointError
 from t2train.config.loader import load_config
 from t2train.train.loop import train
 
@@ -40,6 +43,15 @@ def main() -> None:
             run = [f"log.run_dir={args.root / (name + '-resumed')}",
                    f"checkpoint.resume={run_dir / 'checkpoints' / f'step_{SAVE_AT:08d}'}"]
         losses[name] = train(load_config(overrides=[*common, *run])).losses
+    if args.phase == "resume":
+        zero1 = args.root / "zero1" / "checkpoints" / f"step_{SAVE_AT:08d}"
+        try:
+            train(load_config(overrides=[*TINY, *ENGINES["zero2"], f"data.path={args.data}",
+                                         f"model.residual={args.design}",
+                                         f"log.run_dir={args.root / 'zero2-from-zero1'}",
+                                         f"checkpoint.resume={zero1}"]))
+        except CheckpointError as err:
+            losses["refused"] = str(err)
     write_result(args.out, losses)
 
 
