@@ -8,6 +8,8 @@ then checked against the field's declared type.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import typing
 from importlib import resources
 from pathlib import Path
@@ -25,12 +27,52 @@ def preset_names() -> list[str]:
                   if p.name.endswith(".yaml"))
 
 
-def _read_yaml(text: str, source: str) -> dict:
+def short(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters for one-line error messages."""
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{source}: not valid YAML ({err.__class__.__name__}: "
-                          f"{str(err).splitlines()[0]})") from None
+        text = repr(value)
+    except (ValueError, RecursionError):  # an int past Python's digit limit; deep nesting
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _yaml_problem(err: BaseException) -> str:
+    """One line saying why PyYAML (or Python under it) could not read a document."""
+    if isinstance(err, RecursionError):
+        return "too deeply nested"
+    if isinstance(err, yaml.MarkedYAMLError) and err.problem:
+        where = (f" at line {err.problem_mark.line + 1}, column {err.problem_mark.column + 1}"
+                 if err.problem_mark is not None else "")
+        cause = f"{err.problem}{where}"
+        if "python/" in str(err.problem):
+            cause += "; configs are data: tags that build Python objects are refused"
+    else:
+        lines = str(err).strip().splitlines()
+        cause = lines[0] if lines else ""
+    return f"{type(err).__name__}: {cause}"
+
+
+# Data only: the safe loader's constructor builds no Python object from a tag (``!!python/...``
+# is refused). libyaml's parser, when PyYAML has it, is the same YAML 1.1 with a nesting limit
+# (1000) and no Python recursion, so a hostile file fails in milliseconds.
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _safe_load(text: str) -> Any:
+    return yaml.load(text, Loader=_SAFE_LOADER)  # noqa: S506 (a safe loader)
+
+
+# What safe_load can raise besides YAMLError: impossible dates and integers past Python's
+# digit limit (ValueError), nesting deeper than the parser's recursion (RecursionError).
+_YAML_FAULTS = (yaml.YAMLError, ValueError, OverflowError, RecursionError)
+
+
+def _read_yaml(text: str, source: str) -> dict:
+    """Parse YAML as data only (``safe_load``: no tag builds a Python object)."""
+    try:
+        data = _safe_load(text)
+    except _YAML_FAULTS as err:
+        raise ConfigError(f"{source}: not valid YAML ({_yaml_problem(err)})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -42,23 +84,43 @@ def _read_yaml(text: str, source: str) -> dict:
 def load_preset(name: str) -> dict:
     if name not in preset_names():
         raise ConfigError(f"preset={name!r}: unknown preset, choose one of {preset_names()}")
-    text = resources.files(PRESET_PACKAGE).joinpath(f"{name}.yaml").read_text()
-    return _read_yaml(text, f"preset {name}")
+    return _read_yaml(_preset_text(name), f"preset {name}")
+
+
+@functools.lru_cache(maxsize=None)
+def _preset_text(name: str) -> str:
+    return resources.files(PRESET_PACKAGE).joinpath(f"{name}.yaml").read_text()
 
 
 def load_yaml_file(path: str) -> dict:
     file = Path(path)
+    if file.is_dir():
+        raise ConfigError(f"config file {path!r}: is a directory, not a file")
     if not file.is_file():
         raise ConfigError(f"config file {path!r}: does not exist")
-    return _read_yaml(file.read_text(), f"config file {path}")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path}: not UTF-8 text (byte {err.object[err.start]:#04x} "
+                          f"at offset {err.start})") from None
+    except OSError as err:
+        raise ConfigError(f"config file {path}: cannot read it ({err.strerror or err})") from None
+    return _read_yaml(text, f"config file {path}")
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> (["a", "b"], value); the value is read as a YAML scalar or flow
+    collection, and text YAML cannot parse is taken as a plain string."""
     key, sep, raw = item.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {item!r}: expected dotted.key=value, e.g. model.num_layers=4")
+        raise ConfigError(f"override {short(item)}: expected dotted.key=value, e.g. "
+                          "model.num_layers=4")
     try:
-        value = yaml.safe_load(raw) if raw else ""
+        value = _safe_load(raw) if raw else ""
+    except (yaml.constructor.ConstructorError, ValueError, OverflowError,
+            RecursionError) as err:  # a tag, a bad date, too many digits, too deep
+        raise ConfigError(f"override {short(item)}: not a valid YAML value "
+                          f"({_yaml_problem(err)})") from None
     except yaml.YAMLError:
         value = raw
     return key.split("."), value
@@ -96,44 +158,59 @@ def _coerce(value: Any, kind: Any, name: str) -> Any:
                 return _coerce(value, option, name)
             except ConfigError as err:
                 errors.append(str(err))
-        raise ConfigError(errors[0] if errors else f"{name}={value!r}: invalid")
+        raise ConfigError(errors[0] if errors else f"{name}={short(value)}: invalid")
     if origin is Literal:
         allowed = typing.get_args(kind)
-        if value not in allowed:
-            raise ConfigError(f"{name}={value!r}: must be one of {list(allowed)}")
+        if isinstance(value, bool) or not any(type(value) is type(option) and value == option
+                                              for option in allowed):
+            raise ConfigError(f"{name}={short(value)}: must be one of {list(allowed)}")
         return value
     if kind is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{name}={value!r}: must be true or false")
+            raise ConfigError(f"{name}={short(value)}: must be true or false")
         return value
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{name}={value!r}: must be an integer")
+            raise ConfigError(f"{name}={short(value)}: must be an integer")
+        if not -2**63 <= value < 2**63:
+            raise ConfigError(f"{name}={short(value)}: must be an integer in [-2**63, 2**63)")
         return value
     if kind is float:
+        number = value
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{name}={value!r}: must be a number")
-        return float(value)
+                raise ConfigError(f"{name}={short(value)}: must be a number") from None
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{name}={short(value)}: must be a number")
+        try:
+            number = float(number)
+        except OverflowError:  # an int beyond the float range
+            number = math.inf
+        if not math.isfinite(number):
+            raise ConfigError(f"{name}={short(value)}: must be a finite number")
+        return number
     if kind is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{name}={value!r}: must be a string")
+            raise ConfigError(f"{name}={short(value)}: must be a string")
         return str(value)
     raise ConfigError(f"{name}: unsupported field type {kind!r}")
 
 
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls: type) -> dict:
+    return typing.get_type_hints(cls)  # evaluates the schema's string annotations: slow
+
+
 def _build(cls: type, data: dict, prefix: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}={data!r}: must be a mapping")
-    hints = typing.get_type_hints(cls)
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}={short(data)}: must be a mapping")
+    hints = _type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
+    unknown = sorted(set(data) - known, key=str)  # YAML keys may be ints, None, ...
     if unknown:
-        raise ConfigError(f"{prefix}{unknown[0]}: unknown field; known fields of "
+        raise ConfigError(f"{prefix}{str(unknown[0])[:60]}: unknown field; known fields of "
                           f"{prefix.rstrip('.') or 'the config'}: {sorted(known)}")
     kwargs = {}
     for name, value in data.items():
