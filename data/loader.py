@@ -184,7 +184,18 @@ class TokenBatches:
             for _ in range(3):
                 if self._batches is None:
                     self._batches = iter(self.loader)
-                batch = next(self._batches, None)
+                try:
+                    batch = next(self._batches, None)
+                except DataError as err:  # from a DataLoader worker: the traceback in the text
+                    lines = str(err).strip().splitlines()
+                    if len(lines) > 1:
+                        raise DataError(lines[-1].split("DataError: ", 1)[-1]) from None
+                    raise
+                except RuntimeError:  # "Background thread failed": the shard it names instead
+                    failure = getattr(self.dataset, "_shard_failure", None)
+                    if failure is None:
+                        raise
+                    raise failure from None
                 if batch is not None:
                     return self._shift(batch)
                 self._batches = None
@@ -215,10 +226,93 @@ class TokenBatches:
 class _NumberedDataset(StreamingDataset):
     """A ``StreamingDataset`` whose samples carry their ``sample_id``: the sample's index in
     the loader's datasets (stream after stream, each in stored order), so a test or tool can
-    name exactly which samples a reader saw, across resumption and reader counts."""
+    name exactly which samples a reader saw, across resumption and reader counts.
+
+    A shard's files are checked against the hashes the index records (``data prepare`` writes
+    them) when this process first reads from it, before any of its samples is returned; a
+    shard that cannot be prepared or read raises ``DataError`` naming its file, also when the
+    failure happens in streaming's background download thread.
+    """
 
     def get_item(self, sample_id: int, retry: int = 7) -> dict:
-        return dict(super().get_item(sample_id, retry), sample_id=sample_id)
+        failure = getattr(self, "_shard_failure", None)
+        if failure is not None:
+            raise failure
+        shard_id, _ = self.spanner[sample_id]
+        try:
+            sample = super().get_item(sample_id, retry)
+        except DataError:
+            raise
+        except Exception as err:  # a shard streaming cannot read: IndexError, RuntimeError...
+            self._stop_threads()
+            raise getattr(self, "_shard_failure", None) or _shard_error(
+                self.shards[shard_id], "cannot read it", err) from None
+        verified = self.__dict__.setdefault("_verified_shards", set())
+        if shard_id not in verified:
+            try:
+                _verify_hashes(self.shards[shard_id])
+            except DataError:
+                self._stop_threads()
+                raise
+            verified.add(shard_id)
+        return dict(sample, sample_id=sample_id)
+
+    def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
+        try:
+            super().prepare_shard(shard_id, blocking)
+        except DataError:
+            raise
+        except Exception as err:  # zstd errors, streaming's "Checksum failure", no remote...
+            raise _shard_error(self.shards[shard_id], "cannot prepare it", err) from None
+
+    def _stop_threads(self) -> None:
+        if hasattr(self, "_event"):  # streaming's download threads end at their next check
+            self._event.set()
+
+    def on_exception(self, future) -> None:
+        """streaming's background thread failed: keep a ``DataError`` for the reader to raise
+        (instead of a thread traceback and "Background thread failed")."""
+        error = future.exception()
+        if isinstance(error, DataError):
+            self._shard_failure = error
+            self._event.set()
+            return
+        super().on_exception(future)
+
+
+def _shard_files(shard) -> list[tuple[str, Any]]:
+    """(path, FileInfo) of a shard's files: the raw (extracted) ones and the compressed ones."""
+    files = []
+    for raw, zipped in shard.file_pairs:
+        for info in (raw, zipped):
+            if info is not None:
+                files.append((os.path.join(shard.dirname, shard.split, info.basename), info))
+    return files
+
+
+def _shard_error(shard, what: str, err: Exception) -> DataError:
+    names = " / ".join(path for path, _ in _shard_files(shard))
+    cause = str(err).strip().splitlines()
+    return DataError(f"shard file {names}: {what} ({type(err).__name__}: "
+                     f"{cause[-1] if cause else ''}); the file is missing or corrupt: prepare "
+                     "the dataset again (or delete it from a remote dataset's cache)")
+
+
+def _verify_hashes(shard) -> None:
+    """Check the shard's present files against the hashes the index records."""
+    from streaming.base.hashing import get_hash, is_hash
+
+    for path, info in _shard_files(shard):
+        algorithms = sorted(algo for algo in (info.hashes or {}) if is_hash(algo))
+        if not algorithms or not os.path.isfile(path):
+            continue
+        with open(path, "rb") as file:
+            digest = get_hash(algorithms[0], file.read())
+        if digest != info.hashes[algorithms[0]]:
+            raise DataError(f"shard file {path}: its {algorithms[0]} hash {digest} differs from "
+                            f"the index's {info.hashes[algorithms[0]]} (corrupt); prepare the "
+                            "dataset again (or delete the file: an extracted .mds is extracted "
+                            "again, a remote dataset's file downloaded again)")
 
 
 def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:

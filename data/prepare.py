@@ -40,6 +40,7 @@ FORMAT = "t2train-mds"
 VERSION = 1
 INDEX_FILE = "index.json"
 SPLITS = ("train", "val")
+SHARD_HASH = "xxh64"  # recorded per shard file by MDSWriter (fast; streaming ships xxhash)
 _BATCH_CHARS = 1 << 22  # text handed to the tokenizer per (parallel) batch
 
 
@@ -163,9 +164,11 @@ def _write_splits(files: list[InputFile], tok, index: dict, out: Path, workers: 
     rng = np.random.default_rng(index["seed"])
     counts = dict.fromkeys(SPLITS, 0)
     tokens = [0] * len(files)
-    with MDSWriter(out=str(out / "train"), columns=columns, compression=index["compression"]) \
-            as train, MDSWriter(out=str(out / "val"), columns=columns,
-                                compression=index["compression"]) as val:
+    # Each shard file's hash goes into streaming's index: the loader checks it before using a
+    # shard (t2train/data/streams.py, loader.py), so a corrupt file stops the run by name.
+    settings = dict(columns=columns, compression=index["compression"], hashes=[SHARD_HASH])
+    with MDSWriter(out=str(out / "train"), **settings) as train, \
+            MDSWriter(out=str(out / "val"), **settings) as val:
         writers = {"train": train, "val": val}
 
         def write(sample: np.ndarray, split: str) -> None:

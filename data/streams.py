@@ -9,6 +9,7 @@ token streams: the same tokenizer (by sha256) and samples long enough for the ru
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,11 +62,68 @@ def split_streams(streams: Sequence[DataStream], split: str, seq_length: int) ->
                             f"{index['tokenizer']['sha256'][:12]}) differs from that of "
                             f"{first[0]} ({first[1]['tokenizer']['sha256'][:12]}); mixed datasets "
                             "must be prepared with the same tokenizer.json (--tokenizer)")
+        hashed = check_shard_files(stream, split)
         result.append(Stream(local=str(Path(stream.path) / split),
                              remote=f"{stream.remote.rstrip('/')}/{split}" if stream.remote
                              else None,
-                             proportion=stream.proportion))
+                             proportion=stream.proportion,
+                             # streaming checks each file it downloads or decompresses
+                             validate_hash=hashed))
     return result
+
+
+def check_shard_files(stream: DataStream, split: str) -> Optional[str]:
+    """Refuse a split whose shard files are missing or have the wrong size, naming the file.
+
+    Runs before mosaicml-streaming opens the split (which would silently delete an extracted
+    shard whose compressed file is gone, and fail later in a background thread). Only sizes
+    are checked here (a ``stat`` per file); each file's hash, when the index records one, is
+    checked when a reader first uses the shard (``loader.py``). Files of a remote dataset that
+    are not in the local cache yet are downloaded (and hash-checked) by streaming. Returns the
+    hash algorithm the split's index records for every file, or None.
+    """
+    split_dir = Path(stream.path) / split
+    index_file = split_dir / "index.json"
+    if stream.remote:  # what streaming would fetch first anyway
+        _fetch(f"{stream.remote.rstrip('/')}/{split}/index.json", index_file)
+    if not index_file.is_file():
+        raise DataError(f"dataset {stream.path}: shard index {index_file} is missing; prepare "
+                        "the dataset again (`t2train data prepare`)")
+    try:
+        shards = json.loads(index_file.read_text())["shards"]
+        pairs = [(shard["raw_data"], shard.get("zip_data")) for shard in shards]
+        for raw, zipped in pairs:
+            for info in (raw, zipped):
+                if info is not None and not (isinstance(info["basename"], str)
+                                             and isinstance(info["bytes"], int)):
+                    raise TypeError("basename or bytes of wrong type")
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as err:
+        raise DataError(f"shard index {index_file}: malformed ({type(err).__name__}: {err}); "
+                        "prepare the dataset again (`t2train data prepare`)") from None
+    fix = ("delete it from the cache to download it again" if stream.remote else
+           "prepare the dataset again (`t2train data prepare`)")
+    algorithms = []
+    for raw, zipped in pairs:
+        for info in (zipped, raw):
+            if info is None:
+                continue
+            algorithms.append(set(info.get("hashes") or ()))
+            file = split_dir / info["basename"]
+            if file.is_file() and file.stat().st_size != info["bytes"]:
+                extracted = zipped is not None and info is raw
+                raise DataError(
+                    f"shard file {file}: {file.stat().st_size} bytes, but {index_file} records "
+                    f"{info['bytes']} (truncated or corrupt); "
+                    + (f"delete it to extract it again from {zipped['basename']}"
+                       if extracted and not stream.remote else fix))
+        source = split_dir / (zipped or raw)["basename"]
+        if not stream.remote and not source.is_file():
+            raise DataError(f"shard file {source}: missing (listed in {index_file}); {fix}")
+    from streaming.base.hashing import is_hash
+
+    common = set.intersection(*algorithms) if algorithms else set()
+    usable = sorted(algo for algo in common if is_hash(algo))
+    return usable[0] if usable else None
 
 
 def _check_split(path, index: dict, split: str, seq_length: int) -> None:

@@ -1,0 +1,138 @@
+"""A missing, truncated or corrupt shard stops the reader (and `t2train train`) naming the file,
+before any of its samples is used: sizes are checked when a split is opened, hashes (recorded
+by `data prepare`) when a shard is first read; locally and in a remote dataset's cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from t2train.data.errors import DataError
+from t2train.data.loader import StreamingWorld, TokenBatches
+
+ONE = StreamingWorld(0, 1, 0, 1)
+ZIP, RAW = "shard.00000.mds.zstd", "shard.00000.mds"
+
+
+def _flip(path: Path, offset: int = 3000) -> None:
+    """Invert 64 bytes in place: same size, different content."""
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        data = file.read(64)
+        file.seek(offset)
+        file.write(bytes(b ^ 0xFF for b in data))
+
+
+def _truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def _reader(path, **kwargs) -> TokenBatches:
+    return TokenBatches(path, "train", micro_batch_size=4, seq_length=32, world=ONE, seed=1,
+                        **kwargs)
+
+
+@pytest.fixture
+def copy(dataset, tmp_path) -> Path:
+    """A private copy of the prepared dataset, with its train shard extracted once (as a
+    previous run leaves it: the .mds beside the .mds.zstd)."""
+    out = tmp_path / "ds"
+    shutil.copytree(dataset, out, ignore=shutil.ignore_patterns(RAW))
+    next(_reader(out))
+    assert (out / "train" / RAW).is_file()
+    return out
+
+
+def test_prepare_records_a_hash_of_every_shard_file(dataset):
+    shards = json.loads((dataset / "train" / "index.json").read_text())["shards"]
+    for shard in shards:
+        for part in ("raw_data", "zip_data"):
+            assert set(shard[part]["hashes"]) == {"xxh64"}, shard
+
+
+# (damage, file, what the error says, refused when the split is opened, before any read)
+DAMAGES = [
+    ("truncate", ZIP, "bytes, but", True),
+    ("truncate", RAW, f"(truncated or corrupt); delete it to extract it again from {ZIP}", True),
+    ("delete", ZIP, "missing (listed in", True),
+    ("flip", RAW, "xxh64 hash", False),
+    # streaming's check while extracting, or ours when the shard is first read
+    ("flip-unextracted", ZIP, ("Checksum failure", "xxh64 hash"), False),
+]
+
+
+@pytest.mark.parametrize("damage, name, message, upfront", DAMAGES,
+                         ids=[f"{d}-{n}" for d, n, _, _ in DAMAGES])
+def test_a_damaged_local_shard_is_named(copy, damage, name, message, upfront):
+    target = copy / "train" / name
+    if damage == "truncate":
+        _truncate(target)
+    elif damage == "delete":
+        target.unlink()
+    elif damage == "flip":
+        _flip(target)
+    else:  # a corrupt archive that streaming has yet to extract
+        (copy / "train" / RAW).unlink()
+        _flip(target)
+    extracted = (copy / "train" / RAW).is_file()
+    with pytest.raises(DataError) as err:
+        reader = _reader(copy)
+        assert not upfront, "should have been refused when the split was opened"
+        next(reader)
+    text = str(err.value)
+    assert f"shard file {copy / 'train' / name}" in text or str(target) in text, text
+    assert any(m in text for m in ([message] if isinstance(message, str) else message)), text
+    assert "\n" not in text, text
+    # streaming deletes an extracted shard whose archive is gone; the check comes first
+    assert (copy / "train" / RAW).is_file() == extracted
+
+
+def test_a_malformed_shard_index_is_named(copy):
+    (copy / "train" / "index.json").write_text('{"shards": [{"raw_data": 3}]}')
+    with pytest.raises(DataError, match=r"shard index .*train/index.json: malformed"):
+        _reader(copy)
+
+
+def test_a_corrupt_file_of_a_remote_dataset_or_its_cache_is_named(dataset, tmp_path):
+    remote = tmp_path / "remote"
+    shutil.copytree(dataset, remote, ignore=shutil.ignore_patterns(RAW))
+    cache = tmp_path / "cache"
+    next(_reader(cache, remote=str(remote)))  # downloads and extracts into the cache
+    _flip(cache / "train" / RAW)
+    with pytest.raises(DataError, match=rf"shard file {cache}/train/{RAW}: its xxh64 hash"):
+        next(_reader(cache, remote=str(remote)))
+
+    shutil.rmtree(cache)
+    _flip(remote / "train" / ZIP)  # the download itself is corrupt
+    with pytest.raises(DataError, match=rf"Checksum failure: {cache}/train/{ZIP}"):
+        next(_reader(cache, remote=str(remote)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_train_stops_naming_the_shard_without_a_traceback(copy, tmp_path, damage):
+    """`t2train train` on a dataset with a corrupt train shard: exit code 2, one error line
+    naming the file, and no step trained on it (no checkpoint)."""
+    target = copy / "train" / ZIP
+    (copy / "train" / RAW).unlink()
+    (_flip if damage == "flip" else _truncate)(target)
+    proc = subprocess.run(
+        [sys.executable, "-m", "t2train.cli", "train", "--preset", "tiny", f"data.path={copy}",
+         "log.run_dir=runs/x", "model.num_layers=2", "model.hidden_size=64",
+         "model.seq_length=32", "train.steps=2", "train.micro_batch_size=2",
+         "train.global_batch_size=2", "train.warmup_steps=0", "train.eval_batches=1",
+         "log.diagnostics_interval=0", "log.tensorboard=false"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: shard file {target}") or (
+        last.startswith("error: shard file ") and str(target) in last), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "runs" / "x" / "checkpoints").exists()
+    assert "step      1" not in proc.stdout
