@@ -1,17 +1,24 @@
-"""The trainer's checkpoint policy: when to save, sync or async, what to keep, what to log."""
+"""The trainer's checkpoint policy: when to save, sync or async, what to keep, what to log,
+and what a save that fails (a full or read-only disk) does: ``checkpoint.on_save_error``."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 
+from t2train.checkpoint.paths import INCOMPLETE, LATEST, is_complete, step_dir_name
 from t2train.checkpoint.retention import apply_retention
 from t2train.config.schema import Config
+from t2train.errors import TrainingHalted
 
 
 def code_version() -> str:
@@ -31,17 +38,63 @@ def code_version() -> str:
     return f"{release}+{commit}" if commit else release
 
 
+def describe_save_error(err: BaseException) -> str:
+    """One line: the OS error (with its path) under a failed save, else the error itself.
+
+    torch's ``CheckpointException`` (a ``BaseException``) wraps each failed rank's error."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = sorted(failures.items())[0]
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        return f"rank {rank}: {describe_save_error(inner)}"
+    seen = err
+    while seen is not None:  # the OS error names the file and the cause
+        if isinstance(seen, OSError):
+            break
+        seen = seen.__cause__ or seen.__context__
+    if isinstance(seen, OSError):
+        where = f": {seen.filename!r}" if seen.filename else ""
+        return f"{type(seen).__name__}: [Errno {seen.errno}] {seen.strerror or seen}{where}"
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[-1] if lines else ''}"
+
+
+def _full_path(function, path, exc_info) -> None:
+    """shutil.rmtree's error handler: the error with the full path (rmtree reports names
+    relative to the directory it is in)."""
+    err = exc_info[1]
+    if isinstance(err, OSError):
+        raise type(err)(err.errno, err.strerror, path) from None
+    raise err
+
+
+# Errors of a save that may be the disk's (they are caught, agreed on and reported); others
+# are bugs and propagate. CheckpointException is torch DCP's wrapper of failed ranks' writes.
+def _save_errors() -> tuple:
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (OSError, CheckpointException, CheckpointingException)
+
+
 class Checkpointer:
     """Saves for the training loop; every method is a collective (all ranks call it).
 
     ``report(step, seconds_blocked, seconds_total, path)`` is told about each published save:
     sync saves block for their whole duration; async saves block only while
     the state is prepared and the writer forked.
+
+    A save that fails (the directory cannot be written, the disk is full, a rank's write
+    fails) leaves the previous checkpoint and ``latest`` as they were; all ranks agree on the
+    failure (one all-reduce), so none waits for the others. ``checkpoint.on_save_error=stop``
+    then ends the run (``TrainingHalted``, exit code 3) naming the path and the OS error;
+    ``continue`` warns, counts it (``checkpoint/failed_saves``) and trains on, trying again at
+    the next save.
     """
 
     def __init__(self, root: Path, config: Config, engine,
-                 report: Callable[[int, float, float, Path], None]):
-        self.root, self.engine, self.report = root, engine, report
+                 report: Callable[[int, float, float, Path], None], monitor=None):
+        self.root, self.engine, self.report, self.monitor = root, engine, report, monitor
         self.settings = config.checkpoint
         self.manifest = {"config": asdict(config), "code_version": code_version()}
         self.queue = None
@@ -50,16 +103,29 @@ class Checkpointer:
 
             self.queue = AsyncCallsQueue()
         self._pending: dict[Path, tuple[int, float, float]] = {}  # path -> step, start, blocked
+        self.failed_saves = 0
 
     def due(self, step: int, last_step: int) -> bool:
         return step % self.settings.interval == 0 or step == last_step
 
-    def save(self, step: int, train_state: dict) -> Path:
-        """Save ``step`` (waits for an async save still running: one in flight at a time)."""
+    def save(self, step: int, train_state: dict) -> Optional[Path]:
+        """Save ``step`` (waits for an async save still running: one in flight at a time).
+
+        Returns the checkpoint being written, or after a failed save (``continue``) the last
+        published one (None if there is none)."""
         self.wait()
         started = time.monotonic()
-        path = self.engine.save(self.root, step, dict(train_state, **self.manifest), self.queue,
-                                self._published)
+        error = self._agree(self._prepare_directory(step))
+        if error is None:
+            try:
+                path = self.engine.save(self.root, step, dict(train_state, **self.manifest),
+                                        self.queue, self._published)
+            except _save_errors() as err:
+                error = describe_save_error(err)
+            error = self._agree(error)
+        if error is not None:
+            self._failed(step, error)
+            return self.last_published()
         blocked = time.monotonic() - started
         if self.queue is None:
             self.report(step, blocked, blocked, path)
@@ -69,18 +135,113 @@ class Checkpointer:
 
     def poll(self) -> None:
         """Publish a finished async save, without waiting for one still being written."""
-        if self.queue is not None:
-            self.queue.maybe_finalize_async_calls(blocking=False)
+        self._finalize(blocking=False)
 
     def wait(self) -> None:
         """Publish every async save, waiting for the writers."""
-        if self.queue is not None:
-            self.queue.maybe_finalize_async_calls(blocking=True)
+        self._finalize(blocking=True)
 
     def close(self) -> None:
         self.wait()
         if self.queue is not None:
             self.queue.close()
+        if self.failed_saves:
+            last = self.last_published()
+            self._say(f"warning: {self.failed_saves} checkpoint save(s) failed in this run; the "
+                      f"newest published checkpoint is {last or 'none'}")
+
+    def last_published(self) -> Optional[Path]:
+        """The checkpoint ``latest`` names, if it is complete."""
+        marker = self.root / LATEST
+        try:
+            named = self.root / marker.read_text().strip()
+        except (OSError, ValueError):
+            return None
+        return named if is_complete(named) else None
+
+    # --- failures ------------------------------------------------------------------------
+    def _prepare_directory(self, step: int) -> Optional[str]:
+        """Rank 0 creates the staging directory and writes a probe file into it (what the
+        engine's save does first, without a collective in between): a read-only directory, a
+        name in the way or a full disk fail here on rank 0 alone, before any rank writes."""
+        if dist.get_rank() != 0:
+            return None
+        staging = self.root / (step_dir_name(step) + INCOMPLETE)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if staging.exists():
+                shutil.rmtree(staging, onerror=_full_path)
+            staging.mkdir()
+            with open(staging / ".write-test", "wb") as probe:
+                probe.write(b"\0" * 65536)
+                probe.flush()
+                os.fsync(probe.fileno())
+            (staging / ".write-test").unlink()
+        except OSError as err:
+            return describe_save_error(err)
+        return None
+
+    def _agree(self, error: Optional[str]) -> Optional[str]:
+        """Collective: every rank learns whether any rank failed, and the first one's error."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return error
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if dist.get_backend() == "nccl" else torch.device("cpu"))
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return None
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        return next((f"{e}" if e.startswith("rank ") else f"rank {rank}: {e}")
+                    for rank, e in enumerate(errors) if e is not None)
+
+    def _failed(self, step: int, error: str, staging: Optional[Path] = None) -> None:
+        """Every rank: clean up, then stop or warn and count, as configured."""
+        staging = staging or self.root / (step_dir_name(step) + INCOMPLETE)
+        if dist.get_rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)  # best effort: the disk may refuse
+        self.failed_saves += 1
+        last = self.last_published()
+        kept = (f"the last good checkpoint {last} is intact and `latest` still names it"
+                if last is not None else "no earlier checkpoint exists")
+        try:
+            free = f" ({shutil.disk_usage(self.root).free / 2**30:.1f} GiB free there)"
+        except OSError:
+            free = ""
+        cause = f"checkpoint save of step {step} to {staging}{free} failed: {error}; {kept}"
+        if self.settings.on_save_error == "stop":
+            if self.queue is not None:
+                self.queue.close()
+            if self.monitor is not None:
+                self.monitor.close()
+            raise TrainingHalted(f"{cause}. Stopped (checkpoint.on_save_error=stop): free or fix "
+                                 "the checkpoint directory and run again to resume, or set "
+                                 "checkpoint.on_save_error=continue to train on")
+        self._say(f"step {step:>6} | warning: {cause}; training continues "
+                  f"(checkpoint.on_save_error=continue, {self.failed_saves} failed so far)")
+        if self.monitor is not None:
+            self.monitor.scalars(step, {"checkpoint/failed_saves": self.failed_saves})
+
+    def _say(self, message: str) -> None:
+        if self.monitor is not None:
+            self.monitor.print(message)
+        elif dist.get_rank() == 0:
+            print(message, file=sys.stderr, flush=True)
+
+    def _finalize(self, blocking: bool) -> None:
+        """Publish finished async saves; a failed one is handled like a failed sync save (the
+        queue raises it on every rank)."""
+        if self.queue is None:
+            return
+        try:
+            self.queue.maybe_finalize_async_calls(blocking=blocking)
+        except _save_errors() as err:
+            # the failed request is the oldest pending one (one in flight at a time)
+            path, (step, _, _) = next(iter(self._pending.items()))
+            self._pending.pop(path)
+            self._failed(step, describe_save_error(err),
+                         path.with_name(path.name + INCOMPLETE))
 
     def _published(self, path: Path) -> None:
         if dist.get_rank() == 0:

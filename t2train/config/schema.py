@@ -311,6 +311,10 @@ class CheckpointConfig:
     # Save again right after loading, in this run's layout: with train.steps equal to the
     # checkpoint's step this reshards a checkpoint for another (TP, PP, DP) without training.
     save_on_resume: bool = False
+    # A save that fails (read-only or full disk, a rank's write error) leaves the previous
+    # checkpoint published; then `stop` ends the run (exit code 3) naming the path and the OS
+    # error, `continue` warns, counts it (checkpoint/failed_saves) and trains on.
+    on_save_error: Literal["stop", "continue"] = "stop"
 
     def validate(self) -> None:
         _require(self.interval >= 1, "checkpoint.interval", self.interval, "must be >= 1")

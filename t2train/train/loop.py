@@ -149,7 +149,8 @@ def _run(config: Config, guard: "StopGuard") -> RunSummary:
         monitor.print(f"step {step:>6} | saved {path} ({total:.1f}s"
                       f"{f', training blocked {blocked:.1f}s' if blocked < total else ''})")
 
-    checkpointer = Checkpointer(run_dir / "checkpoints", config, engine, report_save)
+    checkpointer = Checkpointer(run_dir / "checkpoints", config, engine, report_save,
+                                monitor=monitor)
 
     def save(step: int) -> None:
         summary.checkpoint = checkpointer.save(
