@@ -22,7 +22,11 @@ def read_train_state(path: Path) -> dict:
     try:
         return dist_checkpointing.load_common_state_dict(str(path))["train_state"]
     except Exception as err:
-        raise CheckpointError(f"{path}/common.pt: cannot read ({err})") from err
+        # torch.load's weights_only refusal spans lines; the one naming the object says why
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        why = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "")
+        raise CheckpointError(f"{path}/common.pt: cannot read ({type(err).__name__}: {why}; "
+                              "checkpoints are loaded as data only)") from err
 
 
 def describe(path: Path) -> str:
