@@ -29,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "from the job id)")
     parser.add_argument("--standalone", action="store_true",
                         help="one machine, even inside a SLURM allocation")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="when a worker fails (crash, kill, collective timeout), restart "
+                             "the node's workers up to N times; each restart resumes from the "
+                             "newest checkpoint (checkpoint.resume=auto). Default 0")
     parser.add_argument("--exit-duration", type=float, metavar="MINUTES",
                         help="save and stop (exit 75) after this many minutes of training; "
                              "sets train.exit_duration_mins")
@@ -66,4 +70,7 @@ def launch(args: argparse.Namespace) -> int:
             else plans.plan_standalone(nproc, args.port))
     config.validate_world(plan.world_size)
     print(plan.describe(), flush=True)
-    return torchrun.run(plan, train_argv(args), parse_signals(config.train.exit_signals))
+    if args.max_restarts < 0:
+        raise plans.LaunchError(f"--max-restarts={args.max_restarts}: must be >= 0")
+    return torchrun.run(plan, train_argv(args), parse_signals(config.train.exit_signals),
+                        args.max_restarts)

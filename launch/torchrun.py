@@ -74,14 +74,35 @@ def _hand_signals_to_workers(signals: list[signal.Signals]) -> list[str]:
     return [name for name in TORCH_HANDLED_SIGNALS if name not in names]
 
 
-def run(plan: LaunchPlan, train_argv: list[str], exit_signals: list[signal.Signals]) -> int:
-    """Start the node's workers and wait for them; returns the node's exit code."""
+def run(plan: LaunchPlan, train_argv: list[str], exit_signals: list[signal.Signals],
+        max_restarts: int = 0) -> int:
+    """Start the node's workers and wait for them; returns the node's exit code.
+
+    Restarts are this loop's, not torchrun's ``--max-restarts``: torchrun would also restart
+    workers that stopped on purpose to be requeued (REQUEUE_EXIT_CODE), and they would then
+    train on until the allocation ends without saving.
+    """
+    agent_signals = (_hand_signals_to_workers(exit_signals) if exit_signals
+                     else TORCH_HANDLED_SIGNALS)
+    code, workers_failed = _run_once(plan, train_argv, agent_signals)
+    for restart in range(1, max_restarts + 1):
+        if not workers_failed:
+            break
+        print(f"t2train launch: workers failed (exit code {code}); restart {restart} of "
+              f"{max_restarts}, resuming from the newest checkpoint", flush=True)
+        code, workers_failed = _run_once(plan, [*train_argv, "checkpoint.resume=auto"],
+                                         agent_signals)
+    return code
+
+
+def _run_once(plan: LaunchPlan, train_argv: list[str],
+              agent_signals: list[str]) -> tuple[int, bool]:
+    """(exit code, whether workers failed): not for success, a requeue stop, or a signal to
+    this launcher."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run as torchrun
 
-    agent_signals = (_hand_signals_to_workers(exit_signals) if exit_signals
-                     else TORCH_HANDLED_SIGNALS)
     try:
         torchrun(parse_args(torchrun_argv(plan, train_argv, agent_signals)))
     except ChildFailedError as err:
@@ -89,10 +110,10 @@ def run(plan: LaunchPlan, train_argv: list[str], exit_signals: list[signal.Signa
         if code == REQUEUE_EXIT_CODE:
             print(f"t2train launch: training saved a checkpoint and stopped early; exit code "
                   f"{code} (run the same command again to resume)", flush=True)
-        else:
-            print(err.format_msg(), file=sys.stderr, flush=True)
-        return code
+            return code, False
+        print(err.format_msg(), file=sys.stderr, flush=True)
+        return code, True
     except SignalException as err:
         print(f"t2train launch: stopped by {err.sigval.name}", file=sys.stderr, flush=True)
-        return 128 + err.sigval
-    return 0
+        return 128 + err.sigval, False
+    return 0, False

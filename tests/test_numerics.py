@@ -94,8 +94,8 @@ def test_loss_spike_guard():
 @pytest.mark.slow
 def test_repeated_skips_stop_the_run_with_the_last_checkpoint_intact(shakespeare, tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, str(REPO / "tests" / "workers" / "nan_from_step.py"), "4", "--",
-           "--preset", "tiny", f"data.path={shakespeare}", f"log.run_dir={run_dir}",
+    cmd = [sys.executable, str(REPO / "tests" / "workers" / "faulty_train.py"), "nan_gradient",
+           "4", "--", "--preset", "tiny", f"data.path={shakespeare}", f"log.run_dir={run_dir}",
            "model.num_layers=2", "model.seq_length=64", "train.global_batch_size=8",
            "train.micro_batch_size=4", "train.steps=10", "train.warmup_steps=1",
            "train.eval_batches=1", "checkpoint.interval=3", "train.max_skipped_steps=2",

@@ -154,8 +154,13 @@ class ParallelConfig:
     # Residual-state units over pipeline hops: `naive` resends every unit; `cached` (with
     # virtual stages) skips units the receiving rank kept from its previous chunk.
     depth_cache: Literal["naive", "cached"] = "cached"
+    # A collective that waits longer fails the run, naming the collective and the rank
+    # (t2train/parallel/collectives.py); under `t2train launch --max-restarts` it restarts.
+    collective_timeout_mins: float = 10.0
 
     def validate(self, model: ModelConfig) -> None:
+        _require(self.collective_timeout_mins > 0, "parallel.collective_timeout_mins",
+                 self.collective_timeout_mins, "must be > 0")
         for name in ("tensor", "pipeline", "virtual_pipeline"):
             _require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name),
                      "must be >= 1")

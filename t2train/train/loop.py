@@ -19,6 +19,7 @@ from t2train.errors import TrainingHalted
 
 if TYPE_CHECKING:
     from t2train.train.preemption import StopGuard
+    from t2train.train.watchdog import Watchdog
 
 
 @dataclass
@@ -72,12 +73,15 @@ def train(config: Config) -> RunSummary:
     from t2train.train.preemption import StopGuard, parse_signals
 
     quiet_other_ranks(config.log.all_ranks)
+    from t2train.train.watchdog import Watchdog
+
     with StopGuard(parse_signals(config.train.exit_signals),
-                   config.train.exit_duration_mins) as guard:
-        return _run(config, guard)
+                   config.train.exit_duration_mins) as guard, \
+            Watchdog(config.parallel.collective_timeout_mins) as watchdog:
+        return _run(config, guard, watchdog)
 
 
-def _run(config: Config, guard: "StopGuard") -> RunSummary:
+def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary:
     from t2train.checkpoint.manager import Checkpointer
     from t2train.checkpoint.store import find_latest
     from t2train.engine import build_engine
@@ -93,7 +97,7 @@ def _run(config: Config, guard: "StopGuard") -> RunSummary:
     run_dir = Path(config.run_dir)
     resume_from = _resume_target(config, run_dir)
 
-    init_distributed()
+    init_distributed(config.parallel.collective_timeout_mins)
     dp_size = config.validate_world(dist.get_world_size())
     topology = init_model_parallel(config.parallel.tensor, config.parallel.pipeline,
                                    config.parallel.virtual_pipeline)
@@ -153,21 +157,28 @@ def _run(config: Config, guard: "StopGuard") -> RunSummary:
                                 monitor=monitor)
 
     def save(step: int) -> None:
-        summary.checkpoint = checkpointer.save(
-            step, {"data_state": streams.shared_state_dict(), "tokens": step * tokens_per_step})
+        with watchdog.phase(f"the checkpoint save of step {step}"):
+            summary.checkpoint = checkpointer.save(
+                step, {"data_state": streams.shared_state_dict(),
+                       "tokens": step * tokens_per_step})
+
+    def evaluate(step: int) -> None:
+        with watchdog.phase(f"the evaluation at step {step}"):
+            summary.val_losses[step] = engine.evaluate(val_batches)
+        monitor.scalars(step, loss_scalars("val", summary.val_losses[step]))
+        monitor.print(f"step {step:>6} | val loss {summary.val_losses[step]:.4f}")
 
     if resume_from is not None and config.checkpoint.save_on_resume:
         save(start_step)
     if start_step == 0:
-        summary.val_losses[0] = engine.evaluate(val_batches)
-        monitor.scalars(0, loss_scalars("val", summary.val_losses[0]))
-        monitor.print(f"step      0 | val loss {summary.val_losses[0]:.4f}")
+        evaluate(0)
     skipped_in_a_row = 0
     for step in range(start_step + 1, train_cfg.steps + 1):
         started = time.monotonic()
-        micro_batches = feeder.next_step()
-        fed = time.monotonic()
-        result = engine.train_step(micro_batches)
+        with watchdog.phase(f"training step {step}"):
+            micro_batches = feeder.next_step()
+            fed = time.monotonic()
+            result = engine.train_step(micro_batches)
         meter.record(time.monotonic() - started, fed - started, result.skipped)
         summary.losses[step] = result.loss
         skipped_in_a_row = skipped_in_a_row + 1 if result.skipped else 0
@@ -190,9 +201,7 @@ def _run(config: Config, guard: "StopGuard") -> RunSummary:
         if diagnostics.due(step):
             diagnostics.log(step)
         if step % train_cfg.eval_interval == 0 or step == train_cfg.steps:
-            summary.val_losses[step] = engine.evaluate(val_batches)
-            monitor.scalars(step, loss_scalars("val", summary.val_losses[step]))
-            monitor.print(f"step {step:>6} | val loss {summary.val_losses[step]:.4f}")
+            evaluate(step)
         checkpointer.poll()
         saved = checkpointer.due(step, train_cfg.steps)
         if saved:

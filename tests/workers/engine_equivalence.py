@@ -1,10 +1,10 @@
-"""Train one design with the Megatron engine and with DeepSpeed ZeRO-1/2/3 (DP = world).
+"""Train designs with the Megatron engine and with DeepSpeed ZeRO-1/2/3 (DP = world).
 
-``--phase straight``: each engine trains from scratch for STEPS steps, saving at SAVE_AT.
-``--phase resume`` (a fresh process): each ZeRO run resumes from its SAVE_AT checkpoint,
-and a ZeRO-2 run is pointed at the ZeRO-1 checkpoint (refused: another layout).
-Writes {run: {step: loss}}; runs are named ``megatron`` and ``zero1`` .. ``zero3``; the
-refusal's message is under ``refused``.
+``--phase straight``: for each of ``--designs``, each engine trains from scratch for STEPS
+steps, saving at SAVE_AT. ``--phase resume`` (a fresh process): each ZeRO run of the first
+design resumes from its SAVE_AT checkpoint, and a ZeRO-2 run is pointed at the ZeRO-1
+checkpoint (refused: another layout). Writes {design: {run: {step: loss}}}, runs named
+``megatron`` and ``zero1`` .. ``zero3``; the refusal's message is under ``refused``.
 """
 
 from __future__ import annotations
@@ -28,31 +28,38 @@ ENGINES = {"megatron": ["train.engine=megatron"],
               for stage in (1, 2, 3)}}
 
 
+def _checkpoint(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / f"step_{SAVE_AT:08d}"
+
+
 def main() -> None:
     args = parse_args([("--data", Path), ("--root", Path), ("--phase", str),
-                       ("--design", str)])
-    losses = {}
-    for name, engine in ENGINES.items():
-        run_dir = args.root / name
-        common = [*TINY, *engine, f"model.residual={args.design}", f"data.path={args.data}"]
-        if args.phase == "straight":
-            run = [f"log.run_dir={run_dir}", "checkpoint.resume=none"]
-        elif name == "megatron":
-            continue
-        else:
-            run = [f"log.run_dir={args.root / (name + '-resumed')}",
-                   f"checkpoint.resume={run_dir / 'checkpoints' / f'step_{SAVE_AT:08d}'}"]
-        losses[name] = train(load_config(overrides=[*common, *run])).losses
+                       ("--designs", str)])
+    designs = args.designs.split(",")
     if args.phase == "resume":
-        zero1 = args.root / "zero1" / "checkpoints" / f"step_{SAVE_AT:08d}"
-        try:
-            train(load_config(overrides=[*TINY, *ENGINES["zero2"], f"data.path={args.data}",
-                                         f"model.residual={args.design}",
-                                         f"log.run_dir={args.root / 'zero2-from-zero1'}",
-                                         f"checkpoint.resume={zero1}"]))
-        except CheckpointError as err:
-            losses["refused"] = str(err)
-    write_result(args.out, losses)
+        designs = designs[:1]
+    result = {}
+    for design in designs:
+        common = [*TINY, f"model.residual={design}", f"data.path={args.data}"]
+        losses = result[design] = {}
+        for name, engine in ENGINES.items():
+            run_dir = args.root / design / name
+            if args.phase == "straight":
+                run = [f"log.run_dir={run_dir}", "checkpoint.resume=none"]
+            elif name == "megatron":
+                continue
+            else:
+                run = [f"log.run_dir={run_dir}-resumed",
+                       f"checkpoint.resume={_checkpoint(run_dir)}"]
+            losses[name] = train(load_config(overrides=[*common, *engine, *run])).losses
+        if args.phase == "resume":
+            try:
+                train(load_config(overrides=[
+                    *common, *ENGINES["zero2"], f"log.run_dir={args.root / 'zero2-from-zero1'}",
+                    f"checkpoint.resume={_checkpoint(args.root / design / 'zero1')}"]))
+            except CheckpointError as err:
+                result["refused"] = str(err)
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

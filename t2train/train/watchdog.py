@@ -1,0 +1,87 @@
+"""End a rank that makes no progress, naming where it is blocked (hung collectives).
+
+The process-group timeout (``parallel.collective_timeout_mins``) is enforced by NCCL's
+watchdog and by plain gloo operations, but not by gloo's coalesced all-reduce that
+Megatron's DDP uses, nor by mosaicml-streaming's shared-memory waits: a dead or stuck peer
+would hang the run forever. The training loop marks each phase (``phase``); when one lasts
+longer than the timeout this thread prints which rank is stuck, in which phase, in which
+torch.distributed call and from where, dumps the stack and exits with ``HUNG_EXIT_CODE``, so
+torchrun (or ``t2train launch --max-restarts``) can restart the group from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch.distributed as dist
+
+HUNG_EXIT_CODE = 124
+
+
+class Watchdog:
+    def __init__(self, timeout_minutes: float):
+        self.timeout = timeout_minutes * 60
+        self._main = threading.main_thread().ident
+        self._phase: tuple[str, float] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="t2train-watchdog")
+
+    def __enter__(self) -> "Watchdog":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+    @contextmanager
+    def phase(self, name: str):
+        """Time one phase of the loop (a training step, an evaluation, a save)."""
+        self._phase = (name, time.monotonic())
+        try:
+            yield
+        finally:
+            self._phase = None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(self.timeout / 10, 5.0)):
+            phase = self._phase
+            if phase is not None and time.monotonic() - phase[1] > self.timeout:
+                self._report(phase[0])
+                os._exit(HUNG_EXIT_CODE)
+
+    def _report(self, phase: str) -> None:
+        frame = sys._current_frames().get(self._main)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        print(f"rank {rank}: no progress for {self.timeout:g}s in {phase}, blocked in "
+              f"{blocked_call(frame)} (parallel.collective_timeout_mins={self.timeout / 60:g});"
+              " a peer rank is probably dead or stuck. Stack of this rank:",
+              file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=False)
+
+
+def blocked_call(frame) -> str:
+    """``torch.distributed.<call> from <caller>`` for the innermost torch.distributed frame
+    of a stack, else its innermost frame."""
+    stack = []
+    while frame is not None:
+        stack.append(frame)
+        frame = frame.f_back
+    for index, inner in enumerate(stack):
+        if f"torch{os.sep}distributed{os.sep}" in inner.f_code.co_filename:
+            outer = next((f for f in stack[index:] if f"torch{os.sep}distributed{os.sep}"
+                          not in f.f_code.co_filename and "contextlib" not in
+                          f.f_code.co_filename), None)
+            caller = f" from {_where(outer)}" if outer is not None else ""
+            return f"torch.distributed {inner.f_code.co_name}{caller}"
+    return _where(stack[0]) if stack else "an unknown place"
+
+
+def _where(frame) -> str:
+    path = Path(frame.f_code.co_filename)
+    return f"{path.parent.name}/{path.name}:{frame.f_lineno} {frame.f_code.co_name}"
