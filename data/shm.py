@@ -17,7 +17,6 @@ construction to destruction. Files of other users are left alone (they cannot be
 
 from __future__ import annotations
 
-import os
 import re
 import tempfile
 from pathlib import Path

@@ -3,7 +3,7 @@
 * every residual design: 2N steps straight vs N, save, a fresh process resumes, N more:
   the per-step losses are bitwise identical;
 * layout changes through the fully reshardable checkpoint: (TP, PP) = (1, 1) -> (2, 2) and
-  (2, 2) -> (1, 1) and (1, 4): after loading, the model and optimizer tensors equal the
+  (2, 2) -> (1, 1): after loading, the model and optimizer tensors equal the
   saved ones exactly, and the next losses equal the uninterrupted (1, 1) run within 1e-5;
 * kill -9 during a save: the half-written checkpoint is ignored, the run resumes from the
   previous one and its losses equal the uninterrupted run's.
@@ -110,9 +110,7 @@ def test_layout_changes_resume_through_resharding(shakespeare, tmp_path):
     tp2pp2_state = resume("tp2pp2", 4, step_n("tp1pp1"), "parallel.tensor=2",
                           "parallel.pipeline=2")
     _assert_same_tensors(reference_state, tp2pp2_state)  # (1, 1) -> (2, 2)
-    for run, nproc, layout in [("tp1pp1-from-tp2pp2", 1, []),
-                               ("tp1pp4-from-tp2pp2", 4, ["parallel.pipeline=4"])]:
-        _assert_same_tensors(tp2pp2_state, resume(run, nproc, step_n("tp2pp2"), *layout))
+    _assert_same_tensors(tp2pp2_state, resume("tp1pp1-from-tp2pp2", 1, step_n("tp2pp2")))
 
 
 def test_kill_9_during_a_save_resumes_from_the_previous_checkpoint(shakespeare, tmp_path):

@@ -7,7 +7,6 @@ Every design runs in one process on the same real batches: ``--warmup`` untimed 
 
 from __future__ import annotations
 
-import argparse
 import gc
 import statistics
 import time

@@ -400,8 +400,8 @@ class Config:
         """What DeepSpeed ZeRO replaces or cannot run: Megatron's pipeline and its optimizer."""
         why = "is not supported with train.engine=deepspeed"
         _require(self.parallel.pipeline == 1, "parallel.pipeline", self.parallel.pipeline,
-                 f"must be 1 with train.engine=deepspeed (pipeline stages need Megatron's "
-                 f"schedules: use train.engine=megatron)")
+                 "must be 1 with train.engine=deepspeed (pipeline stages need Megatron's "
+                 "schedules: use train.engine=megatron)")
         _require(not self.parallel.sequence_parallel, "parallel.sequence_parallel", True,
                  f"{why} (its norm gradients need Megatron's tensor-parallel all-reduce)")
         _require(not self.parallel.distributed_optimizer, "parallel.distributed_optimizer", True,

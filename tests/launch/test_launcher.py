@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from tiny_run import TINY_MODEL
@@ -50,18 +51,58 @@ def _logged_steps(run_dir: Path) -> list[int]:
             if "train/loss" in r]
 
 
+def _losses(run_dir: Path) -> dict[int, float]:
+    """Each step's last logged loss (a restarted run logs the steps after its checkpoint
+    again)."""
+    metrics = run_dir / "metrics.jsonl"
+    records = map(json.loads, metrics.read_text().splitlines()) if metrics.is_file() else []
+    return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+
+
+def _worker(launcher: subprocess.Popen, rank: int) -> psutil.Process:
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank) and "t2train.cli" in child.cmdline():
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no worker of rank {rank}")
+
+
 @pytest.mark.slow
-def test_standalone_launch_prints_the_topology_and_trains(shakespeare, tmp_path):
+def test_standalone_launch_trains_and_restarts_a_killed_rank(shakespeare, tmp_path):
+    """The uninterrupted run is the reference for a run whose rank 1 is SIGKILLed after
+    step 4: ``--max-restarts=1`` restarts both workers, which resume from the newest
+    checkpoint; every step's final loss equals the uninterrupted run's, bitwise."""
+    steps = ["parallel.tensor=2", "train.steps=7", "train.eval_interval=7",
+             "checkpoint.interval=3"]
     proc = subprocess.run(
-        _launch_cmd("--nproc-per-node=2", *_train_args(
-            shakespeare, tmp_path / "run", "parallel.tensor=2", "train.steps=6",
-            "train.eval_interval=6", "checkpoint.interval=6")),
+        _launch_cmd("--nproc-per-node=2", *_train_args(shakespeare, tmp_path / "run", *steps)),
         capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "t2train launch: standalone | 1 node(s)" in proc.stdout
     assert "2 process(es) per node | world size 2 | c10d rendezvous 127.0.0.1:" in proc.stdout
     assert "TP 2 x PP 1 x DP 1" in proc.stdout
-    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_00000006"
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_00000007"
+
+    run_dir, log = tmp_path / "killed", tmp_path / "killed.log"
+    with log.open("w") as out:  # a file, not a pipe: killed workers' children may keep it
+        launcher = subprocess.Popen(
+            _launch_cmd("--nproc-per-node=2", "--max-restarts=1", *_train_args(
+                shakespeare, run_dir, *steps,
+                # the survivor, blocked in a collective with the dead rank, ends soon
+                "parallel.collective_timeout_mins=0.25")),
+            stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
+    deadline = time.monotonic() + 300
+    while max(_losses(run_dir), default=0) < 4:  # step 3 is saved, step 4 done
+        assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    _worker(launcher, rank=1).send_signal(signal.SIGKILL)
+    assert launcher.wait(timeout=600) == 0, log.read_text()[-6000:]
+    text = log.read_text()
+    assert "workers failed (exit code" in text and "restart 1 of 1" in text, text[-4000:]
+    assert f"resumed from {run_dir / 'checkpoints'}/step_0000000" in text, text[-4000:]
+    assert _losses(run_dir) == _losses(tmp_path / "run")
 
 
 @pytest.mark.slow

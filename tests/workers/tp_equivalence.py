@@ -7,7 +7,6 @@ written the same way and read back into one TP=1 layout for an element-wise comp
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
