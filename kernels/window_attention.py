@@ -31,6 +31,26 @@ LOG2E = math.log2(math.e)
 
 
 @triton.jit
+def _key_tiles(pid_m, q_len, k_len, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[lo, hi): the keys of the tiles that intersect query tile ``pid_m``'s band."""
+    first = pid_m * BLOCK_M + k_len - q_len
+    lo = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(first + BLOCK_M, k_len)
+    return lo, hi
+
+
+@triton.jit
+def _load_kv(K, V, k_base, v_base, skn, svn, offs_n, offs_d, k_len, d_ok):
+    """One key tile and its value tile, zero past k_len and head_dim."""
+    n_ok = offs_n[:, None] < k_len
+    k = tl.load(K + k_base + offs_n[:, None] * skn + offs_d[None, :], mask=n_ok & d_ok,
+                other=0.0)
+    v = tl.load(V + v_base + offs_n[:, None] * svn + offs_d[None, :], mask=n_ok & d_ok,
+                other=0.0)
+    return k, v
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
                 heads, group, q_len, k_len, window, head_dim, qk_scale,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -47,16 +67,11 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, so
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    first = pid_m * BLOCK_M + k_len - q_len
-    lo = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
-    hi = tl.minimum(first + BLOCK_M, k_len)
+    lo, hi = _key_tiles(pid_m, q_len, k_len, window, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n[:, None] < k_len
-        k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :],
-                    mask=n_ok & d_ok, other=0.0)
-        v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :],
-                    mask=n_ok & d_ok, other=0.0)
+        k, v = _load_kv(K, V, b * skb + hk * skh, b * svb + hk * svh, skn, svn, offs_n,
+                        offs_d, k_len, d_ok)
         keep = ((offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] > pos[:, None] - window)
                 & (offs_n[None, :] < k_len))
         s = tl.where(keep, dot(q, tl.trans(k), FP32_DOT) * qk_scale, float("-inf"))
@@ -158,16 +173,11 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     delta = tl.load(DELTA + bh * q_len + offs_m, mask=m_ok, other=0.0)
     pos = offs_m + k_len - q_len
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    first = pid_m * BLOCK_M + k_len - q_len
-    lo = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
-    hi = tl.minimum(first + BLOCK_M, k_len)
+    lo, hi = _key_tiles(pid_m, q_len, k_len, window, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n[:, None] < k_len
-        k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :],
-                    mask=n_ok & d_ok, other=0.0)
-        v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :],
-                    mask=n_ok & d_ok, other=0.0)
+        k, v = _load_kv(K, V, b * skb + hk * skh, b * svb + hk * svh, skn, svn, offs_n,
+                        offs_d, k_len, d_ok)
         keep = ((offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] > pos[:, None] - window)
                 & m_ok[:, None])
         s = dot(q, tl.trans(k), FP32_DOT) * qk_scale
