@@ -29,7 +29,7 @@ CACHE = {
 DATA_PARALLEL = {
     f"{name}_{optimizer}": (f"1x1x1,2x1x1,1x2x1|{DESIGNS[name]},"
                             f"parallel.distributed_optimizer={optimizer == 'distopt'}")
-    for name in ("standard", "attnres") for optimizer in ("adam", "distopt")
+    for name in ("standard",) for optimizer in ("adam", "distopt")
 }
 RUNS = {**{name: f"1x1x1,2x2x1,1x4x1|{design}" for name, design in DESIGNS.items()},
         **CACHE, **DATA_PARALLEL}
