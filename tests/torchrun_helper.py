@@ -12,16 +12,9 @@ REPO = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
-# Set in this process by tests that join a one-rank world (``megatron_world``); a child
-# trainer that inherited them would try to bind the same rendezvous port.
-_WORLD_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                    "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
-
-
 def child_env(**extra: str) -> dict[str, str]:
-    """This process's environment for a child trainer: no inherited world, one thread."""
-    env = {k: v for k, v in os.environ.items() if k not in _WORLD_VARIABLES}
-    return dict(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    """This process's environment for a child trainer, with one thread per process."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
 
 
 def run_torchrun(worker: str, nproc: int, args: list[str], out: Path,

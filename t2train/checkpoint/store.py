@@ -27,8 +27,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from t2train.checkpoint.compatibility import check_same_model, check_shard_files
 from t2train.checkpoint.errors import CheckpointError
-from t2train.checkpoint.paths import (INCOMPLETE, LATEST, checkpoint_engine, complete_steps,
-                                      is_complete, step_dir_name)
+from t2train.checkpoint.paths import (ENGINE_FILE, INCOMPLETE, LATEST, checkpoint_engine,
+                                      complete_steps, is_complete, step_dir_name)
 from t2train.train.setup import TrainingObjects
 
 # Reshardable optimizer state so a checkpoint loads into another (TP, PP, DP) layout.
@@ -166,7 +166,8 @@ def find_latest(root: Path) -> Optional[Path]:
 def check_engine(path: Path, engine: str) -> None:
     """Raise CheckpointError unless ``path`` is a complete checkpoint written by ``engine``."""
     if not is_complete(path):
-        raise CheckpointError(f"{path}: not a complete t2train checkpoint (no metadata.json)")
+        raise CheckpointError(f"{path}: not a complete t2train checkpoint (no metadata.json "
+                              f"or {ENGINE_FILE})")
     written_by = checkpoint_engine(path)
     if written_by != engine:
         raise CheckpointError(f"{path}: written by train.engine={written_by}, this run uses "

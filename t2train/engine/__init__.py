@@ -5,7 +5,7 @@ and logging; they differ in how gradients, optimizer state and checkpoints are h
 
 * ``megatron`` (megatron.py): Megatron-core DDP or distributed optimizer and its pipeline
   schedules; every TP/SP/PP/VPP layout; reshardable dist-checkpointing checkpoints.
-* ``deepspeed`` (deepspeed_engine.py): DeepSpeed ZeRO stages 0-3 with optional host offload,
+* ``deepspeed`` (deepspeed_engine.py): DeepSpeed ZeRO stages 1-3 with optional host offload,
   Megatron-core TP as DeepSpeed's model-parallel unit, PP = 1; DeepSpeed's sharded checkpoints.
 """
 

@@ -14,13 +14,14 @@ from typing import Any
 import torch
 
 from t2train.config.schema import Config, ConfigError
+from t2train.model.build import compute_dtype
 
 
 def _owned(config: Config, dp_size: int) -> dict[str, tuple[Any, str]]:
     """Dotted DeepSpeed key -> (value, the t2train field that decides it)."""
     train, ds = config.train, config.deepspeed
     cuda = torch.cuda.is_available()
-    bf16 = train.precision == "bf16" or (train.precision == "auto" and cuda)
+    bf16 = compute_dtype(config) == torch.bfloat16
     micro_batches = train.global_batch_size // (train.micro_batch_size * dp_size)
     owned = {
         "train_batch_size": (train.global_batch_size, "train.global_batch_size"),
