@@ -7,7 +7,7 @@ LOCK   := constraints/cpu.txt
 DEMO_DATA ?= .cache/data/shakespeare-bpe4k-s128
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install demo test clean-demo
+.PHONY: install demo test clean-demo gpu-bundle gpu-check
 
 # The pinned CPU stack. torch and deepspeed go first: deepspeed builds against the
 # installed torch (no build isolation, no compiled ops), and the lock keeps every later
@@ -35,3 +35,17 @@ test: $(VENV)/.installed
 
 clean-demo:
 	rm -rf runs/demo $(DEMO_DATA)
+
+# The GPU check (docs/gpu/README.md). Here, with network: the offline bundle it installs from.
+gpu-bundle: $(VENV)/.installed
+	$(PY) tools/gpu_bundle.py --out .gpu-bundle --max-mib 48
+
+# On the GPU machine: `make gpu-check OUT=dir` (or `bash tools/gpu_check.sh dir`, no make needed).
+# Here: `make gpu-check DRY_RUN=1 OUT=dir`, the same plan on the CPU at tiny shapes.
+OUT ?= runs/gpu-check
+gpu-check:
+ifdef DRY_RUN
+	$(PY) -m t2train.bench.gpu_check --dry-run --out $(OUT)
+else
+	bash tools/gpu_check.sh $(OUT)
+endif

@@ -1,10 +1,12 @@
 """``python -m t2train.kernels.bench``: the Triton kernels against the best available peers.
 
-Per kernel, shape and mode (forward, forward+backward) it prints time, achieved TFLOP/s or
-GB/s, and for the Triton row the speed ratio against the fastest peer of the same run
-(> 1: faster). Peers: FlexAttention (sliding-window block mask) and flash-attn
-(``window_size``) for window attention; eager and ``torch.compile`` references for the DDL
-write; ``torch.compile`` and the ``flash-attn-res`` package for Block AttnRes. Peers that
+Per kernel, preset shape and mode (forward, forward+backward) it gives time, achieved TFLOP/s
+or GB/s, and for the Triton row the speed ratio against the fastest peer of the same run
+(> 1: faster). Shapes come from the presets (``--preset``, default 125m and 1b): a micro-batch
+of the preset's sequence length, hidden size and heads, the default ShortSWA window, DDL
+widths d_v = 1 and 4, and the largest Block AttnRes read. Peers: PyTorch eager, the same
+reference under ``torch.compile``, FlexAttention (sliding-window block mask) and flash-attn
+(``window_size``) for window attention, and ``flash-attn-res`` for Block AttnRes. Peers that
 are not installed or fail are reported and skipped. Without CUDA it says so and exits 0.
 
 FLOPs: attention forward 4 d (visited query-key pairs), backward 2.5x that. Bytes: the
@@ -18,13 +20,68 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import statistics
 import sys
-from dataclasses import dataclass
-from typing import Callable
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator, Optional
 
 import torch
 
-DTYPE = torch.bfloat16
+MODES = ("fwd", "fwd+bwd")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where and how the benchmark runs: CUDA in bf16, or a CPU dry run (Triton interpreter)."""
+
+    device: str = "cuda"
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device == "cuda"
+
+    def compile(self, fn: Callable) -> Callable:
+        # On CPU, inductor would spend minutes in the C++ compiler; dynamo alone still runs.
+        return torch.compile(fn) if self.on_cuda else torch.compile(fn, backend="eager")
+
+
+@dataclass(frozen=True)
+class KernelShapes:
+    """The shapes one preset gives the kernels (one micro-batch)."""
+
+    preset: str
+    batch: int
+    seq: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    window: int  # ShortSWA window
+    ddl_widths: tuple  # d_v values
+    sources: int  # completed Block AttnRes sources at the last block
+    block: int  # sublayers per Block AttnRes block (queries per phase-1 call)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def shapes_from_config(config, label: str) -> KernelShapes:
+    model = config.model
+    sublayers = 2 * model.num_layers
+    return KernelShapes(
+        preset=label, batch=config.train.micro_batch_size, seq=model.seq_length,
+        hidden=model.hidden_size, heads=model.num_attention_heads,
+        kv_heads=model.num_query_groups or model.num_attention_heads,
+        window=model.shortswa.window, ddl_widths=tuple(sorted({model.ddl.dv, 4})),
+        sources=sublayers // model.attnres.block_size, block=model.attnres.block_size)
+
+
+def preset_shapes(preset: str) -> KernelShapes:
+    from t2train.config.loader import load_config
+
+    return shapes_from_config(load_config(preset, None, ["data.path=unused"]), preset)
 
 
 @dataclass
@@ -37,53 +94,89 @@ class Impl:
 @dataclass
 class Case:
     kernel: str
+    preset: str
     shape: str
     impls: list
     work: dict  # mode -> FLOPs or bytes
     unit: str  # "TFLOP/s" or "GB/s"
 
 
-def _time_ms(impl: Impl, mode: str) -> float:
+@dataclass
+class Row:
+    kernel: str
+    preset: str
+    shape: str
+    mode: str
+    impl: str
+    ms: Optional[float]  # None: the implementation failed
+    throughput: Optional[float]
+    unit: str
+    vs_best_peer: Optional[float] = None  # Triton rows: fastest peer's ms / Triton's ms
+    error: str = ""
+
+
+def _outputs(result) -> list:
+    return list(result) if isinstance(result, (list, tuple)) else [result]
+
+
+def _cpu_bench(fn: Callable, grad_to_none: Optional[list] = None, reps: int = 3) -> float:
+    """Median milliseconds of ``reps`` calls after one warm-up (the CPU dry run's timer)."""
+    times = []
+    for index in range(reps + 1):
+        for t in grad_to_none or []:
+            t.grad = None
+        started = time.perf_counter()
+        fn()
+        if index:
+            times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def _bench(rt: Runtime, fn: Callable, grad_to_none: Optional[list] = None) -> float:
+    if not rt.on_cuda:
+        return _cpu_bench(fn, grad_to_none)
     from triton.testing import do_bench
 
+    return do_bench(fn, grad_to_none=grad_to_none)
+
+
+def time_ms(rt: Runtime, impl: Impl, mode: str) -> float:
     if mode == "fwd":
         with torch.no_grad():
-            return do_bench(impl.run)
-    outs = impl.run()
-    outs = outs if isinstance(outs, (list, tuple)) else [outs]
-    grads = [torch.randn_like(o) for o in outs]
+            return _bench(rt, impl.run)
+    grads = [torch.randn_like(o) for o in _outputs(impl.run())]
 
     def step():
-        result = impl.run()
-        torch.autograd.backward(result if isinstance(result, (list, tuple)) else [result], grads)
+        torch.autograd.backward(_outputs(impl.run()), grads)
 
-    return do_bench(step, grad_to_none=impl.inputs)
-
-
-def _leaf(*shape, scale=1.0) -> torch.Tensor:
-    return (torch.randn(*shape, device="cuda", dtype=DTYPE) * scale).requires_grad_()
+    return _bench(rt, step, impl.inputs)
 
 
-def window_cases():
-    """Sequence ShortSWA shapes: 32k tokens, 16 heads of 128, windows 64/128/512."""
+def _leaf(rt: Runtime, *shape, scale=1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=rt.device, dtype=rt.dtype) * scale).requires_grad_()
+
+
+def window_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
+    """Sequence ShortSWA: one micro-batch of the preset's heads, causal window."""
     from t2train.kernels.window_attention import window_attention
+    from t2train.residual.window_attention import short_window_attention
 
-    heads, head_dim, tokens = 16, 128, 32768
-    for seq in (4096, 16384):
-        for window in (64, 128, 512):
-            batch = tokens // seq
-            q, k, v = (_leaf(batch, heads, seq, head_dim) for _ in range(3))
-            impls = [Impl("triton", lambda q=q, k=k, v=v, w=window: window_attention(q, k, v, w),
-                          [q, k, v])]
-            impls += _flex_impls(batch, heads, seq, head_dim, window)
-            impls += _flash_impls(batch, heads, seq, head_dim, window)
-            pairs = sum(min(window, p + 1) for p in range(seq))
-            flops = 4 * batch * heads * head_dim * pairs
-            yield Case("window_attention", f"b={batch} h={heads} s={seq} d={head_dim} w={window}",
-                       impls, {"fwd": flops, "fwd+bwd": 3.5 * flops}, "TFLOP/s")
+    b, s, w, d = shapes.batch, shapes.seq, shapes.window, shapes.head_dim
+    h, hk = shapes.heads, shapes.kv_heads
+    q, k, v = _leaf(rt, b, h, s, d), _leaf(rt, b, hk, s, d), _leaf(rt, b, hk, s, d)
+    compiled = rt.compile(short_window_attention)
+    impls = [Impl("triton", lambda: window_attention(q, k, v, w), [q, k, v]),
+             Impl("eager", lambda: short_window_attention(q, k, v, w), [q, k, v]),
+             Impl("torch.compile", lambda: compiled(q, k, v, w), [q, k, v])]
+    impls += _flex_impls(rt, q, k, v, w)
+    impls += _flash_impls(rt, b, h, hk, s, d, w)
+    pairs = sum(min(w, p + 1) for p in range(s))
+    flops = 4 * b * h * d * pairs
+    yield Case("window_attention", shapes.preset, f"b={b} h={h}/{hk} s={s} d={d} w={w}", impls,
+               {"fwd": flops, "fwd+bwd": 3.5 * flops}, "TFLOP/s")
 
 
-def _flex_impls(batch, heads, seq, head_dim, window) -> list[Impl]:
+def _flex_impls(rt: Runtime, q, k, v, window) -> list[Impl]:
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
@@ -92,71 +185,86 @@ def _flex_impls(batch, heads, seq, head_dim, window) -> list[Impl]:
     def band(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
 
-    mask = create_block_mask(band, None, None, seq, seq, device="cuda")
-    attend = torch.compile(flex_attention)
-    q, k, v = (_leaf(batch, heads, seq, head_dim) for _ in range(3))
-    return [Impl("flex_attention", lambda: attend(q, k, v, block_mask=mask), [q, k, v])]
+    seq = q.shape[-2]
+    mask = create_block_mask(band, None, None, seq, seq, device=rt.device)
+    # Eager FlexAttention is a slow reference; on CUDA it is only ever used compiled.
+    attend = torch.compile(flex_attention) if rt.on_cuda else flex_attention
+    gqa = q.shape[1] != k.shape[1]
+    return [Impl("flex_attention", lambda: attend(q, k, v, block_mask=mask, enable_gqa=gqa),
+                 [q, k, v])]
 
 
-def _flash_impls(batch, heads, seq, head_dim, window) -> list[Impl]:
-    if importlib.util.find_spec("flash_attn") is None:
+def _flash_impls(rt: Runtime, b, h, hk, s, d, window) -> list[Impl]:
+    if not rt.on_cuda or importlib.util.find_spec("flash_attn") is None:
         return []
     from flash_attn import flash_attn_func
 
-    q, k, v = (_leaf(batch, seq, heads, head_dim) for _ in range(3))
+    q, k, v = _leaf(rt, b, s, h, d), _leaf(rt, b, s, hk, d), _leaf(rt, b, s, hk, d)
     return [Impl("flash_attn", lambda: flash_attn_func(q, k, v, causal=True,
                                                        window_size=(window - 1, 0)), [q, k, v])]
 
 
-def ddl_cases():
-    """The DDL write over 32k tokens of width 2048, d_v = 1 and 4."""
+def ddl_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
+    """The DDL write over one micro-batch of the preset's width, for each d_v."""
     from t2train.kernels.ddl_update import delta_write as fused
     from t2train.residual.ddl import delta_write
 
-    tokens, hidden, k_eps, v_scale = (4096, 8), 2048, 1e-5, 4.0
-    compiled = torch.compile(delta_write)
-    for dv in (1, 4):
-        state = _leaf(*tokens, hidden) if dv == 1 else _leaf(dv, *tokens, hidden)
-        out, beta, v = _leaf(*tokens, hidden), _leaf(*tokens, 1), _leaf(*tokens, dv)
+    tokens, hidden, k_eps, v_scale = (shapes.seq, shapes.batch), shapes.hidden, 1e-5, 4.0
+    compiled = rt.compile(delta_write)
+    for dv in shapes.ddl_widths:
+        state = _leaf(rt, *tokens, hidden) if dv == 1 else _leaf(rt, dv, *tokens, hidden)
+        out, beta, v = _leaf(rt, *tokens, hidden), _leaf(rt, *tokens, 1), _leaf(rt, *tokens, dv)
         inputs = [state, out, beta, v]
         impls = [Impl(name, lambda f=f, args=tuple(inputs): f(*args, k_eps, v_scale), inputs)
                  for name, f in (("triton", fused), ("eager", delta_write),
                                  ("torch.compile", compiled))]
         unit = state.element_size() * out.numel()
-        yield Case("ddl_write", f"s={tokens[0]} b={tokens[1]} h={hidden} d_v={dv}", impls,
-                   {"fwd": (2 * dv + 1) * unit, "fwd+bwd": (5 * dv + 3) * unit}, "GB/s")
+        yield Case("ddl_write", shapes.preset, f"s={tokens[0]} b={tokens[1]} h={hidden} d_v={dv}",
+                   impls, {"fwd": (2 * dv + 1) * unit, "fwd+bwd": (5 * dv + 3) * unit}, "GB/s")
 
 
-def attnres_cases():
-    """One block of S sublayer reads over N stored sources, 16k tokens of width 2048."""
+def attnres_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
+    """One block's S sublayer reads over the N completed sources of the preset's last block."""
     from t2train.kernels.block_attnres import phase_1, phase_2
     from t2train.residual.attnres import depth_mix
 
-    n_src, n_q, batch, seq, hidden, eps = 5, 8, 1, 16384, 2048, 1e-6
-    sources = _leaf(n_src, batch, seq, hidden)
-    partials = [_leaf(batch, seq, hidden) for _ in range(n_q)]
-    queries = _leaf(n_q, hidden, scale=hidden ** -0.5)
+    n_src, n_q, eps = shapes.sources, shapes.block, 1e-6
+    batch, seq, hidden = shapes.batch, shapes.seq, shapes.hidden
+    sources = _leaf(rt, n_src, batch, seq, hidden)
+    partials = [_leaf(rt, batch, seq, hidden) for _ in range(n_q)]
+    queries = _leaf(rt, n_q, hidden, scale=hidden ** -0.5)
     inputs = [sources, queries, *partials]
 
     def two_phase(first, second):
         out, lse = first(queries, sources, eps)
         return [second(partials[i], queries[i], out[i], lse[i], eps) for i in range(n_q)]
 
-    compiled = torch.compile(depth_mix)
+    def per_read(mix):
+        return [mix(queries[i], [*sources.unbind(0), partials[i]], eps) for i in range(n_q)]
+
+    compiled = rt.compile(depth_mix)
     impls = [Impl("triton", lambda: two_phase(phase_1, phase_2), inputs),
-             Impl("torch.compile",
-                  lambda: [compiled(queries[i], [*sources.unbind(0), partials[i]], eps)
-                           for i in range(n_q)], inputs)]
-    if importlib.util.find_spec("flash_attn_res") is not None:
+             Impl("eager", lambda: per_read(depth_mix), inputs),
+             Impl("torch.compile", lambda: per_read(compiled), inputs)]
+    if rt.on_cuda and importlib.util.find_spec("flash_attn_res") is not None:
         import flash_attn_res as far
 
         impls.append(Impl("flash-attn-res", lambda: two_phase(
             far.phase_1_batched_attention_triton_op, far.phase_2_online_softmax_merge_triton_op),
             inputs))
     unit = sources[0].numel() * sources.element_size()
-    yield Case("block_attnres", f"N={n_src} S={n_q} b={batch} t={seq} d={hidden}", impls,
-               {"fwd": (n_src + 2 * n_q) * unit, "fwd+bwd": (3 * n_src + 5 * n_q) * unit},
+    yield Case("block_attnres", shapes.preset, f"N={n_src} S={n_q} b={batch} t={seq} d={hidden}",
+               impls, {"fwd": (n_src + 2 * n_q) * unit, "fwd+bwd": (3 * n_src + 5 * n_q) * unit},
                "GB/s")
+
+
+BUILDERS = {"window": window_cases, "ddl": ddl_cases, "attnres": attnres_cases}
+
+
+def cases(shapes: KernelShapes, rt: Runtime, only=None) -> Iterator[Case]:
+    """Every kernel's cases at one preset's shapes; tensors are made as each case starts."""
+    for name in only or BUILDERS:
+        yield from BUILDERS[name](shapes, rt)
 
 
 def copy_bandwidth_gbs() -> float:
@@ -168,47 +276,70 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.numel() * 4 / do_bench(lambda: dst.copy_(src)) / 1e6
 
 
-def run_case(case: Case) -> list[str]:
-    lines = []
-    for mode, work in case.work.items():
-        times = {}
+def run_case(case: Case, rt: Runtime, modes=MODES) -> list[Row]:
+    rows = []
+    for mode in modes:
+        work, timed = case.work[mode], []
         for impl in case.impls:
+            row = Row(case.kernel, case.preset, case.shape, mode, impl.name, None, None, case.unit)
             try:
-                times[impl.name] = _time_ms(impl, mode)
+                row.ms = time_ms(rt, impl, mode)
+                row.throughput = work / row.ms / (1e9 if case.unit == "TFLOP/s" else 1e6)
             except Exception as err:  # a peer that cannot run this shape is reported, not fatal
-                lines.append(f"| {case.kernel} | {case.shape} | {mode} | {impl.name} | failed: "
-                             f"{type(err).__name__}: {str(err).splitlines()[0][:80]} | | |")
-        peers = [t for name, t in times.items() if name != "triton"]
-        for name, ms in times.items():
-            rate = work / ms / (1e9 if case.unit == "TFLOP/s" else 1e6)
-            ratio = f"{min(peers) / ms:.2f}x" if name == "triton" and peers else ""
-            lines.append(f"| {case.kernel} | {case.shape} | {mode} | {name} | {ms:.3f} | "
-                         f"{rate:.1f} {case.unit} | {ratio} |")
-    return lines
+                row.error = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]}"
+            timed.append(row)
+        peers = [row.ms for row in timed if row.impl != "triton" and row.ms is not None]
+        for row in timed:
+            if row.impl == "triton" and row.ms is not None and peers:
+                row.vs_best_peer = min(peers) / row.ms
+        rows += timed
+    return rows
+
+
+TABLE_HEADER = ["kernel", "preset", "shape", "mode", "impl", "ms", "throughput", "vs best peer"]
+
+
+def table_cells(row: Row) -> list[str]:
+    if row.ms is None:
+        return [row.kernel, row.preset, row.shape, row.mode, row.impl, f"failed: {row.error}",
+                "", ""]
+    ratio = f"{row.vs_best_peer:.2f}x" if row.vs_best_peer is not None else ""
+    return [row.kernel, row.preset, row.shape, row.mode, row.impl, f"{row.ms:.3f}",
+            f"{row.throughput:.1f} {row.unit}", ratio]
+
+
+def row_dict(row: Row) -> dict:
+    return asdict(row)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["window", "ddl", "attnres"], action="append",
+    parser.add_argument("--only", choices=list(BUILDERS), action="append",
                         help="benchmark only these kernels (repeatable)")
+    parser.add_argument("--preset", action="append",
+                        help="take shapes from these presets (repeatable; default 125m and 1b)")
+    parser.add_argument("--mode", choices=MODES, action="append",
+                        help="forward only or forward+backward (default both)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("t2train.kernels.bench: no CUDA device, nothing to benchmark")
         return 0
     import triton
 
+    from t2train.bench.table import markdown_table
+
+    rt = Runtime()
     torch.manual_seed(0)
     print(f"# Kernel benchmark: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__}, {datetime.date.today()}\n")
     print(f"Device copy bandwidth: {copy_bandwidth_gbs():.0f} GB/s\n")
-    print("| kernel | shape | mode | impl | ms | throughput | vs best peer |")
-    print("|---|---|---|---|---|---|---|")
-    builders = {"window": window_cases, "ddl": ddl_cases, "attnres": attnres_cases}
-    for name in args.only or builders:
-        for case in builders[name]():
-            for line in run_case(case):
-                print(line, flush=True)
+    rows = []
+    for preset in args.preset or ["125m", "1b"]:
+        for case in cases(preset_shapes(preset), rt, args.only):
+            rows += run_case(case, rt, args.mode or MODES)
+            del case
             torch.cuda.empty_cache()
+    print(markdown_table(TABLE_HEADER, [table_cells(row) for row in rows]))
     return 0
 
 

@@ -42,16 +42,23 @@ def _memory_gib() -> float:
     return memory.get("memory/peak_allocated_gib", memory["memory/rss_gib"])
 
 
-def _time_design(config, vocab_size: int, steps: list, warmup: int) -> DesignTiming:
-    from t2train.model.flops import parameters
-    from t2train.parallel.init import init_model_parallel, set_seed
+def build_objects(config, vocab_size: int):
+    """This rank's model, optimizer and schedule, seeded as a training run seeds them."""
+    from t2train.parallel.init import init_distributed, init_model_parallel, set_seed
     from t2train.train.setup import build_training_objects
-    from t2train.train.step import train_step
 
+    init_distributed()
     parallel = config.parallel
     set_seed(config.train.seed, init_model_parallel(parallel.tensor, parallel.pipeline,
                                                     parallel.virtual_pipeline))
-    objs = build_training_objects(config, vocab_size)
+    return build_training_objects(config, vocab_size)
+
+
+def time_design(config, vocab_size: int, steps: list, warmup: int) -> DesignTiming:
+    from t2train.model.flops import parameters
+    from t2train.train.step import train_step
+
+    objs = build_objects(config, vocab_size)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     seconds = []
@@ -76,11 +83,19 @@ def _time_design(config, vocab_size: int, steps: list, warmup: int) -> DesignTim
     return timing
 
 
+def model_vocab_size(config) -> int:
+    """The dataset's (or the config's larger) vocabulary, padded as Megatron pads it."""
+    from t2train.model.build import padded_vocab_size
+    from t2train.train.loop import dataset_facts
+
+    return padded_vocab_size(dataset_facts(config)["vocab_size"], config)
+
+
 def _tokens_per_step(config) -> int:
     return config.train.global_batch_size * config.model.seq_length
 
 
-def _real_batches(config, count: int) -> list:
+def real_batches(config, count: int) -> list:
     """``count`` steps' micro-batches from the train split, read once and reused per design."""
     import torch.distributed as dist
 
@@ -99,7 +114,7 @@ def _real_batches(config, count: int) -> list:
     return [feeder.next_step() for _ in range(count)]
 
 
-def _reference_timing(config, vocab_size: int, steps: list, warmup: int) -> DesignTiming:
+def reference_timing(config, vocab_size: int, steps: list, warmup: int) -> DesignTiming:
     from t2train.bench.reference_gpt import time_reference_steps
     from t2train.model.build import compute_dtype
     from t2train.model.flops import standard_parameters
@@ -119,16 +134,14 @@ def run_step_bench(preset: Optional[str], config_file: Optional[str], overrides:
     import torch.distributed as dist
 
     from t2train.config.loader import load_config
-    from t2train.model.build import padded_vocab_size
-    from t2train.train.loop import dataset_facts
 
     configs = [load_config(preset, config_file, [*overrides, f"model.residual={design}"])
                for design in designs]
-    vocab_size = padded_vocab_size(dataset_facts(configs[0])["vocab_size"], configs[0])
-    batches = _real_batches(configs[0], warmup + steps)
-    timings = [_time_design(config, vocab_size, batches, warmup) for config in configs]
+    vocab_size = model_vocab_size(configs[0])
+    batches = real_batches(configs[0], warmup + steps)
+    timings = [time_design(config, vocab_size, batches, warmup) for config in configs]
     if dist.get_world_size() == 1:
-        timings.append(_reference_timing(configs[0], vocab_size, batches, warmup))
+        timings.append(reference_timing(configs[0], vocab_size, batches, warmup))
     return timings
 
 

@@ -1,0 +1,217 @@
+"""``python -m t2train.bench.gpu_check --out DIR [--dry-run]``: the one-command GPU check.
+
+Runs the sections of ``gpu_plan.SECTIONS`` (environment, correctness, step cost, MFU, kernels)
+and writes ``DIR/gpu-report.md``, ``DIR/gpu-report.json`` and ``DIR/gpu-check.log``.
+
+Time: section i must end by the sum of the budgets of sections 1..i (so time one section
+leaves unspent goes to the next). A section skips what would not fit, with the reason, and
+is stopped if it overruns its end by ``GRACE`` seconds. Isolation: the sections run in a
+worker process; if it dies (a CUDA fault poisons the process) or is stopped, the section it
+was in is recorded as such and a fresh worker runs the remaining ones, so a partial run
+still reports. ``--dry-run`` runs the same plan on the CPU at tiny shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Optional
+
+from t2train.bench.gpu_plan import SECTIONS, Plan, make_plan
+
+GRACE = 20.0  # seconds past its end before a section's worker is stopped
+MIN_SECTION = 5.0  # a section with less time than this left is skipped
+DEFAULT_DATA = ".gpu-bundle/data/shakespeare-bpe4k-s4096"
+
+
+class Section:
+    """One section's results, saved to its JSON file after every change."""
+
+    def __init__(self, name: str, path: Path, end: float, scratch: Path):
+        self.path, self.end, self.scratch = path, end, scratch
+        self.result = {"name": name, "status": "running", "reason": "", "seconds": 0.0,
+                       "started": time.time(), "items": [], "data": {}}
+
+    @property
+    def data(self) -> dict:
+        return self.result["data"]
+
+    def left(self) -> float:
+        return self.end - time.time()
+
+    def fits(self, estimate: float) -> bool:
+        return estimate <= self.left()
+
+    def last_item_seconds(self, default: float) -> float:
+        """The cost estimate of the next item: what the previous one took."""
+        timed = [item["seconds"] for item in self.result["items"] if "seconds" in item]
+        return timed[-1] if timed else default
+
+    def no_time(self, estimate: float) -> str:
+        return (f"would overrun the section's time: needs about {estimate:.0f}s (the previous "
+                f"item's time, or a prior), {max(self.left(), 0):.0f}s left")
+
+    def add(self, item: dict) -> None:
+        self.result["items"].append(item)
+        self.save()
+
+    def save(self) -> None:
+        self.result["seconds"] = time.time() - self.result["started"]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.result, indent=1, default=str))
+        tmp.replace(self.path)
+
+
+def _section_runner(name: str):
+    from t2train.bench import gpu_correctness, gpu_env, gpu_kernels, gpu_perf
+
+    return {"env": gpu_env.run, "correctness": gpu_correctness.run,
+            "step_cost": gpu_perf.step_cost, "mfu": gpu_perf.mfu, "kernels": gpu_kernels.run}[name]
+
+
+def work(plan: Plan, names: list[str], ends: dict, results: Path) -> int:
+    """The worker: run sections in order, each until its end time."""
+    for name in names:
+        section = Section(name, results / f"{name}.json", ends[name], results / name)
+        section.scratch.mkdir(exist_ok=True)
+        if section.left() < MIN_SECTION:
+            section.result.update(status="skipped", reason=(
+                "no time left: the sections before it used the plan's budget up to here"))
+            section.save()
+            continue
+        section.save()
+        print(f"gpu_check: section {name} ({section.left():.0f}s)", flush=True)
+        try:
+            _section_runner(name)(section, plan)
+            section.result.update(status="ok")
+            for status in ("error", "skipped"):
+                items = [item for item in section.result["items"] if item.get("status") == status]
+                if items:
+                    section.result.update(status="partial", reason=(
+                        f"{len(items)} item(s) {status}, the first: {items[0]['reason']}"))
+        except Exception as err:  # noqa: BLE001 - reported, and the next section runs
+            section.result.update(status="failed", reason=f"{type(err).__name__}: {err}",
+                                  traceback=traceback.format_exc()[-3000:])
+        section.save()
+    return 0
+
+
+def _load(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _finish_interrupted(results: Path, name: str, status: str, reason: str) -> None:
+    result = _load(results / f"{name}.json") or {"name": name, "items": [], "data": {},
+                                                 "seconds": 0.0}
+    result.update(status=status, reason=reason,
+                  seconds=time.time() - result.get("started", time.time()))
+    (results / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
+
+
+def orchestrate(plan: Plan, names: list[str], results: Path, log, started: float,
+                on_progress) -> None:
+    """Run the sections in workers, restarting past a section whose worker died or overran;
+    ``on_progress()`` after each section ends, so a run stopped from outside still reports."""
+    ends, total = {}, started
+    for name in names:
+        total += plan.budgets[name]
+        ends[name] = total
+    pending, reported = list(names), 0
+    while pending:
+        args = [sys.executable, "-m", "t2train.bench.gpu_check", "--worker", str(results),
+                "--data", plan.data, "--sections", ",".join(pending),
+                "--ends", json.dumps({name: ends[name] for name in pending})]
+        worker = subprocess.Popen(args + (["--dry-run"] if plan.dry_run else []),
+                                  stdout=log, stderr=subprocess.STDOUT)
+        while worker.poll() is None:
+            statuses = [(_load(results / f"{n}.json") or {}).get("status") for n in pending]
+            if "running" in statuses and time.time() > ends[pending[statuses.index(
+                    "running")]] + GRACE:
+                worker.kill()
+                worker.wait()
+                break
+            finished = sum(status not in (None, "running") for status in statuses)
+            if finished > reported:
+                reported = finished
+                on_progress()
+            time.sleep(0.5)
+        done = [n for n in pending if (_load(results / f"{n}.json") or {}).get("status")
+                not in (None, "running")]
+        stuck = [n for n in pending if n not in done]
+        if not stuck:
+            return
+        name = stuck[0]
+        if worker.returncode not in (0, None) and time.time() <= ends[name] + GRACE:
+            _finish_interrupted(results, name, "failed",
+                                f"the worker process died (exit {worker.returncode}); see "
+                                "gpu-check.log")
+        else:
+            _finish_interrupted(results, name, "timeout",
+                                f"stopped {GRACE:.0f}s after the end of its time "
+                                f"({plan.budgets[name]}s budget)")
+        pending, reported = pending[pending.index(name) + 1:], 0
+        on_progress()
+
+
+def check(plan: Plan, out: Path, names: list[str]) -> dict:
+    from t2train.bench.gpu_report import write_report
+
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="t2train-gpu-check-") as tmp, \
+            open(out / "gpu-check.log", "a") as log:
+        results = Path(tmp)
+
+        def report() -> dict:
+            sections = {name: _load(results / f"{name}.json") for name in SECTIONS}
+            not_asked = {"status": "skipped", "reason": "not among --only"}
+            return write_report(plan, {name: sections[name] or (None if name in names else
+                                                                 not_asked)
+                                       for name in SECTIONS}, out, time.time() - started)
+
+        orchestrate(plan, names, results, log, started, report)
+        return report()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="folder for gpu-report.md/.json and the log")
+    parser.add_argument("--data", default=DEFAULT_DATA,
+                        help=f"prepared dataset (default: the bundle's, {DEFAULT_DATA})")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the whole plan on the CPU at tiny shapes (kernels interpreted)")
+    parser.add_argument("--only", choices=SECTIONS, action="append",
+                        help="run only these sections (repeatable; default all, in the order "
+                             f"{', '.join(SECTIONS)})")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--sections", help=argparse.SUPPRESS)
+    parser.add_argument("--ends", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined
+    plan = make_plan(args.dry_run, args.data)
+    if args.worker:
+        return work(plan, args.sections.split(","), json.loads(args.ends), args.worker)
+    if args.out is None:
+        parser.error("--out is required")
+    if not Path(plan.data, "index.json").exists():
+        print(f"error: --data {plan.data}: no prepared dataset there (make gpu-bundle builds "
+              "one into .gpu-bundle/)", file=sys.stderr)
+        return 2
+    report = check(plan, args.out, [name for name in SECTIONS if name in (args.only or SECTIONS)])
+    print(f"gpu_check: wrote {args.out}/gpu-report.md ({report['verdict']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

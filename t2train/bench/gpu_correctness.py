@@ -1,0 +1,182 @@
+"""GPU check, correctness: the GPU-marked tests, and bf16 training against an fp32 CPU reference.
+
+Every registered design trains ``plan.train_steps`` steps twice from the same initial weights
+on the same batches: once in fp32 on the CPU (a child process that sees no GPU, started first
+so it runs while the tests do), once in bf16 on the GPU (the CPU in the dry run). The losses
+must agree within ``plan.loss_rtol`` (relative) at every step: what is left when only the
+precision, the device and the kernels (Triton, SDPA/flash) differ.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from t2train.bench.gpu_plan import Plan, make_plan
+
+REPO = Path(__file__).resolve().parents[2]
+# torch.distributed variables of the parent's world of one: a child must make its own.
+WORLD_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+PYTEST_SHARE = 0.5  # of the section's time, at most, for the GPU-marked tests
+
+
+def child_env(**extra: str) -> dict:
+    env = {key: value for key, value in os.environ.items() if key not in WORLD_VARIABLES}
+    env.update(extra)
+    return env
+
+
+def train_config(plan: Plan, design: str, precision: str):
+    from t2train.config.loader import load_config
+
+    return load_config(plan.train_preset, None, [
+        f"data.path={plan.data}", *plan.train_overrides, f"model.residual={design}",
+        f"train.precision={precision}", f"train.steps={plan.train_steps}"])
+
+
+def _train(objs, batches) -> list[float]:
+    from t2train.train.step import train_step
+
+    return [train_step(objs, micro_batches).loss for micro_batches in batches]
+
+
+def reference_run(plan: Plan, out: Path) -> None:
+    """fp32 on the CPU: the batches, then per design its initial weights and its losses."""
+    import torch
+
+    from t2train.bench.step import build_objects, model_vocab_size, real_batches
+    from t2train.residual import registered
+
+    designs = registered()
+    first = train_config(plan, designs[0], "fp32")
+    batches = real_batches(first, plan.train_steps)
+    vocab = model_vocab_size(first)
+    torch.save(batches, out / "batches.pt")
+    for design in designs:
+        objs = build_objects(train_config(plan, design, "fp32"), vocab)
+        torch.save([chunk.module.state_dict() for chunk in objs.model], out / f"{design}.pt")
+        losses = _train(objs, batches)
+        (out / f"{design}.json").write_text(json.dumps(losses))
+
+
+def device_run(plan: Plan, design: str, reference: Path) -> list[float]:
+    """bf16 from the reference's initial weights on the reference's batches."""
+    import torch
+
+    from t2train.bench.step import build_objects, model_vocab_size
+
+    config = train_config(plan, design, "bf16")
+    objs = build_objects(config, model_vocab_size(config))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for chunk, state in zip(objs.model, torch.load(reference / f"{design}.pt")):
+        chunk.module.load_state_dict(state)
+    objs.optimizer.reload_model_params()  # the fp32 main copies follow the loaded weights
+    batches = [[{key: t.to(device) for key, t in mb.items()} for mb in step]
+               for step in torch.load(reference / "batches.pt")]
+    return _train(objs, batches)
+
+
+def compare(reference: list[float], losses: list[float], rtol: float) -> dict:
+    worst = max(abs(a - b) / abs(a) for a, b in zip(reference, losses))
+    ok = len(losses) == len(reference) and worst <= rtol
+    return {"reference": reference, "losses": losses, "max_rel_diff": worst, "rtol": rtol,
+            "status": "pass" if ok else "fail"}
+
+
+def _start_reference(plan: Plan, out: Path) -> subprocess.Popen:
+    args = [sys.executable, "-m", "t2train.bench.gpu_correctness", "--reference", str(out),
+            "--data", plan.data] + (["--dry-run"] if plan.dry_run else [])
+    log = open(out / "reference.log", "w")
+    return subprocess.Popen(args, env=child_env(CUDA_VISIBLE_DEVICES=""), stdout=log,
+                            stderr=subprocess.STDOUT, cwd=REPO)
+
+
+def _junit_items(path: Path) -> list[dict]:
+    items = []
+    for case in ET.parse(path).iter("testcase"):
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed"}.get(child.tag, child.tag)
+                message = (child.get("message") or "").splitlines()[0][:200] if \
+                    child.get("message") else ""
+        items.append({"test": f"{case.get('classname')}::{case.get('name')}",
+                      "outcome": outcome, "message": message})
+    return items
+
+
+def gpu_tests(section, plan: Plan, scratch: Path) -> None:
+    """``pytest -m gpu`` over the suite (the dry run: the kernel tests); on CPU they skip."""
+    junit = scratch / "junit.xml"
+    timeout = max(section.left() * PYTEST_SHARE, 1.0)
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-m", "gpu", *plan.gpu_tests,
+             "-p", "no:cacheprovider",
+             "--continue-on-collection-errors", f"--junitxml={junit}"],
+            env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        summary = (proc.stdout.strip().splitlines() or [""])[-1]
+    except subprocess.TimeoutExpired:
+        summary = f"stopped after {timeout:.0f}s (its share of the section's budget)"
+    tests = _junit_items(junit) if junit.exists() else []
+    counts = {outcome: sum(t["outcome"] == outcome for t in tests)
+              for outcome in ("passed", "failed", "error", "skipped")}
+    section.data["gpu_tests"] = {"paths": plan.gpu_tests, "summary": summary, "counts": counts,
+                                 "seconds": time.monotonic() - started,
+                                 "not_passed": [t for t in tests if t["outcome"] != "passed"]}
+    section.save()
+
+
+def run(section, plan: Plan) -> None:
+    from t2train.residual import registered
+
+    scratch = section.scratch
+    reference = _start_reference(plan, scratch)
+    gpu_tests(section, plan, scratch)
+    section.data["training"] = {"preset": plan.train_preset, "overrides": plan.train_overrides,
+                                "steps": plan.train_steps, "rtol": plan.loss_rtol}
+    try:
+        reference.wait(timeout=max(section.left(), 1.0))
+    except subprocess.TimeoutExpired:
+        reference.kill()
+    for design in registered():
+        expected = scratch / f"{design}.json"
+        if not expected.exists():
+            log = (scratch / "reference.log").read_text().strip().splitlines() or [""]
+            section.add({"design": design, "status": "skipped",
+                         "reason": f"no fp32 reference (exit {reference.poll()}): {log[-1]}"})
+            continue
+        estimate = section.last_item_seconds(default=10.0)
+        if not section.fits(estimate):
+            section.add({"design": design, "status": "skipped",
+                         "reason": section.no_time(estimate)})
+            continue
+        started = time.monotonic()
+        try:
+            result = compare(json.loads(expected.read_text()),
+                             device_run(plan, design, scratch), plan.loss_rtol)
+        except Exception as err:  # noqa: BLE001 - reported; the other designs still run
+            result = {"status": "error", "reason": f"{type(err).__name__}: {err}"}
+        section.add(dict(result, design=design, seconds=time.monotonic() - started))
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="the fp32 CPU reference of the GPU check")
+    parser.add_argument("--reference", type=Path, required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(argv)
+    reference_run(make_plan(args.dry_run, args.data), args.reference)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""The GPU check's report: targets judged, then each section, as Markdown and JSON."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import Optional
+
+from t2train.bench.gpu_plan import SECTIONS, Plan
+from t2train.bench.table import markdown_table
+
+DRY_RUN_STAMP = ("**CPU dry run**: the whole plan at tiny shapes on the CPU (kernels under the "
+                 "Triton interpreter, bf16 training on the CPU). It proves the check runs; its "
+                 "timings and target verdicts mean nothing.")
+TITLES = {"env": "Environment", "correctness": "Correctness", "step_cost": "Step cost",
+          "mfu": "MFU", "kernels": "Kernels"}
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+    """A Markdown table whose cells may hold any text (newlines, pipes)."""
+    clean = [[str(cell).replace("\n", " ").replace("|", "\\|") for cell in row] for row in rows]
+    return markdown_table(headers, clean)
+
+
+def _items(section: Optional[dict], status: str = "ok") -> list[dict]:
+    return [item for item in (section or {}).get("items", []) if item.get("status") == status]
+
+
+def _judge(value: Optional[float], limit: float, at_most: bool) -> str:
+    if value is None:
+        return "not measured"
+    return "met" if (value <= limit if at_most else value >= limit) else "missed"
+
+
+def step_ratios(section: Optional[dict], baseline: str) -> dict:
+    timed = {item["name"]: item for item in _items(section) if not item.get("reference")}
+    base = timed.get(baseline)
+    return {name: item["step_ms"] / base["step_ms"] for name, item in timed.items()} \
+        if base else {}
+
+
+def mfu_numbers(section: Optional[dict], env: Optional[dict]) -> list[dict]:
+    """Per timed run: TFLOP/s and MFU against the data sheet and the measured matmul peak."""
+    data = (section or {}).get("data", {})
+    measured = ((env or {}).get("data", {}).get("matmul") or {}).get("tflops")
+    rows = []
+    for item in _items(section):
+        tflops = item["tokens_per_s"] * data["flops_per_token"] / 1e12
+        sheet = data.get("datasheet_tflops")
+        rows.append(dict(item, tflops=tflops, mfu=tflops / sheet if sheet else None,
+                         mfu_measured=tflops / measured if measured else None))
+    return rows
+
+
+def evaluate_targets(plan: Plan, sections: dict) -> list[dict]:
+    targets = plan.targets
+    ratios = step_ratios(sections.get("step_cost"), targets.baseline.name)
+    judged = []
+    for variant in targets.step_targets:
+        ratio = ratios.get(variant.name)
+        judged.append({"target": f"{variant.name} step time <= {variant.max_ratio:.2f}x "
+                                 f"{targets.baseline.name} ({plan.step_preset})",
+                       "measured": f"{ratio:.3f}x" if ratio else "",
+                       "verdict": _judge(ratio, variant.max_ratio, at_most=True)})
+    rows = [row for item in _items(sections.get("kernels")) for row in item["rows"]
+            if row["impl"] == "triton" and row["vs_best_peer"] is not None]
+    slowest = min(rows, key=lambda row: row["vs_best_peer"]) if rows else None
+    minimum = targets.kernel_min_vs_best_peer
+    judged.append({
+        "target": f"each Triton kernel >= {minimum:g}x the fastest of eager / torch.compile / "
+                  "FlexAttention (fwd+bwd)",
+        "measured": (f"{sum(r['vs_best_peer'] >= minimum for r in rows)} of {len(rows)}; "
+                     f"slowest {slowest['vs_best_peer']:.2f}x ({slowest['kernel']} "
+                     f"{slowest['preset']} {slowest['shape']})") if slowest else "",
+        "verdict": _judge(slowest["vs_best_peer"] if slowest else None, minimum, at_most=False)})
+    runs = [row for row in mfu_numbers(sections.get("mfu"), sections.get("env"))
+            if not row.get("reference")]
+    mfu = runs[0]["mfu"] if runs else None
+    judged.append({"target": f"{targets.mfu_variant.name} {plan.mfu_preset} MFU >= "
+                             f"{targets.mfu_min:.0%} (data-sheet peak)",
+                   "measured": f"{mfu:.1%}" if mfu is not None else "",
+                   "verdict": _judge(mfu, targets.mfu_min, at_most=False)})
+    return judged
+
+
+def _fmt(value, spec: str = ".1f") -> str:
+    return "" if value is None else format(value, spec)
+
+
+def _env_md(section: dict) -> list[str]:
+    data = section.get("data", {})
+    lines = [f"- device: {data.get('device', '?')}" + "".join(
+        f", {key} {data[key]}" for key in ("driver", "cuda", "capability", "sms", "memory_gib")
+        if key in data)]
+    lines.append("- versions: " + ", ".join(f"{k} {v}" for k, v in data.get("versions", {}).items()))
+    matmul = data.get("matmul") or {}
+    if matmul:
+        lines.append(f"- bf16 matmul {matmul['n']}^3: {matmul['tflops']:.1f} TFLOP/s measured; "
+                     f"data sheet {_fmt(data.get('datasheet_bf16_tflops')) or 'n/a'}")
+    if "copy_gbs" in data:
+        lines.append(f"- device-to-device copy: {data['copy_gbs']:.0f} GB/s (read + write)")
+    return lines
+
+
+def _correctness_md(section: dict) -> list[str]:
+    data, lines = section.get("data", {}), []
+    tests = data.get("gpu_tests")
+    if tests:
+        counts = ", ".join(f"{v} {k}" for k, v in tests["counts"].items())
+        lines += [f"GPU-marked tests (`pytest -m gpu {' '.join(tests['paths'])}`): {counts} ({tests['seconds']:.0f}s); "
+                  f"pytest: {tests['summary']}", ""]
+        lines += [f"- {t['outcome']}: `{t['test']}` {t['message']}" for t in tests["not_passed"]
+                  if t["outcome"] != "skipped" or not tests["counts"].get("passed")][:30]
+    training = data.get("training")
+    if training:
+        lines += ["", f"bf16 training vs the fp32 CPU reference: {training['preset']} preset "
+                      f"{' '.join(training['overrides'])}, {training['steps']} steps, same initial "
+                      f"weights and batches; tolerance |bf16 - fp32| <= {training['rtol']:g} x fp32 "
+                      "at every step", ""]
+        rows = [[item["design"], item["status"], _fmt(item.get("max_rel_diff"), ".4f"),
+                 " / ".join(_fmt(x, ".4f") for x in (item.get("reference") or [None])[-1:] +
+                            (item.get("losses") or [None])[-1:]), item.get("reason", "")[:200]]
+                for item in section.get("items", [])]
+        lines.append(_table(["design", "verdict", "max rel diff",
+                                     "last loss fp32 / bf16", "note"], rows))
+    return lines
+
+
+def _kernels_md(section: dict) -> list[str]:
+    from t2train.kernels.bench import Row, table_cells
+
+    data = section.get("data", {})
+    rows = [table_cells(Row(**row)) for item in _items(section) for row in item["rows"]]
+    lines = [f"{data.get('mode', '')} in {data.get('dtype', '')}; vs best peer > 1: the "
+             "Triton kernel is faster", ""]
+    lines.append(_table(data.get("header", []), rows) if rows else "(no case ran)")
+    return lines + _skipped_md(section)
+
+
+def _skipped_md(section: dict) -> list[str]:
+    return [f"- skipped: {item.get('name') or item.get('design') or item.get('kernel')} "
+            f"{item.get('shape', '')} ({item['reason']})" for item in _items(section, "skipped")]
+
+
+def _step_md(section: dict, baseline: str) -> list[str]:
+    data = section.get("data", {})
+    ratios = step_ratios(section, baseline)
+    items = _items(section)
+    rows = [[item["name"], " ".join(item["overrides"]), f"{item['params'] / 1e6:.2f}",
+             f"{item['step_ms']:.1f}", _fmt(ratios.get(item["name"]), ".3f"),
+             f"{item['tokens_per_s']:.0f}", f"{item['memory_gib']:.2f}"] for item in items]
+    lines = [f"{data.get('preset')} preset {' '.join(data.get('overrides', ()))}; "
+             f"{data.get('warmup')} warm-up + {data.get('steps')} timed steps of "
+             f"{data.get('tokens_per_step')} tokens, median", "",
+             _table(["variant", "overrides", "params (M)", "step (ms)", "vs " + baseline,
+                             "tokens/s", "memory (GiB)"], rows)]
+    timed = {item["name"]: item for item in items}
+    reference = next((item for item in items if item.get("reference")), None)
+    if reference and baseline in timed:
+        lines += ["", f"stack overhead: t2train `{baseline}` runs at "
+                      f"{timed[baseline]['tokens_per_s'] / reference['tokens_per_s']:.2f}x the "
+                      "tokens/s of the plain-PyTorch loop"]
+    return lines + _skipped_md(section)
+
+
+def _mfu_md(section: dict, env: Optional[dict]) -> list[str]:
+    data = section.get("data", {})
+    rows = [[row["name"], f"{row['step_ms']:.1f}", f"{row['tokens_per_s']:.0f}",
+             f"{row['tflops']:.1f}", _fmt(row["mfu"] and 100 * row["mfu"]),
+             _fmt(row["mfu_measured"] and 100 * row["mfu_measured"]), f"{row['memory_gib']:.2f}"]
+            for row in mfu_numbers(section, env)]
+    return [f"{data.get('preset')} preset {' '.join(data.get('overrides', ()))}, "
+            f"{data.get('precision')}, {data.get('warmup')} warm-up + {data.get('steps')} timed "
+            f"steps; {_fmt(data.get('flops_per_token'), '.3e')} model FLOPs per token", "",
+            _table(["run", "step (ms)", "tokens/s", "TFLOP/s", "MFU % (data sheet)",
+                            "MFU % (measured matmul peak)", "memory (GiB)"], rows)] + \
+        _skipped_md(section)
+
+
+def render_markdown(plan: Plan, sections: dict, targets: list[dict], report: dict) -> str:
+    env = sections.get("env") or {}
+    device = env.get("data", {}).get("device", "unknown device")
+    lines = [f"# t2train GPU check: {device}, {report['date']}", ""]
+    if plan.dry_run:
+        lines += [DRY_RUN_STAMP, ""]
+    lines += [f"Verdict: {report['verdict']}. Total {report['seconds']:.0f}s.", "",
+              "## Targets", "", _table(["target", "measured", "verdict"],
+                                               [[t["target"], t["measured"], t["verdict"]]
+                                                for t in targets]), "",
+              "## Sections", "",
+              _table(["section", "status", "seconds", "budget (s)", "note"], [
+                  [name, (sections.get(name) or {}).get("status", "missing"),
+                   _fmt((sections.get(name) or {}).get("seconds"), ".0f"),
+                   str(plan.budgets[name]), (sections.get(name) or {}).get("reason", "")[:300]]
+                  for name in SECTIONS])]
+    renderers = {"env": _env_md, "correctness": _correctness_md, "kernels": _kernels_md,
+                 "step_cost": lambda s: _step_md(s, plan.targets.baseline.name),
+                 "mfu": lambda s: _mfu_md(s, env)}
+    for name in ("env", "correctness", "kernels", "step_cost", "mfu"):  # the issue's order
+        section = sections.get(name)
+        lines += ["", f"## {TITLES[name]}", ""]
+        if not section or section.get("status") in ("skipped", "missing"):
+            lines.append(f"Not run: {(section or {}).get('reason', 'no result')}")
+            continue
+        lines += renderers[name](section)
+        if section.get("traceback"):
+            lines += ["", "```", section["traceback"].strip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def verdict(sections: dict, targets: list[dict]) -> str:
+    statuses = [(sections.get(name) or {}).get("status", "missing") for name in SECTIONS]
+    complete = sum(status == "ok" for status in statuses)
+    failing = [item["design"] for item in (sections.get("correctness") or {}).get("items", [])
+               if item.get("status") in ("fail", "error")]
+    tests = ((sections.get("correctness") or {}).get("data", {}).get("gpu_tests") or {})
+    failed_tests = sum(tests.get("counts", {}).get(k, 0) for k in ("failed", "error"))
+    met = sum(t["verdict"] == "met" for t in targets)
+    return (f"{complete}/{len(SECTIONS)} sections complete; correctness: "
+            f"{failed_tests} GPU test(s) failed, bf16 training "
+            f"{'off for ' + ', '.join(failing) if failing else 'within tolerance where run'}; "
+            f"targets: {met}/{len(targets)} met")
+
+
+def write_report(plan: Plan, sections: dict, out: Path, seconds: float) -> dict:
+    targets = evaluate_targets(plan, sections)
+    report = {"schema": 1, "dry_run": plan.dry_run, "date": datetime.date.today().isoformat(),
+              "seconds": seconds, "verdict": verdict(sections, targets), "targets": targets,
+              "budgets": plan.budgets, "sections": sections}
+    (out / "gpu-report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (out / "gpu-report.md").write_text(render_markdown(plan, sections, targets, report))
+    return report

@@ -1,0 +1,109 @@
+"""The GPU check: its CPU dry run end to end, the target verdicts, the variant list and the
+offline installer's rule (never replace an installed distribution)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from t2train.bench.gpu_plan import SECTIONS, Variant, load_targets, make_plan, step_variants
+from t2train.bench.gpu_report import evaluate_targets
+from t2train.residual import registered
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_dry_run_reports_every_section(shakespeare, tmp_path):
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "-m", "t2train.bench.gpu_check", "--dry-run",
+                           "--out", str(out), "--data", str(shakespeare)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    markdown = (out / "gpu-report.md").read_text()
+    assert markdown.startswith("# t2train GPU check: CPU") and "**CPU dry run**" in markdown
+    report = json.loads((out / "gpu-report.json").read_text())
+    sections = report["sections"]
+    assert report["dry_run"] and list(sections) == list(SECTIONS)
+    assert {name: s["status"] for name, s in sections.items()} == dict.fromkeys(SECTIONS, "ok")
+
+    correctness = sections["correctness"]
+    assert [item["design"] for item in correctness["items"]] == list(registered())
+    assert all(item["status"] == "pass" and len(item["losses"]) == 2
+               for item in correctness["items"])
+    counts = correctness["data"]["gpu_tests"]["counts"]
+    assert counts["skipped"] > 0 and counts["passed"] == counts["failed"] == counts["error"] == 0
+
+    steps = sections["step_cost"]["items"]
+    residuals = {o for item in steps for o in item["overrides"] if o.startswith("model.residual=")}
+    assert residuals == {f"model.residual={design}" for design in registered()}
+    assert steps[0]["name"] == "standard" and steps[-1].get("reference")
+    assert all(item["step_ms"] > 0 for item in steps)
+
+    rows = [row for item in sections["kernels"]["items"] for row in item["rows"]]
+    assert {row["kernel"] for row in rows} == {"window_attention", "ddl_write", "block_attnres"}
+    triton = [row for row in rows if row["impl"] == "triton"]
+    assert len(triton) == 4 and all(row["ms"] > 0 and row["vs_best_peer"] > 0 for row in triton)
+
+    verdicts = {t["target"].split(" ")[0]: t["verdict"] for t in report["targets"]}
+    assert len(report["targets"]) == 5 and set(verdicts.values()) <= {"met", "missed"} | {
+        "not measured"}
+    assert report["targets"][-1]["verdict"] == "not measured"  # no data-sheet peak on a CPU
+
+
+def _step(name, step_ms, reference=False):
+    return {"name": name, "status": "ok", "step_ms": step_ms, "reference": reference,
+            "overrides": [], "tokens_per_s": 1000.0 / step_ms}
+
+
+def test_targets_are_judged_from_the_sections():
+    plan = make_plan(False, "unused")
+    baseline, (first, second, third) = plan.targets.baseline.name, plan.targets.step_targets
+    sections = {
+        "env": {"data": {"matmul": {"tflops": 800.0}}},
+        "step_cost": {"items": [_step(baseline, 100.0), _step(first.name, 100.0 * first.max_ratio),
+                                _step(second.name, 100.0 * second.max_ratio + 1.0),
+                                {"name": third.name, "status": "skipped", "reason": "time"}]},
+        "kernels": {"items": [{"status": "ok", "rows": [
+            {"kernel": "k", "preset": "p", "shape": "s", "impl": "triton", "vs_best_peer": v}
+            for v in (1.3, 0.9)]}]},
+        "mfu": {"data": {"flops_per_token": 1e10, "datasheet_tflops": 1000.0},
+                "items": [dict(_step(plan.targets.mfu_variant.name, 1.0), tokens_per_s=5e4)]},
+    }
+    verdicts = [t["verdict"] for t in evaluate_targets(plan, sections)]
+    assert verdicts == ["met", "missed", "not measured", "missed", "met"]  # MFU 50% >= 45%
+    sections["mfu"]["items"][0]["tokens_per_s"] = 4e4  # 40%
+    assert evaluate_targets(plan, sections)[-1]["verdict"] == "missed"
+
+
+def test_every_registered_design_is_timed_once():
+    targets = load_targets()
+    variants = step_variants(targets, registered())
+    assert variants[0] == targets.baseline and set(targets.step_targets) <= set(variants)
+    residual = [o for v in variants for o in v.overrides if o.startswith("model.residual=")]
+    assert sorted(residual) == sorted(f"model.residual={d}" for d in registered())
+    extra = step_variants(targets, (*registered(), "future_design"))
+    assert extra[-1] == Variant("future_design", ("model.residual=future_design",))
+
+
+def _installer():
+    spec = importlib.util.spec_from_file_location("gpu_install", REPO / "tools" / "gpu_install.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_installer_keeps_what_is_installed_and_reports_what_fails(tmp_path):
+    installer = _installer()
+    present = tmp_path / "PyYAML-0.0.1-py3-none-any.whl"  # installed here: must be kept
+    broken = tmp_path / "t2train_no_such_dist-1.0-py3-none-any.whl"  # not a wheel: pip fails
+    present.write_bytes(b"")
+    broken.write_bytes(b"")
+    kept, failed = installer.install_wheels([present, broken])
+    assert kept.startswith("kept     pyyaml ") and "0.0.1" in kept
+    assert failed.startswith("FAILED   t2train_no_such_dist-1.0")

@@ -1,0 +1,103 @@
+"""Build ``.gpu-bundle/``: what a bare, offline GPU machine needs to run ``tools/gpu_check.sh``.
+
+The target machine (see docs/gpu/README.md) has CPython 3.12 on manylinux x86_64 with PyTorch,
+Triton, NumPy, TensorBoard, transformers, tokenizers, psutil and PyYAML preinstalled, and no
+network. This downloads, here, the wheels it lacks, a setuptools wheel as the offline build
+backend of ``pip install -e .``, and a prepared demo dataset with its tokenizer, then prints the
+bundle's size and fails above the limit (the device runner carries at most 64 MiB with the
+checkout). ``tools/gpu_install.py`` installs it there.
+
+    python tools/gpu_bundle.py [--out .gpu-bundle] [--max-mib 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+PYTHON_VERSION = "3.12"
+GLIBC_MINOR = 39  # the machine's glibc is 2.39 (Ubuntu 24.04, Python 3.12.3): any older tag runs
+# pip matches manylinux tags exactly, so every glibc the machine can run is listed.
+PLATFORMS = tuple(f"manylinux_2_{minor}_x86_64" for minor in range(GLIBC_MINOR, 4, -1)) + (
+    "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64")
+
+# (pinned requirement, why it travels). Versions follow constraints/cpu.txt, the tested lock.
+# tools/gpu_install.py installs a wheel only when its distribution is missing there, so the
+# "fallback" ones (seen preinstalled on the machine) never replace the machine's own.
+RUNTIME_WHEELS = (
+    ("megatron-core==0.16.1", "not on the machine; the model, schedules, optimizer"),
+    ("mosaicml-streaming==0.13.0", "not on the machine; the data loader"),
+    ("catalogue==2.0.10", "imported by `import streaming` (registry)"),
+    ("zstd==1.5.7.2", "imported by `import streaming` (compression)"),
+    ("python-snappy==0.7.3", "imported by `import streaming` (compression)"),
+    ("cramjam==2.14.0", "python-snappy's implementation"),
+    ("brotli==1.2.1", "imported by `import streaming` (compression)"),
+    ("xxhash==3.8.2", "fallback: preinstalled there; shard hashes"),
+    ("psutil==7.2.2", "fallback: preinstalled there; megatron-core's checkpoint writer"),
+    ("PyYAML==6.0.4", "fallback: preinstalled there; configs"),
+    ("tokenizers==0.22.2", "fallback: preinstalled there (transformers needs it)"),
+)
+BUILD_WHEELS = (("setuptools==80.9.0", "build backend of `pip install -e .`, offline"),)
+DATASET = {"name": "shakespeare-bpe4k-s4096", "corpus": "shakespeare", "seq_length": 4096,
+           "vocab_size": 4096}
+
+
+def download(requirements: list[str], dest: Path) -> None:
+    platforms = [arg for tag in PLATFORMS for arg in ("--platform", tag)]
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                    "--only-binary=:all:", "--python-version", PYTHON_VERSION,
+                    "--implementation", "cp", *platforms, "--dest", str(dest), *requirements],
+                   check=True)
+
+
+def prepare_dataset(dest: Path) -> None:
+    """Samples of 4096 + 1 tokens: the 1b preset's length; shorter presets read a prefix."""
+    subprocess.run([sys.executable, "-m", "t2train.cli", "data", "prepare",
+                    "--corpus", DATASET["corpus"], "--out", str(dest / DATASET["name"]),
+                    "--seq-length", str(DATASET["seq_length"]),
+                    "--vocab-size", str(DATASET["vocab_size"])], check=True)
+
+
+def size_mib(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2 ** 20
+
+
+def build(out: Path, max_mib: float) -> float:
+    staging = out.with_name(out.name + ".incomplete")
+    shutil.rmtree(staging, ignore_errors=True)
+    download([req for req, _ in RUNTIME_WHEELS], staging / "wheels")
+    download([req for req, _ in BUILD_WHEELS], staging / "build")
+    prepare_dataset(staging / "data")
+    manifest = {
+        "python": PYTHON_VERSION, "platforms": PLATFORMS,
+        "wheels": {req: why for req, why in RUNTIME_WHEELS},
+        "build": {req: why for req, why in BUILD_WHEELS},
+        "dataset": dict(DATASET, path=f"data/{DATASET['name']}"),
+        "files": sorted(str(f.relative_to(staging)) for f in staging.rglob("*") if f.is_file()),
+    }
+    (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    mib = size_mib(staging)
+    if mib > max_mib:
+        raise SystemExit(f"error: {staging}: {mib:.1f} MiB, over the {max_mib:g} MiB limit "
+                         "(checkout + carried paths must stay under 64 MiB)")
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+    return mib
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(".gpu-bundle"))
+    parser.add_argument("--max-mib", type=float, default=48.0)
+    args = parser.parse_args(argv)
+    mib = build(args.out, args.max_mib)
+    print(f"{args.out}: {mib:.1f} MiB (limit {args.max_mib:g} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
