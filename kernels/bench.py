@@ -29,6 +29,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 MODES = ("fwd", "fwd+bwd")
+WINDOW = 128  # the ShortSWA window benchmarked when the config's is 0 (no ShortSWA mixer)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def shapes_from_config(config, label: str) -> KernelShapes:
         preset=label, batch=config.train.micro_batch_size, seq=model.seq_length,
         hidden=model.hidden_size, heads=model.num_attention_heads,
         kv_heads=model.num_query_groups or model.num_attention_heads,
-        window=model.shortswa.window, ddl_widths=tuple(sorted({model.ddl.dv, 4})),
+        window=model.shortswa.window or WINDOW, ddl_widths=tuple(sorted({model.ddl.dv, 4})),
         sources=sublayers // model.attnres.block_size, block=model.attnres.block_size)
 
 

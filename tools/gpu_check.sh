@@ -11,5 +11,5 @@ export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cac
 "$python" tools/gpu_install.py --bundle .gpu-bundle 2>&1 | tee "$out/gpu-check.log"
 "$python" -m t2train.bench.gpu_check --out "$out" --data .gpu-bundle/data/shakespeare-bpe4k-s4096
 status=$?
-tail -n 40 "$out/gpu-report.md" 2>/dev/null | head -n 20
+sed -n '1,/^## Environment/p' "$out/gpu-report.md" 2>/dev/null  # the verdicts
 exit $status

@@ -38,8 +38,11 @@ def run(section, plan: Plan) -> None:
                 continue
             started = time.monotonic()
             rows = [bench.row_dict(row) for row in bench.run_case(case, rt, [MODE])]
+            failed = [row["error"] for row in rows if row["impl"] == "triton" and row["error"]]
             section.add({"kernel": case.kernel, "preset": label, "shape": case.shape,
-                         "status": "ok", "rows": rows, "seconds": time.monotonic() - started})
+                         "status": "error" if failed else "ok", "rows": rows,
+                         "reason": f"the Triton kernel failed: {failed[0]}" if failed else "",
+                         "seconds": time.monotonic() - started})
             del case
             if rt.on_cuda:
                 torch.cuda.empty_cache()

@@ -33,6 +33,11 @@ def _judge(value: Optional[float], limit: float, at_most: bool) -> str:
     return "met" if (value <= limit if at_most else value >= limit) else "missed"
 
 
+def kernel_rows(section: Optional[dict]) -> list[dict]:
+    """Every timed row, also of the cases whose Triton kernel failed."""
+    return [row for item in (section or {}).get("items", []) for row in item.get("rows", [])]
+
+
 def step_ratios(section: Optional[dict], baseline: str) -> dict:
     timed = {item["name"]: item for item in _items(section) if not item.get("reference")}
     base = timed.get(baseline)
@@ -63,17 +68,21 @@ def evaluate_targets(plan: Plan, sections: dict) -> list[dict]:
                                  f"{targets.baseline.name} ({plan.step_preset})",
                        "measured": f"{ratio:.3f}x" if ratio else "",
                        "verdict": _judge(ratio, variant.max_ratio, at_most=True)})
-    rows = [row for item in _items(sections.get("kernels")) for row in item["rows"]
-            if row["impl"] == "triton" and row["vs_best_peer"] is not None]
+    triton = [row for row in kernel_rows(sections.get("kernels")) if row["impl"] == "triton"]
+    rows = [row for row in triton if row["vs_best_peer"] is not None]
+    failed = [row for row in triton if row["ms"] is None]
     slowest = min(rows, key=lambda row: row["vs_best_peer"]) if rows else None
     minimum = targets.kernel_min_vs_best_peer
     judged.append({
         "target": f"each Triton kernel >= {minimum:g}x the fastest of eager / torch.compile / "
                   "FlexAttention (fwd+bwd)",
-        "measured": (f"{sum(r['vs_best_peer'] >= minimum for r in rows)} of {len(rows)}; "
-                     f"slowest {slowest['vs_best_peer']:.2f}x ({slowest['kernel']} "
-                     f"{slowest['preset']} {slowest['shape']})") if slowest else "",
-        "verdict": _judge(slowest["vs_best_peer"] if slowest else None, minimum, at_most=False)})
+        "measured": "; ".join(
+            ([f"{sum(r['vs_best_peer'] >= minimum for r in rows)} of {len(triton)}, slowest "
+              f"{slowest['vs_best_peer']:.2f}x ({slowest['kernel']} {slowest['preset']} "
+              f"{slowest['shape']})"] if slowest else []) +
+            ([f"{len(failed)} failed to run"] if failed else [])),
+        "verdict": "missed" if failed else _judge(slowest["vs_best_peer"] if slowest else None,
+                                                  minimum, at_most=False)})
     runs = [row for row in mfu_numbers(sections.get("mfu"), sections.get("env"))
             if not row.get("reference")]
     mfu = runs[0]["mfu"] if runs else None
@@ -131,7 +140,7 @@ def _kernels_md(section: dict) -> list[str]:
     from t2train.kernels.bench import Row, table_cells
 
     data = section.get("data", {})
-    rows = [table_cells(Row(**row)) for item in _items(section) for row in item["rows"]]
+    rows = [table_cells(Row(**row)) for row in kernel_rows(section)]
     lines = [f"{data.get('mode', '')} in {data.get('dtype', '')}; vs best peer > 1: the "
              "Triton kernel is faster", ""]
     lines.append(_table(data.get("header", []), rows) if rows else "(no case ran)")

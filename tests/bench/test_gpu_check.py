@@ -70,8 +70,8 @@ def test_targets_are_judged_from_the_sections():
                                 _step(second.name, 100.0 * second.max_ratio + 1.0),
                                 {"name": third.name, "status": "skipped", "reason": "time"}]},
         "kernels": {"items": [{"status": "ok", "rows": [
-            {"kernel": "k", "preset": "p", "shape": "s", "impl": "triton", "vs_best_peer": v}
-            for v in (1.3, 0.9)]}]},
+            {"kernel": "k", "preset": "p", "shape": "s", "impl": "triton", "ms": 1.0,
+             "vs_best_peer": v} for v in (1.3, 0.9)]}]},
         "mfu": {"data": {"flops_per_token": 1e10, "datasheet_tflops": 1000.0},
                 "items": [dict(_step(plan.targets.mfu_variant.name, 1.0), tokens_per_s=5e4)]},
     }
@@ -79,6 +79,12 @@ def test_targets_are_judged_from_the_sections():
     assert verdicts == ["met", "missed", "not measured", "missed", "met"]  # MFU 50% >= 45%
     sections["mfu"]["items"][0]["tokens_per_s"] = 4e4  # 40%
     assert evaluate_targets(plan, sections)[-1]["verdict"] == "missed"
+    kernel_rows = sections["kernels"]["items"][0]["rows"]
+    kernel_rows[1].update(vs_best_peer=1.1)
+    assert evaluate_targets(plan, sections)[-2]["verdict"] == "met"
+    kernel_rows.append(dict(kernel_rows[0], ms=None, vs_best_peer=None, error="CompileError"))
+    judged = evaluate_targets(plan, sections)[-2]  # a kernel that does not run is not fast
+    assert judged["verdict"] == "missed" and "1 failed to run" in judged["measured"]
 
 
 def test_every_registered_design_is_timed_once():
