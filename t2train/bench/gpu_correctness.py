@@ -61,7 +61,9 @@ def reference_run(plan: Plan, out: Path) -> None:
         objs = build_objects(train_config(plan, design, "fp32"), vocab)
         torch.save([chunk.module.state_dict() for chunk in objs.model], out / f"{design}.pt")
         losses = _train(objs, batches)
-        (out / f"{design}.json").write_text(json.dumps(losses))
+        partial = out / f"{design}.json.tmp"  # renamed when complete: the reader polls for it
+        partial.write_text(json.dumps(losses))
+        partial.replace(out / f"{design}.json")
 
 
 def device_run(plan: Plan, design: str, reference: Path) -> list[float]:
@@ -133,37 +135,48 @@ def gpu_tests(section, plan: Plan, scratch: Path) -> None:
     section.save()
 
 
+def _reference_ready(path: Path, reference: subprocess.Popen, section, reserve: float) -> bool:
+    """Wait for one design's reference while it can still be compared in time."""
+    while not path.exists() and reference.poll() is None and section.left() > reserve:
+        time.sleep(0.5)
+    return path.exists()
+
+
 def run(section, plan: Plan) -> None:
+    """The tests and the reference run side by side; each design is then compared as soon as
+    its reference is written."""
     from t2train.residual import registered
 
     scratch = section.scratch
     reference = _start_reference(plan, scratch)
-    gpu_tests(section, plan, scratch)
-    section.data["training"] = {"preset": plan.train_preset, "overrides": plan.train_overrides,
-                                "steps": plan.train_steps, "rtol": plan.loss_rtol}
     try:
-        reference.wait(timeout=max(section.left(), 1.0))
-    except subprocess.TimeoutExpired:
+        gpu_tests(section, plan, scratch)
+        section.data["training"] = {"preset": plan.train_preset, "steps": plan.train_steps,
+                                    "overrides": plan.train_overrides, "rtol": plan.loss_rtol}
+        for design in registered():
+            _compare_design(section, plan, design, reference)
+    finally:
         reference.kill()
-    for design in registered():
-        expected = scratch / f"{design}.json"
-        if not expected.exists():
-            log = (scratch / "reference.log").read_text().strip().splitlines() or [""]
-            section.add({"design": design, "status": "skipped",
-                         "reason": f"no fp32 reference (exit {reference.poll()}): {log[-1]}"})
-            continue
-        estimate = section.last_item_seconds(default=10.0)
-        if not section.fits(estimate):
-            section.add({"design": design, "status": "skipped",
-                         "reason": section.no_time(estimate)})
-            continue
-        started = time.monotonic()
-        try:
-            result = compare(json.loads(expected.read_text()),
-                             device_run(plan, design, scratch), plan.loss_rtol)
-        except Exception as err:  # noqa: BLE001 - reported; the other designs still run
-            result = {"status": "error", "reason": f"{type(err).__name__}: {err}"}
-        section.add(dict(result, design=design, seconds=time.monotonic() - started))
+        reference.wait()
+
+
+def _compare_design(section, plan: Plan, design: str, reference: subprocess.Popen) -> None:
+    expected = section.scratch / f"{design}.json"
+    estimate = section.last_item_seconds(default=10.0)
+    if not _reference_ready(expected, reference, section, estimate):
+        log = (section.scratch / "reference.log").read_text().strip().splitlines() or [""]
+        why = (section.no_time(estimate) + " (the fp32 reference was not ready)"
+               if reference.poll() is None else
+               f"no fp32 reference (exit {reference.poll()}): {log[-1]}")
+        section.add({"design": design, "status": "skipped", "reason": why})
+        return
+    started = time.monotonic()
+    try:
+        result = compare(json.loads(expected.read_text()),
+                         device_run(plan, design, section.scratch), plan.loss_rtol)
+    except Exception as err:  # noqa: BLE001 - reported; the other designs still run
+        result = {"status": "error", "reason": f"{type(err).__name__}: {err}"}
+    section.add(dict(result, design=design, seconds=time.monotonic() - started))
 
 
 def main(argv=None) -> int:

@@ -102,7 +102,8 @@ def _env_md(section: dict) -> list[str]:
     lines = [f"- device: {data.get('device', '?')}" + "".join(
         f", {key} {data[key]}" for key in ("driver", "cuda", "capability", "sms", "memory_gib")
         if key in data)]
-    lines.append("- versions: " + ", ".join(f"{k} {v}" for k, v in data.get("versions", {}).items()))
+    versions = data.get("versions", {})
+    lines.append("- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     matmul = data.get("matmul") or {}
     if matmul:
         lines.append(f"- bf16 matmul {matmul['n']}^3: {matmul['tflops']:.1f} TFLOP/s measured; "
@@ -117,16 +118,16 @@ def _correctness_md(section: dict) -> list[str]:
     tests = data.get("gpu_tests")
     if tests:
         counts = ", ".join(f"{v} {k}" for k, v in tests["counts"].items())
-        lines += [f"GPU-marked tests (`pytest -m gpu {' '.join(tests['paths'])}`): {counts} ({tests['seconds']:.0f}s); "
-                  f"pytest: {tests['summary']}", ""]
+        lines += [f"GPU-marked tests (`pytest -m gpu {' '.join(tests['paths'])}`): {counts} "
+                  f"({tests['seconds']:.0f}s); pytest: {tests['summary']}", ""]
         lines += [f"- {t['outcome']}: `{t['test']}` {t['message']}" for t in tests["not_passed"]
                   if t["outcome"] != "skipped" or not tests["counts"].get("passed")][:30]
     training = data.get("training")
     if training:
         lines += ["", f"bf16 training vs the fp32 CPU reference: {training['preset']} preset "
                       f"{' '.join(training['overrides'])}, {training['steps']} steps, same initial "
-                      f"weights and batches; tolerance |bf16 - fp32| <= {training['rtol']:g} x fp32 "
-                      "at every step", ""]
+                      f"weights and batches; tolerance |bf16 - fp32| <= {training['rtol']:g} x "
+                      "fp32 at every step", ""]
         rows = [[item["design"], item["status"], _fmt(item.get("max_rel_diff"), ".4f"),
                  " / ".join(_fmt(x, ".4f") for x in (item.get("reference") or [None])[-1:] +
                             (item.get("losses") or [None])[-1:]), item.get("reason", "")[:200]]
