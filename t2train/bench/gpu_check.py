@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -131,13 +132,15 @@ def orchestrate(plan: Plan, names: list[str], results: Path, log, started: float
         args = [sys.executable, "-m", "t2train.bench.gpu_check", "--worker", str(results),
                 "--data", plan.data, "--sections", ",".join(pending),
                 "--ends", json.dumps({name: ends[name] for name in pending})]
+        # Its own process group, so that stopping it also stops its children (the CPU
+        # reference, pytest, compile workers).
         worker = subprocess.Popen(args + (["--dry-run"] if plan.dry_run else []),
-                                  stdout=log, stderr=subprocess.STDOUT)
+                                  stdout=log, stderr=subprocess.STDOUT, preexec_fn=os.setpgrp)
         while worker.poll() is None:
             statuses = [(_load(results / f"{n}.json") or {}).get("status") for n in pending]
             if "running" in statuses and time.time() > ends[pending[statuses.index(
                     "running")]] + GRACE:
-                worker.kill()
+                os.killpg(worker.pid, signal.SIGKILL)
                 worker.wait()
                 break
             finished = sum(status not in (None, "running") for status in statuses)
