@@ -12,7 +12,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 # The pinned CPU stack. torch and deepspeed go first: deepspeed builds against the
 # installed torch (no build isolation, no compiled ops), and the lock keeps every later
 # install from replacing torch.
-$(VENV)/.installed: pyproject.toml $(LOCK)
+$(VENV)/.installed: pyproject.toml setup.py $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install -c $(LOCK) torch torchvision
