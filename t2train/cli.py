@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from t2train.config.loader import add_config_arguments
+
 TRAIN_EPILOG = """\
 overrides are dotted config fields, e.g.:
   model.residual=standard model.num_layers=4 train.steps=300 data.path=DIR
@@ -15,16 +17,6 @@ run under torchrun for several processes: torchrun --nproc-per-node=2 -m t2train
 """
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    from t2train.config.loader import preset_names
-
-    parser.add_argument("--preset", help=f"start from a preset: {', '.join(preset_names())}")
-    parser.add_argument("--config", help="a YAML file of config sections, applied after the "
-                                         "preset")
-    parser.add_argument("overrides", nargs="*", metavar="section.field=value",
-                        help="dotted overrides, applied last")
-
-
 def _load(args):
     from t2train.config.loader import load_config
 
@@ -32,6 +24,7 @@ def _load(args):
 
 
 def _cmd_train(args) -> int:
+    from t2train.parallel.init import is_rank_zero
     from t2train.train.loop import train
 
     summary = train(_load(args))
@@ -58,7 +51,7 @@ def _cmd_launch(args) -> int:
 
 def _cmd_plan(args) -> int:
     from t2train.config.loader import load_config
-    from t2train.parallel.plan import format_plan, plan_layout
+    from t2train.bench.plan import format_plan, plan_layout
 
     given = any(item.startswith("data.path=") for item in args.overrides)
     # The plan reads no data; a placeholder satisfies the config's required field.
@@ -75,12 +68,6 @@ def _cmd_config(args) -> int:
 
     print(dump_config(_load(args)), end="")
     return 0
-
-
-def is_rank_zero() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -113,7 +113,7 @@ def test_cached_sends_less_than_naive(runs, design):
 def test_plan_predicts_the_measured_bytes(runs, name):
     """`t2train plan`'s hop bytes equal a real run's counters, naive and cached."""
     from t2train.config.loader import load_config
-    from t2train.parallel.plan import plan_layout
+    from t2train.bench.plan import plan_layout
 
     overrides = CACHE[name].split("|")[1].split(",")
     config = load_config(overrides=[

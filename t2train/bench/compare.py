@@ -71,7 +71,7 @@ def format_compare_table(results: list[DesignResult]) -> str:
 
 
 def _cmd_compare(args) -> int:
-    from t2train.cli import is_rank_zero
+    from t2train.parallel.init import is_rank_zero
     from t2train.residual import registered
 
     designs = args.designs.split(",") if args.designs else list(registered())
@@ -87,7 +87,7 @@ def _cmd_compare(args) -> int:
 
 
 def register(commands) -> None:
-    from t2train.cli import add_config_arguments
+    from t2train.config.loader import add_config_arguments
 
     experiment = commands.add_parser("experiment", help="experiments across residual designs")
     tools = experiment.add_subparsers(dest="experiment_command", required=True)

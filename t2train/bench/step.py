@@ -45,8 +45,8 @@ def _memory_gib() -> float:
 def _time_design(config, vocab_size: int, steps: list, warmup: int) -> DesignTiming:
     from t2train.model.flops import parameters
     from t2train.parallel.init import init_model_parallel, set_seed
-    from t2train.train.setup import build_training_objects
-    from t2train.train.step import train_step
+    from t2train.engine.megatron.setup import build_training_objects
+    from t2train.engine.megatron.step import train_step
 
     parallel = config.parallel
     set_seed(config.train.seed, init_model_parallel(parallel.tensor, parallel.pipeline,
@@ -152,7 +152,7 @@ def format_step_table(timings: list[DesignTiming]) -> str:
 
 
 def _cmd_step(args) -> int:
-    from t2train.cli import is_rank_zero
+    from t2train.parallel.init import is_rank_zero
     from t2train.residual import registered
 
     designs = args.designs.split(",") if args.designs else list(registered())
@@ -164,7 +164,7 @@ def _cmd_step(args) -> int:
 
 
 def register(commands) -> None:
-    from t2train.cli import add_config_arguments
+    from t2train.config.loader import add_config_arguments
 
     bench = commands.add_parser("bench", help="benchmarks")
     tools = bench.add_subparsers(dest="bench_command", required=True)

@@ -7,6 +7,7 @@ then checked against the field's declared type.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import math
@@ -242,3 +243,11 @@ def config_to_dict(config: Config) -> dict:
 
 def dump_config(config: Config) -> str:
     return yaml.safe_dump(config_to_dict(config), sort_keys=False)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", help=f"start from a preset: {', '.join(preset_names())}")
+    parser.add_argument("--config", help="a YAML file of config sections, applied after the "
+                                         "preset")
+    parser.add_argument("overrides", nargs="*", metavar="section.field=value",
+                        help="dotted overrides, applied last")

@@ -103,6 +103,11 @@ class ModelConfig:
     depth_attn: DepthAttnConfig = field(default_factory=DepthAttnConfig)
     attnres: AttnResConfig = field(default_factory=AttnResConfig)
 
+    def kv_dim(self) -> int:
+        """Width of one token's keys (and of its values): query groups x head dim."""
+        head_dim = self.hidden_size // self.num_attention_heads
+        return (self.num_query_groups or self.num_attention_heads) * head_dim
+
     def resolved_ffn_hidden_size(self) -> int:
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size

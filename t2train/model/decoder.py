@@ -22,7 +22,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megatron.core.utils import make_viewless_tensor
 from torch import Tensor
 
-from t2train.model.norm import RMSNorm
+from t2train.nn.norm import RMSNorm
 from t2train.model.spec import decoder_layer_spec
 from t2train.parallel.depth_cache import DepthCache, HopPlan
 from t2train.parallel.traffic import HopTraffic

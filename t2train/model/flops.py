@@ -11,14 +11,9 @@ from t2train.config.schema import ModelConfig
 from t2train.residual import get_design
 
 
-def kv_dim(model: ModelConfig) -> int:
-    head_dim = model.hidden_size // model.num_attention_heads
-    return (model.num_query_groups or model.num_attention_heads) * head_dim
-
-
 def standard_parameters(model: ModelConfig, vocab_size: int) -> int:
     h, f = model.hidden_size, model.resolved_ffn_hidden_size()
-    per_layer = h * (h + 2 * kv_dim(model)) + h * h + 3 * h * f + 2 * h
+    per_layer = h * (h + 2 * model.kv_dim()) + h * h + 3 * h * f + 2 * h
     head = 0 if model.tie_embeddings else vocab_size * h
     return vocab_size * h + model.num_layers * per_layer + h + head
 
@@ -30,7 +25,7 @@ def parameters(model: ModelConfig, vocab_size: int) -> int:
 
 def standard_forward_flops_per_token(model: ModelConfig, vocab_size: int) -> float:
     h, f, s = model.hidden_size, model.resolved_ffn_hidden_size(), model.seq_length
-    projections = 2 * h * (h + 2 * kv_dim(model)) + 2 * h * h + 2 * 3 * h * f
+    projections = 2 * h * (h + 2 * model.kv_dim()) + 2 * h * h + 2 * 3 * h * f
     attention = 4 * h * (s + 1) / 2  # QK^T and AV over the causal average of keys
     return model.num_layers * (projections + attention) + 2 * h * vocab_size
 

@@ -2,37 +2,12 @@
 
 from __future__ import annotations
 
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from t2train.model.attention import CausalCoreAttention
 from t2train.model.layer import ResidualLayerSubmodules, ResidualTransformerLayer
-from t2train.model.norm import RMSNorm
+from t2train.nn.norm import RMSNorm
+from t2train.nn.specs import mlp_spec, self_attention_spec
 from t2train.residual import get_design
-
-
-def self_attention_spec(core_attention=CausalCoreAttention) -> ModuleSpec:
-    """Megatron's tensor-parallel self-attention around a core attention of our choice."""
-    return ModuleSpec(
-        module=SelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal},
-        submodules=SelfAttentionSubmodules(
-            linear_qkv=ColumnParallelLinear,
-            core_attention=core_attention,
-            linear_proj=RowParallelLinear,
-            q_layernorm=IdentityOp,
-            k_layernorm=IdentityOp,
-        ),
-    )
-
-
-def mlp_spec() -> ModuleSpec:
-    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                           linear_fc2=RowParallelLinear))
 
 
 def decoder_layer_spec(residual: str) -> ModuleSpec:

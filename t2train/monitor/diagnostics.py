@@ -4,7 +4,7 @@ A forward pass (eval mode, no gradients) of a fixed held-out micro-batch, the fi
 validation set (``parallel.pipeline`` of them under the interleaved schedule, which needs
 that many), runs through the pipeline schedule while ``probe.recording()`` is on. Forward
 pre-hooks on the norms record the RMS of what each layer reads; the designs record their
-internals through ``probe.record`` (t2train/residual/, t2train/model/attention.py). Training
+internals through ``probe.record`` (t2train/residual/, t2train/residual/shortswa.py). Training
 math is untouched. Each rank records the layers it holds; tensor rank 0 of data-parallel rank
 0 of every pipeline stage sends its records to the logging rank, which writes:
 
@@ -25,7 +25,8 @@ from __future__ import annotations
 import numpy as np
 import torch.distributed as dist
 
-from t2train.monitor import plots, probe
+from t2train.monitor import plots
+from t2train.nn import probe
 from t2train.residual.attnres import SUBLAYERS_PER_LAYER
 
 HISTOGRAM_VALUES = 4096  # at most this many values per histogram are gathered

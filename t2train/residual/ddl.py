@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from t2train.kernels import dispatch
-from t2train.monitor import probe
+from t2train.nn import probe
 from t2train.residual.base import (
     ResidualDesign,
     ResidualStream,

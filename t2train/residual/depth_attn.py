@@ -30,8 +30,8 @@ from megatron.core.utils import divide
 from torch import Tensor
 
 from t2train.kernels.dispatch import short_window_attention
-from t2train.model.norm import RMSNorm
-from t2train.monitor import probe
+from t2train.nn.norm import RMSNorm
+from t2train.nn import probe
 from t2train.residual.base import ResidualDesign, ResidualStream, SublayerResidual
 from t2train.residual.window_attention import window_attention_probs
 

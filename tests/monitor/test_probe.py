@@ -8,7 +8,7 @@ import torch
 
 from t2train.config.loader import load_config
 from t2train.model.build import build_model_chunks, transformer_config
-from t2train.monitor import probe
+from t2train.nn import probe
 from t2train.residual.window_attention import (
     short_window_attention,
     window_attention_entropy,

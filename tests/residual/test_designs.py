@@ -97,7 +97,8 @@ def test_block_attnres_with_larger_blocks_differs(megatron_world):
 def test_shortswa_window_covering_the_sequence_is_full_attention(megatron_world):
     from megatron.core.transformer.enums import AttnMaskType
 
-    from t2train.model.attention import CausalCoreAttention, ShortWindowCoreAttention
+    from t2train.nn.attention import CausalCoreAttention
+    from t2train.residual.shortswa import ShortWindowCoreAttention
 
     config = transformer_config(_config("shortswa", "model.shortswa.window=16"))
     g = torch.Generator().manual_seed(0)

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 from t2train.config.schema import Config
 from t2train.model.build import compute_dtype, padded_vocab_size, transformer_config
-from t2train.model.flops import kv_dim
 from t2train.parallel.depth_cache import HopPlan
 from t2train.residual import get_design
 
@@ -59,7 +58,7 @@ def _layer_parameters(config: Config, tp: int) -> tuple[int, int]:
     """(parameters per layer on one tensor rank, of which replicated), `standard` + design."""
     model = config.model
     h, f = model.hidden_size, model.resolved_ffn_hidden_size()
-    sharded = h * (h + 2 * kv_dim(model)) + h * h + 3 * h * f
+    sharded = h * (h + 2 * model.kv_dim()) + h * h + 3 * h * f
     replicated = 2 * h
     extra = get_design(model.residual).extra_parameters(model) // model.num_layers
     if model.residual in ("depth_attn", "shortswa"):  # their projections split like attention
