@@ -81,13 +81,13 @@ def plan_layout(config: Config, vocab_size: int, world_size: int) -> LayoutPlan:
     model, parallel, train = config.model, config.parallel, config.train
     dp = config.validate_world(world_size)
     tp, pp, vp = parallel.tensor, parallel.pipeline, parallel.virtual_pipeline
-    micro_batches = train.global_batch_size // (train.micro_batch_size * dp)
+    micro_batches = config.micro_batches_per_step(dp)
     element = compute_dtype(config).itemsize
     seq = model.seq_length // tp if parallel.sequence_parallel else model.seq_length
     unit_bytes = seq * train.micro_batch_size * model.hidden_size * element
     stream = get_design(model.residual).stream(transformer_config(config), False, False, 0)
     chunks, per_chunk = pp * vp, model.num_layers // (pp * vp)
-    hop_plans = {cached: HopPlan(stream.unit_ids, pp, chunks, per_chunk, cached=cached and vp > 1)
+    hop_plans = {cached: HopPlan(stream.unit_ids, pp, chunks, per_chunk, cached=cached)
                  for cached in (False, True)}
 
     vocab = padded_vocab_size(vocab_size, config)

@@ -94,8 +94,8 @@ def _real_batches(config, count: int) -> list:
     topology = init_model_parallel(parallel.tensor, parallel.pipeline, parallel.virtual_pipeline)
     train = config.train
     streams = open_streams(config, topology, dp_size, None)
-    feeder = GlobalBatchFeeder(streams.train, train.global_batch_size // (
-        train.micro_batch_size * dp_size), train.micro_batch_size, config.model.seq_length)
+    feeder = GlobalBatchFeeder(streams.train, config.micro_batches_per_step(dp_size),
+                               train.micro_batch_size, config.model.seq_length)
     return [feeder.next_step() for _ in range(count)]
 
 

@@ -159,9 +159,15 @@ class ParallelConfig:
     # Residual-state units over pipeline hops: `naive` resends every unit; `cached` (with
     # virtual stages) skips units the receiving rank kept from its previous chunk.
     depth_cache: Literal["naive", "cached"] = "cached"
-    # A collective that waits longer fails the run, naming the collective and the rank
-    # (t2train/parallel/collectives.py); under `t2train launch --max-restarts` it restarts.
+    # A rank with no progress for longer ends the run (exit code 124), naming the phase and the
+    # torch.distributed call it waits in (t2train/train/watchdog.py); it is also the process
+    # groups' timeout. Under `t2train launch --max-restarts` the workers restart.
     collective_timeout_mins: float = 10.0
+
+    def caches_depth_units(self) -> bool:
+        """Whether hops skip units the receiver kept: a rank has a previous chunk of the same
+        micro-batch only with virtual stages, so without them `cached` sends what `naive` does."""
+        return self.depth_cache == "cached" and self.virtual_pipeline > 1
 
     def validate(self, model: ModelConfig) -> None:
         _require(self.collective_timeout_mins > 0, "parallel.collective_timeout_mins",
@@ -427,12 +433,16 @@ class Config:
                  self.train.global_batch_size,
                  f"must be a multiple of micro_batch_size * data_parallel = {per_step}")
         if self.parallel.virtual_pipeline > 1:
-            micro_batches = self.train.global_batch_size // per_step
+            micro_batches = self.micro_batches_per_step(dp)
             _require(micro_batches % self.parallel.pipeline == 0, "train.global_batch_size",
                      self.train.global_batch_size,
                      f"gives {micro_batches} micro-batches per step; the interleaved schedule "
                      f"needs a multiple of parallel.pipeline={self.parallel.pipeline}")
         return dp
+
+    def micro_batches_per_step(self, data_parallel: int) -> int:
+        """Micro-batches each data-parallel replica runs per optimizer step."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * data_parallel)
 
     @property
     def run_dir(self) -> str:

@@ -57,7 +57,7 @@ class ResidualDecoder(TransformerBlock):
         virtual = config.virtual_pipeline_model_parallel_size or 1
         self.hops = HopPlan(self.stream.unit_ids, config.pipeline_model_parallel_size,
                             config.pipeline_model_parallel_size * virtual, len(self.layers),
-                            cached=config.t2_depth_cache == "cached" and virtual > 1)
+                            cached=config.t2_cached_hops)
         self.chunk = self.stream.first_layer // len(self.layers)
         self.last_virtual_stage = (vp_stage or 0) == virtual - 1
         self.depth_cache: Optional[DepthCache] = None  # shared by this rank's chunks, if cached

@@ -115,7 +115,7 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
     start_step = train_state.get("step", 0)
 
     train_cfg = config.train
-    num_micro = train_cfg.global_batch_size // (train_cfg.micro_batch_size * dp_size)
+    num_micro = config.micro_batches_per_step(dp_size)
     streams = open_streams(config, topology, dp_size, train_state.get("data_state"))
     feeder = GlobalBatchFeeder(streams.train, num_micro, train_cfg.micro_batch_size,
                                config.model.seq_length)
