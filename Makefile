@@ -7,7 +7,7 @@ LOCK   := constraints/cpu.txt
 DEMO_DATA ?= .cache/data/shakespeare-bpe4k-s128
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install demo test clean-demo
+.PHONY: install demo test test-fast clean-demo
 
 # The pinned CPU stack. torch and deepspeed go first: deepspeed builds against the
 # installed torch (no build isolation, no compiled ops), and the lock keeps every later
@@ -32,6 +32,10 @@ demo: $(VENV)/.installed $(DEMO_DATA)/index.json
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=25
+
+# The fast tier while you work: no multi-process runs, no SLURM, no long training (docs/testing.md).
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow and not slurm" --durations=10
 
 clean-demo:
 	rm -rf runs/demo $(DEMO_DATA)
