@@ -6,11 +6,13 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from t2train.config.loader import add_config_arguments
+from t2train.config.arguments import add_config_arguments
+from t2train.residual import registered
 
-TRAIN_EPILOG = """\
+TRAIN_EPILOG = f"""\
 overrides are dotted config fields, e.g.:
-  model.residual=standard model.num_layers=4 train.steps=300 data.path=DIR
+  model.residual={'|'.join(registered())} model.num_layers=4
+  train.steps=300 data.path=DIR
   parallel.tensor=2 parallel.pipeline=2 checkpoint.resume=auto|none|PATH
 config sections: model, parallel, train, data, checkpoint, log (see t2train/config/schema.py)
 run under torchrun for several processes: torchrun --nproc-per-node=2 -m t2train.cli train ...

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from t2train.config.loader import load_config
+from t2train.config.schema import CONFIG_FORMAT
 
 
 def _config(*overrides: str):
@@ -166,12 +167,14 @@ def test_inspect_prints_step_layout_design_and_shards(megatron_world, tmp_path: 
     from t2train.engine.megatron.checkpoint import save_checkpoint
     from t2train.cli import main
 
-    config = _config("model.residual=shortswa")
+    config = _config("model.residual=ddl", "model.shortswa.window=8")
     path = save_checkpoint(tmp_path, 7, _objects(seed=1, config=config),
-                           {"config": asdict(config), "tokens": 448, "code_version": "0.1+abc"})
+                           {"config": asdict(config), "config_format": CONFIG_FORMAT,
+                            "tokens": 448, "code_version": "0.1+abc"})
     assert main(["ckpt", "inspect", str(path)]) == 0
     out = capsys.readouterr().out
-    for expected in ("step 7, tokens 448", "TP 1 x PP 1 x DP 1", "shortswa residual, 2 layers",
+    for expected in ("step 7, tokens 448", "TP 1 x PP 1 x DP 1",
+                     "ddl+shortswa residual, 2 layers",
                      "code 0.1+abc", "common.pt", ".distcp"):
         assert expected in out
     assert main(["ckpt", "inspect", str(tmp_path)]) == 2  # not a checkpoint: one-line error

@@ -2,7 +2,8 @@
 
 import pytest
 
-from t2train.config.loader import dump_config, load_config, preset_names
+from t2train.config.arguments import preset_names
+from t2train.config.loader import dump_config, load_config
 from t2train.config.schema import ConfigError
 
 DATA = ["data.path=/some/data"]

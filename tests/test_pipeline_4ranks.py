@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 DESIGNS = {
     "standard": "model.residual=standard",
     "ddl_dv4": "model.residual=ddl,model.ddl.dv=4",
-    "shortswa": "model.residual=shortswa,model.shortswa.window=4",
+    "ddl+shortswa": "model.residual=ddl,model.shortswa.window=4",
     "depth_attn": "model.residual=depth_attn,model.depth_attn.window=3",  # crosses 1-layer stages
     "attnres": "model.residual=attnres",
     "block_attnres": "model.residual=block_attnres,model.attnres.block_size=4",

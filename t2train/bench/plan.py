@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from t2train.config.schema import Config
 from t2train.model.build import compute_dtype, padded_vocab_size, transformer_config
+from t2train.model.flops import extra_parameters, extra_tensor_parallel_parameters
 from t2train.parallel.depth_cache import HopPlan
-from t2train.residual import get_design
+from t2train.residual import get_design, variant_label
 
 
 @dataclass
@@ -55,17 +56,13 @@ class LayoutPlan:
 
 
 def _layer_parameters(config: Config, tp: int) -> tuple[int, int]:
-    """(parameters per layer on one tensor rank, of which replicated), `standard` + design."""
+    """(parameters per layer on one tensor rank, of which replicated), `standard` + design and
+    mixer (their projections split like attention's, gates and queries are replicated)."""
     model = config.model
     h, f = model.hidden_size, model.resolved_ffn_hidden_size()
-    sharded = h * (h + 2 * model.kv_dim()) + h * h + 3 * h * f
-    replicated = 2 * h
-    extra = get_design(model.residual).extra_parameters(model) // model.num_layers
-    if model.residual in ("depth_attn", "shortswa"):  # their projections split like attention
-        sharded += extra - h
-        replicated += h
-    else:
-        replicated += extra
+    split = extra_tensor_parallel_parameters(model)
+    sharded = h * (h + 2 * model.kv_dim()) + h * h + 3 * h * f + split // model.num_layers
+    replicated = 2 * h + (extra_parameters(model) - split) // model.num_layers
     return sharded // tp + replicated, replicated
 
 
@@ -124,7 +121,7 @@ def _mib(value: float) -> str:
 def format_plan(config: Config, plan: LayoutPlan) -> str:
     model = config.model
     lines = [
-        f"{model.residual}: {model.num_layers} layers, hidden {model.hidden_size}, seq "
+        f"{variant_label(model)}: {model.num_layers} layers, hidden {model.hidden_size}, seq "
         f"{model.seq_length}, micro-batch {config.train.micro_batch_size} | TP {plan.tensor} x "
         f"PP {plan.pipeline} x VPP {plan.virtual} x DP {plan.data_parallel}, "
         f"{plan.micro_batches} micro-batches per step",

@@ -16,8 +16,9 @@ from typing import Optional
 import torch
 
 from t2train.bench.table import markdown_table
+from t2train.residual import BASELINE
 
-REFERENCE = "plain PyTorch (standard)"
+REFERENCE = f"plain PyTorch ({BASELINE})"
 
 
 @dataclass
@@ -43,10 +44,11 @@ def _memory_gib() -> float:
 
 
 def _time_design(config, vocab_size: int, steps: list, warmup: int) -> DesignTiming:
-    from t2train.model.flops import parameters
-    from t2train.parallel.init import init_model_parallel, set_seed
     from t2train.engine.megatron.setup import build_training_objects
     from t2train.engine.megatron.step import train_step
+    from t2train.model.flops import parameters
+    from t2train.parallel.init import init_model_parallel, set_seed
+    from t2train.residual import variant_label
 
     parallel = config.parallel
     set_seed(config.train.seed, init_model_parallel(parallel.tensor, parallel.pipeline,
@@ -65,7 +67,7 @@ def _time_design(config, vocab_size: int, steps: list, warmup: int) -> DesignTim
     median = statistics.median(seconds)
     traffic = result.traffic
     timing = DesignTiming(
-        design=config.model.residual, params=parameters(config.model, vocab_size),
+        design=variant_label(config.model), params=parameters(config.model, vocab_size),
         step_seconds=median, tokens_per_sec=_tokens_per_step(config) / median,
         memory_gib=_memory_gib(),
         pipeline_bytes=traffic["pipeline/forward_bytes"] + traffic["pipeline/backward_bytes"])
@@ -118,12 +120,11 @@ def run_step_bench(preset: Optional[str], config_file: Optional[str], overrides:
     """One timing per design, plus the plain-PyTorch reference when the world is one rank."""
     import torch.distributed as dist
 
-    from t2train.config.loader import load_config
+    from t2train.bench.variants import variant_config
     from t2train.model.build import padded_vocab_size
     from t2train.train.loop import dataset_facts
 
-    configs = [load_config(preset, config_file, [*overrides, f"model.residual={design}"])
-               for design in designs]
+    configs = [variant_config(preset, config_file, overrides, design) for design in designs]
     vocab_size = padded_vocab_size(dataset_facts(configs[0])["vocab_size"], configs[0])
     batches = _real_batches(configs[0], warmup + steps)
     timings = [_time_design(config, vocab_size, batches, warmup) for config in configs]
@@ -134,9 +135,9 @@ def run_step_bench(preset: Optional[str], config_file: Optional[str], overrides:
 
 def format_step_table(timings: list[DesignTiming]) -> str:
     by_design = {timing.design: timing for timing in timings}
-    baseline = by_design.get("standard")
+    baseline = by_design.get(BASELINE)
     memory = "peak CUDA memory (GiB)" if torch.cuda.is_available() else "process RSS (GiB)"
-    headers = ["design", "params (M)", "step time (ms, median)", "vs standard", "tokens/s",
+    headers = ["design", "params (M)", "step time (ms, median)", f"vs {BASELINE}", "tokens/s",
                memory, "pipeline bytes/step"]
     rows = [[timing.design, f"{timing.params / 1e6:.2f}", f"{timing.step_seconds * 1e3:.1f}",
              f"{timing.step_seconds / baseline.step_seconds:.2f}" if baseline else "n/a",
@@ -152,10 +153,10 @@ def format_step_table(timings: list[DesignTiming]) -> str:
 
 
 def _cmd_step(args) -> int:
+    from t2train.bench.variants import variant_names
     from t2train.parallel.init import is_rank_zero
-    from t2train.residual import registered
 
-    designs = args.designs.split(",") if args.designs else list(registered())
+    designs = variant_names(args.designs)
     timings = run_step_bench(args.preset, args.config, args.overrides, designs, args.warmup,
                              args.steps)
     if is_rank_zero():
@@ -164,7 +165,7 @@ def _cmd_step(args) -> int:
 
 
 def register(commands) -> None:
-    from t2train.config.loader import add_config_arguments
+    from t2train.config.arguments import add_config_arguments
 
     bench = commands.add_parser("bench", help="benchmarks")
     tools = bench.add_subparsers(dest="bench_command", required=True)
@@ -173,7 +174,9 @@ def register(commands) -> None:
         description="Time training steps of each residual design at the configured layout on "
                     "real batches, against standard and a plain-PyTorch loop.")
     add_config_arguments(step)
-    step.add_argument("--designs", help="comma-separated designs (default: all registered)")
+    step.add_argument("--designs", help="comma-separated designs, each alone or with the "
+                                        "local mixer: ddl,ddl+shortswa (default: every "
+                                        "registered design alone)")
     step.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     step.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     step.set_defaults(handler=_cmd_step)

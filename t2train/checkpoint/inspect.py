@@ -8,6 +8,7 @@ from pathlib import Path
 
 from t2train.checkpoint.errors import CheckpointError
 from t2train.checkpoint.paths import ENGINE_FILE, checkpoint_engine, is_complete
+from t2train.residual import resolve_aliases, variant_label
 
 
 def read_train_state(path: Path) -> dict:
@@ -32,6 +33,8 @@ def read_train_state(path: Path) -> dict:
 def describe(path: Path) -> str:
     state = read_train_state(path)
     model = state.get("config", {}).get("model", {})
+    design = (variant_label(resolve_aliases(model, state.get("config_format", 1)))
+              if "residual" in model else "?")
     layout = state["layout"]
     files = sorted(p for p in path.iterdir() if p.is_file())
     total = sum(p.stat().st_size for p in files)
@@ -39,7 +42,7 @@ def describe(path: Path) -> str:
              f"  step {state['step']}, tokens {state.get('tokens', 0):,}",
              f"  layout TP {layout['tp']} x PP {layout['pp']} x DP {layout['dp']}"
              + (f", DeepSpeed ZeRO-{layout['zero_stage']}" if "zero_stage" in layout else ""),
-             f"  model {model.get('residual', '?')} residual, {model.get('num_layers', '?')} "
+             f"  model {design} residual, {model.get('num_layers', '?')} "
              f"layers, hidden {model.get('hidden_size', '?')}",
              "  optimizer state: " + ("yes" if state["has_optimizer"]
                                       else "no (before the first update)"),

@@ -166,7 +166,7 @@ class DeepSpeedEngine:
         """
         check_engine(path, "deepspeed")
         written = json.loads((path / ENGINE_FILE).read_text())
-        check_same_model(path, (written.get("config") or {}).get("model"), self.config.model)
+        check_same_model(path, written, self.config.model)
         if written["layout"] != self._layout():
             raise CheckpointError(f"{path}: DeepSpeed checkpoint of layout {written['layout']}, "
                                   f"this run is {self._layout()}; DeepSpeed engine checkpoints "

@@ -93,7 +93,7 @@ def build_model_chunks(config: Config, tf_config: T2TransformerConfig,
     for vp_stage in range(virtual):
         vp = vp_stage if virtual > 1 else None
         chunk = T2GPTModel(
-            tf_config, config.model.residual, vocab_size=vocab_size,
+            tf_config, vocab_size=vocab_size,
             max_sequence_length=config.model.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),

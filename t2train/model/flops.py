@@ -1,4 +1,5 @@
-"""Parameter and forward-FLOP counts per token, for every residual design (used for MFU).
+"""Parameter and forward-FLOP counts per token, for every residual design and the local mixer
+(used for MFU).
 
 FLOPs count multiply-adds as 2 and include the causal attention scores and mixing
 (a query at position i attends to i + 1 keys). A training step costs 3x the forward
@@ -8,7 +9,7 @@ FLOPs count multiply-adds as 2 and include the causal attention scores and mixin
 from __future__ import annotations
 
 from t2train.config.schema import ModelConfig
-from t2train.residual import get_design
+from t2train.residual import components
 
 
 def standard_parameters(model: ModelConfig, vocab_size: int) -> int:
@@ -18,9 +19,17 @@ def standard_parameters(model: ModelConfig, vocab_size: int) -> int:
     return vocab_size * h + model.num_layers * per_layer + h + head
 
 
+def extra_parameters(model: ModelConfig) -> int:
+    return sum(part.extra_parameters(model) for part in components(model))
+
+
+def extra_tensor_parallel_parameters(model: ModelConfig) -> int:
+    """The part of ``extra_parameters`` split across tensor-parallel ranks."""
+    return sum(part.tensor_parallel_parameters(model) for part in components(model))
+
+
 def parameters(model: ModelConfig, vocab_size: int) -> int:
-    return standard_parameters(model, vocab_size) + get_design(model.residual).extra_parameters(
-        model)
+    return standard_parameters(model, vocab_size) + extra_parameters(model)
 
 
 def standard_forward_flops_per_token(model: ModelConfig, vocab_size: int) -> float:
@@ -32,7 +41,7 @@ def standard_forward_flops_per_token(model: ModelConfig, vocab_size: int) -> flo
 
 def forward_flops_per_token(model: ModelConfig, vocab_size: int) -> float:
     return (standard_forward_flops_per_token(model, vocab_size)
-            + get_design(model.residual).extra_flops_per_token(model))
+            + sum(part.extra_flops_per_token(model) for part in components(model)))
 
 
 def train_flops_per_token(model: ModelConfig, vocab_size: int) -> float:

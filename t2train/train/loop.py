@@ -90,6 +90,7 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
     from t2train.monitor.metrics import Monitor
     from t2train.monitor.step_metrics import loss_scalars, step_meter
     from t2train.parallel.init import init_distributed, init_model_parallel, set_seed
+    from t2train.residual import variant_label
     from t2train.train.batches import GlobalBatchFeeder
     from t2train.train.data import open_streams
 
@@ -134,7 +135,8 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
                       prefix=f"[rank {topology.rank}] " if config.log.all_ranks else "")
     engine_name = (f"deepspeed ZeRO-{config.deepspeed.zero_stage}"
                    if config.train.engine == "deepspeed" else "megatron")
-    monitor.print(f"t2train: {config.model.residual} residual, {config.model.num_layers} layers, "
+    monitor.print(f"t2train: {variant_label(config.model)} residual, "
+                  f"{config.model.num_layers} layers, "
                   f"{engine.num_parameters() / 1e6:.2f}M parameters on rank 0 | world "
                   f"{topology.world_size} = TP {topology.tp_size} x PP {topology.pp_size} x DP "
                   f"{dp_size} | engine {engine_name} | {start}")

@@ -106,7 +106,7 @@ def load_checkpoint(path: Path, objs: TrainingObjects, config=None) -> dict:
     check_engine(path, "megatron")
     common = read_checkpoint(path, lambda: dist_checkpointing.load_common_state_dict(str(path)))
     if config is not None:
-        check_same_model(path, common["train_state"].get("config", {}).get("model"), config.model)
+        check_same_model(path, common["train_state"], config.model)
     check_shard_files(path)
     saved_layout = common["train_state"]["layout"]
     same_layout = saved_layout == current_layout()
