@@ -6,16 +6,17 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from t2train.config.arguments import add_config_arguments
+from t2train.config.arguments import CONFIG_SECTIONS, add_config_arguments
 from t2train.residual import registered
 
 TRAIN_EPILOG = f"""\
 overrides are dotted config fields, e.g.:
   model.residual={'|'.join(registered())} model.num_layers=4
-  train.steps=300 data.path=DIR
-  parallel.tensor=2 parallel.pipeline=2 checkpoint.resume=auto|none|PATH
-config sections: model, parallel, train, data, checkpoint, log (see t2train/config/schema.py)
-run under torchrun for several processes: torchrun --nproc-per-node=2 -m t2train.cli train ...
+  train.steps=300 data.path=DIR parallel.tensor=2 parallel.pipeline=2
+  name=RUN (outputs go to log.run_dir, runs/{{name}} by default) checkpoint.resume=auto|none|PATH
+config sections: {', '.join(CONFIG_SECTIONS)}
+  (every field with its rule: t2train/config/schema.py; t2train config --preset P prints one)
+run under torchrun for several processes: t2train launch --nproc-per-node=2 ...
 """
 
 
@@ -55,10 +56,7 @@ def _cmd_plan(args) -> int:
     from t2train.config.loader import load_config
     from t2train.bench.plan import format_plan, plan_layout
 
-    given = any(item.startswith("data.path=") for item in args.overrides)
-    # The plan reads no data; a placeholder satisfies the config's required field.
-    config = load_config(args.preset, args.config,
-                         args.overrides if given else ["data.path=unused", *args.overrides])
+    config = load_config(args.preset, args.config, args.overrides)
     vocab = config.model.vocab_size or args.vocab_size
     world = args.world_size or config.parallel.tensor * config.parallel.pipeline
     print(format_plan(config, plan_layout(config, vocab, world)))

@@ -19,10 +19,17 @@ def test_help_lists_subcommands(tmp_path):
         assert command in proc.stdout
 
 
-def test_train_help_explains_overrides(tmp_path):
+def test_train_help_explains_overrides_and_lists_every_section(tmp_path):
+    from dataclasses import fields
+
+    from t2train.config.schema import Config
+
     proc = t2train("train", "--help", cwd=tmp_path)
     assert proc.returncode == 0
     assert "--preset" in proc.stdout and "model.num_layers=4" in proc.stdout
+    assert "name=RUN" in proc.stdout and "log.run_dir" in proc.stdout
+    sections = [f.name for f in fields(Config) if f.name != "name"]
+    assert f"config sections: {', '.join(sections)}" in proc.stdout
 
 
 @pytest.mark.parametrize("args, cause", [

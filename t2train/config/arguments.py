@@ -10,6 +10,8 @@ import argparse
 from importlib import resources
 
 PRESET_PACKAGE = "t2train.config.presets"
+# The sections of ``Config``, for help texts (tests/test_cli.py keeps them in step).
+CONFIG_SECTIONS = ("model", "parallel", "train", "data", "checkpoint", "deepspeed", "log")
 
 
 def preset_names() -> list[str]:

@@ -45,29 +45,29 @@ class ModelShape:
 
     def validate(self) -> None:
         require(self.residual in registered(), "model.residual", self.residual,
-                 f"must be one of {sorted(registered())}")
+                f"must be one of {sorted(registered())}")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                      "make_vocab_size_divisible_by", "rotary_base"):
             require(getattr(self, name) >= 1, f"model.{name}", getattr(self, name), "must be >= 1")
         require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
-                 self.hidden_size, f"must be divisible by model.num_attention_heads="
-                 f"{self.num_attention_heads}")
+                self.hidden_size, f"must be divisible by model.num_attention_heads="
+                f"{self.num_attention_heads}")
         head_dim = self.hidden_size // self.num_attention_heads
         require(head_dim % 2 == 0, "model.hidden_size", self.hidden_size,
-                 f"head dim hidden_size/num_attention_heads={head_dim} must be even for RoPE")
+                f"head dim hidden_size/num_attention_heads={head_dim} must be even for RoPE")
         if self.num_query_groups is not None:
             require(self.num_query_groups >= 1
-                     and self.num_attention_heads % self.num_query_groups == 0,
-                     "model.num_query_groups", self.num_query_groups,
-                     f"must be >= 1 and divide model.num_attention_heads={self.num_attention_heads}")
+                    and self.num_attention_heads % self.num_query_groups == 0,
+                    "model.num_query_groups", self.num_query_groups,
+                    f"must be >= 1 and divide model.num_attention_heads={self.num_attention_heads}")
         if self.ffn_hidden_size is not None:
             require(self.ffn_hidden_size >= 1, "model.ffn_hidden_size", self.ffn_hidden_size,
-                     "must be >= 1")
+                    "must be >= 1")
         if self.vocab_size is not None:
             require(self.vocab_size >= 2, "model.vocab_size", self.vocab_size, "must be >= 2")
         require(self.norm_epsilon > 0, "model.norm_epsilon", self.norm_epsilon, "must be > 0")
         require(self.init_method_std > 0, "model.init_method_std", self.init_method_std,
-                 "must be > 0")
+                "must be > 0")
         for section in option_sections():
             getattr(self, section).validate(f"model.{section}")
 
@@ -107,25 +107,25 @@ class ParallelConfig:
 
     def validate(self, model: ModelConfig) -> None:
         require(self.collective_timeout_mins > 0, "parallel.collective_timeout_mins",
-                 self.collective_timeout_mins, "must be > 0")
+                self.collective_timeout_mins, "must be > 0")
         for name in ("tensor", "pipeline", "virtual_pipeline"):
             require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name),
-                     "must be >= 1")
+                    "must be >= 1")
         require(model.num_attention_heads % self.tensor == 0, "parallel.tensor", self.tensor,
-                 f"must divide model.num_attention_heads={model.num_attention_heads}")
+                f"must divide model.num_attention_heads={model.num_attention_heads}")
         groups = model.num_query_groups or model.num_attention_heads
         require(groups % self.tensor == 0, "parallel.tensor", self.tensor,
-                 f"must divide the number of query groups ({groups})")
+                f"must divide the number of query groups ({groups})")
         chunks = self.pipeline * self.virtual_pipeline
         require(model.num_layers % chunks == 0, "model.num_layers", model.num_layers,
-                 f"must be divisible by parallel.pipeline * parallel.virtual_pipeline = {chunks}")
+                f"must be divisible by parallel.pipeline * parallel.virtual_pipeline = {chunks}")
         require(self.virtual_pipeline == 1 or self.pipeline > 1, "parallel.virtual_pipeline",
-                 self.virtual_pipeline, "needs parallel.pipeline > 1")
+                self.virtual_pipeline, "needs parallel.pipeline > 1")
         require(not self.sequence_parallel or self.tensor > 1, "parallel.sequence_parallel",
-                 self.sequence_parallel, "needs parallel.tensor > 1")
+                self.sequence_parallel, "needs parallel.tensor > 1")
         if self.sequence_parallel:
             require(model.seq_length % self.tensor == 0, "model.seq_length", model.seq_length,
-                     f"must be divisible by parallel.tensor={self.tensor} with sequence_parallel")
+                    f"must be divisible by parallel.tensor={self.tensor} with sequence_parallel")
 
 
 @dataclass
@@ -169,40 +169,42 @@ class TrainConfig:
         for name in ("steps", "micro_batch_size", "global_batch_size", "eval_interval",
                      "eval_batches", "log_interval"):
             require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name),
-                     "must be >= 1")
+                    "must be >= 1")
         require(self.global_batch_size % self.micro_batch_size == 0, "train.global_batch_size",
-                 self.global_batch_size,
-                 f"must be a multiple of train.micro_batch_size={self.micro_batch_size}")
+                self.global_batch_size,
+                f"must be a multiple of train.micro_batch_size={self.micro_batch_size}")
         require(self.lr > 0, "train.lr", self.lr, "must be > 0")
         require(0 <= self.min_lr <= self.lr, "train.min_lr", self.min_lr,
-                 f"must be in [0, train.lr={self.lr}]")
+                f"must be in [0, train.lr={self.lr}]")
         require(0 <= self.warmup_steps < self.steps, "train.warmup_steps", self.warmup_steps,
-                 f"must be in [0, train.steps={self.steps})")
+                f"must be in [0, train.steps={self.steps}); for a run this short set "
+                f"train.warmup_steps={max(0, self.steps // 10)}")
         require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0")
         for name in ("adam_beta1", "adam_beta2"):
             require(0 <= getattr(self, name) < 1, f"train.{name}", getattr(self, name),
-                     "must be in [0, 1)")
+                    "must be in [0, 1)")
         require(self.adam_eps > 0, "train.adam_eps", self.adam_eps, "must be > 0")
         require(self.clip_grad >= 0, "train.clip_grad", self.clip_grad,
-                 "must be >= 0 (0 disables clipping)")
+                "must be >= 0 (0 disables clipping)")
         # numpy seeds must be < 2**32, and each pipeline stage adds 100 * its rank.
         require(0 <= self.seed < 2**31, "train.seed", self.seed, "must be in [0, 2**31)")
         parse_signals(self.exit_signals)
         require(self.exit_duration_mins >= 0, "train.exit_duration_mins",
-                 self.exit_duration_mins, "must be >= 0 (0 disables the time limit)")
+                self.exit_duration_mins, "must be >= 0 (0 disables the time limit)")
         require(self.max_skipped_steps >= 1, "train.max_skipped_steps", self.max_skipped_steps,
-                 "must be >= 1")
+                "must be >= 1")
         require(self.loss_spike_factor == 0 or self.loss_spike_factor > 1,
-                 "train.loss_spike_factor", self.loss_spike_factor, "must be 0 (off) or > 1")
+                "train.loss_spike_factor", self.loss_spike_factor, "must be 0 (off) or > 1")
         require(self.loss_spike_window >= 1, "train.loss_spike_window", self.loss_spike_window,
-                 "must be >= 1")
+                "must be >= 1")
 
 
 @dataclass
 class DataConfig:
     """A prepared dataset directory (``t2train data prepare``): MDS shards plus tokenizer."""
 
-    path: str = ""  # the dataset: trained on (unless ``mix`` is set) and evaluated on (val)
+    # The dataset (required to train): trained on (unless ``mix`` is set) and evaluated on (val).
+    path: str = ""
     remote: Optional[str] = None  # object-store URL streamed into ``path`` as a local cache
     shuffle: bool = True
     num_workers: int = 0
@@ -216,11 +218,9 @@ class DataConfig:
     num_canonical_nodes: int = 1
 
     def validate(self) -> None:
-        require(bool(self.path), "data.path", self.path,
-                 "must name a prepared dataset directory (see `t2train data prepare`)")
         require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0")
         require(self.num_canonical_nodes >= 1, "data.num_canonical_nodes",
-                 self.num_canonical_nodes, "must be >= 1")
+                self.num_canonical_nodes, "must be >= 1")
         self.mix_weights()
 
     def mix_weights(self) -> list[tuple[str, float]]:
@@ -235,12 +235,12 @@ class DataConfig:
             except ValueError:
                 value = None
             require(bool(path) and value is not None and 0 < value < float("inf"), "data.mix",
-                     self.mix, f"entry {entry.strip()!r} must be DIR=WEIGHT with a weight > 0, "
-                     "entries separated by commas")
+                    self.mix, f"entry {entry.strip()!r} must be DIR=WEIGHT with a weight > 0, "
+                    "entries separated by commas")
             pairs.append((path, value))
         paths = [path for path, _ in pairs]
         require(len(set(paths)) == len(paths), "data.mix", self.mix,
-                 "must name each dataset directory once")
+                "must name each dataset directory once")
         return pairs
 
 
@@ -268,11 +268,11 @@ class CheckpointConfig:
     def validate(self) -> None:
         require(self.interval >= 1, "checkpoint.interval", self.interval, "must be >= 1")
         require(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last,
-                 "must be >= 0 (0 keeps every checkpoint)")
+                "must be >= 0 (0 keeps every checkpoint)")
         require(self.keep_every >= 0, "checkpoint.keep_every", self.keep_every,
-                 "must be >= 0 (0: no extra checkpoints kept)")
+                "must be >= 0 (0: no extra checkpoints kept)")
         require(bool(self.resume), "checkpoint.resume", self.resume,
-                 "must be 'auto', 'none' or a checkpoint directory")
+                "must be 'auto', 'none' or a checkpoint directory")
 
 
 @dataclass
@@ -291,9 +291,9 @@ class DeepSpeedConfig:
 
     def validate(self) -> None:
         require(self.zero_stage in (1, 2, 3), "deepspeed.zero_stage", self.zero_stage,
-                 "must be 1, 2 or 3 (plain data parallelism is train.engine=megatron)")
+                "must be 1, 2 or 3 (plain data parallelism is train.engine=megatron)")
         require(not self.offload_params or self.zero_stage == 3, "deepspeed.offload_params",
-                 self.offload_params, "needs deepspeed.zero_stage=3")
+                self.offload_params, "needs deepspeed.zero_stage=3")
 
 
 @dataclass
@@ -310,9 +310,9 @@ class LogConfig:
     def validate(self) -> None:
         require(bool(self.run_dir), "log.run_dir", self.run_dir, "must be a directory path")
         require(self.diagnostics_interval >= 0, "log.diagnostics_interval",
-                 self.diagnostics_interval, "must be >= 0 (0 turns diagnostics off)")
+                self.diagnostics_interval, "must be >= 0 (0 turns diagnostics off)")
         require(self.peak_tflops >= 0, "log.peak_tflops", self.peak_tflops,
-                 "must be >= 0 (0 looks the GPU up in the peak table)")
+                "must be >= 0 (0 looks the GPU up in the peak table)")
 
 
 # Recorded in checkpoints with the config. 2: the local mixer is an axis of its own
@@ -333,7 +333,7 @@ class Config:
 
     def validate(self) -> "Config":
         require(bool(self.name) and "/" not in self.name, "name", self.name,
-                 "must be a non-empty run name without '/'")
+                "must be a non-empty run name without '/'")
         self.model.validate()
         self.parallel.validate(self.model)
         for part in components(self.model):
@@ -351,33 +351,33 @@ class Config:
         """What DeepSpeed ZeRO replaces or cannot run: Megatron's pipeline and its optimizer."""
         why = "is not supported with train.engine=deepspeed"
         require(self.parallel.pipeline == 1, "parallel.pipeline", self.parallel.pipeline,
-                 "must be 1 with train.engine=deepspeed (pipeline stages need Megatron's "
-                 "schedules: use train.engine=megatron)")
+                "must be 1 with train.engine=deepspeed (pipeline stages need Megatron's "
+                "schedules: use train.engine=megatron)")
         require(not self.parallel.sequence_parallel, "parallel.sequence_parallel", True,
-                 f"{why} (its norm gradients need Megatron's tensor-parallel all-reduce)")
+                f"{why} (its norm gradients need Megatron's tensor-parallel all-reduce)")
         require(not self.parallel.distributed_optimizer, "parallel.distributed_optimizer", True,
-                 f"{why}: ZeRO (deepspeed.zero_stage) shards the optimizer instead")
+                f"{why}: ZeRO (deepspeed.zero_stage) shards the optimizer instead")
         require(not self.checkpoint.async_save, "checkpoint.async_save", True, why)
         require(self.train.loss_spike_factor == 0, "train.loss_spike_factor",
-                 self.train.loss_spike_factor, f"{why} (DeepSpeed applies the update itself; "
-                 "it skips non-finite gradients on its own)")
+                self.train.loss_spike_factor, f"{why} (DeepSpeed applies the update itself; "
+                "it skips non-finite gradients on its own)")
 
     def validate_world(self, world_size: int) -> int:
         """Check the layout against the launched world; returns the data-parallel size."""
         model_parallel = self.parallel.tensor * self.parallel.pipeline
         require(world_size % model_parallel == 0, "parallel.tensor*parallel.pipeline",
-                 model_parallel, f"must divide the world size {world_size}")
+                model_parallel, f"must divide the world size {world_size}")
         dp = world_size // model_parallel
         per_step = self.train.micro_batch_size * dp
         require(self.train.global_batch_size % per_step == 0, "train.global_batch_size",
-                 self.train.global_batch_size,
-                 f"must be a multiple of micro_batch_size * data_parallel = {per_step}")
+                self.train.global_batch_size,
+                f"must be a multiple of micro_batch_size * data_parallel = {per_step}")
         if self.parallel.virtual_pipeline > 1:
             micro_batches = self.micro_batches_per_step(dp)
             require(micro_batches % self.parallel.pipeline == 0, "train.global_batch_size",
-                     self.train.global_batch_size,
-                     f"gives {micro_batches} micro-batches per step; the interleaved schedule "
-                     f"needs a multiple of parallel.pipeline={self.parallel.pipeline}")
+                    self.train.global_batch_size,
+                    f"gives {micro_batches} micro-batches per step; the interleaved schedule "
+                    f"needs a multiple of parallel.pipeline={self.parallel.pipeline}")
         return dp
 
     def micro_batches_per_step(self, data_parallel: int) -> int:

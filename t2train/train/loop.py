@@ -36,6 +36,9 @@ class RunSummary:
 def dataset_facts(config: Config) -> dict:
     from t2train.data.prepare import read_index
 
+    if not config.data.path:
+        raise ConfigError("data.path='': must name a prepared dataset directory (see "
+                          "`t2train data prepare`)")
     index = read_index(config.data.path)
     if config.model.seq_length > index["seq_length"]:
         raise ConfigError(f"model.seq_length={config.model.seq_length}: longer than the "
