@@ -164,8 +164,8 @@ def test_a_damaged_shard_is_named(megatron_world, tmp_path: Path, damage):
 
 
 def test_inspect_prints_step_layout_design_and_shards(megatron_world, tmp_path: Path, capsys):
-    from t2train.engine.megatron.checkpoint import save_checkpoint
     from t2train.cli import main
+    from t2train.engine.megatron.checkpoint import save_checkpoint
 
     config = _config("model.residual=ddl", "model.shortswa.window=8")
     path = save_checkpoint(tmp_path, 7, _objects(seed=1, config=config),
@@ -177,4 +177,12 @@ def test_inspect_prints_step_layout_design_and_shards(megatron_world, tmp_path: 
                      "ddl+shortswa residual, 2 layers",
                      "code 0.1+abc", "common.pt", ".distcp"):
         assert expected in out
-    assert main(["ckpt", "inspect", str(tmp_path)]) == 2  # not a checkpoint: one-line error
+    for leading_to_it in (tmp_path, tmp_path / "latest"):  # the checkpoints directory, latest
+        assert main(["ckpt", "inspect", str(leading_to_it)]) == 0
+        assert f"its newest complete checkpoint is {path}" in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()
+    assert main(["ckpt", "inspect", str(tmp_path / "empty")]) == 2  # one-line error
+    assert "not a complete t2train checkpoint, nor a run" in capsys.readouterr().err
+    (path / "metadata.json").write_text("{not json")
+    assert main(["ckpt", "inspect", str(path)]) == 2
+    assert f"{path / 'metadata.json'}: cannot read (JSONDecodeError" in capsys.readouterr().err
