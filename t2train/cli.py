@@ -29,21 +29,30 @@ def _load(args):
 def _cmd_train(args) -> int:
     from t2train.parallel.init import is_rank_zero
     from t2train.train.loop import train
+    from t2train.train.preemption import REQUEUE_EXIT_CODE
 
     summary = train(_load(args))
-    if summary.val_losses and is_rank_zero():
-        first, last = min(summary.val_losses), max(summary.val_losses)
-        print(f"done: step {summary.final_step}, val loss {summary.val_losses[first]:.4f} "
-              f"(step {first}) -> {summary.val_losses[last]:.4f} (step {last}); "
-              f"run dir {summary.run_dir}")
-    if summary.stopped:
-        from t2train.train.preemption import REQUEUE_EXIT_CODE
+    if is_rank_zero():
+        print(_outcome(summary, REQUEUE_EXIT_CODE))
+    return REQUEUE_EXIT_CODE if summary.stopped else 0
 
-        if is_rank_zero():
-            print(f"stopped early at step {summary.final_step} ({summary.stopped}); saved "
-                  f"{summary.checkpoint}; exit code {REQUEUE_EXIT_CODE}: run again to resume")
-        return REQUEUE_EXIT_CODE
-    return 0
+
+def _outcome(summary, requeue_code: int) -> str:
+    """The run's last line: stopped early (and how to go on), or done with its val losses."""
+    if summary.stopped:
+        return (f"stopped early at step {summary.final_step} ({summary.stopped}): checkpoint "
+                f"{summary.checkpoint} saved; run the same command again to resume (exit code "
+                f"{requeue_code})")
+    done = f"done: step {summary.final_step}"
+    if summary.val_losses:
+        steps = sorted(summary.val_losses)
+        first, last = steps[0], steps[-1]
+        done += f", val loss {summary.val_losses[first]:.4f} (step {first})"
+        if last != first:
+            done += f" -> {summary.val_losses[last]:.4f} (step {last})"
+        if summary.start_step:
+            done += f", this run resumed at step {summary.start_step}"
+    return f"{done}; run dir {summary.run_dir}"
 
 
 def _cmd_launch(args) -> int:
