@@ -7,12 +7,12 @@ LOCK   := constraints/cpu.txt
 DEMO_DATA ?= .cache/data/shakespeare-bpe4k-s128
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install demo test clean-demo gpu-bundle gpu-check
+.PHONY: install demo test test-fast clean-demo gpu-bundle gpu-check
 
 # The pinned CPU stack. torch and deepspeed go first: deepspeed builds against the
 # installed torch (no build isolation, no compiled ops), and the lock keeps every later
 # install from replacing torch.
-$(VENV)/.installed: pyproject.toml $(LOCK)
+$(VENV)/.installed: pyproject.toml setup.py $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install -c $(LOCK) torch torchvision
@@ -32,6 +32,10 @@ demo: $(VENV)/.installed $(DEMO_DATA)/index.json
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=25
+
+# The fast tier while you work: no multi-process runs, no SLURM, no long training (docs/testing.md).
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow and not slurm" --durations=10
 
 clean-demo:
 	rm -rf runs/demo $(DEMO_DATA)

@@ -1,0 +1,5 @@
+"""t2train: distributed pretraining of decoder Transformers with pluggable residual streams."""
+
+from t2train.compat import library_noise
+
+library_noise.silence()

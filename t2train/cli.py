@@ -6,23 +6,18 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-TRAIN_EPILOG = """\
+from t2train.config.arguments import CONFIG_SECTIONS, add_config_arguments
+from t2train.residual import registered
+
+TRAIN_EPILOG = f"""\
 overrides are dotted config fields, e.g.:
-  model.residual=standard model.num_layers=4 train.steps=300 data.path=DIR
-  parallel.tensor=2 parallel.pipeline=2 checkpoint.resume=auto|none|PATH
-config sections: model, parallel, train, data, checkpoint, log (see t2train/config/schema.py)
-run under torchrun for several processes: torchrun --nproc-per-node=2 -m t2train.cli train ...
+  model.residual={'|'.join(registered())} model.num_layers=4
+  train.steps=300 data.path=DIR parallel.tensor=2 parallel.pipeline=2
+  name=RUN (outputs go to log.run_dir, runs/{{name}} by default) checkpoint.resume=auto|none|PATH
+config sections: {', '.join(CONFIG_SECTIONS)}
+  (every field with its rule: t2train/config/schema.py; t2train config --preset P prints one)
+run under torchrun for several processes: t2train launch --nproc-per-node=2 ...
 """
-
-
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    from t2train.config.loader import preset_names
-
-    parser.add_argument("--preset", help=f"start from a preset: {', '.join(preset_names())}")
-    parser.add_argument("--config", help="a YAML file of config sections, applied after the "
-                                         "preset")
-    parser.add_argument("overrides", nargs="*", metavar="section.field=value",
-                        help="dotted overrides, applied last")
 
 
 def _load(args):
@@ -32,22 +27,32 @@ def _load(args):
 
 
 def _cmd_train(args) -> int:
+    from t2train.parallel.init import is_rank_zero
     from t2train.train.loop import train
+    from t2train.train.preemption import REQUEUE_EXIT_CODE
 
     summary = train(_load(args))
-    if summary.val_losses and is_rank_zero():
-        first, last = min(summary.val_losses), max(summary.val_losses)
-        print(f"done: step {summary.final_step}, val loss {summary.val_losses[first]:.4f} "
-              f"(step {first}) -> {summary.val_losses[last]:.4f} (step {last}); "
-              f"run dir {summary.run_dir}")
-    if summary.stopped:
-        from t2train.train.preemption import REQUEUE_EXIT_CODE
+    if is_rank_zero():
+        print(_outcome(summary, REQUEUE_EXIT_CODE))
+    return REQUEUE_EXIT_CODE if summary.stopped else 0
 
-        if is_rank_zero():
-            print(f"stopped early at step {summary.final_step} ({summary.stopped}); saved "
-                  f"{summary.checkpoint}; exit code {REQUEUE_EXIT_CODE}: run again to resume")
-        return REQUEUE_EXIT_CODE
-    return 0
+
+def _outcome(summary, requeue_code: int) -> str:
+    """The run's last line: stopped early (and how to go on), or done with its val losses."""
+    if summary.stopped:
+        return (f"stopped early at step {summary.final_step} ({summary.stopped}): checkpoint "
+                f"{summary.checkpoint} saved; run the same command again to resume (exit code "
+                f"{requeue_code})")
+    done = f"done: step {summary.final_step}"
+    if summary.val_losses:
+        steps = sorted(summary.val_losses)
+        first, last = steps[0], steps[-1]
+        done += f", val loss {summary.val_losses[first]:.4f} (step {first})"
+        if last != first:
+            done += f" -> {summary.val_losses[last]:.4f} (step {last})"
+        if summary.start_step:
+            done += f", this run resumed at step {summary.start_step}"
+    return f"{done}; run dir {summary.run_dir}"
 
 
 def _cmd_launch(args) -> int:
@@ -58,12 +63,9 @@ def _cmd_launch(args) -> int:
 
 def _cmd_plan(args) -> int:
     from t2train.config.loader import load_config
-    from t2train.parallel.plan import format_plan, plan_layout
+    from t2train.bench.plan import format_plan, plan_layout
 
-    given = any(item.startswith("data.path=") for item in args.overrides)
-    # The plan reads no data; a placeholder satisfies the config's required field.
-    config = load_config(args.preset, args.config,
-                         args.overrides if given else ["data.path=unused", *args.overrides])
+    config = load_config(args.preset, args.config, args.overrides)
     vocab = config.model.vocab_size or args.vocab_size
     world = args.world_size or config.parallel.tensor * config.parallel.pipeline
     print(format_plan(config, plan_layout(config, vocab, world)))
@@ -75,12 +77,6 @@ def _cmd_config(args) -> int:
 
     print(dump_config(_load(args)), end="")
     return 0
-
-
-def is_rank_zero() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def build_parser() -> argparse.ArgumentParser:

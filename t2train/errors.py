@@ -8,3 +8,15 @@ class UserInputError(ValueError):
 class TrainingHalted(RuntimeError):
     """Training cannot safely go on (e.g. updates skipped too often in a row): exit code 3.
     The last published checkpoint is intact."""
+
+
+class ConfigError(UserInputError):
+    """A configuration value is missing, malformed or inconsistent; the message names it."""
+
+
+def require(ok: bool, field_name: str, value, rule: str) -> None:
+    """Raise ``ConfigError("<field>=<value>: <rule>")`` unless ``ok``."""
+    if not ok:
+        text = repr(value)
+        raise ConfigError(f"{field_name}={text if len(text) <= 200 else text[:197] + '...'}: "
+                          f"{rule}")

@@ -33,8 +33,8 @@ def isolated_streaming(tmp_path_factory):
     """Keep streaming's never-deleted filelocks out of /tmp, and its shared memory tidy.
 
     streaming puts ``<prefix>_*_filelock`` files in ``tempfile.gettempdir()`` (also in spawned
-    children, hence TMPDIR) and segments in /dev/shm; segments this session created and left
-    behind are removed at the end.
+    children, hence TMPDIR) and segments in /dev/shm; segments that appeared during this session
+    and that no live process uses are removed at the end (another session may be running).
     """
     scratch = str(tmp_path_factory.mktemp("streaming-tmp"))
     before = set(os.listdir("/dev/shm"))
@@ -47,9 +47,26 @@ def isolated_streaming(tmp_path_factory):
     else:
         os.environ["TMPDIR"] = saved_env
     gc.collect()
-    for name in set(os.listdir("/dev/shm")) - before:
-        if re.fullmatch(r"\d{6}_\w+", name):
-            Path("/dev/shm", name).unlink(missing_ok=True)
+    left = {name for name in set(os.listdir("/dev/shm")) - before
+            if re.fullmatch(r"\d{6}_\w+", name)}
+    for name in left - _shm_in_use():  # another session's live segments are not ours
+        Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def _shm_in_use() -> set:
+    """Names of /dev/shm segments some live process has open or mapped."""
+    used = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            links = [os.readlink(fd) for fd in (proc / "fd").iterdir()]
+            maps = (proc / "maps").read_text().splitlines()
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        paths = links + [line.rsplit(" ", 1)[-1] for line in maps]
+        used.update(path[len("/dev/shm/"):] for path in paths if path.startswith("/dev/shm/"))
+    return used
 
 
 @pytest.fixture(scope="session")

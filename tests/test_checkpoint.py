@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from t2train.config.loader import load_config
+from t2train.config.schema import CONFIG_FORMAT
 
 
 def _config(*overrides: str):
@@ -32,7 +33,7 @@ def _objects(seed: int, config=None):
 
 
 def _steps(objs, count: int, seed: int) -> list[float]:
-    from t2train.train.step import train_step
+    from t2train.engine.megatron.step import train_step
 
     g = torch.Generator().manual_seed(seed)
     losses = []
@@ -50,7 +51,8 @@ def _params(objs):
 
 
 def test_save_then_load_into_a_fresh_model(megatron_world, tmp_path: Path):
-    from t2train.checkpoint.store import find_latest, load_checkpoint, save_checkpoint
+    from t2train.checkpoint.store import find_latest
+    from t2train.engine.megatron.checkpoint import load_checkpoint, save_checkpoint
 
     trained = _objects(seed=1)
     _steps(trained, 3, seed=0)
@@ -70,7 +72,8 @@ def test_save_then_load_into_a_fresh_model(megatron_world, tmp_path: Path):
 
 
 def test_incomplete_checkpoint_is_ignored(megatron_world, tmp_path: Path):
-    from t2train.checkpoint.store import find_latest, save_checkpoint
+    from t2train.checkpoint.store import find_latest
+    from t2train.engine.megatron.checkpoint import save_checkpoint
 
     objs = _objects(seed=1)
     good = save_checkpoint(tmp_path, 1, objs, {})
@@ -81,7 +84,7 @@ def test_incomplete_checkpoint_is_ignored(megatron_world, tmp_path: Path):
 
 def test_async_save_is_published_when_the_writer_is_done(megatron_world, tmp_path: Path):
     from t2train.checkpoint.manager import Checkpointer
-    from t2train.checkpoint.store import load_checkpoint
+    from t2train.engine.megatron.checkpoint import load_checkpoint
 
     config = _config("checkpoint.async_save=true")
     engine = _engine(seed=1, config=config)
@@ -124,7 +127,8 @@ def test_retention_keeps_the_newest_and_every_mth(megatron_world, tmp_path: Path
 
 def test_a_checkpoint_of_another_model_is_refused_naming_the_fields(megatron_world,
                                                                     tmp_path: Path):
-    from t2train.checkpoint.store import CheckpointError, load_checkpoint, save_checkpoint
+    from t2train.checkpoint.errors import CheckpointError
+    from t2train.engine.megatron.checkpoint import load_checkpoint, save_checkpoint
 
     config = _config("model.residual=ddl", "model.ddl.dv=1")
     path = save_checkpoint(tmp_path, 1, _objects(seed=1, config=config),
@@ -141,7 +145,8 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_fields(megatron_wor
 
 @pytest.mark.parametrize("damage", ["missing", "truncated"])
 def test_a_damaged_shard_is_named(megatron_world, tmp_path: Path, damage):
-    from t2train.checkpoint.store import CheckpointError, load_checkpoint, save_checkpoint
+    from t2train.checkpoint.errors import CheckpointError
+    from t2train.engine.megatron.checkpoint import load_checkpoint, save_checkpoint
 
     objs = _objects(seed=1)
     _steps(objs, 1, seed=0)
@@ -159,15 +164,25 @@ def test_a_damaged_shard_is_named(megatron_world, tmp_path: Path, damage):
 
 
 def test_inspect_prints_step_layout_design_and_shards(megatron_world, tmp_path: Path, capsys):
-    from t2train.checkpoint.store import save_checkpoint
     from t2train.cli import main
+    from t2train.engine.megatron.checkpoint import save_checkpoint
 
-    config = _config("model.residual=shortswa")
+    config = _config("model.residual=ddl", "model.shortswa.window=8")
     path = save_checkpoint(tmp_path, 7, _objects(seed=1, config=config),
-                           {"config": asdict(config), "tokens": 448, "code_version": "0.1+abc"})
+                           {"config": asdict(config), "config_format": CONFIG_FORMAT,
+                            "tokens": 448, "code_version": "0.1+abc"})
     assert main(["ckpt", "inspect", str(path)]) == 0
     out = capsys.readouterr().out
-    for expected in ("step 7, tokens 448", "TP 1 x PP 1 x DP 1", "shortswa residual, 2 layers",
+    for expected in ("step 7, tokens 448", "TP 1 x PP 1 x DP 1",
+                     "ddl+shortswa residual, 2 layers",
                      "code 0.1+abc", "common.pt", ".distcp"):
         assert expected in out
-    assert main(["ckpt", "inspect", str(tmp_path)]) == 2  # not a checkpoint: one-line error
+    for leading_to_it in (tmp_path, tmp_path / "latest"):  # the checkpoints directory, latest
+        assert main(["ckpt", "inspect", str(leading_to_it)]) == 0
+        assert f"its newest complete checkpoint is {path}" in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()
+    assert main(["ckpt", "inspect", str(tmp_path / "empty")]) == 2  # one-line error
+    assert "not a complete t2train checkpoint, nor a run" in capsys.readouterr().err
+    (path / "metadata.json").write_text("{not json")
+    assert main(["ckpt", "inspect", str(path)]) == 2
+    assert f"{path / 'metadata.json'}: cannot read (JSONDecodeError" in capsys.readouterr().err

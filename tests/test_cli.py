@@ -19,10 +19,17 @@ def test_help_lists_subcommands(tmp_path):
         assert command in proc.stdout
 
 
-def test_train_help_explains_overrides(tmp_path):
+def test_train_help_explains_overrides_and_lists_every_section(tmp_path):
+    from dataclasses import fields
+
+    from t2train.config.schema import Config
+
     proc = t2train("train", "--help", cwd=tmp_path)
     assert proc.returncode == 0
     assert "--preset" in proc.stdout and "model.num_layers=4" in proc.stdout
+    assert "name=RUN" in proc.stdout and "log.run_dir" in proc.stdout
+    sections = [f.name for f in fields(Config) if f.name != "name"]
+    assert f"config sections: {', '.join(sections)}" in proc.stdout
 
 
 @pytest.mark.parametrize("args, cause", [
@@ -45,6 +52,7 @@ def test_config_prints_resolved_yaml(tmp_path):
                    cwd=tmp_path)
     assert proc.returncode == 0
     assert "num_layers: 2" in proc.stdout and "residual: standard" in proc.stdout
+    assert proc.stderr == ""  # the libraries' known start-up warnings are silenced
 
 
 def test_plan_prints_stages_and_hops(tmp_path):
@@ -61,3 +69,22 @@ def test_plan_refuses_impossible_layouts(tmp_path):
     proc = t2train("plan", "--preset", "tiny", "parallel.pipeline=3", cwd=tmp_path)
     assert proc.returncode == 2
     assert "model.num_layers=4: must be divisible by parallel.pipeline" in proc.stderr
+
+
+def test_the_last_line_says_what_happened():
+    from t2train.cli import _outcome
+    from t2train.train.loop import RunSummary
+
+    resumed = RunSummary(Path("runs/x"), start_step=320, final_step=400,
+                         val_losses={350: 4.95, 400: 4.9})
+    assert _outcome(resumed, 75) == ("done: step 400, val loss 4.9500 (step 350) -> 4.9000 "
+                                     "(step 400), this run resumed at step 320; run dir runs/x")
+    once = RunSummary(Path("runs/x"), start_step=320, final_step=320, val_losses={320: 4.96})
+    assert _outcome(once, 75) == "done: step 320, val loss 4.9600 (step 320), this run " \
+                                 "resumed at step 320; run dir runs/x"
+    stopped = RunSummary(Path("runs/x"), start_step=0, final_step=34, val_losses={0: 8.34},
+                         checkpoint=Path("runs/x/checkpoints/step_00000034"),
+                         stopped="received SIGUSR1")
+    assert _outcome(stopped, 75) == (
+        "stopped early at step 34 (received SIGUSR1): checkpoint runs/x/checkpoints/step_00000034"
+        " saved; run the same command again to resume (exit code 75)")

@@ -2,7 +2,8 @@
 
 import pytest
 
-from t2train.config.loader import dump_config, load_config, preset_names
+from t2train.config.arguments import preset_names
+from t2train.config.loader import dump_config, load_config
 from t2train.config.schema import ConfigError
 
 DATA = ["data.path=/some/data"]
@@ -66,9 +67,20 @@ def test_bad_values_are_named(overrides, message):
     assert message in str(err.value)
 
 
-def test_data_path_is_required():
-    with pytest.raises(ConfigError, match="data.path=''"):
-        load_config("tiny")
+def test_a_preset_shows_without_a_dataset_but_training_needs_one():
+    from t2train.train.loop import dataset_facts
+
+    config = load_config("1b")  # `t2train config --preset 1b` needs no dataset
+    assert config.data.path == "" and config.model.vocab_size is None
+    with pytest.raises(ConfigError, match="data.path='': must name a prepared dataset"):
+        dataset_facts(config)
+
+
+def test_a_run_shorter_than_the_warmup_is_told_the_fix():
+    with pytest.raises(ConfigError, match=r"train.warmup_steps=30: must be in \[0, "
+                                          r"train.steps=20\); for a run this short set "
+                                          r"train.warmup_steps=2"):
+        load_config("tiny", overrides=DATA + ["train.steps=20"])
 
 
 def test_unknown_preset():

@@ -1,4 +1,5 @@
-"""Every residual design gives the same training losses in every parallel layout.
+"""Every residual design, alone and with the local ShortSWA mixer, gives the same training
+losses in every parallel layout.
 
 Real 2-rank torchrun runs on gloo: TP=2 (with and without sequence parallelism), PP=2 (1F1B)
 and PP=2 x VPP=2 (interleaved) each train 3 steps from the (1, 1, 1) run's step-0
@@ -16,7 +17,10 @@ MODELS = {
     "standard": "model.residual=standard",
     "ddl": "model.residual=ddl",
     "ddl_dv4": "model.residual=ddl,model.ddl.dv=4",
-    "shortswa": "model.residual=shortswa,model.shortswa.window=4",
+    "ddl+shortswa": "model.residual=ddl,model.shortswa.window=4",
+    "attnres+shortswa": "model.residual=attnres,model.shortswa.window=3",
+    "block_attnres+shortswa": "model.residual=block_attnres,model.attnres.block_size=3,"
+                              "model.shortswa.window=4",
     "depth_attn": "model.residual=depth_attn,model.depth_attn.window=3",
     "attnres": "model.residual=attnres",
     "block_attnres": "model.residual=block_attnres,model.attnres.block_size=4",

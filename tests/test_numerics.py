@@ -13,7 +13,7 @@ import torch
 from torchrun_helper import REPO, child_env
 
 from t2train.config.loader import load_config
-from t2train.train.numerics import UpdateGuard
+from t2train.engine.megatron.numerics import UpdateGuard
 
 
 def _config(*overrides: str):

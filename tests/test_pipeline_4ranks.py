@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 DESIGNS = {
     "standard": "model.residual=standard",
     "ddl_dv4": "model.residual=ddl,model.ddl.dv=4",
-    "shortswa": "model.residual=shortswa,model.shortswa.window=4",
+    "ddl+shortswa": "model.residual=ddl,model.shortswa.window=4",
     "depth_attn": "model.residual=depth_attn,model.depth_attn.window=3",  # crosses 1-layer stages
     "attnres": "model.residual=attnres",
     "block_attnres": "model.residual=block_attnres,model.attnres.block_size=4",
@@ -113,7 +113,7 @@ def test_cached_sends_less_than_naive(runs, design):
 def test_plan_predicts_the_measured_bytes(runs, name):
     """`t2train plan`'s hop bytes equal a real run's counters, naive and cached."""
     from t2train.config.loader import load_config
-    from t2train.parallel.plan import plan_layout
+    from t2train.bench.plan import plan_layout
 
     overrides = CACHE[name].split("|")[1].split(",")
     config = load_config(overrides=[

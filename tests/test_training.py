@@ -76,7 +76,7 @@ def test_resume_none_refuses_a_used_run_directory(megatron_world, shakespeare, t
 
 @pytest.mark.parametrize("design", [
     "model.residual=ddl", "model.residual=ddl model.ddl.dv=4",
-    "model.residual=shortswa model.shortswa.window=16",
+    "model.residual=ddl model.shortswa.window=16",
     "model.residual=depth_attn model.depth_attn.window=3", "model.residual=attnres",
     "model.residual=block_attnres model.attnres.block_size=2"])
 def test_every_residual_design_learns(megatron_world, shakespeare, tmp_path, design):

@@ -41,7 +41,7 @@ def test_a_checkpoint_whose_common_pt_runs_code_is_refused(megatron_world, tmp_p
     """Megatron's common.pt is read with torch.load's weights_only unpickler (torch >= 2.6):
     a pickled callable is refused before it runs, by the loader and by `ckpt inspect`."""
     from t2train.checkpoint.inspect import read_train_state
-    from t2train.checkpoint.store import load_checkpoint, save_checkpoint
+    from t2train.engine.megatron.checkpoint import load_checkpoint, save_checkpoint
 
     objs = _objects(seed=1)
     _steps(objs, 1, seed=0)

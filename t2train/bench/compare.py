@@ -27,18 +27,18 @@ class DesignResult:
 
 def _train_design(preset: Optional[str], config_file: Optional[str], overrides: list[str],
                   design: str, seeds: list[int], steps: int, out: Path) -> DesignResult:
-    from t2train.config.loader import load_config
+    from t2train.bench.variants import variant_config
     from t2train.model.build import padded_vocab_size
     from t2train.model.flops import parameters, train_flops_per_token
     from t2train.train.loop import dataset_facts, train
 
     losses = []
     for seed in seeds:
-        config = load_config(preset, config_file, [
-            f"train.eval_interval={steps}", *overrides, f"model.residual={design}",
+        config = variant_config(
+            preset, config_file, [f"train.eval_interval={steps}", *overrides], design,
             f"train.seed={seed}", f"train.steps={steps}",
             f"log.run_dir={out / f'{design}-seed{seed}'}", "checkpoint.resume=none",
-            "checkpoint.overwrite=true"])
+            "checkpoint.overwrite=true")
         summary = train(config)
         losses.append(summary.val_losses[summary.final_step])
     vocab_size = padded_vocab_size(dataset_facts(config)["vocab_size"], config)
@@ -71,10 +71,10 @@ def format_compare_table(results: list[DesignResult]) -> str:
 
 
 def _cmd_compare(args) -> int:
-    from t2train.cli import is_rank_zero
-    from t2train.residual import registered
+    from t2train.bench.variants import variant_names
+    from t2train.parallel.init import is_rank_zero
 
-    designs = args.designs.split(",") if args.designs else list(registered())
+    designs = variant_names(args.designs)
     seeds = [args.first_seed + index for index in range(args.seeds)]
     out = Path(args.out)
     results = run_compare(args.preset, args.config, args.overrides, designs, seeds, args.steps,
@@ -87,7 +87,7 @@ def _cmd_compare(args) -> int:
 
 
 def register(commands) -> None:
-    from t2train.cli import add_config_arguments
+    from t2train.config.arguments import add_config_arguments
 
     experiment = commands.add_parser("experiment", help="experiments across residual designs")
     tools = experiment.add_subparsers(dest="experiment_command", required=True)
@@ -96,7 +96,9 @@ def register(commands) -> None:
         description="Train each design for each seed on the same tokens and tabulate the "
                     "final validation loss in OUT/compare.md (TensorBoard runs under OUT).")
     add_config_arguments(compare)
-    compare.add_argument("--designs", help="comma-separated designs (default: all registered)")
+    compare.add_argument("--designs", help="comma-separated designs, each alone or with the "
+                                           "local mixer: ddl,ddl+shortswa (default: every "
+                                           "registered design alone)")
     compare.add_argument("--seeds", type=int, default=3, help="seeds per design (default 3)")
     compare.add_argument("--first-seed", type=int, default=1234,
                          help="seeds are FIRST, FIRST+1, ... (default 1234)")

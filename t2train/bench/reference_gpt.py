@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from t2train.config.schema import Config
-from t2train.model.flops import kv_dim
 
 
 def _rope(x: torch.Tensor, base: int) -> torch.Tensor:
@@ -38,7 +37,7 @@ class _Block(nn.Module):
         self.head_dim = h // self.heads
         self.rotary_base = model.rotary_base
         self.attn_norm = nn.RMSNorm(h, eps=model.norm_epsilon)
-        self.qkv = nn.Linear(h, h + 2 * kv_dim(model), bias=False)
+        self.qkv = nn.Linear(h, h + 2 * model.kv_dim(), bias=False)
         self.proj = nn.Linear(h, h, bias=False)
         self.mlp_norm = nn.RMSNorm(h, eps=model.norm_epsilon)
         self.gate_up = nn.Linear(h, 2 * ffn, bias=False)

@@ -16,8 +16,9 @@ from typing import Optional
 import torch
 
 from t2train.bench.table import markdown_table
+from t2train.residual import BASELINE
 
-REFERENCE = "plain PyTorch (standard)"
+REFERENCE = f"plain PyTorch ({BASELINE})"
 
 
 @dataclass
@@ -44,8 +45,8 @@ def _memory_gib() -> float:
 
 def build_objects(config, vocab_size: int):
     """This rank's model, optimizer and schedule, seeded as a training run seeds them."""
+    from t2train.engine.megatron.setup import build_training_objects
     from t2train.parallel.init import init_distributed, init_model_parallel, set_seed
-    from t2train.train.setup import build_training_objects
 
     init_distributed()
     parallel = config.parallel
@@ -55,8 +56,9 @@ def build_objects(config, vocab_size: int):
 
 
 def time_design(config, vocab_size: int, steps: list, warmup: int) -> DesignTiming:
+    from t2train.engine.megatron.step import train_step
     from t2train.model.flops import parameters
-    from t2train.train.step import train_step
+    from t2train.residual import variant_label
 
     objs = build_objects(config, vocab_size)
     if torch.cuda.is_available():
@@ -72,7 +74,7 @@ def time_design(config, vocab_size: int, steps: list, warmup: int) -> DesignTimi
     median = statistics.median(seconds)
     traffic = result.traffic
     timing = DesignTiming(
-        design=config.model.residual, params=parameters(config.model, vocab_size),
+        design=variant_label(config.model), params=parameters(config.model, vocab_size),
         step_seconds=median, tokens_per_sec=_tokens_per_step(config) / median,
         memory_gib=_memory_gib(),
         pipeline_bytes=traffic["pipeline/forward_bytes"] + traffic["pipeline/backward_bytes"])
@@ -109,8 +111,8 @@ def real_batches(config, count: int) -> list:
     topology = init_model_parallel(parallel.tensor, parallel.pipeline, parallel.virtual_pipeline)
     train = config.train
     streams = open_streams(config, topology, dp_size, None)
-    feeder = GlobalBatchFeeder(streams.train, train.global_batch_size // (
-        train.micro_batch_size * dp_size), train.micro_batch_size, config.model.seq_length)
+    feeder = GlobalBatchFeeder(streams.train, config.micro_batches_per_step(dp_size),
+                               train.micro_batch_size, config.model.seq_length)
     return [feeder.next_step() for _ in range(count)]
 
 
@@ -133,10 +135,9 @@ def run_step_bench(preset: Optional[str], config_file: Optional[str], overrides:
     """One timing per design, plus the plain-PyTorch reference when the world is one rank."""
     import torch.distributed as dist
 
-    from t2train.config.loader import load_config
+    from t2train.bench.variants import variant_config
 
-    configs = [load_config(preset, config_file, [*overrides, f"model.residual={design}"])
-               for design in designs]
+    configs = [variant_config(preset, config_file, overrides, design) for design in designs]
     vocab_size = model_vocab_size(configs[0])
     batches = real_batches(configs[0], warmup + steps)
     timings = [time_design(config, vocab_size, batches, warmup) for config in configs]
@@ -147,9 +148,9 @@ def run_step_bench(preset: Optional[str], config_file: Optional[str], overrides:
 
 def format_step_table(timings: list[DesignTiming]) -> str:
     by_design = {timing.design: timing for timing in timings}
-    baseline = by_design.get("standard")
+    baseline = by_design.get(BASELINE)
     memory = "peak CUDA memory (GiB)" if torch.cuda.is_available() else "process RSS (GiB)"
-    headers = ["design", "params (M)", "step time (ms, median)", "vs standard", "tokens/s",
+    headers = ["design", "params (M)", "step time (ms, median)", f"vs {BASELINE}", "tokens/s",
                memory, "pipeline bytes/step"]
     rows = [[timing.design, f"{timing.params / 1e6:.2f}", f"{timing.step_seconds * 1e3:.1f}",
              f"{timing.step_seconds / baseline.step_seconds:.2f}" if baseline else "n/a",
@@ -165,10 +166,10 @@ def format_step_table(timings: list[DesignTiming]) -> str:
 
 
 def _cmd_step(args) -> int:
-    from t2train.cli import is_rank_zero
-    from t2train.residual import registered
+    from t2train.bench.variants import variant_names
+    from t2train.parallel.init import is_rank_zero
 
-    designs = args.designs.split(",") if args.designs else list(registered())
+    designs = variant_names(args.designs)
     timings = run_step_bench(args.preset, args.config, args.overrides, designs, args.warmup,
                              args.steps)
     if is_rank_zero():
@@ -177,7 +178,7 @@ def _cmd_step(args) -> int:
 
 
 def register(commands) -> None:
-    from t2train.cli import add_config_arguments
+    from t2train.config.arguments import add_config_arguments
 
     bench = commands.add_parser("bench", help="benchmarks")
     tools = bench.add_subparsers(dest="bench_command", required=True)
@@ -186,7 +187,9 @@ def register(commands) -> None:
         description="Time training steps of each residual design at the configured layout on "
                     "real batches, against standard and a plain-PyTorch loop.")
     add_config_arguments(step)
-    step.add_argument("--designs", help="comma-separated designs (default: all registered)")
+    step.add_argument("--designs", help="comma-separated designs, each alone or with the "
+                                        "local mixer: ddl,ddl+shortswa (default: every "
+                                        "registered design alone)")
     step.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     step.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     step.set_defaults(handler=_cmd_step)

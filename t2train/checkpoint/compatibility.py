@@ -8,20 +8,19 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
 
 from torch.distributed.checkpoint import FileSystemReader
 
 from t2train.checkpoint.errors import CheckpointError
 from t2train.config.schema import ModelConfig
+from t2train.residual import get_design, mixer, resolve_aliases
 
 # Fields that fix the parameters' shapes or meaning; seq_length, attention backend,
-# recompute and initialisation may change between runs.
+# recompute and initialisation may change between runs. The residual design's section and the
+# local mixer's are compared too.
 _ARCHITECTURE = ("residual", "num_layers", "hidden_size", "num_attention_heads",
                  "num_query_groups", "ffn_hidden_size", "vocab_size", "tie_embeddings",
                  "norm_epsilon", "rotary_base")
-_DESIGN_SECTION = {"ddl": "ddl", "shortswa": "shortswa", "depth_attn": "depth_attn",
-                   "attnres": "attnres", "block_attnres": "attnres"}
 
 
 def _architecture(model: dict, with_design: bool) -> dict:
@@ -29,16 +28,21 @@ def _architecture(model: dict, with_design: bool) -> dict:
     fields["ffn_hidden_size"] = ModelConfig(
         hidden_size=model["hidden_size"],
         ffn_hidden_size=model.get("ffn_hidden_size")).resolved_ffn_hidden_size()
-    section = _DESIGN_SECTION.get(model["residual"])
-    if section and with_design:
-        fields.update({f"{section}.{key}": value for key, value in model[section].items()})
+    sections = [mixer().section] + ([get_design(model["residual"]).section] if with_design
+                                    else [])
+    for section in filter(None, sections):
+        fields.update({f"{section}.{key}": value
+                       for key, value in (model.get(section) or {}).items()})
     return fields
 
 
-def check_same_model(path: Path, saved: Optional[dict], model: ModelConfig) -> None:
+def check_same_model(path: Path, train_state: dict, model: ModelConfig) -> None:
     """Raise CheckpointError naming each architecture field that differs from the run's."""
+    saved = (train_state.get("config") or {}).get("model")
     if saved is None:  # written before checkpoints recorded their config
         return
+    # A checkpoint of an older config format or spelling continues under the current one.
+    saved = resolve_aliases(saved, train_state.get("config_format", 1))
     same_design = saved["residual"] == model.residual  # else its settings do not compare
     theirs = _architecture(saved, same_design)
     ours = _architecture(asdict(model), same_design)

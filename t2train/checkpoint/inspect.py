@@ -1,4 +1,8 @@
-"""``t2train ckpt inspect PATH``: what a checkpoint holds, without loading its tensors."""
+"""``t2train ckpt inspect PATH``: what a checkpoint holds, without loading its tensors.
+
+PATH is a checkpoint directory, or a run directory, its ``checkpoints`` directory or its
+``latest`` file, which stand for the newest complete checkpoint there.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,30 @@ import json
 from pathlib import Path
 
 from t2train.checkpoint.errors import CheckpointError
-from t2train.checkpoint.paths import ENGINE_FILE, checkpoint_engine, is_complete
+from t2train.checkpoint.paths import ENGINE_FILE, LATEST, checkpoint_engine, is_complete
+from t2train.checkpoint.store import find_latest
+from t2train.residual import resolve_aliases, variant_label
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """``path`` if it is a complete checkpoint, else the newest one it leads to."""
+    if path.name == LATEST and path.is_file():
+        path = path.parent
+    if is_complete(path):
+        return path
+    for root in (path / "checkpoints", path):
+        found = find_latest(root) if root.is_dir() else None
+        if found is not None:
+            return found
+    raise CheckpointError(f"{path}: not a complete t2train checkpoint, nor a run or checkpoints "
+                          "directory holding one")
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{file}: cannot read ({type(err).__name__}: {err})") from None
 
 
 def read_train_state(path: Path) -> dict:
@@ -17,8 +44,11 @@ def read_train_state(path: Path) -> dict:
 
     if not is_complete(path):
         raise CheckpointError(f"{path}: not a complete t2train checkpoint (no metadata.json)")
-    if checkpoint_engine(path) == "deepspeed":
-        return json.loads((path / ENGINE_FILE).read_text())
+    if (path / ENGINE_FILE).is_file():
+        state = _read_json(path / ENGINE_FILE)
+        if checkpoint_engine(path) == "deepspeed":
+            return state
+    _read_json(path / "metadata.json")  # read first: Megatron's errors would blame common.pt
     try:
         return dist_checkpointing.load_common_state_dict(str(path))["train_state"]
     except Exception as err:
@@ -32,6 +62,8 @@ def read_train_state(path: Path) -> dict:
 def describe(path: Path) -> str:
     state = read_train_state(path)
     model = state.get("config", {}).get("model", {})
+    design = (variant_label(resolve_aliases(model, state.get("config_format", 1)))
+              if "residual" in model else "?")
     layout = state["layout"]
     files = sorted(p for p in path.iterdir() if p.is_file())
     total = sum(p.stat().st_size for p in files)
@@ -39,7 +71,7 @@ def describe(path: Path) -> str:
              f"  step {state['step']}, tokens {state.get('tokens', 0):,}",
              f"  layout TP {layout['tp']} x PP {layout['pp']} x DP {layout['dp']}"
              + (f", DeepSpeed ZeRO-{layout['zero_stage']}" if "zero_stage" in layout else ""),
-             f"  model {model.get('residual', '?')} residual, {model.get('num_layers', '?')} "
+             f"  model {design} residual, {model.get('num_layers', '?')} "
              f"layers, hidden {model.get('hidden_size', '?')}",
              "  optimizer state: " + ("yes" if state["has_optimizer"]
                                       else "no (before the first update)"),
@@ -51,7 +83,11 @@ def describe(path: Path) -> str:
 
 
 def _cmd_inspect(args) -> int:
-    print(describe(Path(args.path)))
+    given = Path(args.path)
+    path = resolve_checkpoint(given)
+    if path != given:
+        print(f"{given}: its newest complete checkpoint is {path}")
+    print(describe(path))
     return 0
 
 
@@ -61,6 +97,7 @@ def register(commands) -> None:
     inspect = tools.add_parser(
         "inspect", help="print step, tokens, layout, residual design and size per shard file",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    inspect.add_argument("path", help="a checkpoint directory, e.g. "
-                                      "runs/NAME/checkpoints/step_00000100")
+    inspect.add_argument("path", help="a checkpoint directory (runs/NAME/checkpoints/"
+                                      "step_00000100), or a run directory, its checkpoints "
+                                      "directory or its latest file (the newest there)")
     inspect.set_defaults(handler=_cmd_inspect)

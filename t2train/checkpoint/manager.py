@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from t2train.checkpoint.paths import INCOMPLETE, LATEST, is_complete, step_dir_name
 from t2train.checkpoint.retention import apply_retention
-from t2train.config.schema import Config
+from t2train.config.schema import CONFIG_FORMAT, Config
 from t2train.errors import TrainingHalted
 
 
@@ -96,7 +96,8 @@ class Checkpointer:
                  report: Callable[[int, float, float, Path], None], monitor=None):
         self.root, self.engine, self.report, self.monitor = root, engine, report, monitor
         self.settings = config.checkpoint
-        self.manifest = {"config": asdict(config), "code_version": code_version()}
+        self.manifest = {"config": asdict(config), "config_format": CONFIG_FORMAT,
+                         "code_version": code_version()}
         self.queue = None
         if self.settings.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue

@@ -17,15 +17,9 @@ from typing import Any, Iterable, Literal, Optional, Union
 
 import yaml
 
-from t2train.config.schema import Config, ConfigError
-
-PRESET_PACKAGE = "t2train.config.presets"
-
-
-def preset_names() -> list[str]:
-    return sorted(p.name[:-5] for p in resources.files(PRESET_PACKAGE).iterdir()
-                  if p.name.endswith(".yaml"))
-
+from t2train.config.arguments import PRESET_PACKAGE, preset_names
+from t2train.config.schema import CONFIG_FORMAT, Config, ConfigError
+from t2train.residual import resolve_aliases
 
 def short(value: Any, limit: int = 80) -> str:
     """``repr(value)``, cut to ``limit`` characters for one-line error messages."""
@@ -233,6 +227,8 @@ def load_config(preset: Optional[str] = None, config_file: Optional[str] = None,
     for item in overrides:
         path, value = parse_override(item)
         data = _merge(data, _nest(path, value))
+    if isinstance(data.get("model"), dict):
+        data["model"] = resolve_aliases(data["model"], CONFIG_FORMAT)
     return _build(Config, data, "").validate()
 
 

@@ -6,84 +6,18 @@ dotted field, the value and what is allowed (``ConfigError``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Literal, Optional
 
-from t2train.errors import UserInputError
-
-
-class ConfigError(UserInputError):
-    """A configuration value is missing, malformed or inconsistent; the message names it."""
-
-
-def _require(ok: bool, field_name: str, value, rule: str) -> None:
-    if not ok:
-        text = repr(value)
-        raise ConfigError(f"{field_name}={text if len(text) <= 200 else text[:197] + '...'}: "
-                          f"{rule}")
+from t2train.errors import ConfigError, require
+from t2train.residual import BASELINE, components, option_sections, registered
 
 
 @dataclass
-class DDLConfig:
-    """`ddl` (Deep Delta Learning): X <- X + beta k (v^T - k^T X) per sublayer."""
+class ModelShape:
+    """Decoder shape and the residual design (``residual``); see ``ModelConfig``."""
 
-    dv: int = 1  # state width: 1 = vector state [s, b, h]; > 1 = matrix state [s, b, h, dv]
-    beta_init: float = 1.0  # beta at initialisation, in (0, 2); the authors' default is 1
-    k_eps: float = 1e-5  # k = k~ / sqrt(|k~|^2 + k_eps^2)
-    v_scale: float = 4.0  # v = v_scale * sigmoid(linear(x))
-    embed_conv_kernel: int = 4  # causal depthwise conv expanding the embedding when dv > 1
-
-    def validate(self, prefix: str) -> None:
-        _require(self.dv >= 1, f"{prefix}.dv", self.dv, "must be >= 1")
-        _require(0 < self.beta_init < 2, f"{prefix}.beta_init", self.beta_init,
-                 "must be in (0, 2)")
-        _require(self.k_eps > 0, f"{prefix}.k_eps", self.k_eps, "must be > 0")
-        _require(self.v_scale > 0, f"{prefix}.v_scale", self.v_scale, "must be > 0")
-        _require(self.embed_conv_kernel >= 1, f"{prefix}.embed_conv_kernel",
-                 self.embed_conv_kernel, "must be >= 1")
-
-
-@dataclass
-class ShortSWAConfig:
-    """`shortswa`: an extra pre-norm sublayer of causal attention over the last w tokens."""
-
-    window: int = 128
-
-    def validate(self, prefix: str) -> None:
-        _require(self.window >= 1, f"{prefix}.window", self.window, "must be >= 1")
-
-
-@dataclass
-class DepthAttnConfig:
-    """`depth_attn`: a causal QKV read over the token's last K residual states per layer."""
-
-    window: int = 4  # K; >= num_layers + 1 reads the full depth
-
-    def validate(self, prefix: str) -> None:
-        _require(self.window >= 1, f"{prefix}.window", self.window, "must be >= 1")
-
-
-@dataclass
-class AttnResConfig:
-    """`attnres` / `block_attnres`: softmax mixing over earlier sublayer outputs."""
-
-    block_size: int = 4  # `block_attnres`: sublayers per block (attention and MLP each count)
-    eps: float = 1e-6  # of the weight-free RMSNorm on keys
-
-    def validate(self, prefix: str, sublayers: int, blocked: bool) -> None:
-        _require(self.block_size >= 1, f"{prefix}.block_size", self.block_size, "must be >= 1")
-        _require(self.eps > 0, f"{prefix}.eps", self.eps, "must be > 0")
-        if blocked:
-            _require(sublayers % self.block_size == 0, f"{prefix}.block_size",
-                     self.block_size, f"must divide the number of sublayers "
-                     f"2 * model.num_layers = {sublayers}")
-
-
-@dataclass
-class ModelConfig:
-    """Decoder shape. The residual stream is a named, pluggable design (``residual``)."""
-
-    residual: str = "standard"
+    residual: str = BASELINE
     num_layers: int = 4
     hidden_size: int = 256
     num_attention_heads: int = 4
@@ -98,10 +32,11 @@ class ModelConfig:
     init_method_std: float = 0.02
     attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
     recompute: Literal["none", "full"] = "none"
-    ddl: DDLConfig = field(default_factory=DDLConfig)
-    shortswa: ShortSWAConfig = field(default_factory=ShortSWAConfig)
-    depth_attn: DepthAttnConfig = field(default_factory=DepthAttnConfig)
-    attnres: AttnResConfig = field(default_factory=AttnResConfig)
+
+    def kv_dim(self) -> int:
+        """Width of one token's keys (and of its values): query groups x head dim."""
+        head_dim = self.hidden_size // self.num_attention_heads
+        return (self.num_query_groups or self.num_attention_heads) * head_dim
 
     def resolved_ffn_hidden_size(self) -> int:
         if self.ffn_hidden_size is not None:
@@ -109,37 +44,43 @@ class ModelConfig:
         return 64 * -(-(8 * self.hidden_size // 3) // 64)
 
     def validate(self) -> None:
-        from t2train.residual import registered
-
-        _require(self.residual in registered(), "model.residual", self.residual,
-                 f"must be one of {sorted(registered())}")
+        require(self.residual in registered(), "model.residual", self.residual,
+                f"must be one of {sorted(registered())}")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                      "make_vocab_size_divisible_by", "rotary_base"):
-            _require(getattr(self, name) >= 1, f"model.{name}", getattr(self, name), "must be >= 1")
-        _require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
-                 self.hidden_size, f"must be divisible by model.num_attention_heads="
-                 f"{self.num_attention_heads}")
+            require(getattr(self, name) >= 1, f"model.{name}", getattr(self, name), "must be >= 1")
+        require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
+                self.hidden_size, f"must be divisible by model.num_attention_heads="
+                f"{self.num_attention_heads}")
         head_dim = self.hidden_size // self.num_attention_heads
-        _require(head_dim % 2 == 0, "model.hidden_size", self.hidden_size,
-                 f"head dim hidden_size/num_attention_heads={head_dim} must be even for RoPE")
+        require(head_dim % 2 == 0, "model.hidden_size", self.hidden_size,
+                f"head dim hidden_size/num_attention_heads={head_dim} must be even for RoPE")
         if self.num_query_groups is not None:
-            _require(self.num_query_groups >= 1
-                     and self.num_attention_heads % self.num_query_groups == 0,
-                     "model.num_query_groups", self.num_query_groups,
-                     f"must be >= 1 and divide model.num_attention_heads={self.num_attention_heads}")
+            require(self.num_query_groups >= 1
+                    and self.num_attention_heads % self.num_query_groups == 0,
+                    "model.num_query_groups", self.num_query_groups,
+                    f"must be >= 1 and divide model.num_attention_heads={self.num_attention_heads}")
         if self.ffn_hidden_size is not None:
-            _require(self.ffn_hidden_size >= 1, "model.ffn_hidden_size", self.ffn_hidden_size,
-                     "must be >= 1")
+            require(self.ffn_hidden_size >= 1, "model.ffn_hidden_size", self.ffn_hidden_size,
+                    "must be >= 1")
         if self.vocab_size is not None:
-            _require(self.vocab_size >= 2, "model.vocab_size", self.vocab_size, "must be >= 2")
-        _require(self.norm_epsilon > 0, "model.norm_epsilon", self.norm_epsilon, "must be > 0")
-        _require(self.init_method_std > 0, "model.init_method_std", self.init_method_std,
-                 "must be > 0")
-        self.ddl.validate("model.ddl")
-        self.shortswa.validate("model.shortswa")
-        self.depth_attn.validate("model.depth_attn")
-        self.attnres.validate("model.attnres", 2 * self.num_layers,
-                              blocked=self.residual == "block_attnres")
+            require(self.vocab_size >= 2, "model.vocab_size", self.vocab_size, "must be >= 2")
+        require(self.norm_epsilon > 0, "model.norm_epsilon", self.norm_epsilon, "must be > 0")
+        require(self.init_method_std > 0, "model.init_method_std", self.init_method_std,
+                "must be > 0")
+        for section in option_sections():
+            getattr(self, section).validate(f"model.{section}")
+
+
+# The designs and the local mixer own their config sections (t2train/residual/): each is a
+# field of ModelConfig named after its section, e.g. ``model.ddl.dv``.
+ModelConfig = make_dataclass(
+    "ModelConfig",
+    [(section, options, field(default_factory=options))
+     for section, options in option_sections().items()],
+    bases=(ModelShape,))
+ModelConfig.__doc__ = ("Decoder shape, residual design and local mixer; one section per design "
+                       "option set (``t2train.residual.option_sections``).")
 
 
 @dataclass
@@ -154,34 +95,37 @@ class ParallelConfig:
     # Residual-state units over pipeline hops: `naive` resends every unit; `cached` (with
     # virtual stages) skips units the receiving rank kept from its previous chunk.
     depth_cache: Literal["naive", "cached"] = "cached"
-    # A collective that waits longer fails the run, naming the collective and the rank
-    # (t2train/parallel/collectives.py); under `t2train launch --max-restarts` it restarts.
+    # A rank with no progress for longer ends the run (exit code 124), naming the phase and the
+    # torch.distributed call it waits in (t2train/train/watchdog.py); it is also the process
+    # groups' timeout. Under `t2train launch --max-restarts` the workers restart.
     collective_timeout_mins: float = 10.0
 
+    def caches_depth_units(self) -> bool:
+        """Whether hops skip units the receiver kept: a rank has a previous chunk of the same
+        micro-batch only with virtual stages, so without them `cached` sends what `naive` does."""
+        return self.depth_cache == "cached" and self.virtual_pipeline > 1
+
     def validate(self, model: ModelConfig) -> None:
-        _require(self.collective_timeout_mins > 0, "parallel.collective_timeout_mins",
-                 self.collective_timeout_mins, "must be > 0")
+        require(self.collective_timeout_mins > 0, "parallel.collective_timeout_mins",
+                self.collective_timeout_mins, "must be > 0")
         for name in ("tensor", "pipeline", "virtual_pipeline"):
-            _require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name),
-                     "must be >= 1")
-        _require(model.num_attention_heads % self.tensor == 0, "parallel.tensor", self.tensor,
-                 f"must divide model.num_attention_heads={model.num_attention_heads}")
+            require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name),
+                    "must be >= 1")
+        require(model.num_attention_heads % self.tensor == 0, "parallel.tensor", self.tensor,
+                f"must divide model.num_attention_heads={model.num_attention_heads}")
         groups = model.num_query_groups or model.num_attention_heads
-        _require(groups % self.tensor == 0, "parallel.tensor", self.tensor,
-                 f"must divide the number of query groups ({groups})")
+        require(groups % self.tensor == 0, "parallel.tensor", self.tensor,
+                f"must divide the number of query groups ({groups})")
         chunks = self.pipeline * self.virtual_pipeline
-        _require(model.num_layers % chunks == 0, "model.num_layers", model.num_layers,
-                 f"must be divisible by parallel.pipeline * parallel.virtual_pipeline = {chunks}")
-        _require(self.virtual_pipeline == 1 or self.pipeline > 1, "parallel.virtual_pipeline",
-                 self.virtual_pipeline, "needs parallel.pipeline > 1")
-        _require(not self.sequence_parallel or self.tensor > 1, "parallel.sequence_parallel",
-                 self.sequence_parallel, "needs parallel.tensor > 1")
+        require(model.num_layers % chunks == 0, "model.num_layers", model.num_layers,
+                f"must be divisible by parallel.pipeline * parallel.virtual_pipeline = {chunks}")
+        require(self.virtual_pipeline == 1 or self.pipeline > 1, "parallel.virtual_pipeline",
+                self.virtual_pipeline, "needs parallel.pipeline > 1")
+        require(not self.sequence_parallel or self.tensor > 1, "parallel.sequence_parallel",
+                self.sequence_parallel, "needs parallel.tensor > 1")
         if self.sequence_parallel:
-            _require(model.residual != "ddl" or model.ddl.dv == 1, "parallel.sequence_parallel",
-                     True, "is not supported with model.ddl.dv > 1 (the embedding expander's "
-                     "causal token convolution needs the whole sequence on each rank)")
-            _require(model.seq_length % self.tensor == 0, "model.seq_length", model.seq_length,
-                     f"must be divisible by parallel.tensor={self.tensor} with sequence_parallel")
+            require(model.seq_length % self.tensor == 0, "model.seq_length", model.seq_length,
+                    f"must be divisible by parallel.tensor={self.tensor} with sequence_parallel")
 
 
 @dataclass
@@ -224,41 +168,43 @@ class TrainConfig:
 
         for name in ("steps", "micro_batch_size", "global_batch_size", "eval_interval",
                      "eval_batches", "log_interval"):
-            _require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name),
-                     "must be >= 1")
-        _require(self.global_batch_size % self.micro_batch_size == 0, "train.global_batch_size",
-                 self.global_batch_size,
-                 f"must be a multiple of train.micro_batch_size={self.micro_batch_size}")
-        _require(self.lr > 0, "train.lr", self.lr, "must be > 0")
-        _require(0 <= self.min_lr <= self.lr, "train.min_lr", self.min_lr,
-                 f"must be in [0, train.lr={self.lr}]")
-        _require(0 <= self.warmup_steps < self.steps, "train.warmup_steps", self.warmup_steps,
-                 f"must be in [0, train.steps={self.steps})")
-        _require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0")
+            require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name),
+                    "must be >= 1")
+        require(self.global_batch_size % self.micro_batch_size == 0, "train.global_batch_size",
+                self.global_batch_size,
+                f"must be a multiple of train.micro_batch_size={self.micro_batch_size}")
+        require(self.lr > 0, "train.lr", self.lr, "must be > 0")
+        require(0 <= self.min_lr <= self.lr, "train.min_lr", self.min_lr,
+                f"must be in [0, train.lr={self.lr}]")
+        require(0 <= self.warmup_steps < self.steps, "train.warmup_steps", self.warmup_steps,
+                f"must be in [0, train.steps={self.steps}); for a run this short set "
+                f"train.warmup_steps={max(0, self.steps // 10)}")
+        require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0")
         for name in ("adam_beta1", "adam_beta2"):
-            _require(0 <= getattr(self, name) < 1, f"train.{name}", getattr(self, name),
-                     "must be in [0, 1)")
-        _require(self.adam_eps > 0, "train.adam_eps", self.adam_eps, "must be > 0")
-        _require(self.clip_grad >= 0, "train.clip_grad", self.clip_grad,
-                 "must be >= 0 (0 disables clipping)")
+            require(0 <= getattr(self, name) < 1, f"train.{name}", getattr(self, name),
+                    "must be in [0, 1)")
+        require(self.adam_eps > 0, "train.adam_eps", self.adam_eps, "must be > 0")
+        require(self.clip_grad >= 0, "train.clip_grad", self.clip_grad,
+                "must be >= 0 (0 disables clipping)")
         # numpy seeds must be < 2**32, and each pipeline stage adds 100 * its rank.
-        _require(0 <= self.seed < 2**31, "train.seed", self.seed, "must be in [0, 2**31)")
+        require(0 <= self.seed < 2**31, "train.seed", self.seed, "must be in [0, 2**31)")
         parse_signals(self.exit_signals)
-        _require(self.exit_duration_mins >= 0, "train.exit_duration_mins",
-                 self.exit_duration_mins, "must be >= 0 (0 disables the time limit)")
-        _require(self.max_skipped_steps >= 1, "train.max_skipped_steps", self.max_skipped_steps,
-                 "must be >= 1")
-        _require(self.loss_spike_factor == 0 or self.loss_spike_factor > 1,
-                 "train.loss_spike_factor", self.loss_spike_factor, "must be 0 (off) or > 1")
-        _require(self.loss_spike_window >= 1, "train.loss_spike_window", self.loss_spike_window,
-                 "must be >= 1")
+        require(self.exit_duration_mins >= 0, "train.exit_duration_mins",
+                self.exit_duration_mins, "must be >= 0 (0 disables the time limit)")
+        require(self.max_skipped_steps >= 1, "train.max_skipped_steps", self.max_skipped_steps,
+                "must be >= 1")
+        require(self.loss_spike_factor == 0 or self.loss_spike_factor > 1,
+                "train.loss_spike_factor", self.loss_spike_factor, "must be 0 (off) or > 1")
+        require(self.loss_spike_window >= 1, "train.loss_spike_window", self.loss_spike_window,
+                "must be >= 1")
 
 
 @dataclass
 class DataConfig:
     """A prepared dataset directory (``t2train data prepare``): MDS shards plus tokenizer."""
 
-    path: str = ""  # the dataset: trained on (unless ``mix`` is set) and evaluated on (val)
+    # The dataset (required to train): trained on (unless ``mix`` is set) and evaluated on (val).
+    path: str = ""
     remote: Optional[str] = None  # object-store URL streamed into ``path`` as a local cache
     shuffle: bool = True
     num_workers: int = 0
@@ -272,11 +218,9 @@ class DataConfig:
     num_canonical_nodes: int = 1
 
     def validate(self) -> None:
-        _require(bool(self.path), "data.path", self.path,
-                 "must name a prepared dataset directory (see `t2train data prepare`)")
-        _require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0")
-        _require(self.num_canonical_nodes >= 1, "data.num_canonical_nodes",
-                 self.num_canonical_nodes, "must be >= 1")
+        require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0")
+        require(self.num_canonical_nodes >= 1, "data.num_canonical_nodes",
+                self.num_canonical_nodes, "must be >= 1")
         self.mix_weights()
 
     def mix_weights(self) -> list[tuple[str, float]]:
@@ -290,13 +234,13 @@ class DataConfig:
                 value = float(weight)
             except ValueError:
                 value = None
-            _require(bool(path) and value is not None and 0 < value < float("inf"), "data.mix",
-                     self.mix, f"entry {entry.strip()!r} must be DIR=WEIGHT with a weight > 0, "
-                     "entries separated by commas")
+            require(bool(path) and value is not None and 0 < value < float("inf"), "data.mix",
+                    self.mix, f"entry {entry.strip()!r} must be DIR=WEIGHT with a weight > 0, "
+                    "entries separated by commas")
             pairs.append((path, value))
         paths = [path for path, _ in pairs]
-        _require(len(set(paths)) == len(paths), "data.mix", self.mix,
-                 "must name each dataset directory once")
+        require(len(set(paths)) == len(paths), "data.mix", self.mix,
+                "must name each dataset directory once")
         return pairs
 
 
@@ -322,13 +266,13 @@ class CheckpointConfig:
     on_save_error: Literal["stop", "continue"] = "stop"
 
     def validate(self) -> None:
-        _require(self.interval >= 1, "checkpoint.interval", self.interval, "must be >= 1")
-        _require(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last,
-                 "must be >= 0 (0 keeps every checkpoint)")
-        _require(self.keep_every >= 0, "checkpoint.keep_every", self.keep_every,
-                 "must be >= 0 (0: no extra checkpoints kept)")
-        _require(bool(self.resume), "checkpoint.resume", self.resume,
-                 "must be 'auto', 'none' or a checkpoint directory")
+        require(self.interval >= 1, "checkpoint.interval", self.interval, "must be >= 1")
+        require(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last,
+                "must be >= 0 (0 keeps every checkpoint)")
+        require(self.keep_every >= 0, "checkpoint.keep_every", self.keep_every,
+                "must be >= 0 (0: no extra checkpoints kept)")
+        require(bool(self.resume), "checkpoint.resume", self.resume,
+                "must be 'auto', 'none' or a checkpoint directory")
 
 
 @dataclass
@@ -346,10 +290,10 @@ class DeepSpeedConfig:
     config_file: str = ""
 
     def validate(self) -> None:
-        _require(self.zero_stage in (1, 2, 3), "deepspeed.zero_stage", self.zero_stage,
-                 "must be 1, 2 or 3 (plain data parallelism is train.engine=megatron)")
-        _require(not self.offload_params or self.zero_stage == 3, "deepspeed.offload_params",
-                 self.offload_params, "needs deepspeed.zero_stage=3")
+        require(self.zero_stage in (1, 2, 3), "deepspeed.zero_stage", self.zero_stage,
+                "must be 1, 2 or 3 (plain data parallelism is train.engine=megatron)")
+        require(not self.offload_params or self.zero_stage == 3, "deepspeed.offload_params",
+                self.offload_params, "needs deepspeed.zero_stage=3")
 
 
 @dataclass
@@ -364,11 +308,16 @@ class LogConfig:
     all_ranks: bool = False  # every rank prints its console lines (debugging); else rank 0
 
     def validate(self) -> None:
-        _require(bool(self.run_dir), "log.run_dir", self.run_dir, "must be a directory path")
-        _require(self.diagnostics_interval >= 0, "log.diagnostics_interval",
-                 self.diagnostics_interval, "must be >= 0 (0 turns diagnostics off)")
-        _require(self.peak_tflops >= 0, "log.peak_tflops", self.peak_tflops,
-                 "must be >= 0 (0 looks the GPU up in the peak table)")
+        require(bool(self.run_dir), "log.run_dir", self.run_dir, "must be a directory path")
+        require(self.diagnostics_interval >= 0, "log.diagnostics_interval",
+                self.diagnostics_interval, "must be >= 0 (0 turns diagnostics off)")
+        require(self.peak_tflops >= 0, "log.peak_tflops", self.peak_tflops,
+                "must be >= 0 (0 looks the GPU up in the peak table)")
+
+
+# Recorded in checkpoints with the config. 2: the local mixer is an axis of its own
+# (model.shortswa.window > 0 turns it on); 1 (absent): it was on only with model.residual=shortswa.
+CONFIG_FORMAT = 2
 
 
 @dataclass
@@ -383,10 +332,12 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def validate(self) -> "Config":
-        _require(bool(self.name) and "/" not in self.name, "name", self.name,
-                 "must be a non-empty run name without '/'")
+        require(bool(self.name) and "/" not in self.name, "name", self.name,
+                "must be a non-empty run name without '/'")
         self.model.validate()
         self.parallel.validate(self.model)
+        for part in components(self.model):
+            part.check(self)
         self.train.validate()
         self.data.validate()
         self.checkpoint.validate()
@@ -399,35 +350,39 @@ class Config:
     def _validate_deepspeed_engine(self) -> None:
         """What DeepSpeed ZeRO replaces or cannot run: Megatron's pipeline and its optimizer."""
         why = "is not supported with train.engine=deepspeed"
-        _require(self.parallel.pipeline == 1, "parallel.pipeline", self.parallel.pipeline,
-                 "must be 1 with train.engine=deepspeed (pipeline stages need Megatron's "
-                 "schedules: use train.engine=megatron)")
-        _require(not self.parallel.sequence_parallel, "parallel.sequence_parallel", True,
-                 f"{why} (its norm gradients need Megatron's tensor-parallel all-reduce)")
-        _require(not self.parallel.distributed_optimizer, "parallel.distributed_optimizer", True,
-                 f"{why}: ZeRO (deepspeed.zero_stage) shards the optimizer instead")
-        _require(not self.checkpoint.async_save, "checkpoint.async_save", True, why)
-        _require(self.train.loss_spike_factor == 0, "train.loss_spike_factor",
-                 self.train.loss_spike_factor, f"{why} (DeepSpeed applies the update itself; "
-                 "it skips non-finite gradients on its own)")
+        require(self.parallel.pipeline == 1, "parallel.pipeline", self.parallel.pipeline,
+                "must be 1 with train.engine=deepspeed (pipeline stages need Megatron's "
+                "schedules: use train.engine=megatron)")
+        require(not self.parallel.sequence_parallel, "parallel.sequence_parallel", True,
+                f"{why} (its norm gradients need Megatron's tensor-parallel all-reduce)")
+        require(not self.parallel.distributed_optimizer, "parallel.distributed_optimizer", True,
+                f"{why}: ZeRO (deepspeed.zero_stage) shards the optimizer instead")
+        require(not self.checkpoint.async_save, "checkpoint.async_save", True, why)
+        require(self.train.loss_spike_factor == 0, "train.loss_spike_factor",
+                self.train.loss_spike_factor, f"{why} (DeepSpeed applies the update itself; "
+                "it skips non-finite gradients on its own)")
 
     def validate_world(self, world_size: int) -> int:
         """Check the layout against the launched world; returns the data-parallel size."""
         model_parallel = self.parallel.tensor * self.parallel.pipeline
-        _require(world_size % model_parallel == 0, "parallel.tensor*parallel.pipeline",
-                 model_parallel, f"must divide the world size {world_size}")
+        require(world_size % model_parallel == 0, "parallel.tensor*parallel.pipeline",
+                model_parallel, f"must divide the world size {world_size}")
         dp = world_size // model_parallel
         per_step = self.train.micro_batch_size * dp
-        _require(self.train.global_batch_size % per_step == 0, "train.global_batch_size",
-                 self.train.global_batch_size,
-                 f"must be a multiple of micro_batch_size * data_parallel = {per_step}")
+        require(self.train.global_batch_size % per_step == 0, "train.global_batch_size",
+                self.train.global_batch_size,
+                f"must be a multiple of micro_batch_size * data_parallel = {per_step}")
         if self.parallel.virtual_pipeline > 1:
-            micro_batches = self.train.global_batch_size // per_step
-            _require(micro_batches % self.parallel.pipeline == 0, "train.global_batch_size",
-                     self.train.global_batch_size,
-                     f"gives {micro_batches} micro-batches per step; the interleaved schedule "
-                     f"needs a multiple of parallel.pipeline={self.parallel.pipeline}")
+            micro_batches = self.micro_batches_per_step(dp)
+            require(micro_batches % self.parallel.pipeline == 0, "train.global_batch_size",
+                    self.train.global_batch_size,
+                    f"gives {micro_batches} micro-batches per step; the interleaved schedule "
+                    f"needs a multiple of parallel.pipeline={self.parallel.pipeline}")
         return dp
+
+    def micro_batches_per_step(self, data_parallel: int) -> int:
+        """Micro-batches each data-parallel replica runs per optimizer step."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * data_parallel)
 
     @property
     def run_dir(self) -> str:

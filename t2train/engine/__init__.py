@@ -3,7 +3,7 @@
 Both engines train the same Megatron-core model (t2train/model/) with the same data, schedule
 and logging; they differ in how gradients, optimizer state and checkpoints are handled:
 
-* ``megatron`` (megatron.py): Megatron-core DDP or distributed optimizer and its pipeline
+* ``megatron`` (megatron/): Megatron-core DDP or distributed optimizer and its pipeline
   schedules; every TP/SP/PP/VPP layout; reshardable dist-checkpointing checkpoints.
 * ``deepspeed`` (deepspeed_engine.py): DeepSpeed ZeRO stages 1-3 with optional host offload,
   Megatron-core TP as DeepSpeed's model-parallel unit, PP = 1; DeepSpeed's sharded checkpoints.
@@ -11,12 +11,23 @@ and logging; they differ in how gradients, optimizer state and checkpoints are h
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 from t2train.config.schema import Config
-from t2train.train.batches import MicroBatch
-from t2train.train.step import StepResult
+
+MicroBatch = dict  # {"tokens": LongTensor[b, s], "labels": LongTensor[b, s]}
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+    skipped: bool
+    traffic: dict  # pipeline bytes and hops of this step, summed over ranks
+    skip_reason: str = ""  # why the update was skipped (t2train/engine/megatron/numerics.py)
 
 
 class Engine(Protocol):

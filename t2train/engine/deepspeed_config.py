@@ -22,7 +22,7 @@ def _owned(config: Config, dp_size: int) -> dict[str, tuple[Any, str]]:
     train, ds = config.train, config.deepspeed
     cuda = torch.cuda.is_available()
     bf16 = compute_dtype(config) == torch.bfloat16
-    micro_batches = train.global_batch_size // (train.micro_batch_size * dp_size)
+    micro_batches = config.micro_batches_per_step(dp_size)
     owned = {
         "train_batch_size": (train.global_batch_size, "train.global_batch_size"),
         "train_micro_batch_size_per_gpu": (train.micro_batch_size, "train.micro_batch_size"),

@@ -27,13 +27,13 @@ from t2train.checkpoint.paths import ENGINE_FILE, INCOMPLETE, step_dir_name
 from t2train.checkpoint.store import (capture_rng, check_engine, current_layout,
                                       publish_checkpoint, restore_rng)
 from t2train.config.schema import Config
+from t2train.engine import MicroBatch, StepResult
 from t2train.engine.deepspeed_config import deepspeed_config
+from t2train.engine.megatron.setup import lr_scheduler, optimizer_config
+from t2train.engine.megatron.step import data_parallel_sum, model_loss
 from t2train.model.build import build_model_chunks, transformer_config
 from t2train.monitor.step_metrics import param_norm
 from t2train.parallel.traffic import collect_traffic
-from t2train.train.batches import MicroBatch
-from t2train.train.setup import lr_scheduler, optimizer_config
-from t2train.train.step import StepResult, data_parallel_sum, model_loss
 
 
 class MegatronGroups:
@@ -166,7 +166,7 @@ class DeepSpeedEngine:
         """
         check_engine(path, "deepspeed")
         written = json.loads((path / ENGINE_FILE).read_text())
-        check_same_model(path, (written.get("config") or {}).get("model"), self.config.model)
+        check_same_model(path, written, self.config.model)
         if written["layout"] != self._layout():
             raise CheckpointError(f"{path}: DeepSpeed checkpoint of layout {written['layout']}, "
                                   f"this run is {self._layout()}; DeepSpeed engine checkpoints "

@@ -19,7 +19,7 @@ class T2TransformerConfig(TransformerConfig):
 
     t2_attention_backend: str = "auto"
     t2_model: Optional[ModelConfig] = None  # residual designs read their options here
-    t2_depth_cache: str = "cached"  # pipeline transfer of residual-state units
+    t2_cached_hops: bool = False  # hops skip units the receiving rank kept (depth cache)
 
 
 def compute_dtype(config: Config) -> torch.dtype:
@@ -76,7 +76,7 @@ def transformer_config(config: Config) -> T2TransformerConfig:
         batch_p2p_comm=on_cuda,
         t2_attention_backend=model.attention_backend,
         t2_model=model,
-        t2_depth_cache=parallel.depth_cache,
+        t2_cached_hops=parallel.caches_depth_units(),
     )
 
 
@@ -88,12 +88,12 @@ def build_model_chunks(config: Config, tf_config: T2TransformerConfig,
     from t2train.parallel.depth_cache import DepthCache
 
     virtual = config.parallel.virtual_pipeline
-    cache = DepthCache() if config.parallel.depth_cache == "cached" and virtual > 1 else None
+    cache = DepthCache() if config.parallel.caches_depth_units() else None
     chunks = []
     for vp_stage in range(virtual):
         vp = vp_stage if virtual > 1 else None
         chunk = T2GPTModel(
-            tf_config, config.model.residual, vocab_size=vocab_size,
+            tf_config, vocab_size=vocab_size,
             max_sequence_length=config.model.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),

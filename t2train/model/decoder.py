@@ -22,7 +22,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megatron.core.utils import make_viewless_tensor
 from torch import Tensor
 
-from t2train.model.norm import RMSNorm
+from t2train.nn.norm import RMSNorm
 from t2train.model.spec import decoder_layer_spec
 from t2train.parallel.depth_cache import DepthCache, HopPlan
 from t2train.parallel.traffic import HopTraffic
@@ -30,10 +30,10 @@ from t2train.residual import get_design
 from t2train.residual.base import State
 
 
-def decoder_block_submodules(config, residual: str, vp_stage: Optional[int],
+def decoder_block_submodules(config, vp_stage: Optional[int],
                              pp_rank: int) -> TransformerBlockSubmodules:
     layers = get_num_layers_to_build(config, vp_stage, pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[decoder_layer_spec(residual)] * layers,
+    return TransformerBlockSubmodules(layer_specs=[decoder_layer_spec(config.t2_model)] * layers,
                                       layer_norm=RMSNorm)
 
 
@@ -46,18 +46,18 @@ class ResidualDecoder(TransformerBlock):
     concatenated along the sequence dim (``t2train/parallel/depth_cache.py`` decides which).
     """
 
-    def __init__(self, config, residual: str, pre_process: bool, post_process: bool,
+    def __init__(self, config, pre_process: bool, post_process: bool,
                  vp_stage: Optional[int], pp_rank: int, pg_collection=None):
-        super().__init__(config, decoder_block_submodules(config, residual, vp_stage, pp_rank),
+        super().__init__(config, decoder_block_submodules(config, vp_stage, pp_rank),
                          pre_process=pre_process, post_process=post_process,
                          pg_collection=pg_collection, vp_stage=vp_stage)
-        self.stream = get_design(residual).stream(
+        self.stream = get_design(config.t2_model.residual).stream(
             config, pre_process, post_process,
             first_layer=get_transformer_layer_offset(config, vp_stage, pp_rank))
         virtual = config.virtual_pipeline_model_parallel_size or 1
         self.hops = HopPlan(self.stream.unit_ids, config.pipeline_model_parallel_size,
                             config.pipeline_model_parallel_size * virtual, len(self.layers),
-                            cached=config.t2_depth_cache == "cached" and virtual > 1)
+                            cached=config.t2_cached_hops)
         self.chunk = self.stream.first_layer // len(self.layers)
         self.last_virtual_stage = (vp_stage or 0) == virtual - 1
         self.depth_cache: Optional[DepthCache] = None  # shared by this rank's chunks, if cached

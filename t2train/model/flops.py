@@ -1,4 +1,5 @@
-"""Parameter and forward-FLOP counts per token, for every residual design (used for MFU).
+"""Parameter and forward-FLOP counts per token, for every residual design and the local mixer
+(used for MFU).
 
 FLOPs count multiply-adds as 2 and include the causal attention scores and mixing
 (a query at position i attends to i + 1 keys). A training step costs 3x the forward
@@ -8,36 +9,39 @@ FLOPs count multiply-adds as 2 and include the causal attention scores and mixin
 from __future__ import annotations
 
 from t2train.config.schema import ModelConfig
-from t2train.residual import get_design
-
-
-def kv_dim(model: ModelConfig) -> int:
-    head_dim = model.hidden_size // model.num_attention_heads
-    return (model.num_query_groups or model.num_attention_heads) * head_dim
+from t2train.residual import components
 
 
 def standard_parameters(model: ModelConfig, vocab_size: int) -> int:
     h, f = model.hidden_size, model.resolved_ffn_hidden_size()
-    per_layer = h * (h + 2 * kv_dim(model)) + h * h + 3 * h * f + 2 * h
+    per_layer = h * (h + 2 * model.kv_dim()) + h * h + 3 * h * f + 2 * h
     head = 0 if model.tie_embeddings else vocab_size * h
     return vocab_size * h + model.num_layers * per_layer + h + head
 
 
+def extra_parameters(model: ModelConfig) -> int:
+    return sum(part.extra_parameters(model) for part in components(model))
+
+
+def extra_tensor_parallel_parameters(model: ModelConfig) -> int:
+    """The part of ``extra_parameters`` split across tensor-parallel ranks."""
+    return sum(part.tensor_parallel_parameters(model) for part in components(model))
+
+
 def parameters(model: ModelConfig, vocab_size: int) -> int:
-    return standard_parameters(model, vocab_size) + get_design(model.residual).extra_parameters(
-        model)
+    return standard_parameters(model, vocab_size) + extra_parameters(model)
 
 
 def standard_forward_flops_per_token(model: ModelConfig, vocab_size: int) -> float:
     h, f, s = model.hidden_size, model.resolved_ffn_hidden_size(), model.seq_length
-    projections = 2 * h * (h + 2 * kv_dim(model)) + 2 * h * h + 2 * 3 * h * f
+    projections = 2 * h * (h + 2 * model.kv_dim()) + 2 * h * h + 2 * 3 * h * f
     attention = 4 * h * (s + 1) / 2  # QK^T and AV over the causal average of keys
     return model.num_layers * (projections + attention) + 2 * h * vocab_size
 
 
 def forward_flops_per_token(model: ModelConfig, vocab_size: int) -> float:
     return (standard_forward_flops_per_token(model, vocab_size)
-            + get_design(model.residual).extra_flops_per_token(model))
+            + sum(part.extra_flops_per_token(model) for part in components(model)))
 
 
 def train_flops_per_token(model: ModelConfig, vocab_size: int) -> float:

@@ -24,14 +24,13 @@ from t2train.model.decoder import ResidualDecoder
 
 
 class T2GPTModel(LanguageModule):
-    def __init__(self, config, residual: str, vocab_size: int, max_sequence_length: int,
+    def __init__(self, config, vocab_size: int, max_sequence_length: int,
                  pre_process: bool = True, post_process: bool = True,
                  share_embeddings_and_output_weights: bool = True, rotary_base: int = 10000,
                  vp_stage: Optional[int] = None, pg_collection=None):
         pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
         super().__init__(config=config, pg_collection=pg_collection)
         self.model_type = ModelType.encoder_or_decoder
-        self.residual = residual
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
         self.pre_process = pre_process
@@ -47,7 +46,7 @@ class T2GPTModel(LanguageModule):
             kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=rotary_base,
             use_cpu_initialization=config.use_cpu_initialization, cp_group=pg_collection.cp)
         self.decoder = ResidualDecoder(
-            config, residual, pre_process=pre_process, post_process=post_process,
+            config, pre_process=pre_process, post_process=post_process,
             vp_stage=vp_stage, pp_rank=pg_collection.pp.rank(), pg_collection=pg_collection)
         if post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(

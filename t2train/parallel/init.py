@@ -105,3 +105,7 @@ def destroy() -> None:
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def is_rank_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0

@@ -1,10 +1,17 @@
-"""Residual-stream designs, selected by ``model.residual``.
+"""Residual-stream designs (``model.residual``) and the local mixer (``model.shortswa``).
 
-Each design provides a ``ResidualDesign`` (see ``base.py``): the model-level stream (how the
-embedding enters the stream, what crosses a pipeline hop, what the final norm reads) and the
-per-sublayer residual operator (how a sublayer reads its input from the stream and writes its
-output back). The registry maps names to modules lazily so that reading a config does not
-import torch.
+Two independent choices make a model's residual stream:
+
+* the residual operator, ``model.residual``: how each sublayer reads its input from the stream
+  and writes its output back, and what the stream carries (a ``ResidualDesign``, ``base.py``);
+* the local mixer: a sequence-axis ShortSWA sublayer before attention, on when
+  ``model.shortswa.window > 0``, written through the chosen operator like any sublayer.
+
+A combination is labelled ``<design>`` or ``<design>+shortswa`` (``variant_label``); the
+same spelling selects it in ``t2train bench step`` and ``t2train experiment compare``.
+
+Adding a design: one module here with a ``ResidualDesign``, one line in ``_DESIGNS``, and its
+tests (docs/residuals.md, "How to add a design"). Modules are imported on first use.
 """
 
 from __future__ import annotations
@@ -14,11 +21,14 @@ import importlib
 _DESIGNS = {  # name -> (module, attribute)
     "standard": ("t2train.residual.standard", "DESIGN"),
     "ddl": ("t2train.residual.ddl", "DESIGN"),
-    "shortswa": ("t2train.residual.shortswa", "DESIGN"),
     "depth_attn": ("t2train.residual.depth_attn", "DESIGN"),
     "attnres": ("t2train.residual.attnres", "FULL"),
     "block_attnres": ("t2train.residual.attnres", "BLOCK"),
 }
+BASELINE = "standard"  # the default design, and the one benchmarks compare against
+_MIXER = ("t2train.residual.shortswa", "MIXER")
+# Old spellings: name -> (design, window the mixer gets when the config leaves it at 0).
+_ALIASES = {"shortswa": ("standard", 128)}  # shortswa was a design of its own (config format 1)
 
 
 def registered() -> tuple[str, ...]:
@@ -32,3 +42,76 @@ def get_design(name: str):
                        f"{sorted(_DESIGNS)}")
     module, attribute = _DESIGNS[name]
     return getattr(importlib.import_module(module), attribute)
+
+
+def mixer():
+    """The ``LocalMixer`` (ShortSWA)."""
+    module, attribute = _MIXER
+    return getattr(importlib.import_module(module), attribute)
+
+
+def option_sections() -> dict[str, type]:
+    """``model.<section>`` -> its options dataclass, for every design and the mixer."""
+    sections = {}
+    for component in [get_design(name) for name in _DESIGNS] + [mixer()]:
+        if component.section is not None:
+            sections.setdefault(component.section, component.options)
+    return sections
+
+
+def mixer_on(model) -> bool:
+    """``model``: a ``ModelConfig``, or the ``model`` mapping of a saved config."""
+    if isinstance(model, dict):
+        return mixer().options(**(model.get(mixer().section) or {})).enabled()
+    return getattr(model, mixer().section).enabled()
+
+
+def components(model) -> list:
+    """The residual design and, when on, the local mixer: what a model adds to `standard`."""
+    return [get_design(model.residual)] + ([mixer()] if mixer_on(model) else [])
+
+
+def sublayer_names(model) -> tuple[str, ...]:
+    """The sublayers of every layer, in order (``SublayerResidual.position`` indexes them)."""
+    return ((mixer().name,) if mixer_on(model) else ()) + ("attn", "mlp")
+
+
+def variant_label(model) -> str:
+    """``<design>`` or ``<design>+shortswa``, for a ``ModelConfig`` or a saved mapping."""
+    design = model["residual"] if isinstance(model, dict) else model.residual
+    return design + (f"+{mixer().name}" if mixer_on(model) else "")
+
+
+def variant_overrides(variant: str, base) -> list[str]:
+    """Config overrides selecting ``<design>`` or ``<design>+shortswa`` (mixer off or on).
+
+    When on, the mixer keeps the window of ``base`` (a ``ModelConfig``) if it sets one, else
+    gets the default window.
+    """
+    design, plus, extra = variant.partition("+")
+    section = mixer().section
+    if plus and extra != mixer().name:
+        raise KeyError(f"{variant!r}: expected <design> or <design>+{mixer().name}")
+    get_design(design)
+    window = getattr(base, section).window or mixer().options.default_window
+    return [f"model.residual={design}", f"model.{section}.window={window if plus else 0}"]
+
+
+def resolve_aliases(model: dict, config_format: int) -> dict:
+    """A raw ``model`` section with old spellings rewritten (configs and saved checkpoints).
+
+    In config format 1 (checkpoints written before the mixer was an axis) the mixer's section
+    only mattered with the old design name: with any other design the mixer was off.
+    """
+    section = model.get(mixer().section) or {}
+    if not isinstance(section, dict):  # malformed: left for the config loader to name
+        return model
+    section = dict(section)
+    if model.get("residual") in _ALIASES:
+        design, window = _ALIASES[model["residual"]]
+        section["window"] = section.get("window") or window
+        return dict(model, residual=design, **{mixer().section: section})
+    if config_format < 2:
+        section["window"] = 0
+        return dict(model, **{mixer().section: section})
+    return model

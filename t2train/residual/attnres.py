@@ -14,25 +14,61 @@ a new source.
   (``model.attnres.block_size``); sources are the embedding, the completed block sums and
   the current block's partial sum. S = 1 is Full.
 
+With the local mixer on, its ShortSWA sublayer is a sublayer like attention and the MLP: it
+reads a mixture and its output is a source (three sublayers per layer instead of two).
+
 The final norm reads a last mixture with its own pseudo-query. The stream state is
 ``AttnResState(sources, partial)``; a pipeline hop carries all of it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from t2train.errors import require
 from t2train.kernels import dispatch
-from t2train.monitor import probe
+from t2train.nn import probe
+from t2train.residual import mixer, mixer_on, sublayer_names
 from t2train.residual.base import (
     ResidualDesign,
     ResidualStream,
     SublayerResidual,
     mark_replicated,
 )
+
+
+@dataclass
+class AttnResOptions:
+    """``model.attnres`` (both AttnRes designs): softmax mixing over earlier sublayer outputs."""
+
+    block_size: int = 4  # `block_attnres`: sublayers per block (every sublayer counts)
+    eps: float = 1e-6  # of the weight-free RMSNorm on keys
+
+    def validate(self, prefix: str) -> None:
+        require(self.block_size >= 1, f"{prefix}.block_size", self.block_size, "must be >= 1")
+        require(self.eps > 0, f"{prefix}.eps", self.eps, "must be > 0")
+
+
+def _sublayers_per_layer(model) -> int:
+    return len(sublayer_names(model))
+
+
+def check_blocks(config) -> None:
+    """Blocks tile the sublayers exactly (the last one closes at the final read)."""
+    model = config.model
+    per_layer = _sublayers_per_layer(model)
+    mixing = (f"; model.{mixer().section}.window={getattr(model, mixer().section).window} adds "
+              "a sublayer per layer" if mixer_on(model) else "")
+    require((per_layer * model.num_layers) % model.attnres.block_size == 0,
+            "model.attnres.block_size", model.attnres.block_size,
+            f"must divide the number of sublayers {per_layer} x model.num_layers = "
+            f"{per_layer * model.num_layers} ({', '.join(sublayer_names(model))} per layer"
+            f"{mixing})")
 
 
 class AttnResState(NamedTuple):
@@ -63,9 +99,6 @@ def _pseudo_query(config) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.zeros(config.hidden_size, dtype=config.params_dtype))
 
 
-SUBLAYERS_PER_LAYER = 2  # attention and MLP
-
-
 class BlockAttnResidual(SublayerResidual):
     """Block AttnRes: read the mixture; add the output to the block's partial sum."""
 
@@ -73,7 +106,8 @@ class BlockAttnResidual(SublayerResidual):
         super().__init__(config, layer_number, position)
         self.query = _pseudo_query(config)
         self.eps = config.t2_model.attnres.eps
-        self.index = SUBLAYERS_PER_LAYER * (layer_number - 1) + position  # 0-based, global
+        per_layer = _sublayers_per_layer(config.t2_model)
+        self.index = per_layer * (layer_number - 1) + position  # 0-based, global
         self.block_size = config.t2_model.attnres.block_size
         mark_replicated(self, config)
 
@@ -97,9 +131,9 @@ class FullAttnResidual(BlockAttnResidual):
         return AttnResState(state.sources + (out,), None)
 
 
-def source_unit_ids(layers_done: int, block_size: int) -> list:
-    """Sources 0 .. n-1 (embedding, completed blocks) and None for an open block's partial."""
-    sublayers = SUBLAYERS_PER_LAYER * layers_done
+def source_unit_ids(sublayers: int, block_size: int) -> list:
+    """Sources 0 .. n-1 (embedding, completed blocks) and None for an open block's partial,
+    after ``sublayers`` sublayers."""
     sources = list(range(1 + sublayers // block_size))
     return sources + ([None] if sublayers % block_size else [])
 
@@ -112,19 +146,20 @@ class AttnResStream(ResidualStream):
         super().__init__(config, pre_process, post_process, first_layer)
         self.block_size = block_size or config.t2_model.attnres.block_size
         self.eps = config.t2_model.attnres.eps
+        self.per_layer = _sublayers_per_layer(config.t2_model)
         if post_process:
             self.final_query = _pseudo_query(config)
         mark_replicated(self, config)
 
     def unit_ids(self, layers_done: int) -> list:
-        return source_unit_ids(layers_done, self.block_size)
+        return source_unit_ids(self.per_layer * layers_done, self.block_size)
 
     def enter(self, embedding: Tensor) -> AttnResState:
         return AttnResState((embedding,), None)
 
     def exit(self, state: AttnResState) -> Tensor:
         values = state.values()
-        final = SUBLAYERS_PER_LAYER * self.config.num_layers  # numbered after the last sublayer
+        final = self.per_layer * self.config.num_layers  # numbered after the last sublayer
         probe.record("attnres", final, lambda: mixing_weights(
             self.final_query, values, self.eps).mean((1, 2)))
         return dispatch.depth_mix(self.final_query, state.sources, state.partial, self.eps)
@@ -133,7 +168,7 @@ class AttnResStream(ResidualStream):
         return state.values()
 
     def from_units(self, units: list[Tensor], layers_done: int) -> AttnResState:
-        if (SUBLAYERS_PER_LAYER * layers_done) % self.block_size:
+        if (self.per_layer * layers_done) % self.block_size:
             return AttnResState(tuple(units[:-1]), units[-1])
         return AttnResState(tuple(units), None)
 
@@ -146,13 +181,14 @@ class FullAttnResStream(AttnResStream):
 def _source_counts(model, block_size: int) -> list[int]:
     """Sources each sublayer reads, and the final read last."""
     counts = []
-    for index in range(SUBLAYERS_PER_LAYER * model.num_layers + 1):
+    for index in range(_sublayers_per_layer(model) * model.num_layers + 1):
         counts.append(1 + index // block_size + (1 if index % block_size else 0))
     return counts
 
 
 def extra_parameters(model) -> int:
-    return (SUBLAYERS_PER_LAYER * model.num_layers + 1) * model.hidden_size  # a query per read
+    reads = _sublayers_per_layer(model) * model.num_layers + 1  # and the final norm's
+    return reads * model.hidden_size  # one pseudo-query per read
 
 
 def extra_flops_for(block_size_of):
@@ -164,6 +200,28 @@ def extra_flops_for(block_size_of):
     return extra_flops_per_token
 
 
+def diagnostics_for(source_names):
+    def write_diagnostics(writer, step: int, records: dict, model) -> None:
+        """``diagnostics/depth_attention``: the mean weight of each read (every sublayer, then
+        the final norm; rows) on each source (columns; 0 is the embedding)."""
+        if "attnres" not in records:
+            return
+        weights = records["attnres"]
+        names = sublayer_names(model)
+        sublayer = [f"layer_{i // len(names) + 1:02d}.{names[i % len(names)]}"
+                    for i in range(len(names) * model.num_layers)]
+        sources = max(len(row) for row in weights.values())
+        matrix = np.full((len(sublayer) + 1, sources), np.nan)
+        for read, row in weights.items():
+            matrix[read, :len(row)] = row.numpy()
+        writer.heatmap(step, "diagnostics/depth_attention", matrix, sublayer + ["final"],
+                       ["emb"] + source_names(sublayer, sources - 1),
+                       f"{model.residual}: mean attention over depth, step {step}", "source",
+                       "reading sublayer")
+
+    return write_diagnostics
+
+
 FULL = ResidualDesign(
     name="attnres",
     stream=FullAttnResStream,
@@ -171,6 +229,9 @@ FULL = ResidualDesign(
     reference="Attention Residuals (Full), Kimi Team, arXiv 2603.15031",
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_for(lambda model: 1),
+    section="attnres",
+    options=AttnResOptions,
+    write_diagnostics=diagnostics_for(lambda sublayers, count: sublayers[:count]),
 )
 
 BLOCK = ResidualDesign(
@@ -180,4 +241,9 @@ BLOCK = ResidualDesign(
     reference="Attention Residuals (Block), Kimi Team, arXiv 2603.15031",
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_for(lambda model: model.attnres.block_size),
+    section="attnres",
+    options=AttnResOptions,
+    check=check_blocks,
+    write_diagnostics=diagnostics_for(
+        lambda sublayers, count: [f"block {i}" for i in range(1, count + 1)]),
 )

@@ -1,13 +1,13 @@
-"""The pieces every residual design provides.
+"""The interfaces every residual design (and the local mixer) provides.
 
-A decoder layer is a sequence of pre-norm sublayers (attention, MLP, and for some designs
-an extra one). Where a standard Transformer computes ``x = x + f(norm(x))``, t2train asks
-the design:
+A decoder layer is a sequence of pre-norm sublayers: the local mixer when it is on (ShortSWA,
+``model.shortswa.window > 0``), attention, and the MLP. Where a standard Transformer computes
+``x = x + f(norm(x))``, t2train asks the residual design:
 
 * ``SublayerResidual.read(state)``: the tensor the sublayer normalises and transforms;
 * ``SublayerResidual.write(state, x, normed, out)``: the stream state after the sublayer;
-* ``LayerEntry.begin(state)`` (optional): work done once per layer before its sublayers,
-  e.g. the depth-wise attention read.
+* ``ResidualDesign.layer_entry`` (optional): a module whose ``begin(state)`` runs once per
+  layer before its sublayers, e.g. the depth-wise attention read.
 
 ``ResidualStream`` owns the state between layers: it turns the embedding into the initial
 state (``enter``), reads the final hidden state for the last norm (``exit``), and splits the
@@ -15,12 +15,17 @@ state into [s, b, h] units (``to_units``/``from_units``) for pipeline hops and a
 recompute. ``unit_ids`` names each unit: an id for a unit that never changes once made
 (an earlier layer's state, an AttnRes source), which a rank may keep and not receive again
 (the depth cache, ``t2train/parallel/depth_cache.py``); None for one that changes.
+
+Everything else a design needs is reached through its ``ResidualDesign``: its config section
+(``options``, read from ``model.<section>``), the rules it adds to the config, its parameter
+and FLOP counts, and how its diagnostics are written. Nothing outside ``t2train/residual/``
+names a design (``tests/test_design_names.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
@@ -31,8 +36,8 @@ State = Any  # a design's stream state: a Tensor for `standard`, richer for othe
 class SublayerResidual(MegatronModule):
     """How one sublayer reads from and writes to the residual stream.
 
-    ``position`` is the sublayer's index within its layer (attention 0, MLP 1; a design
-    with an extra sublayer numbers it first).
+    ``position`` is the sublayer's index within its layer (``sublayer_names(model)``: the
+    mixer first when it is on, then attention, then the MLP).
     """
 
     def __init__(self, config, layer_number: int = 1, position: int = 0):
@@ -64,7 +69,6 @@ class ResidualStream(MegatronModule):
         """Ids of the state's units after ``layers_done`` layers (None: changes per layer)."""
         return [None]
 
-
     def enter(self, embedding: Tensor) -> State:
         raise NotImplementedError
 
@@ -90,19 +94,64 @@ def mark_replicated(module, config) -> None:
         param.sequence_parallel = config.sequence_parallel
 
 
+class DiagnosticsWriter(Protocol):
+    """What a design's diagnostics writer may emit (``t2train/monitor/diagnostics.py``)."""
+
+    def scalars(self, step: int, values: dict) -> None: ...
+
+    def histogram(self, step: int, tag: str, values) -> None: ...
+
+    def heatmap(self, step: int, tag: str, matrix, rows: list, columns: list, title: str,
+                xlabel: str, ylabel: str) -> None: ...
+
+
+def no_extra(_model_config) -> int:
+    return 0
+
+
+def no_rules(_config) -> None:
+    return None
+
+
+def no_diagnostics(_writer: DiagnosticsWriter, _step: int, _records: dict, _model) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class ResidualDesign:
-    """A named residual design: its modules, its cost model and its source."""
+    """A named residual operator: its modules, config section, cost model and source.
+
+    Counts take the ``ModelConfig`` (the local mixer adds a sublayer per layer, which a
+    design that works per sublayer also pays for); ``tensor_parallel_parameters`` is the part
+    of ``extra_parameters`` split across tensor-parallel ranks (for the planner).
+    """
 
     name: str
     stream: type
     sublayer: type
     reference: str
-    extra_parameters: Callable  # (ModelConfig) -> parameters beyond `standard`
-    extra_flops_per_token: Callable  # (ModelConfig) -> forward FLOPs beyond `standard`
-    layer_entry: Optional[type] = None  # LayerEntry run before a layer's sublayers
-    pre_attention: Optional[Callable] = None  # () -> ModuleSpec of an extra first sublayer
+    extra_parameters: Callable = no_extra
+    extra_flops_per_token: Callable = no_extra
+    tensor_parallel_parameters: Callable = no_extra
+    layer_entry: Optional[type] = None  # module whose begin(state) runs before the sublayers
+    section: Optional[str] = None  # its options live in model.<section> (shared by siblings)
+    options: Optional[type] = None  # dataclass with validate(prefix); one per section
+    check: Callable = no_rules  # (Config) -> None: rules across sections, ConfigError if broken
+    write_diagnostics: Callable = no_diagnostics  # (writer, step, records, ModelConfig)
 
 
-def no_extra(_model_config) -> int:
-    return 0
+@dataclass(frozen=True)
+class LocalMixer:
+    """A sequence-axis sublayer placed before attention in every layer, combinable with every
+    residual design: its output is written to the stream through the design's operator."""
+
+    name: str
+    section: str
+    options: type  # dataclass with validate(prefix) and enabled()
+    spec: Callable  # () -> ModuleSpec of the sublayer (built with config, layer_number, ...)
+    reference: str
+    extra_parameters: Callable = no_extra
+    extra_flops_per_token: Callable = no_extra
+    tensor_parallel_parameters: Callable = no_extra
+    check: Callable = no_rules
+    write_diagnostics: Callable = no_diagnostics

@@ -20,6 +20,9 @@ compressor, x_in_i = sum_j w_ij X_ij, initialised to the mean). The matrix state
 column-major as [d_v, s, b, h]: each column X_j is updated like a vector state with its own
 v_j, and a pipeline hop carries its d_v columns as d_v units.
 
+Every sublayer gets its own write: attention, the MLP and, when the local mixer is on, the
+ShortSWA sublayer (the combination the Residual Stream Duality note recommends).
+
 Initialisation follows the authors' code: b_beta = logit(beta_init / 2) (beta ~ 1 by
 default), weights from the model's init method, v bias 0.
 """
@@ -27,19 +30,51 @@ default), weights from the model's init method, v bias 0.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from t2train.errors import require
 from t2train.kernels import dispatch
-from t2train.monitor import probe
+from t2train.nn import probe
+from t2train.residual import sublayer_names
 from t2train.residual.base import (
     ResidualDesign,
     ResidualStream,
     SublayerResidual,
     mark_replicated,
 )
+
+
+@dataclass
+class DDLOptions:
+    """``model.ddl``: X <- X + beta k (v^T - k^T X) per sublayer."""
+
+    dv: int = 1  # state width: 1 = vector state [s, b, h]; > 1 = matrix state [dv, s, b, h]
+    beta_init: float = 1.0  # beta at initialisation, in (0, 2); the authors' default is 1
+    k_eps: float = 1e-5  # k = k~ / sqrt(|k~|^2 + k_eps^2)
+    v_scale: float = 4.0  # v = v_scale * sigmoid(linear(x))
+    embed_conv_kernel: int = 4  # causal depthwise conv expanding the embedding when dv > 1
+
+    def validate(self, prefix: str) -> None:
+        require(self.dv >= 1, f"{prefix}.dv", self.dv, "must be >= 1")
+        require(0 < self.beta_init < 2, f"{prefix}.beta_init", self.beta_init,
+                "must be in (0, 2)")
+        require(self.k_eps > 0, f"{prefix}.k_eps", self.k_eps, "must be > 0")
+        require(self.v_scale > 0, f"{prefix}.v_scale", self.v_scale, "must be > 0")
+        require(self.embed_conv_kernel >= 1, f"{prefix}.embed_conv_kernel",
+                self.embed_conv_kernel, "must be >= 1")
+
+
+def check(config) -> None:
+    """The expanded state's embedding convolution mixes tokens: it needs them all on a rank."""
+    if config.parallel.sequence_parallel:
+        require(config.model.ddl.dv == 1, "parallel.sequence_parallel", True,
+                f"is not supported with model.ddl.dv={config.model.ddl.dv} (the embedding "
+                "expander's causal token convolution needs the whole sequence on each rank); "
+                "use model.ddl.dv=1 or parallel.sequence_parallel=false")
 
 
 def _at_least_fp32(t: Tensor) -> Tensor:
@@ -158,8 +193,12 @@ class DeltaStream(ResidualStream):
         return units[0] if self.dv == 1 else torch.stack(units)
 
 
+def _sublayers(model) -> int:
+    return len(sublayer_names(model)) * model.num_layers
+
+
 def extra_parameters(model) -> int:
-    h, dv, sublayers = model.hidden_size, model.ddl.dv, 2 * model.num_layers
+    h, dv, sublayers = model.hidden_size, model.ddl.dv, _sublayers(model)
     per_sublayer = (h + 1) + (h * dv + dv) + (h * dv if dv > 1 else 0)
     stream = h * dv * model.ddl.embed_conv_kernel + h * dv if dv > 1 else 0
     return sublayers * per_sublayer + stream
@@ -167,7 +206,7 @@ def extra_parameters(model) -> int:
 
 def extra_flops_per_token(model) -> int:
     """beta and v projections, k^T X, the rank-1 write (and the compressor reads)."""
-    h, dv, sublayers = model.hidden_size, model.ddl.dv, 2 * model.num_layers
+    h, dv, sublayers = model.hidden_size, model.ddl.dv, _sublayers(model)
     per_sublayer = 2 * h + 2 * h * dv + 2 * h * dv + 2 * h * dv
     if dv > 1:
         per_sublayer += 2 * h * dv  # compressor read
@@ -177,6 +216,16 @@ def extra_flops_per_token(model) -> int:
     return sublayers * per_sublayer + stream
 
 
+def write_diagnostics(writer, step: int, records: dict, model) -> None:
+    """Histograms ``diagnostics/ddl_beta/layer_NN.<sublayer>``, the gate beta in (0, 2), and
+    ``diagnostics/ddl_kx/...``, the readout k^T X per token (and state column) that v replaces."""
+    names = sublayer_names(model)
+    for kind in ("ddl_beta", "ddl_kx"):
+        for (layer, position), values in sorted(records.get(kind, {}).items()):
+            writer.histogram(step, f"diagnostics/{kind}/layer_{layer:02d}.{names[position]}",
+                             values)
+
+
 DESIGN = ResidualDesign(
     name="ddl",
     stream=DeltaStream,
@@ -184,4 +233,8 @@ DESIGN = ResidualDesign(
     reference="Deep Delta Learning, Zhang et al., arXiv 2601.00417",
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_per_token,
+    section="ddl",
+    options=DDLOptions,
+    check=check,
+    write_diagnostics=write_diagnostics,
 )

@@ -21,19 +21,32 @@ and the current hidden state. A pipeline hop carries all of them (the depth cach
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 from torch import Tensor
 
+from t2train.errors import require
 from t2train.kernels.dispatch import short_window_attention
-from t2train.model.norm import RMSNorm
-from t2train.monitor import probe
+from t2train.nn.norm import RMSNorm
+from t2train.nn import probe
 from t2train.residual.base import ResidualDesign, ResidualStream, SublayerResidual
 from t2train.residual.window_attention import window_attention_probs
+
+
+@dataclass
+class DepthAttnOptions:
+    """``model.depth_attn``: a causal QKV read over the token's last K residual states."""
+
+    window: int = 4  # K; >= num_layers + 1 reads the full depth
+
+    def validate(self, prefix: str) -> None:
+        require(self.window >= 1, f"{prefix}.window", self.window, "must be >= 1")
 
 
 class DepthState(NamedTuple):
@@ -129,10 +142,32 @@ def extra_parameters(model) -> int:
     return model.num_layers * (4 * h * h + h)  # W_Q, W_K, W_V, W_O, norm
 
 
+def tensor_parallel_parameters(model) -> int:
+    """The projections are split across tensor ranks like attention's; the norm is not."""
+    return model.num_layers * 4 * model.hidden_size ** 2
+
+
 def extra_flops_per_token(model) -> int:
     """Per layer: q and output projections, K/V projections of n states, scores and mix."""
     h = model.hidden_size
     return sum(4 * h * h + 4 * h * h * n + 4 * h * n for n in _window_sizes(model))
+
+
+def write_diagnostics(writer, step: int, records: dict, model) -> None:
+    """``diagnostics/depth_attention``: the mean weight of each reading layer (rows) on each
+    state in its window (columns). Layer l reads h^(l-n) .. h^(l-1), the states entering
+    layers l-n+1 .. l."""
+    if "depth_attn" not in records:
+        return
+    layers = model.num_layers
+    matrix = np.full((layers, layers), np.nan)
+    for layer, row in records["depth_attn"].items():
+        matrix[layer - 1, layer - len(row):layer] = row.numpy()
+    writer.heatmap(step, "diagnostics/depth_attention", matrix,
+                   [f"layer_{n + 1:02d}" for n in range(layers)],
+                   ["h0 (emb)"] + [f"h{i}" for i in range(1, layers)],
+                   f"depth_attn: mean attention over depth, step {step}",
+                   "state entering layer i (h_i)", "reading layer")
 
 
 DESIGN = ResidualDesign(
@@ -142,5 +177,9 @@ DESIGN = ResidualDesign(
     reference="Residual Stream Duality, Zhang, arXiv 2603.16039, Sec. 2.2",
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_per_token,
+    tensor_parallel_parameters=tensor_parallel_parameters,
     layer_entry=DepthRead,
+    section="depth_attn",
+    options=DepthAttnOptions,
+    write_diagnostics=write_diagnostics,
 )

@@ -1,34 +1,96 @@
-"""`shortswa`: sequence-axis short sliding-window attention as an extra sublayer.
+"""The local mixer: sequence-axis short sliding-window attention (ShortSWA) before attention.
 
-Residual Stream Duality (arXiv 2603.16039), Algorithm 1: before global attention, every
-layer adds a pre-norm residual sublayer of causal attention over the last w tokens,
+Residual Stream Duality (arXiv 2603.16039), Sec. 2.4 and Algorithm 1: before global
+attention, every layer adds a pre-norm sublayer of causal attention over the last w tokens,
 
-    S = H + ShortSWA(Norm(H); w),  A = S + Attn(Norm(S)),  H' = A + MLP(Norm(A)).
+    S = H + ShortSWA(Norm(H); w),  A = S + Attn(Norm(S)),  H' = A + MLP(Norm(A)),
+
+on when ``model.shortswa.window`` = w > 0. With a residual design other than `standard` the
+sublayer's output is written through that design's operator like attention's and the MLP's
+(with `ddl` it gets its own delta write; with AttnRes it is a source of its own), so
+``S = write(H, ShortSWA(Norm(read(H)); w))``. The paper recommends DDL for the shortcut plus
+ShortSWA for local mixing (``model.residual=ddl model.shortswa.window=128``).
 
 The sublayer is Megatron's tensor-parallel ``SelfAttention`` (heads split across TP ranks,
-RoPE over tokens) with a windowed core attention; the residual itself stays additive, so
-one [s, b, h] state crosses each pipeline hop.
+RoPE over tokens) with a windowed core attention: flash-attn's ``window_size=(w - 1, 0)`` on
+CUDA, else ``short_window_attention`` (the operator the depth read uses too; the Triton
+kernel on CUDA, the PyTorch reference on CPU). Its parameters keep the names of the layer's
+``pre_attention`` submodule, so checkpoints of the former `shortswa` design load.
 """
 
 from __future__ import annotations
 
-from megatron.core.transformer.spec_utils import ModuleSpec
+from dataclasses import dataclass
+from typing import ClassVar
 
-from t2train.model.flops import kv_dim
-from t2train.residual.base import ResidualDesign
-from t2train.residual.standard import AdditiveResidual, HiddenStateStream
+from megatron.core.transformer.spec_utils import ModuleSpec
+from torch import Tensor
+
+from t2train.errors import require
+from t2train.kernels.dispatch import short_window_attention
+from t2train.nn import probe
+from t2train.nn.attention import CausalCoreAttention
+from t2train.nn.specs import self_attention_spec
+from t2train.residual.base import LocalMixer
+from t2train.residual.window_attention import window_attention_entropy
+
+
+@dataclass
+class ShortSWAOptions:
+    """``model.shortswa``: the local mixer, an extra pre-norm sublayer of causal attention
+    over the last ``window`` tokens before attention in every layer; 0 turns it off."""
+
+    window: int = 0
+    default_window: ClassVar[int] = 128  # the companion note's chunk size (Rethinking SWA)
+
+    def enabled(self) -> bool:
+        return self.window > 0
+
+    def validate(self, prefix: str) -> None:
+        require(self.window >= 0, f"{prefix}.window", self.window,
+                "must be >= 0 (0 turns the ShortSWA sublayer off)")
+
+
+class ShortWindowCoreAttention(CausalCoreAttention):
+    """Causal attention over the last ``model.shortswa.window`` tokens (ShortSWA).
+
+    flash-attn's ``window_size=(w - 1, 0)`` on CUDA, else ``short_window_attention`` (the
+    same operator the depth read uses): the Triton kernel on CUDA, the PyTorch reference on
+    CPU (see ``t2train.kernels.dispatch``).
+    """
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.window = config.t2_model.shortswa.window
+
+    def _attend(self, query: Tensor, key: Tensor, value: Tensor, dropout: float) -> Tensor:
+        probe.record("shortswa_entropy", self.layer_number, lambda: window_attention_entropy(
+            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), self.window, self.softmax_scale))
+        if self.backend == "flash":
+            from flash_attn import flash_attn_func
+
+            q, k, v = (t.transpose(0, 1) for t in (query, key, value))
+            out = flash_attn_func(q, k, v, dropout_p=dropout, softmax_scale=self.softmax_scale,
+                                  causal=True, window_size=(self.window - 1, 0))
+            return out.transpose(0, 1)
+        if dropout > 0:
+            raise ValueError("ShortSWA's reference attention has no attention dropout")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        return short_window_attention(q, k, v, self.window, self.softmax_scale).permute(2, 0, 1, 3)
 
 
 def short_attention_spec() -> ModuleSpec:
-    from t2train.model.attention import ShortWindowCoreAttention
-    from t2train.model.spec import self_attention_spec
-
     return self_attention_spec(core_attention=ShortWindowCoreAttention)
 
 
 def extra_parameters(model) -> int:
     h = model.hidden_size
-    return model.num_layers * (h * (h + 2 * kv_dim(model)) + h * h + h)  # qkv, proj, norm
+    return model.num_layers * (h * (h + 2 * model.kv_dim()) + h * h + h)  # qkv, proj, norm
+
+
+def tensor_parallel_parameters(model) -> int:
+    """The projections are split like attention's; the norm is not."""
+    return extra_parameters(model) - model.num_layers * model.hidden_size
 
 
 def mean_window(seq_length: int, window: int) -> float:
@@ -38,17 +100,27 @@ def mean_window(seq_length: int, window: int) -> float:
 
 def extra_flops_per_token(model) -> float:
     h = model.hidden_size
-    projections = 2 * h * (h + 2 * kv_dim(model)) + 2 * h * h
+    projections = 2 * h * (h + 2 * model.kv_dim()) + 2 * h * h
     scores_and_mix = 4 * h * mean_window(model.seq_length, model.shortswa.window)
     return model.num_layers * (projections + scores_and_mix)
 
 
-DESIGN = ResidualDesign(
+def write_diagnostics(writer, step: int, records: dict, model) -> None:
+    """``diagnostics/shortswa_entropy/layer_NN``: mean attention entropy (nats) of the last 128
+    queries; log(window) would be uniform attention."""
+    if "shortswa_entropy" in records:
+        writer.scalars(step, {f"diagnostics/shortswa_entropy/layer_{layer:02d}": float(entropy)
+                              for layer, entropy in sorted(records["shortswa_entropy"].items())})
+
+
+MIXER = LocalMixer(
     name="shortswa",
-    stream=HiddenStateStream,
-    sublayer=AdditiveResidual,
-    reference="Residual Stream Duality, Zhang, arXiv 2603.16039, Algorithm 1",
+    section="shortswa",
+    options=ShortSWAOptions,
+    spec=short_attention_spec,
+    reference="Residual Stream Duality, Zhang, arXiv 2603.16039, Sec. 2.4 and Algorithm 1",
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_per_token,
-    pre_attention=short_attention_spec,
+    tensor_parallel_parameters=tensor_parallel_parameters,
+    write_diagnostics=write_diagnostics,
 )

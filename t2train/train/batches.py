@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-MicroBatch = dict  # {"tokens": LongTensor[b, s], "labels": LongTensor[b, s]}
+from t2train.engine import MicroBatch
 
 
 def is_reader() -> bool:

@@ -36,6 +36,9 @@ class RunSummary:
 def dataset_facts(config: Config) -> dict:
     from t2train.data.prepare import read_index
 
+    if not config.data.path:
+        raise ConfigError("data.path='': must name a prepared dataset directory (see "
+                          "`t2train data prepare`)")
     index = read_index(config.data.path)
     if config.model.seq_length > index["seq_length"]:
         raise ConfigError(f"model.seq_length={config.model.seq_length}: longer than the "
@@ -90,6 +93,7 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
     from t2train.monitor.metrics import Monitor
     from t2train.monitor.step_metrics import loss_scalars, step_meter
     from t2train.parallel.init import init_distributed, init_model_parallel, set_seed
+    from t2train.residual import variant_label
     from t2train.train.batches import GlobalBatchFeeder
     from t2train.train.data import open_streams
 
@@ -115,7 +119,7 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
     start_step = train_state.get("step", 0)
 
     train_cfg = config.train
-    num_micro = train_cfg.global_batch_size // (train_cfg.micro_batch_size * dp_size)
+    num_micro = config.micro_batches_per_step(dp_size)
     streams = open_streams(config, topology, dp_size, train_state.get("data_state"))
     feeder = GlobalBatchFeeder(streams.train, num_micro, train_cfg.micro_batch_size,
                                config.model.seq_length)
@@ -134,7 +138,8 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
                       prefix=f"[rank {topology.rank}] " if config.log.all_ranks else "")
     engine_name = (f"deepspeed ZeRO-{config.deepspeed.zero_stage}"
                    if config.train.engine == "deepspeed" else "megatron")
-    monitor.print(f"t2train: {config.model.residual} residual, {config.model.num_layers} layers, "
+    monitor.print(f"t2train: {variant_label(config.model)} residual, "
+                  f"{config.model.num_layers} layers, "
                   f"{engine.num_parameters() / 1e6:.2f}M parameters on rank 0 | world "
                   f"{topology.world_size} = TP {topology.tp_size} x PP {topology.pp_size} x DP "
                   f"{dp_size} | engine {engine_name} | {start}")

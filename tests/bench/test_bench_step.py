@@ -20,13 +20,14 @@ def _table_rows(text: str) -> list[list[str]]:
 
 def test_step_bench_prints_one_row_per_design_and_the_reference(shakespeare):
     code, out = run_cli("bench", "step", f"data.path={shakespeare}", *TINY,
-                        "--designs", "standard,ddl", "--warmup", "1", "--steps", "2")
+                        "model.shortswa.window=16", "--designs", "standard,ddl+shortswa",
+                        "--warmup", "1", "--steps", "2")
     assert code == 0
     header, separator, *rows = _table_rows(out)
     assert header == ["design", "params (M)", "step time (ms, median)", "vs standard",
                       "tokens/s", "process RSS (GiB)", "pipeline bytes/step"]
     assert set(separator) == {"---"}
-    assert [row[0] for row in rows] == ["standard", "ddl", "plain PyTorch (standard)"]
+    assert [row[0] for row in rows] == ["standard", "ddl+shortswa", "plain PyTorch (standard)"]
     for row in rows:
         assert len(row) == len(header)
         assert all(math.isfinite(float(cell)) and float(cell) >= 0 for cell in row[1:])

@@ -9,7 +9,7 @@ from t2train.model.build import build_model_chunks, transformer_config
 BASE = ["data.path=unused", "model.num_layers=2", "model.hidden_size=32",
         "model.num_attention_heads=2", "model.seq_length=8", "model.tie_embeddings=false"]
 VARIANTS = {
-    "shortswa": ["model.residual=shortswa", "model.shortswa.window=4"],
+    "ddl+shortswa": ["model.residual=ddl", "model.shortswa.window=4"],
     "depth_attn": ["model.residual=depth_attn", "model.depth_attn.window=2"],
     "ddl": ["model.residual=ddl"],
     "ddl_dv4": ["model.residual=ddl", "model.ddl.dv=4"],

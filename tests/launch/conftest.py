@@ -9,6 +9,13 @@ import pytest
 from local_slurm import LocalSlurm, install_reason
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests that use SLURM (installed on first use) are marked ``slurm``: not in the fast tier."""
+    for item in items:
+        if "slurm_conf" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slurm)
+
+
 @pytest.fixture(scope="session")
 def slurm_conf(tmp_path_factory):
     """SLURM installed (apt-get when missing) and a cluster config in SLURM_CONF.

@@ -14,7 +14,7 @@ from t2train.monitor.mfu import (
     resolve_peak,
     tflops_per_device,
 )
-from t2train.residual import get_design
+from t2train.model.flops import forward_flops_per_token, standard_forward_flops_per_token
 
 VOCAB = 128
 BASE = ["data.path=unused", "model.num_layers=2", "model.hidden_size=64",
@@ -27,30 +27,35 @@ BASE = ["data.path=unused", "model.num_layers=2", "model.hidden_size=64",
 STANDARD_TRAIN_FLOPS = 6 * 114688 + 49920
 
 # Forward FLOPs each design adds, counted by hand (multiply-add = 2 FLOPs):
-EXTRA_FORWARD_FLOPS = {
+SHORTSWA_16 = 2 * (24576 + 8192 + 256 * 14.125)
+EXTRA_FORWARD_FLOPS = {  # variant: (design, overrides, extra forward FLOPs per token)
     # 4 sublayers x (beta 2h + v 2h + k^T x 2h + rank-1 write 2h), h = 64
-    "ddl": ([], 4 * (4 * 128)),
+    "ddl": ("ddl", [], 4 * (4 * 128)),
     # 4 sublayers x (beta 2h + v, k^T X, write, compressor read 4 x 2h.dv each, dv = 4)
     # + embedding expander 2h.dv.kernel (kernel 4) + final read 2h.dv
-    "ddl_dv4": (["model.ddl.dv=4"], 4 * (128 + 4 * 512) + 2048 + 512),
+    "ddl_dv4": ("ddl", ["model.ddl.dv=4"], 4 * (128 + 4 * 512) + 2048 + 512),
     # 2 layers x (QKV 2.64.192 + out 2.64.64 + scores and mix 4.64 x mean window); the window
     # of 16 gives (1 + 2 + ... + 16 + 48 x 16) / 64 = 14.125 keys per query on average
-    "shortswa": (["model.shortswa.window=16"], 2 * (24576 + 8192 + 256 * 14.125)),
+    "standard+shortswa": ("standard", ["model.shortswa.window=16"], SHORTSWA_16),
+    # the mixer, and a delta write on each of 6 sublayers (3 per layer)
+    "ddl+shortswa": ("ddl", ["model.shortswa.window=16"], SHORTSWA_16 + 6 * (4 * 128)),
     # layer 1 reads 1 state, layer 2 reads 2 (window 3): q and out 4h^2, K/V 4h^2 per state,
     # scores and mix 4h per state
-    "depth_attn": (["model.depth_attn.window=3"],
+    "depth_attn": ("depth_attn", ["model.depth_attn.window=3"],
                    (16384 + 16384 + 256) + (16384 + 2 * 16384 + 2 * 256)),
     # 5 reads (4 sublayers + final) over 1, 2, 3, 4, 5 sources, 6h FLOPs per source
-    "attnres": ([], (1 + 2 + 3 + 4 + 5) * 384),
+    "attnres": ("attnres", [], (1 + 2 + 3 + 4 + 5) * 384),
+    # the mixer, and 7 reads (6 sublayers + final) over 1 .. 7 sources
+    "attnres+shortswa": ("attnres", ["model.shortswa.window=16"], SHORTSWA_16 + 28 * 384),
     # blocks of 2 sublayers: the reads see 1, 2 (emb + partial), 2 (emb + block),
     # 3 (emb + block + partial), 3 (emb + 2 blocks) sources
-    "block_attnres": (["model.attnres.block_size=2"], (1 + 2 + 2 + 3 + 3) * 384),
+    "block_attnres": ("block_attnres", ["model.attnres.block_size=2"],
+                      (1 + 2 + 2 + 3 + 3) * 384),
 }
 
 
 def _model(residual: str, *extra: str):
-    name = "ddl" if residual == "ddl_dv4" else residual
-    return load_config(overrides=BASE + [f"model.residual={name}", *extra]).model
+    return load_config(overrides=BASE + [f"model.residual={residual}", *extra]).model
 
 
 def test_standard_model_flops_are_6n_plus_causal_attention():
@@ -59,9 +64,10 @@ def test_standard_model_flops_are_6n_plus_causal_attention():
 
 @pytest.mark.parametrize("variant", EXTRA_FORWARD_FLOPS)
 def test_each_design_adds_its_hand_counted_flops(variant):
-    overrides, extra = EXTRA_FORWARD_FLOPS[variant]
-    model = _model(variant, *overrides)
-    assert get_design(model.residual).extra_flops_per_token(model) == pytest.approx(extra)
+    design, overrides, extra = EXTRA_FORWARD_FLOPS[variant]
+    model = _model(design, *overrides)
+    assert forward_flops_per_token(model, VOCAB) - standard_forward_flops_per_token(
+        model, VOCAB) == pytest.approx(extra)
     assert model_flops_per_token(model, VOCAB) == pytest.approx(STANDARD_TRAIN_FLOPS + 3 * extra)
 
 

@@ -8,7 +8,7 @@ import torch
 
 from t2train.config.loader import load_config
 from t2train.model.build import build_model_chunks, transformer_config
-from t2train.monitor import probe
+from t2train.nn import probe
 from t2train.residual.window_attention import (
     short_window_attention,
     window_attention_entropy,
@@ -21,7 +21,7 @@ BASE = ["data.path=unused", f"model.num_layers={LAYERS}", "model.hidden_size=64"
 VARIANTS = {
     "ddl": ["model.residual=ddl"],
     "ddl_dv4": ["model.residual=ddl", "model.ddl.dv=4"],
-    "shortswa": ["model.residual=shortswa", "model.shortswa.window=4"],
+    "standard+shortswa": ["model.residual=standard", "model.shortswa.window=4"],
     "depth_attn": ["model.residual=depth_attn", "model.depth_attn.window=2"],
     "attnres": ["model.residual=attnres"],
     "block_attnres": ["model.residual=block_attnres", "model.attnres.block_size=3"],
@@ -69,7 +69,7 @@ def test_recording_leaves_outputs_unchanged_and_records_the_design(megatron_worl
         dv = 4 if variant == "ddl_dv4" else 1
         for readout in records["ddl_kx"].values():
             assert readout.numel() == dv * SEQ * 2 and torch.isfinite(readout).all()
-    elif variant == "shortswa":
+    elif variant == "standard+shortswa":
         assert set(records["shortswa_entropy"]) == set(range(1, LAYERS + 1))
         for entropy in records["shortswa_entropy"].values():
             assert 0 <= float(entropy) <= math.log(4) + 1e-6

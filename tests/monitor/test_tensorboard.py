@@ -43,9 +43,11 @@ DEPTH_IMAGE = {"diagnostics/depth_attention"}
 VARIANTS = {
     "standard": ([], set(), set(), set()),
     "ddl": (["model.residual=ddl"], set(), set(), DDL_HISTOGRAMS),
-    "shortswa": (["model.residual=shortswa", "model.shortswa.window=16"],
-                 {"diagnostics/shortswa_entropy/layer_01", "diagnostics/shortswa_entropy/layer_02"},
-                 set(), set()),
+    "ddl+shortswa": (["model.residual=ddl", "model.shortswa.window=16"],
+                     {"diagnostics/shortswa_entropy/layer_01",
+                      "diagnostics/shortswa_entropy/layer_02"}, set(),
+                     {f"diagnostics/ddl_{name}/{sublayer}" for name in ("beta", "kx")
+                      for sublayer in SUBLAYERS + ["layer_01.shortswa", "layer_02.shortswa"]}),
     "depth_attn": (["model.residual=depth_attn", "model.depth_attn.window=3"], set(),
                    DEPTH_IMAGE, set()),
     "attnres": (["model.residual=attnres"], set(), DEPTH_IMAGE, set()),

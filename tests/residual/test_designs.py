@@ -1,4 +1,5 @@
-"""Every residual design builds inside the Megatron decoder, with the parameters it claims."""
+"""Every residual design, alone and with the local ShortSWA mixer, builds inside the Megatron
+decoder with the parameters and FLOPs it claims."""
 
 import pytest
 import torch
@@ -6,22 +7,28 @@ import torch
 from t2train.config.loader import load_config
 from t2train.config.schema import ConfigError
 from t2train.model.build import build_model_chunks, transformer_config
-from t2train.model.flops import forward_flops_per_token, parameters
-from t2train.residual import get_design, registered
+from t2train.model.flops import (forward_flops_per_token, parameters,
+                                 standard_forward_flops_per_token)
+from t2train.residual import registered
 
 BASE = ["data.path=unused", "model.num_layers=3", "model.hidden_size=64",
         "model.num_attention_heads=4", "model.seq_length=16", "model.tie_embeddings=false"]
-VARIANTS = {
-    "standard": [], "ddl": [], "ddl_dv4": ["model.ddl.dv=4"],
-    "shortswa": ["model.shortswa.window=4"], "depth_attn": ["model.depth_attn.window=2"],
-    "attnres": [], "block_attnres": ["model.attnres.block_size=3"],
+MIXER = ["model.shortswa.window=4"]
+VARIANTS = {  # name: (design, overrides)
+    "standard": ("standard", []), "ddl": ("ddl", []), "ddl_dv4": ("ddl", ["model.ddl.dv=4"]),
+    "depth_attn": ("depth_attn", ["model.depth_attn.window=2"]), "attnres": ("attnres", []),
+    "block_attnres": ("block_attnres", ["model.attnres.block_size=3"]),
+    "standard+shortswa": ("standard", MIXER), "ddl+shortswa": ("ddl", MIXER),
+    "ddl_dv4+shortswa": ("ddl", ["model.ddl.dv=4", *MIXER]),
+    "depth_attn+shortswa": ("depth_attn", ["model.depth_attn.window=2", *MIXER]),
+    "attnres+shortswa": ("attnres", MIXER),
+    "block_attnres+shortswa": ("block_attnres", ["model.attnres.block_size=3", *MIXER]),
 }
 
 
 def _config(variant: str, *extra: str):
-    name = "ddl" if variant == "ddl_dv4" else variant
-    return load_config(overrides=BASE + [f"model.residual={name}"] + VARIANTS[variant]
-                       + list(extra))
+    design, overrides = VARIANTS[variant]
+    return load_config(overrides=BASE + [f"model.residual={design}", *overrides, *extra])
 
 
 def _build(config, seed=0):
@@ -36,8 +43,10 @@ def _batch():
     return tokens[:, :-1], tokens[:, 1:], torch.arange(16).expand(2, 16)
 
 
-def test_every_registered_design_is_covered():
-    assert set(registered()) == {v for v in VARIANTS if v != "ddl_dv4"}
+def test_every_registered_design_is_covered_alone_and_with_the_mixer():
+    alone = {design for name, (design, _) in VARIANTS.items() if "+" not in name}
+    mixed = {design for name, (design, _) in VARIANTS.items() if "+" in name}
+    assert set(registered()) == alone == mixed
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -61,7 +70,7 @@ def test_trains_a_step_with_finite_gradients(megatron_world, variant):
 def test_extra_flops_are_zero_only_for_standard():
     for variant in VARIANTS:
         model = _config(variant).model
-        extra = get_design(model.residual).extra_flops_per_token(model)
+        extra = forward_flops_per_token(model, 128) - standard_forward_flops_per_token(model, 128)
         assert (extra == 0) == (variant == "standard"), variant
         assert forward_flops_per_token(model, 128) > 0
 
@@ -97,9 +106,10 @@ def test_block_attnres_with_larger_blocks_differs(megatron_world):
 def test_shortswa_window_covering_the_sequence_is_full_attention(megatron_world):
     from megatron.core.transformer.enums import AttnMaskType
 
-    from t2train.model.attention import CausalCoreAttention, ShortWindowCoreAttention
+    from t2train.nn.attention import CausalCoreAttention
+    from t2train.residual.shortswa import ShortWindowCoreAttention
 
-    config = transformer_config(_config("shortswa", "model.shortswa.window=16"))
+    config = transformer_config(_config("standard+shortswa", "model.shortswa.window=16"))
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(16, 2, 4, 16, generator=g) for _ in range(3))
     args = (config, 1, AttnMaskType.causal, "self")
@@ -112,7 +122,7 @@ def test_shortswa_window_covering_the_sequence_is_full_attention(megatron_world)
 @pytest.mark.parametrize("override, message", [
     ("model.ddl.dv=0", "model.ddl.dv=0: must be >= 1"),
     ("model.ddl.beta_init=2.0", "model.ddl.beta_init=2.0: must be in (0, 2)"),
-    ("model.shortswa.window=0", "model.shortswa.window=0: must be >= 1"),
+    ("model.shortswa.window=-1", "model.shortswa.window=-1: must be >= 0"),
     ("model.depth_attn.window=0", "model.depth_attn.window=0: must be >= 1"),
 ])
 def test_invalid_options(override, message):

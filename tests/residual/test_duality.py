@@ -61,10 +61,10 @@ def test_k1_reads_only_the_current_state():
 
 def test_both_designs_call_the_one_operator():
     from t2train.kernels import dispatch
-    from t2train.model import attention
+    from t2train.residual import shortswa
 
     assert depth_attn.short_window_attention is dispatch.short_window_attention
-    assert attention.short_window_attention is dispatch.short_window_attention
+    assert shortswa.short_window_attention is dispatch.short_window_attention
 
 
 def test_window_covering_the_sequence_is_full_causal_attention():

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 
 from common import parse_args, use_layout, write_result
-from t2train.checkpoint.store import load_checkpoint, save_checkpoint
 from t2train.config.loader import load_config
+from t2train.engine.megatron.checkpoint import load_checkpoint, save_checkpoint
+from t2train.engine.megatron.setup import build_training_objects
+from t2train.engine.megatron.step import evaluate, train_step
 from t2train.parallel.init import init_distributed, set_seed
-from t2train.train.setup import build_training_objects
-from t2train.train.step import evaluate, train_step
 
 VOCAB, SEQ, MICRO, GLOBAL, STEPS = 128, 8, 1, 4, 3
 

@@ -21,7 +21,7 @@ DESIGNS = {
     "standard": [],
     "ddl": ["model.residual=ddl"],
     "ddl_dv4": ["model.residual=ddl", "model.ddl.dv=4"],
-    "shortswa": ["model.residual=shortswa", "model.shortswa.window=16"],
+    "ddl+shortswa": ["model.residual=ddl", "model.shortswa.window=16"],
     "depth_attn": ["model.residual=depth_attn", "model.depth_attn.window=3"],
     "attnres": ["model.residual=attnres"],
     "block_attnres": ["model.residual=block_attnres", "model.attnres.block_size=2"],

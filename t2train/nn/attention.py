@@ -18,10 +18,6 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 from torch import Tensor
 
-from t2train.kernels.dispatch import short_window_attention
-from t2train.monitor import probe
-from t2train.residual.window_attention import window_attention_entropy
-
 
 def flash_attn_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
@@ -86,31 +82,3 @@ class CausalCoreAttention(MegatronModule):
             q, k, v, dropout_p=dropout, is_causal=True, scale=self.softmax_scale,
             enable_gqa=q.shape[1] != k.shape[1])
         return out.permute(2, 0, 1, 3)
-
-
-class ShortWindowCoreAttention(CausalCoreAttention):
-    """Causal attention over the last ``model.shortswa.window`` tokens (ShortSWA).
-
-    flash-attn's ``window_size=(w - 1, 0)`` on CUDA, else ``short_window_attention`` (the
-    same operator the depth read uses): the Triton kernel on CUDA, the PyTorch reference on
-    CPU (see ``t2train.kernels.dispatch``).
-    """
-
-    def __init__(self, config, *args, **kwargs):
-        super().__init__(config, *args, **kwargs)
-        self.window = config.t2_model.shortswa.window
-
-    def _attend(self, query: Tensor, key: Tensor, value: Tensor, dropout: float) -> Tensor:
-        probe.record("shortswa_entropy", self.layer_number, lambda: window_attention_entropy(
-            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), self.window, self.softmax_scale))
-        if self.backend == "flash":
-            from flash_attn import flash_attn_func
-
-            q, k, v = (t.transpose(0, 1) for t in (query, key, value))
-            out = flash_attn_func(q, k, v, dropout_p=dropout, softmax_scale=self.softmax_scale,
-                                  causal=True, window_size=(self.window - 1, 0))
-            return out.transpose(0, 1)
-        if dropout > 0:
-            raise ValueError("ShortSWA's reference attention has no attention dropout")
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        return short_window_attention(q, k, v, self.window, self.softmax_scale).permute(2, 0, 1, 3)

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 from t2train.config.schema import Config
 from t2train.model.build import compute_dtype, padded_vocab_size, transformer_config
-from t2train.model.flops import kv_dim
+from t2train.model.flops import extra_parameters, extra_tensor_parallel_parameters
 from t2train.parallel.depth_cache import HopPlan
-from t2train.residual import get_design
+from t2train.residual import get_design, variant_label
 
 
 @dataclass
@@ -56,17 +56,13 @@ class LayoutPlan:
 
 
 def _layer_parameters(config: Config, tp: int) -> tuple[int, int]:
-    """(parameters per layer on one tensor rank, of which replicated), `standard` + design."""
+    """(parameters per layer on one tensor rank, of which replicated), `standard` + design and
+    mixer (their projections split like attention's, gates and queries are replicated)."""
     model = config.model
     h, f = model.hidden_size, model.resolved_ffn_hidden_size()
-    sharded = h * (h + 2 * kv_dim(model)) + h * h + 3 * h * f
-    replicated = 2 * h
-    extra = get_design(model.residual).extra_parameters(model) // model.num_layers
-    if model.residual in ("depth_attn", "shortswa"):  # their projections split like attention
-        sharded += extra - h
-        replicated += h
-    else:
-        replicated += extra
+    split = extra_tensor_parallel_parameters(model)
+    sharded = h * (h + 2 * model.kv_dim()) + h * h + 3 * h * f + split // model.num_layers
+    replicated = 2 * h + (extra_parameters(model) - split) // model.num_layers
     return sharded // tp + replicated, replicated
 
 
@@ -82,13 +78,13 @@ def plan_layout(config: Config, vocab_size: int, world_size: int) -> LayoutPlan:
     model, parallel, train = config.model, config.parallel, config.train
     dp = config.validate_world(world_size)
     tp, pp, vp = parallel.tensor, parallel.pipeline, parallel.virtual_pipeline
-    micro_batches = train.global_batch_size // (train.micro_batch_size * dp)
+    micro_batches = config.micro_batches_per_step(dp)
     element = compute_dtype(config).itemsize
     seq = model.seq_length // tp if parallel.sequence_parallel else model.seq_length
     unit_bytes = seq * train.micro_batch_size * model.hidden_size * element
     stream = get_design(model.residual).stream(transformer_config(config), False, False, 0)
     chunks, per_chunk = pp * vp, model.num_layers // (pp * vp)
-    hop_plans = {cached: HopPlan(stream.unit_ids, pp, chunks, per_chunk, cached=cached and vp > 1)
+    hop_plans = {cached: HopPlan(stream.unit_ids, pp, chunks, per_chunk, cached=cached)
                  for cached in (False, True)}
 
     vocab = padded_vocab_size(vocab_size, config)
@@ -125,7 +121,7 @@ def _mib(value: float) -> str:
 def format_plan(config: Config, plan: LayoutPlan) -> str:
     model = config.model
     lines = [
-        f"{model.residual}: {model.num_layers} layers, hidden {model.hidden_size}, seq "
+        f"{variant_label(model)}: {model.num_layers} layers, hidden {model.hidden_size}, seq "
         f"{model.seq_length}, micro-batch {config.train.micro_batch_size} | TP {plan.tensor} x "
         f"PP {plan.pipeline} x VPP {plan.virtual} x DP {plan.data_parallel}, "
         f"{plan.micro_batches} micro-batches per step",

@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
-from t2train.checkpoint.store import load_checkpoint, save_checkpoint
 from t2train.config.schema import Config
+from t2train.engine import MicroBatch, StepResult
+from t2train.engine.megatron.checkpoint import load_checkpoint, save_checkpoint
+from t2train.engine.megatron.numerics import UpdateGuard
+from t2train.engine.megatron.setup import build_training_objects
+from t2train.engine.megatron.step import evaluate, train_step
 from t2train.monitor.step_metrics import param_norm
-from t2train.train.batches import MicroBatch
-from t2train.train.numerics import UpdateGuard
-from t2train.train.setup import build_training_objects
-from t2train.train.step import StepResult, evaluate, train_step
 
 
 class MegatronEngine:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -10,10 +9,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from t2train.engine import MicroBatch, StepResult
+from t2train.engine.megatron.numerics import UpdateGuard, grads_finite
+from t2train.engine.megatron.setup import TrainingObjects
 from t2train.parallel.traffic import collect_traffic
-from t2train.train.numerics import UpdateGuard, grads_finite
-from t2train.train.batches import MicroBatch
-from t2train.train.setup import TrainingObjects
 
 
 def _loss(per_token_loss: torch.Tensor):
@@ -77,16 +76,6 @@ def data_parallel_sum(losses: list[float]) -> torch.Tensor:
     total = torch.tensor([sum(losses), len(losses)], dtype=torch.float64, device=_device())
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
     return total
-
-
-@dataclass
-class StepResult:
-    loss: float
-    grad_norm: float
-    lr: float
-    skipped: bool
-    traffic: dict  # pipeline bytes and hops of this step, summed over ranks
-    skip_reason: str = ""  # why the update was skipped (t2train/train/numerics.py)
 
 
 def train_step(objs: TrainingObjects, micro_batches: list[MicroBatch],

@@ -1,0 +1,134 @@
+"""The Megatron engine's checkpoints: ``dist_checkpointing`` (torch_dist) of every chunk.
+
+A checkpoint holds the model, the optimizer (fully reshardable), the LR schedule, every
+rank's RNG streams and the ``train_state`` the trainer passes (step, tokens, data loader
+state, resolved config, code version), published atomically (``t2train/checkpoint/store.py``).
+With an ``AsyncCallsQueue`` the shards are written by a forked process (a copy-on-write
+snapshot of the state) while training goes on, and the publication runs when the queue
+finalizes the save.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from t2train.checkpoint.compatibility import check_same_model, check_shard_files
+from t2train.checkpoint.paths import INCOMPLETE, step_dir_name
+from t2train.checkpoint.store import (capture_rng, check_engine, current_layout, publish_checkpoint,
+                                      read_checkpoint, restore_rng)
+from t2train.engine.megatron.setup import TrainingObjects
+
+
+# Reshardable optimizer state so a checkpoint loads into another (TP, PP, DP) layout.
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _model_keys(objs: TrainingObjects) -> list[str]:
+    return ["model"] if len(objs.model) == 1 else [f"model{i}" for i in range(len(objs.model))]
+
+
+def _model_state(objs: TrainingObjects) -> dict:
+    """Sharded state of the unwrapped chunks (keys independent of the DDP wrapper)."""
+    return {key: chunk.module.sharded_state_dict()
+            for key, chunk in zip(_model_keys(objs), objs.model)}
+
+
+def _rng_object(state: Optional[list]) -> ShardedObject:
+    """This rank's RNG streams, one object per (pp, tp, dp) position."""
+    layout = current_layout()
+    return ShardedObject(
+        "rng_state", state, (layout["pp"], layout["tp"], layout["dp"]),
+        (parallel_state.get_pipeline_model_parallel_rank(),
+         parallel_state.get_tensor_model_parallel_rank(),
+         parallel_state.get_data_parallel_rank()), replica_id=0)
+
+
+def _has_optimizer_state(optimizer) -> bool:
+    """Adam's moments exist only after the first update; before it there is nothing to save."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(len(state) for part in parts for state in part.optimizer.state.values())
+
+
+def save_checkpoint(root: Path, step: int, objs: TrainingObjects, train_state: dict,
+                    async_queue=None, on_published: Optional[Callable[[Path], None]] = None
+                    ) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint directory it publishes.
+
+    Without ``async_queue`` it returns once the checkpoint is published. With one (Megatron's
+    ``AsyncCallsQueue``) it returns once the shards' writer has started; the checkpoint is
+    published when the queue finalizes the save. ``on_published(path)`` then runs on every rank.
+    """
+    final = root / step_dir_name(step)
+    staging = root / (step_dir_name(step) + INCOMPLETE)
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir()
+    dist.barrier()
+
+    state = _model_state(objs)
+    has_optimizer = _has_optimizer_state(objs.optimizer)
+    if has_optimizer:
+        state["optimizer"] = objs.optimizer.sharded_state_dict(state,
+                                                               metadata=_OPTIMIZER_METADATA)
+    state["scheduler"] = objs.scheduler.state_dict()
+    state["train_state"] = dict(train_state, step=step, layout=current_layout(),
+                                has_optimizer=has_optimizer)
+    state["rng_state"] = _rng_object(capture_rng())
+
+    def publish() -> None:
+        publish_checkpoint(root, staging, final, on_published)
+
+    if async_queue is None:
+        dist_checkpointing.save(state, str(staging))
+        publish()
+    else:
+        request = dist_checkpointing.save(state, str(staging), async_sharded_save=True)
+        request.add_finalize_fn(publish)
+        async_queue.schedule_async_request(request)
+    return final
+
+
+def load_checkpoint(path: Path, objs: TrainingObjects, config=None) -> dict:
+    """Collective: load model, optimizer, schedule and (same layout) RNG; returns train state.
+
+    With the run's ``config``, a checkpoint of another model shape or residual design is
+    refused naming the field; a missing shard file is named before anything is loaded.
+    """
+    check_engine(path, "megatron")
+    common = read_checkpoint(path, lambda: dist_checkpointing.load_common_state_dict(str(path)))
+    if config is not None:
+        check_same_model(path, common["train_state"], config.model)
+    check_shard_files(path)
+    saved_layout = common["train_state"]["layout"]
+    same_layout = saved_layout == current_layout()
+
+    state = _model_state(objs)
+    has_optimizer = common["train_state"]["has_optimizer"]
+    if has_optimizer:
+        state["optimizer"] = objs.optimizer.sharded_state_dict(state, is_loading=True,
+                                                               metadata=_OPTIMIZER_METADATA)
+    if same_layout:
+        state["rng_state"] = _rng_object(None)
+    loaded = read_checkpoint(path, lambda: dist_checkpointing.load(state, str(path)))
+
+    for key, chunk in zip(_model_keys(objs), objs.model):
+        chunk.module.load_state_dict(loaded[key])
+    if has_optimizer:
+        objs.optimizer.load_state_dict(loaded["optimizer"])
+    objs.scheduler.num_steps = 0  # Megatron's scheduler load advances from the current count
+    objs.scheduler.load_state_dict(common["scheduler"])
+    if same_layout:
+        restore_rng(loaded["rng_state"])
+    elif dist.get_rank() == 0:
+        warnings.warn(f"checkpoint layout {saved_layout} differs from {current_layout()}: "
+                      "RNG streams start fresh")
+    return common["train_state"]

@@ -1,0 +1,32 @@
+"""Megatron ModuleSpecs of the standard sublayers: tensor-parallel self-attention and MLP."""
+
+from __future__ import annotations
+
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from t2train.nn.attention import CausalCoreAttention
+
+
+def self_attention_spec(core_attention=CausalCoreAttention) -> ModuleSpec:
+    """Megatron's tensor-parallel self-attention around a core attention of our choice."""
+    return ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=core_attention,
+            linear_proj=RowParallelLinear,
+            q_layernorm=IdentityOp,
+            k_layernorm=IdentityOp,
+        ),
+    )
+
+
+def mlp_spec() -> ModuleSpec:
+    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                           linear_fc2=RowParallelLinear))
