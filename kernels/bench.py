@@ -1,13 +1,12 @@
-"""``python -m t2train.kernels.bench``: the Triton kernels against the best available peers.
+"""The Triton kernels against the best available peers (run it with ``python -m
+t2train.bench.kernels``, which takes the shapes from the presets).
 
-Per kernel, preset shape and mode (forward, forward+backward) it gives time, achieved TFLOP/s
-or GB/s, and for the Triton row the speed ratio against the fastest peer of the same run
-(> 1: faster). Shapes come from the presets (``--preset``, default 125m and 1b): a micro-batch
-of the preset's sequence length, hidden size and heads, the default ShortSWA window, DDL
-widths d_v = 1 and 4, and the largest Block AttnRes read. Peers: PyTorch eager, the same
-reference under ``torch.compile``, FlexAttention (sliding-window block mask) and flash-attn
-(``window_size``) for window attention, and ``flash-attn-res`` for Block AttnRes. Peers that
-are not installed or fail are reported and skipped. Without CUDA it says so and exits 0.
+Per kernel, shape and mode (forward, forward+backward) it gives time, achieved TFLOP/s or
+GB/s, and for the Triton row the speed ratio against the fastest peer of the same run (> 1:
+faster). Peers: PyTorch eager, the same reference under ``torch.compile``, FlexAttention
+(sliding-window block mask) and flash-attn (``window_size``) for window attention, and
+``flash-attn-res`` for Block AttnRes. Peers that are not installed or fail are reported and
+skipped.
 
 FLOPs: attention forward 4 d (visited query-key pairs), backward 2.5x that. Bytes: the
 tensors a fused pass must read and write once (DDL: state, k~, new state; backward: state,
@@ -17,11 +16,8 @@ outputs out, and in the backward N + S inputs and S output gradients in, N + S g
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import importlib.util
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator, Optional
@@ -29,7 +25,6 @@ from typing import Callable, Iterator, Optional
 import torch
 
 MODES = ("fwd", "fwd+bwd")
-WINDOW = 128  # the ShortSWA window benchmarked when the config's is 0 (no ShortSWA mixer)
 
 
 @dataclass(frozen=True)
@@ -50,9 +45,9 @@ class Runtime:
 
 @dataclass(frozen=True)
 class KernelShapes:
-    """The shapes one preset gives the kernels (one micro-batch)."""
+    """One micro-batch of a model's shapes, and the design options the kernels run at."""
 
-    preset: str
+    label: str
     batch: int
     seq: int
     hidden: int
@@ -66,23 +61,6 @@ class KernelShapes:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
-
-
-def shapes_from_config(config, label: str) -> KernelShapes:
-    model = config.model
-    sublayers = 2 * model.num_layers
-    return KernelShapes(
-        preset=label, batch=config.train.micro_batch_size, seq=model.seq_length,
-        hidden=model.hidden_size, heads=model.num_attention_heads,
-        kv_heads=model.num_query_groups or model.num_attention_heads,
-        window=model.shortswa.window or WINDOW, ddl_widths=tuple(sorted({model.ddl.dv, 4})),
-        sources=sublayers // model.attnres.block_size, block=model.attnres.block_size)
-
-
-def preset_shapes(preset: str) -> KernelShapes:
-    from t2train.config.loader import load_config
-
-    return shapes_from_config(load_config(preset, None, ["data.path=unused"]), preset)
 
 
 @dataclass
@@ -173,7 +151,7 @@ def window_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
     impls += _flash_impls(rt, b, h, hk, s, d, w)
     pairs = sum(min(w, p + 1) for p in range(s))
     flops = 4 * b * h * d * pairs
-    yield Case("window_attention", shapes.preset, f"b={b} h={h}/{hk} s={s} d={d} w={w}", impls,
+    yield Case("window_attention", shapes.label, f"b={b} h={h}/{hk} s={s} d={d} w={w}", impls,
                {"fwd": flops, "fwd+bwd": 3.5 * flops}, "TFLOP/s")
 
 
@@ -220,7 +198,7 @@ def ddl_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
                  for name, f in (("triton", fused), ("eager", delta_write),
                                  ("torch.compile", compiled))]
         unit = state.element_size() * out.numel()
-        yield Case("ddl_write", shapes.preset, f"s={tokens[0]} b={tokens[1]} h={hidden} d_v={dv}",
+        yield Case("ddl_write", shapes.label, f"s={tokens[0]} b={tokens[1]} h={hidden} d_v={dv}",
                    impls, {"fwd": (2 * dv + 1) * unit, "fwd+bwd": (5 * dv + 3) * unit}, "GB/s")
 
 
@@ -254,7 +232,7 @@ def attnres_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
             far.phase_1_batched_attention_triton_op, far.phase_2_online_softmax_merge_triton_op),
             inputs))
     unit = sources[0].numel() * sources.element_size()
-    yield Case("block_attnres", shapes.preset, f"N={n_src} S={n_q} b={batch} t={seq} d={hidden}",
+    yield Case("block_attnres", shapes.label, f"N={n_src} S={n_q} b={batch} t={seq} d={hidden}",
                impls, {"fwd": (n_src + 2 * n_q) * unit, "fwd+bwd": (3 * n_src + 5 * n_q) * unit},
                "GB/s")
 
@@ -311,38 +289,3 @@ def table_cells(row: Row) -> list[str]:
 
 def row_dict(row: Row) -> dict:
     return asdict(row)
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=list(BUILDERS), action="append",
-                        help="benchmark only these kernels (repeatable)")
-    parser.add_argument("--preset", action="append",
-                        help="take shapes from these presets (repeatable; default 125m and 1b)")
-    parser.add_argument("--mode", choices=MODES, action="append",
-                        help="forward only or forward+backward (default both)")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("t2train.kernels.bench: no CUDA device, nothing to benchmark")
-        return 0
-    import triton
-
-    from t2train.bench.table import markdown_table
-
-    rt = Runtime()
-    torch.manual_seed(0)
-    print(f"# Kernel benchmark: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"triton {triton.__version__}, {datetime.date.today()}\n")
-    print(f"Device copy bandwidth: {copy_bandwidth_gbs():.0f} GB/s\n")
-    rows = []
-    for preset in args.preset or ["125m", "1b"]:
-        for case in cases(preset_shapes(preset), rt, args.only):
-            rows += run_case(case, rt, args.mode or MODES)
-            del case
-            torch.cuda.empty_cache()
-    print(markdown_table(TABLE_HEADER, [table_cells(row) for row in rows]))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -71,10 +71,10 @@ class Section:
 
 
 def _section_runner(name: str):
-    from t2train.bench import gpu_correctness, gpu_env, gpu_kernels, gpu_perf
+    from t2train.bench import gpu_correctness, gpu_env, gpu_perf, kernels
 
     return {"env": gpu_env.run, "correctness": gpu_correctness.run,
-            "step_cost": gpu_perf.step_cost, "mfu": gpu_perf.mfu, "kernels": gpu_kernels.run}[name]
+            "step_cost": gpu_perf.step_cost, "mfu": gpu_perf.mfu, "kernels": kernels.run}[name]
 
 
 def work(plan: Plan, names: list[str], ends: dict, results: Path) -> int:

@@ -1,8 +1,9 @@
 """GPU check, correctness: the GPU-marked tests, and bf16 training against an fp32 CPU reference.
 
-Every registered design trains ``plan.train_steps`` steps twice from the same initial weights
-on the same batches: once in fp32 on the CPU (a child process that sees no GPU, started first
-so it runs while the tests do), once in bf16 on the GPU (the CPU in the dry run). The losses
+Every registered design, and the baseline with the ShortSWA mixer, trains ``plan.train_steps``
+steps twice from the same initial weights on the same batches: once in fp32 on the CPU (a
+child process that sees no GPU, started first so it runs while the tests do), once in bf16 on
+the GPU (the CPU in the dry run). The losses
 must agree within ``plan.loss_rtol`` (relative) at every step: what is left when only the
 precision, the device and the kernels (Triton, SDPA/flash) differ.
 """
@@ -17,7 +18,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from t2train.bench.gpu_plan import Plan, make_plan
+from t2train.bench.gpu_plan import Plan, correctness_variants, make_plan
 
 REPO = Path(__file__).resolve().parents[2]
 # torch.distributed variables of the parent's world of one: a child must make its own.
@@ -31,51 +32,51 @@ def child_env(**extra: str) -> dict:
     return env
 
 
-def train_config(plan: Plan, design: str, precision: str):
-    from t2train.config.loader import load_config
+def train_config(plan: Plan, variant: str, precision: str):
+    from t2train.bench.variants import variant_config
 
-    return load_config(plan.train_preset, None, [
-        f"data.path={plan.data}", *plan.train_overrides, f"model.residual={design}",
-        f"train.precision={precision}", f"train.steps={plan.train_steps}"])
+    return variant_config(plan.train_preset, None, [
+        f"data.path={plan.data}", *plan.train_overrides, f"train.precision={precision}",
+        f"train.steps={plan.train_steps}"], variant)
 
 
 def _train(objs, batches) -> list[float]:
-    from t2train.train.step import train_step
+    from t2train.engine.megatron.step import train_step
 
     return [train_step(objs, micro_batches).loss for micro_batches in batches]
 
 
 def reference_run(plan: Plan, out: Path) -> None:
-    """fp32 on the CPU: the batches, then per design its initial weights and its losses."""
+    """fp32 on the CPU: the batches, then per variant its initial weights and its losses."""
     import torch
 
     from t2train.bench.step import build_objects, model_vocab_size, real_batches
     from t2train.residual import registered
 
-    designs = registered()
-    first = train_config(plan, designs[0], "fp32")
+    variants = correctness_variants(registered())
+    first = train_config(plan, variants[0], "fp32")
     batches = real_batches(first, plan.train_steps)
     vocab = model_vocab_size(first)
     torch.save(batches, out / "batches.pt")
-    for design in designs:
-        objs = build_objects(train_config(plan, design, "fp32"), vocab)
-        torch.save([chunk.module.state_dict() for chunk in objs.model], out / f"{design}.pt")
+    for variant in variants:
+        objs = build_objects(train_config(plan, variant, "fp32"), vocab)
+        torch.save([chunk.module.state_dict() for chunk in objs.model], out / f"{variant}.pt")
         losses = _train(objs, batches)
-        partial = out / f"{design}.json.tmp"  # renamed when complete: the reader polls for it
+        partial = out / f"{variant}.json.tmp"  # renamed when complete: the reader polls for it
         partial.write_text(json.dumps(losses))
-        partial.replace(out / f"{design}.json")
+        partial.replace(out / f"{variant}.json")
 
 
-def device_run(plan: Plan, design: str, reference: Path) -> list[float]:
+def device_run(plan: Plan, variant: str, reference: Path) -> list[float]:
     """bf16 from the reference's initial weights on the reference's batches."""
     import torch
 
     from t2train.bench.step import build_objects, model_vocab_size
 
-    config = train_config(plan, design, "bf16")
+    config = train_config(plan, variant, "bf16")
     objs = build_objects(config, model_vocab_size(config))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    for chunk, state in zip(objs.model, torch.load(reference / f"{design}.pt")):
+    for chunk, state in zip(objs.model, torch.load(reference / f"{variant}.pt")):
         chunk.module.load_state_dict(state)
     objs.optimizer.reload_model_params()  # the fp32 main copies follow the loaded weights
     batches = [[{key: t.to(device) for key, t in mb.items()} for mb in step]
@@ -136,14 +137,14 @@ def gpu_tests(section, plan: Plan, scratch: Path) -> None:
 
 
 def _reference_ready(path: Path, reference: subprocess.Popen, section, reserve: float) -> bool:
-    """Wait for one design's reference while it can still be compared in time."""
+    """Wait for one variant's reference while it can still be compared in time."""
     while not path.exists() and reference.poll() is None and section.left() > reserve:
         time.sleep(0.5)
     return path.exists()
 
 
 def run(section, plan: Plan) -> None:
-    """The tests and the reference run side by side; each design is then compared as soon as
+    """The tests and the reference run side by side; each variant is then compared as soon as
     its reference is written."""
     from t2train.residual import registered
 
@@ -153,30 +154,30 @@ def run(section, plan: Plan) -> None:
         gpu_tests(section, plan, scratch)
         section.data["training"] = {"preset": plan.train_preset, "steps": plan.train_steps,
                                     "overrides": plan.train_overrides, "rtol": plan.loss_rtol}
-        for design in registered():
-            _compare_design(section, plan, design, reference)
+        for variant in correctness_variants(registered()):
+            _compare_variant(section, plan, variant, reference)
     finally:
         reference.kill()
         reference.wait()
 
 
-def _compare_design(section, plan: Plan, design: str, reference: subprocess.Popen) -> None:
-    expected = section.scratch / f"{design}.json"
+def _compare_variant(section, plan: Plan, variant: str, reference: subprocess.Popen) -> None:
+    expected = section.scratch / f"{variant}.json"
     estimate = section.last_item_seconds(default=10.0)
     if not _reference_ready(expected, reference, section, estimate):
         log = (section.scratch / "reference.log").read_text().strip().splitlines() or [""]
         why = (section.no_time(estimate) + " (the fp32 reference was not ready)"
                if reference.poll() is None else
                f"no fp32 reference (exit {reference.poll()}): {log[-1]}")
-        section.add({"design": design, "status": "skipped", "reason": why})
+        section.add({"variant": variant, "status": "skipped", "reason": why})
         return
     started = time.monotonic()
     try:
         result = compare(json.loads(expected.read_text()),
-                         device_run(plan, design, section.scratch), plan.loss_rtol)
+                         device_run(plan, variant, section.scratch), plan.loss_rtol)
     except Exception as err:  # noqa: BLE001 - reported; the other designs still run
         result = {"status": "error", "reason": f"{type(err).__name__}: {err}"}
-    section.add(dict(result, design=design, seconds=time.monotonic() - started))
+    section.add(dict(result, variant=variant, seconds=time.monotonic() - started))
 
 
 def main(argv=None) -> int:

@@ -2,19 +2,20 @@
 
 Both time real training steps through ``t2train bench step``'s code (``time_design``): the
 same pre-read batches for every variant, warm-up steps untimed, the median of the timed ones.
+A variant is ``<design>`` or ``<design>+shortswa``, as ``t2train bench step --designs`` takes it.
 """
 
 from __future__ import annotations
 
 import time
 
-from t2train.bench.gpu_plan import Plan, Variant, step_variants
+from t2train.bench.gpu_plan import Plan, baseline, mixer_variants, step_variants
 
 
-def _config(plan: Plan, preset: str, overrides: tuple, variant: Variant):
-    from t2train.config.loader import load_config
+def variant_config(plan: Plan, preset: str, overrides: tuple, variant: str):
+    from t2train.bench.variants import variant_config as config_of
 
-    return load_config(preset, None, [f"data.path={plan.data}", *overrides, *variant.overrides])
+    return config_of(preset, None, [f"data.path={plan.data}", *overrides], variant)
 
 
 def _timing_item(name: str, timing, **extra) -> dict:
@@ -40,22 +41,26 @@ def step_cost(section, plan: Plan) -> None:
                                     time_design)
     from t2train.residual import registered
 
-    variants = step_variants(plan.targets, registered())
-    configs = [_config(plan, plan.step_preset, plan.step_overrides, v) for v in variants]
-    vocab = model_vocab_size(configs[0])
+    designs = registered()
+    first = variant_config(plan, plan.step_preset, plan.step_overrides, baseline())
+    vocab = model_vocab_size(first)
     section.data.update(preset=plan.step_preset, overrides=plan.step_overrides,
                         warmup=plan.step_warmup, steps=plan.step_steps,
-                        tokens_per_step=configs[0].train.global_batch_size *
-                        configs[0].model.seq_length)
-    batches = real_batches(configs[0], plan.step_warmup + plan.step_steps)
-    for variant, config in zip(variants, configs):
-        _timed(section, variant.name,
-               lambda config=config: time_design(config, vocab, batches, plan.step_warmup),
-               section.last_item_seconds(default=30.0), overrides=variant.overrides,
-               max_ratio=variant.max_ratio)
-    _timed(section, REFERENCE,
-           lambda: reference_timing(configs[0], vocab, batches, plan.step_warmup),
-           section.last_item_seconds(default=30.0), overrides=(), reference=True)
+                        tokens_per_step=first.train.global_batch_size * first.model.seq_length)
+    batches = real_batches(first, plan.step_warmup + plan.step_steps)
+
+    def time_variant(name: str) -> None:
+        config = variant_config(plan, plan.step_preset, plan.step_overrides, name)
+        _timed(section, name, lambda: time_design(config, vocab, batches, plan.step_warmup),
+               section.last_item_seconds(default=30.0),
+               max_ratio=plan.settings.step_targets.get(name))
+
+    for name in step_variants(plan.settings, designs):
+        time_variant(name)
+    _timed(section, REFERENCE, lambda: reference_timing(first, vocab, batches, plan.step_warmup),
+           section.last_item_seconds(default=30.0), reference=True)
+    for name in mixer_variants(plan.settings, designs):
+        time_variant(name)
 
 
 def mfu(section, plan: Plan) -> None:
@@ -66,8 +71,8 @@ def mfu(section, plan: Plan) -> None:
     from t2train.model.build import compute_dtype
     from t2train.monitor.mfu import model_flops_per_token, peak_tflops
 
-    variant = plan.targets.mfu_variant
-    config = _config(plan, plan.mfu_preset, plan.mfu_overrides, variant)
+    variant = baseline()
+    config = variant_config(plan, plan.mfu_preset, plan.mfu_overrides, variant)
     vocab = model_vocab_size(config)
     dtype = compute_dtype(config)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
@@ -77,7 +82,6 @@ def mfu(section, plan: Plan) -> None:
         flops_per_token=model_flops_per_token(config.model, vocab),
         datasheet_tflops=peak_tflops(device, dtype) if device else None)
     batches = real_batches(config, plan.mfu_warmup + plan.mfu_steps)
-    _timed(section, variant.name, lambda: time_design(config, vocab, batches, plan.mfu_warmup),
-           60.0, overrides=variant.overrides)
+    _timed(section, variant, lambda: time_design(config, vocab, batches, plan.mfu_warmup), 60.0)
     _timed(section, REFERENCE, lambda: reference_timing(config, vocab, batches, plan.mfu_warmup),
-           section.last_item_seconds(default=60.0), overrides=(), reference=True)
+           section.last_item_seconds(default=60.0), reference=True)

@@ -1,57 +1,77 @@
 """What the GPU check runs: its targets, and the shapes, steps and time budget of each section,
-on one GPU or, for the CPU dry run, tiny enough to run in the test suite."""
+on one GPU or, for the CPU dry run, tiny enough to run in the test suite.
+
+Designs and their options are data here (``gpu_check.yaml``) or come from the registry, so a new
+design is timed and trained without a change to the check.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
-TARGETS_FILE = Path(__file__).with_name("gpu_targets.yaml")
+SETTINGS_FILE = Path(__file__).with_name("gpu_check.yaml")
 SECTIONS = ("env", "correctness", "step_cost", "mfu", "kernels")  # the order they run in
 
 
 @dataclass(frozen=True)
-class Variant:
-    """A named set of config overrides (a design and its options) timed by the step cost."""
+class Settings:
+    """``gpu_check.yaml``: targets and design options."""
 
-    name: str
-    overrides: tuple[str, ...]
-    max_ratio: Optional[float] = None  # target: step time / the baseline's
-
-
-def _variant(entry: dict) -> Variant:
-    return Variant(str(entry["name"]), tuple(entry["overrides"]), entry.get("max_ratio"))
-
-
-@dataclass(frozen=True)
-class Targets:
     step_preset: str
-    baseline: Variant
-    step_targets: tuple[Variant, ...]
+    step_targets: dict  # variant -> max step time / the baseline's
     kernel_min_vs_best_peer: float
+    kernel_options: dict  # window, ddl_widths, block_size
     mfu_preset: str
-    mfu_variant: Variant
     mfu_min: float
+    dry_run_overrides: tuple[str, ...]
+    dry_run_kernel_options: dict
 
 
-def load_targets(path: Path = TARGETS_FILE) -> Targets:
+def load_settings(path: Path = SETTINGS_FILE) -> Settings:
     raw = yaml.safe_load(path.read_text())
-    step, mfu = raw["step_cost"], raw["mfu"]
-    return Targets(step["preset"], _variant(step["baseline"]),
-                   tuple(_variant(entry) for entry in step["variants"]),
-                   float(raw["kernels"]["min_vs_best_peer"]), mfu["preset"],
-                   _variant(mfu["variant"]), float(mfu["min_mfu"]))
+    return Settings(
+        step_preset=raw["step_cost"]["preset"],
+        step_targets={str(k): float(v) for k, v in raw["step_cost"]["targets"].items()},
+        kernel_min_vs_best_peer=float(raw["kernels"]["min_vs_best_peer"]),
+        kernel_options=raw["kernels"]["options"], mfu_preset=raw["mfu"]["preset"],
+        mfu_min=float(raw["mfu"]["min_mfu"]),
+        dry_run_overrides=tuple(raw["dry_run"]["overrides"]),
+        dry_run_kernel_options=raw["dry_run"]["kernel_options"])
 
 
-def step_variants(targets: Targets, designs: tuple[str, ...]) -> list[Variant]:
-    """The baseline, the targeted variants, then each other registered design at its defaults."""
-    variants = [targets.baseline, *targets.step_targets]
-    covered = {item for variant in variants for item in variant.overrides}
-    return variants + [Variant(design, (f"model.residual={design}",)) for design in designs
-                       if f"model.residual={design}" not in covered]
+def baseline() -> str:
+    from t2train.residual import BASELINE
+
+    return BASELINE
+
+
+def with_mixer(design: str) -> str:
+    from t2train.residual import mixer
+
+    return f"{design}+{mixer().name}"
+
+
+def _unique(names) -> list[str]:
+    return list(dict.fromkeys(names))
+
+
+def step_variants(settings: Settings, designs: tuple[str, ...]) -> list[str]:
+    """The baseline, the targeted variants, the other designs; then with the mixer (after the
+    plain-PyTorch loop, so they are the first to go when time runs out)."""
+    return _unique([baseline(), *settings.step_targets, *designs])
+
+
+def mixer_variants(settings: Settings, designs: tuple[str, ...]) -> list[str]:
+    return [name for name in _unique(with_mixer(d) for d in designs)
+            if name not in step_variants(settings, designs)]
+
+
+def correctness_variants(designs: tuple[str, ...]) -> list[str]:
+    """Every design, and the baseline with the mixer (the window-attention kernel in training)."""
+    return [*designs, with_mixer(baseline())]
 
 
 @dataclass(frozen=True)
@@ -72,15 +92,20 @@ class Plan:
     mfu_overrides: tuple[str, ...]
     mfu_warmup: int
     mfu_steps: int
-    targets: Targets = field(default_factory=load_targets)
+    settings: Settings = field(default_factory=load_settings)
 
     @property
     def step_preset(self) -> str:
-        return "tiny" if self.dry_run else self.targets.step_preset
+        return "tiny" if self.dry_run else self.settings.step_preset
 
     @property
     def mfu_preset(self) -> str:
-        return "tiny" if self.dry_run else self.targets.mfu_preset
+        return "tiny" if self.dry_run else self.settings.mfu_preset
+
+    @property
+    def kernel_options(self) -> dict:
+        return (self.settings.dry_run_kernel_options if self.dry_run
+                else self.settings.kernel_options)
 
 
 # The correctness runs compare trajectories, so they train where the tiny model is stable: at
@@ -92,30 +117,28 @@ CORRECTNESS_RUN = ("train.warmup_steps=5", "train.lr=1e-3", "train.min_lr=1e-4",
 # vocabulary (the dataset's is 4k) gives the presets their intended embedding and output cost.
 GPU_STEP = ("train.global_batch_size=32", "model.vocab_size=32000")
 GPU_MFU = ("train.global_batch_size=8", "model.vocab_size=32000")
-# The dry run: 2 layers of width 32 (Block AttnRes blocks of 2 sublayers), GQA, short sequences.
-DRY_MODEL = ("model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=2",
-             "model.num_query_groups=1", "model.seq_length=16", "model.attnres.block_size=2",
-             "model.shortswa.window=4", "train.micro_batch_size=2", "train.global_batch_size=4")
 
 
 def make_plan(dry_run: bool, data: str) -> Plan:
+    settings = load_settings()
     if dry_run:
+        tiny = settings.dry_run_overrides
         return Plan(
-            dry_run=True, data=data,
+            dry_run=True, data=data, settings=settings,
             budgets={"env": 60, "correctness": 240, "step_cost": 120, "mfu": 60, "kernels": 120},
-            matmul_size=256, gpu_tests=("tests/kernels/test_ddl_kernel.py",), train_preset="tiny",
-            train_overrides=DRY_MODEL + ("train.warmup_steps=1",), train_steps=2,
-            loss_rtol=0.01,
-            kernel_presets=(("tiny", "tiny", DRY_MODEL + ("model.seq_length=8",
-                                                          "train.micro_batch_size=1")),),
-            step_overrides=DRY_MODEL, step_warmup=1, step_steps=1,
-            mfu_overrides=DRY_MODEL, mfu_warmup=1, mfu_steps=1)
+            matmul_size=256, gpu_tests=("tests/kernels/test_ddl_kernel.py",),
+            train_preset="tiny", train_overrides=tiny + ("train.warmup_steps=1",),
+            train_steps=2, loss_rtol=0.01,
+            kernel_presets=(("tiny", "tiny", tiny + ("model.seq_length=8",
+                                                     "train.micro_batch_size=1")),),
+            step_overrides=tiny, step_warmup=1, step_steps=1,
+            mfu_overrides=tiny, mfu_warmup=1, mfu_steps=1)
     return Plan(
-        dry_run=False, data=data,
+        dry_run=False, data=data, settings=settings,
         # 470 s in all: with the bundle's install and the start-up, under 9 minutes.
         budgets={"env": 20, "correctness": 130, "step_cost": 110, "mfu": 70, "kernels": 140},
         matmul_size=8192, gpu_tests=("tests",), train_preset="tiny",
-        train_overrides=CORRECTNESS_RUN, train_steps=20,
-        loss_rtol=0.01, kernel_presets=(("125m", "125m", ()), ("1b", "1b", ())),
+        train_overrides=CORRECTNESS_RUN, train_steps=20, loss_rtol=0.01,
+        kernel_presets=(("125m", "125m", ()), ("1b", "1b", ())),
         step_overrides=GPU_STEP, step_warmup=3, step_steps=10,
         mfu_overrides=GPU_MFU, mfu_warmup=4, mfu_steps=16)

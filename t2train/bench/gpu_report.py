@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from t2train.bench.gpu_plan import SECTIONS, Plan
+from t2train.bench.gpu_plan import SECTIONS, Plan, baseline
 from t2train.bench.table import markdown_table
 
 DRY_RUN_STAMP = ("**CPU dry run**: the whole plan at tiny shapes on the CPU (kernels under the "
@@ -59,20 +59,20 @@ def mfu_numbers(section: Optional[dict], env: Optional[dict]) -> list[dict]:
 
 
 def evaluate_targets(plan: Plan, sections: dict) -> list[dict]:
-    targets = plan.targets
-    ratios = step_ratios(sections.get("step_cost"), targets.baseline.name)
+    settings, base = plan.settings, baseline()
+    ratios = step_ratios(sections.get("step_cost"), base)
     judged = []
-    for variant in targets.step_targets:
-        ratio = ratios.get(variant.name)
-        judged.append({"target": f"{variant.name} step time <= {variant.max_ratio:.2f}x "
-                                 f"{targets.baseline.name} ({plan.step_preset})",
+    for variant, limit in settings.step_targets.items():
+        ratio = ratios.get(variant)
+        judged.append({"target": f"{variant} step time <= {limit:.2f}x {base} "
+                                 f"({plan.step_preset})",
                        "measured": f"{ratio:.3f}x" if ratio else "",
-                       "verdict": _judge(ratio, variant.max_ratio, at_most=True)})
+                       "verdict": _judge(ratio, limit, at_most=True)})
     triton = [row for row in kernel_rows(sections.get("kernels")) if row["impl"] == "triton"]
     rows = [row for row in triton if row["vs_best_peer"] is not None]
     failed = [row for row in triton if row["ms"] is None]
     slowest = min(rows, key=lambda row: row["vs_best_peer"]) if rows else None
-    minimum = targets.kernel_min_vs_best_peer
+    minimum = settings.kernel_min_vs_best_peer
     judged.append({
         "target": f"each Triton kernel >= {minimum:g}x the fastest of eager / torch.compile / "
                   "FlexAttention (fwd+bwd)",
@@ -86,10 +86,10 @@ def evaluate_targets(plan: Plan, sections: dict) -> list[dict]:
     runs = [row for row in mfu_numbers(sections.get("mfu"), sections.get("env"))
             if not row.get("reference")]
     mfu = runs[0]["mfu"] if runs else None
-    judged.append({"target": f"{targets.mfu_variant.name} {plan.mfu_preset} MFU >= "
-                             f"{targets.mfu_min:.0%} (data-sheet peak)",
+    judged.append({"target": f"{base} {plan.mfu_preset} MFU >= {settings.mfu_min:.0%} "
+                             "(data-sheet peak)",
                    "measured": f"{mfu:.1%}" if mfu is not None else "",
-                   "verdict": _judge(mfu, targets.mfu_min, at_most=False)})
+                   "verdict": _judge(mfu, settings.mfu_min, at_most=False)})
     return judged
 
 
@@ -128,11 +128,11 @@ def _correctness_md(section: dict) -> list[str]:
                       f"{' '.join(training['overrides'])}, {training['steps']} steps, same initial "
                       f"weights and batches; tolerance |bf16 - fp32| <= {training['rtol']:g} x "
                       "fp32 at every step", ""]
-        rows = [[item["design"], item["status"], _fmt(item.get("max_rel_diff"), ".4f"),
+        rows = [[item["variant"], item["status"], _fmt(item.get("max_rel_diff"), ".1e"),
                  " / ".join(_fmt(x, ".4f") for x in (item.get("reference") or [None])[-1:] +
                             (item.get("losses") or [None])[-1:]), item.get("reason", "")[:200]]
                 for item in section.get("items", [])]
-        lines.append(_table(["design", "verdict", "max rel diff",
+        lines.append(_table(["variant", "verdict", "max rel diff",
                                      "last loss fp32 / bf16", "note"], rows))
     return lines
 
@@ -149,27 +149,27 @@ def _kernels_md(section: dict) -> list[str]:
 
 
 def _skipped_md(section: dict) -> list[str]:
-    return [f"- skipped: {item.get('name') or item.get('design') or item.get('kernel')} "
+    return [f"- skipped: {item.get('name') or item.get('variant') or item.get('kernel')} "
             f"{item.get('shape', '')} ({item['reason']})" for item in _items(section, "skipped")]
 
 
-def _step_md(section: dict, baseline: str) -> list[str]:
+def _step_md(section: dict, base: str) -> list[str]:
     data = section.get("data", {})
-    ratios = step_ratios(section, baseline)
+    ratios = step_ratios(section, base)
     items = _items(section)
-    rows = [[item["name"], " ".join(item["overrides"]), f"{item['params'] / 1e6:.2f}",
-             f"{item['step_ms']:.1f}", _fmt(ratios.get(item["name"]), ".3f"),
+    rows = [[item["name"], f"{item['params'] / 1e6:.2f}", f"{item['step_ms']:.1f}",
+             _fmt(ratios.get(item["name"]), ".3f"), _fmt(item.get("max_ratio"), ".2f"),
              f"{item['tokens_per_s']:.0f}", f"{item['memory_gib']:.2f}"] for item in items]
     lines = [f"{data.get('preset')} preset {' '.join(data.get('overrides', ()))}; "
              f"{data.get('warmup')} warm-up + {data.get('steps')} timed steps of "
              f"{data.get('tokens_per_step')} tokens, median", "",
-             _table(["variant", "overrides", "params (M)", "step (ms)", "vs " + baseline,
-                             "tokens/s", "memory (GiB)"], rows)]
+             _table(["variant", "params (M)", "step (ms)", "vs " + base, "target (at most)",
+                     "tokens/s", "memory (GiB)"], rows)]
     timed = {item["name"]: item for item in items}
     reference = next((item for item in items if item.get("reference")), None)
-    if reference and baseline in timed:
-        lines += ["", f"stack overhead: t2train `{baseline}` runs at "
-                      f"{timed[baseline]['tokens_per_s'] / reference['tokens_per_s']:.2f}x the "
+    if reference and base in timed:
+        lines += ["", f"stack overhead: t2train `{base}` runs at "
+                      f"{timed[base]['tokens_per_s'] / reference['tokens_per_s']:.2f}x the "
                       "tokens/s of the plain-PyTorch loop"]
     return lines + _skipped_md(section)
 
@@ -205,7 +205,7 @@ def render_markdown(plan: Plan, sections: dict, targets: list[dict], report: dic
                    str(plan.budgets[name]), (sections.get(name) or {}).get("reason", "")[:300]]
                   for name in SECTIONS])]
     renderers = {"env": _env_md, "correctness": _correctness_md, "kernels": _kernels_md,
-                 "step_cost": lambda s: _step_md(s, plan.targets.baseline.name),
+                 "step_cost": lambda s: _step_md(s, baseline()),
                  "mfu": lambda s: _mfu_md(s, env)}
     for name in ("env", "correctness", "kernels", "step_cost", "mfu"):  # the order
         section = sections.get(name)
@@ -222,7 +222,7 @@ def render_markdown(plan: Plan, sections: dict, targets: list[dict], report: dic
 def verdict(sections: dict, targets: list[dict]) -> str:
     statuses = [(sections.get(name) or {}).get("status", "missing") for name in SECTIONS]
     complete = sum(status == "ok" for status in statuses)
-    failing = [item["design"] for item in (sections.get("correctness") or {}).get("items", [])
+    failing = [item["variant"] for item in (sections.get("correctness") or {}).get("items", [])
                if item.get("status") in ("fail", "error")]
     tests = ((sections.get("correctness") or {}).get("data", {}).get("gpu_tests") or {})
     failed_tests = sum(tests.get("counts", {}).get(k, 0) for k in ("failed", "error"))

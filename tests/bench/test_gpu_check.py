@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from t2train.bench.gpu_plan import SECTIONS, Variant, load_targets, make_plan, step_variants
+from t2train.bench.gpu_plan import (SECTIONS, correctness_variants, load_settings, make_plan,
+                                    mixer_variants, step_variants)
 from t2train.bench.gpu_report import evaluate_targets
-from t2train.residual import registered
+from t2train.residual import BASELINE, mixer, registered
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,16 +34,18 @@ def test_dry_run_reports_every_section(shakespeare, tmp_path):
     assert {name: s["status"] for name, s in sections.items()} == dict.fromkeys(SECTIONS, "ok")
 
     correctness = sections["correctness"]
-    assert [item["design"] for item in correctness["items"]] == list(registered())
+    assert [item["variant"] for item in correctness["items"]] == [
+        *registered(), f"{BASELINE}+{mixer().name}"]
     assert all(item["status"] == "pass" and len(item["losses"]) == 2
                for item in correctness["items"])
     counts = correctness["data"]["gpu_tests"]["counts"]
     assert counts["skipped"] > 0 and counts["passed"] == counts["failed"] == counts["error"] == 0
 
     steps = sections["step_cost"]["items"]
-    residuals = {o for item in steps for o in item["overrides"] if o.startswith("model.residual=")}
-    assert residuals == {f"model.residual={design}" for design in registered()}
-    assert steps[0]["name"] == "standard" and steps[-1].get("reference")
+    settings = load_settings()
+    timed = [*step_variants(settings, registered()), "plain PyTorch (standard)",
+             *mixer_variants(settings, registered())]
+    assert [item["name"] for item in steps] == timed
     assert all(item["step_ms"] > 0 for item in steps)
 
     rows = [row for item in sections["kernels"]["items"] for row in item["rows"]]
@@ -58,22 +61,22 @@ def test_dry_run_reports_every_section(shakespeare, tmp_path):
 
 def _step(name, step_ms, reference=False):
     return {"name": name, "status": "ok", "step_ms": step_ms, "reference": reference,
-            "overrides": [], "tokens_per_s": 1000.0 / step_ms}
+            "tokens_per_s": 1000.0 / step_ms}
 
 
 def test_targets_are_judged_from_the_sections():
     plan = make_plan(False, "unused")
-    baseline, (first, second, third) = plan.targets.baseline.name, plan.targets.step_targets
+    (first, limit1), (second, limit2), (third, _) = plan.settings.step_targets.items()
     sections = {
         "env": {"data": {"matmul": {"tflops": 800.0}}},
-        "step_cost": {"items": [_step(baseline, 100.0), _step(first.name, 100.0 * first.max_ratio),
-                                _step(second.name, 100.0 * second.max_ratio + 1.0),
-                                {"name": third.name, "status": "skipped", "reason": "time"}]},
+        "step_cost": {"items": [_step(BASELINE, 100.0), _step(first, 100.0 * limit1),
+                                _step(second, 100.0 * limit2 + 1.0),
+                                {"name": third, "status": "skipped", "reason": "time"}]},
         "kernels": {"items": [{"status": "ok", "rows": [
             {"kernel": "k", "preset": "p", "shape": "s", "impl": "triton", "ms": 1.0,
              "vs_best_peer": v} for v in (1.3, 0.9)]}]},
         "mfu": {"data": {"flops_per_token": 1e10, "datasheet_tflops": 1000.0},
-                "items": [dict(_step(plan.targets.mfu_variant.name, 1.0), tokens_per_s=5e4)]},
+                "items": [dict(_step(BASELINE, 1.0), tokens_per_s=5e4)]},
     }
     verdicts = [t["verdict"] for t in evaluate_targets(plan, sections)]
     assert verdicts == ["met", "missed", "not measured", "missed", "met"]  # MFU 50% >= 45%
@@ -87,14 +90,16 @@ def test_targets_are_judged_from_the_sections():
     assert judged["verdict"] == "missed" and "1 failed to run" in judged["measured"]
 
 
-def test_every_registered_design_is_timed_once():
-    targets = load_targets()
-    variants = step_variants(targets, registered())
-    assert variants[0] == targets.baseline and set(targets.step_targets) <= set(variants)
-    residual = [o for v in variants for o in v.overrides if o.startswith("model.residual=")]
-    assert sorted(residual) == sorted(f"model.residual={d}" for d in registered())
-    extra = step_variants(targets, (*registered(), "future_design"))
-    assert extra[-1] == Variant("future_design", ("model.residual=future_design",))
+def test_every_registered_design_is_timed_and_trained():
+    settings = load_settings()
+    alone, mixed = step_variants(settings, registered()), mixer_variants(settings, registered())
+    assert alone[0] == BASELINE and set(settings.step_targets) <= set(alone)
+    assert set(registered()) <= set(alone)
+    assert sorted(alone + mixed) == sorted(set(alone + mixed))  # each once
+    assert {name.split("+")[0] for name in alone + mixed if "+" in name} == set(registered())
+    later = ("future_design",)
+    assert "future_design" in step_variants(settings, registered() + later)
+    assert "future_design" in correctness_variants(registered() + later)
 
 
 def _installer():

@@ -2,10 +2,10 @@
 
 import torch
 
-from t2train.kernels import bench
+from t2train.bench import kernels
 
 
 def test_without_cuda_it_says_so(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert bench.main([]) == 0
+    assert kernels.main([]) == 0
     assert "no CUDA device" in capsys.readouterr().out
