@@ -14,8 +14,10 @@ still reports. ``--dry-run`` runs the same plan on the CPU at tiny shapes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -174,6 +176,8 @@ def check(plan: Plan, out: Path, names: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix="t2train-gpu-check-") as tmp, \
             open(out / "gpu-check.log", "a") as log:
         results = Path(tmp)
+        # Reading decompresses shards beside them: a copy keeps the bundle as it was built.
+        plan = dataclasses.replace(plan, data=str(shutil.copytree(plan.data, results / "data")))
 
         def report() -> dict:
             sections = {name: _load(results / f"{name}.json") for name in SECTIONS}
