@@ -42,14 +42,14 @@ clean-demo:
 
 # The GPU check (docs/gpu/README.md). Here, with network: the offline bundle it installs from.
 gpu-bundle: $(VENV)/.installed
-	$(PY) tools/gpu_bundle.py --out .gpu-bundle --max-mib 48
+	$(PY) -m t2train.bench.gpu.bundle --out .gpu-bundle --max-mib 48
 
-# On the GPU machine: `make gpu-check OUT=dir` (or `bash tools/gpu_check.sh dir`, no make needed).
+# On the GPU machine: `make gpu-check OUT=dir` (or `python3 -m t2train.bench.gpu dir`, no make needed).
 # Here: `make gpu-check DRY_RUN=1 OUT=dir`, the same plan on the CPU at tiny shapes.
 OUT ?= runs/gpu-check
 gpu-check:
 ifdef DRY_RUN
-	$(PY) -m t2train.bench.gpu_check --dry-run --out $(OUT)
+	$(PY) -m t2train.bench.gpu.check --dry-run --out $(OUT)
 else
-	bash tools/gpu_check.sh $(OUT)
+	python3 -m t2train.bench.gpu $(OUT)
 endif

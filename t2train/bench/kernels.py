@@ -2,7 +2,7 @@
 and the GPU check's kernel section.
 
 Shapes: one micro-batch of the preset (sequence, width, heads, query groups), with the design
-options of ``gpu_check.yaml`` (ShortSWA window, DDL widths d_v, Block AttnRes block size; the
+options of ``targets.yaml`` (ShortSWA window, DDL widths d_v, Block AttnRes block size; the
 largest Block AttnRes read has one source per completed block). On the GPU in bf16 against
 eager, ``torch.compile`` and FlexAttention; in the check's dry run in fp32 on the CPU with the
 Triton interpreter (its bf16 ``tl.dot`` is wrong) and dynamo's eager backend, which only proves
@@ -16,7 +16,7 @@ import datetime
 import sys
 import time
 
-from t2train.bench.gpu_plan import Plan, load_settings
+from t2train.bench.gpu.plan import Plan, load_settings
 from t2train.kernels import bench
 
 CHECK_MODE = "fwd+bwd"

@@ -3,7 +3,6 @@ offline installer's rule (never replace an installed distribution)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from t2train.bench.gpu_plan import (SECTIONS, correctness_variants, load_settings, make_plan,
+from t2train.bench.gpu.plan import (SECTIONS, correctness_variants, load_settings, make_plan,
                                     mixer_variants, step_variants)
-from t2train.bench.gpu_report import evaluate_targets
+from t2train.bench.gpu.report import evaluate_targets
 from t2train.residual import BASELINE, mixer, registered
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_dry_run_reports_every_section(shakespeare, tmp_path):
     out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, "-m", "t2train.bench.gpu_check", "--dry-run",
+    proc = subprocess.run([sys.executable, "-m", "t2train.bench.gpu.check", "--dry-run",
                            "--out", str(out), "--data", str(shakespeare)],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -102,15 +101,9 @@ def test_every_registered_design_is_timed_and_trained():
     assert "future_design" in correctness_variants(registered() + later)
 
 
-def _installer():
-    spec = importlib.util.spec_from_file_location("gpu_install", REPO / "tools" / "gpu_install.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_installer_keeps_what_is_installed_and_reports_what_fails(tmp_path):
-    installer = _installer()
+    from t2train.bench.gpu import install as installer
+
     present = tmp_path / "PyYAML-0.0.1-py3-none-any.whl"  # installed here: must be kept
     broken = tmp_path / "t2train_no_such_dist-1.0-py3-none-any.whl"  # not a wheel: pip fails
     present.write_bytes(b"")
@@ -118,3 +111,10 @@ def test_installer_keeps_what_is_installed_and_reports_what_fails(tmp_path):
     kept, failed = installer.install_wheels([present, broken])
     assert kept.startswith("kept     pyyaml ") and "0.0.1" in kept
     assert failed.startswith("FAILED   t2train_no_such_dist-1.0")
+
+
+def test_the_device_entry_point_names_its_one_argument(capsys):
+    from t2train.bench.gpu.__main__ import main
+
+    assert main([]) == 2
+    assert "usage: python3 -m t2train.bench.gpu OUT_DIR" in capsys.readouterr().err

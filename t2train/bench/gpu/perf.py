@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from t2train.bench.gpu_plan import Plan, baseline, mixer_variants, step_variants
+from t2train.bench.gpu.plan import Plan, baseline, mixer_variants, step_variants
 
 
 def variant_config(plan: Plan, preset: str, overrides: tuple, variant: str):

@@ -1,13 +1,13 @@
-"""Build ``.gpu-bundle/``: what a bare, offline GPU machine needs to run ``tools/gpu_check.sh``.
+"""Build ``.gpu-bundle/``: what a bare, offline GPU machine needs to run ``python3 -m t2train.bench.gpu``.
 
 The target machine (see docs/gpu/README.md) has CPython 3.12 on manylinux x86_64 with PyTorch,
 Triton, NumPy, TensorBoard, transformers, tokenizers, psutil and PyYAML preinstalled, and no
 network. This downloads, here, the wheels it lacks, a setuptools wheel as the offline build
 backend of ``pip install -e .``, and a prepared demo dataset with its tokenizer, then prints the
 bundle's size and fails above the limit (the device runner carries at most 64 MiB with the
-checkout). ``tools/gpu_install.py`` installs it there.
+checkout). ``t2train/bench/gpu/install.py`` installs it there.
 
-    python tools/gpu_bundle.py [--out .gpu-bundle] [--max-mib 48]
+    python t2train/bench/gpu/bundle.py [--out .gpu-bundle] [--max-mib 48]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ PLATFORMS = tuple(f"manylinux_2_{minor}_x86_64" for minor in range(GLIBC_MINOR, 
     "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64")
 
 # (pinned requirement, why it travels). Versions follow constraints/cpu.txt, the tested lock.
-# tools/gpu_install.py installs a wheel only when its distribution is missing there, so the
+# t2train/bench/gpu/install.py installs a wheel only when its distribution is missing there, so the
 # "fallback" ones (seen preinstalled on the machine) never replace the machine's own.
 RUNTIME_WHEELS = (
     ("megatron-core==0.16.1", "not on the machine; the model, schedules, optimizer"),

@@ -1,6 +1,6 @@
-"""``python -m t2train.bench.gpu_check --out DIR [--dry-run]``: the one-command GPU check.
+"""``python -m t2train.bench.gpu.check --out DIR [--dry-run]``: the one-command GPU check.
 
-Runs the sections of ``gpu_plan.SECTIONS`` (environment, correctness, step cost, MFU, kernels)
+Runs the sections of ``plan.SECTIONS`` (environment, correctness, step cost, MFU, kernels)
 and writes ``DIR/gpu-report.md``, ``DIR/gpu-report.json`` and ``DIR/gpu-check.log``.
 
 Time: section i must end by the sum of the budgets of sections 1..i (so time one section
@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from t2train.bench.gpu_plan import SECTIONS, Plan, make_plan
+from t2train.bench.gpu.plan import SECTIONS, Plan, make_plan
 
 GRACE = 20.0  # seconds past its end before a section's worker is stopped
 MIN_SECTION = 5.0  # a section with less time than this left is skipped
@@ -73,10 +73,11 @@ class Section:
 
 
 def _section_runner(name: str):
-    from t2train.bench import gpu_correctness, gpu_env, gpu_perf, kernels
+    from t2train.bench import kernels
+    from t2train.bench.gpu import correctness, env, perf
 
-    return {"env": gpu_env.run, "correctness": gpu_correctness.run,
-            "step_cost": gpu_perf.step_cost, "mfu": gpu_perf.mfu, "kernels": kernels.run}[name]
+    return {"env": env.run, "correctness": correctness.run,
+            "step_cost": perf.step_cost, "mfu": perf.mfu, "kernels": kernels.run}[name]
 
 
 def work(plan: Plan, names: list[str], ends: dict, results: Path) -> int:
@@ -131,7 +132,7 @@ def orchestrate(plan: Plan, names: list[str], results: Path, log, started: float
         ends[name] = total
     pending, reported = list(names), 0
     while pending:
-        args = [sys.executable, "-m", "t2train.bench.gpu_check", "--worker", str(results),
+        args = [sys.executable, "-m", "t2train.bench.gpu.check", "--worker", str(results),
                 "--data", plan.data, "--sections", ",".join(pending),
                 "--ends", json.dumps({name: ends[name] for name in pending})]
         # Its own process group, so that stopping it also stops its children (the CPU
@@ -169,7 +170,7 @@ def orchestrate(plan: Plan, names: list[str], results: Path, log, started: float
 
 
 def check(plan: Plan, out: Path, names: list[str]) -> dict:
-    from t2train.bench.gpu_report import write_report
+    from t2train.bench.gpu.report import write_report
 
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from t2train.bench.gpu_plan import SECTIONS, Plan, baseline
+from t2train.bench.gpu.plan import SECTIONS, Plan, baseline
 from t2train.bench.table import markdown_table
 
 DRY_RUN_STAMP = ("**CPU dry run**: the whole plan at tiny shapes on the CPU (kernels under the "

@@ -1,7 +1,7 @@
 """What the GPU check runs: its targets, and the shapes, steps and time budget of each section,
 on one GPU or, for the CPU dry run, tiny enough to run in the test suite.
 
-Designs and their options are data here (``gpu_check.yaml``) or come from the registry, so a new
+Designs and their options are data here (``targets.yaml``) or come from the registry, so a new
 design is timed and trained without a change to the check.
 """
 
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import yaml
 
-SETTINGS_FILE = Path(__file__).with_name("gpu_check.yaml")
+SETTINGS_FILE = Path(__file__).with_name("targets.yaml")
 SECTIONS = ("env", "correctness", "step_cost", "mfu", "kernels")  # the order they run in
 
 
 @dataclass(frozen=True)
 class Settings:
-    """``gpu_check.yaml``: targets and design options."""
+    """``targets.yaml``: targets and design options."""
 
     step_preset: str
     step_targets: dict  # variant -> max step time / the baseline's

@@ -18,9 +18,9 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from t2train.bench.gpu_plan import Plan, correctness_variants, make_plan
+from t2train.bench.gpu.plan import Plan, correctness_variants, make_plan
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # torch.distributed variables of the parent's world of one: a child must make its own.
 WORLD_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 PYTEST_SHARE = 0.5  # of the section's time, at most, for the GPU-marked tests
@@ -92,7 +92,7 @@ def compare(reference: list[float], losses: list[float], rtol: float) -> dict:
 
 
 def _start_reference(plan: Plan, out: Path) -> subprocess.Popen:
-    args = [sys.executable, "-m", "t2train.bench.gpu_correctness", "--reference", str(out),
+    args = [sys.executable, "-m", "t2train.bench.gpu.correctness", "--reference", str(out),
             "--data", plan.data] + (["--dry-run"] if plan.dry_run else [])
     log = open(out / "reference.log", "w")
     return subprocess.Popen(args, env=child_env(CUDA_VISIBLE_DEVICES=""), stdout=log,
