@@ -16,6 +16,10 @@ SHAPES = {
     "depth_read": (6, 2, 2, 1, 3, 16, 4),
     "depth_truncated": (3, 2, 1, 1, 9, 16, 4),
     "head_dim_128": (1, 1, 1, 18, 18, 128, 8),
+    # Bands whose last query starts a new 16-row tile (the interpreter's tiles): a key tile's
+    # dK/dV must still visit it (window 2: key 15 is seen by query 16; 18: by query 32).
+    "tile_edge": (1, 1, 1, 20, 20, 16, 2),
+    "tile_edge_wide": (1, 1, 1, 36, 36, 16, 18),
 }
 
 
