@@ -73,7 +73,7 @@ def test_the_models_depth_read_is_its_shortswa_over_depth(megatron_world, monkey
         for a, b in zip(torch.autograd.grad(got, leaves, upstream), want):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
     if K > 1:  # the weights are far from uniform, so a wrong query or key would show
-        assert max(w.max() - w.min() for w in weights) > 0.3
+        assert max(p.max() - p.min() for p in weights) > 0.3
 
 
 def test_window_covering_the_sequence_is_full_causal_attention():
