@@ -4,17 +4,27 @@
 ``auto``) means the kernels when every tensor is on CUDA, else the references. Forcing the
 kernels on CPU needs the Triton interpreter (``TRITON_INTERPRET=1``, set before Triton is
 imported), which is how the tests run them. The kernel modules are imported on first use.
+
+``launches`` counts the calls routed to each kernel, so a caller (the tests) can tell that
+the kernels ran rather than the references: ``reset_launches()``, run, read ``launches``.
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 from torch import Tensor
 
 from t2train.residual import attnres as attnres_reference
 from t2train.residual import ddl as ddl_reference
 from t2train.residual import window_attention as window_reference
+
+launches: Counter = Counter()  # kernel name -> calls routed to the Triton kernel
+
+
+def reset_launches() -> None:
+    launches.clear()
 
 
 def use_triton(*tensors: Tensor) -> bool:
@@ -37,6 +47,7 @@ def short_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
     if use_triton(q, k, v):
         from t2train.kernels.window_attention import window_attention
 
+        launches["window_attention"] += 1
         return window_attention(q, k, v, window, scale)
     return window_reference.short_window_attention(q, k, v, window, scale)
 
@@ -47,6 +58,7 @@ def delta_write(state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor,
     if use_triton(state, out, beta_logit, v_logit):
         from t2train.kernels.ddl_update import delta_write as fused
 
+        launches["delta_write"] += 1
         return fused(state, out, beta_logit, v_logit, k_eps, v_scale)
     return ddl_reference.delta_write(state, out, beta_logit, v_logit, k_eps, v_scale)
 
@@ -57,5 +69,6 @@ def depth_mix(query: Tensor, sources, partial: Tensor | None, eps: float) -> Ten
     if use_triton(query, *values):
         from t2train.kernels.block_attnres import depth_mix as two_phase
 
+        launches["depth_mix"] += 1
         return two_phase(query, list(sources), partial, eps)
     return attnres_reference.depth_mix(query, values, eps)

@@ -4,6 +4,7 @@ import pytest
 import torch
 from kernel_checks import DEVICE, assert_matches
 
+from t2train.kernels import dispatch
 from t2train.residual.attnres import depth_mix
 
 EPS = 1e-6
@@ -18,15 +19,13 @@ def _inputs(n_sources, dtype, tokens=(3, 2), hidden=24):
 
 
 def _check(n_sources, with_partial, dtype):
-    from t2train.kernels.block_attnres import depth_mix as two_phase
-
     def kernel(query, partial, *sources):
-        return two_phase(query, list(sources), partial if with_partial else None, EPS)
+        return dispatch.depth_mix(query, list(sources), partial if with_partial else None, EPS)
 
     def reference(query, partial, *sources):
         return depth_mix(query, list(sources) + ([partial] if with_partial else []), EPS)
 
-    assert_matches(kernel, reference, _inputs(n_sources, dtype), dtype)
+    assert_matches(kernel, reference, _inputs(n_sources, dtype), dtype, "depth_mix")
 
 
 @pytest.mark.parametrize("with_partial", [True, False], ids=["partial", "block_start"])

@@ -1,7 +1,9 @@
-"""T2_KERNELS picks the Triton kernels or the PyTorch references."""
+"""T2_KERNELS picks the Triton kernels or the PyTorch references, and the dispatch says which
+ran: every call routed to a kernel is counted under its name."""
 
 import pytest
 import torch
+from kernel_checks import BACKWARD_NODES, graph_nodes
 
 from t2train.kernels import dispatch
 
@@ -23,3 +25,31 @@ def test_forcing(monkeypatch):
     monkeypatch.setenv("T2_KERNELS", "cuda")
     with pytest.raises(ValueError, match="T2_KERNELS"):
         dispatch.use_triton(torch.zeros(1))
+
+
+def _call_each_kernel():
+    """One call of each dispatched operator on small CPU tensors: name -> result."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, requires_grad=True)  # noqa: E731
+    return {
+        "window_attention": dispatch.short_window_attention(r(1, 1, 4, 16), r(1, 1, 4, 16),
+                                                            r(1, 1, 4, 16), 2),
+        "delta_write": dispatch.delta_write(r(3, 1, 8), r(3, 1, 8), r(3, 1, 1), r(3, 1, 1),
+                                            1e-5, 4.0),
+        "depth_mix": dispatch.depth_mix(r(8), [r(3, 1, 8)], r(3, 1, 8), 1e-6),
+    }
+
+
+@pytest.mark.parametrize("choice, runs_kernels", [("triton", True), ("torch", False),
+                                                  ("auto", False)])
+def test_the_counter_says_which_ran(monkeypatch, choice, runs_kernels):
+    """On CPU tensors only `triton` runs the kernels, forward and backward; the others run
+    the references and count nothing."""
+    monkeypatch.setenv("T2_KERNELS", choice)
+    dispatch.reset_launches()
+    results = _call_each_kernel()
+    assert dict(dispatch.launches) == ({name: 1 for name in results} if runs_kernels else {})
+    for name, out in results.items():
+        assert bool(graph_nodes(out) & BACKWARD_NODES[name]) == runs_kernels, name
+    dispatch.reset_launches()
+    assert not dispatch.launches
