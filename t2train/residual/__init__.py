@@ -50,6 +50,15 @@ def mixer():
     return getattr(importlib.import_module(module), attribute)
 
 
+def kernel_references() -> dict:
+    """Each fused kernel's PyTorch reference (``t2train.kernels.dispatch.KERNELS`` names them),
+    for benchmarks: the designs' own functions."""
+    from t2train.residual import attnres, ddl, window_attention
+
+    return {"window_attention": window_attention.short_window_attention,
+            "delta_write": ddl.delta_write, "depth_mix": attnres.depth_mix}
+
+
 def option_sections() -> dict[str, type]:
     """``model.<section>`` -> its options dataclass, for every design and the mixer."""
     sections = {}

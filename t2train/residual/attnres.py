@@ -88,6 +88,18 @@ def depth_mix(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
     return (weights.unsqueeze(-1) * x).sum(0).to(stacked.dtype)
 
 
+def mix_sources(query: Tensor, sources, partial: Optional[Tensor], eps: float) -> Tensor:
+    """``depth_mix`` over the sources and the open block's partial sum (if any), through the
+    two-phase Triton kernel where ``T2_KERNELS`` routes it."""
+    values = list(sources) + ([] if partial is None else [partial])
+    mix = dispatch.route("depth_mix", _mix_parts, query, *values)
+    return mix(query, list(sources), partial, eps)
+
+
+def _mix_parts(query: Tensor, sources: list, partial: Optional[Tensor], eps: float) -> Tensor:
+    return depth_mix(query, sources + ([] if partial is None else [partial]), eps)
+
+
 def mixing_weights(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
     """The softmax weights of ``depth_mix`` [n_sources, s, b] (for diagnostics)."""
     stacked = torch.stack(values).float()
@@ -115,7 +127,7 @@ class BlockAttnResidual(SublayerResidual):
         values = state.values()
         probe.record("attnres", self.index, lambda: mixing_weights(
             self.query, values, self.eps).mean((1, 2)))
-        return dispatch.depth_mix(self.query, state.sources, state.partial, self.eps)
+        return mix_sources(self.query, state.sources, state.partial, self.eps)
 
     def write(self, state: AttnResState, x: Tensor, normed: Tensor, out: Tensor) -> AttnResState:
         partial = out if state.partial is None else state.partial + out
@@ -162,7 +174,7 @@ class AttnResStream(ResidualStream):
         final = self.per_layer * self.config.num_layers  # numbered after the last sublayer
         probe.record("attnres", final, lambda: mixing_weights(
             self.final_query, values, self.eps).mean((1, 2)))
-        return dispatch.depth_mix(self.final_query, state.sources, state.partial, self.eps)
+        return mix_sources(self.final_query, state.sources, state.partial, self.eps)
 
     def to_units(self, state: AttnResState) -> list[Tensor]:
         return state.values()

@@ -27,12 +27,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor
 
 from t2train.errors import require
-from t2train.kernels.dispatch import short_window_attention
 from t2train.nn import probe
 from t2train.nn.attention import CausalCoreAttention
 from t2train.nn.specs import self_attention_spec
 from t2train.residual.base import LocalMixer
-from t2train.residual.window_attention import window_attention_entropy
+from t2train.residual.window_attention import attend_window, window_attention_entropy
 
 
 @dataclass
@@ -76,7 +75,7 @@ class ShortWindowCoreAttention(CausalCoreAttention):
         if dropout > 0:
             raise ValueError("ShortSWA's reference attention has no attention dropout")
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        return short_window_attention(q, k, v, self.window, self.softmax_scale).permute(2, 0, 1, 3)
+        return attend_window(q, k, v, self.window, self.softmax_scale).permute(2, 0, 1, 3)
 
 
 def short_attention_spec() -> ModuleSpec:

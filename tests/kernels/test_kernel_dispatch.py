@@ -6,6 +6,9 @@ import torch
 from kernel_checks import BACKWARD_NODES, graph_nodes
 
 from t2train.kernels import dispatch
+from t2train.residual.attnres import mix_sources
+from t2train.residual.ddl import write_delta
+from t2train.residual.window_attention import attend_window
 
 
 def test_default_is_the_reference_on_cpu(monkeypatch):
@@ -32,11 +35,9 @@ def _call_each_kernel():
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g, requires_grad=True)  # noqa: E731
     return {
-        "window_attention": dispatch.short_window_attention(r(1, 1, 4, 16), r(1, 1, 4, 16),
-                                                            r(1, 1, 4, 16), 2),
-        "delta_write": dispatch.delta_write(r(3, 1, 8), r(3, 1, 8), r(3, 1, 1), r(3, 1, 1),
-                                            1e-5, 4.0),
-        "depth_mix": dispatch.depth_mix(r(8), [r(3, 1, 8)], r(3, 1, 8), 1e-6),
+        "window_attention": attend_window(r(1, 1, 4, 16), r(1, 1, 4, 16), r(1, 1, 4, 16), 2),
+        "delta_write": write_delta(r(3, 1, 8), r(3, 1, 8), r(3, 1, 1), r(3, 1, 1), 1e-5, 4.0),
+        "depth_mix": mix_sources(r(8), [r(3, 1, 8)], r(3, 1, 8), 1e-6),
     }
 
 

@@ -4,8 +4,7 @@ import pytest
 import torch
 from kernel_checks import DEVICE, assert_matches
 
-from t2train.kernels import dispatch
-from t2train.residual.window_attention import short_window_attention
+from t2train.residual.window_attention import attend_window, short_window_attention
 
 # batch, heads, kv_heads, q_len, k_len, head_dim, window
 SHAPES = {
@@ -32,7 +31,7 @@ def _inputs(shape, dtype):
 
 def _check(shape, dtype):
     window, scale = shape[-1], shape[-2] ** -0.5
-    assert_matches(lambda q, k, v: dispatch.short_window_attention(q, k, v, window, scale),
+    assert_matches(lambda q, k, v: attend_window(q, k, v, window, scale),
                    lambda q, k, v: short_window_attention(q, k, v, window, scale),
                    _inputs(shape, dtype), dtype, "window_attention")
 
@@ -58,7 +57,7 @@ def test_strided_inputs_and_default_scale():
     q, k, v = (t.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
                for t in _inputs(SHAPES["gqa"], torch.float32))
     assert not q.is_contiguous()
-    assert_matches(lambda q, k, v: dispatch.short_window_attention(q, k, v, 6),
+    assert_matches(lambda q, k, v: attend_window(q, k, v, 6),
                    lambda q, k, v: short_window_attention(q, k, v, 6), (q, k, v),
                    torch.float32, "window_attention")
 

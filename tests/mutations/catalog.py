@@ -21,7 +21,7 @@ REF_STANDARD = "t2train/residual/standard.py"
 DISPATCH = "kernels/dispatch.py"
 K_DDL = "kernels/ddl_update.py"
 K_WINDOW = "kernels/window_attention.py"
-K_ATTNRES = "kernels/block_attnres.py"
+K_ATTNRES = "kernels/depth_mix.py"
 
 
 @dataclass(frozen=True)
@@ -122,8 +122,8 @@ MUTATIONS = [
     m("depth-window-plus-one", "depth_attn",
       "the read keeps and attends to K + 1 states",
       (REF_DEPTH, "keep = self.window - 1", "keep = self.window"),
-      (REF_DEPTH, "short_window_attention(q, k, v, self.window, scale)",
-       "short_window_attention(q, k, v, self.window + 1, scale)")),
+      (REF_DEPTH, "attend_window(q, k, v, self.window, scale)",
+       "attend_window(q, k, v, self.window + 1, scale)")),
     m("depth-missing-scale", "depth_attn", "scores without the 1/sqrt(d_k) scale",
       (REF_DEPTH, "scale = 1 / math.sqrt(self.head_dim)", "scale = 1.0")),
     m("depth-keys-unnormalised", "depth_attn",
@@ -171,11 +171,11 @@ MUTATIONS = [
        "self.index = per_layer * layer_number + position")),
     m("block-read-skips-partial", "block_attnres",
       "a sublayer reads only the completed blocks, not the open block's partial sum",
-      (REF_ATTNRES, "dispatch.depth_mix(self.query, state.sources, state.partial, self.eps)",
-       "dispatch.depth_mix(self.query, state.sources, None, self.eps)")),
+      (REF_ATTNRES, "mix_sources(self.query, state.sources, state.partial, self.eps)",
+       "mix_sources(self.query, state.sources, None, self.eps)")),
     m("attnres-final-read-is-last-source", "attnres",
       "the final norm reads the last source instead of a mixture with its own query",
-      (REF_ATTNRES, "return dispatch.depth_mix(self.final_query, state.sources, state.partial, "
+      (REF_ATTNRES, "return mix_sources(self.final_query, state.sources, state.partial, "
                     "self.eps)", "return state.values()[-1]")),
 
     # --- kernels and their dispatch -------------------------------------------------------------
@@ -183,9 +183,9 @@ MUTATIONS = [
       "T2_KERNELS=triton on CPU silently runs the PyTorch references",
       (DISPATCH, "    return True\n", "    return on_cuda\n")),
     m("dispatch-drops-partial", "kernels",
-      "the dispatch calls the Block AttnRes kernel without the partial sum",
-      (DISPATCH, "return two_phase(query, list(sources), partial, eps)",
-       "return two_phase(query, list(sources), None, eps)")),
+      "the kernel route calls the Block AttnRes kernel without the partial sum",
+      (REF_ATTNRES, "return mix(query, list(sources), partial, eps)",
+       "return mix(query, list(sources), None, eps)")),
     m("kernel-ddl-gate-sigmoid", "kernels", "the DDL kernel alone uses beta = sigmoid(.)",
       (K_DDL, "beta = 2.0 * tl.sigmoid(", "beta = tl.sigmoid(")),
     m("kernel-ddl-dbeta", "kernels",
