@@ -14,6 +14,14 @@ signal would be reset to its default action in those children and kill them. ``t
 launch`` blocks the signals before torchrun starts, so they are blocked in every worker from
 its first instruction; a trainer started another way blocks them when the guard opens and
 also records them with a handler, in case a thread created earlier receives one.
+
+One piece of the standard library undoes the block: multiprocessing's resource tracker, when
+it starts, unblocks SIGINT and SIGTERM in the thread that starts it (CPython's
+``resource_tracker.ensure_running``), and it starts on first use of shared memory, a semaphore
+or a spawned process (mosaicml-streaming, the checkpoint writers). The trainer's main thread
+then spawned dist-checkpointing's writer processes with SIGTERM unblocked, and a SIGTERM to
+every process of a SLURM step killed them in the middle of the final save. ``block`` starts
+the tracker itself first (the tracker ignores both signals) and sets the mask after it.
 """
 
 from __future__ import annotations
@@ -46,9 +54,16 @@ def parse_signals(spec: str, field_name: str = "train.exit_signals") -> list[sig
     return signals
 
 
-def block(signals: Iterable[signal.Signals]) -> None:
-    """Hold ``signals`` pending in this thread and every thread or process it starts."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, set(signals))
+def block(signals: Iterable[signal.Signals]) -> set:
+    """Hold ``signals`` pending in this thread and every thread or process it starts; returns
+    the mask before. Starts multiprocessing's resource tracker first (see the module's doc),
+    restoring the mask its start changes."""
+    from multiprocessing import resource_tracker
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_SETMASK, before | set(signals))
+    return before
 
 
 class StopGuard:
@@ -67,7 +82,7 @@ class StopGuard:
 
     def __enter__(self) -> "StopGuard":
         self.started = time.monotonic()
-        self._saved_mask = signal.pthread_sigmask(signal.SIG_BLOCK, set(self.signals))
+        self._saved_mask = block(self.signals)
         for sig in self.signals:
             self._saved_handlers[sig] = signal.signal(sig, self._record)
         return self

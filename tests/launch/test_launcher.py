@@ -1,8 +1,10 @@
 """`t2train launch` on one machine: real torchrun workers, bad launches, a stop signal.
 
-The signal goes to the launcher process only (as ``kill PID`` or a container runtime would
-send it), so the launcher must pass it on; test_slurm_jobs.py covers SLURM's way, which
-signals every process of the job step.
+A stop signal goes to the launcher process only (as ``kill PID`` or a container runtime
+would send it), so the launcher must pass it on; or to every process of the launcher's tree
+at once (SLURM's way: slurmstepd signals every process of the job step), so no helper
+process (checkpoint writers, multiprocessing's resource tracker) may die of it.
+test_slurm_jobs.py does the latter with a real ``scancel``.
 """
 
 from __future__ import annotations
@@ -131,6 +133,68 @@ def test_a_signal_to_the_launcher_saves_and_exits_with_the_requeue_code(shakespe
     assert f"step {stopped:>6} | stopping early: received SIGTERM" in output
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
     assert "training saved a checkpoint and stopped early" in output
+
+
+def killed_by_sigterm(pid: int) -> bool:
+    """Whether SIGTERM would end process ``pid``: neither ignored nor handled by it, and
+    unblocked in one of its threads (a signal blocked in every thread stays pending)."""
+    term = 1 << (signal.SIGTERM - 1)
+
+    def mask(status: str, field: str) -> int:
+        return int(status.split(f"{field}:\t")[1].split()[0], 16)
+
+    status = Path(f"/proc/{pid}/status").read_text()
+    if (mask(status, "SigIgn") | mask(status, "SigCgt")) & term:
+        return False
+    return any(not mask(Path(task, "status").read_text(), "SigBlk") & term
+               for task in Path(f"/proc/{pid}/task").iterdir())
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_process_of_the_tree_saves_the_current_step(shakespeare, tmp_path):
+    """The launcher, the trainer, multiprocessing's resource tracker and the checkpoint
+    writer processes started by the step-2 save all get SIGTERM at once: none of them dies
+    of it, and the checkpoint of the step the trainer was in is published (exit code 75)."""
+    run_dir, log = tmp_path / "run", tmp_path / "launch.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            _launch_cmd("--nproc-per-node=1", *_train_args(
+                shakespeare, run_dir, "train.steps=400", "train.eval_interval=400",
+                "checkpoint.interval=2", "log.diagnostics_interval=0")),
+            stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, start_new_session=True)
+    latest, published = run_dir / "checkpoints" / "latest", {}
+    try:
+        deadline = time.monotonic() + 300
+        while max(_logged_steps(run_dir), default=0) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.1)
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        commands = [" ".join(p.cmdline()) for p in tree]
+        assert any("resource_tracker" in c for c in commands), commands
+        assert any("spawn_main" in c for c in commands), commands  # the writers' queue
+        assert [c for p, c in zip(tree, commands) if killed_by_sigterm(p.pid)] == []
+        signalled = time.monotonic()
+        for process in tree:
+            process.send_signal(signal.SIGTERM)
+        running = max(_logged_steps(run_dir))  # the trainer is past it or in the next step
+        while proc.poll() is None:
+            assert time.monotonic() < signalled + 120, log.read_text()[-4000:]
+            if latest.is_file():
+                published.setdefault(latest.read_text().strip(), time.monotonic() - signalled)
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = log.read_text()
+    assert proc.returncode == REQUEUE_EXIT_CODE, output[-4000:]
+    stopped = max(_logged_steps(run_dir))
+    assert stopped in (running, running + 1), (running, stopped)
+    assert f"step {stopped:>6} | stopping early: received SIGTERM" in output
+    assert latest.read_text().strip() == f"step_{stopped:08d}"
+    assert "Error" not in output, output[-4000:]
+    seconds = published.get(f"step_{stopped:08d}", 0.0)
+    print(f"SIGTERM to every process: step {stopped} published {seconds:.1f}s after the signal")
+    assert seconds < 30  # SLURM's default KillWait, after which SIGKILL follows
 
 
 @pytest.mark.parametrize("args, env, cause", [
