@@ -18,6 +18,8 @@ inside a SLURM job step the node count, node rank and rendezvous point come from
 processes per node default to the node's GPUs (SLURM_GPUS_ON_NODE, else visible CUDA devices).
 exit code 75: the trainer saved a checkpoint and stopped early (signal or --exit-duration);
 run the same command again to resume (slurm/pretrain.sbatch requeues itself).
+exit code 74: the run ended but its last checkpoint could not be written
+(checkpoint.on_save_error=continue); 3: stopped by a failure (the error line names it).
 """
 
 

@@ -40,6 +40,15 @@ def _cmd_train(args) -> int:
         print(f"done: step {summary.final_step}, val loss {summary.val_losses[first]:.4f} "
               f"(step {first}) -> {summary.val_losses[last]:.4f} (step {last}); "
               f"run dir {summary.run_dir}")
+    if summary.final_save_failed:
+        from t2train.checkpoint.manager import SAVE_FAILED_EXIT_CODE
+
+        if is_rank_zero():
+            print(f"error: the checkpoint of the last step {summary.final_step} was not saved "
+                  f"(see the warning above); the newest published checkpoint is "
+                  f"{summary.checkpoint or 'none'}; exit code {SAVE_FAILED_EXIT_CODE}",
+                  file=sys.stderr)
+        return SAVE_FAILED_EXIT_CODE
     if summary.stopped:
         from t2train.train.preemption import REQUEUE_EXIT_CODE
 

@@ -20,6 +20,11 @@ from t2train.checkpoint.retention import apply_retention
 from t2train.config.schema import Config
 from t2train.errors import TrainingHalted
 
+# EX_IOERR (sysexits.h): the run ended (train.steps reached, or stopped early) but its last
+# checkpoint could not be written (checkpoint.on_save_error=continue); a job script must not
+# take the run for finished, nor requeue it as if it had saved.
+SAVE_FAILED_EXIT_CODE = 74
+
 
 def code_version() -> str:
     """t2train's version and, from a git checkout, the commit (``+dirty`` with local edits)."""
@@ -89,7 +94,7 @@ class Checkpointer:
     failure (one all-reduce), so none waits for the others. ``checkpoint.on_save_error=stop``
     then ends the run (``TrainingHalted``, exit code 3) naming the path and the OS error;
     ``continue`` warns, counts it (``checkpoint/failed_saves``) and trains on, trying again at
-    the next save.
+    the next save; ``last_failed_step`` tells the loop whether its final save was lost.
     """
 
     def __init__(self, root: Path, config: Config, engine,
@@ -104,6 +109,7 @@ class Checkpointer:
             self.queue = AsyncCallsQueue()
         self._pending: dict[Path, tuple[int, float, float]] = {}  # path -> step, start, blocked
         self.failed_saves = 0
+        self.last_failed_step: Optional[int] = None
 
     def due(self, step: int, last_step: int) -> bool:
         return step % self.settings.interval == 0 or step == last_step
@@ -202,6 +208,7 @@ class Checkpointer:
         if dist.get_rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)  # best effort: the disk may refuse
         self.failed_saves += 1
+        self.last_failed_step = step
         last = self.last_published()
         kept = (f"the last good checkpoint {last} is intact and `latest` still names it"
                 if last is not None else "no earlier checkpoint exists")

@@ -318,7 +318,8 @@ class CheckpointConfig:
     save_on_resume: bool = False
     # A save that fails (read-only or full disk, a rank's write error) leaves the previous
     # checkpoint published; then `stop` ends the run (exit code 3) naming the path and the OS
-    # error, `continue` warns, counts it (checkpoint/failed_saves) and trains on.
+    # error, `continue` warns, counts it (checkpoint/failed_saves) and trains on. A run whose
+    # last save (at train.steps or at an early stop) failed exits with code 74 under either.
     on_save_error: Literal["stop", "continue"] = "stop"
 
     def validate(self) -> None:

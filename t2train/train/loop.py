@@ -29,8 +29,9 @@ class RunSummary:
     final_step: int
     losses: dict = field(default_factory=dict)  # step -> training loss
     val_losses: dict = field(default_factory=dict)  # step -> validation loss
-    checkpoint: Optional[Path] = None
+    checkpoint: Optional[Path] = None  # the newest published at the end
     stopped: Optional[str] = None  # why the run stopped before train.steps (signal, time limit)
+    final_save_failed: bool = False  # the save of final_step failed (on_save_error=continue)
 
 
 def dataset_facts(config: Config) -> dict:
@@ -216,4 +217,7 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
             break
     checkpointer.close()
     monitor.close()
+    if checkpointer.last_failed_step == summary.final_step:
+        summary.final_save_failed = True
+        summary.checkpoint = checkpointer.last_published()
     return summary
