@@ -152,12 +152,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except UserInputError as err:
+    except (UserInputError, TrainingHalted) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
-    except TrainingHalted as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 3
+        return err.exit_code
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from t2train.config.loader import dump_config
 from t2train.config.schema import Config, ConfigError
-from t2train.errors import TrainingHalted
+from t2train.errors import RankFailure, TrainingHalted
 
 if TYPE_CHECKING:
     from t2train.train.preemption import StopGuard
@@ -74,12 +74,18 @@ def train(config: Config) -> RunSummary:
     from t2train.train.preemption import StopGuard, parse_signals
 
     quiet_other_ranks(config.log.all_ranks)
+    from t2train.train.rank_failures import RankFailures
     from t2train.train.watchdog import Watchdog
 
     with StopGuard(parse_signals(config.train.exit_signals),
                    config.train.exit_duration_mins) as guard, \
-            Watchdog(config.parallel.collective_timeout_mins) as watchdog:
-        return _run(config, guard, watchdog)
+            Watchdog(config.parallel.collective_timeout_mins) as watchdog, \
+            RankFailures() as failures:
+        try:
+            return _run(config, guard, watchdog)
+        except RankFailure as failure:
+            failures.end_all(str(failure))
+            raise
 
 
 def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary:

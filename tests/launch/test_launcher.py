@@ -249,5 +249,6 @@ def test_more_processes_than_cuda_devices_is_refused(shakespeare, tmp_path):
 
 def test_the_node_exit_code_prefers_a_completed_requeue_save():
     assert exit_code([REQUEUE_EXIT_CODE, -15]) == REQUEUE_EXIT_CODE  # peer killed on exit
+    assert exit_code([-15, 74]) == 74  # rank 0 killed by torchrun while exiting with 74 too
     assert exit_code([1, 0]) == 1
     assert exit_code([-9]) == 128 + 9
