@@ -136,7 +136,7 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
         (run_dir / "config.yaml").write_text(dump_config(config))
     monitor = Monitor(run_dir if logging_rank else None, train_cfg.steps,
                       tensorboard=config.log.tensorboard,
-                      purge_step=start_step + 1 if start_step else None,
+                      resumed_at=start_step if resume_from is not None else None,
                       console=logging_rank or config.log.all_ranks,
                       prefix=f"[rank {topology.rank}] " if config.log.all_ranks else "")
     engine_name = (f"deepspeed ZeRO-{config.deepspeed.zero_stage}"
