@@ -109,7 +109,8 @@ class Checkpointer:
     """
 
     def __init__(self, root: Path, config: Config, engine,
-                 report: Callable[[int, float, float, Path], None], monitor=None):
+                 report: Callable[[int, float, float, Path], None], monitor=None,
+                 counters: Optional[dict] = None):
         self.root, self.engine, self.report, self.monitor = root, engine, report, monitor
         self.settings = config.checkpoint
         self.manifest = {"config": asdict(config), "code_version": code_version()}
@@ -119,7 +120,7 @@ class Checkpointer:
 
             self.queue = AsyncCallsQueue()
         self._pending: dict[Path, tuple[int, float, float]] = {}  # path -> step, start, blocked
-        self.failed_saves = 0
+        self.failed_saves = (counters or {}).get("failed_saves", 0)  # in the run, over resumes
         self.last_failed_step: Optional[int] = None
 
     def due(self, step: int, last_step: int) -> bool:
@@ -135,8 +136,9 @@ class Checkpointer:
         error = self._agree(self._prepare_directory(step))
         if error is None:
             try:
-                path = self.engine.save(self.root, step, dict(train_state, **self.manifest),
-                                        self.queue, self._published)
+                path = self.engine.save(self.root, step, dict(
+                    train_state, failed_saves=self.failed_saves, **self.manifest),
+                    self.queue, self._published)
             except _save_errors() as err:
                 error = describe_save_error(err)
                 if not _seen_by_every_rank(err):

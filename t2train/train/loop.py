@@ -145,14 +145,13 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
                   f"{engine.num_parameters() / 1e6:.2f}M parameters on rank 0 | world "
                   f"{topology.world_size} = TP {topology.tp_size} x PP {topology.pp_size} x DP "
                   f"{dp_size} | engine {engine_name} | {start}")
-    meter, mfu_note = step_meter(config, engine.vocab_size, topology.world_size)
+    meter, mfu_note = step_meter(config, engine.vocab_size, topology.world_size, train_state)
     monitor.print(mfu_note)
     diagnostics = Diagnostics(engine, config.log.diagnostics_interval,
                               diagnostic_micro_batches(val_batches, config), monitor,
                               sends=topology.tp_rank == 0 and topology.dp_rank == 0)
 
     summary = RunSummary(run_dir=run_dir, start_step=start_step, final_step=start_step)
-    tokens_per_step = train_cfg.global_batch_size * config.model.seq_length
 
     def report_save(step: int, blocked: float, total: float, path: Path) -> None:
         monitor.scalars(step, {"checkpoint/save_seconds": total,
@@ -161,13 +160,12 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
                       f"{f', training blocked {blocked:.1f}s' if blocked < total else ''})")
 
     checkpointer = Checkpointer(run_dir / "checkpoints", config, engine, report_save,
-                                monitor=monitor)
+                                monitor=monitor, counters=train_state)
 
     def save(step: int) -> None:
         with watchdog.phase(f"the checkpoint save of step {step}"):
             summary.checkpoint = checkpointer.save(
-                step, {"data_state": streams.shared_state_dict(),
-                       "tokens": step * tokens_per_step})
+                step, {"data_state": streams.shared_state_dict(), **meter.counters()})
 
     def evaluate(step: int) -> None:
         with watchdog.phase(f"the evaluation at step {step}"):
