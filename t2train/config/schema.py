@@ -211,6 +211,10 @@ class TrainConfig:
     # on these signals, or once this process has run exit_duration_mins (0 = no limit).
     exit_signals: str = "SIGUSR1,SIGTERM"
     exit_duration_mins: float = 0.0
+    # The LR schedule a resumed run follows when this config's differs from the checkpoint's
+    # (e.g. train.steps changed): `checkpoint` keeps the checkpoint's horizon, warm-up and LRs
+    # (Megatron's default), `config` takes this config's. The resume line names the one used.
+    schedule_on_resume: Literal["checkpoint", "config"] = "checkpoint"
     # An update whose loss or gradients are non-finite is skipped (train/skipped_steps); after
     # this many skipped in a row the run stops (exit code 3) without saving anything new.
     max_skipped_steps: int = 5

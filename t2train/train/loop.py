@@ -68,6 +68,22 @@ def _resume_target(config: Config, run_dir: Path) -> Optional[Path]:
     return path
 
 
+def _schedule_in_force(config: Config, scheduler) -> str:
+    """The LR schedule a resumed run follows, whose it is, and this config's if it differs."""
+    def describe(lr, min_lr, warmup, until) -> str:
+        return f"warm-up {warmup}, cosine {lr:.2e} -> {min_lr:.2e} until step {until}"
+
+    train_cfg = config.train
+    used = describe(scheduler.max_lr, scheduler.min_lr, scheduler.lr_warmup_steps,
+                    scheduler.lr_decay_steps)
+    configured = describe(train_cfg.lr, train_cfg.min_lr, train_cfg.warmup_steps,
+                          train_cfg.steps)
+    choice = train_cfg.schedule_on_resume
+    unused = ("" if used == configured else
+              f"; this config's ({configured}) is not used: train.schedule_on_resume=config")
+    return f"LR schedule of the {choice} (train.schedule_on_resume={choice}): {used}{unused}"
+
+
 def train(config: Config) -> RunSummary:
     """Run to ``train.steps``, or stop early with a checkpoint (``RunSummary.stopped``)."""
     from t2train.monitor.metrics import quiet_other_ranks
@@ -116,7 +132,8 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
         loading_started = time.monotonic()
         train_state = engine.load(resume_from)
         start = (f"resumed from {resume_from} (loaded in "
-                 f"{time.monotonic() - loading_started:.1f}s)")
+                 f"{time.monotonic() - loading_started:.1f}s) | "
+                 f"{_schedule_in_force(config, engine.scheduler)}")
     else:
         start = "fresh start"
     start_step = train_state.get("step", 0)
