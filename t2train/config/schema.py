@@ -98,6 +98,9 @@ class ModelConfig:
     init_method_std: float = 0.02
     attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
     recompute: Literal["none", "full"] = "none"
+    # Dropout probability of the attention weights and of every sublayer's output before the
+    # residual design writes it (Megatron's attention and hidden dropout); 0 = none.
+    dropout: float = 0.0
     ddl: DDLConfig = field(default_factory=DDLConfig)
     shortswa: ShortSWAConfig = field(default_factory=ShortSWAConfig)
     depth_attn: DepthAttnConfig = field(default_factory=DepthAttnConfig)
@@ -135,6 +138,7 @@ class ModelConfig:
         _require(self.norm_epsilon > 0, "model.norm_epsilon", self.norm_epsilon, "must be > 0")
         _require(self.init_method_std > 0, "model.init_method_std", self.init_method_std,
                  "must be > 0")
+        _require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
         self.ddl.validate("model.ddl")
         self.shortswa.validate("model.shortswa")
         self.depth_attn.validate("model.depth_attn")

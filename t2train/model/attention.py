@@ -93,7 +93,8 @@ class ShortWindowCoreAttention(CausalCoreAttention):
 
     flash-attn's ``window_size=(w - 1, 0)`` on CUDA, else ``short_window_attention`` (the
     same operator the depth read uses): the Triton kernel on CUDA, the PyTorch reference on
-    CPU (see ``t2train.kernels.dispatch``).
+    CPU (see ``t2train.kernels.dispatch``). Those have no dropout: with attention dropout, SDPA
+    runs over the causal band of the window instead (an s x s mask).
     """
 
     def __init__(self, config, *args, **kwargs):
@@ -110,7 +111,13 @@ class ShortWindowCoreAttention(CausalCoreAttention):
             out = flash_attn_func(q, k, v, dropout_p=dropout, softmax_scale=self.softmax_scale,
                                   causal=True, window_size=(self.window - 1, 0))
             return out.transpose(0, 1)
-        if dropout > 0:
-            raise ValueError("ShortSWA's reference attention has no attention dropout")
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        return short_window_attention(q, k, v, self.window, self.softmax_scale).permute(2, 0, 1, 3)
+        if dropout > 0:
+            position = torch.arange(q.shape[2], device=q.device)
+            behind = position[:, None] - position[None, :]  # query - key
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=(behind >= 0) & (behind < self.window), dropout_p=dropout,
+                scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+        else:
+            out = short_window_attention(q, k, v, self.window, self.softmax_scale)
+        return out.permute(2, 0, 1, 3)
