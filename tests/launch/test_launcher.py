@@ -61,6 +61,21 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
 
 
+def _start(data: Path, run_dir: Path, log: Path, nproc: int, *extra: str) -> subprocess.Popen:
+    """``t2train launch`` in its own session, its output in ``log``."""
+    with log.open("w") as out:
+        return subprocess.Popen(
+            _launch_cmd(f"--nproc-per-node={nproc}", *_train_args(data, run_dir, *extra)),
+            stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, start_new_session=True)
+
+
+def _wait_for_step(proc: subprocess.Popen, run_dir: Path, log: Path, step: int) -> None:
+    deadline = time.monotonic() + 300
+    while max(_logged_steps(run_dir), default=0) < step:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.1)
+
+
 def _worker(launcher: subprocess.Popen, rank: int) -> psutil.Process:
     for child in psutil.Process(launcher.pid).children(recursive=True):
         try:
@@ -110,17 +125,10 @@ def test_standalone_launch_trains_and_restarts_a_killed_rank(shakespeare, tmp_pa
 @pytest.mark.slow
 def test_a_signal_to_the_launcher_saves_and_exits_with_the_requeue_code(shakespeare, tmp_path):
     run_dir, log = tmp_path / "run", tmp_path / "launch.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            _launch_cmd("--nproc-per-node=2", *_train_args(
-                shakespeare, run_dir, "parallel.tensor=2", "train.steps=400",
-                "train.eval_interval=400", "checkpoint.interval=400")),
-            stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, start_new_session=True)
+    proc = _start(shakespeare, run_dir, log, 2, "parallel.tensor=2", "train.steps=400",
+                  "train.eval_interval=400", "checkpoint.interval=400")
     try:
-        deadline = time.monotonic() + 300
-        while len(_logged_steps(run_dir)) < 2 and proc.poll() is None:
-            assert time.monotonic() < deadline, "training did not start in 300 s"
-            time.sleep(0.2)
+        _wait_for_step(proc, run_dir, log, 2)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=300)
     finally:
@@ -156,18 +164,11 @@ def test_sigterm_to_every_process_of_the_tree_saves_the_current_step(shakespeare
     writer processes started by the step-2 save all get SIGTERM at once: none of them dies
     of it, and the checkpoint of the step the trainer was in is published (exit code 75)."""
     run_dir, log = tmp_path / "run", tmp_path / "launch.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            _launch_cmd("--nproc-per-node=1", *_train_args(
-                shakespeare, run_dir, "train.steps=400", "train.eval_interval=400",
-                "checkpoint.interval=2", "log.diagnostics_interval=0")),
-            stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, start_new_session=True)
+    proc = _start(shakespeare, run_dir, log, 1, "train.steps=400", "train.eval_interval=400",
+                  "checkpoint.interval=2", "log.diagnostics_interval=0")
     latest, published = run_dir / "checkpoints" / "latest", {}
     try:
-        deadline = time.monotonic() + 300
-        while max(_logged_steps(run_dir), default=0) < 3:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-            time.sleep(0.1)
+        _wait_for_step(proc, run_dir, log, 3)
         tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         commands = [" ".join(p.cmdline()) for p in tree]
         assert any("resource_tracker" in c for c in commands), commands
