@@ -29,7 +29,7 @@ class RunSummary:
     final_step: int
     losses: dict = field(default_factory=dict)  # step -> training loss
     val_losses: dict = field(default_factory=dict)  # step -> validation loss
-    checkpoint: Optional[Path] = None  # the newest published at the end
+    checkpoint: Optional[Path] = None  # the last saved (the newest published if that failed)
     stopped: Optional[str] = None  # why the run stopped before train.steps (signal, time limit)
     final_save_failed: bool = False  # the save of final_step failed (on_save_error=continue)
 
