@@ -151,11 +151,25 @@ def killed_by_sigterm(pid: int) -> bool:
     def mask(status: str, field: str) -> int:
         return int(status.split(f"{field}:\t")[1].split()[0], 16)
 
-    status = Path(f"/proc/{pid}/status").read_text()
-    if (mask(status, "SigIgn") | mask(status, "SigCgt")) & term:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        if (mask(status, "SigIgn") | mask(status, "SigCgt")) & term:
+            return False
+        return any(not mask(Path(task, "status").read_text(), "SigBlk") & term
+                   for task in Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:  # it ended meanwhile (a writer of a save that finished)
         return False
-    return any(not mask(Path(task, "status").read_text(), "SigBlk") & term
-               for task in Path(f"/proc/{pid}/task").iterdir())
+
+
+def _tree(root: int) -> dict[psutil.Process, str]:
+    """The processes under ``root`` (itself included) and their command lines."""
+    tree = {}
+    for process in [psutil.Process(root), *psutil.Process(root).children(recursive=True)]:
+        try:
+            tree[process] = " ".join(process.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+    return tree
 
 
 @pytest.mark.slow
@@ -169,14 +183,16 @@ def test_sigterm_to_every_process_of_the_tree_saves_the_current_step(shakespeare
     latest, published = run_dir / "checkpoints" / "latest", {}
     try:
         _wait_for_step(proc, run_dir, log, 3)
-        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        commands = [" ".join(p.cmdline()) for p in tree]
-        assert any("resource_tracker" in c for c in commands), commands
-        assert any("spawn_main" in c for c in commands), commands  # the writers' queue
-        assert [c for p, c in zip(tree, commands) if killed_by_sigterm(p.pid)] == []
+        tree = _tree(proc.pid)
+        assert any("resource_tracker" in c for c in tree.values()), tree
+        assert any("spawn_main" in c for c in tree.values()), tree  # the writers' queue
+        assert [c for p, c in tree.items() if killed_by_sigterm(p.pid)] == []
         signalled = time.monotonic()
         for process in tree:
-            process.send_signal(signal.SIGTERM)
+            try:
+                process.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
         running = max(_logged_steps(run_dir))  # the trainer is past it or in the next step
         while proc.poll() is None:
             assert time.monotonic() < signalled + 120, log.read_text()[-4000:]
