@@ -29,9 +29,18 @@ def _load(args):
 def _cmd_train(args) -> int:
     from t2train.parallel.init import is_rank_zero
     from t2train.train.loop import train
-    from t2train.train.preemption import REQUEUE_EXIT_CODE
+    from t2train.signals import REQUEUE_EXIT_CODE
 
     summary = train(_load(args))
+    if summary.final_save_failed:
+        from t2train.checkpoint.manager import SAVE_FAILED_EXIT_CODE
+
+        if is_rank_zero():
+            print(f"error: the checkpoint of the last step {summary.final_step} was not saved "
+                  f"(see the warning above); the newest published checkpoint is "
+                  f"{summary.checkpoint or 'none'}; exit code {SAVE_FAILED_EXIT_CODE}",
+                  file=sys.stderr)
+        return SAVE_FAILED_EXIT_CODE
     if is_rank_zero():
         print(_outcome(summary, REQUEUE_EXIT_CODE))
     return REQUEUE_EXIT_CODE if summary.stopped else 0
@@ -139,12 +148,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except UserInputError as err:
+    except (UserInputError, TrainingHalted) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
-    except TrainingHalted as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 3
+        return err.exit_code
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ VARIANTS = {
 
 SCALARS = {
     "train/loss", "train/perplexity", "train/lr", "train/grad_norm", "train/param_norm",
-    "train/skipped_steps", "val/loss", "val/perplexity",
+    "train/skipped_steps", "train/tokens", "val/loss", "val/perplexity",
     "throughput/tokens_per_sec", "throughput/tokens_per_sec_per_device",
     "throughput/tflops_per_device", "time/step_seconds", "time/data_wait_seconds",
     "memory/rss_gib", "pipeline/forward_bytes", "pipeline/backward_bytes",

@@ -58,7 +58,7 @@ MUTATIONS = [
     # --- standard ------------------------------------------------------------------------------
     m("standard-adds-to-normed-input", "standard",
       "the residual adds the sublayer output to Norm(x) instead of x",
-      (REF_STANDARD, "return state + F.dropout(out,", "return normed + F.dropout(out,")),
+      (REF_STANDARD, "return state + out", "return normed + out")),
 
     # --- DDL -----------------------------------------------------------------------------------
     m("ddl-gate-sigmoid", "ddl",
