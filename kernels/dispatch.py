@@ -14,6 +14,7 @@ from torch import Tensor
 
 from t2train.residual import attnres as attnres_reference
 from t2train.residual import ddl as ddl_reference
+from t2train.residual import mhc as mhc_reference
 from t2train.residual import window_attention as window_reference
 
 
@@ -59,3 +60,22 @@ def depth_mix(query: Tensor, sources, partial: Tensor | None, eps: float) -> Ten
 
         return two_phase(query, list(sources), partial, eps)
     return attnres_reference.depth_mix(query, values, eps)
+
+
+def stream_read(state: Tensor, pre_logit: Tensor) -> Tensor:
+    """See ``t2train.residual.mhc.stream_read`` (the mHC read)."""
+    if use_triton(state, pre_logit):
+        from t2train.kernels.mhc_streams import stream_read as fused
+
+        return fused(state, pre_logit)
+    return mhc_reference.stream_read(state, pre_logit)
+
+
+def stream_write(state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor,
+                 iterations: int) -> Tensor:
+    """See ``t2train.residual.mhc.stream_write`` (the mHC write, Sinkhorn included)."""
+    if use_triton(state, out, post_logit, res_logit):
+        from t2train.kernels.mhc_streams import stream_write as fused
+
+        return fused(state, out, post_logit, res_logit, iterations)
+    return mhc_reference.stream_write(state, out, post_logit, res_logit, iterations)

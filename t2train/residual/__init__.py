@@ -24,6 +24,8 @@ _DESIGNS = {  # name -> (module, attribute)
     "depth_attn": ("t2train.residual.depth_attn", "DESIGN"),
     "attnres": ("t2train.residual.attnres", "FULL"),
     "block_attnres": ("t2train.residual.attnres", "BLOCK"),
+    "hc": ("t2train.residual.hc", "DESIGN"),
+    "mhc": ("t2train.residual.mhc", "DESIGN"),
 }
 BASELINE = "standard"  # the default design, and the one benchmarks compare against
 _MIXER = ("t2train.residual.shortswa", "MIXER")

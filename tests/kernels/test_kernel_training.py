@@ -15,6 +15,9 @@ VARIANTS = {
     "ddl_dv4": ["model.residual=ddl", "model.ddl.dv=4"],
     # Blocks of 2 sublayers: reads alternate phase 1 alone (block start) and both phases.
     "block_attnres": ["model.residual=block_attnres", "model.attnres.block_size=2"],
+    # The fused read and write (Sinkhorn included) on every sublayer; few iterations, since
+    # the interpreter runs them token by token.
+    "mhc": ["model.residual=mhc", "model.mhc.sinkhorn_iterations=5"],
 }
 STEPS = 2
 

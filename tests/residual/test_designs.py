@@ -23,6 +23,11 @@ VARIANTS = {  # name: (design, overrides)
     "depth_attn+shortswa": ("depth_attn", ["model.depth_attn.window=2", *MIXER]),
     "attnres+shortswa": ("attnres", MIXER),
     "block_attnres+shortswa": ("block_attnres", ["model.attnres.block_size=3", *MIXER]),
+    "hc": ("hc", []), "hc_static": ("hc", ["model.hc.dynamic=false"]),
+    "hc_n1": ("hc", ["model.hc.expansion_rate=1"]), "mhc": ("mhc", []),
+    "mhc_n3": ("mhc", ["model.mhc.expansion_rate=3", "model.mhc.sinkhorn_iterations=5"]),
+    "hc+shortswa": ("hc", MIXER), "hc_static+shortswa": ("hc", ["model.hc.dynamic=false", *MIXER]),
+    "mhc+shortswa": ("mhc", MIXER),
 }
 
 
