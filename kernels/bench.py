@@ -4,13 +4,16 @@ Per kernel, shape and mode (forward, forward+backward) it prints time, achieved 
 GB/s, and for the Triton row the speed ratio against the fastest peer of the same run
 (> 1: faster). Peers: FlexAttention (sliding-window block mask) and flash-attn
 (``window_size``) for window attention; eager and ``torch.compile`` references for the DDL
-write; ``torch.compile`` and the ``flash-attn-res`` package for Block AttnRes. Peers that
-are not installed or fail are reported and skipped. Without CUDA it says so and exits 0.
+write and the mHC read and write; ``torch.compile`` and the ``flash-attn-res`` package for
+Block AttnRes. Peers that are not installed or fail are reported and skipped. Without CUDA
+it says so and exits 0.
 
 FLOPs: attention forward 4 d (visited query-key pairs), backward 2.5x that. Bytes: the
 tensors a fused pass must read and write once (DDL: state, k~, new state; backward: state,
 k~, incoming and outgoing gradients; Block AttnRes: the N sources and S partial sums in, S
-outputs out, and in the backward N + S inputs and S output gradients in, N + S gradients out).
+outputs out, and in the backward N + S inputs and S output gradients in, N + S gradients out;
+mHC read: n streams in, one out, backward n + 1 in, n out; mHC write: n streams and the output
+in, n out, backward 2n + 1 in, n + 1 out).
 """
 
 from __future__ import annotations
@@ -159,6 +162,32 @@ def attnres_cases():
                "GB/s")
 
 
+def mhc_cases():
+    """The mHC read and write (Sinkhorn, 20 iterations) over 32k tokens of width 2048, n = 4;
+    the mixing logits are fp32, as the model computes them."""
+    from t2train.kernels.mhc_streams import stream_read as fused_read
+    from t2train.kernels.mhc_streams import stream_write as fused_write
+    from t2train.residual.mhc import stream_read, stream_write
+
+    n, tokens, hidden, iterations = 4, (4096, 8), 2048, 20
+    state, out = _leaf(n, *tokens, hidden), _leaf(*tokens, hidden)
+    pre, post, res = (torch.randn(*tokens, *shape, device="cuda").requires_grad_()
+                      for shape in ((n,), (n,), (n, n)))
+    unit = out.numel() * out.element_size()
+    compiled_read, compiled_write = torch.compile(stream_read), torch.compile(stream_write)
+    yield Case("mhc_read", f"s={tokens[0]} b={tokens[1]} h={hidden} n={n}",
+               [Impl(name, lambda f=f: f(state, pre), [state, pre])
+                for name, f in (("triton", fused_read), ("eager", stream_read),
+                                ("torch.compile", compiled_read))],
+               {"fwd": (n + 1) * unit, "fwd+bwd": (3 * n + 2) * unit}, "GB/s")
+    inputs = [state, out, post, res]
+    yield Case("mhc_write", f"s={tokens[0]} b={tokens[1]} h={hidden} n={n} t_max={iterations}",
+               [Impl(name, lambda f=f: f(*inputs, iterations), inputs)
+                for name, f in (("triton", fused_write), ("eager", stream_write),
+                                ("torch.compile", compiled_write))],
+               {"fwd": (2 * n + 1) * unit, "fwd+bwd": (5 * n + 3) * unit}, "GB/s")
+
+
 def copy_bandwidth_gbs() -> float:
     """What a plain device copy achieves: the yardstick for the memory-bound kernels."""
     from triton.testing import do_bench
@@ -189,7 +218,7 @@ def run_case(case: Case) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["window", "ddl", "attnres"], action="append",
+    parser.add_argument("--only", choices=["window", "ddl", "attnres", "mhc"], action="append",
                         help="benchmark only these kernels (repeatable)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -203,7 +232,8 @@ def main(argv=None) -> int:
     print(f"Device copy bandwidth: {copy_bandwidth_gbs():.0f} GB/s\n")
     print("| kernel | shape | mode | impl | ms | throughput | vs best peer |")
     print("|---|---|---|---|---|---|---|")
-    builders = {"window": window_cases, "ddl": ddl_cases, "attnres": attnres_cases}
+    builders = {"window": window_cases, "ddl": ddl_cases, "attnres": attnres_cases,
+                "mhc": mhc_cases}
     for name in args.only or builders:
         for case in builders[name]():
             for line in run_case(case):
