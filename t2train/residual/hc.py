@@ -5,13 +5,13 @@ per token H = [h_1; ...; h_n] in R^{n x h}, stored as [n, s, b, h]. Every sublay
 (attention, the MLP and, with the local mixer on, the ShortSWA sublayer) has a
 hyper-connection of its own, HC = [[0, B], [A_m, A_r]] with B in R^{1 x n}, A_m in R^{n x 1},
 A_r in R^{n x n}: width connections read the sublayer's input and mix the streams, a depth
-connection writes its output back (Sec. 2.1):
+connection writes its output back:
 
     x  = A_m^T H                              x = sum_i A_m[i] h_i; T applies its own pre-norm
     H' = A_r^T H + B^T T(Norm(x))             h'_j = sum_i A_r[i, j] h_i + B_j T(Norm(x))
 
 Static (``model.hc.dynamic=false``, SHC): A_m, A_r and B are learned per sublayer.
-Dynamic (the default, DHC, Sec. 2.2): they are predicted per token from the streams, each
+Dynamic (the default, DHC): they are predicted per token from the streams, each
 normalised on its own, H~ = Norm(H):
 
     A_m(H) = s_a tanh(H~ W_m) + A_m,   A_r(H) = s_a tanh(H~ W_r) + A_r,
@@ -21,12 +21,13 @@ with W_m in R^{h x 1}, W_r in R^{h x n} (stored together as W_a = [W_m, W_r], as
 paper's pseudo-code), W_b in R^{h x 1}: row i of A_m(H), A_r(H) and entry i of B(H) come
 from stream i.
 
-Initialisation (the paper's Pre-Norm equivalence, Eq. 14 and Algorithm 2): the k-th sublayer
-of the model (0-based over every sublayer in order) reads stream k mod n (A_m = e_{k mod n}),
-A_r = I_n, B = 1_n; W_a = W_b = 0 and s_a = s_b = ``model.hc.dynamic_scale_init`` (0.01). The
-embedding enters as n copies, so every stream stays the `standard` hidden state until the
-weights move, and the model starts with `standard`'s logits (tested). With n = 1 the design
-is a gated `standard` residual: h' = A_r h + B T(Norm(A_m h)) with scalars near 1.
+Initialisation (the paper's Pre-Norm-equivalent start and its pseudo-code, Algorithm 2 of
+the appendix): the k-th sublayer of the model (0-based over every sublayer in order) reads
+stream k mod n (A_m = e_{k mod n}), A_r = I_n, B = 1_n; W_a = W_b = 0 and s_a = s_b =
+``model.hc.dynamic_scale_init`` (0.01). The embedding enters as n copies, so every stream
+stays the `standard` hidden state until the weights move, and the model starts with
+`standard`'s logits (tested). With n = 1 the design is a gated `standard` residual:
+h' = A_r h + B T(Norm(A_m h)) with scalars near 1.
 
 Choices the paper leaves open (or t2train's model differs):
 

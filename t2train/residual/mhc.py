@@ -3,7 +3,7 @@
 The stream is n copies of the hidden state as in `hc` (``model.mhc.expansion_rate``, default
 4): per token x_l in R^{n x h}, stored as [n, s, b, h]. Every sublayer F (attention, the MLP
 and, with the local mixer on, the ShortSWA sublayer) has its own mappings, predicted from the
-whole stream flattened, x~ = vec(x_l) in R^{nh} (Eq. 5-8):
+whole stream flattened, x~ = vec(x_l) in R^{nh} (the paper's parameterization):
 
     x~'    = x~ / sqrt(mean(x~^2) + eps)                    RMSNorm without a learned weight
     H~pre  = a_pre  (x~' phi_pre)       + b_pre             phi_pre, phi_post in R^{nh x n}
@@ -11,10 +11,10 @@ whole stream flattened, x~ = vec(x_l) in R^{nh} (Eq. 5-8):
     H~res  = a_res  mat(x~' phi_res)    + b_res             phi_res in R^{nh x n^2}
     H_pre = sigmoid(H~pre),  H_post = 2 sigmoid(H~post),  H_res = SK(H~res)
 
-    x_{l+1} = H_res x_l + H_post^T F(Norm(H_pre x_l))        (Eq. 3; F applies its pre-norm)
+    x_{l+1} = H_res x_l + H_post^T F(Norm(H_pre x_l))        (F applies its pre-norm)
 
 i.e. the sublayer reads sum_j H_pre[j] x_j and stream i becomes
-sum_j H_res[i, j] x_j + H_post[i] F(...). SK is Sinkhorn-Knopp (Eq. 9) with t_max =
+sum_j H_res[i, j] x_j + H_post[i] F(...). SK is Sinkhorn-Knopp, as in the paper, with t_max =
 ``model.mhc.sinkhorn_iterations`` (default 20): M(0) = exp(H~res), M(t) = T_c(T_r(M(t-1)))
 (T_r, T_c divide each row, then each column, by its sum), H_res = M(t_max). Its columns sum
 to 1 exactly, so the mixing keeps the streams' sum (and the mean the final norm reads); its

@@ -70,7 +70,7 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def hyper_connection(H, conn, norm, F, dynamic=True):
-    """HC, Sec. 2: x = A_m^T H, H' = A_r^T H + B^T F(Norm(x)); dynamic: A(H) = s tanh(H~ W) + A
+    """HC: x = A_m^T H, H' = A_r^T H + B^T F(Norm(x)); dynamic: A(H) = s tanh(H~ W) + A
     with H~ the streams normalised one by one; row i of A and entry i of B from stream i."""
     n = H.shape[0]
     static = conn.static_alpha  # [n, 1 + n]: A_m, then A_r
@@ -90,7 +90,7 @@ def hyper_connection(H, conn, norm, F, dynamic=True):
 
 
 def sinkhorn_knopp(logits, iterations):
-    """Eq. 9: M(0) = exp(L), M(t) = T_c(T_r(M(t-1)))."""
+    """Sinkhorn-Knopp: M(0) = exp(L), M(t) = T_c(T_r(M(t-1)))."""
     m = torch.exp(logits)
     for _ in range(iterations):
         m = m / m.sum(-1, keepdim=True)
@@ -99,7 +99,7 @@ def sinkhorn_knopp(logits, iterations):
 
 
 def mhc_mappings(H, conn, iterations):
-    """Eq. 5-8 on vec(x_l): H_pre [s, b, n], H_post [s, b, n], H_res [s, b, n, n]."""
+    """The mappings from vec(x_l): H_pre [s, b, n], H_post [s, b, n], H_res [s, b, n, n]."""
     n = H.shape[0]
     flat = H.permute(1, 2, 0, 3).reshape(SEQ, BATCH, n * HIDDEN)  # vec: stream after stream
     mapped = _rms(flat, 1e-6) @ conn.projection.T
@@ -111,7 +111,7 @@ def mhc_mappings(H, conn, iterations):
 
 
 def manifold_hyper_connection(H, conn, norm, F, iterations=20):
-    """mHC, Eq. 3: x_{l+1} = H_res x_l + H_post^T F(H_pre x_l)."""
+    """mHC: x_{l+1} = H_res x_l + H_post^T F(H_pre x_l)."""
     n = H.shape[0]
     pre, post, res = mhc_mappings(H, conn, iterations)
     out = F(norm(sum(pre[..., j, None] * H[j] for j in range(n))))
