@@ -24,6 +24,8 @@ KERNELS = {  # kernel name -> (module, function)
     "window_attention": ("t2train.kernels.window_attention", "window_attention"),
     "delta_write": ("t2train.kernels.ddl_update", "delta_write"),
     "depth_mix": ("t2train.kernels.depth_mix", "depth_mix"),
+    "stream_read": ("t2train.kernels.mhc_streams", "stream_read"),
+    "stream_write": ("t2train.kernels.mhc_streams", "stream_write"),
 }
 launches: Counter = Counter()  # kernel name -> calls routed to the Triton kernel
 

@@ -243,8 +243,38 @@ def depth_mix_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
                "GB/s")
 
 
+def stream_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
+    """mHC: the stream read and write (Sinkhorn, 20 iterations, n = 4 streams: the paper's
+    defaults) over one micro-batch of the preset's width; the mixing logits are fp32, as the
+    model computes them."""
+    from t2train.kernels.mhc_streams import stream_read as fused_read
+    from t2train.kernels.mhc_streams import stream_write as fused_write
+
+    references = kernel_references()
+    stream_read, stream_write = references["stream_read"], references["stream_write"]
+    n, iterations = 4, 20
+    tokens, hidden = (shapes.seq, shapes.batch), shapes.hidden
+    state, out = _leaf(rt, n, *tokens, hidden), _leaf(rt, *tokens, hidden)
+    pre, post, res = (torch.randn(*tokens, *shape, device=rt.device).requires_grad_()
+                      for shape in ((n,), (n,), (n, n)))
+    unit = out.numel() * out.element_size()
+    read = [state, pre]
+    yield Case("stream_read", shapes.label, f"s={tokens[0]} b={tokens[1]} h={hidden} n={n}",
+               [Impl(name, lambda f=f: f(*read), read)
+                for name, f in (("triton", fused_read), ("eager", stream_read),
+                                ("torch.compile", rt.compile(stream_read)))],
+               {"fwd": (n + 1) * unit, "fwd+bwd": (3 * n + 2) * unit}, "GB/s")
+    write = [state, out, post, res]
+    yield Case("stream_write", shapes.label,
+               f"s={tokens[0]} b={tokens[1]} h={hidden} n={n} iterations={iterations}",
+               [Impl(name, lambda f=f: f(*write, iterations), write)
+                for name, f in (("triton", fused_write), ("eager", stream_write),
+                                ("torch.compile", rt.compile(stream_write)))],
+               {"fwd": (2 * n + 1) * unit, "fwd+bwd": (5 * n + 3) * unit}, "GB/s")
+
+
 BUILDERS = {"window_attention": window_cases, "delta_write": delta_write_cases,
-            "depth_mix": depth_mix_cases}
+            "depth_mix": depth_mix_cases, "mhc_streams": stream_cases}
 
 
 def cases(shapes: KernelShapes, rt: Runtime, only=None) -> Iterator[Case]:

@@ -204,7 +204,9 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known, key=str)  # YAML keys may be ints, None, ...
     if unknown:
-        raise ConfigError(f"{prefix}{str(unknown[0])[:60]}: unknown field; known fields of "
+        shown = str(unknown[0])[:60]
+        shown = shown if shown.isprintable() else repr(shown)  # the error stays one line
+        raise ConfigError(f"{prefix}{shown}: unknown field; known fields of "
                           f"{prefix.rstrip('.') or 'the config'}: {sorted(known)}")
     kwargs = {}
     for name, value in data.items():

@@ -15,7 +15,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # kernel name in the dispatch counter -> the autograd nodes its forward leaves in the graph
 BACKWARD_NODES = {"window_attention": {"WindowAttentionBackward"},
                   "delta_write": {"DeltaWriteBackward"},
-                  "depth_mix": {"Phase1Backward", "Phase2Backward"}}
+                  "depth_mix": {"Phase1Backward", "Phase2Backward"},
+                  "stream_read": {"StreamReadBackward"}, "stream_write": {"StreamWriteBackward"}}
 
 
 def leaves(*tensors):

@@ -28,6 +28,10 @@ VARIANTS = {
     # one read per sublayer and the final one.
     "block_attnres": (["model.residual=block_attnres", "model.attnres.block_size=2"],
                       {"depth_mix": 2 * LAYERS + 1}),
+    # The fused read and write (Sinkhorn included) on every sublayer; few iterations, since
+    # the interpreter runs them token by token.
+    "mhc": (["model.residual=mhc", "model.mhc.sinkhorn_iterations=5"],
+            {"stream_read": 2 * LAYERS, "stream_write": 2 * LAYERS}),
 }
 STEPS = 2
 

@@ -53,6 +53,9 @@ VARIANTS = {
     "attnres": (["model.residual=attnres"], set(), DEPTH_IMAGE, set()),
     "block_attnres": (["model.residual=block_attnres", "model.attnres.block_size=2"], set(),
                       DEPTH_IMAGE, set()),
+    "mhc": (["model.residual=mhc"], {f"diagnostics/mhc_gain/{sublayer}" for sublayer in SUBLAYERS},
+            set(), {f"diagnostics/mhc_{kind}/{sublayer}" for kind in ("read", "write")
+                    for sublayer in SUBLAYERS}),
 }
 
 SCALARS = {

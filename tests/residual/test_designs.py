@@ -26,6 +26,11 @@ VARIANTS = {  # name: (design, overrides)
     "depth_attn+shortswa": ("depth_attn", ["model.depth_attn.window=2", *MIXER]),
     "attnres+shortswa": ("attnres", MIXER),
     "block_attnres+shortswa": ("block_attnres", ["model.attnres.block_size=3", *MIXER]),
+    "hc": ("hc", []), "hc_static": ("hc", ["model.hc.dynamic=false"]),
+    "hc_n1": ("hc", ["model.hc.expansion_rate=1"]), "mhc": ("mhc", []),
+    "mhc_n3": ("mhc", ["model.mhc.expansion_rate=3", "model.mhc.sinkhorn_iterations=5"]),
+    "hc+shortswa": ("hc", MIXER), "hc_static+shortswa": ("hc", ["model.hc.dynamic=false", *MIXER]),
+    "mhc+shortswa": ("mhc", MIXER),
 }
 
 
@@ -69,6 +74,19 @@ NO_GRADIENT_AT_INIT = {
     "block_attnres": {"decoder.layers.0.attn_residual.query"},
 }
 NO_GRADIENT_AT_INIT["depth_attn+shortswa"] = NO_GRADIENT_AT_INIT["depth_attn"]
+
+
+def _dynamic_hc_inert(residuals: tuple) -> set:
+    """Dynamic HC's weight projections start at zero (the paper's init), so tanh(W Norm(x))
+    is 0: the scales multiplying it and the norm before it get no gradient at init."""
+    return {f"decoder.layers.{i}.{residual}.{name}" for i in range(3) for residual in residuals
+            for name in ("dynamic_alpha_scale", "dynamic_beta_scale", "norm.weight")}
+
+
+NO_GRADIENT_AT_INIT["hc"] = NO_GRADIENT_AT_INIT["hc_n1"] = _dynamic_hc_inert(
+    ("attn_residual", "mlp_residual"))
+NO_GRADIENT_AT_INIT["hc+shortswa"] = _dynamic_hc_inert(
+    ("pre_attention_residual", "attn_residual", "mlp_residual"))
 for variant in ("attnres+shortswa", "block_attnres+shortswa"):  # the mixer reads first
     NO_GRADIENT_AT_INIT[variant] = {"decoder.layers.0.pre_attention_residual.query"}
 

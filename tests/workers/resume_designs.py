@@ -30,6 +30,8 @@ DESIGNS = {
     "depth_attn": ["model.residual=depth_attn", "model.depth_attn.window=3"],
     "attnres": ["model.residual=attnres"],
     "block_attnres": ["model.residual=block_attnres", "model.attnres.block_size=2"],
+    "hc": ["model.residual=hc"],
+    "mhc+shortswa": ["model.residual=mhc", "model.shortswa.window=16"],
 }
 
 
