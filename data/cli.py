@@ -131,7 +131,8 @@ def _fetch(args) -> int:
 
 def _prepare(args) -> int:
     from t2train.data.corpora import fetch_corpus
-    from t2train.data.prepare import encoding_name, prepare_dataset
+    from t2train.data.inputs import PATTERNS, encoding_name
+    from t2train.data.prepare import prepare_dataset
 
     inputs = args.input or [str(p) for p in fetch_corpus(args.corpus, args.cache_dir)]
     if args.progress_every < 0:

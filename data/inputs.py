@@ -48,6 +48,11 @@ def _counting(decode) -> tuple[str, int]:
     return text, getattr(_decode_errors, "count", 0) - before
 
 
+def encoding_name(encoding: str) -> str:
+    """How messages name an encoding: UTF-8 by its usual name, others as given."""
+    return "UTF-8" if codecs.lookup(encoding).name == "utf-8" else encoding
+
+
 def check_encoding(encoding: str, paths: Sequence[Path]) -> None:
     """Refuse an unknown encoding, or one that JSONL lines cannot be split in."""
     try:
@@ -144,7 +149,7 @@ class InputFile:
         if "\0" in text:
             return f"NUL characters {where}"
         if invalid > _NOT_TEXT_SHARE * max(len(text), 1):
-            return (f"{invalid} invalid {self.encoding} sequences {where} "
+            return (f"{invalid} invalid {encoding_name(self.encoding)} sequences {where} "
                     f"({100 * invalid / max(len(text), 1):.0f}% of the characters)")
         return None
 

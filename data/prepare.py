@@ -16,7 +16,6 @@ at the end: an interrupted run leaves no directory that looks like a finished da
 
 from __future__ import annotations
 
-import codecs
 import functools
 import json
 import shutil
@@ -30,7 +29,8 @@ from streaming import MDSWriter
 from streaming.base.compression import get_compressions, is_compression
 
 from t2train.data.errors import DataError
-from t2train.data.inputs import PATTERNS, InputFile, check_encoding, resolve_inputs
+from t2train.data.inputs import (PATTERNS, InputFile, check_encoding, encoding_name,
+                                 resolve_inputs)
 from t2train.data.progress import progress_meter
 from t2train.data.tokenize import Batch, encode_batches
 from t2train.data.tokenizer import (TOKENIZER_FILE, eos_id, load_tokenizer, save_tokenizer,
@@ -108,11 +108,6 @@ def prepare_dataset(inputs: Sequence[str], out_dir: str | Path, seq_length: int,
                           f"{encoding_name(encoding)} sequence(s) replaced with U+FFFD (text in "
                           "another encoding? give it with --encoding)", stacklevel=2)
     return index
-
-
-def encoding_name(encoding: str) -> str:
-    """How messages name an encoding: UTF-8 by its usual name, others as given."""
-    return "UTF-8" if codecs.lookup(encoding).name == "utf-8" else encoding
 
 
 def read_index(path: str | Path) -> dict:

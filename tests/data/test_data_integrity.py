@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from streaming.base.compression import decompress
 
 from t2train.data.errors import DataError
 from t2train.data.loader import StreamingWorld, TokenBatches
@@ -114,11 +115,63 @@ def test_a_corrupt_file_of_a_remote_dataset_or_its_cache_is_named(dataset, tmp_p
         next(_reader(cache, remote=str(remote)))
 
 
+# Reads the first batch of each (dataset, workers, how) and prints the error, one JSON line
+# each: in its own process, so that a reader waiting forever for a shard is bounded by the
+# test's timeout and no state of streaming's outlives it.
+_READ_EACH = """
+import gc, json, sys
+from t2train.data.errors import DataError
+from t2train.data.loader import StreamingWorld, TokenBatches
+for path, workers, how in json.loads(sys.argv[1]):
+    batches = TokenBatches(path, "train", 4, 32, StreamingWorld(0, 1, 0, 1), seed=1,
+                           num_workers=workers)
+    if how == "after-another-process-failed":
+        try:
+            batches.dataset.prepare_shard(0)  # as another reader on this host would, first
+        except DataError:
+            pass
+    try:
+        next(batches)
+        print(json.dumps(None))
+    except DataError as err:
+        print(json.dumps(str(err)), flush=True)
+    del batches
+    gc.collect()
+"""
+
+
+def test_errors_in_loader_workers_read_like_errors_in_the_reader(dataset, tmp_path):
+    """A corrupt shard read by DataLoader worker processes: the same one-line error as when
+    the reader reads it itself, also when the workers would wait for a shard that another
+    process failed to extract (which left them waiting forever)."""
+    extracted, unextracted = tmp_path / "extracted", tmp_path / "unextracted"
+    for copy in (extracted, unextracted):  # copied, not read here (as the copy fixture does):
+        # the script's process would map a live reader's shared memory while choosing its
+        # own, and its resource tracker unlink it at exit
+        shutil.copytree(dataset, copy, ignore=shutil.ignore_patterns(RAW))
+    (extracted / "train" / RAW).write_bytes(decompress("zstd", (extracted / "train" / ZIP)
+                                                       .read_bytes()))  # as a run leaves it
+    _flip(extracted / "train" / RAW)
+    _flip(unextracted / "train" / ZIP)
+    runs = [(str(extracted), 0, ""), (str(extracted), 2, ""), (str(unextracted), 0, ""),
+            (str(unextracted), 2, "after-another-process-failed")]
+    proc = subprocess.run([sys.executable, "-c", _READ_EACH, json.dumps(runs)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errors = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert errors[0] == errors[1] and errors[2] == errors[3], errors
+    assert errors[0].startswith(f"shard file {extracted}/train/{RAW}: its xxh64 hash"), errors
+    assert errors[2].startswith(f"shard file {unextracted}/train/{RAW} / {unextracted}/train/"
+                                f"{ZIP}: cannot prepare it (ValueError: Checksum failure"), errors
+    assert all("\n" not in error for error in errors)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_train_stops_naming_the_shard_without_a_traceback(copy, tmp_path, damage):
-    """`t2train train` on a dataset with a corrupt train shard: exit code 2, one error line
-    naming the file, and no step trained on it (no checkpoint)."""
+@pytest.mark.parametrize("damage, workers", [("flip", 2), ("truncate", 0)])
+def test_train_stops_naming_the_shard_without_a_traceback(copy, tmp_path, damage, workers):
+    """`t2train train` on a dataset with a corrupt train shard, read in DataLoader worker
+    processes or in the trainer: exit code 2, one error line naming the file, and no step
+    trained on it (no checkpoint)."""
     target = copy / "train" / ZIP
     (copy / "train" / RAW).unlink()
     (_flip if damage == "flip" else _truncate)(target)
@@ -127,7 +180,7 @@ def test_train_stops_naming_the_shard_without_a_traceback(copy, tmp_path, damage
          "log.run_dir=runs/x", "model.num_layers=2", "model.hidden_size=64",
          "model.seq_length=32", "train.steps=2", "train.micro_batch_size=2",
          "train.global_batch_size=2", "train.warmup_steps=0", "train.eval_batches=1",
-         "log.diagnostics_interval=0", "log.tensorboard=false"],
+         "log.diagnostics_interval=0", "log.tensorboard=false", f"data.num_workers={workers}"],
         capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]

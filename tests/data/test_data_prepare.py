@@ -107,7 +107,7 @@ def test_binary_inputs_are_refused_naming_the_file_or_skipped(text_files, tmp_pa
                                         r"--skip-binary, or give the encoding with --encoding"):
         prepare_dataset([folder], tmp_path / "ds", seq_length=16, vocab_size=300)
     with pytest.raises(DataError, match=rf"^input {folder}/noise.txt: does not look like UTF-8 "
-                                        r"text \(\d+ invalid utf-8 sequences in the file \(\d+% "):
+                                        r"text \(\d+ invalid UTF-8 sequences in the file \(\d+% "):
         prepare_dataset([folder / "noise.txt"], tmp_path / "ds", seq_length=16)
     assert not (tmp_path / "ds").exists()
 
@@ -124,7 +124,7 @@ def test_other_encodings(tmp_path):
     text = "Le café crème était très sucré, à côté du gâteau. " * 400  # 19% accented
     (tmp_path / "latin1.txt").write_bytes(text.encode("latin-1"))
     with pytest.raises(DataError, match=r"latin1.txt: does not look like UTF-8 text \(\d+ "
-                                        r"invalid utf-8 sequences in the file"):
+                                        r"invalid UTF-8 sequences in the file"):
         prepare_dataset([tmp_path / "latin1.txt"], tmp_path / "ds", seq_length=16)
     index = prepare_dataset([tmp_path / "latin1.txt"], tmp_path / "ds", seq_length=16,
                             vocab_size=300, encoding="latin-1")
