@@ -85,11 +85,10 @@ def streaming_env(world: StreamingWorld) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def reader_world(is_reader: bool, dp_rank: int, dp_size: int,
-                 group=None) -> Optional[StreamingWorld]:
+def reader_world(is_reader: bool, dp_rank: int, dp_size: int) -> Optional[StreamingWorld]:
     """The streaming world of this process if it reads data, else None.
 
-    A collective: every rank of ``group`` (default: all ranks) must call it. Readers must be
+    A collective: every rank must call it (it may create a group). Readers must be
     exactly one per data-parallel rank, consecutive ranks on each host, and the same number on
     every host (streaming's layout). Without torch.distributed it is a world of one.
     """
@@ -98,9 +97,9 @@ def reader_world(is_reader: bool, dp_rank: int, dp_size: int,
             raise ValueError(f"dp_size={dp_size} but torch.distributed is not initialized; "
                              "expected dp_size=1 in a single process")
         return StreamingWorld(0, 1, 0, 1) if is_reader else None
-    entries: list = [None] * dist.get_world_size(group)
+    entries: list = [None] * dist.get_world_size()
     dist.all_gather_object(entries, (socket.gethostname(), bool(is_reader), dp_rank,
-                                     dist.get_rank()), group=group)
+                                     dist.get_rank()))
     readers = sorted((e for e in entries if e[1]), key=lambda e: e[2])
     if [e[2] for e in readers] != list(range(dp_size)):
         raise ValueError(f"expected one data reader per data-parallel rank 0..{dp_size - 1}, "
@@ -341,6 +340,12 @@ class _NumberedDataset(StreamingDataset):
         if failure is not None:  # streaming ends the pass quietly when a thread failed
             raise failure
 
+    def _prepare_thread(self, it) -> None:
+        _exits_counted(super()._prepare_thread, it)
+
+    def _ready_thread(self, it) -> None:
+        _exits_counted(super()._ready_thread, it)
+
     def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
         try:
             super().prepare_shard(shard_id, blocking)
@@ -373,6 +378,17 @@ class _NumberedDataset(StreamingDataset):
             self._event.set()
             return
         super().on_exception(future)
+
+
+def _exits_counted(thread_body, it) -> None:
+    """Run a streaming download thread's body so that it counts as exited also when it
+    fails: the pass's end waits for every thread's exit, and streaming counts only normal
+    ones, so one failed shard would otherwise leave the reader waiting forever."""
+    try:
+        thread_body(it)
+    except BaseException:
+        it.on_exit()
+        raise
 
 
 def _describe(layout: dict) -> str:

@@ -9,8 +9,10 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 from streaming.base.compression import decompress
 
@@ -113,6 +115,23 @@ def test_a_corrupt_file_of_a_remote_dataset_or_its_cache_is_named(dataset, tmp_p
     _flip(remote / "train" / ZIP)  # the download itself is corrupt
     with pytest.raises(DataError, match=rf"Checksum failure: {cache}/train/{ZIP}"):
         next(_reader(cache, remote=str(remote)))
+
+
+def test_a_failed_download_thread_counts_as_exited(dataset, tmp_path):
+    """streaming ends a pass by waiting until both of its download threads have exited, and
+    counts only normal exits: one that failed on a corrupt shard must count too, or the reader
+    waits forever (it did, now and then, instead of naming the file)."""
+    from streaming.base.dataset import _Iterator
+
+    remote = tmp_path / "remote"
+    shutil.copytree(dataset, remote, ignore=shutil.ignore_patterns(RAW))
+    _flip(remote / "train" / ZIP)
+    streaming = _reader(tmp_path / "cache", remote=str(remote)).dataset
+    streaming._event = threading.Event()  # as a pass sets up its threads
+    pass_state = _Iterator(np.arange(4))
+    with pytest.raises(DataError, match=rf"Checksum failure: {tmp_path}/cache/train/{ZIP}"):
+        streaming._ready_thread(pass_state)  # it prepares the shard itself: not yet local
+    assert pass_state._num_exited == 1
 
 
 # Reads the first batch of each (dataset, workers, how) and prints the error, one JSON line
