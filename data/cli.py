@@ -163,8 +163,8 @@ def _prepare(args) -> int:
     notes = [_skipped(index["skipped_empty_files"], "empty"),
              _skipped(index["skipped_binary_files"], "binary")]
     notes += [f"skipped {_count(empty_docs, 'empty document')}"] if empty_docs else []
-    notes += [f"replaced {_count(replaced, 'invalid ' + encoding_name(args.encoding) + ' sequence')}"
-              " with U+FFFD"] if replaced else []
+    invalid = f"invalid {encoding_name(args.encoding)} sequence"
+    notes += [f"replaced {_count(replaced, invalid)} with U+FFFD"] if replaced else []
     notes += [f"dropped the last {index['dropped_tokens']} tokens (less than one sample)"]
     print("\n".join(f"  {note}" for note in notes if note))
     return 0

@@ -268,7 +268,7 @@ class DataConfig:
     mix: str = ""
     # Fixes the sample order independently of the number of nodes (mosaicml-streaming); it must
     # divide, or be a multiple of, the node count a run starts on (1 fits any). A resumed run
-    # keeps the value of its checkpoint and may change the node count.
+    # keeps the value of its checkpoint, on any node count that divides or is a multiple of it.
     num_canonical_nodes: int = 1
     # Unpack shards here (e.g. node-local scratch) instead of beside them in the datasets.
     cache_dir: str = ""
