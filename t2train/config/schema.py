@@ -221,13 +221,17 @@ class DataConfig:
     mix: str = ""
     # Fixes the sample order independently of the number of nodes (mosaicml-streaming); it must
     # divide, or be a multiple of, the node count a run starts on (1 fits any). A resumed run
-    # keeps the value of its checkpoint and may change the node count.
+    # keeps the value of its checkpoint, on any node count that divides or is a multiple of it.
     num_canonical_nodes: int = 1
+    # Unpack shards here (e.g. node-local scratch) instead of beside them in the datasets.
+    cache_dir: str = ""
 
     def validate(self) -> None:
         require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0")
         require(self.num_canonical_nodes >= 1, "data.num_canonical_nodes",
                 self.num_canonical_nodes, "must be >= 1")
+        require(not (self.cache_dir and self.remote), "data.cache_dir", self.cache_dir,
+                "cannot be combined with data.remote (data.path is then the cache)")
         self.mix_weights()
 
     def mix_weights(self) -> list[tuple[str, float]]:
