@@ -39,7 +39,7 @@ def test_loss_falls_and_outputs_are_written(megatron_world, shakespeare, tmp_pat
     assert last < first - 1.0, f"val loss {first:.3f} -> {last:.3f}"
     assert summary.losses[60] < summary.losses[5]
 
-    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events = EventAccumulator(str(run_dir))
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "val/loss", "train/lr", "train/grad_norm",

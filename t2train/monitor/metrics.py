@@ -1,6 +1,9 @@
 """Where training numbers go: TensorBoard (scalars, images, histograms), a JSON-lines file
 of the scalars beside the event files, and the console.
 
+The event files sit in the run directory itself, so ``tensorboard --logdir runs`` labels
+each run by its name (``log.run_dir``, ``runs/{name}`` by default).
+
 Only the logging rank (global rank 0) writes files; every other rank holds a ``Monitor``
 without a run directory, which prints only when ``console`` is set (``log.all_ranks``, for
 debugging), its lines prefixed with the rank.
@@ -90,7 +93,7 @@ class Monitor:
             return
         dropped = _drop_records_after(run_dir / "metrics.jsonl", resumed_at)
         if resumed_at is None:
-            dropped += _remove_event_files(run_dir / "tensorboard")
+            dropped += _remove_event_files(run_dir)
         if dropped:
             when = (f"after step {resumed_at}, its checkpoint" if resumed_at is not None
                     else "without saving a checkpoint")
@@ -100,7 +103,7 @@ class Monitor:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step drops the events an earlier attempt logged after the checkpoint.
-            self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=(
+            self.writer = SummaryWriter(str(run_dir), purge_step=(
                 resumed_at + 1 if resumed_at is not None else None))
         self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
 

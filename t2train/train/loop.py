@@ -168,6 +168,9 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
                   f"{engine.num_parameters() / 1e6:.2f}M parameters on rank 0 | world "
                   f"{topology.world_size} = TP {topology.tp_size} x PP {topology.pp_size} x DP "
                   f"{dp_size} | engine {engine_name} | {start}")
+    if config.log.tensorboard:
+        monitor.print(f"TensorBoard: tensorboard --logdir {run_dir.parent} (this run is "
+                      f"{run_dir.name!r}; its event files are in {run_dir})")
     meter, mfu_note = step_meter(config, engine.vocab_size, topology.world_size, train_state)
     monitor.print(mfu_note)
     diagnostics = Diagnostics(engine, config.log.diagnostics_interval,

@@ -75,7 +75,7 @@ def _records(run_dir, tag=None) -> dict[int, float]:
 
 
 def _event_files(run_dir) -> list:
-    return sorted((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    return sorted(run_dir.glob("events.out.tfevents.*"))
 
 
 def test_attempts_in_one_run_directory_keep_one_runs_metrics_and_counters(

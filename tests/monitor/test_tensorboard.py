@@ -93,7 +93,7 @@ def runs(megatron_world, shakespeare, tmp_path_factory) -> dict:
 def _events(run_dir: Path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(run_dir / "tensorboard"),
+    events = EventAccumulator(str(run_dir),
                               size_guidance={"scalars": 0, "images": 0, "histograms": 0})
     events.Reload()
     return events
@@ -148,9 +148,11 @@ def test_metrics_jsonl_holds_the_same_scalars(runs):
 
 
 def test_console_is_a_progress_line_per_interval(runs):
-    _, _, console = runs["standard"]
+    run_dir, _, console = runs["standard"]
     progress = [line for line in console.splitlines() if "tok/s" in line]
     assert len(progress) == 4
+    assert (f"TensorBoard: tensorboard --logdir {run_dir.parent} (this run is 'standard'; its "
+            f"event files are in {run_dir})") in console
     assert all(" | loss " in line and " | eta " in line for line in progress)
     assert "warning" not in console
 
@@ -202,7 +204,7 @@ def test_a_tensorboard_server_serves_the_training_loss(runs):
          "--host", "127.0.0.1", "--port", str(port), "--load_fast=false"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
-    run = "standard/tensorboard"
+    run = "standard"  # the run directory's name labels it
     try:
         deadline = time.monotonic() + 90
         while True:
