@@ -17,6 +17,7 @@ examples:
       --tokenizer my/tokenizer.json --workers 8
   t2train data prepare --input 'crawl/*.parquet' --out data/crawl --vocab-size 32000
   t2train data prepare --input books/ --pattern '*.txt' --encoding cp1252 --out data/books
+  t2train data prepare --corpus shakespeare --val-files 'hamlet_*' --out data/heldout
 writes OUT/train/ and OUT/val/ (MDS shards), OUT/tokenizer.json and OUT/index.json;
 train with: t2train train ... data.path=OUT
 """
@@ -77,10 +78,18 @@ def register(subparsers) -> None:
     prepare.add_argument("--text-field", default="text",
                          help="the JSON field (.jsonl) or column (.parquet) holding each "
                               "document's text; default %(default)s")
-    prepare.add_argument("--val-fraction", type=float, default=0.05,
-                         help="share of samples held out for validation; default %(default)s")
+    split = prepare.add_mutually_exclusive_group()
+    split.add_argument("--val-fraction", type=float,
+                       help="share of samples held out for validation, drawn at random from "
+                            "the same files as training; the default (0.05) unless --val-files")
+    split.add_argument("--val-files", action="append", metavar="GLOB",
+                       help="hold out whole input files for validation instead: those whose "
+                            "name (or path) matches GLOB, e.g. 'hamlet_*' (repeat for more; "
+                            "quote globs); the tokenizer then learns from the other files only. "
+                            "Keep versions of one text together, so none of it is trained on")
     prepare.add_argument("--seed", type=int, default=0,
-                         help="seed of the train/val assignment; default %(default)s")
+                         help="seed of the random train/val assignment of samples; default "
+                              "%(default)s")
     prepare.add_argument("--workers", type=int, default=default_workers(),
                          help="processes that tokenize in parallel (1: in this process); the "
                               "output is the same for any number; default: the usable CPUs, "
@@ -132,7 +141,7 @@ def _fetch(args) -> int:
 def _prepare(args) -> int:
     from t2train.data.corpora import fetch_corpus
     from t2train.data.inputs import PATTERNS, encoding_name
-    from t2train.data.prepare import prepare_dataset
+    from t2train.data.prepare import DEFAULT_VAL_FRACTION, prepare_dataset
 
     inputs = args.input or [str(p) for p in fetch_corpus(args.corpus, args.cache_dir)]
     if args.progress_every < 0:
@@ -140,7 +149,9 @@ def _prepare(args) -> int:
     bars = sys.stderr.isatty()
     start = time.monotonic()
     index = prepare_dataset(inputs, args.out, args.seq_length, vocab_size=args.vocab_size,
-                            tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                            tokenizer=args.tokenizer, val_files=args.val_files or (),
+                            val_fraction=(DEFAULT_VAL_FRACTION if args.val_fraction is None
+                                          else args.val_fraction),
                             seed=args.seed, text_field=args.text_field,
                             overwrite=args.overwrite, workers=args.workers,
                             compression=None if args.compression == "none" else args.compression,
@@ -153,9 +164,12 @@ def _prepare(args) -> int:
     print(f"prepared {args.out}: {total:,} tokens from {_count(len(index['sources']), 'file')} "
           f"in {elapsed:.1f}s ({total / elapsed:,.0f} tokens/s, "
           f"{_count(args.workers, 'worker')})")
+    held_out = index["val_split"].get("files", [])
     for split, facts in index["splits"].items():
+        source = (f" from {_count(len(held_out), 'held-out file')}"
+                  if held_out and split == "val" else "")
         print(f"  {split:<5} {facts['samples']:>9,} samples of {index['seq_length'] + 1} tokens "
-              f"in {_count(facts['shards'], 'shard')}")
+              f"in {_count(facts['shards'], 'shard')}{source}")
     print(f"  tokenizer: {tok['source']}, vocab {index['vocab_size']}, eos id "
           f"{index['eos_id']}, sha256 {tok['sha256'][:12]}")
     replaced = sum(s["replaced_chars"] for s in index["sources"])

@@ -8,6 +8,9 @@ Layout of ``out_dir`` (what ``t2train train data.path=...`` reads)::
 
 Documents are joined with the EOS token into one stream that is cut into samples of
 ``seq_length + 1`` tokens (inputs plus the next-token label), so no padding is ever trained on.
+The validation split is either a seeded random share of those samples (text from the same
+files as training) or whole held-out input files (``val_files``: text never trained on, the
+tokenizer included); ``index.json``'s ``val_split`` says which.
 Inputs are streamed in bounded pieces (``inputs.py``) and encoded in bounded batches, in
 order, possibly by several processes (``tokenize.py``), so memory does not grow with the
 input. Everything is written into a hidden temporary directory beside ``out_dir`` and renamed
@@ -16,6 +19,7 @@ at the end: an interrupted run leaves no directory that looks like a finished da
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import json
 import shutil
@@ -42,17 +46,18 @@ FORMAT = "t2train-mds"
 VERSION = 1
 INDEX_FILE = "index.json"
 SPLITS = ("train", "val")
+DEFAULT_VAL_FRACTION = 0.05
 SHARD_HASH = "xxh64"  # recorded per shard file by MDSWriter (fast; streaming ships xxhash)
 _BATCH_CHARS = 1 << 22  # text handed to the tokenizer per (parallel) batch
 
 
 def prepare_dataset(inputs: Sequence[str], out_dir: str | Path, seq_length: int,
                     vocab_size: int = 8192, tokenizer: Optional[str | Path] = None,
-                    val_fraction: float = 0.05, compression: Optional[str] = "zstd",
+                    val_fraction: float = DEFAULT_VAL_FRACTION, compression: Optional[str] = "zstd",
                     seed: int = 0, text_field: str = "text", overwrite: bool = False,
                     workers: int = 1, progress: bool = False, progress_every: float = 0.0,
                     encoding: str = "utf-8", skip_binary: bool = False,
-                    patterns: Sequence[str] = PATTERNS) -> dict:
+                    patterns: Sequence[str] = PATTERNS, val_files: Sequence[str] = ()) -> dict:
     """Tokenize ``inputs`` (files, globs or directories; ``.txt``, ``.jsonl``, ``.parquet``)
     into ``out_dir``.
 
@@ -64,9 +69,12 @@ def prepare_dataset(inputs: Sequence[str], out_dir: str | Path, seq_length: int,
     ``tokenizer.json``), a byte-level BPE of ``vocab_size`` is trained on the inputs first.
     ``workers`` processes encode the text (the output does not depend on it); ``progress``
     shows progress bars on stderr, ``progress_every`` (seconds) instead prints a progress line
-    on stdout that often. Each sample goes to ``val`` with probability ``val_fraction``
-    (seeded), and both splits get at least one sample. Returns the index written to
-    ``out_dir/index.json``.
+    on stdout that often. Without ``val_files`` each sample goes to ``val`` with probability
+    ``val_fraction`` (seeded), and both splits get at least one sample. With ``val_files``
+    (glob patterns matched against each input's file name, or its whole path) the matching
+    inputs are the ``val`` split and the others ``train``, each cut into samples on its own,
+    and a trained BPE learns from the ``train`` files only (``val_fraction`` is not used).
+    Returns the index written to ``out_dir/index.json``.
     """
     _check_settings(seq_length, val_fraction, compression, text_field, workers)
     if tokenizer is None:
@@ -75,14 +83,16 @@ def prepare_dataset(inputs: Sequence[str], out_dir: str | Path, seq_length: int,
     check_encoding(encoding, paths)
     files, not_text = _text_files([InputFile(p, text_field, encoding) for p in paths],
                                   skip_binary)
+    held_out = _held_out(files, val_files)
     meter = functools.partial(progress_meter, bar=progress, every=progress_every)
     out_dir = Path(out_dir)
     _check_out_dir(out_dir, overwrite)
     if tokenizer is not None:
         tok = load_tokenizer(tokenizer)
-    else:  # a first pass over the inputs, before anything is written
-        tok = train_tokenizer((text for _, text, _ in _read(files, "reading for BPE", meter)),
-                              vocab_size)
+    else:  # a first pass over the (training) inputs, before anything is written
+        learned_from = [file for i, file in enumerate(files) if i not in held_out]
+        tok = train_tokenizer(
+            (text for _, text, _ in _read(learned_from, "reading for BPE", meter)), vocab_size)
     vocab = tok.get_vocab_size()
     dtype = token_dtype(vocab)
 
@@ -93,10 +103,14 @@ def prepare_dataset(inputs: Sequence[str], out_dir: str | Path, seq_length: int,
                  "vocab_size": vocab, "eos_id": eos_id(tok), "token_dtype": dtype,
                  "tokenizer": {"file": TOKENIZER_FILE, "sha256": save_tokenizer(tok, tmp),
                                "source": str(tokenizer) if tokenizer else "trained",
-                               "requested_vocab_size": None if tokenizer else vocab_size},
-                 "text_field": text_field, "encoding": encoding, "val_fraction": val_fraction,
+                               "requested_vocab_size": None if tokenizer else vocab_size,
+                               "trained_on": None if tokenizer else
+                               "training files" if held_out else "all inputs"},
+                 "text_field": text_field, "encoding": encoding,
+                 "val_fraction": None if held_out else val_fraction,
+                 "val_split": _val_split_facts(files, held_out, val_files, val_fraction, seed),
                  "seed": seed, "compression": compression, "skipped_binary_files": not_text}
-        index.update(_write_splits(files, tok, index, tmp, workers, meter))
+        index.update(_write_splits(files, tok, index, tmp, workers, meter, held_out))
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         _move_into_place(tmp, out_dir)
     except BaseException:
@@ -155,6 +169,39 @@ def _text_files(files: list[InputFile], skip_binary: bool) -> tuple[list[InputFi
     return text, [str(file.path.resolve()) for file, _ in not_text]
 
 
+def _held_out(files: list[InputFile], val_files: Sequence[str]) -> set[int]:
+    """The indexes of the inputs matching a ``val_files`` pattern; every pattern must match
+    one, and at least one input must stay for training."""
+    def matches(file: InputFile, pattern: str) -> bool:
+        return (fnmatch.fnmatchcase(file.path.name, pattern)
+                or fnmatch.fnmatchcase(str(file.path), pattern))
+
+    held = set()
+    for pattern in val_files:
+        found = {i for i, file in enumerate(files) if matches(file, pattern)}
+        if not found:
+            raise DataError(f"val_files {pattern!r}: matches none of the {len(files)} input "
+                            "file(s) (patterns match a file's name or its whole path)")
+        held |= found
+    if held and len(held) == len(files):
+        raise DataError(f"val_files {', '.join(map(repr, val_files))}: match all "
+                        f"{len(files)} input file(s); leave some for training")
+    return held
+
+
+def _val_split_facts(files: list[InputFile], held_out: set[int], val_files: Sequence[str],
+                     val_fraction: float, seed: int) -> dict:
+    """How the validation split was made, for ``index.json``."""
+    if not held_out:
+        return {"by": "sample", "fraction": val_fraction, "seed": seed,
+                "note": "each sample of the joined token stream goes to val with probability "
+                        "`fraction`: val text comes from the same files as train"}
+    return {"by": "file", "patterns": list(val_files),
+            "files": [str(files[i].path.resolve()) for i in sorted(held_out)],
+            "note": "whole input files held out: no val text is in train, and a trained "
+                    "tokenizer learned from the train files only"}
+
+
 def _check_settings(seq_length, val_fraction, compression, text_field, workers) -> None:
     if not isinstance(seq_length, int) or seq_length < 1:
         raise DataError(f"seq_length={seq_length!r}: must be an integer >= 1")
@@ -188,8 +235,9 @@ def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
 
 
 def _write_splits(files: list[InputFile], tok, index: dict, out: Path, workers: int,
-                  meter) -> dict:
-    """Stream tokens into train/val shards; returns the index fields that describe them."""
+                  meter, held_out: set[int]) -> dict:
+    """Stream tokens into train/val shards, by sample or by held-out file; returns the index
+    fields that describe them."""
     dtype, eos, length = index["token_dtype"], index["eos_id"], index["seq_length"] + 1
     columns = {"tokens": f"ndarray:{dtype}"}
     rng = np.random.default_rng(index["seed"])
@@ -206,24 +254,26 @@ def _write_splits(files: list[InputFile], tok, index: dict, out: Path, workers: 
             writers[split].write({"tokens": sample})
             counts[split] += 1
 
-        def stream() -> Iterator[np.ndarray]:
-            batches = _batches(_read(files, "tokenizing", meter))
-            for file_index, ids in encode_batches(tok, eos, dtype, batches, workers):
-                tokens[file_index] += len(ids)
+        def stream(members: list[int], what: str) -> Iterator[np.ndarray]:
+            """The token ids of ``files[i]`` for ``i`` in ``members``, in order."""
+            batches = _batches(_read([files[i] for i in members], what, meter))
+            for local_index, ids in encode_batches(tok, eos, dtype, batches, workers):
+                tokens[members[local_index]] += len(ids)
                 yield ids
 
-        pending = None  # written one sample late, so the last one can fill an empty split
-        for sample in _samples(stream(), length):
-            if pending is not None:
-                write(*pending)
-            pending = (sample, "val" if rng.random() < index["val_fraction"] else "train")
-        total = sum(tokens)
-        if pending is None or counts["train"] + counts["val"] == 0:
-            raise DataError(f"the inputs give {total} tokens, fewer than 2 samples of "
-                            f"seq_length+1={length}; need one for train and one for val: add "
-                            "text or lower the sequence length")
-        sample, split = pending
-        write(sample, "train" if not counts["train"] else "val" if not counts["val"] else split)
+        if held_out:
+            for split, members in (("train", [i for i in range(len(files)) if i not in held_out]),
+                                   ("val", sorted(held_out))):
+                for sample in _samples(stream(members, f"tokenizing {split} files"), length):
+                    write(sample, split)
+                if not counts[split]:
+                    raise DataError(f"the {split} files give {sum(tokens[i] for i in members)} "
+                                    f"tokens, fewer than one sample of seq_length+1={length}: "
+                                    "add text to them or lower the sequence length")
+            total = sum(tokens)
+        else:
+            total = _write_random_split(stream(list(range(len(files))), "tokenizing"), length,
+                                        rng, index["val_fraction"], counts, write, tokens)
     splits = {split: {"samples": counts[split], "tokens": counts[split] * length,
                       "shards": len(json.loads((out / split / "index.json").read_text())
                                     ["shards"])}
@@ -234,6 +284,25 @@ def _write_splits(files: list[InputFile], tok, index: dict, out: Path, workers: 
             "total_tokens": total,
             "dropped_tokens": total - sum(s["tokens"] for s in splits.values()),
             "splits": splits}
+
+
+def _write_random_split(chunks: Iterator[np.ndarray], length: int, rng, val_fraction: float,
+                        counts: dict, write, tokens: list[int]) -> int:
+    """Each sample to ``val`` with probability ``val_fraction``, both splits at least one;
+    returns the tokens read."""
+    pending = None  # written one sample late, so the last one can fill an empty split
+    for sample in _samples(chunks, length):
+        if pending is not None:
+            write(*pending)
+        pending = (sample, "val" if rng.random() < val_fraction else "train")
+    total = sum(tokens)
+    if pending is None or counts["train"] + counts["val"] == 0:
+        raise DataError(f"the inputs give {total} tokens, fewer than 2 samples of "
+                        f"seq_length+1={length}; need one for train and one for val: add "
+                        "text or lower the sequence length")
+    sample, split = pending
+    write(sample, "train" if not counts["train"] else "val" if not counts["val"] else split)
+    return total
 
 
 def _read(files: list[InputFile], what: str, meter) -> Iterator[tuple[int, str, bool]]:

@@ -40,6 +40,20 @@ def test_prepare_prints_a_summary(text_files, tmp_path, capsys):
         in printed
 
 
+def test_prepare_holds_out_files_named_by_val_files(text_files, tmp_path, capsys):
+    out = tmp_path / "ds"
+    assert run("prepare", "--input", text_files[0].parent, "--val-files", "doc2.txt",
+               "--out", out, "--seq-length", 16, "--vocab-size", 300, "--workers", 1) == 0
+    index = read_index(out)
+    assert index["val_split"]["files"] == [str(text_files[2].resolve())]
+    assert (f"val   {index['splits']['val']['samples']:>9,} samples of 17 tokens in 1 shard "
+            "from 1 held-out file\n") in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # one way to split at a time
+        run("prepare", "--input", text_files[0], "--val-files", "doc2.txt", "--val-fraction",
+            "0.1", "--out", tmp_path / "other")
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 def test_prepare_takes_a_directory_names_skipped_files_and_prints_progress_lines(
         text_files, tmp_path, capsys, monkeypatch):
     """A directory input; the empty and binary files it skips named (the first three); and,
@@ -82,7 +96,7 @@ def test_help_explains_every_option(capsys):
                    "--tokenizer", "--text-field", "--val-fraction", "--overwrite",
                    "--workers", "--compression", ".parquet", "--cache-dir", "T2TRAIN_CACHE",
                    "shakespeare", "--pattern", "--encoding", "--skip-binary",
-                   "--progress-every", "directory"):
+                   "--progress-every", "directory", "--val-files"):
         assert option in text
 
 

@@ -55,6 +55,48 @@ def test_index_describes_shards_of_the_tokenized_input(text_files, tmp_path):
     assert len(got) == len(expected) and set(got) == expected
 
 
+def test_held_out_files_are_the_val_split_and_unseen_by_the_tokenizer(text_files, tmp_path):
+    index = prepare_dataset(text_files, tmp_path / "ds", seq_length=15, vocab_size=300,
+                            val_files=["doc1.*"], workers=2)
+    held, kept = text_files[1], [text_files[0], text_files[2]]
+    assert index["val_split"]["by"] == "file" and index["val_fraction"] is None
+    assert index["val_split"]["files"] == [str(held.resolve())]
+    assert index["tokenizer"]["trained_on"] == "training files"
+    # The BPE is the one the training files alone give.
+    alone = prepare_dataset(kept, tmp_path / "alone", seq_length=15, vocab_size=300)
+    assert index["tokenizer"]["sha256"] == alone["tokenizer"]["sha256"]
+    assert alone["val_split"]["by"] == "sample" and alone["tokenizer"]["trained_on"] == "all inputs"
+
+    # Each split is exactly its own files' tokens, cut into samples on its own.
+    tok = Tokenizer.from_file(str(tmp_path / "ds" / "tokenizer.json"))
+
+    def cut(files):
+        stream = np.concatenate([np.append(tok.encode(p.read_text()).ids, index["eos_id"])
+                                 for p in files])
+        return [tuple(stream[i:i + 16]) for i in range(0, len(stream) - 15, 16)]
+
+    for split, files in (("train", kept), ("val", [held])):
+        assert [tuple(s) for s in all_samples(tmp_path / "ds", split, 15)] == cut(files)
+        assert index["splits"][split]["samples"] == len(cut(files))
+    assert sum(s["tokens"] for s in index["sources"]) == index["total_tokens"]
+
+
+def test_held_out_patterns_must_match_some_but_not_all_inputs(text_files, tmp_path):
+    with pytest.raises(DataError, match=r"val_files 'hamlet\*': matches none of the 3 input"):
+        prepare_dataset(text_files, tmp_path / "ds", seq_length=16, val_files=["hamlet*"])
+    with pytest.raises(DataError, match=r"val_files 'doc0.txt', '\*/corpus/doc\[12\].txt': "
+                                        r"match all 3 input file\(s\)"):
+        prepare_dataset(text_files, tmp_path / "ds", seq_length=16,
+                        val_files=["doc0.txt", "*/corpus/doc[12].txt"])
+    short = text_files[0].with_name("short.txt")
+    short.write_text("Too short to hold out.")
+    with pytest.raises(DataError, match=r"the val files give \d+ tokens, fewer than one sample "
+                                        r"of seq_length\+1=17"):
+        prepare_dataset([*text_files, short], tmp_path / "ds", seq_length=16,
+                        val_files=["short.txt"])
+    assert not (tmp_path / "ds").exists()
+
+
 def test_same_inputs_and_seed_give_the_same_dataset(text_files, tmp_path):
     a = prepare_dataset(text_files, tmp_path / "a", seq_length=16, vocab_size=300)
     b = prepare_dataset(text_files, tmp_path / "b", seq_length=16, vocab_size=300)
