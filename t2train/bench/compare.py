@@ -1,88 +1,165 @@
-"""``t2train experiment compare``: validation loss per residual design over several seeds.
+"""``t2train experiment compare``: validation loss per residual variant over several seeds.
 
-Each (design, seed) trains through ``train(config)`` for the same steps, so the same tokens,
-into its own run directory ``OUT/<design>-seed<N>`` (``tensorboard --logdir OUT`` shows them
-side by side); the final validation loss on the held-out split is tabulated in
-``OUT/compare.md``: mean and spread over seeds, with the token and FLOP budgets.
+Each (variant, seed) trains through ``train(config)`` for the same steps, so the same tokens,
+into its own run directory ``OUT/<variant>-seed<N>`` (``tensorboard --logdir OUT`` shows them
+side by side), evaluating on the held-out split every ``train.eval_interval`` steps (by
+default a tenth of the run). ``OUT/compare.md`` tabulates the loss at equal tokens and at
+equal training FLOPs (``compare_report.py``) and links two figures written beside it
+(``compare_figures.py``).
+
+A batch is resumable: run the same command again after an interruption, and finished runs
+are read from their directories, unfinished ones resume from their newest checkpoint
+(``run_records.py``). A run that stops early (a signal, ``train.exit_duration_mins``) stops
+the batch with the training command's requeue exit code.
 """
 
 from __future__ import annotations
 
-import statistics
-from dataclasses import dataclass
+import shlex
+import sys
+import time
 from pathlib import Path
 from typing import Optional
 
-from t2train.bench.table import markdown_table
+from t2train.bench.compare_report import VariantRuns
 
 
-@dataclass
-class DesignResult:
-    design: str
-    val_losses: list[float]  # final validation loss, one per seed
-    tokens: int  # trained per run
-    train_flops_per_token: float
-    params: int
-
-
-def _train_design(preset: Optional[str], config_file: Optional[str], overrides: list[str],
-                  design: str, seeds: list[int], steps: int, out: Path) -> DesignResult:
+def _run_config(preset: Optional[str], config_file: Optional[str], overrides: list[str],
+                variant: str, seed: int, steps: int, out: Path):
     from t2train.bench.variants import variant_config
+
+    return variant_config(
+        preset, config_file, [f"train.eval_interval={max(1, steps // 10)}", *overrides],
+        variant, f"train.seed={seed}", f"train.steps={steps}",
+        f"log.run_dir={out / f'{variant}-seed{seed}'}", "checkpoint.resume=auto")
+
+
+class Batch:
+    """The runs of one ``compare`` command, trained, resumed or read in order."""
+
+    def __init__(self, preset: Optional[str], config_file: Optional[str], overrides: list[str],
+                 variants: list[str], seeds: list[int], steps: int, out: Path):
+        self.configs = {(variant, seed): _run_config(preset, config_file, overrides, variant,
+                                                     seed, steps, out)
+                        for variant in variants for seed in seeds}
+        self.variants, self.seeds, self.steps = variants, seeds, steps
+        self._check_equal_tokens()
+        self.stopped: Optional[str] = None  # why a run stopped early, stopping the batch
+        self.trained = self.read = 0
+
+    def _check_equal_tokens(self) -> None:
+        from t2train.config.schema import ConfigError
+
+        per_step = {variant: _tokens_per_step(self.configs[variant, self.seeds[0]])
+                    for variant in self.variants}
+        if len(set(per_step.values())) > 1:
+            raise ConfigError(f"--designs: the variants train on different tokens per step "
+                              f"({per_step}); a comparison needs the same for every variant")
+
+    def run(self) -> list[VariantRuns]:
+        """Every run's validation curve, or fewer variants if a run stopped early."""
+        from t2train.bench.run_records import check_same_run
+
+        for config in self.configs.values():  # before anything is trained
+            check_same_run(config, Path(config.run_dir))
+        results = []
+        for variant in self.variants:
+            curves = []
+            for seed in self.seeds:
+                curve = self._curve(self.configs[variant, seed])
+                if self.stopped:
+                    return results
+                curves.append(curve)
+            results.append(_variant_runs(variant, curves, self.configs[variant, self.seeds[0]]))
+        return results
+
+    def _curve(self, config) -> dict[int, float]:
+        from t2train.bench.run_records import finished_curve, val_curve
+        from t2train.parallel.init import is_rank_zero
+        from t2train.train.loop import train
+
+        run_dir = Path(config.run_dir)
+        curve = finished_curve(run_dir, self.steps)
+        if curve:
+            self.read += 1
+            if is_rank_zero():
+                print(f"{run_dir}: finished earlier, read its validation losses", flush=True)
+            return curve
+        summary = train(config)
+        self.trained += 1
+        if summary.stopped:
+            self.stopped = (f"{run_dir} stopped early at step {summary.final_step} "
+                            f"({summary.stopped}), checkpoint {summary.checkpoint}")
+        return val_curve(run_dir)
+
+
+def _tokens_per_step(config) -> int:
+    return config.train.global_batch_size * config.model.seq_length
+
+
+def _variant_runs(variant: str, curves: list[dict[int, float]], config) -> VariantRuns:
     from t2train.model.build import padded_vocab_size
     from t2train.model.flops import parameters, train_flops_per_token
-    from t2train.train.loop import dataset_facts, train
+    from t2train.train.loop import dataset_facts
 
-    losses = []
-    for seed in seeds:
-        config = variant_config(
-            preset, config_file, [f"train.eval_interval={steps}", *overrides], design,
-            f"train.seed={seed}", f"train.steps={steps}",
-            f"log.run_dir={out / f'{design}-seed{seed}'}", "checkpoint.resume=none",
-            "checkpoint.overwrite=true")
-        summary = train(config)
-        losses.append(summary.val_losses[summary.final_step])
     vocab_size = padded_vocab_size(dataset_facts(config)["vocab_size"], config)
-    return DesignResult(design, losses,
-                        steps * config.train.global_batch_size * config.model.seq_length,
-                        train_flops_per_token(config.model, vocab_size),
-                        parameters(config.model, vocab_size))
+    return VariantRuns(variant, curves, _tokens_per_step(config),
+                       train_flops_per_token(config.model, vocab_size),
+                       parameters(config.model, vocab_size))
 
 
-def run_compare(preset: Optional[str], config_file: Optional[str], overrides: list[str],
-                designs: list[str], seeds: list[int], steps: int,
-                out: Path) -> list[DesignResult]:
-    return [_train_design(preset, config_file, overrides, design, seeds, steps, out)
-            for design in designs]
+def _context(batch: Batch, argv: list[str]) -> list[str]:
+    """How the numbers were measured, for the top of ``compare.md``."""
+    from t2train.data.prepare import read_index
 
-
-def format_compare_table(results: list[DesignResult]) -> str:
-    headers = ["design", "seeds", "mean val loss", "std", "min-max", "tokens",
-               "train FLOPs/token", "total train FLOPs", "params (M)"]
-    rows = []
-    for result in results:
-        losses = result.val_losses
-        std = statistics.stdev(losses) if len(losses) > 1 else 0.0
-        rows.append([result.design, str(len(losses)), f"{statistics.mean(losses):.4f}",
-                     f"{std:.4f}", f"{min(losses):.4f}-{max(losses):.4f}", str(result.tokens),
-                     f"{result.train_flops_per_token:.3e}",
-                     f"{result.train_flops_per_token * result.tokens:.3e}",
-                     f"{result.params / 1e6:.2f}"])
-    return markdown_table(headers, rows)
+    config = batch.configs[batch.variants[0], batch.seeds[0]]
+    train_cfg, tokens = config.train, _tokens_per_step(config)
+    split = read_index(config.data.path).get("val_split", {"by": "sample"})
+    if split["by"] == "file":
+        held = ", ".join(Path(path).name for path in split["files"])
+        validation = f"whole files held out of training ({held})"
+    else:
+        validation = ("samples drawn at random from the same files as the training text "
+                      "(not held-out text)")
+    seeds = ", ".join(map(str, batch.seeds))
+    return [f"command: `{shlex.join(['t2train', *argv])}`",
+            f"dataset: `{config.data.path}`; validation split: {validation}",
+            f"each evaluation: the first {train_cfg.eval_batches} x "
+            f"{train_cfg.global_batch_size} x {config.model.seq_length} = "
+            f"{train_cfg.eval_batches * tokens} tokens of the validation split, every "
+            f"{train_cfg.eval_interval} steps",
+            f"each run: {batch.steps} steps x {train_cfg.global_batch_size} sequences x "
+            f"{config.model.seq_length} tokens = {batch.steps * tokens} tokens; "
+            f"seeds {seeds}; {len(batch.configs)} runs; model: {config.model.num_layers} "
+            f"layers, hidden {config.model.hidden_size}, {config.model.precision}"]
 
 
 def _cmd_compare(args) -> int:
+    from t2train.bench.compare_figures import write_figures
+    from t2train.bench.compare_report import equal_flops_budget, format_report
     from t2train.bench.variants import variant_names
     from t2train.parallel.init import is_rank_zero
+    from t2train.residual import BASELINE
+    from t2train.signals import REQUEUE_EXIT_CODE
 
-    designs = variant_names(args.designs)
     seeds = [args.first_seed + index for index in range(args.seeds)]
     out = Path(args.out)
-    results = run_compare(args.preset, args.config, args.overrides, designs, seeds, args.steps,
-                          out)
-    if is_rank_zero():
-        table = format_compare_table(results)
-        (out / "compare.md").write_text(table + "\n")
-        print(table)
+    batch = Batch(args.preset, args.config, args.overrides, variant_names(args.designs), seeds,
+                  args.steps, out)
+    started = time.monotonic()
+    results = batch.run()
+    if not is_rank_zero():
+        return REQUEUE_EXIT_CODE if batch.stopped else 0
+    done = (f"{batch.trained} run(s) trained or resumed, {batch.read} finished earlier, in "
+            f"{time.monotonic() - started:.0f}s")
+    if batch.stopped:
+        print(f"batch stopped: {batch.stopped}; {done}. Run the same command again to resume "
+              f"the batch (exit code {REQUEUE_EXIT_CODE})")
+        return REQUEUE_EXIT_CODE
+    figures = write_figures(results, equal_flops_budget(results), out)
+    report = format_report(results, BASELINE, _context(batch, sys.argv[1:]), figures)
+    (out / "compare.md").write_text(report)
+    print(report + f"\n{done}; report {out / 'compare.md'}, figures beside it")
     return 0
 
 
@@ -92,16 +169,25 @@ def register(commands) -> None:
     experiment = commands.add_parser("experiment", help="experiments across residual designs")
     tools = experiment.add_subparsers(dest="experiment_command", required=True)
     compare = tools.add_parser(
-        "compare", help="final validation loss per design, mean and spread over seeds",
-        description="Train each design for each seed on the same tokens and tabulate the "
-                    "final validation loss in OUT/compare.md (TensorBoard runs under OUT).")
+        "compare", help="validation loss per variant at equal tokens and equal FLOPs, over "
+                        "seeds; resumable",
+        description="Train each variant for each seed on the same tokens, evaluating every "
+                    "train.eval_interval steps (default: steps/10), and write OUT/compare.md "
+                    "(validation loss at equal tokens and at equal training FLOPs: mean, "
+                    "std, min-max over seeds, difference from the baseline with its standard "
+                    "error) and two PNG figures beside it; TensorBoard runs under OUT. Run the "
+                    "same command again to resume an interrupted batch: finished runs are "
+                    "read, unfinished ones resume from their checkpoints.")
     add_config_arguments(compare)
-    compare.add_argument("--designs", help="comma-separated designs, each alone or with the "
-                                           "local mixer: ddl,ddl+shortswa (default: every "
-                                           "registered design alone)")
+    compare.add_argument("--designs", help="comma-separated variants: a design alone or with "
+                                           "the local mixer (ddl, ddl+shortswa), optionally "
+                                           "with model options of its own after colons "
+                                           "(ddl:model.ddl.dv=4); default: every registered "
+                                           "design alone")
     compare.add_argument("--seeds", type=int, default=3, help="seeds per design (default 3)")
     compare.add_argument("--first-seed", type=int, default=1234,
                          help="seeds are FIRST, FIRST+1, ... (default 1234)")
     compare.add_argument("--steps", type=int, required=True, help="training steps per run")
-    compare.add_argument("--out", required=True, help="directory for the runs and compare.md")
+    compare.add_argument("--out", required=True, help="directory for the runs, compare.md and "
+                                                      "the figures")
     compare.set_defaults(handler=_cmd_compare)

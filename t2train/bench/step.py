@@ -55,10 +55,10 @@ def build_objects(config, vocab_size: int):
     return build_training_objects(config, vocab_size)
 
 
-def time_design(config, vocab_size: int, steps: list, warmup: int) -> DesignTiming:
+def time_design(config, vocab_size: int, steps: list, warmup: int,
+                variant: str) -> DesignTiming:
     from t2train.engine.megatron.step import train_step
     from t2train.model.flops import parameters
-    from t2train.residual import variant_label
 
     objs = build_objects(config, vocab_size)
     if torch.cuda.is_available():
@@ -74,7 +74,7 @@ def time_design(config, vocab_size: int, steps: list, warmup: int) -> DesignTimi
     median = statistics.median(seconds)
     traffic = result.traffic
     timing = DesignTiming(
-        design=variant_label(config.model), params=parameters(config.model, vocab_size),
+        design=variant, params=parameters(config.model, vocab_size),
         step_seconds=median, tokens_per_sec=_tokens_per_step(config) / median,
         memory_gib=_memory_gib(),
         pipeline_bytes=traffic["pipeline/forward_bytes"] + traffic["pipeline/backward_bytes"])
@@ -140,7 +140,8 @@ def run_step_bench(preset: Optional[str], config_file: Optional[str], overrides:
     configs = [variant_config(preset, config_file, overrides, design) for design in designs]
     vocab_size = model_vocab_size(configs[0])
     batches = real_batches(configs[0], warmup + steps)
-    timings = [time_design(config, vocab_size, batches, warmup) for config in configs]
+    timings = [time_design(config, vocab_size, batches, warmup, design)
+               for config, design in zip(configs, designs, strict=True)]
     if dist.get_world_size() == 1:
         timings.append(reference_timing(configs[0], vocab_size, batches, warmup))
     return timings

@@ -238,5 +238,16 @@ def config_to_dict(config: Config) -> dict:
     return dataclasses.asdict(config)
 
 
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as ``{"a.b": value}``; an empty mapping is a value."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def dump_config(config: Config) -> str:
     return yaml.safe_dump(config_to_dict(config), sort_keys=False)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from t2train.config.loader import flatten
 from t2train.config.schema import Config, ConfigError
 from t2train.model.build import compute_dtype
 
@@ -57,16 +58,6 @@ _REPLACED = {"scheduler": "train.lr, train.min_lr and train.warmup_steps (t2trai
                           "Megatron's cosine schedule)"}
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def _nest(flat: dict[str, Any]) -> dict:
     tree: dict = {}
     for dotted, value in flat.items():
@@ -101,7 +92,7 @@ def deepspeed_config(config: Config, dp_size: int) -> dict:
     owned = _owned(config, dp_size)
     merged = {key: value for key, (value, _) in owned.items()}
     if config.deepspeed.config_file:
-        user = _flatten(read_user_config(config.deepspeed.config_file))
+        user = flatten(read_user_config(config.deepspeed.config_file))
         conflicts = [f"{key}={user[key]!r} (t2train sets {value!r} from {source})"
                      for key, (value, source) in owned.items()
                      if key in user and user[key] != value]

@@ -51,7 +51,8 @@ def step_cost(section, plan: Plan) -> None:
 
     def time_variant(name: str) -> None:
         config = variant_config(plan, plan.step_preset, plan.step_overrides, name)
-        _timed(section, name, lambda: time_design(config, vocab, batches, plan.step_warmup),
+        _timed(section, name,
+               lambda: time_design(config, vocab, batches, plan.step_warmup, name),
                section.last_item_seconds(default=30.0),
                max_ratio=plan.settings.step_targets.get(name))
 
@@ -82,6 +83,7 @@ def mfu(section, plan: Plan) -> None:
         flops_per_token=model_flops_per_token(config.model, vocab),
         datasheet_tflops=peak_tflops(device, dtype) if device else None)
     batches = real_batches(config, plan.mfu_warmup + plan.mfu_steps)
-    _timed(section, variant, lambda: time_design(config, vocab, batches, plan.mfu_warmup), 60.0)
+    _timed(section, variant,
+           lambda: time_design(config, vocab, batches, plan.mfu_warmup, variant), 60.0)
     _timed(section, REFERENCE, lambda: reference_timing(config, vocab, batches, plan.mfu_warmup),
            section.last_item_seconds(default=60.0), reference=True)

@@ -1,0 +1,146 @@
+"""What ``t2train experiment compare`` reports: validation loss per variant over seeds, at
+equal tokens and at equal training FLOPs, and each variant's difference from the baseline.
+
+Every run of a batch trains the same steps on the same tokens per step, so "equal tokens" is
+the final evaluation. Variants differ in training FLOPs per token, so "equal FLOPs" is the
+largest budget every variant reached (the cheapest variant's whole run); each run's loss
+there is interpolated linearly in FLOPs between its two evaluations around it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from t2train.bench.table import markdown_table
+
+
+@dataclass
+class VariantRuns:
+    variant: str
+    curves: list[dict[int, float]]  # one per seed: step -> validation loss
+    tokens_per_step: int
+    train_flops_per_token: float  # forward + backward (t2train/model/flops.py)
+    params: int
+
+    def final_step(self) -> int:
+        return min(max(curve) for curve in self.curves)
+
+    def steps(self) -> list[int]:
+        """The steps every seed evaluated at."""
+        return sorted(set.intersection(*(set(curve) for curve in self.curves)))
+
+    def flops_at(self, step: float) -> float:
+        return step * self.tokens_per_step * self.train_flops_per_token
+
+    def final_losses(self) -> list[float]:
+        return [curve[self.final_step()] for curve in self.curves]
+
+    def losses_at_flops(self, budget: float) -> list[float]:
+        """Each seed's validation loss at ``budget`` training FLOPs (linear in FLOPs between
+        evaluations); the budget must be within the run."""
+        steps = self.steps()
+        if not 0 <= budget <= self.flops_at(steps[-1]) * (1 + 1e-12):
+            raise ValueError(f"{self.variant}: {budget:.3e} FLOPs is outside its runs")
+        flops = [self.flops_at(step) for step in steps]
+        return [float(np.interp(budget, flops, [curve[step] for step in steps]))
+                for curve in self.curves]
+
+
+@dataclass
+class Spread:
+    """Mean, sample standard deviation and range of one number over seeds."""
+    values: list[float]
+
+    @property
+    def mean(self) -> float:
+        return statistics.mean(self.values)
+
+    @property
+    def std(self) -> float:
+        return statistics.stdev(self.values) if len(self.values) > 1 else 0.0
+
+    def cells(self) -> list[str]:
+        return [f"{self.mean:.4f}", f"{self.std:.4f}",
+                f"{min(self.values):.4f}-{max(self.values):.4f}"]
+
+
+def standard_error_of_difference(a: Spread, b: Spread) -> Optional[float]:
+    """sqrt(s_a^2/n_a + s_b^2/n_b); None without two seeds on each side."""
+    if len(a.values) < 2 or len(b.values) < 2:
+        return None
+    return math.sqrt(a.std ** 2 / len(a.values) + b.std ** 2 / len(b.values))
+
+
+def versus(spread: Spread, baseline: Optional[Spread], is_baseline: bool) -> str:
+    """The difference of means from the baseline, its standard error, ``*`` past 2 SE."""
+    if is_baseline:
+        return "(baseline)"
+    if baseline is None:
+        return "n/a"
+    difference = spread.mean - baseline.mean
+    error = standard_error_of_difference(spread, baseline)
+    if error is None:
+        return f"{difference:+.4f} (SE n/a)"
+    mark = " *" if abs(difference) > 2 * error else ""
+    return f"{difference:+.4f} (SE {error:.4f}){mark}"
+
+
+def equal_flops_budget(results: list[VariantRuns]) -> float:
+    """The largest training-FLOP budget every variant's runs reached."""
+    return min(result.flops_at(result.final_step()) for result in results)
+
+
+def format_report(results: list[VariantRuns], baseline: str, context: list[str],
+                  figures: list[str]) -> str:
+    """``compare.md``: ``context`` (bullet lines on how it was measured), the two tables, the
+    note on the differences and the figures (file names beside the report)."""
+    base = next((result for result in results if result.variant == baseline), None)
+    vs = f"vs {baseline}"
+    tokens = results[0].final_step() * results[0].tokens_per_step  # the same for every run
+
+    def compared(spreads: list[Spread]) -> list[str]:
+        base_spread = spreads[results.index(base)] if base else None
+        return [versus(spread, base_spread, result is base)
+                for spread, result in zip(spreads, results, strict=True)]
+
+    finals = [Spread(result.final_losses()) for result in results]
+    token_rows = [[result.variant, str(len(result.curves)), f"{result.params / 1e6:.2f}",
+                   f"{result.train_flops_per_token:.3e}",
+                   f"{result.flops_at(result.final_step()):.3e}", *spread.cells(), versus_cell]
+                  for result, spread, versus_cell in zip(results, finals, compared(finals),
+                                                         strict=True)]
+    budget = equal_flops_budget(results)
+    at_budget = [Spread(result.losses_at_flops(budget)) for result in results]
+    flop_rows = [[result.variant, f"{budget / result.train_flops_per_token:.4g}",
+                  f"{budget / result.train_flops_per_token / result.tokens_per_step:.1f}",
+                  *spread.cells(), versus_cell]
+                 for result, spread, versus_cell in zip(results, at_budget, compared(at_budget),
+                                                        strict=True)]
+    lines = ["# Validation loss per variant", "", *(f"- {line}" for line in context), "",
+             f"## At equal tokens: {tokens} tokens per run", "",
+             "The final evaluation of each run.", "",
+             markdown_table(["variant", "seeds", "params (M)", "train FLOPs/token",
+                             "train FLOPs per run", "mean val loss", "std", "min-max", vs],
+                            token_rows), "",
+             f"## At equal training FLOPs: {budget:.3e}", "",
+             "The largest training-FLOP budget every variant reached; each run's validation "
+             "loss there is interpolated linearly in FLOPs between its evaluations.", "",
+             markdown_table(["variant", "tokens at budget", "steps at budget", "mean val loss",
+                             "std", "min-max", vs], flop_rows), "",
+             _difference_note(baseline, base is not None), ""]
+    lines += [f"![{name}]({name})" for name in figures]
+    return "\n".join(lines) + "\n"
+
+
+def _difference_note(baseline: str, present: bool) -> str:
+    if not present:
+        return f"No `{baseline}` run in this batch, so no differences from it are given."
+    return (f"`vs {baseline}`: the variant's mean minus `{baseline}`'s, with the standard "
+            "error of that difference over seeds, sqrt(s^2/n + s_b^2/n_b) (n/a with fewer "
+            "than 2 seeds); `*` marks a difference larger than 2 standard errors. Lower loss "
+            "is better.")
