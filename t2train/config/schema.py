@@ -264,6 +264,9 @@ class CheckpointConfig:
     # checkpoint published; then `stop` ends the run (exit code 3) naming the path and the OS
     # error, `continue` warns, counts it (checkpoint/failed_saves) and trains on.
     on_save_error: Literal["stop", "continue"] = "stop"
+    # `t2train train` then writes the final checkpoint as a Hugging Face folder next to it
+    # (checkpoints/step_N-hf, as `t2train export hf` does); not after a run stopped early.
+    export_hf_on_finish: bool = False
 
     def validate(self) -> None:
         require(self.interval >= 1, "checkpoint.interval", self.interval, "must be >= 1")
