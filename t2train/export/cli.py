@@ -7,6 +7,7 @@ its ``latest`` file (the newest complete checkpoint there), of any layout and ei
 from __future__ import annotations
 
 import argparse
+import re
 
 CHECKPOINT_HELP = ("a checkpoint directory, or a run directory (its newest complete checkpoint); "
                    "any layout, either engine")
@@ -89,6 +90,17 @@ def _positive(text: str) -> int:
     return value
 
 
+def _size(text: str) -> int:
+    """Bytes of ``123``, ``500MB``, ``5GB`` (decimal units, as Hugging Face's)."""
+    match = re.fullmatch(r"(\d+)\s*(|B|KB|MB|GB|TB)", text.strip().upper())
+    if match is None or int(match.group(1)) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 500MB or 5GB")
+    return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
 def _device_argument(parser) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="where the model runs (default: cuda if available)")
@@ -104,12 +116,11 @@ def register(commands) -> None:
                     "--max-shard-size), tokenizer.json and tokenizer_config.json. A plain "
                     "pre-norm Transformer is a LlamaForCausalLM; other residual designs add "
                     "modeling_t2train.py (load with trust_remote_code=True). Needs "
-                    "transformers (pip install 't2train[hf]').",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+                    "transformers (pip install 't2train[hf]').")
     hf.add_argument("checkpoint", help=CHECKPOINT_HELP)
     hf.add_argument("out", help="the folder to write (written as OUT.tmp, then renamed)")
     hf.add_argument("--tokenizer", help=TOKENIZER_HELP)
-    hf.add_argument("--max-shard-size", default="5GB",
+    hf.add_argument("--max-shard-size", type=_size, default="5GB",
                     help="largest safetensors file, e.g. 2GB or 500MB (default 5GB)")
     hf.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
                     help="weights' dtype (default: the checkpoint's)")

@@ -206,7 +206,8 @@ def _tokenizer(run_tok: RunTokenizer, seq_length: int):
 
     return PreTrainedTokenizerFast(tokenizer_file=str(run_tok.path), eos_token=run_tok.eos_token,
                                    bos_token=run_tok.eos_token, model_max_length=seq_length,
-                                   clean_up_tokenization_spaces=False)
+                                   clean_up_tokenization_spaces=False,
+                                   model_input_names=["input_ids", "attention_mask"])
 
 
 def _publish(staging: Path, out: Path) -> None:

@@ -381,20 +381,19 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: T2TrainConfig, layer: int):
         super().__init__()
         _, residual, entry = design(config)
-        h, eps = config.hidden_size, config.rms_norm_eps
-        position = iter(range(len(config.sublayers())))
+        h, eps, position = config.hidden_size, config.rms_norm_eps, config.sublayers().index
         self.layer_entry = entry(config, layer) if entry is not None else None
         self.local_attn = None
         if config.local_window > 0:
             self.local_attn_layernorm = nn.RMSNorm(h, eps=eps)
             self.local_attn = Attention(config, window=config.local_window)
-            self.local_attn_residual = residual(config, layer, next(position))
+            self.local_attn_residual = residual(config, layer, position("local_attn"))
         self.input_layernorm = nn.RMSNorm(h, eps=eps)
         self.self_attn = Attention(config)
-        self.attn_residual = residual(config, layer, next(position))
+        self.attn_residual = residual(config, layer, position("attn"))
         self.post_attention_layernorm = nn.RMSNorm(h, eps=eps)
         self.mlp = MLP(config)
-        self.mlp_residual = residual(config, layer, next(position))
+        self.mlp_residual = residual(config, layer, position("mlp"))
 
     @staticmethod
     def sublayer(state, residual, norm, function):
