@@ -9,9 +9,9 @@
   t2train's own forward within 1e-5, the loaded weights reproduce the run's last validation
   loss, `generate` runs, the tokenizer encodes as the run's, and
   ``checkpoint.export_hf_on_finish`` wrote the same model;
-* bad inputs (no or a malformed checkpoint, a missing shard, an unknown design, a missing
-  tokenizer, a dataset of another tokenizer, a non-empty OUT) stop with one line naming the
-  cause, and a failed export leaves nothing in OUT.
+* bad inputs (no or a malformed checkpoint, a missing shard, an unknown design or one without
+  modeling code, a missing tokenizer or one of another hash, a dataset of another tokenizer,
+  a non-empty OUT) stop with one line naming the cause, and a failed export leaves no OUT.
 """
 
 from __future__ import annotations
@@ -162,6 +162,15 @@ def test_an_unknown_design_is_named(tmp_path, capsys):
     checkpoint = _fake_checkpoint(tmp_path / "run", residual="no_such_design")
     err = _one_line_error(capsys, ["export", "hf", str(checkpoint), str(tmp_path / "o")])
     assert "model.residual='no_such_design'" in err and str(checkpoint) in err
+
+
+def test_a_design_without_modeling_code_is_named(tmp_path, capsys, monkeypatch):
+    from t2train.residual import hf
+
+    monkeypatch.setattr(hf, "modeling_designs", lambda: {"standard"})
+    checkpoint = _fake_checkpoint(tmp_path / "run", ["model.residual=ddl"])
+    err = _one_line_error(capsys, ["export", "hf", str(checkpoint), str(tmp_path / "o")])
+    assert "model.residual='ddl' has no Hugging Face modeling code yet" in err
 
 
 def test_a_missing_tokenizer_is_named_and_nothing_is_written(tmp_path, capsys):

@@ -12,6 +12,7 @@ any weight is read.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -93,11 +94,9 @@ def _check_out(out: Path, overwrite: bool) -> None:
 
 
 def _require_transformers() -> None:
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("transformers") is None:
         raise UserInputError("the Hugging Face export needs transformers: "
-                             "pip install 't2train[hf]'") from None
+                             "pip install 't2train[hf]'")
 
 
 # --- weights -------------------------------------------------------------------------------
