@@ -48,7 +48,7 @@ def dataset_facts(config: Config) -> dict:
     if vocab < index["vocab_size"]:
         raise ConfigError(f"model.vocab_size={vocab}: smaller than the tokenizer's vocabulary "
                           f"({index['vocab_size']}) of {config.data.path}")
-    return {"vocab_size": vocab}
+    return {"vocab_size": vocab, "tokenizer_sha256": index["tokenizer"]["sha256"]}
 
 
 def _resume_target(config: Config, run_dir: Path) -> Optional[Path]:
@@ -191,7 +191,9 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
     def save(step: int) -> None:
         with watchdog.phase(f"the checkpoint save of step {step}"):
             summary.checkpoint = checkpointer.save(
-                step, {"data_state": streams.shared_state_dict(), **meter.counters()})
+                step, {"data_state": streams.shared_state_dict(), **meter.counters(),
+                       # which tokenizer the ids mean (eval refuses a dataset of another)
+                       "tokenizer_sha256": facts["tokenizer_sha256"]})
 
     def evaluate(step: int) -> None:
         with watchdog.phase(f"the evaluation at step {step}"):
