@@ -30,6 +30,9 @@ DESIGNS = {
     "depth_attn": ["model.residual=depth_attn", "model.depth_attn.window=3"],
     "attnres": ["model.residual=attnres"],
     "block_attnres": ["model.residual=block_attnres", "model.attnres.block_size=2"],
+    "attnres+shortswa": ["model.residual=attnres", "model.shortswa.window=16"],
+    "block_attnres+shortswa": ["model.residual=block_attnres", "model.attnres.block_size=3",
+                               "model.shortswa.window=16"],
     "hc": ["model.residual=hc"],
     "mhc+shortswa": ["model.residual=mhc", "model.shortswa.window=16"],
 }
