@@ -42,9 +42,9 @@ def saved_rng_digest(checkpoint: Path) -> str:
     """sha256 of every RNG stream a checkpoint holds (python, numpy, torch CPU, tracker)."""
     from megatron.core import dist_checkpointing
 
-    from t2train.checkpoint.store import _rng_object
+    from t2train.engine.megatron.checkpoint import rng_sharded_object
 
-    state = dist_checkpointing.load({"rng_state": _rng_object(None)}, str(checkpoint))
+    state = dist_checkpointing.load({"rng_state": rng_sharded_object(None)}, str(checkpoint))
     streams = state["rng_state"][0]
     tensors = [streams["torch"], *(streams["tracker"][name] for name in sorted(streams["tracker"]))]
     plain = pickle.dumps((streams["python"], [getattr(part, "tolist", lambda p=part: p)()
