@@ -7,6 +7,7 @@ resume target) is checked first, so a bad input never creates or alters a run di
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -100,15 +101,16 @@ def train(config: Config) -> RunSummary:
     with StopGuard(parse_signals(config.train.exit_signals),
                    config.train.exit_duration_mins) as guard, \
             Watchdog(config.parallel.collective_timeout_mins) as watchdog, \
-            RankFailures() as failures:
+            RankFailures() as failures, ExitStack() as cleanup:
         try:
-            return _run(config, guard, watchdog)
+            return _run(config, guard, watchdog, cleanup)
         except RankFailure as failure:
             failures.end_all(str(failure))
             raise
 
 
-def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary:
+def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog",
+         cleanup: ExitStack) -> RunSummary:
     from t2train.checkpoint.manager import Checkpointer
     from t2train.checkpoint.store import find_latest
     from t2train.engine import build_engine
@@ -146,6 +148,7 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
     train_cfg = config.train
     num_micro = config.micro_batches_per_step(dp_size)
     streams = open_streams(config, topology, dp_size, train_state.get("data_state"))
+    cleanup.callback(streams.close)  # also when the run fails: see TokenBatches.close
     feeder = GlobalBatchFeeder(streams.train, num_micro, train_cfg.micro_batch_size,
                                config.model.seq_length)
     val_feeder = GlobalBatchFeeder(streams.val, num_micro, train_cfg.micro_batch_size,
