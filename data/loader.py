@@ -124,6 +124,24 @@ def reader_world(is_reader: bool, dp_rank: int, dp_size: int) -> Optional[Stream
     return StreamingWorld(dp_rank, dp_size, local.index(dp_rank), len(local), readers_group)
 
 
+class _StoppableLoader(StreamingDataLoader):
+    """Keeps the torch iterator it hands out, so that its worker processes can be shut down
+    while an exception's traceback still holds the iterator (dropping the last reference is
+    torch's only public way). Both hooks are torch's private names; the test of
+    ``TokenBatches.close`` fails if an upgrade renames them."""
+
+    _live = None
+
+    def _get_iterator(self):
+        self._live = super()._get_iterator()
+        return self._live
+
+    def stop_workers(self) -> None:
+        live, self._live = self._live, None
+        if live is not None and live._num_workers:
+            live._shutdown_workers()
+
+
 class TokenBatches:
     """Micro-batches ``{"tokens", "labels", "sample_ids"}`` of one split, for one data-parallel
     replica: ``tokens``/``labels`` are int64 ``[micro_batch_size, seq_length]``, ``labels`` the
@@ -179,9 +197,9 @@ class TokenBatches:
             self.dataset = _NumberedDataset(
                 streams=streams, shuffle=shuffle, shuffle_seed=seed,
                 num_canonical_nodes=num_canonical_nodes, batch_size=micro_batch_size)
-            self.loader = StreamingDataLoader(self.dataset, batch_size=micro_batch_size,
-                                              num_workers=num_workers, drop_last=not finite,
-                                              collate_fn=_collate)
+            self.loader = _StoppableLoader(self.dataset, batch_size=micro_batch_size,
+                                            num_workers=num_workers, drop_last=not finite,
+                                            collate_fn=_collate)
         self._batches: Optional[Iterator[dict]] = None  # the current pass (epoch)
         self._left: Optional[int] = None  # batches this reader still takes from the pass
         self._epoch_samples = self.dataset.epoch_size  # what one step-cut epoch uses
@@ -217,6 +235,14 @@ class TokenBatches:
         raise DataError(f"{self.where}: {self.dataset.epoch_size} samples give no full "
                         f"micro-batch of {self.micro_batch_size} per data-parallel reader ("
                         f"{self.world.world_size} readers); lower the micro-batch size or add data")
+
+    def close(self) -> None:
+        """Stop this stream's DataLoader workers now. Forked inside the trainer's stop guard,
+        they hold its stop signals blocked (``t2train/signals.py``), so the interpreter's exit,
+        which terminates and then joins them, would wait forever; torch's own shutdown asks
+        them to finish through their index queues instead."""
+        self._batches = None
+        self.loader.stop_workers()
 
     def state_dict(self) -> dict:
         """The position in the stream (global: the same on every reader) and the layout that

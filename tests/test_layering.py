@@ -20,7 +20,7 @@ SOURCE_ROOTS = {"t2train": "t2train", "t2train.data": "data", "t2train.kernels":
 # independent siblings and may not import each other.
 LAYERS = [
     ["t2train.cli"],
-    ["t2train.bench"],
+    ["t2train.bench", "t2train.export"],
     ["t2train.train"],
     ["t2train.engine"],
     ["t2train.checkpoint", "t2train.monitor"],

@@ -83,14 +83,12 @@ def test_hop_bytes_match_the_formula(runs, name):
 
 def test_attention_residual_units_per_hop():
     """The formula itself: Full AttnRes naive hops grow with depth, cached ones do not."""
-    from functools import partial
-
     from t2train.parallel.depth_cache import HopPlan
     from t2train.residual.attnres import source_unit_ids
 
-    def plan(cached, block_size=1):
-        return HopPlan(partial(source_unit_ids, block_size=block_size), pipeline=4, chunks=8,
-                       layers_per_chunk=1, cached=cached)
+    def plan(cached, block_size=1):  # two sublayers (attention, MLP) per layer
+        return HopPlan(lambda layers: source_unit_ids(2 * layers, block_size), pipeline=4,
+                       chunks=8, layers_per_chunk=1, cached=cached)
 
     # Into chunk c: the embedding and 2 sources per finished layer.
     assert plan(False).hop_units() == [1 + 2 * c for c in range(1, 8)]

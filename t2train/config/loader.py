@@ -234,6 +234,15 @@ def load_config(preset: Optional[str] = None, config_file: Optional[str] = None,
     return _build(Config, data, "").validate()
 
 
+def config_from_dict(data: dict, config_format: int = CONFIG_FORMAT) -> Config:
+    """A config recorded as a mapping (a checkpoint's ``asdict(Config)``) in ``config_format``,
+    old spellings resolved; ``ConfigError`` names a field it does not accept."""
+    data = dict(data)
+    if isinstance(data.get("model"), dict):
+        data["model"] = resolve_aliases(data["model"], config_format)
+    return _build(Config, data, "").validate()
+
+
 def config_to_dict(config: Config) -> dict:
     return dataclasses.asdict(config)
 

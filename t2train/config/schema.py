@@ -276,6 +276,9 @@ class CheckpointConfig:
     # error, `continue` warns, counts it (checkpoint/failed_saves) and trains on. A run whose
     # last save (at train.steps or at an early stop) failed exits with code 74 under either.
     on_save_error: Literal["stop", "continue"] = "stop"
+    # `t2train train` then writes the final checkpoint as a Hugging Face folder next to it
+    # (checkpoints/step_N-hf, as `t2train export hf` does); not after a run stopped early.
+    export_hf_on_finish: bool = False
 
     def validate(self) -> None:
         require(self.interval >= 1, "checkpoint.interval", self.interval, "must be >= 1")

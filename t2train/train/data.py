@@ -17,6 +17,11 @@ class Streams:
     train: Optional[object]  # TokenBatches on the replica's reading rank, else None
     val: Optional[object]
 
+    def close(self) -> None:
+        for stream in (self.train, self.val):
+            if stream is not None:
+                stream.close()
+
     def shared_state_dict(self) -> dict:
         """The train stream's position, known on every rank (collective).
 

@@ -7,6 +7,7 @@ resume target) is checked first, so a bad input never creates or alters a run di
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -48,7 +49,7 @@ def dataset_facts(config: Config) -> dict:
     if vocab < index["vocab_size"]:
         raise ConfigError(f"model.vocab_size={vocab}: smaller than the tokenizer's vocabulary "
                           f"({index['vocab_size']}) of {config.data.path}")
-    return {"vocab_size": vocab}
+    return {"vocab_size": vocab, "tokenizer_sha256": index["tokenizer"]["sha256"]}
 
 
 def _resume_target(config: Config, run_dir: Path) -> Optional[Path]:
@@ -100,15 +101,16 @@ def train(config: Config) -> RunSummary:
     with StopGuard(parse_signals(config.train.exit_signals),
                    config.train.exit_duration_mins) as guard, \
             Watchdog(config.parallel.collective_timeout_mins) as watchdog, \
-            RankFailures() as failures:
+            RankFailures() as failures, ExitStack() as cleanup:
         try:
-            return _run(config, guard, watchdog)
+            return _run(config, guard, watchdog, cleanup)
         except RankFailure as failure:
             failures.end_all(str(failure))
             raise
 
 
-def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary:
+def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog",
+         cleanup: ExitStack) -> RunSummary:
     from t2train.checkpoint.manager import Checkpointer
     from t2train.checkpoint.store import find_latest
     from t2train.engine import build_engine
@@ -146,6 +148,7 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
     train_cfg = config.train
     num_micro = config.micro_batches_per_step(dp_size)
     streams = open_streams(config, topology, dp_size, train_state.get("data_state"))
+    cleanup.callback(streams.close)  # also when the run fails: see TokenBatches.close
     feeder = GlobalBatchFeeder(streams.train, num_micro, train_cfg.micro_batch_size,
                                config.model.seq_length)
     val_feeder = GlobalBatchFeeder(streams.val, num_micro, train_cfg.micro_batch_size,
@@ -191,7 +194,9 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
     def save(step: int) -> None:
         with watchdog.phase(f"the checkpoint save of step {step}"):
             summary.checkpoint = checkpointer.save(
-                step, {"data_state": streams.shared_state_dict(), **meter.counters()})
+                step, {"data_state": streams.shared_state_dict(), **meter.counters(),
+                       # which tokenizer the ids mean (eval refuses a dataset of another)
+                       "tokenizer_sha256": facts["tokenizer_sha256"]})
 
     def evaluate(step: int) -> None:
         with watchdog.phase(f"the evaluation at step {step}"):

@@ -30,6 +30,9 @@ DESIGNS = {
     "depth_attn": ["model.residual=depth_attn", "model.depth_attn.window=3"],
     "attnres": ["model.residual=attnres"],
     "block_attnres": ["model.residual=block_attnres", "model.attnres.block_size=2"],
+    "attnres+shortswa": ["model.residual=attnres", "model.shortswa.window=16"],
+    "block_attnres+shortswa": ["model.residual=block_attnres", "model.attnres.block_size=3",
+                               "model.shortswa.window=16"],
     "hc": ["model.residual=hc"],
     "mhc+shortswa": ["model.residual=mhc", "model.shortswa.window=16"],
 }
@@ -39,9 +42,9 @@ def saved_rng_digest(checkpoint: Path) -> str:
     """sha256 of every RNG stream a checkpoint holds (python, numpy, torch CPU, tracker)."""
     from megatron.core import dist_checkpointing
 
-    from t2train.checkpoint.store import _rng_object
+    from t2train.engine.megatron.checkpoint import rng_sharded_object
 
-    state = dist_checkpointing.load({"rng_state": _rng_object(None)}, str(checkpoint))
+    state = dist_checkpointing.load({"rng_state": rng_sharded_object(None)}, str(checkpoint))
     streams = state["rng_state"][0]
     tensors = [streams["torch"], *(streams["tracker"][name] for name in sorted(streams["tracker"]))]
     plain = pickle.dumps((streams["python"], [getattr(part, "tolist", lambda p=part: p)()
