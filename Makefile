@@ -7,7 +7,7 @@ LOCK   := constraints/cpu.txt
 DEMO_DATA ?= .cache/data/shakespeare-bpe4k-s128
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install demo test test-fast test-mutations clean-demo gpu-bundle gpu-check
+.PHONY: install demo heldout-data test test-fast test-mutations clean-demo gpu-bundle gpu-check
 
 # The pinned CPU stack. torch and deepspeed go first: deepspeed builds against the
 # installed torch (no build isolation, no compiled ops), and the lock keeps every later
@@ -22,9 +22,22 @@ $(VENV)/.installed: pyproject.toml setup.py $(LOCK)
 
 install: $(VENV)/.installed
 
+DEMO_PREPARE = $(VENV)/bin/t2train data prepare --corpus shakespeare --seq-length 128 \
+	--vocab-size 4096 --overwrite
+
+# The demo's data: validation samples drawn at random from the same plays as training.
 $(DEMO_DATA)/index.json: | $(VENV)/.installed
-	$(VENV)/bin/t2train data prepare --corpus shakespeare --out $(DEMO_DATA) \
-	    --seq-length 128 --vocab-size 4096 --overwrite
+	$(DEMO_PREPARE) --out $(DEMO_DATA)
+
+# The same corpus with whole plays held out as the validation split (both editions of each
+# play, so none of its text is trained on): what `t2train experiment compare` evaluates on
+# (docs/benchmarks.md). `make heldout-data`, then data.path=$(HELDOUT_DATA).
+HELDOUT_DATA ?= .cache/data/shakespeare-heldout-bpe4k-s128
+HELDOUT_PLAYS ?= hamlet_* macbeth_* tempest_*
+$(HELDOUT_DATA)/index.json: | $(VENV)/.installed
+	$(DEMO_PREPARE) --out $(HELDOUT_DATA) $(foreach play,$(HELDOUT_PLAYS),--val-files '$(play)')
+
+heldout-data: $(HELDOUT_DATA)/index.json
 
 demo: $(VENV)/.installed $(DEMO_DATA)/index.json
 	rm -rf runs/demo
@@ -42,7 +55,7 @@ test-mutations: $(VENV)/.installed
 	$(PY) -m tests.mutations
 
 clean-demo:
-	rm -rf runs/demo $(DEMO_DATA)
+	rm -rf runs/demo $(DEMO_DATA) $(HELDOUT_DATA)
 
 # The GPU check (docs/gpu/README.md). Here, with network: the offline bundle it installs from.
 gpu-bundle: $(VENV)/.installed

@@ -111,6 +111,7 @@ def _variant_runs(variant: str, curves: list[dict[int, float]], config) -> Varia
 def _context(batch: Batch, argv: list[str]) -> list[str]:
     """How the numbers were measured, for the top of ``compare.md``."""
     from t2train.data.prepare import read_index
+    from t2train.model.build import compute_dtype
 
     config = batch.configs[batch.variants[0], batch.seeds[0]]
     train_cfg, tokens = config.train, _tokens_per_step(config)
@@ -122,6 +123,7 @@ def _context(batch: Batch, argv: list[str]) -> list[str]:
         validation = ("samples drawn at random from the same files as the training text "
                       "(not held-out text)")
     seeds = ", ".join(map(str, batch.seeds))
+    dtype = str(compute_dtype(config)).removeprefix("torch.")
     return [f"command: `{shlex.join(['t2train', *argv])}`",
             f"dataset: `{config.data.path}`; validation split: {validation}",
             f"each evaluation: the first {train_cfg.eval_batches} x "
@@ -131,7 +133,7 @@ def _context(batch: Batch, argv: list[str]) -> list[str]:
             f"each run: {batch.steps} steps x {train_cfg.global_batch_size} sequences x "
             f"{config.model.seq_length} tokens = {batch.steps * tokens} tokens; "
             f"seeds {seeds}; {len(batch.configs)} runs; model: {config.model.num_layers} "
-            f"layers, hidden {config.model.hidden_size}, {config.model.precision}"]
+            f"layers, hidden {config.model.hidden_size}, {dtype}"]
 
 
 def _cmd_compare(args) -> int:
