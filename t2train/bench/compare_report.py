@@ -140,7 +140,7 @@ def format_report(results: list[VariantRuns], baseline: str, context: list[str],
 def _difference_note(baseline: str, present: bool) -> str:
     if not present:
         return f"No `{baseline}` run in this batch, so no differences from it are given."
-    return (f"`vs {baseline}`: the variant's mean minus `{baseline}`'s, with the standard "
-            "error of that difference over seeds, sqrt(s^2/n + s_b^2/n_b) (n/a with fewer "
-            "than 2 seeds); `*` marks a difference larger than 2 standard errors. Lower loss "
-            "is better.")
+    return (f"`vs {baseline}`: the variant's mean minus `{baseline}`'s, with SE = "
+            "sqrt(s^2/n + s_b^2/n_b), the error of that difference of means over seeds (n/a "
+            "with fewer than 2 seeds); `*` marks a difference larger than 2 SE. Lower loss is "
+            "better.")
