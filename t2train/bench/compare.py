@@ -132,7 +132,7 @@ def _context(batch: Batch, argv: list[str]) -> list[str]:
             f"{train_cfg.eval_interval} steps",
             f"each run: {batch.steps} steps x {train_cfg.global_batch_size} sequences x "
             f"{config.model.seq_length} tokens = {batch.steps * tokens} tokens; "
-            f"seeds {seeds}; {len(batch.configs)} runs; model: {config.model.num_layers} "
+            f"seeds {seeds}; runs: {len(batch.configs)}; model: {config.model.num_layers} "
             f"layers, hidden {config.model.hidden_size}, {dtype}"]
 
 

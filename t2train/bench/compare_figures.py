@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter
 
 from t2train.bench.compare_report import VariantRuns
 
@@ -47,6 +48,7 @@ def _figure(results: list[VariantRuns], x_of, xlabel: str, budget, path: Path) -
                               linewidth=0)
         late_losses += [low[second_half], high[second_half]]
     whole.set_xscale("log")
+    whole.xaxis.set_minor_formatter(NullFormatter())  # labelled minor ticks overlap
     whole.set_title("whole run (log scale)", fontsize=10)
     late.set_title("second half of training", fontsize=10)
     values = np.concatenate(late_losses)
