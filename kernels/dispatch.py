@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from torch import Tensor
 
 from t2train.residual import attnres as attnres_reference
@@ -59,3 +60,22 @@ def depth_mix(query: Tensor, sources, partial: Tensor | None, eps: float) -> Ten
 
         return two_phase(query, list(sources), partial, eps)
     return attnres_reference.depth_mix(query, values, eps)
+
+
+def block_phase_1(queries: Tensor, sources, eps: float) -> tuple[Tensor, Tensor]:
+    """See ``t2train.residual.attnres.block_phase_1``: S queries over the sources at once."""
+    if use_triton(queries, *sources):
+        from t2train.kernels.block_attnres import phase_1
+
+        return phase_1(queries, torch.stack(list(sources)), eps)
+    return attnres_reference.block_phase_1(queries, list(sources), eps)
+
+
+def block_phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor,
+                  eps: float) -> Tensor:
+    """See ``t2train.residual.attnres.block_phase_2``: one read's merge with the partial sum."""
+    if use_triton(partial, query, out, lse):
+        from t2train.kernels.block_attnres import phase_2
+
+        return phase_2(partial, query, out, lse, eps)
+    return attnres_reference.block_phase_2(partial, query, out, lse, eps)

@@ -55,6 +55,11 @@ class ResidualTransformerLayer(TransformerLayer):
             self.pre_attention_residual = build_module(submodules.pre_attention_residual,
                                                        **built)
 
+    def sublayer_residuals(self) -> list:
+        """This layer's ``SublayerResidual`` modules, in the order they run."""
+        mixer = [self.pre_attention_residual] if self.pre_attention is not None else []
+        return mixer + [self.attn_residual, self.mlp_residual]
+
     @staticmethod
     def _sublayer(state: State, residual, norm, mixer: Callable[[Tensor], tuple]) -> State:
         x = residual.read(state)
