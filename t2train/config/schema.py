@@ -127,7 +127,9 @@ class ParallelConfig:
         require(self.virtual_pipeline == 1 or self.pipeline > 1, "parallel.virtual_pipeline",
                 self.virtual_pipeline, "needs parallel.pipeline > 1")
         require(not self.sequence_parallel or self.tensor > 1, "parallel.sequence_parallel",
-                self.sequence_parallel, "needs parallel.tensor > 1")
+                self.sequence_parallel, "needs parallel.tensor > 1; to run with "
+                f"parallel.tensor={self.tensor}, add the override "
+                "parallel.sequence_parallel=false")
         if self.sequence_parallel:
             require(model.seq_length % self.tensor == 0, "model.seq_length", model.seq_length,
                     f"must be divisible by parallel.tensor={self.tensor} with sequence_parallel")

@@ -33,6 +33,7 @@ from torch import Tensor
 from t2train.errors import require
 from t2train.kernels import dispatch
 from t2train.nn import probe
+from t2train.nn.precision import at_least_fp32
 from t2train.residual import mixer, mixer_on, sublayer_names
 from t2train.residual.base import (
     ResidualDesign,
@@ -82,10 +83,6 @@ class AttnResState(NamedTuple):
         return list(self.sources) + ([self.partial] if self.partial is not None else [])
 
 
-def _fp32(t: Tensor) -> Tensor:
-    return t.to(torch.promote_types(t.dtype, torch.float32))  # fp32, or fp64 for checks
-
-
 def _inverse_rms(x: Tensor, eps: float) -> Tensor:
     return torch.rsqrt(x.pow(2).mean(-1) + eps)
 
@@ -99,7 +96,7 @@ def depth_mix(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
     """
     stacked = torch.stack(values)
     with torch.autocast(stacked.device.type, enabled=False):
-        x = _fp32(stacked)
+        x = at_least_fp32(stacked)
         weights = torch.softmax((x @ query.to(x.dtype)) * _inverse_rms(x, eps), dim=0)
         return torch.einsum("nsb,nsbh->sbh", weights, x).to(stacked.dtype)
 
@@ -117,7 +114,7 @@ def block_phase_1(queries: Tensor, sources: list[Tensor], eps: float) -> tuple[T
     mixture of the sources, LSE [S, s, b] its logsumexp (both fp32)."""
     stacked = torch.stack(sources)
     with torch.autocast(stacked.device.type, enabled=False):
-        x = _fp32(stacked)
+        x = at_least_fp32(stacked)
         logits = (x @ queries.to(x.dtype).T) * _inverse_rms(x, eps).unsqueeze(-1)  # [N,s,b,S]
         out = torch.einsum("nsbq,nsbh->qsbh", torch.softmax(logits, dim=0), x)
         return out, torch.logsumexp(logits, dim=0).permute(2, 0, 1)
@@ -128,7 +125,7 @@ def block_phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor,
     """Phase 2: merge one query's phase-1 result with the block's partial sum p, the online
     softmax (e^LSE O + e^z_p p) / (e^LSE + e^z_p), in fp32; returned in p's dtype."""
     with torch.autocast(partial.device.type, enabled=False):
-        p = _fp32(partial)
+        p = at_least_fp32(partial)
         gamma = torch.sigmoid((p @ query.to(p.dtype)) * _inverse_rms(p, eps) - lse)
         return (out + gamma.unsqueeze(-1) * (p - out)).to(partial.dtype)
 
