@@ -87,6 +87,13 @@ def _inverse_rms(x: Tensor, eps: float) -> Tensor:
     return torch.rsqrt(x.pow(2).mean(-1) + eps)
 
 
+def _weighted_sum(weights: Tensor, x: Tensor) -> Tensor:
+    """sum_n weights[n] x[n] for weights [N, s, b] and x [N, s, b, h]. Elementwise: as a
+    contraction it is a batched matmul of one [1, N] x [N, h] product per token, which the
+    CPU runs token by token (most of a CPU step's time went there)."""
+    return (weights.unsqueeze(-1) * x).sum(0)
+
+
 def depth_mix(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
     """sum_i softmax_i(query . RMSNorm(v_i)) v_i over the sources (each [s, b, h]).
 
@@ -98,7 +105,7 @@ def depth_mix(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
     with torch.autocast(stacked.device.type, enabled=False):
         x = at_least_fp32(stacked)
         weights = torch.softmax((x @ query.to(x.dtype)) * _inverse_rms(x, eps), dim=0)
-        return torch.einsum("nsb,nsbh->sbh", weights, x).to(stacked.dtype)
+        return _weighted_sum(weights, x).to(stacked.dtype)
 
 
 def mixing_weights(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
@@ -116,7 +123,8 @@ def block_phase_1(queries: Tensor, sources: list[Tensor], eps: float) -> tuple[T
     with torch.autocast(stacked.device.type, enabled=False):
         x = at_least_fp32(stacked)
         logits = (x @ queries.to(x.dtype).T) * _inverse_rms(x, eps).unsqueeze(-1)  # [N,s,b,S]
-        out = torch.einsum("nsbq,nsbh->qsbh", torch.softmax(logits, dim=0), x)
+        weights = torch.softmax(logits, dim=0)
+        out = torch.stack([_weighted_sum(weights[..., q], x) for q in range(len(queries))])
         return out, torch.logsumexp(logits, dim=0).permute(2, 0, 1)
 
 
