@@ -7,7 +7,7 @@ LOCK   := constraints/cpu.txt
 DEMO_DATA ?= .cache/data/shakespeare-bpe4k-s128
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install demo test test-fast clean-demo gpu-bundle gpu-check
+.PHONY: install demo test test-fast test-mutations clean-demo gpu-bundle gpu-check
 
 # The pinned CPU stack. torch and deepspeed go first: deepspeed builds against the
 # installed torch (no build isolation, no compiled ops), and the lock keeps every later
@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml setup.py $(LOCK)
 	$(PIP) install --upgrade pip
 	$(PIP) install -c $(LOCK) torch torchvision
 	DS_BUILD_OPS=0 $(PIP) install -c $(LOCK) --no-build-isolation deepspeed
-	$(PIP) install -c $(LOCK) -e '.[test]'
+	$(PIP) install -c $(LOCK) -e '.[test,hf]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -36,6 +36,10 @@ test: $(VENV)/.installed
 # The fast tier while you work: no multi-process runs, no SLURM, no long training (docs/testing.md).
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow and not slurm" --durations=10
+
+# Each named mistake of tests/mutations/catalog.py against the fast math tests (docs/testing.md).
+test-mutations: $(VENV)/.installed
+	$(PY) -m tests.mutations
 
 clean-demo:
 	rm -rf runs/demo $(DEMO_DATA)

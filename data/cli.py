@@ -16,6 +16,7 @@ examples:
   t2train data prepare --input 'corpus/*.jsonl' --text-field content --out data/web \\
       --tokenizer my/tokenizer.json --workers 8
   t2train data prepare --input 'crawl/*.parquet' --out data/crawl --vocab-size 32000
+  t2train data prepare --input books/ --pattern '*.txt' --encoding cp1252 --out data/books
 writes OUT/train/ and OUT/val/ (MDS shards), OUT/tokenizer.json and OUT/index.json;
 train with: t2train train ... data.path=OUT
 """
@@ -32,6 +33,7 @@ def default_workers() -> int:
 def register(subparsers) -> None:
     """Add the ``data`` command (with ``prepare`` and ``fetch``) to a subparsers object."""
     from t2train.data.corpora import CORPORA
+    from t2train.data.inputs import PATTERNS
 
     data = subparsers.add_parser("data", help="prepare datasets (tokenize text into MDS shards)",
                                  description="Prepare text for training, or fetch a named "
@@ -46,10 +48,22 @@ def register(subparsers) -> None:
     source = prepare.add_mutually_exclusive_group(required=True)
     source.add_argument("--input", action="append", metavar="PATH_OR_GLOB",
                         help="a .txt file (one document), .jsonl file (one document per "
-                             "line) or .parquet file (one document per row), or a glob of "
-                             "them; repeat for more (quote globs)")
+                             "line) or .parquet file (one document per row), a glob of them, "
+                             "or a directory (its files matching --pattern, in all "
+                             "subdirectories); repeat for more (quote globs)")
     source.add_argument("--corpus", choices=sorted(CORPORA),
                         help="a named public corpus, downloaded once into --cache-dir")
+    prepare.add_argument("--pattern", action="append", metavar="GLOB",
+                         help="with a directory --input: the file names to take, e.g. "
+                              "'*.jsonl' (repeat for more); default: " + ", ".join(PATTERNS))
+    prepare.add_argument("--encoding", default="utf-8",
+                         help="the encoding of text inputs (.txt, .jsonl, binary Parquet "
+                              "columns), a Python codec name such as latin-1, cp1252 or utf-16; "
+                              "default %(default)s")
+    prepare.add_argument("--skip-binary", action="store_true",
+                         help="leave out input files that do not look like text (NUL "
+                              "characters or many invalid sequences in their first 64 KiB) "
+                              "instead of stopping; they are listed in the summary and index")
     prepare.add_argument("--out", required=True, help="the dataset directory to create")
     prepare.add_argument("--seq-length", type=int, default=256,
                          help="tokens per training sequence (samples hold one more, for the "
@@ -74,6 +88,10 @@ def register(subparsers) -> None:
     prepare.add_argument("--compression", default="zstd",
                          help="shard compression (a mosaicml-streaming codec, e.g. zstd, "
                               "zstd:9, gz, br, snappy) or 'none'; default %(default)s")
+    prepare.add_argument("--progress-every", type=float, default=30, metavar="SECONDS",
+                         help="when stderr is not a terminal (a batch log), print a progress "
+                              "line on stdout every SECONDS instead of progress bars (0: "
+                              "none); default %(default)s")
     prepare.add_argument("--overwrite", action="store_true",
                          help="replace a dataset already in --out")
     _add_cache_dir(prepare)
@@ -113,32 +131,61 @@ def _fetch(args) -> int:
 
 def _prepare(args) -> int:
     from t2train.data.corpora import fetch_corpus
+    from t2train.data.inputs import PATTERNS, encoding_name
     from t2train.data.prepare import prepare_dataset
 
     inputs = args.input or [str(p) for p in fetch_corpus(args.corpus, args.cache_dir)]
+    if args.progress_every < 0:
+        raise DataError(f"--progress-every {args.progress_every}: must be >= 0 seconds")
+    bars = sys.stderr.isatty()
     start = time.monotonic()
     index = prepare_dataset(inputs, args.out, args.seq_length, vocab_size=args.vocab_size,
                             tokenizer=args.tokenizer, val_fraction=args.val_fraction,
                             seed=args.seed, text_field=args.text_field,
                             overwrite=args.overwrite, workers=args.workers,
                             compression=None if args.compression == "none" else args.compression,
-                            progress=sys.stderr.isatty())
+                            progress=bars, progress_every=0 if bars else args.progress_every,
+                            encoding=args.encoding, skip_binary=args.skip_binary,
+                            patterns=args.pattern or PATTERNS)
     elapsed = time.monotonic() - start
     total = index["total_tokens"]
     tok = index["tokenizer"]
-    print(f"prepared {args.out}: {total:,} tokens from {len(index['sources'])} files in "
-          f"{elapsed:.1f}s ({total / elapsed:,.0f} tokens/s, {args.workers} worker(s))")
+    print(f"prepared {args.out}: {total:,} tokens from {_count(len(index['sources']), 'file')} "
+          f"in {elapsed:.1f}s ({total / elapsed:,.0f} tokens/s, "
+          f"{_count(args.workers, 'worker')})")
     for split, facts in index["splits"].items():
         print(f"  {split:<5} {facts['samples']:>9,} samples of {index['seq_length'] + 1} tokens "
-              f"in {facts['shards']} shard(s)")
+              f"in {_count(facts['shards'], 'shard')}")
     print(f"  tokenizer: {tok['source']}, vocab {index['vocab_size']}, eos id "
           f"{index['eos_id']}, sha256 {tok['sha256'][:12]}")
-    skipped = len(index["skipped_empty_files"])
     replaced = sum(s["replaced_chars"] for s in index["sources"])
     empty_docs = sum(s["empty_documents"] for s in index["sources"])
-    notes = [f"skipped {skipped} empty file(s)"] if skipped else []
-    notes += [f"skipped {empty_docs} empty document(s)"] if empty_docs else []
-    notes += [f"replaced {replaced} invalid UTF-8 sequence(s) with U+FFFD"] if replaced else []
+    notes = [_skipped(index["skipped_empty_files"], "empty"),
+             _skipped(index["skipped_binary_files"], "binary")]
+    notes += [f"skipped {_count(empty_docs, 'empty document')}"] if empty_docs else []
+    invalid = f"invalid {encoding_name(args.encoding)} sequence"
+    notes += [f"replaced {_count(replaced, invalid)} with U+FFFD"] if replaced else []
     notes += [f"dropped the last {index['dropped_tokens']} tokens (less than one sample)"]
-    print(f"  {'; '.join(notes)}")
+    print("\n".join(f"  {note}" for note in notes if note))
     return 0
+
+
+def _count(number: int, thing: str) -> str:
+    return f"{number:,} {thing}{'' if number == 1 else 's'}"
+
+
+def _skipped(paths: list[str], kind: str, named: int = 3) -> str:
+    """``skipped 2 empty files: a.txt, b.txt``, naming the first ``named``."""
+    if not paths:
+        return ""
+    more = f" and {len(paths) - named} more" if len(paths) > named else ""
+    return (f"skipped {_count(len(paths), kind + ' file')}: "
+            f"{', '.join(_shown(p) for p in paths[:named])}{more}")
+
+
+def _shown(path: str) -> str:
+    """A path relative to the working directory when it is below it."""
+    try:
+        return str(Path(path).relative_to(Path.cwd()))
+    except ValueError:
+        return path

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,11 +85,10 @@ def streaming_env(world: StreamingWorld) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def reader_world(is_reader: bool, dp_rank: int, dp_size: int,
-                 group=None) -> Optional[StreamingWorld]:
+def reader_world(is_reader: bool, dp_rank: int, dp_size: int) -> Optional[StreamingWorld]:
     """The streaming world of this process if it reads data, else None.
 
-    A collective: every rank of ``group`` (default: all ranks) must call it. Readers must be
+    A collective: every rank must call it (it may create a group). Readers must be
     exactly one per data-parallel rank, consecutive ranks on each host, and the same number on
     every host (streaming's layout). Without torch.distributed it is a world of one.
     """
@@ -97,9 +97,9 @@ def reader_world(is_reader: bool, dp_rank: int, dp_size: int,
             raise ValueError(f"dp_size={dp_size} but torch.distributed is not initialized; "
                              "expected dp_size=1 in a single process")
         return StreamingWorld(0, 1, 0, 1) if is_reader else None
-    entries: list = [None] * dist.get_world_size(group)
+    entries: list = [None] * dist.get_world_size()
     dist.all_gather_object(entries, (socket.gethostname(), bool(is_reader), dp_rank,
-                                     dist.get_rank()), group=group)
+                                     dist.get_rank()))
     readers = sorted((e for e in entries if e[1]), key=lambda e: e[2])
     if [e[2] for e in readers] != list(range(dp_size)):
         raise ValueError(f"expected one data reader per data-parallel rank 0..{dp_size - 1}, "
@@ -115,13 +115,31 @@ def reader_world(is_reader: bool, dp_rank: int, dp_size: int,
         raise ValueError("hosts have different numbers of data readers "
                          f"{ {h: len(r) for h, r in hosts.items()} }; mosaicml-streaming needs "
                          "the same number on every host")
+    readers_group = None
+    if len(readers) != dist.get_world_size():  # every rank, so that all count groups alike
+        readers_group = dist.new_group([e[3] for e in readers])
     if not is_reader:
         return None
-    readers_group = None
-    if len(readers) != dist.get_world_size():  # only readers call this (local synchronization)
-        readers_group = dist.new_group([e[3] for e in readers], use_local_synchronization=True)
     local = hosts[socket.gethostname()]
     return StreamingWorld(dp_rank, dp_size, local.index(dp_rank), len(local), readers_group)
+
+
+class _StoppableLoader(StreamingDataLoader):
+    """Keeps the torch iterator it hands out, so that its worker processes can be shut down
+    while an exception's traceback still holds the iterator (dropping the last reference is
+    torch's only public way). Both hooks are torch's private names; the test of
+    ``TokenBatches.close`` fails if an upgrade renames them."""
+
+    _live = None
+
+    def _get_iterator(self):
+        self._live = super()._get_iterator()
+        return self._live
+
+    def stop_workers(self) -> None:
+        live, self._live = self._live, None
+        if live is not None and live._num_workers:
+            live._shutdown_workers()
 
 
 class TokenBatches:
@@ -139,16 +157,20 @@ class TokenBatches:
     The sample order depends on the datasets, ``seed`` and ``num_canonical_nodes`` only, not
     on the number of readers: sample ids follow one global sequence, of which each step's
     micro-batches over all readers take the next ``micro_batch_size * readers * micro-batches``
-    (reader ``r`` of ``R`` on one host takes every ``R``-th). So a run resumed with another
-    number of data-parallel readers and the same global batch continues the same sequence.
-    ``num_canonical_nodes`` must divide, or be a multiple of, the readers' node count of a
-    fresh run (the default 1 fits any); a resumed run keeps the value and seed of its state.
+    (reader ``r`` of ``R`` on one host takes every ``R``-th). ``step_samples`` (the global
+    batch of a training step) cuts every epoch to whole steps, so no step spans two epochs and
+    each step takes the same samples under any layout (readers, nodes, micro-batch size) with
+    that step size: a run resumed at another data-parallel size continues the sequence of the
+    uninterrupted run exactly. ``num_canonical_nodes`` and the readers' node count must divide
+    one another (the default 1 fits any); a resumed run keeps the value and seed of its state.
+    A resume that cannot continue the sequence exactly is refused, naming both layouts.
     """
 
     def __init__(self, path: str | Path | Sequence[DataStream], split: str,
                  micro_batch_size: int, seq_length: int, world: StreamingWorld, seed: int,
                  shuffle: bool = True, remote: Optional[str] = None, num_workers: int = 0,
-                 finite: bool = False, num_canonical_nodes: int = 1):
+                 finite: bool = False, num_canonical_nodes: int = 1,
+                 step_samples: Optional[int] = None):
         if isinstance(path, (str, Path)):
             path = [DataStream(path, remote)]
         elif remote is not None:
@@ -157,9 +179,15 @@ class TokenBatches:
             raise ValueError(f"micro_batch_size={micro_batch_size}: must be >= 1")
         if num_canonical_nodes < 1:
             raise ValueError(f"num_canonical_nodes={num_canonical_nodes}: must be >= 1")
+        per_load = micro_batch_size * world.world_size  # samples of one batch on every reader
+        if step_samples is not None and (step_samples < 1 or step_samples % per_load):
+            raise ValueError(f"step_samples={step_samples}: must be a multiple of micro_batch_size"
+                             f" * readers = {per_load}")
         self.where = " + ".join(f"{stream.path}/{split}" for stream in path)
         self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
-        self.world, self.finite = world, finite
+        self.world, self.finite, self.step_samples = world, finite, step_samples
+        self.canonical_nodes = num_canonical_nodes  # a loaded state's value replaces it
+        self._nodes_checked = False  # at the first batch, or when a state is loaded
         streams = split_streams(path, split, seq_length)
         with streaming_env(world):
             if world.local_rank == 0:
@@ -169,58 +197,133 @@ class TokenBatches:
             self.dataset = _NumberedDataset(
                 streams=streams, shuffle=shuffle, shuffle_seed=seed,
                 num_canonical_nodes=num_canonical_nodes, batch_size=micro_batch_size)
-            self.loader = StreamingDataLoader(self.dataset, batch_size=micro_batch_size,
-                                              num_workers=num_workers, drop_last=not finite,
-                                              collate_fn=_collate)
+            self.loader = _StoppableLoader(self.dataset, batch_size=micro_batch_size,
+                                            num_workers=num_workers, drop_last=not finite,
+                                            collate_fn=_collate)
         self._batches: Optional[Iterator[dict]] = None  # the current pass (epoch)
+        self._left: Optional[int] = None  # batches this reader still takes from the pass
+        self._epoch_samples = self.dataset.epoch_size  # what one step-cut epoch uses
+        if step_samples is not None:
+            self._epoch_samples -= self._epoch_samples % step_samples
+            if not self._epoch_samples:
+                raise DataError(f"{self.where}: {self.dataset.epoch_size} samples give no full "
+                                f"training step of {step_samples} samples (the global batch); "
+                                "lower the batch size or add data")
 
     def __iter__(self) -> "TokenBatches":
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
         with streaming_env(self.world):
-            # At most: the current pass ends, a pass resumed at its very end is empty, and a
-            # fresh pass must then yield, unless the split is too small for one micro-batch.
-            for _ in range(3):
+            if not self._nodes_checked:
+                check_node_count(self.canonical_nodes, self._layout(), None)
+                self._nodes_checked = True
+            # At most: the current pass ends (or its whole steps do), a pass resumed at its
+            # end is empty or ends at once, and a fresh pass must then yield, unless the split
+            # is too small for one micro-batch.
+            for _ in range(4):
                 if self._batches is None:
-                    self._batches = iter(self.loader)
-                try:
-                    batch = next(self._batches, None)
-                except DataError as err:  # from a DataLoader worker: the traceback in the text
-                    lines = str(err).strip().splitlines()
-                    if len(lines) > 1:
-                        raise DataError(lines[-1].split("DataError: ", 1)[-1]) from None
-                    raise
-                except RuntimeError:  # "Background thread failed": the shard it names instead
-                    failure = getattr(self.dataset, "_shard_failure", None)
-                    if failure is None:
-                        raise
-                    raise failure from None
+                    self._batches, self._left = iter(self.loader), None
+                batch = self._next_batch() if self._left != 0 else None
                 if batch is not None:
-                    return self._shift(batch)
-                self._batches = None
+                    self._left = self._batches_left() if self._left is None else self._left - 1
+                    if self._left >= 0:
+                        return self._shift(batch)
+                self._batches = None  # the pass ended, or its last whole step did
                 if self.finite:
                     raise StopIteration
         raise DataError(f"{self.where}: {self.dataset.epoch_size} samples give no full "
                         f"micro-batch of {self.micro_batch_size} per data-parallel reader ("
                         f"{self.world.world_size} readers); lower the micro-batch size or add data")
 
+    def close(self) -> None:
+        """Stop this stream's DataLoader workers now. Forked inside the trainer's stop guard,
+        they hold its stop signals blocked (``t2train/signals.py``), so the interpreter's exit,
+        which terminates and then joins them, would wait forever; torch's own shutdown asks
+        them to finish through their index queues instead."""
+        self._batches = None
+        self.loader.stop_workers()
+
     def state_dict(self) -> dict:
-        """The position in the stream (global: the same on every reader)."""
+        """The position in the stream (global: the same on every reader) and the layout that
+        saved it. At the end of an epoch's whole steps it is the start of the next epoch."""
         with streaming_env(self.world):
-            return self.loader.state_dict()
+            state = self.loader.state_dict()
+        if self.step_samples is not None and state["sample_in_epoch"] >= self._epoch_samples:
+            state.update(epoch=state["epoch"] + 1, sample_in_epoch=0)
+        return dict(state, layout=self._layout())
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state`` with the next batch (streaming applies it at the next pass)."""
+        """Continue from ``state`` with the next batch (streaming applies it at the next pass);
+        ``DataError`` if this layout cannot continue its sample sequence exactly."""
+        state = dict(state)
+        saved = state.pop("layout", None)
+        saved = saved or {}  # {}: a state saved without its layout
+        if self.step_samples is not None \
+                and saved.get("step_samples") not in (None, self.step_samples):
+            raise DataError(
+                f"the data position was saved by a run of {_describe(saved)}; this run has "
+                f"{_describe(self._layout())}: the sample sequence continues exactly only with "
+                "the same number of samples per step (the global batch size)")
+        self.canonical_nodes = state["num_canonical_nodes"]
+        check_node_count(self.canonical_nodes, self._layout(), saved)
+        self._nodes_checked = True
         with streaming_env(self.world):
             self.loader.load_state_dict(state)
         self._batches = None
+
+    def _next_batch(self) -> Optional[dict]:
+        """The pass's next batch, or None at its end; a ``DataError`` raised in a DataLoader
+        worker is re-raised as the worker's one-line message."""
+        try:
+            return next(self._batches, None)
+        except DataError as err:  # from a DataLoader worker: the traceback in the text
+            lines = str(err).strip().splitlines()
+            if len(lines) > 1:
+                raise DataError(lines[-1].split("DataError: ", 1)[-1]) from None
+            raise
+        except RuntimeError:  # "Background thread failed": the shard it names instead
+            failure = getattr(self.dataset, "_shard_failure", None)
+            if failure is None:
+                raise
+            raise failure from None
+
+    def _batches_left(self) -> int:
+        """After a pass's first batch: how many more this reader takes before the epoch's
+        whole steps are used up (negative: the pass resumed beyond them)."""
+        if self.step_samples is None:
+            return sys.maxsize
+        with streaming_env(self.world):
+            position = self.loader.state_dict()["sample_in_epoch"]  # after this batch
+        return (self._epoch_samples - position) // (self.micro_batch_size
+                                                   * self.world.world_size)
+
+    def _layout(self) -> dict:
+        nodes = self.world.world_size // self.world.local_world_size
+        return {"readers": self.world.world_size, "nodes": nodes,
+                "micro_batch_size": self.micro_batch_size, "step_samples": self.step_samples}
 
     def _shift(self, batch: dict) -> dict[str, torch.Tensor]:
         samples = batch["tokens"].to(torch.int64)  # stored as uint16/uint32
         return {"tokens": samples[:, :self.seq_length].contiguous(),
                 "labels": samples[:, 1:self.seq_length + 1].contiguous(),
                 "sample_ids": batch["sample_ids"]}
+
+
+def check_node_count(canonical_nodes: int, layout: dict, saved: Optional[dict]) -> None:
+    """Refuse a node count at which streaming would not keep the sample order: the canonical
+    node count (a saved position's, or the configured one) and the readers' node count must
+    divide one another (otherwise streaming reorders samples within steps, or refuses).
+    ``layout`` is this run's (``TokenBatches``), ``saved`` that of a loaded position."""
+    nodes = layout["nodes"]
+    if canonical_nodes % nodes == 0 or nodes % canonical_nodes == 0:
+        return
+    resumed = saved is not None
+    raise DataError(
+        f"num_canonical_nodes={canonical_nodes}{' (from the saved data position)' * resumed} "
+        f"and this run's data readers on {nodes} nodes ({_describe(layout)}): one must divide "
+        "the other to keep the sample order"
+        + (f"; the position was saved by a run of {_describe(saved)}" if resumed else ""))
 
 
 class _NumberedDataset(StreamingDataset):
@@ -257,13 +360,36 @@ class _NumberedDataset(StreamingDataset):
             verified.add(shard_id)
         return dict(sample, sample_id=sample_id)
 
+    def __iter__(self) -> Iterator[dict]:
+        yield from super().__iter__()
+        failure = getattr(self, "_shard_failure", None)
+        if failure is not None:  # streaming ends the pass quietly when a thread failed
+            raise failure
+
+    def _prepare_thread(self, it) -> None:
+        _exits_counted(super()._prepare_thread, it)
+
+    def _ready_thread(self, it) -> None:
+        _exits_counted(super()._ready_thread, it)
+
     def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
         try:
             super().prepare_shard(shard_id, blocking)
-        except DataError:
-            raise
         except Exception as err:  # zstd errors, streaming's "Checksum failure", no remote...
+            self._release_shard(shard_id)
+            if isinstance(err, DataError):
+                raise
             raise _shard_error(self.shards[shard_id], "cannot prepare it", err) from None
+
+    def _release_shard(self, shard_id: int) -> None:
+        """After a failed preparation: mark the shard as local, so that the processes waiting
+        for it (other DataLoader workers, other readers on this host) stop waiting, read it,
+        and meet the failure themselves (streaming prepares a shard again when its file is
+        missing) instead of waiting forever for a shard left "preparing"."""
+        from streaming.base.dataset import _ShardState
+
+        with self._cache_filelock:
+            self._shard_states[shard_id] = _ShardState.LOCAL
 
     def _stop_threads(self) -> None:
         if hasattr(self, "_event"):  # streaming's download threads end at their next check
@@ -278,6 +404,27 @@ class _NumberedDataset(StreamingDataset):
             self._event.set()
             return
         super().on_exception(future)
+
+
+def _exits_counted(thread_body, it) -> None:
+    """Run a streaming download thread's body so that it counts as exited also when it
+    fails: the pass's end waits for every thread's exit, and streaming counts only normal
+    ones, so one failed shard would otherwise leave the reader waiting forever."""
+    try:
+        thread_body(it)
+    except BaseException:
+        it.on_exit()
+        raise
+
+
+def _describe(layout: dict) -> str:
+    """A saved or current reader layout in words, for errors."""
+    if not layout:
+        return "an unrecorded layout"
+    step = layout.get("step_samples")
+    return (f"{layout['readers']} data-parallel reader(s) on {layout['nodes']} node(s), "
+            f"micro-batch {layout['micro_batch_size']}"
+            + (f", {step} samples per step" if step else ""))
 
 
 def _shard_files(shard) -> list[tuple[str, Any]]:

@@ -16,6 +16,7 @@ at the end: an interrupted run leaves no directory that looks like a finished da
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import uuid
@@ -26,10 +27,11 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 from streaming import MDSWriter
 from streaming.base.compression import get_compressions, is_compression
-from tqdm import tqdm
 
 from t2train.data.errors import DataError
-from t2train.data.inputs import InputFile, resolve_inputs
+from t2train.data.inputs import (PATTERNS, InputFile, check_encoding, encoding_name,
+                                 resolve_inputs)
+from t2train.data.progress import progress_meter
 from t2train.data.tokenize import Batch, encode_batches
 from t2train.data.tokenizer import (TOKENIZER_FILE, eos_id, load_tokenizer, save_tokenizer,
                                     token_dtype, train_tokenizer)
@@ -48,27 +50,38 @@ def prepare_dataset(inputs: Sequence[str], out_dir: str | Path, seq_length: int,
                     vocab_size: int = 8192, tokenizer: Optional[str | Path] = None,
                     val_fraction: float = 0.05, compression: Optional[str] = "zstd",
                     seed: int = 0, text_field: str = "text", overwrite: bool = False,
-                    workers: int = 1, progress: bool = False) -> dict:
-    """Tokenize ``inputs`` (files or globs; ``.txt``, ``.jsonl``, ``.parquet``) into ``out_dir``.
+                    workers: int = 1, progress: bool = False, progress_every: float = 0.0,
+                    encoding: str = "utf-8", skip_binary: bool = False,
+                    patterns: Sequence[str] = PATTERNS) -> dict:
+    """Tokenize ``inputs`` (files, globs or directories; ``.txt``, ``.jsonl``, ``.parquet``)
+    into ``out_dir``.
 
     A ``.txt`` file is one document; each line of a ``.jsonl`` file and each row of a
-    ``.parquet`` file is one, its text in ``text_field``. Without ``tokenizer`` (a
+    ``.parquet`` file is one, its text in ``text_field``. A directory gives the files under it
+    whose names match ``patterns``. Text is decoded from ``encoding``; a file that does not
+    look like text in it (``InputFile.not_text``) stops preparation naming the file, or with
+    ``skip_binary`` is left out (listed in the index). Without ``tokenizer`` (a
     ``tokenizer.json``), a byte-level BPE of ``vocab_size`` is trained on the inputs first.
     ``workers`` processes encode the text (the output does not depend on it); ``progress``
-    shows progress bars on stderr. Each sample goes to ``val`` with probability
-    ``val_fraction`` (seeded), and both splits get at least one sample. Returns the index
-    written to ``out_dir/index.json``.
+    shows progress bars on stderr, ``progress_every`` (seconds) instead prints a progress line
+    on stdout that often. Each sample goes to ``val`` with probability ``val_fraction``
+    (seeded), and both splits get at least one sample. Returns the index written to
+    ``out_dir/index.json``.
     """
     _check_settings(seq_length, val_fraction, compression, text_field, workers)
     if tokenizer is None:
         token_dtype(vocab_size)  # refuse a vocabulary too large to store before training it
-    files = [InputFile(path, text_field) for path in resolve_inputs(inputs)]
+    paths = resolve_inputs(inputs, patterns)
+    check_encoding(encoding, paths)
+    files, not_text = _text_files([InputFile(p, text_field, encoding) for p in paths],
+                                  skip_binary)
+    meter = functools.partial(progress_meter, bar=progress, every=progress_every)
     out_dir = Path(out_dir)
     _check_out_dir(out_dir, overwrite)
     if tokenizer is not None:
         tok = load_tokenizer(tokenizer)
     else:  # a first pass over the inputs, before anything is written
-        tok = train_tokenizer((text for _, text, _ in _read(files, "reading for BPE", progress)),
+        tok = train_tokenizer((text for _, text, _ in _read(files, "reading for BPE", meter)),
                               vocab_size)
     vocab = tok.get_vocab_size()
     dtype = token_dtype(vocab)
@@ -81,9 +94,9 @@ def prepare_dataset(inputs: Sequence[str], out_dir: str | Path, seq_length: int,
                  "tokenizer": {"file": TOKENIZER_FILE, "sha256": save_tokenizer(tok, tmp),
                                "source": str(tokenizer) if tokenizer else "trained",
                                "requested_vocab_size": None if tokenizer else vocab_size},
-                 "text_field": text_field, "val_fraction": val_fraction, "seed": seed,
-                 "compression": compression}
-        index.update(_write_splits(files, tok, index, tmp, workers, progress))
+                 "text_field": text_field, "encoding": encoding, "val_fraction": val_fraction,
+                 "seed": seed, "compression": compression, "skipped_binary_files": not_text}
+        index.update(_write_splits(files, tok, index, tmp, workers, meter))
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         _move_into_place(tmp, out_dir)
     except BaseException:
@@ -91,8 +104,9 @@ def prepare_dataset(inputs: Sequence[str], out_dir: str | Path, seq_length: int,
         raise
     for src in index["sources"]:
         if src["replaced_chars"]:
-            warnings.warn(f"{src['path']}: {src['replaced_chars']} invalid UTF-8 sequence(s) "
-                          "replaced with U+FFFD", stacklevel=2)
+            warnings.warn(f"{src['path']}: {src['replaced_chars']} invalid "
+                          f"{encoding_name(encoding)} sequence(s) replaced with U+FFFD (text in "
+                          "another encoding? give it with --encoding)", stacklevel=2)
     return index
 
 
@@ -122,6 +136,23 @@ def read_index(path: str | Path) -> dict:
             index.get("splits"), dict):
         raise DataError(f"{file}: malformed (token_dtype or splits missing or invalid)")
     return index
+
+
+def _text_files(files: list[InputFile], skip_binary: bool) -> tuple[list[InputFile], list[str]]:
+    """The inputs that look like text, and the paths of those that do not (refused unless
+    ``skip_binary``)."""
+    not_text = [(file, reason) for file in files if (reason := file.not_text())]
+    if not_text and not skip_binary:
+        file, reason = not_text[0]
+        others = f" (and {len(not_text) - 1} more such file(s))" if len(not_text) > 1 else ""
+        raise DataError(f"input {file.path}: does not look like {encoding_name(file.encoding)} "
+                        f"text ({reason}){others}; skip such files with --skip-binary, or give "
+                        "the encoding with --encoding if it is text in another one")
+    skipped = {file.path for file, _ in not_text}
+    text = [file for file in files if file.path not in skipped]
+    if not text:
+        raise DataError(f"no text inputs: all {len(files)} input file(s) look binary")
+    return text, [str(file.path.resolve()) for file, _ in not_text]
 
 
 def _check_settings(seq_length, val_fraction, compression, text_field, workers) -> None:
@@ -157,7 +188,7 @@ def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
 
 
 def _write_splits(files: list[InputFile], tok, index: dict, out: Path, workers: int,
-                  progress: bool) -> dict:
+                  meter) -> dict:
     """Stream tokens into train/val shards; returns the index fields that describe them."""
     dtype, eos, length = index["token_dtype"], index["eos_id"], index["seq_length"] + 1
     columns = {"tokens": f"ndarray:{dtype}"}
@@ -176,7 +207,7 @@ def _write_splits(files: list[InputFile], tok, index: dict, out: Path, workers: 
             counts[split] += 1
 
         def stream() -> Iterator[np.ndarray]:
-            batches = _batches(_read(files, "tokenizing", progress))
+            batches = _batches(_read(files, "tokenizing", meter))
             for file_index, ids in encode_batches(tok, eos, dtype, batches, workers):
                 tokens[file_index] += len(ids)
                 yield ids
@@ -205,18 +236,17 @@ def _write_splits(files: list[InputFile], tok, index: dict, out: Path, workers: 
             "splits": splits}
 
 
-def _read(files: list[InputFile], what: str,
-          progress: bool) -> Iterator[tuple[int, str, bool]]:
-    """``(file_index, text, ends_document)`` of every file in order, with a progress bar."""
-    with tqdm(total=sum(f.size for f in files), desc=what, unit="B", unit_scale=True,
-              disable=not progress) as bar:
+def _read(files: list[InputFile], what: str, meter) -> Iterator[tuple[int, str, bool]]:
+    """``(file_index, text, ends_document)`` of every file in order, showing progress with
+    ``meter`` (``progress_meter`` but for its first two arguments)."""
+    with meter(what, sum(f.size for f in files)) as update:
         done = 0  # the bytes of the files before this one
         for file_index, file in enumerate(files):
             for text, ends in file.pieces():
                 yield file_index, text, ends
-                bar.update(done + file.bytes_read - bar.n)
+                update(done + file.bytes_read)
             done += file.size
-            bar.update(done - bar.n)
+            update(done)
 
 
 def _batches(pieces: Iterator[tuple[int, str, bool]]) -> Iterator[tuple[int, Batch]]:

@@ -9,6 +9,7 @@ token streams: the same tokenizer (by sha256) and samples long enough for the ru
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -37,6 +38,21 @@ class DataStream:
     proportion: Optional[float] = None
 
 
+def unpacked_elsewhere(dataset: str | Path, cache_dir: str | Path,
+                       proportion: Optional[float] = None) -> DataStream:
+    """A local prepared dataset read through a cache: its shards are copied and unpacked into
+    ``cache_dir`` (for example node-local scratch) instead of beside themselves, and the
+    dataset directory is only read. Each version of a dataset gets its own subfolder, named
+    after the dataset and the hash of its ``index.json``, so a dataset prepared again never
+    meets the shards of the old one."""
+    index = Path(dataset) / INDEX_FILE
+    read_index(dataset)  # a clear error for a directory that is not a prepared dataset
+    version = hashlib.sha256(index.read_bytes()).hexdigest()[:12]
+    name = Path(dataset).resolve().name
+    return DataStream(Path(cache_dir) / f"{name}-{version}", str(Path(dataset).resolve()),
+                      proportion)
+
+
 def split_streams(streams: Sequence[DataStream], split: str, seq_length: int) -> list[Stream]:
     """mosaicml-streaming ``Stream``s of ``split`` of each dataset, checked to be mixable."""
     if not streams:
@@ -62,6 +78,8 @@ def split_streams(streams: Sequence[DataStream], split: str, seq_length: int) ->
                             f"{index['tokenizer']['sha256'][:12]}) differs from that of "
                             f"{first[0]} ({first[1]['tokenizer']['sha256'][:12]}); mixed datasets "
                             "must be prepared with the same tokenizer.json (--tokenizer)")
+        if stream.remote and Path(stream.remote).is_dir():  # a source on this filesystem
+            check_shard_files(DataStream(stream.remote), split)
         hashed = check_shard_files(stream, split)
         result.append(Stream(local=str(Path(stream.path) / split),
                              remote=f"{stream.remote.rstrip('/')}/{split}" if stream.remote

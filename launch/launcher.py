@@ -18,6 +18,8 @@ inside a SLURM job step the node count, node rank and rendezvous point come from
 processes per node default to the node's GPUs (SLURM_GPUS_ON_NODE, else visible CUDA devices).
 exit code 75: the trainer saved a checkpoint and stopped early (signal or --exit-duration);
 run the same command again to resume (slurm/pretrain.sbatch requeues itself).
+exit code 74: the run ended but its last checkpoint could not be written
+(checkpoint.on_save_error=continue); 3: stopped by a failure (the error line names it).
 """
 
 
@@ -58,7 +60,7 @@ def launch(args: argparse.Namespace) -> int:
     from t2train.config.loader import load_config
     from t2train.launch import plan as plans
     from t2train.launch import slurm_env, torchrun
-    from t2train.train.preemption import parse_signals
+    from t2train.signals import parse_signals
 
     config = load_config(args.preset, args.config, overrides(args))
     step = (None if args.standalone or not slurm_env.in_slurm_job(os.environ)

@@ -13,7 +13,7 @@ import threading
 from typing import Iterable
 
 from t2train.launch.plan import LaunchPlan
-from t2train.train.preemption import REQUEUE_EXIT_CODE, block
+from t2train.signals import REQUEUE_EXIT_CODE, block
 
 
 TORCH_HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -33,12 +33,15 @@ def exit_code(codes: Iterable[int]) -> int:
     """One exit code for the node from its workers' (negative: killed by that signal).
 
     A worker exits with REQUEUE_EXIT_CODE only after the checkpoint is published on every
-    rank, so that code wins over peers that torchrun killed while they were exiting.
+    rank, so that code wins over peers that torchrun killed while they were exiting. Else a
+    worker's own exit code wins over a signal: torchrun stops the other workers as soon as one
+    has failed, and a peer still exiting with the same code would report that signal.
     """
     codes = list(codes)
     if REQUEUE_EXIT_CODE in codes:
         return REQUEUE_EXIT_CODE
-    failed = [code for code in codes if code != 0] or [1]
+    failed = ([code for code in codes if code > 0] or [code for code in codes if code != 0]
+              or [1])
     return failed[0] if failed[0] > 0 else 128 - failed[0]
 
 

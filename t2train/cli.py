@@ -27,13 +27,27 @@ def _load(args):
 
 
 def _cmd_train(args) -> int:
+    from t2train.export.on_finish import export_on_finish
     from t2train.parallel.init import is_rank_zero
+    from t2train.signals import REQUEUE_EXIT_CODE
     from t2train.train.loop import train
-    from t2train.train.preemption import REQUEUE_EXIT_CODE
 
-    summary = train(_load(args))
+    config = _load(args)
+    summary = train(config)
+    if summary.final_save_failed:
+        from t2train.checkpoint.manager import SAVE_FAILED_EXIT_CODE
+
+        if is_rank_zero():
+            print(f"error: the checkpoint of the last step {summary.final_step} was not saved "
+                  f"(see the warning above); the newest published checkpoint is "
+                  f"{summary.checkpoint or 'none'}; exit code {SAVE_FAILED_EXIT_CODE}",
+                  file=sys.stderr)
+        return SAVE_FAILED_EXIT_CODE
     if is_rank_zero():
         print(_outcome(summary, REQUEUE_EXIT_CODE))
+    exported = export_on_finish(config, summary)
+    if exported is not None:
+        print(f"exported the final checkpoint for Hugging Face transformers to {exported}")
     return REQUEUE_EXIT_CODE if summary.stopped else 0
 
 
@@ -93,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     from t2train.bench.step import register as register_bench
     from t2train.checkpoint.inspect import register as register_ckpt
     from t2train.data.cli import register as register_data
+    from t2train.export.cli import register as register_export
     from t2train.launch.launcher import LAUNCH_EPILOG, add_arguments as add_launch_arguments
 
     parser = argparse.ArgumentParser(
@@ -142,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_ckpt(commands)
     register_bench(commands)
     register_compare(commands)
+    register_export(commands)
     return parser
 
 
@@ -151,12 +167,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except UserInputError as err:
+    except (UserInputError, TrainingHalted) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
-    except TrainingHalted as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 3
+        return err.exit_code
 
 
 if __name__ == "__main__":

@@ -120,6 +120,7 @@ def _load(overrides: list[str], config_file: str | None = None):
 @example([("model", {1: 2, "a": 3}, 0)])
 @example([("data.mix", "a=nan", 2)])
 @example([("train.exit_signals", 5, 0)])
+@example([("\n", None, 0)])
 def test_random_overrides_give_a_config_or_a_config_error(items):
     overrides = ["data.path=/some/data"]
     for key, value, style in items:

@@ -31,7 +31,7 @@ SAVE_AT = 3
 def _tags(run_dir: Path) -> set[str]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     events.Reload()
     return set(events.Tags()["scalars"]) | set(events.Tags()["histograms"])
 

@@ -25,6 +25,10 @@ MODELS = {
     "attnres": "model.residual=attnres",
     "block_attnres": "model.residual=block_attnres,model.attnres.block_size=4",
     "recompute": "model.residual=depth_attn,model.depth_attn.window=3,model.recompute=full",
+    "hc": "model.residual=hc",
+    "hc_static+shortswa": "model.residual=hc,model.hc.dynamic=false,model.shortswa.window=4",
+    "mhc": "model.residual=mhc",
+    "mhc+shortswa": "model.residual=mhc,model.shortswa.window=4",
 }
 SEQUENCE_PARALLEL_REFUSED = {"ddl_dv4"}  # the embedding expander needs whole sequences
 LAYOUTS = ["1x1x1", "2x1x1", "2x1x1s", "1x2x1", "1x2x2"]  # s: sequence parallel

@@ -1,9 +1,17 @@
-"""A hung rank (real torchrun processes, gloo): after ``parallel.collective_timeout_mins``
-its peer, blocked in the gradient all-reduce, ends naming the collective and itself (exit
-code 124). A killed rank restarted by ``t2train launch --max-restarts``: tests/launch."""
+"""Faults one rank sees (real torchrun processes, gloo).
+
+* A hung rank: after ``parallel.collective_timeout_mins`` its peer, blocked in the gradient
+  all-reduce, ends naming the collective and itself (exit code 124).
+* A failure one rank sees alone inside a checkpoint save, while the others wait for it in
+  one of the save's collectives: every rank ends within seconds with that rank's error
+  (exit code 3), also with ``checkpoint.on_save_error=continue``.
+
+A killed rank restarted by ``t2train launch --max-restarts``: tests/launch.
+"""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -36,3 +44,33 @@ def test_a_hung_rank_times_out_naming_the_collective_and_rank(shakespeare, tmp_p
     assert "(parallel.collective_timeout_mins=0.1)" in output
     assert "exitcode  : 124" in output
     assert time.monotonic() - started < 300
+
+
+@pytest.mark.parametrize("nproc, fault, rank, cause", [
+    (2, "save_metadata", 0, "OSError: [Errno 28] No space left on device: "),
+    (4, "save_state", 3, "CheckpointingException: cannot collect this rank's sharded state"),
+])
+def test_a_save_fault_one_rank_sees_ends_every_rank_with_its_error(shakespeare, tmp_path, nproc,
+                                                                   fault, rank, cause):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(REPO / "tests" / "workers" / "faulty_train.py"),
+           fault, "1", "--", *TINY, f"data.path={shakespeare}", f"log.run_dir={run_dir}",
+           "train.micro_batch_size=2", "train.steps=2", "checkpoint.interval=1",
+           "checkpoint.on_save_error=continue"]
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True,
+                          timeout=600)
+    ended = time.time()
+    output = proc.stdout + proc.stderr
+    fired = re.findall(rf"fault on rank {rank} at ([\d.]+)", proc.stderr)
+    assert len(fired) == 1, output[-6000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == nproc and len(set(errors)) == 1, output[-6000:]  # one each, the same
+    assert f"checkpoint save of step 1 to {run_dir}/checkpoints/step_00000001.incomplete" \
+        in errors[0] and f"failed: rank {rank}: {cause}" in errors[0], errors[0]
+    assert f"Every rank stops: rank {rank} failed alone inside the save" in errors[0]
+    assert re.findall(r"exitcode\s+: (\S+)", output) == ["3"] * nproc, output[-4000:]
+    assert not (run_dir / "checkpoints" / "latest").exists()
+    seconds = ended - float(fired[0])
+    print(f"{nproc} ranks, fault on rank {rank}: all exited {seconds:.1f}s after it")
+    assert seconds < 20  # the collective timeout would take parallel.collective_timeout_mins

@@ -1,7 +1,8 @@
 """Resuming continues a run as if it had never stopped (fp32, CPU, gloo, real processes).
 
-* every residual design: 2N steps straight vs N, save, a fresh process resumes, N more:
-  the per-step losses are bitwise identical;
+* every residual design, with dropout: 2N steps straight vs N, save, a fresh process
+  resumes, N more: the per-step losses are bitwise identical, and so are the RNG streams
+  saved at step 2N (nothing draws from them between the restore and the next step);
 * layout changes through the fully reshardable checkpoint: (TP, PP) = (1, 1) -> (2, 2) and
   (2, 2) -> (1, 1): after loading, the model and optimizer tensors equal the
   saved ones exactly, and the next losses equal the uninterrupted (1, 1) run within 1e-5;
@@ -41,10 +42,11 @@ def test_every_design_resumes_with_bitwise_identical_losses(shakespeare, tmp_pat
                             tmp_path / "straight.json")
     resumed = run_torchrun("resume_designs.py", 1, [*args, "--phase", "resume"],
                            tmp_path / "resumed.json")
-    for design, losses in straight.items():
-        tail = {step: loss for step, loss in losses.items() if int(step) > N}
+    for design, run in straight.items():
+        tail = {step: loss for step, loss in run["losses"].items() if int(step) > N}
         assert len(tail) == N
-        assert resumed[design] == tail, design  # exact float equality
+        assert resumed[design]["losses"] == tail, design  # exact float equality
+        assert resumed[design]["rng"] == run["rng"], design
 
 
 def _train(run_dir: Path, nproc: int, *overrides: str, timeout: int = 600) -> dict[int, float]:

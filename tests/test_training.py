@@ -39,7 +39,7 @@ def test_loss_falls_and_outputs_are_written(megatron_world, shakespeare, tmp_pat
     assert last < first - 1.0, f"val loss {first:.3f} -> {last:.3f}"
     assert summary.losses[60] < summary.losses[5]
 
-    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events = EventAccumulator(str(run_dir))
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "val/loss", "train/lr", "train/grad_norm",
@@ -78,7 +78,8 @@ def test_resume_none_refuses_a_used_run_directory(megatron_world, shakespeare, t
     "model.residual=ddl", "model.residual=ddl model.ddl.dv=4",
     "model.residual=ddl model.shortswa.window=16",
     "model.residual=depth_attn model.depth_attn.window=3", "model.residual=attnres",
-    "model.residual=block_attnres model.attnres.block_size=2"])
+    "model.residual=block_attnres model.attnres.block_size=2", "model.residual=hc",
+    "model.residual=mhc"])
 def test_every_residual_design_learns(megatron_world, shakespeare, tmp_path, design):
     summary = _train(shakespeare, tmp_path / "run", "train.steps=40", "train.eval_interval=40",
                      "checkpoint.interval=40", *design.split())

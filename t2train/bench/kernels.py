@@ -17,7 +17,7 @@ import sys
 import time
 
 from t2train.bench.gpu.plan import Plan, load_settings
-from t2train.kernels import bench
+from t2train.bench import kernel_cases as bench
 
 CHECK_MODE = "fwd+bwd"
 

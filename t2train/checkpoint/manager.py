@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,12 @@ import torch.distributed as dist
 from t2train.checkpoint.paths import INCOMPLETE, LATEST, is_complete, step_dir_name
 from t2train.checkpoint.retention import apply_retention
 from t2train.config.schema import CONFIG_FORMAT, Config
-from t2train.errors import TrainingHalted
+from t2train.errors import RankFailure, TrainingHalted
+
+# EX_IOERR (sysexits.h): the run ended (train.steps reached, or stopped early) but its last
+# checkpoint could not be written (checkpoint.on_save_error=continue); a job script must not
+# take the run for finished, nor requeue it as if it had saved.
+SAVE_FAILED_EXIT_CODE = 74
 
 
 def code_version() -> str:
@@ -77,6 +82,15 @@ def _save_errors() -> tuple:
     return (OSError, CheckpointException, CheckpointingException)
 
 
+def _seen_by_every_rank(err: BaseException) -> bool:
+    """torch DCP gathers every rank's planning and writing errors and raises them on all ranks
+    together (``CheckpointException``); any other error of a save is this rank's alone, and
+    its peers may be waiting for it in one of the save's collectives."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return isinstance(err, CheckpointException) or dist.get_world_size() == 1
+
+
 class Checkpointer:
     """Saves for the training loop; every method is a collective (all ranks call it).
 
@@ -89,11 +103,14 @@ class Checkpointer:
     failure (one all-reduce), so none waits for the others. ``checkpoint.on_save_error=stop``
     then ends the run (``TrainingHalted``, exit code 3) naming the path and the OS error;
     ``continue`` warns, counts it (``checkpoint/failed_saves``) and trains on, trying again at
-    the next save.
+    the next save; ``last_failed_step`` tells the loop whether its final save was lost.
+    A rank that fails alone inside the engine's save, where the others may wait for it in a
+    collective, cannot agree with them: every rank stops (``RankFailure``), under either policy.
     """
 
     def __init__(self, root: Path, config: Config, engine,
-                 report: Callable[[int, float, float, Path], None], monitor=None):
+                 report: Callable[[int, float, float, Path], None], monitor=None,
+                 counters: Optional[dict] = None):
         self.root, self.engine, self.report, self.monitor = root, engine, report, monitor
         self.settings = config.checkpoint
         self.manifest = {"config": asdict(config), "config_format": CONFIG_FORMAT,
@@ -104,7 +121,8 @@ class Checkpointer:
 
             self.queue = AsyncCallsQueue()
         self._pending: dict[Path, tuple[int, float, float]] = {}  # path -> step, start, blocked
-        self.failed_saves = 0
+        self.failed_saves = (counters or {}).get("failed_saves", 0)  # in the run, over resumes
+        self.last_failed_step: Optional[int] = None
 
     def due(self, step: int, last_step: int) -> bool:
         return step % self.settings.interval == 0 or step == last_step
@@ -119,10 +137,13 @@ class Checkpointer:
         error = self._agree(self._prepare_directory(step))
         if error is None:
             try:
-                path = self.engine.save(self.root, step, dict(train_state, **self.manifest),
-                                        self.queue, self._published)
+                path = self.engine.save(self.root, step, dict(
+                    train_state, failed_saves=self.failed_saves, **self.manifest),
+                    self.queue, self._published)
             except _save_errors() as err:
                 error = describe_save_error(err)
+                if not _seen_by_every_rank(err):
+                    self._failed_alone(step, error)
             error = self._agree(error)
         if error is not None:
             self._failed(step, error)
@@ -197,12 +218,7 @@ class Checkpointer:
         return next((f"{e}" if e.startswith("rank ") else f"rank {rank}: {e}")
                     for rank, e in enumerate(errors) if e is not None)
 
-    def _failed(self, step: int, error: str, staging: Optional[Path] = None) -> None:
-        """Every rank: clean up, then stop or warn and count, as configured."""
-        staging = staging or self.root / (step_dir_name(step) + INCOMPLETE)
-        if dist.get_rank() == 0:
-            shutil.rmtree(staging, ignore_errors=True)  # best effort: the disk may refuse
-        self.failed_saves += 1
+    def _cause(self, step: int, error: str, staging: Path) -> str:
         last = self.last_published()
         kept = (f"the last good checkpoint {last} is intact and `latest` still names it"
                 if last is not None else "no earlier checkpoint exists")
@@ -210,7 +226,28 @@ class Checkpointer:
             free = f" ({shutil.disk_usage(self.root).free / 2**30:.1f} GiB free there)"
         except OSError:
             free = ""
-        cause = f"checkpoint save of step {step} to {staging}{free} failed: {error}; {kept}"
+        return f"checkpoint save of step {step} to {staging}{free} failed: {error}; {kept}"
+
+    def _failed_alone(self, step: int, error: str, staging: Optional[Path] = None) -> NoReturn:
+        """This rank failed inside the engine's save: stop every rank (no collective now, the
+        peers may be blocked in one of the save's)."""
+        staging = staging or self.root / (step_dir_name(step) + INCOMPLETE)
+        rank = dist.get_rank()
+        if self.monitor is not None:
+            self.monitor.close()
+        raise RankFailure(f"{self._cause(step, f'rank {rank}: {error}', staging)}. Every rank "
+                          f"stops: rank {rank} failed alone inside the save, where the others "
+                          "wait for it (checkpoint.on_save_error does not apply); free or fix "
+                          "the checkpoint directory and run again to resume")
+
+    def _failed(self, step: int, error: str, staging: Optional[Path] = None) -> None:
+        """Every rank: clean up, then stop or warn and count, as configured."""
+        staging = staging or self.root / (step_dir_name(step) + INCOMPLETE)
+        if dist.get_rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)  # best effort: the disk may refuse
+        self.failed_saves += 1
+        self.last_failed_step = step
+        cause = self._cause(step, error, staging)
         if self.settings.on_save_error == "stop":
             if self.queue is not None:
                 self.queue.close()
@@ -241,8 +278,10 @@ class Checkpointer:
             # the failed request is the oldest pending one (one in flight at a time)
             path, (step, _, _) = next(iter(self._pending.items()))
             self._pending.pop(path)
-            self._failed(step, describe_save_error(err),
-                         path.with_name(path.name + INCOMPLETE))
+            staging = path.with_name(path.name + INCOMPLETE)
+            if not _seen_by_every_rank(err):
+                self._failed_alone(step, describe_save_error(err), staging)
+            self._failed(step, describe_save_error(err), staging)
 
     def _published(self, path: Path) -> None:
         if dist.get_rank() == 0:

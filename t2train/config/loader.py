@@ -204,7 +204,9 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known, key=str)  # YAML keys may be ints, None, ...
     if unknown:
-        raise ConfigError(f"{prefix}{str(unknown[0])[:60]}: unknown field; known fields of "
+        shown = str(unknown[0])[:60]
+        shown = shown if shown.isprintable() else repr(shown)  # the error stays one line
+        raise ConfigError(f"{prefix}{shown}: unknown field; known fields of "
                           f"{prefix.rstrip('.') or 'the config'}: {sorted(known)}")
     kwargs = {}
     for name, value in data.items():
@@ -229,6 +231,15 @@ def load_config(preset: Optional[str] = None, config_file: Optional[str] = None,
         data = _merge(data, _nest(path, value))
     if isinstance(data.get("model"), dict):
         data["model"] = resolve_aliases(data["model"], CONFIG_FORMAT)
+    return _build(Config, data, "").validate()
+
+
+def config_from_dict(data: dict, config_format: int = CONFIG_FORMAT) -> Config:
+    """A config recorded as a mapping (a checkpoint's ``asdict(Config)``) in ``config_format``,
+    old spellings resolved; ``ConfigError`` names a field it does not accept."""
+    data = dict(data)
+    if isinstance(data.get("model"), dict):
+        data["model"] = resolve_aliases(data["model"], config_format)
     return _build(Config, data, "").validate()
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, make_dataclass
 from typing import Literal, Optional
 
-from t2train.errors import ConfigError, require
+from t2train.errors import ConfigError, require  # ConfigError: the config's own error, re-exported
 from t2train.residual import BASELINE, components, option_sections, registered
+from t2train.signals import parse_signals
 
 
 @dataclass
@@ -32,6 +33,9 @@ class ModelShape:
     init_method_std: float = 0.02
     attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
     recompute: Literal["none", "full"] = "none"
+    # Dropout probability of the attention weights and of every sublayer's output before the
+    # residual design writes it (Megatron's attention and hidden dropout); 0 = none.
+    dropout: float = 0.0
 
     def kv_dim(self) -> int:
         """Width of one token's keys (and of its values): query groups x head dim."""
@@ -68,6 +72,7 @@ class ModelShape:
         require(self.norm_epsilon > 0, "model.norm_epsilon", self.norm_epsilon, "must be > 0")
         require(self.init_method_std > 0, "model.init_method_std", self.init_method_std,
                 "must be > 0")
+        require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
         for section in option_sections():
             getattr(self, section).validate(f"model.{section}")
 
@@ -162,6 +167,10 @@ class TrainConfig:
     # on these signals, or once this process has run exit_duration_mins (0 = no limit).
     exit_signals: str = "SIGUSR1,SIGTERM"
     exit_duration_mins: float = 0.0
+    # The LR schedule a resumed run follows when this config's differs from the checkpoint's
+    # (e.g. train.steps changed): `checkpoint` keeps the checkpoint's horizon, warm-up and LRs
+    # (Megatron's default), `config` takes this config's. The resume line names the one used.
+    schedule_on_resume: Literal["checkpoint", "config"] = "checkpoint"
     # An update whose loss or gradients are non-finite is skipped (train/skipped_steps); after
     # this many skipped in a row the run stops (exit code 3) without saving anything new.
     max_skipped_steps: int = 5
@@ -171,8 +180,6 @@ class TrainConfig:
     loss_spike_window: int = 20
 
     def validate(self) -> None:
-        from t2train.train.preemption import parse_signals
-
         for name in ("steps", "micro_batch_size", "global_batch_size", "eval_interval",
                      "eval_batches", "log_interval"):
             require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name),
@@ -221,13 +228,17 @@ class DataConfig:
     mix: str = ""
     # Fixes the sample order independently of the number of nodes (mosaicml-streaming); it must
     # divide, or be a multiple of, the node count a run starts on (1 fits any). A resumed run
-    # keeps the value of its checkpoint and may change the node count.
+    # keeps the value of its checkpoint, on any node count that divides or is a multiple of it.
     num_canonical_nodes: int = 1
+    # Unpack shards here (e.g. node-local scratch) instead of beside them in the datasets.
+    cache_dir: str = ""
 
     def validate(self) -> None:
         require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0")
         require(self.num_canonical_nodes >= 1, "data.num_canonical_nodes",
                 self.num_canonical_nodes, "must be >= 1")
+        require(not (self.cache_dir and self.remote), "data.cache_dir", self.cache_dir,
+                "cannot be combined with data.remote (data.path is then the cache)")
         self.mix_weights()
 
     def mix_weights(self) -> list[tuple[str, float]]:
@@ -269,8 +280,12 @@ class CheckpointConfig:
     save_on_resume: bool = False
     # A save that fails (read-only or full disk, a rank's write error) leaves the previous
     # checkpoint published; then `stop` ends the run (exit code 3) naming the path and the OS
-    # error, `continue` warns, counts it (checkpoint/failed_saves) and trains on.
+    # error, `continue` warns, counts it (checkpoint/failed_saves) and trains on. A run whose
+    # last save (at train.steps or at an early stop) failed exits with code 74 under either.
     on_save_error: Literal["stop", "continue"] = "stop"
+    # `t2train train` then writes the final checkpoint as a Hugging Face folder next to it
+    # (checkpoints/step_N-hf, as `t2train export hf` does); not after a run stopped early.
+    export_hf_on_finish: bool = False
 
     def validate(self) -> None:
         require(self.interval >= 1, "checkpoint.interval", self.interval, "must be >= 1")

@@ -34,6 +34,7 @@ class Engine(Protocol):
     config: Config
     vocab_size: int
     model: list  # this rank's chunks; each has ``.module``, the T2GPTModel
+    scheduler: object  # Megatron's OptimizerParamScheduler: the LR schedule in force
 
     def train_step(self, micro_batches: list[MicroBatch]) -> StepResult: ...
 

@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
 )
+import torch.nn.functional as F
 from torch import Tensor
 
 from t2train.residual.base import State
@@ -60,12 +61,17 @@ class ResidualTransformerLayer(TransformerLayer):
         mixer = [self.pre_attention_residual] if self.pre_attention is not None else []
         return mixer + [self.attn_residual, self.mlp_residual]
 
-    @staticmethod
-    def _sublayer(state: State, residual, norm, mixer: Callable[[Tensor], tuple]) -> State:
+    def _sublayer(self, state: State, residual, norm, mixer: Callable[[Tensor], tuple]) -> State:
+        """Hidden dropout is the layer's, before the design writes the output (where Megatron's
+        bias-dropout-add has it), so every design gets the same; its masks come from the
+        generator of the hidden state's layout (ResidualDecoder forks the tensor-parallel one
+        under sequence parallelism)."""
         x = residual.read(state)
         normed = norm(x)
         out, bias = mixer(normed)
-        return residual.write(state, x, normed, out if bias is None else out + bias)
+        out = out if bias is None else out + bias
+        return residual.write(state, x, normed,
+                              F.dropout(out, p=self.hidden_dropout, training=self.training))
 
     def forward(self, state: State, attention_mask: Optional[Tensor] = None,
                 rotary_pos_emb: Optional[Tensor] = None) -> State:

@@ -1,9 +1,17 @@
 """Where training numbers go: TensorBoard (scalars, images, histograms), a JSON-lines file
 of the scalars beside the event files, and the console.
 
+The event files sit in the run directory itself, so ``tensorboard --logdir runs`` labels
+each run by its name (``log.run_dir``, ``runs/{name}`` by default).
+
 Only the logging rank (global rank 0) writes files; every other rank holds a ``Monitor``
 without a run directory, which prints only when ``console`` is set (``log.all_ranks``, for
 debugging), its lines prefixed with the rank.
+
+The files hold one run: what an earlier attempt in the same directory logged after the step
+this one starts from is dropped (a resumed run: the records after its checkpoint; a fresh
+start: everything, e.g. the step-0 validation of an attempt that failed before its first
+checkpoint), so no step appears twice in ``metrics.jsonl`` nor in TensorBoard.
 """
 
 from __future__ import annotations
@@ -37,9 +45,42 @@ def quiet_other_ranks(all_ranks: bool) -> None:
     logging.disable(logging.WARNING)
 
 
+def _drop_records_after(path: Path, resumed_at: Optional[int]) -> list[str]:
+    """Keep the records of steps up to ``resumed_at`` (none for a fresh start)."""
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines(keepends=True)
+    kept = ([] if resumed_at is None else
+            [line for line in lines if _record_step(line) <= resumed_at])
+    if len(kept) == len(lines):
+        return []
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text("".join(kept))
+    os.replace(partial, path)
+    return [f"{len(lines) - len(kept)} {path.name} record(s)"]
+
+
+def _record_step(line: str) -> float:
+    """A record's step; a line cut short by a crash sorts after every step."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
+def _remove_event_files(folder: Path) -> list[str]:
+    events = sorted(folder.glob("events.out.tfevents.*")) if folder.is_dir() else []
+    for event_file in events:
+        event_file.unlink()
+    return [f"{len(events)} TensorBoard event file(s)"] if events else []
+
+
 class Monitor:
+    """``resumed_at``: the step of the checkpoint the run continues from, None for a fresh
+    start (see the module's doc)."""
+
     def __init__(self, run_dir: Optional[Path], total_steps: int, tensorboard: bool = True,
-                 purge_step: Optional[int] = None, console: Optional[bool] = None,
+                 resumed_at: Optional[int] = None, console: Optional[bool] = None,
                  prefix: str = ""):
         self.enabled = run_dir is not None
         self.console = self.enabled if console is None else console
@@ -50,11 +91,20 @@ class Monitor:
         self.jsonl = None
         if not self.enabled:
             return
+        dropped = _drop_records_after(run_dir / "metrics.jsonl", resumed_at)
+        if resumed_at is None:
+            dropped += _remove_event_files(run_dir)
+        if dropped:
+            when = (f"after step {resumed_at}, its checkpoint" if resumed_at is not None
+                    else "without saving a checkpoint")
+            self.print(f"{run_dir}: dropped what an earlier attempt logged {when} "
+                       f"({', '.join(dropped)})")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            # purge_step drops events a crashed run logged after its last checkpoint.
-            self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
+            # purge_step drops the events an earlier attempt logged after the checkpoint.
+            self.writer = SummaryWriter(str(run_dir), purge_step=(
+                resumed_at + 1 if resumed_at is not None else None))
         self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:

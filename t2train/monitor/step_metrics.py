@@ -1,6 +1,7 @@
 """The scalars logged every ``train.log_interval`` steps (the tag table is in README.md).
 
-``StepMeter`` accumulates the steps since the last log (time, data wait, skipped updates)
+``StepMeter`` accumulates the steps since the last log (time, data wait) and the run's
+counters (skipped updates, consumed tokens: saved in checkpoints and carried over a resume),
 and turns them, with the last step's result, into one dict of scalars. Building that dict
 is collective (parameter norm, memory): every rank calls ``scalars`` at the same steps.
 """
@@ -56,13 +57,19 @@ class StepMeter:
     """
 
     def __init__(self, tokens_per_step: int, devices: int, flops_per_token: float,
-                 peak_tflops: Optional[float]):
+                 peak_tflops: Optional[float], counters: Optional[dict] = None):
         self.tokens_per_step = tokens_per_step
         self.devices = devices
         self.flops_per_token = flops_per_token
         self.peak_tflops = peak_tflops
-        self.skipped_steps = 0  # since this process started
+        counters = counters or {}
+        self.skipped_steps = counters.get("skipped_steps", 0)  # in the run, over resumes
+        self.tokens = counters.get("tokens", 0)  # consumed by training steps, over resumes
         self._reset_window()
+
+    def counters(self) -> dict[str, int]:
+        """What a checkpoint keeps for ``counters`` of the resumed run's meter."""
+        return {"skipped_steps": self.skipped_steps, "tokens": self.tokens}
 
     def _reset_window(self) -> None:
         self.steps = 0
@@ -74,6 +81,7 @@ class StepMeter:
         self.seconds += seconds
         self.data_wait += data_wait
         self.skipped_steps += int(skipped)
+        self.tokens += self.tokens_per_step
 
     def scalars(self, result, parameter_norm: float) -> dict[str, float]:
         """Every interval scalar, from the window and the last step's ``StepResult``."""
@@ -85,6 +93,7 @@ class StepMeter:
             "train/grad_norm": result.grad_norm,
             "train/param_norm": parameter_norm,
             "train/skipped_steps": self.skipped_steps,
+            "train/tokens": self.tokens,
             "throughput/tokens_per_sec": tokens_per_sec,
             "throughput/tokens_per_sec_per_device": tokens_per_sec / self.devices,
             "throughput/tflops_per_device": tflops,
@@ -99,11 +108,13 @@ class StepMeter:
         return values
 
 
-def step_meter(config, vocab_size: int, devices: int) -> tuple[StepMeter, str]:
-    """The run's meter, and a one-line note on MFU: the peak it uses, or why there is none."""
+def step_meter(config, vocab_size: int, devices: int,
+               counters: Optional[dict] = None) -> tuple[StepMeter, str]:
+    """The run's meter (``counters``: a resumed checkpoint's train state), and a one-line note
+    on MFU: the peak it uses, or why there is none."""
     from t2train.model.build import compute_dtype
 
     peak, note = resolve_peak(config.log.peak_tflops, compute_dtype(config))
     tokens_per_step = config.train.global_batch_size * config.model.seq_length
     flops = model_flops_per_token(config.model, vocab_size)
-    return StepMeter(tokens_per_step, devices, flops, peak), note
+    return StepMeter(tokens_per_step, devices, flops, peak, counters), note

@@ -24,6 +24,8 @@ _DESIGNS = {  # name -> (module, attribute)
     "depth_attn": ("t2train.residual.depth_attn", "DESIGN"),
     "attnres": ("t2train.residual.attnres", "FULL"),
     "block_attnres": ("t2train.residual.attnres", "BLOCK"),
+    "hc": ("t2train.residual.hc", "DESIGN"),
+    "mhc": ("t2train.residual.mhc", "DESIGN"),
 }
 BASELINE = "standard"  # the default design, and the one benchmarks compare against
 _MIXER = ("t2train.residual.shortswa", "MIXER")
@@ -48,6 +50,17 @@ def mixer():
     """The ``LocalMixer`` (ShortSWA)."""
     module, attribute = _MIXER
     return getattr(importlib.import_module(module), attribute)
+
+
+def kernel_references() -> dict:
+    """Each fused kernel's PyTorch reference (``t2train.kernels.dispatch.KERNELS`` names them),
+    for benchmarks: the designs' own functions."""
+    from t2train.residual import attnres, ddl, mhc, window_attention
+
+    return {"window_attention": window_attention.short_window_attention,
+            "delta_write": ddl.delta_write, "depth_mix": attnres.depth_mix,
+            "block_phase_1": attnres.block_phase_1, "block_phase_2": attnres.block_phase_2,
+            "stream_read": mhc.stream_read, "stream_write": mhc.stream_write}
 
 
 def option_sections() -> dict[str, type]:

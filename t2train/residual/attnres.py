@@ -108,6 +108,18 @@ def depth_mix(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
         return _weighted_sum(weights, x).to(stacked.dtype)
 
 
+def mix_sources(query: Tensor, sources, partial: Optional[Tensor], eps: float) -> Tensor:
+    """``depth_mix`` over the sources and the open block's partial sum (if any), through the
+    two-phase Triton kernel where ``T2_KERNELS`` routes it."""
+    values = list(sources) + ([] if partial is None else [partial])
+    mix = dispatch.route("depth_mix", _mix_parts, query, *values)
+    return mix(query, list(sources), partial, eps)
+
+
+def _mix_parts(query: Tensor, sources: list, partial: Optional[Tensor], eps: float) -> Tensor:
+    return depth_mix(query, sources + ([] if partial is None else [partial]), eps)
+
+
 def mixing_weights(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
     """The softmax weights of ``depth_mix`` [n_sources, s, b] (for diagnostics)."""
     x = torch.stack(values).float()
@@ -115,11 +127,10 @@ def mixing_weights(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
         return torch.softmax((x @ query.float()) * _inverse_rms(x, eps), dim=0)
 
 
-def block_phase_1(queries: Tensor, sources: list[Tensor], eps: float) -> tuple[Tensor, Tensor]:
+def block_phase_1(queries: Tensor, stacked: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """Phase 1 of Block AttnRes (arXiv 2603.15031 Sec. 4.2): S pseudo-queries [S, h] over the
-    completed sources at once, one read of the sources. O [S, s, b, h] is each query's
-    mixture of the sources, LSE [S, s, b] its logsumexp (both fp32)."""
-    stacked = torch.stack(sources)
+    completed sources [N, s, b, h] at once, one read of the sources. O [S, s, b, h] is each
+    query's mixture of the sources, LSE [S, s, b] its logsumexp (both fp32)."""
     with torch.autocast(stacked.device.type, enabled=False):
         x = at_least_fp32(stacked)
         logits = (x @ queries.to(x.dtype).T) * _inverse_rms(x, eps).unsqueeze(-1)  # [N,s,b,S]
@@ -168,15 +179,17 @@ class BlockAttnResidual(SublayerResidual):
         out, lse = self._phase_1_row(state)
         if state.partial is None:
             return out.to(state.sources[0].dtype)
-        return dispatch.block_phase_2(state.partial, self.query, out, lse, self.eps)
+        phase_2 = dispatch.route("block_phase_2", block_phase_2, state.partial, out)
+        return phase_2(state.partial, self.query, out, lse, self.eps)
 
     def _phase_1_row(self, state: AttnResState) -> tuple[Tensor, Tensor]:
         """This read's phase-1 result, computed with its block mates' if not yet done."""
         if state.reads is not None and self.index in state.reads:
             return state.reads.pop(self.index)
         mates = self.block_mates if state.reads is not None else [self]
-        out, lse = dispatch.block_phase_1(torch.stack([mate.query for mate in mates]),
-                                          state.sources, self.eps)
+        queries, sources = torch.stack([mate.query for mate in mates]), torch.stack(state.sources)
+        phase_1 = dispatch.route("block_phase_1", block_phase_1, queries, sources)
+        out, lse = phase_1(queries, sources, self.eps)
         rows = {mate.index: (out[i], lse[i]) for i, mate in enumerate(mates)}
         row = rows.pop(self.index)
         if state.reads is not None:
@@ -234,7 +247,7 @@ class AttnResStream(ResidualStream):
         final = self.per_layer * self.config.num_layers  # numbered after the last sublayer
         probe.record("attnres", final, lambda: mixing_weights(
             self.final_query, values, self.eps).mean((1, 2)))
-        return dispatch.depth_mix(self.final_query, state.sources, state.partial, self.eps)
+        return mix_sources(self.final_query, state.sources, state.partial, self.eps)
 
     def to_units(self, state: AttnResState) -> list[Tensor]:
         return state.values()

@@ -113,6 +113,13 @@ def delta_write(state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor,
     return delta_update(state, k, beta, v)
 
 
+def write_delta(state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor,
+                k_eps: float, v_scale: float) -> Tensor:
+    """``delta_write``, through the fused Triton kernel where ``T2_KERNELS`` routes it."""
+    write = dispatch.route("delta_write", delta_write, state, out, beta_logit, v_logit)
+    return write(state, out, beta_logit, v_logit, k_eps, v_scale)
+
+
 class ChannelMixRead(torch.nn.Module):
     """The folded CC compressor: x_in[..., i] = sum_j w[j, i] X_j[..., i]."""
 
@@ -149,8 +156,8 @@ class DeltaResidual(SublayerResidual):
         probe.record("ddl_beta", sublayer, lambda: 2 * torch.sigmoid(beta_logit.float()))
         probe.record("ddl_kx", sublayer, lambda: (  # the readout k^T X that v replaces
             normalized_direction(out, self.k_eps) * at_least_fp32(state)).sum(-1))
-        return dispatch.delta_write(state, out, beta_logit, fp32_linear(x, self.v_proj),
-                                    self.k_eps, self.v_scale)
+        return write_delta(state, out, beta_logit, fp32_linear(x, self.v_proj), self.k_eps,
+                           self.v_scale)
 
 
 class DeltaStream(ResidualStream):

@@ -32,11 +32,10 @@ from megatron.core.utils import divide
 from torch import Tensor
 
 from t2train.errors import require
-from t2train.kernels.dispatch import short_window_attention
 from t2train.nn.norm import RMSNorm
 from t2train.nn import probe
 from t2train.residual.base import ResidualDesign, ResidualStream, SublayerResidual
-from t2train.residual.window_attention import window_attention_probs
+from t2train.residual.window_attention import attend_window, window_attention_probs
 
 
 @dataclass
@@ -88,7 +87,7 @@ class DepthRead(MegatronModule):
         # Weights over the states entering layers l-n+1 .. l (0-based), averaged.
         probe.record("depth_attn", self.layer_number, lambda: window_attention_probs(
             q, k, self.window, scale).mean((0, 1, 2)))
-        z = short_window_attention(q, k, v, self.window, scale)
+        z = attend_window(q, k, v, self.window, scale)
         out, _ = self.linear_proj(z.reshape(s, b, self.heads * self.head_dim))
         return out
 

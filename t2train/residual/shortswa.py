@@ -23,16 +23,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch.nn.functional as F
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor
 
 from t2train.errors import require
-from t2train.kernels.dispatch import short_window_attention
 from t2train.nn import probe
 from t2train.nn.attention import CausalCoreAttention
 from t2train.nn.specs import self_attention_spec
 from t2train.residual.base import LocalMixer
-from t2train.residual.window_attention import window_attention_entropy
+from t2train.residual.window_attention import (attend_window, window_attention_entropy,
+                                               window_mask)
 
 
 @dataclass
@@ -56,7 +57,8 @@ class ShortWindowCoreAttention(CausalCoreAttention):
 
     flash-attn's ``window_size=(w - 1, 0)`` on CUDA, else ``short_window_attention`` (the
     same operator the depth read uses): the Triton kernel on CUDA, the PyTorch reference on
-    CPU (see ``t2train.kernels.dispatch``).
+    CPU (see ``t2train.kernels.dispatch``). Those have no dropout: with attention dropout, SDPA
+    runs over the window's band instead (an s x s mask).
     """
 
     def __init__(self, config, *args, **kwargs):
@@ -73,10 +75,14 @@ class ShortWindowCoreAttention(CausalCoreAttention):
             out = flash_attn_func(q, k, v, dropout_p=dropout, softmax_scale=self.softmax_scale,
                                   causal=True, window_size=(self.window - 1, 0))
             return out.transpose(0, 1)
-        if dropout > 0:
-            raise ValueError("ShortSWA's reference attention has no attention dropout")
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        return short_window_attention(q, k, v, self.window, self.softmax_scale).permute(2, 0, 1, 3)
+        if dropout > 0:  # the kernel and the reference have none: SDPA over the window band
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=window_mask(q.shape[2], k.shape[2], self.window, q.device),
+                dropout_p=dropout, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+        else:
+            out = attend_window(q, k, v, self.window, self.softmax_scale)
+        return out.permute(2, 0, 1, 3)
 
 
 def short_attention_spec() -> ModuleSpec:

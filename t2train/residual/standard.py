@@ -5,7 +5,6 @@ The stream state is the hidden tensor [s, b, h]; one unit crosses each pipeline 
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor
 
 from t2train.residual.base import ResidualDesign, ResidualStream, SublayerResidual, no_extra
@@ -16,7 +15,7 @@ class AdditiveResidual(SublayerResidual):
         return state
 
     def write(self, state: Tensor, x: Tensor, normed: Tensor, out: Tensor) -> Tensor:
-        return state + F.dropout(out, p=self.config.hidden_dropout, training=self.training)
+        return state + out
 
 
 class HiddenStateStream(ResidualStream):

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from t2train.kernels.dispatch import route
+
 
 def window_mask(q_len: int, k_len: int, window: int, device=None) -> Tensor:
     """Boolean [q_len, k_len] mask, True where attention is allowed.
@@ -37,6 +39,12 @@ def short_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
     mask = window_mask(q.shape[-2], k.shape[-2], window, device=q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
+
+
+def attend_window(q: Tensor, k: Tensor, v: Tensor, window: int,
+                  scale: float | None = None) -> Tensor:
+    """``short_window_attention``, through the Triton kernel where ``T2_KERNELS`` routes it."""
+    return route("window_attention", short_window_attention, q, k, v)(q, k, v, window, scale)
 
 
 def window_attention_probs(q: Tensor, k: Tensor, window: int,

@@ -48,8 +48,14 @@ class GlobalBatchFeeder:
 
     def next_step(self) -> list[MicroBatch]:
         if self.loader is not None:
+            # Reading leaves the training RNG alone: torch's DataLoader draws a base seed from
+            # the global generator whenever an iterator starts (the first batch, each epoch),
+            # which would shift dropout's stream by where a run started (a resumed run draws
+            # after its RNG was restored, the uninterrupted one before its first step).
+            with torch.random.fork_rng(devices=[]):
+                micro_batches = [next(self.loader) for _ in range(self.shape[0])]
             stacked = torch.stack([torch.stack((mb["tokens"], mb["labels"]))
-                                   for mb in (next(self.loader) for _ in range(self.shape[0]))])
+                                   for mb in micro_batches])
             stacked = stacked.to(self.device, torch.int64)
         else:
             stacked = torch.empty(self.shape, dtype=torch.int64, device=self.device)

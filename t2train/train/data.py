@@ -17,6 +17,11 @@ class Streams:
     train: Optional[object]  # TokenBatches on the replica's reading rank, else None
     val: Optional[object]
 
+    def close(self) -> None:
+        for stream in (self.train, self.val):
+            if stream is not None:
+                stream.close()
+
     def shared_state_dict(self) -> dict:
         """The train stream's position, known on every rank (collective).
 
@@ -30,12 +35,17 @@ class Streams:
 
 def train_and_val_streams(data: DataConfig) -> tuple[list, list]:
     """The datasets (``DataStream``s) to train and evaluate on: train on ``data.mix`` if set,
-    else on ``data.path``; evaluate on ``data.path``'s val split."""
-    from t2train.data.streams import DataStream
+    else on ``data.path``; evaluate on ``data.path``'s val split. With ``data.cache_dir`` each
+    local dataset is read through a cache there (its shards unpacked there)."""
+    from t2train.data.streams import DataStream, unpacked_elsewhere
 
-    main = DataStream(data.path, data.remote)
-    mixed = [DataStream(path, data.remote if path == data.path else None, weight)
-             for path, weight in data.mix_weights()]
+    def stream(path: str, weight=None) -> DataStream:
+        if data.cache_dir:
+            return unpacked_elsewhere(path, data.cache_dir, weight)
+        return DataStream(path, data.remote if path == data.path else None, weight)
+
+    main = stream(data.path)
+    mixed = [stream(path, weight) for path, weight in data.mix_weights()]
     return mixed or [main], [main]
 
 
@@ -52,7 +62,8 @@ def open_streams(config: Config, topology: Topology, dp_size: int,
                   seq_length=config.model.seq_length, world=world, seed=config.train.seed,
                   num_workers=config.data.num_workers,
                   num_canonical_nodes=config.data.num_canonical_nodes)
-    train = TokenBatches(train_streams, "train", shuffle=config.data.shuffle, **common)
+    train = TokenBatches(train_streams, "train", shuffle=config.data.shuffle,
+                         step_samples=config.train.global_batch_size, **common)
     if data_state is not None:
         train.load_state_dict(data_state)
     val = TokenBatches(val_streams, "val", shuffle=False, **common)

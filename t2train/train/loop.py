@@ -7,6 +7,7 @@ resume target) is checked first, so a bad input never creates or alters a run di
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from t2train.config.loader import dump_config
 from t2train.config.schema import Config, ConfigError
-from t2train.errors import TrainingHalted
+from t2train.errors import RankFailure, TrainingHalted
 
 if TYPE_CHECKING:
     from t2train.train.preemption import StopGuard
@@ -29,8 +30,9 @@ class RunSummary:
     final_step: int
     losses: dict = field(default_factory=dict)  # step -> training loss
     val_losses: dict = field(default_factory=dict)  # step -> validation loss
-    checkpoint: Optional[Path] = None
+    checkpoint: Optional[Path] = None  # the last saved (the newest published if that failed)
     stopped: Optional[str] = None  # why the run stopped before train.steps (signal, time limit)
+    final_save_failed: bool = False  # the save of final_step failed (on_save_error=continue)
 
 
 def dataset_facts(config: Config) -> dict:
@@ -47,7 +49,7 @@ def dataset_facts(config: Config) -> dict:
     if vocab < index["vocab_size"]:
         raise ConfigError(f"model.vocab_size={vocab}: smaller than the tokenizer's vocabulary "
                           f"({index['vocab_size']}) of {config.data.path}")
-    return {"vocab_size": vocab}
+    return {"vocab_size": vocab, "tokenizer_sha256": index["tokenizer"]["sha256"]}
 
 
 def _resume_target(config: Config, run_dir: Path) -> Optional[Path]:
@@ -70,21 +72,45 @@ def _resume_target(config: Config, run_dir: Path) -> Optional[Path]:
     return path
 
 
+def _schedule_in_force(config: Config, scheduler) -> str:
+    """The LR schedule a resumed run follows, whose it is, and this config's if it differs."""
+    def describe(lr, min_lr, warmup, until) -> str:
+        return f"warm-up {warmup}, cosine {lr:.2e} -> {min_lr:.2e} until step {until}"
+
+    train_cfg = config.train
+    used = describe(scheduler.max_lr, scheduler.min_lr, scheduler.lr_warmup_steps,
+                    scheduler.lr_decay_steps)
+    configured = describe(train_cfg.lr, train_cfg.min_lr, train_cfg.warmup_steps,
+                          train_cfg.steps)
+    choice = train_cfg.schedule_on_resume
+    unused = ("" if used == configured else
+              f"; this config's ({configured}) is not used: train.schedule_on_resume=config")
+    return f"LR schedule of the {choice} (train.schedule_on_resume={choice}): {used}{unused}"
+
+
 def train(config: Config) -> RunSummary:
     """Run to ``train.steps``, or stop early with a checkpoint (``RunSummary.stopped``)."""
     from t2train.monitor.metrics import quiet_other_ranks
-    from t2train.train.preemption import StopGuard, parse_signals
+    from t2train.signals import parse_signals
+    from t2train.train.preemption import StopGuard
 
     quiet_other_ranks(config.log.all_ranks)
+    from t2train.train.rank_failures import RankFailures
     from t2train.train.watchdog import Watchdog
 
     with StopGuard(parse_signals(config.train.exit_signals),
                    config.train.exit_duration_mins) as guard, \
-            Watchdog(config.parallel.collective_timeout_mins) as watchdog:
-        return _run(config, guard, watchdog)
+            Watchdog(config.parallel.collective_timeout_mins) as watchdog, \
+            RankFailures() as failures, ExitStack() as cleanup:
+        try:
+            return _run(config, guard, watchdog, cleanup)
+        except RankFailure as failure:
+            failures.end_all(str(failure))
+            raise
 
 
-def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary:
+def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog",
+         cleanup: ExitStack) -> RunSummary:
     from t2train.checkpoint.manager import Checkpointer
     from t2train.checkpoint.store import find_latest
     from t2train.engine import build_engine
@@ -113,7 +139,8 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
         loading_started = time.monotonic()
         train_state = engine.load(resume_from)
         start = (f"resumed from {resume_from} (loaded in "
-                 f"{time.monotonic() - loading_started:.1f}s)")
+                 f"{time.monotonic() - loading_started:.1f}s) | "
+                 f"{_schedule_in_force(config, engine.scheduler)}")
     else:
         start = "fresh start"
     start_step = train_state.get("step", 0)
@@ -121,6 +148,7 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
     train_cfg = config.train
     num_micro = config.micro_batches_per_step(dp_size)
     streams = open_streams(config, topology, dp_size, train_state.get("data_state"))
+    cleanup.callback(streams.close)  # also when the run fails: see TokenBatches.close
     feeder = GlobalBatchFeeder(streams.train, num_micro, train_cfg.micro_batch_size,
                                config.model.seq_length)
     val_feeder = GlobalBatchFeeder(streams.val, num_micro, train_cfg.micro_batch_size,
@@ -133,7 +161,7 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
         (run_dir / "config.yaml").write_text(dump_config(config))
     monitor = Monitor(run_dir if logging_rank else None, train_cfg.steps,
                       tensorboard=config.log.tensorboard,
-                      purge_step=start_step + 1 if start_step else None,
+                      resumed_at=start_step if resume_from is not None else None,
                       console=logging_rank or config.log.all_ranks,
                       prefix=f"[rank {topology.rank}] " if config.log.all_ranks else "")
     engine_name = (f"deepspeed ZeRO-{config.deepspeed.zero_stage}"
@@ -143,14 +171,16 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
                   f"{engine.num_parameters() / 1e6:.2f}M parameters on rank 0 | world "
                   f"{topology.world_size} = TP {topology.tp_size} x PP {topology.pp_size} x DP "
                   f"{dp_size} | engine {engine_name} | {start}")
-    meter, mfu_note = step_meter(config, engine.vocab_size, topology.world_size)
+    if config.log.tensorboard:
+        monitor.print(f"TensorBoard: tensorboard --logdir {run_dir.parent} (this run is "
+                      f"{run_dir.name!r}; its event files are in {run_dir})")
+    meter, mfu_note = step_meter(config, engine.vocab_size, topology.world_size, train_state)
     monitor.print(mfu_note)
     diagnostics = Diagnostics(engine, config.log.diagnostics_interval,
                               diagnostic_micro_batches(val_batches, config), monitor,
                               sends=topology.tp_rank == 0 and topology.dp_rank == 0)
 
     summary = RunSummary(run_dir=run_dir, start_step=start_step, final_step=start_step)
-    tokens_per_step = train_cfg.global_batch_size * config.model.seq_length
 
     def report_save(step: int, blocked: float, total: float, path: Path) -> None:
         monitor.scalars(step, {"checkpoint/save_seconds": total,
@@ -159,13 +189,14 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
                       f"{f', training blocked {blocked:.1f}s' if blocked < total else ''})")
 
     checkpointer = Checkpointer(run_dir / "checkpoints", config, engine, report_save,
-                                monitor=monitor)
+                                monitor=monitor, counters=train_state)
 
     def save(step: int) -> None:
         with watchdog.phase(f"the checkpoint save of step {step}"):
             summary.checkpoint = checkpointer.save(
-                step, {"data_state": streams.shared_state_dict(),
-                       "tokens": step * tokens_per_step})
+                step, {"data_state": streams.shared_state_dict(), **meter.counters(),
+                       # which tokenizer the ids mean (eval refuses a dataset of another)
+                       "tokenizer_sha256": facts["tokenizer_sha256"]})
 
     def evaluate(step: int) -> None:
         with watchdog.phase(f"the evaluation at step {step}"):
@@ -221,4 +252,7 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog") -> RunSummary
             break
     checkpointer.close()
     monitor.close()
+    if checkpointer.last_failed_step == summary.final_step:
+        summary.final_save_failed = True
+        summary.checkpoint = checkpointer.last_published()
     return summary

@@ -13,7 +13,8 @@ including the ones started with ``spawn`` (dist-checkpointing's writer queue). A
 signal would be reset to its default action in those children and kill them. ``t2train
 launch`` blocks the signals before torchrun starts, so they are blocked in every worker from
 its first instruction; a trainer started another way blocks them when the guard opens and
-also records them with a handler, in case a thread created earlier receives one.
+also records them with a handler, in case a thread created earlier receives one
+(``t2train/signals.py`` parses the signals and blocks them).
 """
 
 from __future__ import annotations
@@ -25,30 +26,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from t2train.config.schema import ConfigError
-
-# EX_TEMPFAIL (sysexits.h): the run saved a checkpoint and stopped early; run it again.
-REQUEUE_EXIT_CODE = 75
-
-_UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
-
-
-def parse_signals(spec: str, field_name: str = "train.exit_signals") -> list[signal.Signals]:
-    """``"SIGUSR1,SIGTERM"`` -> signals; an empty string means none."""
-    names = [name.strip().upper() for name in spec.split(",") if name.strip()]
-    signals = []
-    for name in names:
-        full = name if name.startswith("SIG") else "SIG" + name
-        if full not in signal.Signals.__members__ or full in _UNCATCHABLE:
-            raise ConfigError(f"{field_name}={spec!r}: {name!r} is not a catchable signal "
-                                 "name; expected a comma-separated list like SIGUSR1,SIGTERM")
-        signals.append(signal.Signals[full])
-    return signals
-
-
-def block(signals: Iterable[signal.Signals]) -> None:
-    """Hold ``signals`` pending in this thread and every thread or process it starts."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, set(signals))
+from t2train.signals import block
 
 
 class StopGuard:
@@ -67,7 +45,7 @@ class StopGuard:
 
     def __enter__(self) -> "StopGuard":
         self.started = time.monotonic()
-        self._saved_mask = signal.pthread_sigmask(signal.SIG_BLOCK, set(self.signals))
+        self._saved_mask = block(self.signals)
         for sig in self.signals:
             self._saved_handlers[sig] = signal.signal(sig, self._record)
         return self

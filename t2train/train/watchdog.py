@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from t2train.train.hard_exit import exit_now
+
 HUNG_EXIT_CODE = 124
 
 
@@ -53,7 +55,7 @@ class Watchdog:
             phase = self._phase
             if phase is not None and time.monotonic() - phase[1] > self.timeout:
                 self._report(phase[0])
-                os._exit(HUNG_EXIT_CODE)
+                exit_now(HUNG_EXIT_CODE)
 
     def _report(self, phase: str) -> None:
         frame = sys._current_frames().get(self._main)

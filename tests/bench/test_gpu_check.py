@@ -48,9 +48,10 @@ def test_dry_run_reports_every_section(shakespeare, tmp_path):
     assert all(item["step_ms"] > 0 for item in steps)
 
     rows = [row for item in sections["kernels"]["items"] for row in item["rows"]]
-    assert {row["kernel"] for row in rows} == {"window_attention", "ddl_write", "block_attnres"}
+    assert {row["kernel"] for row in rows} == {"window_attention", "delta_write", "depth_mix",
+                                               "stream_read", "stream_write"}
     triton = [row for row in rows if row["impl"] == "triton"]
-    assert len(triton) == 4 and all(row["ms"] > 0 and row["vs_best_peer"] > 0 for row in triton)
+    assert len(triton) == 6 and all(row["ms"] > 0 and row["vs_best_peer"] > 0 for row in triton)
 
     verdicts = {t["target"].split(" ")[0]: t["verdict"] for t in report["targets"]}
     assert len(report["targets"]) == 5 and set(verdicts.values()) <= {"met", "missed"} | {

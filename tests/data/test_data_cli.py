@@ -34,10 +34,38 @@ def test_prepare_prints_a_summary(text_files, tmp_path, capsys):
     index = read_index(out)
     assert len(index["sources"]) == 3
     assert f"prepared {out}: {index['total_tokens']:,} tokens from 3 files in" in printed
-    assert "tokens/s, 1 worker(s))" in printed
+    assert "tokens/s, 1 worker)" in printed
     assert index["compression"] is None
-    assert f"train {index['splits']['train']['samples']:>9,} samples of 17 tokens in 1 shard" \
+    assert f"train {index['splits']['train']['samples']:>9,} samples of 17 tokens in 1 shard\n" \
         in printed
+
+
+def test_prepare_takes_a_directory_names_skipped_files_and_prints_progress_lines(
+        text_files, tmp_path, capsys, monkeypatch):
+    """A directory input; the empty and binary files it skips named (the first three); and,
+    with stderr not a terminal (as in a batch log), progress lines on stdout."""
+    folder = text_files[0].parent
+    for name in ("e1.txt", "e2.txt", "e3.txt", "e4.txt"):
+        (folder / name).write_text("")
+    (folder / "blob.txt").write_bytes(bytes(range(256)) * 8)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "ds"
+    assert run("prepare", "--input", folder, "--out", out, "--seq-length", 16, "--vocab-size",
+               300, "--workers", 1, "--skip-binary", "--progress-every", 1e-9) == 0
+    printed = capsys.readouterr().out
+    assert "from 3 files in" in printed
+    assert "  skipped 4 empty files: corpus/e1.txt, corpus/e2.txt, corpus/e3.txt and 1 more\n" \
+        in printed
+    assert "  skipped 1 binary file: corpus/blob.txt\n" in printed
+    lines = [line for line in printed.splitlines() if "elapsed, eta" in line]
+    assert {line.split(":")[0] for line in lines} == {"reading for BPE", "tokenizing"}
+    size = sum(f.stat().st_size for f in text_files) / 1e6
+    assert lines[-1].startswith(f"tokenizing: 100% ({size:,.1f} MB of {size:,.1f} MB), ")
+
+    assert run("prepare", "--input", text_files[0], "--out", tmp_path / "one", "--seq-length",
+               16, "--vocab-size", 300, "--progress-every", 0) == 0
+    printed = capsys.readouterr().out
+    assert "from 1 file in" in printed and "elapsed, eta" not in printed
 
 
 def test_errors_are_one_line(tmp_path, capsys):
@@ -53,7 +81,8 @@ def test_help_explains_every_option(capsys):
     for option in ("--input", "--corpus", "--out", "--seq-length", "--vocab-size",
                    "--tokenizer", "--text-field", "--val-fraction", "--overwrite",
                    "--workers", "--compression", ".parquet", "--cache-dir", "T2TRAIN_CACHE",
-                   "shakespeare"):
+                   "shakespeare", "--pattern", "--encoding", "--skip-binary",
+                   "--progress-every", "directory"):
         assert option in text
 
 

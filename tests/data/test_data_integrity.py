@@ -9,9 +9,12 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
+from streaming.base.compression import decompress
 
 from t2train.data.errors import DataError
 from t2train.data.loader import StreamingWorld, TokenBatches
@@ -108,17 +111,87 @@ def test_a_corrupt_file_of_a_remote_dataset_or_its_cache_is_named(dataset, tmp_p
     with pytest.raises(DataError, match=rf"shard file {cache}/train/{RAW}: its xxh64 hash"):
         next(_reader(cache, remote=str(remote)))
 
-    shutil.rmtree(cache)
+    # A fresh cache (the failed reader's download threads may still write into the first).
+    fresh = tmp_path / "fresh-cache"
     _flip(remote / "train" / ZIP)  # the download itself is corrupt
-    with pytest.raises(DataError, match=rf"Checksum failure: {cache}/train/{ZIP}"):
-        next(_reader(cache, remote=str(remote)))
+    with pytest.raises(DataError, match=rf"Checksum failure: {fresh}/train/{ZIP}"):
+        next(_reader(fresh, remote=str(remote)))
+
+
+def test_a_failed_download_thread_counts_as_exited(dataset, tmp_path):
+    """streaming ends a pass by waiting until both of its download threads have exited, and
+    counts only normal exits: one that failed on a corrupt shard must count too, or the reader
+    waits forever (it did, now and then, instead of naming the file)."""
+    from streaming.base.dataset import _Iterator
+
+    remote = tmp_path / "remote"
+    shutil.copytree(dataset, remote, ignore=shutil.ignore_patterns(RAW))
+    _flip(remote / "train" / ZIP)
+    streaming = _reader(tmp_path / "cache", remote=str(remote)).dataset
+    streaming._event = threading.Event()  # as a pass sets up its threads
+    pass_state = _Iterator(np.arange(4))
+    with pytest.raises(DataError, match=rf"Checksum failure: {tmp_path}/cache/train/{ZIP}"):
+        streaming._ready_thread(pass_state)  # it prepares the shard itself: not yet local
+    assert pass_state._num_exited == 1
+
+
+# Reads the first batch of each (dataset, workers, how) and prints the error, one JSON line
+# each: in its own process, so that a reader waiting forever for a shard is bounded by the
+# test's timeout and no state of streaming's outlives it.
+_READ_EACH = """
+import gc, json, sys
+from t2train.data.errors import DataError
+from t2train.data.loader import StreamingWorld, TokenBatches
+for path, workers, how in json.loads(sys.argv[1]):
+    batches = TokenBatches(path, "train", 4, 32, StreamingWorld(0, 1, 0, 1), seed=1,
+                           num_workers=workers)
+    if how == "after-another-process-failed":
+        try:
+            batches.dataset.prepare_shard(0)  # as another reader on this host would, first
+        except DataError:
+            pass
+    try:
+        next(batches)
+        print(json.dumps(None))
+    except DataError as err:
+        print(json.dumps(str(err)), flush=True)
+    del batches
+    gc.collect()
+"""
+
+
+def test_errors_in_loader_workers_read_like_errors_in_the_reader(dataset, tmp_path):
+    """A corrupt shard read by DataLoader worker processes: the same one-line error as when
+    the reader reads it itself, also when the workers would wait for a shard that another
+    process failed to extract (which left them waiting forever)."""
+    extracted, unextracted = tmp_path / "extracted", tmp_path / "unextracted"
+    for copy in (extracted, unextracted):  # copied, not read here (as the copy fixture does):
+        # the script's process would map a live reader's shared memory while choosing its
+        # own, and its resource tracker unlink it at exit
+        shutil.copytree(dataset, copy, ignore=shutil.ignore_patterns(RAW))
+    (extracted / "train" / RAW).write_bytes(decompress("zstd", (extracted / "train" / ZIP)
+                                                       .read_bytes()))  # as a run leaves it
+    _flip(extracted / "train" / RAW)
+    _flip(unextracted / "train" / ZIP)
+    runs = [(str(extracted), 0, ""), (str(extracted), 2, ""), (str(unextracted), 0, ""),
+            (str(unextracted), 2, "after-another-process-failed")]
+    proc = subprocess.run([sys.executable, "-c", _READ_EACH, json.dumps(runs)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errors = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert errors[0] == errors[1] and errors[2] == errors[3], errors
+    assert errors[0].startswith(f"shard file {extracted}/train/{RAW}: its xxh64 hash"), errors
+    assert errors[2].startswith(f"shard file {unextracted}/train/{RAW} / {unextracted}/train/"
+                                f"{ZIP}: cannot prepare it (ValueError: Checksum failure"), errors
+    assert all("\n" not in error for error in errors)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_train_stops_naming_the_shard_without_a_traceback(copy, tmp_path, damage):
-    """`t2train train` on a dataset with a corrupt train shard: exit code 2, one error line
-    naming the file, and no step trained on it (no checkpoint)."""
+@pytest.mark.parametrize("damage, workers", [("flip", 2), ("truncate", 0)])
+def test_train_stops_naming_the_shard_without_a_traceback(copy, tmp_path, damage, workers):
+    """`t2train train` on a dataset with a corrupt train shard, read in DataLoader worker
+    processes or in the trainer: exit code 2, one error line naming the file, and no step
+    trained on it (no checkpoint)."""
     target = copy / "train" / ZIP
     (copy / "train" / RAW).unlink()
     (_flip if damage == "flip" else _truncate)(target)
@@ -127,7 +200,7 @@ def test_train_stops_naming_the_shard_without_a_traceback(copy, tmp_path, damage
          "log.run_dir=runs/x", "model.num_layers=2", "model.hidden_size=64",
          "model.seq_length=32", "train.steps=2", "train.micro_batch_size=2",
          "train.global_batch_size=2", "train.warmup_steps=0", "train.eval_batches=1",
-         "log.diagnostics_interval=0", "log.tensorboard=false"],
+         "log.diagnostics_interval=0", "log.tensorboard=false", f"data.num_workers={workers}"],
         capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]

@@ -4,7 +4,9 @@ data-parallel readers (with and without non-reading model-parallel peers) under 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import signal
 import socket
 from datetime import timedelta
 from itertools import islice
@@ -40,6 +42,25 @@ def test_shapes_and_labels_are_tokens_shifted_by_one(dataset):
     assert torch.equal(cropped["tokens"], batch["tokens"][:, :8])
     assert torch.equal(cropped["labels"], batch["labels"][:, :8])
     assert "RANK" not in os.environ  # streaming's env is set only while it is called
+
+
+def test_close_stops_workers_that_hold_the_stop_signals_blocked(dataset):
+    """The trainer blocks its stop signals before DataLoader workers fork (t2train/signals.py),
+    so the workers ignore the SIGTERM with which the interpreter's exit ends them and the exit
+    waits forever; ``close`` shuts them down through torch's queues, also while an exception
+    still holds the iterator."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+    try:
+        others = set(multiprocessing.active_children())
+        batches = TokenBatches(dataset, "train", 4, 32, ONE, seed=0, num_workers=2)
+        held = iter(batches.loader)  # what a traceback would keep alive
+        next(held)
+        workers = set(multiprocessing.active_children()) - others
+        assert len(workers) == 2
+        batches.close()
+        assert not any(worker.is_alive() for worker in workers)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def test_order_is_deterministic_per_seed(dataset):

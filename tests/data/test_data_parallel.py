@@ -1,76 +1,34 @@
-"""The trainer's data path on real processes (spawn, gloo): a TP=2 x DP=2 world of 4 ranks in
-which each replica's tensor-rank-0 process reads and ``GlobalBatchFeeder`` broadcasts its
-micro-batches over the replica's model-parallel group.
+"""The trainer's data path on real processes (spawn, gloo), and elastic resume over data
+parallelism: one launch of 4 ranks opens the train stream with the trainer's own
+``open_streams`` in several (TP, DP) layouts in turn and feeds steps through
+``GlobalBatchFeeder``, recording the sample ids of every step.
 
-Checked against one reader that takes a whole global batch per step (DP=1): tensor-parallel
-peers get identical batches; the two replicas' samples are disjoint and together are exactly
-the single reader's samples of each step, over a whole epoch; a resumed loader continues the
-sequence exactly, with the same number of data-parallel readers (2 -> 2) and with another
-(2 -> 1, 1 -> 2), which is what a checkpoint's loader state must do.
+The reference is an uninterrupted run at TP=2 x DP=2 (each replica's tensor-rank-0 process
+reads and broadcasts to its peer) over more than one epoch. Its loader state, saved as the
+trainer saves it (``Streams.shared_state_dict``), resumes at DP=2, DP=4 (TP=1) and DP=1 (TP=4),
+and a DP=4 state resumes at DP=2: every resumed step takes exactly the reference step's
+samples (none twice, none skipped, across the epoch boundary), and the resumed loaders end
+in the reference's position. A change that cannot continue the sequence is refused.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
-from itertools import islice
 
 import pytest
 import torch.multiprocessing as mp
 
-from t2train.data.loader import StreamingWorld, TokenBatches, reader_world
+from t2train.data.errors import DataError
+from t2train.data.loader import StreamingWorld, TokenBatches, check_node_count
 from t2train.data.prepare import read_index
 
-ONE = StreamingWorld(0, 1, 0, 1)
-MBS, MICRO, SEQ, SEED = 2, 2, 32, 3
-PER_REPLICA = MBS * MICRO  # samples per step and replica
-GLOBAL = 2 * PER_REPLICA  # samples per step over both replicas
-RESUME_AT = 5  # steps before the saved loader state
-AFTER_DP1 = 3  # steps run from the single reader's state
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank, port, path, out_dir, steps, dp1_state):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE="4", LOCAL_RANK=str(rank))
-    from megatron.core import parallel_state as ps
-
-    from t2train.parallel.init import destroy, init_distributed
-    from t2train.train.batches import GlobalBatchFeeder, is_reader
-
-    init_distributed()
-    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
-    world = reader_world(is_reader(), ps.get_data_parallel_rank(),
-                         ps.get_data_parallel_world_size())
-
-    def run(state, steps):
-        """Every rank's tokens per step, the reader's sample ids, its state after RESUME_AT."""
-        loader, ids = None, []
-        if world is not None:
-            loader = TokenBatches(path, "train", MBS, SEQ, world, seed=SEED)
-            if state is not None:
-                loader.load_state_dict(state)
-        feeder = GlobalBatchFeeder(_recording(loader, ids) if loader else None, MICRO, MBS, SEQ)
-        tokens, saved = [], None
-        for step in range(steps):
-            if step == RESUME_AT and loader is not None:
-                saved = loader.state_dict()
-            tokens.append([mb["tokens"].tolist() for mb in feeder.next_step()])
-        return {"tokens": tokens, "ids": ids, "state": saved}
-
-    full = run(None, steps)
-    result = {"dp_rank": ps.get_data_parallel_rank(), "reader": world is not None,
-              "full": full, "resumed": run(full["state"], steps - RESUME_AT),
-              "from_dp1": run(dp1_state, AFTER_DP1)}
-    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-        json.dump(result, f)
-    destroy()
+MBS, SEQ, GLOBAL = 2, 32, 8  # micro-batch, sequence length, samples per step (all layouts)
+STEPS = 46  # the test dataset's 309 samples make epochs of 38 steps: this crosses one
+SAVE_AT = (30, 40)  # loader states are saved after these steps (before and after the boundary)
+# (name, TP, DP, the run whose state it resumes, and at which step); "ref" is uninterrupted
+RUNS = [("ref", 2, 2, None, 0), ("dp2", 2, 2, "ref", 30), ("dp4", 1, 4, "ref", 30),
+        ("dp1", 4, 1, "ref", 30), ("dp4_to_dp2", 2, 2, "dp4", 40)]
 
 
 def _recording(loader, ids):
@@ -79,54 +37,129 @@ def _recording(loader, ids):
         yield batch
 
 
-def per_step(ids: list[int]) -> list[list[int]]:
-    return [ids[i:i + PER_REPLICA] for i in range(0, len(ids), PER_REPLICA)]
+def _run(path, tp, state, first_step) -> dict:
+    """Steps ``first_step + 1 .. STEPS`` of the train stream in layout TP x (4 / TP): every
+    rank's tokens per step, the reader's sample ids, and the shared loader states."""
+    from megatron.core import parallel_state as ps
+
+    from t2train.config.loader import load_config
+    from t2train.parallel.init import init_model_parallel
+    from t2train.train.batches import GlobalBatchFeeder
+    from t2train.train.data import open_streams
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    topology = init_model_parallel(tp, 1, 1)
+    config = load_config(overrides=[f"data.path={path}", f"model.seq_length={SEQ}",
+                                    f"train.micro_batch_size={MBS}",
+                                    f"train.global_batch_size={GLOBAL}", f"parallel.tensor={tp}",
+                                    "train.seed=3"])
+    streams = open_streams(config, topology, topology.dp_size, state)
+    ids: list[int] = []
+    micro = GLOBAL // (MBS * topology.dp_size)
+    feeder = GlobalBatchFeeder(_recording(streams.train, ids) if streams.train else None,
+                               micro, MBS, SEQ)
+    tokens, states = [], {}
+    for step in range(first_step + 1, STEPS + 1):
+        tokens.append([mb["tokens"].tolist() for mb in feeder.next_step()])
+        if step in SAVE_AT or step == STEPS:
+            states[step] = streams.shared_state_dict()
+    per_step = MBS * micro
+    return {"dp_rank": topology.dp_rank, "reader": streams.train is not None, "tokens": tokens,
+            "ids": [ids[i:i + per_step] for i in range(0, len(ids), per_step)],
+            "states": states}
+
+
+def _rank_main(rank, path, out_dir):
+    import torch.distributed as dist
+
+    from t2train.compat import megatron_cpu
+    from t2train.parallel.init import destroy
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    megatron_cpu.apply()
+    # A file store: no port to pick, none that another job can take first.
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank,
+                            world_size=4)
+    results: dict = {}
+    for name, tp, _, source, at in RUNS:
+        results[name] = _run(path, tp, results[source]["states"][at] if source else None, at)
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(results, f)  # the states' step keys become strings
+    destroy()
+
+
+def _global_steps(ranks: list[dict], name: str) -> list[list[int]]:
+    """Each step's sample ids over all readers, sorted (the order across ranks is free)."""
+    readers = [r[name] for r in ranks if r[name]["reader"]]
+    return [sorted(i for reader in readers for i in reader["ids"][step])
+            for step in range(len(readers[0]["ids"]))]
+
+
+def _position(state: dict) -> dict:
+    return {k: v for k, v in state.items() if k != "layout"}
 
 
 @pytest.mark.slow
-def test_tp_peers_share_batches_and_dp_replicas_split_one_sequence(dataset, tmp_path):
+def test_resume_at_another_data_parallel_size_continues_the_sample_sequence(dataset, tmp_path):
     samples = read_index(dataset)["splits"]["train"]["samples"]
-    steps = samples // GLOBAL  # one epoch of full global batches
-    single = TokenBatches(dataset, "train", GLOBAL, SEQ, ONE, seed=SEED)
-    sequence = [b["sample_ids"].tolist() for b in islice(single, RESUME_AT)]
-    dp1_state = single.state_dict()
-    sequence += [b["sample_ids"].tolist() for b in islice(single, steps - RESUME_AT)]
-
-    mp.spawn(_rank_main, args=(_free_port(), str(dataset), str(tmp_path), steps, dp1_state),
-             nprocs=4)
+    epoch_steps = samples // GLOBAL
+    assert SAVE_AT[0] < epoch_steps < SAVE_AT[1] < STEPS and samples % GLOBAL
+    mp.spawn(_rank_main, args=(str(dataset), str(tmp_path)), nprocs=4)
     ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
-    assert [(r["dp_rank"], r["reader"]) for r in ranks] == [(0, True), (0, False), (1, True),
-                                                            (1, False)]
 
-    # Tensor-parallel peers get identical batches; the replicas get different ones.
-    for run in ("full", "resumed", "from_dp1"):
-        assert ranks[0][run]["tokens"] == ranks[1][run]["tokens"]
-        assert ranks[2][run]["tokens"] == ranks[3][run]["tokens"]
-        assert ranks[0][run]["tokens"] != ranks[2][run]["tokens"]
-    first, second = ranks[0], ranks[2]
+    # The reference: tensor-parallel peers get identical batches, the replicas disjoint ones.
+    assert [(r["ref"]["dp_rank"], r["ref"]["reader"]) for r in ranks] == \
+        [(0, True), (0, False), (1, True), (1, False)]
+    for name, tp, _, _, _ in RUNS:
+        for group in range(0, 4, tp):
+            assert all(ranks[group + i][name]["tokens"] == ranks[group][name]["tokens"]
+                       for i in range(tp)), name
+    reference = _global_steps(ranks, "ref")
+    assert len(reference) == STEPS and all(len(step) == GLOBAL for step in reference)
+    first_epoch = [i for step in reference[:epoch_steps] for i in step]
+    second_epoch = [i for step in reference[epoch_steps:] for i in step]
+    # Each epoch is cut to whole steps: no sample twice within one, and no step spans two.
+    assert len(set(first_epoch)) == len(first_epoch) == epoch_steps * GLOBAL
+    assert len(set(second_epoch)) == len(second_epoch)
+    assert set(first_epoch) | set(second_epoch) <= set(range(samples))
 
-    # Each step the replicas take disjoint halves of the single reader's global batch, so the
-    # epoch's full steps cover every sample once (the rest is less than one global batch).
-    for step, (a, b) in enumerate(zip(per_step(first["full"]["ids"]),
-                                      per_step(second["full"]["ids"]), strict=True)):
-        assert not set(a) & set(b)
-        assert sorted(a + b) == sorted(sequence[step])
-    seen = first["full"]["ids"] + second["full"]["ids"]
-    assert len(set(seen)) == len(seen) == steps * GLOBAL > samples - GLOBAL
-    assert set(seen) <= set(range(samples))
+    ref_states = ranks[0]["ref"]["states"]
+    for name, _, dp, source, at in RUNS[1:]:
+        resumed = _global_steps(ranks, name)
+        assert resumed == reference[at:], f"{name}: the resumed steps differ"
+        states = ranks[0][name]["states"]
+        for step, state in states.items():  # the same position at every later save
+            assert _position(state) == _position(ref_states[step]), (name, step)
+            assert state["layout"] == {"readers": dp, "nodes": 1, "micro_batch_size": MBS,
+                                       "step_samples": GLOBAL}
+    assert ref_states[str(SAVE_AT[1])]["epoch"] == 1  # the states cross the epoch boundary too
+    # With two readers the same state continues each rank's own sequence, not only the step's.
+    for rank in (0, 2):
+        assert ranks[rank]["dp2"]["ids"] == ranks[rank]["ref"]["ids"][SAVE_AT[0]:]
 
-    # Resumed at RESUME_AT with 2 readers: exactly the uninterrupted continuation, per rank.
-    assert first["full"]["state"] == second["full"]["state"]
-    for reader in (first, second):
-        assert reader["resumed"]["ids"] == reader["full"]["ids"][RESUME_AT * PER_REPLICA:]
-    assert ranks[1]["resumed"]["tokens"] == ranks[1]["full"]["tokens"][RESUME_AT:]
+    # Another number of samples per step cannot continue the sequence: refused, naming both.
+    other = TokenBatches(dataset, "train", MBS, SEQ, StreamingWorld(0, 1, 0, 1), seed=3,
+                         step_samples=2 * GLOBAL)
+    with pytest.raises(DataError, match=r"saved by a run of 2 data-parallel reader\(s\) on 1 "
+                       r"node\(s\), micro-batch 2, 8 samples per step; this run has 1 "
+                       r"data-parallel reader\(s\) on 1 node\(s\), micro-batch 2, 16 samples"):
+        other.load_state_dict(ref_states[str(SAVE_AT[0])])
 
-    # 2 -> 1 reader: the single reader continues the sequence from the replicas' state.
-    resumed = TokenBatches(dataset, "train", GLOBAL, SEQ, ONE, seed=SEED)
-    resumed.load_state_dict(first["full"]["state"])
-    assert [b["sample_ids"].tolist() for b in islice(resumed, steps - RESUME_AT)] == \
-        sequence[RESUME_AT:]
-    # 1 -> 2 readers: the replicas continue from the single reader's state.
-    for step, (a, b) in enumerate(zip(per_step(first["from_dp1"]["ids"]),
-                                      per_step(second["from_dp1"]["ids"]), strict=True)):
-        assert sorted(a + b) == sorted(sequence[RESUME_AT + step])
+
+def test_node_counts_that_would_reorder_samples_are_refused():
+    """Canonical and physical node counts that do not divide one another, fresh or resumed
+    (streaming would reorder samples within steps): refused naming both layouts."""
+    here = {"readers": 4, "nodes": 2, "micro_batch_size": 2, "step_samples": 8}
+    saved = {"readers": 3, "nodes": 3, "micro_batch_size": 1, "step_samples": 8}
+    check_node_count(4, here, None)
+    check_node_count(1, here, saved)
+    with pytest.raises(DataError, match=r"^num_canonical_nodes=3 and this run's data readers on "
+                                        r"2 nodes \(4 data-parallel reader\(s\) on 2 node\(s\), "
+                                        r"micro-batch 2, 8 samples per step\): one must divide "
+                                        r"the other to keep the sample order$"):
+        check_node_count(3, here, None)
+    with pytest.raises(DataError, match=r"num_canonical_nodes=3 \(from the saved data position\)"
+                                        r".*; the position was saved by a run of 3 data-parallel "
+                                        r"reader\(s\) on 3 node\(s\), micro-batch 1"):
+        check_node_count(3, here, saved)

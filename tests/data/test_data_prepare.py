@@ -82,8 +82,11 @@ def test_globs_empty_files_and_invalid_utf8(text_files, tmp_path):
     folder = text_files[0].parent
     (folder / "empty.txt").write_text("")
     (folder / "blank.txt").write_text("\n  \n")
-    (folder / "bad.txt").write_bytes(b"caf\xe9 \xff\xfe and more words\n" * 50)
-    with pytest.warns(UserWarning, match=r"bad.txt: 150 invalid UTF-8"):
+    # a few bad bytes (one in 40 characters) are replaced and counted, not refused
+    (folder / "bad.txt").write_bytes(b"caf\xe9 \xff\xfe and a few more words here\n" * 50)
+    with pytest.warns(UserWarning, match=r"bad.txt: 150 invalid UTF-8 sequence\(s\) replaced "
+                                         r"with U\+FFFD \(text in another encoding\? give it "
+                                         r"with --encoding\)"):
         index = prepare_dataset([str(folder / "*.txt")], tmp_path / "ds", seq_length=16,
                                 vocab_size=300)
     assert sorted(p.rsplit("/", 1)[1] for p in index["skipped_empty_files"]) == \
@@ -91,6 +94,80 @@ def test_globs_empty_files_and_invalid_utf8(text_files, tmp_path):
     assert len(index["sources"]) == 4
     assert [s["replaced_chars"] for s in index["sources"] if s["path"].endswith("bad.txt")] \
         == [150]
+
+
+def test_binary_inputs_are_refused_naming_the_file_or_skipped(text_files, tmp_path):
+    folder = text_files[0].parent
+    (folder / "ls.txt").write_bytes(bytes(range(256)) * 400)  # 100 KiB with NUL bytes
+    noise = bytes(b for b in np.random.default_rng(0).integers(1, 256, 20_000, dtype=np.uint8))
+    (folder / "noise.txt").write_bytes(noise)  # no NUL, but mostly invalid UTF-8
+    with pytest.raises(DataError, match=rf"^input {folder}/ls.txt: does not look like UTF-8 "
+                                        r"text \(NUL characters in its first 64 KiB\) \(and 1 "
+                                        r"more such file\(s\)\); skip such files with "
+                                        r"--skip-binary, or give the encoding with --encoding"):
+        prepare_dataset([folder], tmp_path / "ds", seq_length=16, vocab_size=300)
+    with pytest.raises(DataError, match=rf"^input {folder}/noise.txt: does not look like UTF-8 "
+                                        r"text \(\d+ invalid UTF-8 sequences in the file \(\d+% "):
+        prepare_dataset([folder / "noise.txt"], tmp_path / "ds", seq_length=16)
+    assert not (tmp_path / "ds").exists()
+
+    index = prepare_dataset([folder], tmp_path / "ds", seq_length=16, vocab_size=300,
+                            skip_binary=True)
+    assert index["skipped_binary_files"] == [str(folder / "ls.txt"), str(folder / "noise.txt")]
+    assert sorted(Path(s["path"]).name for s in index["sources"]) == \
+        ["doc0.txt", "doc1.txt", "doc2.txt"]
+    with pytest.raises(DataError, match=r"no text inputs: all 1 input file\(s\) look binary"):
+        prepare_dataset([folder / "ls.txt"], tmp_path / "ds2", seq_length=16, skip_binary=True)
+
+
+def test_other_encodings(tmp_path):
+    text = "Le café crème était très sucré, à côté du gâteau. " * 400  # 19% accented
+    (tmp_path / "latin1.txt").write_bytes(text.encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1.txt: does not look like UTF-8 text \(\d+ "
+                                        r"invalid UTF-8 sequences in the file"):
+        prepare_dataset([tmp_path / "latin1.txt"], tmp_path / "ds", seq_length=16)
+    index = prepare_dataset([tmp_path / "latin1.txt"], tmp_path / "ds", seq_length=16,
+                            vocab_size=300, encoding="latin-1")
+    assert index["encoding"] == "latin-1" and index["sources"][0]["replaced_chars"] == 0
+    tok = Tokenizer.from_file(str(tmp_path / "ds" / "tokenizer.json"))
+    ids = np.concatenate(all_samples(tmp_path / "ds", "train", 16)).tolist()
+    assert "Le café crème était très sucré" in tok.decode(ids)
+
+    # UTF-16 text has NUL bytes, yet it is text in its encoding; JSONL lines cannot be split
+    (tmp_path / "wide.txt").write_text(text, encoding="utf-16")
+    with pytest.raises(DataError, match=r"wide.txt: does not look like UTF-8 text \(NUL"):
+        prepare_dataset([tmp_path / "wide.txt"], tmp_path / "ds16", seq_length=16)
+    index = prepare_dataset([tmp_path / "wide.txt"], tmp_path / "ds16", seq_length=16,
+                            vocab_size=300, encoding="utf-16")
+    assert index["total_tokens"] > 0 and index["sources"][0]["replaced_chars"] == 0
+    (tmp_path / "wide.jsonl").write_text('{"text": "x"}\n', encoding="utf-16")
+    with pytest.raises(DataError, match=r"wide.jsonl: JSONL needs an encoding that writes a "
+                                        r"newline as one byte, not 'utf-16'"):
+        prepare_dataset([tmp_path / "wide.jsonl"], tmp_path / "dsj", seq_length=16,
+                        encoding="utf-16")
+    with pytest.raises(DataError, match=r"encoding='klingon': unknown \(expected a Python codec"):
+        prepare_dataset([tmp_path / "latin1.txt"], tmp_path / "dsk", seq_length=16,
+                        encoding="klingon")
+
+
+def test_directories_are_searched_recursively_by_pattern(text_files, tmp_path):
+    folder = text_files[0].parent
+    (folder / "sub" / "deeper").mkdir(parents=True)
+    (folder / "sub" / "deeper" / "late.txt").write_text(english_ish(9, 5))
+    (folder / "sub" / "rows.jsonl").write_text('{"text": "one two"}\n')
+    (folder / "README.md").write_text("not an input\n")
+    (folder / ".hidden").mkdir()
+    (folder / ".hidden" / "old.txt").write_text("hidden\n")
+    index = prepare_dataset([folder], tmp_path / "ds", seq_length=16, vocab_size=300)
+    assert [Path(s["path"]).relative_to(folder).as_posix() for s in index["sources"]] == \
+        ["doc0.txt", "doc1.txt", "doc2.txt", "sub/deeper/late.txt", "sub/rows.jsonl"]
+    index = prepare_dataset([folder], tmp_path / "ds2", seq_length=16, vocab_size=300,
+                            patterns=["*.jsonl", "late.*"])
+    assert [Path(s["path"]).name for s in index["sources"]] == ["late.txt", "rows.jsonl"]
+    with pytest.raises(DataError, match=rf"input {folder}: a directory without files matching "
+                                        r"'\*.csv' \(in any subdirectory\); choose them with "
+                                        r"--pattern"):
+        prepare_dataset([folder], tmp_path / "ds3", seq_length=16, patterns=["*.csv"])
 
 
 @pytest.mark.parametrize("inputs, cause", [

@@ -1,16 +1,19 @@
 """Sample ids, datasets mixed by proportion, a remote dataset streamed into a separate local
-cache, the trainer's choice of streams from the config, and the checks that refuse datasets
-that cannot be mixed."""
+cache, a local dataset unpacked into a cache elsewhere (data.cache_dir), the trainer's choice
+of streams from the config, and the checks that refuse datasets that cannot be mixed."""
 
 from __future__ import annotations
 
 from itertools import islice
+
+import shutil
 
 import pytest
 import torch
 from textgen import english_ish
 
 from t2train.config.loader import load_config
+from t2train.config.schema import ConfigError
 from t2train.data.loader import StreamingWorld, TokenBatches
 from t2train.data.prepare import DataError, prepare_dataset, read_index
 from t2train.data.streams import DataStream
@@ -105,3 +108,34 @@ def test_trainer_mixes_train_streams_and_evaluates_data_path(dataset, mix_datase
 
     plain = load_config("tiny", overrides=[f"data.path={dataset}"])
     assert train_and_val_streams(plain.data) == ([DataStream(str(dataset))],) * 2
+
+
+def test_cache_dir_keeps_unpacked_shards_out_of_the_dataset(dataset, tmp_path):
+    """With data.cache_dir the dataset directory is only read (it could be read-only): the
+    unpacked .mds files go into a folder per dataset version in the cache, without the
+    compressed copies, and the samples are those of the dataset itself."""
+    source = tmp_path / "ds"
+    shutil.copytree(dataset, source, ignore=shutil.ignore_patterns("*.mds"))
+    before = sorted(p.relative_to(source) for p in source.rglob("*"))
+    config = load_config("tiny", overrides=[f"data.path={source}",
+                                            f"data.cache_dir={tmp_path / 'scratch'}"])
+    train, val = train_and_val_streams(config.data)
+    read = [torch.cat([b["tokens"] for b in TokenBatches(streams, split, 16, 32, ONE, seed=0,
+                                                         shuffle=False, finite=True)])
+            for streams, split in ((train, "train"), (val, "val"))]
+    assert torch.equal(read[0], in_order(dataset, "train")[1])
+    assert torch.equal(read[1], in_order(dataset, "val")[1])
+    assert sorted(p.relative_to(source) for p in source.rglob("*")) == before
+    cached = sorted(p.relative_to(tmp_path / "scratch") for p in (tmp_path / "scratch").rglob(
+        "shard.*"))
+    version = train[0].path.name
+    assert version.startswith("ds-") and [str(p) for p in cached] == [
+        f"{version}/train/shard.00000.mds", f"{version}/val/shard.00000.mds"]
+
+    index = source / "index.json"  # the dataset prepared again: a new cache folder
+    index.write_text(index.read_text().replace('"seed": 0', '"seed": 1'))
+    assert train_and_val_streams(config.data)[0][0].path.name != version
+    with pytest.raises(ConfigError, match=r"data.cache_dir=.*: cannot be combined with "
+                                          r"data.remote"):
+        load_config("tiny", overrides=[f"data.path={source}", "data.remote=s3://b/ds",
+                                       f"data.cache_dir={tmp_path}"])

@@ -1,11 +1,23 @@
-"""Compare a kernel with its PyTorch reference: outputs and input gradients."""
+"""Compare a kernel with its PyTorch reference: outputs and input gradients, and prove the
+kernel ran (the dispatch counter, and its autograd node in the result's graph)."""
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import torch
+
+from t2train.kernels import dispatch
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# kernel name in the dispatch counter -> the autograd nodes its forward leaves in the graph
+BACKWARD_NODES = {"window_attention": {"WindowAttentionBackward"},
+                  "delta_write": {"DeltaWriteBackward"},
+                  "depth_mix": {"Phase1Backward", "Phase2Backward"},
+                  "block_phase_1": {"Phase1Backward"}, "block_phase_2": {"Phase2Backward"},
+                  "stream_read": {"StreamReadBackward"}, "stream_write": {"StreamWriteBackward"}}
 
 
 def leaves(*tensors):
@@ -14,23 +26,53 @@ def leaves(*tensors):
             for t in tensors]
 
 
-def assert_matches(kernel, reference, inputs, dtype, seed=0):
-    """kernel(*inputs) == reference(*fp32 inputs) in value and in every input gradient.
+def graph_nodes(tensor: torch.Tensor) -> set[str]:
+    """Names of the autograd nodes ``tensor``'s backward would run."""
+    seen, todo, names = set(), [tensor.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def run_kernels(fn, *args, **kwargs):
+    """``fn`` with ``T2_KERNELS=triton``, the dispatch counter reset first."""
+    dispatch.reset_launches()
+    with mock.patch.dict(os.environ, {"T2_KERNELS": "triton"}):
+        return fn(*args, **kwargs)
+
+
+def assert_kernel_ran(out: torch.Tensor, name: str, calls: int = 1) -> None:
+    """The dispatch routed ``calls`` calls to kernel ``name`` and to nothing else, and the
+    result's backward runs the kernel's backward."""
+    assert dict(dispatch.launches) == {name: calls}, dict(dispatch.launches)
+    assert graph_nodes(out) & BACKWARD_NODES[name], f"{name}'s backward is not in the graph"
+
+
+def assert_matches(kernel, reference, inputs, dtype, name, seed=0):
+    """kernel(*inputs) == reference(*fp32 inputs) in value and in every input gradient;
+    ``kernel`` calls the dispatch, which must route it to the Triton kernel ``name``.
 
     The reference runs in fp32 on the same (rounded) inputs, so low-precision kernels are
     judged against the exact result; ``dtype`` picks the tolerance.
     """
     ours = leaves(*inputs)
     theirs = leaves(*(None if t is None else t.float() for t in inputs))
-    out, expected = kernel(*ours), reference(*theirs)
+    out = run_kernels(kernel, *ours)
+    assert_kernel_ran(out, name)
+    expected = reference(*theirs)
     torch.manual_seed(seed)
     grad = torch.randn(out.shape, dtype=torch.float32, device=out.device)
     out.backward(grad.to(out.dtype))
     expected.backward(grad)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
-    for name, a, b in zip(range(len(inputs)), ours, theirs):
+    for index, a, b in zip(range(len(inputs)), ours, theirs):
         if a is None or (a.grad is None and b.grad is None):  # an input the result ignores
             continue
         torch.testing.assert_close(a.grad.float(), b.grad.float(), atol=tol, rtol=tol,
-                                   msg=lambda m, i=name: f"gradient of input {i}: {m}")
+                                   msg=lambda m, i=index: f"gradient of input {i}: {m}")

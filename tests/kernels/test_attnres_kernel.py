@@ -4,7 +4,7 @@ import pytest
 import torch
 from kernel_checks import DEVICE, assert_matches
 
-from t2train.residual.attnres import depth_mix
+from t2train.residual.attnres import depth_mix, mix_sources
 
 EPS = 1e-6
 
@@ -18,15 +18,13 @@ def _inputs(n_sources, dtype, tokens=(3, 2), hidden=24):
 
 
 def _check(n_sources, with_partial, dtype):
-    from t2train.kernels.block_attnres import depth_mix as two_phase
-
     def kernel(query, partial, *sources):
-        return two_phase(query, list(sources), partial if with_partial else None, EPS)
+        return mix_sources(query, list(sources), partial if with_partial else None, EPS)
 
     def reference(query, partial, *sources):
         return depth_mix(query, list(sources) + ([partial] if with_partial else []), EPS)
 
-    assert_matches(kernel, reference, _inputs(n_sources, dtype), dtype)
+    assert_matches(kernel, reference, _inputs(n_sources, dtype), dtype, "depth_mix")
 
 
 @pytest.mark.parametrize("with_partial", [True, False], ids=["partial", "block_start"])
@@ -47,7 +45,7 @@ def test_bf16(with_partial):
 
 def test_phase_1_batches_the_block_queries():
     """S queries at once equal S separate mixtures; the LSE is the softmax normaliser."""
-    from t2train.kernels.block_attnres import phase_1
+    from t2train.kernels.depth_mix import phase_1
 
     query, _, *sources = _inputs(5, torch.float32)
     queries = torch.stack([query, -query, 0.5 * query])

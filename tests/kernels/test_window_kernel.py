@@ -4,7 +4,7 @@ import pytest
 import torch
 from kernel_checks import DEVICE, assert_matches
 
-from t2train.residual.window_attention import short_window_attention
+from t2train.residual.window_attention import attend_window, short_window_attention
 
 # batch, heads, kv_heads, q_len, k_len, head_dim, window
 SHAPES = {
@@ -15,6 +15,10 @@ SHAPES = {
     "depth_read": (6, 2, 2, 1, 3, 16, 4),
     "depth_truncated": (3, 2, 1, 1, 9, 16, 4),
     "head_dim_128": (1, 1, 1, 18, 18, 128, 8),
+    # Bands whose last query starts a new 16-row tile (the interpreter's tiles): a key tile's
+    # dK/dV must still visit it (window 2: key 15 is seen by query 16; 18: by query 32).
+    "tile_edge": (1, 1, 1, 20, 20, 16, 2),
+    "tile_edge_wide": (1, 1, 1, 36, 36, 16, 18),
 }
 
 
@@ -26,12 +30,10 @@ def _inputs(shape, dtype):
 
 
 def _check(shape, dtype):
-    from t2train.kernels.window_attention import window_attention
-
     window, scale = shape[-1], shape[-2] ** -0.5
-    assert_matches(lambda q, k, v: window_attention(q, k, v, window, scale),
+    assert_matches(lambda q, k, v: attend_window(q, k, v, window, scale),
                    lambda q, k, v: short_window_attention(q, k, v, window, scale),
-                   _inputs(shape, dtype), dtype)
+                   _inputs(shape, dtype), dtype, "window_attention")
 
 
 @pytest.mark.parametrize("case", SHAPES)
@@ -52,14 +54,12 @@ def test_bf16(case):
 
 def test_strided_inputs_and_default_scale():
     """[s, b, h, d] activations permuted to [b, h, s, d], as the core attention passes them."""
-    from t2train.kernels.window_attention import window_attention
-
     q, k, v = (t.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
                for t in _inputs(SHAPES["gqa"], torch.float32))
     assert not q.is_contiguous()
-    assert_matches(lambda q, k, v: window_attention(q, k, v, 6),
+    assert_matches(lambda q, k, v: attend_window(q, k, v, 6),
                    lambda q, k, v: short_window_attention(q, k, v, 6), (q, k, v),
-                   torch.float32)
+                   torch.float32, "window_attention")
 
 
 def test_reference_passes_gradcheck():

@@ -139,11 +139,18 @@ PartitionName=test Nodes=n[1-{len(self.nodes)}] Default=YES MaxTime=INFINITE Sta
     def _wait_idle(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            states = self._run("sinfo", "-h", "-N", "-o", "%T").stdout.split()
-            if len(states) == len(self.nodes) and all(s == "idle" for s in states):
+            busy = self.busy_nodes()
+            if not busy:
                 return
             time.sleep(0.3)
-        raise RuntimeError(f"nodes not idle after {timeout}s: {states}; see {self.root}/log")
+        raise RuntimeError(f"nodes not idle after {timeout}s: {busy}; see {self.root}/log")
+
+    def busy_nodes(self) -> list[str]:
+        """Nodes that are not idle (a job or its ending processes run there); all of them
+        while sinfo does not answer."""
+        lines = self._run("sinfo", "-h", "-N", "-o", "%N %T").stdout.split("\n")
+        states = dict(line.split() for line in lines if line.strip())
+        return [node for node in self.nodes if states.get(node) != "idle"]
 
     def _pids(self) -> list[int]:
         files = [self.root / "run" / f"slurmd-{n}.pid" for n in self.nodes]

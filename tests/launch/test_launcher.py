@@ -1,8 +1,10 @@
 """`t2train launch` on one machine: real torchrun workers, bad launches, a stop signal.
 
-The signal goes to the launcher process only (as ``kill PID`` or a container runtime would
-send it), so the launcher must pass it on; test_slurm_jobs.py covers SLURM's way, which
-signals every process of the job step.
+A stop signal goes to the launcher process only (as ``kill PID`` or a container runtime
+would send it), so the launcher must pass it on; or to every process of the launcher's tree
+at once (SLURM's way: slurmstepd signals every process of the job step), so no helper
+process (checkpoint writers, multiprocessing's resource tracker) may die of it.
+test_slurm_jobs.py does the latter with a real ``scancel``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from tiny_run import TINY_MODEL
 
 from t2train.launch.plan import LaunchError, plan_standalone, processes_per_node
 from t2train.launch.torchrun import exit_code
-from t2train.train.preemption import REQUEUE_EXIT_CODE
+from t2train.signals import REQUEUE_EXIT_CODE
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,6 +59,21 @@ def _losses(run_dir: Path) -> dict[int, float]:
     metrics = run_dir / "metrics.jsonl"
     records = map(json.loads, metrics.read_text().splitlines()) if metrics.is_file() else []
     return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+
+
+def _start(data: Path, run_dir: Path, log: Path, nproc: int, *extra: str) -> subprocess.Popen:
+    """``t2train launch`` in its own session, its output in ``log``."""
+    with log.open("w") as out:
+        return subprocess.Popen(
+            _launch_cmd(f"--nproc-per-node={nproc}", *_train_args(data, run_dir, *extra)),
+            stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, start_new_session=True)
+
+
+def _wait_for_step(proc: subprocess.Popen, run_dir: Path, log: Path, step: int) -> None:
+    deadline = time.monotonic() + 300
+    while max(_logged_steps(run_dir), default=0) < step:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.1)
 
 
 def _worker(launcher: subprocess.Popen, rank: int) -> psutil.Process:
@@ -108,17 +125,10 @@ def test_standalone_launch_trains_and_restarts_a_killed_rank(shakespeare, tmp_pa
 @pytest.mark.slow
 def test_a_signal_to_the_launcher_saves_and_exits_with_the_requeue_code(shakespeare, tmp_path):
     run_dir, log = tmp_path / "run", tmp_path / "launch.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            _launch_cmd("--nproc-per-node=2", *_train_args(
-                shakespeare, run_dir, "parallel.tensor=2", "train.steps=400",
-                "train.eval_interval=400", "checkpoint.interval=400")),
-            stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, start_new_session=True)
+    proc = _start(shakespeare, run_dir, log, 2, "parallel.tensor=2", "train.steps=400",
+                  "train.eval_interval=400", "checkpoint.interval=400")
     try:
-        deadline = time.monotonic() + 300
-        while len(_logged_steps(run_dir)) < 2 and proc.poll() is None:
-            assert time.monotonic() < deadline, "training did not start in 300 s"
-            time.sleep(0.2)
+        _wait_for_step(proc, run_dir, log, 2)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=300)
     finally:
@@ -131,6 +141,77 @@ def test_a_signal_to_the_launcher_saves_and_exits_with_the_requeue_code(shakespe
     assert f"step {stopped:>6} | stopping early: received SIGTERM" in output
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
     assert "training saved a checkpoint and stopped early" in output
+
+
+def killed_by_sigterm(pid: int) -> bool:
+    """Whether SIGTERM would end process ``pid``: neither ignored nor handled by it, and
+    unblocked in one of its threads (a signal blocked in every thread stays pending)."""
+    term = 1 << (signal.SIGTERM - 1)
+
+    def mask(status: str, field: str) -> int:
+        return int(status.split(f"{field}:\t")[1].split()[0], 16)
+
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        if (mask(status, "SigIgn") | mask(status, "SigCgt")) & term:
+            return False
+        return any(not mask(Path(task, "status").read_text(), "SigBlk") & term
+                   for task in Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:  # it ended meanwhile (a writer of a save that finished)
+        return False
+
+
+def _tree(root: int) -> dict[psutil.Process, str]:
+    """The processes under ``root`` (itself included) and their command lines."""
+    tree = {}
+    for process in [psutil.Process(root), *psutil.Process(root).children(recursive=True)]:
+        try:
+            tree[process] = " ".join(process.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+    return tree
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_process_of_the_tree_saves_the_current_step(shakespeare, tmp_path):
+    """The launcher, the trainer, multiprocessing's resource tracker and the checkpoint
+    writer processes started by the step-2 save all get SIGTERM at once: none of them dies
+    of it, and the checkpoint of the step the trainer was in is published (exit code 75)."""
+    run_dir, log = tmp_path / "run", tmp_path / "launch.log"
+    proc = _start(shakespeare, run_dir, log, 1, "train.steps=400", "train.eval_interval=400",
+                  "checkpoint.interval=2", "log.diagnostics_interval=0")
+    latest, published = run_dir / "checkpoints" / "latest", {}
+    try:
+        _wait_for_step(proc, run_dir, log, 3)
+        tree = _tree(proc.pid)
+        assert any("resource_tracker" in c for c in tree.values()), tree
+        assert any("spawn_main" in c for c in tree.values()), tree  # the writers' queue
+        assert [c for p, c in tree.items() if killed_by_sigterm(p.pid)] == []
+        signalled = time.monotonic()
+        for process in tree:
+            try:
+                process.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        running = max(_logged_steps(run_dir))  # the trainer is past it or in the next step
+        while proc.poll() is None:
+            assert time.monotonic() < signalled + 120, log.read_text()[-4000:]
+            if latest.is_file():
+                published.setdefault(latest.read_text().strip(), time.monotonic() - signalled)
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = log.read_text()
+    assert proc.returncode == REQUEUE_EXIT_CODE, output[-4000:]
+    stopped = max(_logged_steps(run_dir))
+    assert stopped in (running, running + 1), (running, stopped)
+    assert f"step {stopped:>6} | stopping early: received SIGTERM" in output
+    assert latest.read_text().strip() == f"step_{stopped:08d}"
+    assert "Error" not in output, output[-4000:]
+    seconds = published.get(f"step_{stopped:08d}", 0.0)
+    print(f"SIGTERM to every process: step {stopped} published {seconds:.1f}s after the signal")
+    assert seconds < 30  # SLURM's default KillWait, after which SIGKILL follows
 
 
 @pytest.mark.parametrize("args, env, cause", [
@@ -185,5 +266,6 @@ def test_more_processes_than_cuda_devices_is_refused(shakespeare, tmp_path):
 
 def test_the_node_exit_code_prefers_a_completed_requeue_save():
     assert exit_code([REQUEUE_EXIT_CODE, -15]) == REQUEUE_EXIT_CODE  # peer killed on exit
+    assert exit_code([-15, 74]) == 74  # rank 0 killed by torchrun while exiting with 74 too
     assert exit_code([1, 0]) == 1
     assert exit_code([-9]) == 128 + 9

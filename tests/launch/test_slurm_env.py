@@ -8,6 +8,10 @@ Host lists are expanded by the real ``scontrol`` (``slurm_conf`` installs it).
 
 from __future__ import annotations
 
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 
 from t2train.launch.plan import processes_per_node
@@ -83,3 +87,14 @@ def test_missing_or_inconsistent_variables_are_named(slurm_conf, env, cause):
     with pytest.raises(SlurmEnvError) as err:
         read_step(env)
     assert cause in str(err.value)
+
+
+def test_the_job_script_without_gpus_names_nproc_per_node(tmp_path):
+    """On a node with no GPU allocated and no NPROC_PER_NODE, the script stops before srun."""
+    script = Path(__file__).resolve().parents[2] / "slurm" / "pretrain.sbatch"
+    env = {"PATH": os.environ["PATH"], "DATA": "d", "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": "n1", "SLURM_GPUS_ON_NODE": "0"}
+    proc = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "set NPROC_PER_NODE" in proc.stderr and "--gpus-per-node=0" in proc.stderr

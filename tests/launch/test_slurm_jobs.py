@@ -26,11 +26,11 @@ TRAIN = [*TINY_MODEL, "parallel.tensor=2", f"train.steps={STEPS}",
 JOB_TIMEOUT = 300
 
 
-def _submit(cluster, data: Path, out: Path, name: str) -> tuple[str, Path]:
+def _submit(cluster, data: Path, out: Path, name: str, *extra: str) -> tuple[str, Path]:
     log = out / f"{name}.out"
     job = cluster.sbatch(
         "--nodes=2", "--gpus-per-node=0", f"--job-name={name}", f"--output={log}",
-        f"--error={log}", f"--chdir={out}", str(SBATCH), f"name={name}", *TRAIN,
+        f"--error={log}", f"--chdir={out}", str(SBATCH), f"name={name}", *TRAIN, *extra,
         env={"DATA": str(data), "PRESET": "", "NPROC_PER_NODE": "2", "OUTPUT_DIR": str(out / "runs"),
              "T2TRAIN": str(Path(sys.executable).parent / "t2train"), "PYTHONUNBUFFERED": "1"})
     return job, log
@@ -76,15 +76,31 @@ def test_two_node_job_trains_under_srun_and_torchrun(reference):
     assert sum(list(losses.values())[-5:]) < sum(list(losses.values())[:5])
 
 
-def test_usr1_saves_requeues_and_resumes_with_the_same_losses(slurm_cluster, shakespeare,
-                                                              tmp_path, reference):
-    job, log = _submit(slurm_cluster, shakespeare, tmp_path, "preempted")
-    run_dir = tmp_path / "runs" / "preempted"
+def _latest(run_dir: Path) -> int:
+    marker = run_dir / "checkpoints" / "latest"
+    return int(marker.read_text().strip().split("_")[1]) if marker.is_file() else 0
+
+
+def _wait_for(condition, job: str, cluster, log: Path) -> None:
     deadline = time.monotonic() + JOB_TIMEOUT
-    while len(_losses(run_dir)) < 3:
-        assert time.monotonic() < deadline and not _done(slurm_cluster.job(job)), \
+    while not condition():
+        assert time.monotonic() < deadline and not _done(cluster.job(job)), \
             log.read_text()[-6000:] if log.is_file() else "no log"
         time.sleep(0.2)
+
+
+def test_usr1_requeues_and_scancel_saves_and_both_resume_with_the_same_losses(
+        slurm_cluster, shakespeare, tmp_path, reference):
+    """One run, stopped twice. USR1 to the batch script (SLURM's warning before the time
+    limit): the trainers save, the job requeues itself and resumes. Then a plain ``scancel``,
+    which sends SIGTERM to every process of the job step (launchers, trainers, the checkpoint
+    writers started by the resumed run's step-10 save) and SIGKILL after KillWait (30 s):
+    the step being trained is saved in time, and a new job resumes from it. The losses of
+    all three parts equal the uninterrupted run's, bitwise."""
+    saves = "checkpoint.interval=10"  # the resumed run saves before scancel: writers exist
+    job, log = _submit(slurm_cluster, shakespeare, tmp_path, "preempted", saves)
+    run_dir = tmp_path / "runs" / "preempted"
+    _wait_for(lambda: len(_losses(run_dir)) >= 3, job, slurm_cluster, log)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True,
                    env=slurm_cluster.env, timeout=60)
 
@@ -93,16 +109,39 @@ def test_usr1_saves_requeues_and_resumes_with_the_same_losses(slurm_cluster, sha
                            and f.get("JobState") == "PENDING", JOB_TIMEOUT, log)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True,
                    env=slurm_cluster.env, timeout=60)
-    fields = slurm_cluster.wait_job(job, _done, JOB_TIMEOUT, log)
     text = log.read_text()
-    assert fields.get("JobState") == "COMPLETED" and fields.get("Restarts") == "1", \
-        f"{fields}\n{text[-6000:]}"
-
     stopped = int(text.split("| stopping early: received SIGUSR1")[0].rsplit("step", 1)[1])
-    assert 3 <= stopped < STEPS
+    assert 3 <= stopped < 10 and _latest(run_dir) == stopped
     assert f"job {job}: checkpoint saved, requeueing" in text
+
+    _wait_for(lambda: _latest(run_dir) >= 10 and max(_losses(run_dir)) > _latest(run_dir),
+              job, slurm_cluster, log)
+    subprocess.run(["scancel", job], check=True, env=slurm_cluster.env, timeout=60)
+    cancelled = time.monotonic()
+    running = max(_losses(run_dir))  # the trainers are past it or in the next step
+    published = {}  # checkpoint step -> seconds after scancel when `latest` first named it
+    while True:
+        ended = _done(slurm_cluster.job(job)) and not slurm_cluster.busy_nodes()
+        published.setdefault(_latest(run_dir), time.monotonic() - cancelled)
+        if ended or time.monotonic() > cancelled + 90:
+            break
+        time.sleep(0.2)
+    text = log.read_text()
+    assert slurm_cluster.job(job).get("JobState") == "CANCELLED", text[-6000:]
+    cancel_step = _latest(run_dir)
+    assert cancel_step in (running, running + 1), (running, cancel_step, text[-6000:])
+    assert sorted(_losses(run_dir)) == list(range(1, cancel_step + 1))
+    assert not list((run_dir / "checkpoints").glob("*.incomplete")), text[-6000:]
+    print(f"scancel: step {cancel_step} published {published[cancel_step]:.1f}s after it")
+    assert published[cancel_step] < 30  # KillWait
+
+    job2, _ = _submit(slurm_cluster, shakespeare, tmp_path, "preempted", saves)
+    fields = slurm_cluster.wait_job(job2, _done, JOB_TIMEOUT, log)
+    text = log.read_text()
+    assert fields.get("JobState") == "COMPLETED", f"{fields}\n{text[-6000:]}"
     assert f"SLURM job {job} (restart 1)" in text
     assert f"resumed from {run_dir}/checkpoints/step_{stopped:08d}" in text
+    assert f"resumed from {run_dir}/checkpoints/step_{cancel_step:08d}" in text
     resumed, uninterrupted = _losses(run_dir), _losses(reference["run_dir"])
     assert sorted(resumed) == list(range(1, STEPS + 1))
     assert resumed == uninterrupted  # bitwise: same data order, RNG and optimizer state

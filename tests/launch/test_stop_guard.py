@@ -13,7 +13,8 @@ from tiny_run import TINY_MODEL
 from t2train.cli import main as t2train_main
 from t2train.config.loader import load_config
 from t2train.config.schema import ConfigError
-from t2train.train.preemption import REQUEUE_EXIT_CODE, StopGuard, parse_signals
+from t2train.signals import REQUEUE_EXIT_CODE, parse_signals
+from t2train.train.preemption import StopGuard
 
 
 def test_a_signal_is_held_until_the_step_boundary_and_handlers_are_restored(megatron_world):

@@ -51,6 +51,16 @@ EXTRA_FORWARD_FLOPS = {  # variant: (design, overrides, extra forward FLOPs per 
     # 3 (emb + block + partial), 3 (emb + 2 blocks) sources
     "block_attnres": ("block_attnres", ["model.attnres.block_size=2"],
                       (1 + 2 + 2 + 3 + 3) * 384),
+    # n = 4 streams: 4 sublayers x (read 2nh 512 + stream mix 2n^2.h 2048 + write 2nh 512
+    # + per-stream norms 2nh 512 + W_a, W_b 2nh(n + 2) 3072), then the final mean 2nh 512
+    "hc": ("hc", [], 4 * (512 + 2048 + 512 + 512 + 3072) + 512),
+    "hc_static": ("hc", ["model.hc.dynamic=false"], 4 * (512 + 2048 + 512) + 512),
+    # 4 sublayers x (RMS over nh 512 + projection 2nh(n^2 + 2n) 12288 + read 512 + mix 2048
+    # + write 512), then the final mean 512
+    "mhc": ("mhc", [], 4 * (512 + 12288 + 512 + 2048 + 512) + 512),
+    # the mixer, and an mHC connection on each of 6 sublayers
+    "mhc+shortswa": ("mhc", ["model.shortswa.window=16"],
+                     SHORTSWA_16 + 6 * (512 + 12288 + 512 + 2048 + 512) + 512),
 }
 
 

@@ -25,6 +25,8 @@ VARIANTS = {
     "depth_attn": ["model.residual=depth_attn", "model.depth_attn.window=2"],
     "attnres": ["model.residual=attnres"],
     "block_attnres": ["model.residual=block_attnres", "model.attnres.block_size=3"],
+    "hc": ["model.residual=hc"],
+    "mhc+shortswa": ["model.residual=mhc", "model.shortswa.window=4"],
 }
 
 
@@ -73,6 +75,24 @@ def test_recording_leaves_outputs_unchanged_and_records_the_design(megatron_worl
         assert set(records["shortswa_entropy"]) == set(range(1, LAYERS + 1))
         for entropy in records["shortswa_entropy"].values():
             assert 0 <= float(entropy) <= math.log(4) + 1e-6
+    elif variant in ("hc", "mhc+shortswa"):
+        name, positions = ("hc", (0, 1)) if variant == "hc" else ("mhc", (0, 1, 2))
+        sublayers = {(layer, position) for layer in range(1, LAYERS + 1) for position in positions}
+        kinds = {f"{name}_read", f"{name}_write", f"{name}_gain"}
+        assert set(records) - {"shortswa_entropy"} == kinds
+        assert all(set(records[kind]) == sublayers for kind in kinds)
+        for (layer, position), read in records[f"{name}_read"].items():
+            assert read.shape == (SEQ, 2, 4)
+            if name == "hc":  # at init the k-th sublayer reads stream k mod 4 alone
+                expected = torch.zeros(4)
+                expected[(2 * (layer - 1) + position) % 4] = 1
+                assert torch.equal(read, expected.expand(SEQ, 2, 4))
+            else:
+                assert ((read > 0) & (read < 1)).all()
+        for write in records[f"{name}_write"].values():
+            assert ((write > 0) & (write < 2)).all()
+        for gain in records[f"{name}_gain"].values():  # A_r = I; H_res doubly stochastic
+            assert float(gain) == pytest.approx(1.0, abs=1e-5)
     elif variant == "depth_attn":
         assert set(records["depth_attn"]) == set(range(1, LAYERS + 1))
         for layer, weights in records["depth_attn"].items():

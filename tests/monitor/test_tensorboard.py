@@ -53,11 +53,14 @@ VARIANTS = {
     "attnres": (["model.residual=attnres"], set(), DEPTH_IMAGE, set()),
     "block_attnres": (["model.residual=block_attnres", "model.attnres.block_size=2"], set(),
                       DEPTH_IMAGE, set()),
+    "mhc": (["model.residual=mhc"], {f"diagnostics/mhc_gain/{sublayer}" for sublayer in SUBLAYERS},
+            set(), {f"diagnostics/mhc_{kind}/{sublayer}" for kind in ("read", "write")
+                    for sublayer in SUBLAYERS}),
 }
 
 SCALARS = {
     "train/loss", "train/perplexity", "train/lr", "train/grad_norm", "train/param_norm",
-    "train/skipped_steps", "val/loss", "val/perplexity",
+    "train/skipped_steps", "train/tokens", "val/loss", "val/perplexity",
     "throughput/tokens_per_sec", "throughput/tokens_per_sec_per_device",
     "throughput/tflops_per_device", "time/step_seconds", "time/data_wait_seconds",
     "memory/rss_gib", "pipeline/forward_data_bytes", "pipeline/forward_wire_bytes",
@@ -91,7 +94,7 @@ def runs(megatron_world, shakespeare, tmp_path_factory) -> dict:
 def _events(run_dir: Path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(run_dir / "tensorboard"),
+    events = EventAccumulator(str(run_dir),
                               size_guidance={"scalars": 0, "images": 0, "histograms": 0})
     events.Reload()
     return events
@@ -146,9 +149,11 @@ def test_metrics_jsonl_holds_the_same_scalars(runs):
 
 
 def test_console_is_a_progress_line_per_interval(runs):
-    _, _, console = runs["standard"]
+    run_dir, _, console = runs["standard"]
     progress = [line for line in console.splitlines() if "tok/s" in line]
     assert len(progress) == 4
+    assert (f"TensorBoard: tensorboard --logdir {run_dir.parent} (this run is 'standard'; its "
+            f"event files are in {run_dir})") in console
     assert all(" | loss " in line and " | eta " in line for line in progress)
     assert "warning" not in console
 
@@ -201,7 +206,7 @@ def test_a_tensorboard_server_serves_the_training_loss(runs):
          "--host", "127.0.0.1", "--port", str(port), "--load_fast=false"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
-    run = "standard/tensorboard"
+    run = "standard"  # the run directory's name labels it
     try:
         deadline = time.monotonic() + 90
         while True:

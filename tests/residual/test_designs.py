@@ -1,6 +1,9 @@
 """Every residual design, alone and with the local ShortSWA mixer, builds inside the Megatron
-decoder with the parameters and FLOPs it claims."""
+decoder with the parameters and FLOPs it claims, starts where its design says
+(zero-initialised reads, exact gradients at init) and keeps its structure (AttnRes sources per
+layer, the ShortSWA band)."""
 
+import paper_math as paper
 import pytest
 import torch
 
@@ -23,6 +26,11 @@ VARIANTS = {  # name: (design, overrides)
     "depth_attn+shortswa": ("depth_attn", ["model.depth_attn.window=2", *MIXER]),
     "attnres+shortswa": ("attnres", MIXER),
     "block_attnres+shortswa": ("block_attnres", ["model.attnres.block_size=3", *MIXER]),
+    "hc": ("hc", []), "hc_static": ("hc", ["model.hc.dynamic=false"]),
+    "hc_n1": ("hc", ["model.hc.expansion_rate=1"]), "mhc": ("mhc", []),
+    "mhc_n3": ("mhc", ["model.mhc.expansion_rate=3", "model.mhc.sinkhorn_iterations=5"]),
+    "hc+shortswa": ("hc", MIXER), "hc_static+shortswa": ("hc", ["model.hc.dynamic=false", *MIXER]),
+    "mhc+shortswa": ("mhc", MIXER),
 }
 
 
@@ -56,15 +64,44 @@ def test_parameter_count_matches_the_module(megatron_world, variant):
     assert sum(p.numel() for p in model.parameters()) == parameters(config.model, 128)
 
 
+# Parameters without a gradient at initialisation, by design: the depth read's output
+# projection W_O starts at zero, so nothing before it gets a gradient; the first AttnRes read
+# mixes one source (the embedding) with weight 1, so its query has no effect.
+NO_GRADIENT_AT_INIT = {
+    "depth_attn": {f"decoder.layers.{i}.layer_entry.{name}.weight" for i in range(3)
+                   for name in ("norm", "linear_q", "linear_kv")},
+    "attnres": {"decoder.layers.0.attn_residual.query"},
+    "block_attnres": {"decoder.layers.0.attn_residual.query"},
+}
+NO_GRADIENT_AT_INIT["depth_attn+shortswa"] = NO_GRADIENT_AT_INIT["depth_attn"]
+
+
+def _dynamic_hc_inert(residuals: tuple) -> set:
+    """Dynamic HC's weight projections start at zero (the paper's init), so tanh(W Norm(x))
+    is 0: the scales multiplying it and the norm before it get no gradient at init."""
+    return {f"decoder.layers.{i}.{residual}.{name}" for i in range(3) for residual in residuals
+            for name in ("dynamic_alpha_scale", "dynamic_beta_scale", "norm.weight")}
+
+
+NO_GRADIENT_AT_INIT["hc"] = NO_GRADIENT_AT_INIT["hc_n1"] = _dynamic_hc_inert(
+    ("attn_residual", "mlp_residual"))
+NO_GRADIENT_AT_INIT["hc+shortswa"] = _dynamic_hc_inert(
+    ("pre_attention_residual", "attn_residual", "mlp_residual"))
+for variant in ("attnres+shortswa", "block_attnres+shortswa"):  # the mixer reads first
+    NO_GRADIENT_AT_INIT[variant] = {"decoder.layers.0.pre_attention_residual.query"}
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_trains_a_step_with_finite_gradients(megatron_world, variant):
+def test_a_step_at_init_reaches_exactly_the_parameters_it_should(megatron_world, variant):
     model = _build(_config(variant))
     tokens, labels, positions = _batch()
     loss = model(tokens, positions, None, labels=labels).mean()
     loss.backward()
     assert torch.isfinite(loss)
-    grads = [p.grad for p in model.parameters()]
-    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    without = {name for name, p in model.named_parameters()
+               if p.grad is None or not p.grad.abs().max() > 0}
+    assert without == NO_GRADIENT_AT_INIT.get(variant, set())
 
 
 def test_extra_flops_are_zero_only_for_standard():
@@ -98,25 +135,47 @@ def test_block_attnres_with_one_sublayer_blocks_is_full(megatron_world):
     torch.testing.assert_close(block, full, atol=1e-6, rtol=1e-6)
 
 
-def test_block_attnres_with_larger_blocks_differs(megatron_world):
-    full, block, _ = _shared_logits("attnres", "block_attnres")
-    assert not torch.allclose(block, full)
+@pytest.mark.parametrize("variant, expected", [
+    # (sources, partial sum open?) after each of the 3 layers (2 sublayers each)
+    ("attnres", [(3, False), (5, False), (7, False)]),
+    ("block_attnres", [(1, True), (2, True), (3, False)]),  # blocks of 3 sublayers
+    # with the mixer: 3 sublayers per layer, so every layer closes a block of 3
+    ("attnres+shortswa", [(4, False), (7, False), (10, False)]),
+    ("block_attnres+shortswa", [(2, False), (3, False), (4, False)]),
+])
+def test_attnres_sources_after_each_layer(megatron_world, variant, expected):
+    """Full: the embedding and every sublayer output. Block (S = 3): a block closes after
+    sublayers 2 and 5 (0-based), so layer 2's MLP starts an open partial sum."""
+    decoder = _build(_config(variant)).decoder
+    state = decoder.stream.enter(torch.randn(16, 2, 64))
+    for layer, (sources, partial) in zip(decoder.layers, expected):
+        state = layer(state, None, None)
+        assert (len(state.sources), state.partial is not None) == (sources, partial)
+
+
+def _core_attentions(window: int):
+    """(ShortSWA's core attention, global attention's) of a built model with the mixer."""
+    layer = _build(_config("standard+shortswa", f"model.shortswa.window={window}")
+                   ).decoder.layers[0]
+    return layer.pre_attention.core_attention, layer.self_attention.core_attention
 
 
 def test_shortswa_window_covering_the_sequence_is_full_attention(megatron_world):
-    from megatron.core.transformer.enums import AttnMaskType
-
-    from t2train.nn.attention import CausalCoreAttention
-    from t2train.residual.shortswa import ShortWindowCoreAttention
-
-    config = transformer_config(_config("standard+shortswa", "model.shortswa.window=16"))
+    short, full = _core_attentions(16)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(16, 2, 4, 16, generator=g) for _ in range(3))
-    args = (config, 1, AttnMaskType.causal, "self")
-    full = CausalCoreAttention(*args)(q, k, v, None)
-    torch.testing.assert_close(ShortWindowCoreAttention(*args)(q, k, v, None), full)
-    config.t2_model.shortswa.window = 4
-    assert not torch.allclose(ShortWindowCoreAttention(*args)(q, k, v, None), full)
+    torch.testing.assert_close(short(q, k, v, None), full(q, k, v, None))
+
+
+def test_shortswa_attends_to_the_last_w_tokens(megatron_world):
+    """Token t sees tokens t-3 .. t (w = 4), softmax(q.k / sqrt(16)), per head (fp64)."""
+    short, _ = _core_attentions(4)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(16, 2, 4, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    expected = torch.stack([torch.cat([
+        paper.window_attention_1d(q[:, b, h], k[:, b, h], v[:, b, h], 4, 1 / 4) for h in range(4)],
+        dim=-1) for b in range(2)], dim=1)
+    torch.testing.assert_close(short(q, k, v, None), expected, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("override, message", [

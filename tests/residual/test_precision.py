@@ -87,11 +87,11 @@ def test_attnres_scores_and_softmax_are_fp32_under_autocast_and_bf16():
     sources = [_randn(5, 2, 48, seed=n) * (1 + n) for n in range(4)]
     queries, partial = _randn(3, 48, seed=9), _randn(5, 2, 48, seed=10)
     plain = (attnres.depth_mix(queries[0], sources, 1e-6),
-             attnres.block_phase_1(queries, sources, 1e-6),
+             attnres.block_phase_1(queries, torch.stack(sources), 1e-6),
              attnres.mixing_weights(queries[0], sources, 1e-6))
     with torch.autocast("cpu", dtype=BF16):
         mixed = (attnres.depth_mix(queries[0], sources, 1e-6),
-                 attnres.block_phase_1(queries, sources, 1e-6),
+                 attnres.block_phase_1(queries, torch.stack(sources), 1e-6),
                  attnres.mixing_weights(queries[0], sources, 1e-6))
         out, lse = mixed[1]
         merged = attnres.block_phase_2(partial, queries[1], out[1], lse[1], 1e-6)

@@ -2,15 +2,21 @@
 
 Usage: ``faulty_train.py FAULT STEP -- <t2train train arguments>``, FAULT one of
 ``nan_gradient`` (from the STEP-th step of this process, one MLP weight's gradient is NaN
-on every backward) or ``hang`` (the highest rank freezes, SIGSTOP, at its STEP-th step).
+on every backward), ``hang`` (the highest rank freezes, SIGSTOP, at its STEP-th step), or a
+fault that one rank alone sees in the first checkpoint save after its STEP-th step:
+``save_metadata`` (rank 0 cannot write the checkpoint's metadata.json: disk full) or
+``save_state`` (Megatron's save fails on the highest rank while it collects its sharded
+state). A save fault prints ``fault on rank R at T`` (T: time.time()) to stderr as it fires.
 """
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -29,7 +35,30 @@ def _hang(engine) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)  # frozen, watchdog thread included
 
 
-FAULTS = {"nan_gradient": _nan_gradient, "hang": _hang}
+def _fail(error: Exception):
+    print(f"fault on rank {dist.get_rank()} at {time.time():.3f}", file=sys.stderr, flush=True)
+    raise error
+
+
+def _save_metadata(engine) -> None:
+    from megatron.core.dist_checkpointing import serialization
+
+    if dist.get_rank() == 0:
+        serialization.save_config = lambda _config, directory: _fail(OSError(
+            errno.ENOSPC, os.strerror(errno.ENOSPC), f"{directory}/metadata.json"))
+
+
+def _save_state(engine) -> None:
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    if dist.get_rank() == dist.get_world_size() - 1:
+        serialization.save_preprocess = lambda *args: _fail(CheckpointingException(
+            "cannot collect this rank's sharded state"))
+
+
+FAULTS = {"nan_gradient": _nan_gradient, "hang": _hang, "save_metadata": _save_metadata,
+          "save_state": _save_state}
 
 
 def main() -> int:

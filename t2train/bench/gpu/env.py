@@ -77,6 +77,6 @@ def run(section, plan) -> None:
     data["matmul"] = {"n": plan.matmul_size, "tflops": matmul_tflops(plan.matmul_size)}
     section.save()
     if torch.cuda.is_available():
-        from t2train.kernels.bench import copy_bandwidth_gbs
+        from t2train.bench.kernel_cases import copy_bandwidth_gbs
 
         data["copy_gbs"] = copy_bandwidth_gbs()

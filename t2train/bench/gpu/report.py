@@ -138,7 +138,7 @@ def _correctness_md(section: dict) -> list[str]:
 
 
 def _kernels_md(section: dict) -> list[str]:
-    from t2train.kernels.bench import Row, table_cells
+    from t2train.bench.kernel_cases import Row, table_cells
 
     data = section.get("data", {})
     rows = [table_cells(Row(**row)) for row in kernel_rows(section)]

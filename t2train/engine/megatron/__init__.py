@@ -18,6 +18,7 @@ class MegatronEngine:
     def __init__(self, config: Config, vocab_size: int):
         self.objs = build_training_objects(config, vocab_size)
         self.config, self.vocab_size, self.model = config, vocab_size, self.objs.model
+        self.scheduler = self.objs.scheduler
         self.guard = UpdateGuard(config.train)
 
     def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:

@@ -40,7 +40,7 @@ def _model_state(objs: TrainingObjects) -> dict:
             for key, chunk in zip(_model_keys(objs), objs.model)}
 
 
-def _rng_object(state: Optional[list]) -> ShardedObject:
+def rng_sharded_object(state: Optional[list]) -> ShardedObject:
     """This rank's RNG streams, one object per (pp, tp, dp) position."""
     layout = current_layout()
     return ShardedObject(
@@ -82,7 +82,7 @@ def save_checkpoint(root: Path, step: int, objs: TrainingObjects, train_state: d
     state["scheduler"] = objs.scheduler.state_dict()
     state["train_state"] = dict(train_state, step=step, layout=current_layout(),
                                 has_optimizer=has_optimizer)
-    state["rng_state"] = _rng_object(capture_rng())
+    state["rng_state"] = rng_sharded_object(capture_rng())
 
     def publish() -> None:
         publish_checkpoint(root, staging, final, on_published)
@@ -117,7 +117,7 @@ def load_checkpoint(path: Path, objs: TrainingObjects, config=None) -> dict:
         state["optimizer"] = objs.optimizer.sharded_state_dict(state, is_loading=True,
                                                                metadata=_OPTIMIZER_METADATA)
     if same_layout:
-        state["rng_state"] = _rng_object(None)
+        state["rng_state"] = rng_sharded_object(None)
     loaded = read_checkpoint(path, lambda: dist_checkpointing.load(state, str(path)))
 
     for key, chunk in zip(_model_keys(objs), objs.model):

@@ -62,13 +62,16 @@ def optimizer_config(config: Config) -> OptimizerConfig:
 
 def lr_scheduler(optimizer, config: Config) -> OptimizerParamScheduler:
     """Linear warm-up then cosine decay to ``train.min_lr`` (Megatron's scheduler, which also
-    applies each parameter group's ``wd_mult``: no weight decay on biases and norms)."""
+    applies each parameter group's ``wd_mult``: no weight decay on biases and norms). Loading
+    a checkpoint keeps its schedule or this config's, as ``train.schedule_on_resume`` says."""
     train = config.train
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=train.lr, min_lr=train.min_lr,
         lr_warmup_steps=train.warmup_steps, lr_decay_steps=train.steps,
         lr_decay_style="cosine", start_wd=train.weight_decay, end_wd=train.weight_decay,
-        wd_incr_steps=train.steps, wd_incr_style="constant")
+        wd_incr_steps=train.steps, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=train.schedule_on_resume == "checkpoint",
+        override_opt_param_scheduler=train.schedule_on_resume == "config")
 
 
 def _wire_schedule_hooks(tf_config, model, optimizer) -> None:

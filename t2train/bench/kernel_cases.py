@@ -24,6 +24,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from t2train.residual import kernel_references
+
 MODES = ("fwd", "fwd+bwd")
 
 
@@ -138,7 +140,8 @@ def _leaf(rt: Runtime, *shape, scale=1.0) -> torch.Tensor:
 def window_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
     """Sequence ShortSWA: one micro-batch of the preset's heads, causal window."""
     from t2train.kernels.window_attention import window_attention
-    from t2train.residual.window_attention import short_window_attention
+
+    short_window_attention = kernel_references()["window_attention"]
 
     b, s, w, d = shapes.batch, shapes.seq, shapes.window, shapes.head_dim
     h, hk = shapes.heads, shapes.kv_heads
@@ -183,10 +186,11 @@ def _flash_impls(rt: Runtime, b, h, hk, s, d, window) -> list[Impl]:
                                                        window_size=(window - 1, 0)), [q, k, v])]
 
 
-def ddl_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
+def delta_write_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
     """The DDL write over one micro-batch of the preset's width, for each d_v."""
     from t2train.kernels.ddl_update import delta_write as fused
-    from t2train.residual.ddl import delta_write
+
+    delta_write = kernel_references()["delta_write"]
 
     tokens, hidden, k_eps, v_scale = (shapes.seq, shapes.batch), shapes.hidden, 1e-5, 4.0
     compiled = rt.compile(delta_write)
@@ -198,14 +202,16 @@ def ddl_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
                  for name, f in (("triton", fused), ("eager", delta_write),
                                  ("torch.compile", compiled))]
         unit = state.element_size() * out.numel()
-        yield Case("ddl_write", shapes.label, f"s={tokens[0]} b={tokens[1]} h={hidden} d_v={dv}",
+        yield Case("delta_write", shapes.label, f"s={tokens[0]} b={tokens[1]} h={hidden} d_v={dv}",
                    impls, {"fwd": (2 * dv + 1) * unit, "fwd+bwd": (5 * dv + 3) * unit}, "GB/s")
 
 
-def attnres_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
-    """One block's S sublayer reads over the N completed sources of the preset's last block."""
-    from t2train.kernels.block_attnres import phase_1, phase_2
-    from t2train.residual.attnres import depth_mix
+def depth_mix_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
+    """Block AttnRes: one block's S sublayer reads over the N completed sources of the
+    preset's last block."""
+    from t2train.kernels.depth_mix import phase_1, phase_2
+
+    depth_mix = kernel_references()["depth_mix"]
 
     n_src, n_q, eps = shapes.sources, shapes.block, 1e-6
     batch, seq, hidden = shapes.batch, shapes.seq, shapes.hidden
@@ -232,12 +238,43 @@ def attnres_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
             far.phase_1_batched_attention_triton_op, far.phase_2_online_softmax_merge_triton_op),
             inputs))
     unit = sources[0].numel() * sources.element_size()
-    yield Case("block_attnres", shapes.label, f"N={n_src} S={n_q} b={batch} t={seq} d={hidden}",
+    yield Case("depth_mix", shapes.label, f"N={n_src} S={n_q} b={batch} t={seq} d={hidden}",
                impls, {"fwd": (n_src + 2 * n_q) * unit, "fwd+bwd": (3 * n_src + 5 * n_q) * unit},
                "GB/s")
 
 
-BUILDERS = {"window": window_cases, "ddl": ddl_cases, "attnres": attnres_cases}
+def stream_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
+    """mHC: the stream read and write (Sinkhorn, 20 iterations, n = 4 streams: the paper's
+    defaults) over one micro-batch of the preset's width; the mixing logits are fp32, as the
+    model computes them."""
+    from t2train.kernels.mhc_streams import stream_read as fused_read
+    from t2train.kernels.mhc_streams import stream_write as fused_write
+
+    references = kernel_references()
+    stream_read, stream_write = references["stream_read"], references["stream_write"]
+    n, iterations = 4, 20
+    tokens, hidden = (shapes.seq, shapes.batch), shapes.hidden
+    state, out = _leaf(rt, n, *tokens, hidden), _leaf(rt, *tokens, hidden)
+    pre, post, res = (torch.randn(*tokens, *shape, device=rt.device).requires_grad_()
+                      for shape in ((n,), (n,), (n, n)))
+    unit = out.numel() * out.element_size()
+    read = [state, pre]
+    yield Case("stream_read", shapes.label, f"s={tokens[0]} b={tokens[1]} h={hidden} n={n}",
+               [Impl(name, lambda f=f: f(*read), read)
+                for name, f in (("triton", fused_read), ("eager", stream_read),
+                                ("torch.compile", rt.compile(stream_read)))],
+               {"fwd": (n + 1) * unit, "fwd+bwd": (3 * n + 2) * unit}, "GB/s")
+    write = [state, out, post, res]
+    yield Case("stream_write", shapes.label,
+               f"s={tokens[0]} b={tokens[1]} h={hidden} n={n} iterations={iterations}",
+               [Impl(name, lambda f=f: f(*write, iterations), write)
+                for name, f in (("triton", fused_write), ("eager", stream_write),
+                                ("torch.compile", rt.compile(stream_write)))],
+               {"fwd": (2 * n + 1) * unit, "fwd+bwd": (5 * n + 3) * unit}, "GB/s")
+
+
+BUILDERS = {"window_attention": window_cases, "delta_write": delta_write_cases,
+            "depth_mix": depth_mix_cases, "mhc_streams": stream_cases}
 
 
 def cases(shapes: KernelShapes, rt: Runtime, only=None) -> Iterator[Case]:

@@ -1,0 +1,323 @@
+"""Fused mHC stream read and write, forward and backward (one pass over the stream each).
+
+Exact counterparts of ``t2train.residual.mhc.stream_read`` and ``stream_write``. Per token,
+with the streams x_j (j < n, each of width h), the read logits p_j, the write logits q_i and
+the mixing logits L (n x n):
+
+    read:   w_j = sigma(p_j),         y = sum_j w_j x_j
+    write:  R = SK(L),  P_i = 2 sigma(q_i),   y_i = sum_j R_ij x_j + P_i o
+
+SK (Sinkhorn-Knopp, t_max iterations): M_0 = exp(L - rowmax L); per iteration the rows, then
+the columns, are divided by their sums (A = M / r, r = row sums of M; B = A / c, c = column
+sums of A). In fp32; results stored in the inputs' dtypes. Backward, with G = dL/dy:
+
+    read:   dx_j = w_j g,   dp_j = w_j (1 - w_j) <g, x_j>
+    write:  dx_j = sum_i R_ij g_i,   do = sum_i P_i g_i,   dq_i = P_i (1 - P_i / 2) <g_i, o>,
+            dR_ij = <g_i, x_j>, then back through the iterations, last first:
+            dA = (dB - colsum(dB * B)) / c,   dM = (dA - rowsum(dA * A)) / r,   dL = dM * M_0
+
+(the row maximum gets no gradient: the first row normalisation cancels it). The backward
+reruns the iterations once, keeping only each one's sums r_t and c_t in registers, and
+rebuilds the matrices in reverse from R: A_t = B_t c_t, and M_in(t) = A_t r_t is B_{t-1};
+nothing but the inputs is saved between forward and backward.
+
+One program owns a block of tokens (their n x n iterations side by side) and loops over the
+hidden dim in blocks, reading each stream once; the write's backward accumulates dR and dq
+over the hidden blocks, then runs the Sinkhorn backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _normalise_rows(m, n_ok):
+    """m [tokens, n, n] with its rows divided by their sums, and the sums [tokens, n]."""
+    sums = tl.sum(m, 2)
+    return m / tl.where(n_ok[None, :], sums, 1.0)[:, :, None], sums
+
+
+@triton.jit
+def _normalise_columns(m, n_ok):
+    sums = tl.sum(m, 1)
+    return m / tl.where(n_ok[None, :], sums, 1.0)[:, None, :], sums
+
+
+@triton.jit
+def _sinkhorn(m0, n_ok, iterations):
+    m = m0
+    for _ in range(iterations):
+        m, _r = _normalise_rows(m, n_ok)
+        m, _c = _normalise_columns(m, n_ok)
+    return m
+
+
+@triton.jit
+def _sinkhorn_recorded(m0, n_ok, iterations, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_I: tl.constexpr):
+    """``_sinkhorn``, also returning each iteration's row sums r_t and column sums c_t
+    ([tokens, iteration, n] tiles)."""
+    steps = tl.arange(0, BLOCK_I)[None, :, None]
+    row_sums = tl.full([BLOCK_T, BLOCK_I, BLOCK_N], 1.0, tl.float32)
+    column_sums = tl.full([BLOCK_T, BLOCK_I, BLOCK_N], 1.0, tl.float32)
+    m = m0
+    for t in range(iterations):
+        m, r = _normalise_rows(m, n_ok)
+        m, c = _normalise_columns(m, n_ok)
+        row_sums = tl.where(steps == t, tl.where(n_ok[None, :], r, 1.0)[:, None, :], row_sums)
+        column_sums = tl.where(steps == t, tl.where(n_ok[None, :], c, 1.0)[:, None, :],
+                               column_sums)
+    return m, row_sums, column_sums
+
+
+@triton.jit
+def _sinkhorn_backward(m0, mixing, row_sums, column_sums, iterations, grad,
+                       BLOCK_I: tl.constexpr):
+    """dL from dR through the unrolled iterations, last first. Each iteration's matrices are
+    rebuilt from its output and recorded sums: A_t = B_t c_t, B_{t-1} = M_in(t) = A_t r_t."""
+    steps = tl.arange(0, BLOCK_I)[None, :, None]
+    b = mixing
+    for back in range(iterations):
+        t = iterations - 1 - back
+        r = tl.sum(tl.where(steps == t, row_sums, 0.0), 1)
+        c = tl.sum(tl.where(steps == t, column_sums, 0.0), 1)
+        a = b * c[:, None, :]
+        grad = (grad - tl.sum(grad * b, 1)[:, None, :]) / c[:, None, :]
+        grad = (grad - tl.sum(grad * a, 2)[:, :, None]) / r[:, :, None]
+        b = a * r[:, :, None]
+    return grad * m0
+
+
+@triton.jit
+def _block(tokens, hidden, n, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tokens and their mask, the streams and their mask, and the offset from
+    one stream to the next (64-bit: a stream can pass 2^31 elements)."""
+    pid = tl.program_id(0).to(tl.int64)
+    toks = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    streams = tl.arange(0, BLOCK_N)
+    plane = (pid * 0 + tokens) * hidden
+    return toks, toks < tokens, streams, streams < n, plane
+
+
+@triton.jit
+def _per_stream(PTR, toks, t_ok, streams, n_ok, n):
+    """[tokens, n] values (fp32; 0 outside) of a [tokens, n] tensor."""
+    ok = t_ok[:, None] & n_ok[None, :]
+    return tl.load(PTR + toks[:, None] * n + streams[None, :], mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _entry(values, streams, j):
+    """values[:, j] of [tokens, n] values."""
+    return tl.sum(tl.where(streams[None, :] == j, values, 0.0), 1)
+
+
+@triton.jit
+def _column(matrices, streams, j):
+    """matrices[:, :, j] of [tokens, n, n] matrices."""
+    return tl.sum(tl.where(streams[None, None, :] == j, matrices, 0.0), 2)
+
+
+@triton.jit
+def _read_fwd(X, PRE, Y, tokens, hidden, n, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_H: tl.constexpr):
+    toks, t_ok, streams, n_ok, plane = _block(tokens, hidden, n, BLOCK_T, BLOCK_N)
+    w = tl.where(n_ok[None, :], tl.sigmoid(_per_stream(PRE, toks, t_ok, streams, n_ok, n)), 0.0)
+    for start in range(0, hidden, BLOCK_H):
+        cols = start + tl.arange(0, BLOCK_H)
+        row = toks[:, None] * hidden + cols[None, :]
+        ok = t_ok[:, None] & (cols < hidden)[None, :]
+        y = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+        row_j = row
+        for j in range(0, n):
+            x_j = tl.load(X + row_j, mask=ok, other=0.0).to(tl.float32)
+            y += _entry(w, streams, j)[:, None] * x_j
+            row_j += plane
+        tl.store(Y + row, y.to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _read_bwd(X, PRE, G, DX, DPRE, tokens, hidden, n, BLOCK_T: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+    toks, t_ok, streams, n_ok, plane = _block(tokens, hidden, n, BLOCK_T, BLOCK_N)
+    w = tl.where(n_ok[None, :], tl.sigmoid(_per_stream(PRE, toks, t_ok, streams, n_ok, n)), 0.0)
+    dw = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for start in range(0, hidden, BLOCK_H):
+        cols = start + tl.arange(0, BLOCK_H)
+        row = toks[:, None] * hidden + cols[None, :]
+        ok = t_ok[:, None] & (cols < hidden)[None, :]
+        g = tl.load(G + row, mask=ok, other=0.0).to(tl.float32)
+        row_j = row
+        for j in range(0, n):
+            x_j = tl.load(X + row_j, mask=ok, other=0.0).to(tl.float32)
+            tl.store(DX + row_j, (_entry(w, streams, j)[:, None] * g).to(DX.dtype.element_ty),
+                     mask=ok)
+            dw += tl.where(streams[None, :] == j, tl.sum(x_j * g, 1)[:, None], 0.0)
+            row_j += plane
+    tl.store(DPRE + toks[:, None] * n + streams[None, :],
+             (dw * w * (1.0 - w)).to(DPRE.dtype.element_ty), mask=t_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _write_inputs(POST, RES, toks, t_ok, streams, n_ok, n):
+    """M_0 = exp(L - rowmax L) [tokens, n, n] (0 outside n x n) and P = 2 sigma(q) [tokens, n]."""
+    ok = n_ok[None, :, None] & n_ok[None, None, :]
+    offsets = toks[:, None, None] * n * n + streams[None, :, None] * n + streams[None, None, :]
+    logits = tl.load(RES + offsets, mask=t_ok[:, None, None] & ok, other=0.0).to(tl.float32)
+    row_max = tl.where(n_ok[None, :], tl.max(tl.where(ok, logits, float("-inf")), 2), 0.0)
+    m0 = tl.where(ok, tl.exp(logits - row_max[:, :, None]), 0.0)
+    post = 2.0 * tl.sigmoid(_per_stream(POST, toks, t_ok, streams, n_ok, n))
+    return m0, tl.where(n_ok[None, :], post, 0.0)
+
+
+@triton.jit
+def _write_fwd(X, OUT, POST, RES, Y, tokens, hidden, n, iterations, BLOCK_T: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+    toks, t_ok, streams, n_ok, plane = _block(tokens, hidden, n, BLOCK_T, BLOCK_N)
+    m0, post = _write_inputs(POST, RES, toks, t_ok, streams, n_ok, n)
+    mixing = _sinkhorn(m0, n_ok, iterations)
+    for start in range(0, hidden, BLOCK_H):
+        cols = start + tl.arange(0, BLOCK_H)
+        row = toks[:, None] * hidden + cols[None, :]
+        ok = t_ok[:, None] & (cols < hidden)[None, :]
+        o = tl.load(OUT + row, mask=ok, other=0.0).to(tl.float32)
+        y = post[:, :, None] * o[:, None, :]
+        row_j = row
+        for j in range(0, n):
+            x_j = tl.load(X + row_j, mask=ok, other=0.0).to(tl.float32)
+            y += _column(mixing, streams, j)[:, :, None] * x_j[:, None, :]
+            row_j += plane
+        tile = streams[None, :, None] * plane + row[:, None, :]
+        tl.store(Y + tile, y.to(Y.dtype.element_ty), mask=n_ok[None, :, None] & ok[:, None, :])
+
+
+@triton.jit
+def _write_bwd(X, OUT, POST, RES, G, DX, DOUT, DPOST, DRES, tokens, hidden, n, iterations,
+               BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+               BLOCK_I: tl.constexpr):
+    toks, t_ok, streams, n_ok, plane = _block(tokens, hidden, n, BLOCK_T, BLOCK_N)
+    m0, post = _write_inputs(POST, RES, toks, t_ok, streams, n_ok, n)
+    mixing, row_sums, column_sums = _sinkhorn_recorded(m0, n_ok, iterations, BLOCK_T, BLOCK_N,
+                                                       BLOCK_I)
+    d_mixing = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_N], dtype=tl.float32)
+    d_post = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for start in range(0, hidden, BLOCK_H):
+        cols = start + tl.arange(0, BLOCK_H)
+        row = toks[:, None] * hidden + cols[None, :]
+        ok = t_ok[:, None] & (cols < hidden)[None, :]
+        tile = streams[None, :, None] * plane + row[:, None, :]
+        g = tl.load(G + tile, mask=n_ok[None, :, None] & ok[:, None, :], other=0.0).to(tl.float32)
+        o = tl.load(OUT + row, mask=ok, other=0.0).to(tl.float32)
+        tl.store(DOUT + row, tl.sum(post[:, :, None] * g, 1).to(DOUT.dtype.element_ty), mask=ok)
+        d_post += tl.sum(g * o[:, None, :], 2)
+        row_j = row
+        for j in range(0, n):
+            x_j = tl.load(X + row_j, mask=ok, other=0.0).to(tl.float32)
+            dx_j = tl.sum(_column(mixing, streams, j)[:, :, None] * g, 1)
+            tl.store(DX + row_j, dx_j.to(DX.dtype.element_ty), mask=ok)
+            d_mixing += tl.where(streams[None, None, :] == j,
+                                 tl.sum(g * x_j[:, None, :], 2)[:, :, None], 0.0)
+            row_j += plane
+    tl.store(DPOST + toks[:, None] * n + streams[None, :],
+             (d_post * post * (1.0 - 0.5 * post)).to(DPOST.dtype.element_ty),
+             mask=t_ok[:, None] & n_ok[None, :])
+    d_logits = _sinkhorn_backward(m0, mixing, row_sums, column_sums, iterations, d_mixing,
+                                  BLOCK_I)
+    offsets = toks[:, None, None] * n * n + streams[None, :, None] * n + streams[None, None, :]
+    tl.store(DRES + offsets, d_logits.to(DRES.dtype.element_ty),
+             mask=t_ok[:, None, None] & n_ok[None, :, None] & n_ok[None, None, :])
+
+
+BLOCK_T = 8  # tokens per program
+
+
+def _launch(n: int, hidden: int) -> dict:
+    block_n = max(2, triton.next_power_of_2(n))
+    block_h = min(triton.next_power_of_2(hidden), max(16, 4096 // (BLOCK_T * block_n)))
+    return dict(BLOCK_T=BLOCK_T, BLOCK_N=block_n, BLOCK_H=block_h, num_warps=4)
+
+
+def _grid(tokens: int) -> tuple:
+    return (triton.cdiv(tokens, BLOCK_T),)
+
+
+def _check(state: Tensor, **others: tuple) -> None:
+    """Each named (tensor, expected shape) against the state [n, s, b, h]."""
+    for name, (t, expected) in others.items():
+        if tuple(t.shape) != expected:
+            raise ValueError(f"state {tuple(state.shape)} and {name} {tuple(t.shape)} disagree "
+                             f"(expected {expected})")
+
+
+class StreamRead(torch.autograd.Function):
+    """state [n, s, b, h]; pre_logit [s, b, n] -> [s, b, h]."""
+
+    @staticmethod
+    def forward(ctx, state: Tensor, pre_logit: Tensor) -> Tensor:
+        state, pre_logit = state.contiguous(), pre_logit.contiguous()
+        n, hidden = state.shape[0], state.shape[-1]
+        tokens = state[0].numel() // hidden
+        y = torch.empty(state.shape[1:], dtype=state.dtype, device=state.device)
+        _read_fwd[_grid(tokens)](state, pre_logit, y, tokens, hidden, n,
+                                 **_launch(n, hidden))
+        ctx.save_for_backward(state, pre_logit)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        state, pre_logit = ctx.saved_tensors
+        n, hidden = state.shape[0], state.shape[-1]
+        tokens = state[0].numel() // hidden
+        d_state, d_pre = torch.empty_like(state), torch.empty_like(pre_logit)
+        _read_bwd[_grid(tokens)](state, pre_logit, grad.contiguous(), d_state, d_pre, tokens,
+                                 hidden, n, **_launch(n, hidden))
+        return d_state, d_pre
+
+
+class StreamWrite(torch.autograd.Function):
+    """state [n, s, b, h]; out [s, b, h]; post_logit [s, b, n]; res_logit [s, b, n, n]."""
+
+    @staticmethod
+    def forward(ctx, state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor,
+                iterations: int) -> Tensor:
+        inputs = [t.contiguous() for t in (state, out, post_logit, res_logit)]
+        n, hidden = state.shape[0], state.shape[-1]
+        tokens = out.numel() // hidden
+        y = torch.empty_like(inputs[0])
+        _write_fwd[_grid(tokens)](*inputs, y, tokens, hidden, n, iterations,
+                                  **_launch(n, hidden))
+        ctx.save_for_backward(*inputs)
+        ctx.iterations = iterations
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        inputs = ctx.saved_tensors
+        state = inputs[0]
+        n, hidden = state.shape[0], state.shape[-1]
+        tokens = state[0].numel() // hidden
+        grads = [torch.empty_like(t) for t in inputs]
+        _write_bwd[_grid(tokens)](*inputs, grad.contiguous(), *grads, tokens, hidden, n,
+                                  ctx.iterations, BLOCK_I=triton.next_power_of_2(ctx.iterations),
+                                  **_launch(n, hidden))
+        return (*grads, None)
+
+
+def stream_read(state: Tensor, pre_logit: Tensor) -> Tensor:
+    """Triton ``t2train.residual.mhc.stream_read`` (same arguments, same result)."""
+    n, s, b, _ = state.shape
+    _check(state, pre_logit=(pre_logit, (s, b, n)))
+    return StreamRead.apply(state, pre_logit)
+
+
+def stream_write(state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor,
+                 iterations: int) -> Tensor:
+    """Triton ``t2train.residual.mhc.stream_write`` (same arguments, same result)."""
+    n, s, b, h = state.shape
+    _check(state, out=(out, (s, b, h)), post_logit=(post_logit, (s, b, n)),
+           res_logit=(res_logit, (s, b, n, n)))
+    return StreamWrite.apply(state, out, post_logit, res_logit, iterations)

@@ -1,0 +1,158 @@
+"""The commands on a trained checkpoint: ``export hf``, ``generate``, ``eval``.
+
+CHECKPOINT is a checkpoint directory, or a run directory, its ``checkpoints`` directory or
+its ``latest`` file (the newest complete checkpoint there), of any layout and either engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+CHECKPOINT_HELP = ("a checkpoint directory, or a run directory (its newest complete checkpoint); "
+                   "any layout, either engine")
+TOKENIZER_HELP = ("the run's tokenizer.json when its dataset (data.path) has moved; it must "
+                  "have the sha256 the checkpoint records")
+
+
+def _label(checkpoint) -> str:
+    from t2train.residual import variant_label
+
+    return (f"step {checkpoint.train_state.get('step', '?')}, "
+            f"{variant_label(checkpoint.config.model)} residual")
+
+
+def _cmd_export_hf(args) -> int:
+    from t2train.export.hf import export_hf
+
+    done = export_hf(args.checkpoint, args.out, tokenizer=args.tokenizer,
+                     max_shard_size=args.max_shard_size, dtype=args.dtype,
+                     overwrite=args.overwrite)
+    remote = ", trust_remote_code=True" if done.architecture != "LlamaForCausalLM" else ""
+    print(f"exported {done.parameters / 1e6:.2f}M parameters as {done.architecture} to "
+          f"{done.out} ({', '.join(done.files)})\n"
+          f"load: AutoModelForCausalLM.from_pretrained({str(done.out)!r}{remote}); "
+          f"AutoTokenizer.from_pretrained({str(done.out)!r})")
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    from t2train.export.generate import generate
+    from t2train.export.load import load_model, open_checkpoint
+    from t2train.export.tokenizer import run_tokenizer
+
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise _usage(f"--top-p={args.top_p}: must be in (0, 1]")
+    if args.temperature <= 0:
+        raise _usage(f"--temperature={args.temperature}: must be > 0")
+    checkpoint = open_checkpoint(args.checkpoint)
+    tok = run_tokenizer(checkpoint, args.tokenizer)
+    prompt = tok.tokenizer.encode(args.prompt).ids
+    if not prompt:
+        raise _usage("--prompt: encodes to no tokens; give some text")
+    loaded = load_model(checkpoint, device=args.device)
+    new = generate(loaded.model, prompt, args.max_new_tokens, tok.tokenizer.get_vocab_size(),
+                   checkpoint.config.model.seq_length, tok.eos_id, args.top_p,
+                   args.temperature, args.seed)
+    print(args.prompt + tok.tokenizer.decode(new, skip_special_tokens=False))
+    return 0
+
+
+def _cmd_eval(args) -> int:
+    from pathlib import Path
+
+    from t2train.export.evaluate import check_same_tokenizer, evaluate
+    from t2train.export.load import load_model, open_checkpoint
+    from t2train.export.tokenizer import run_tokenizer_hash
+
+    checkpoint = open_checkpoint(args.checkpoint)
+    check_same_tokenizer(checkpoint, Path(args.data), run_tokenizer_hash(checkpoint))
+    loaded = load_model(checkpoint, device=args.device)
+    seq = checkpoint.config.model.seq_length
+    result = evaluate(loaded.model, Path(args.data), args.split, seq, args.batch_size,
+                      args.max_batches)
+    print(f"{checkpoint.path} ({_label(checkpoint)}) on {args.data}/{args.split}: "
+          f"loss {result.loss:.4f}, perplexity {result.perplexity:.2f} over {result.tokens:,} "
+          f"tokens ({result.batches} batches of up to {args.batch_size} x {seq})")
+    return 0
+
+
+def _usage(message: str):
+    from t2train.errors import UserInputError
+
+    return UserInputError(message)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be >= 1")
+    return value
+
+
+def _size(text: str) -> int:
+    """Bytes of ``123``, ``500MB``, ``5GB`` (decimal units, as Hugging Face's)."""
+    match = re.fullmatch(r"(\d+)\s*(|B|KB|MB|GB|TB)", text.strip().upper())
+    if match is None or int(match.group(1)) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 500MB or 5GB")
+    return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+def _device_argument(parser) -> None:
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="where the model runs (default: cuda if available)")
+
+
+def register(commands) -> None:
+    export = commands.add_parser("export", help="write a checkpoint in another format")
+    formats = export.add_subparsers(dest="export_format", required=True)
+    hf = formats.add_parser(
+        "hf", help="a Hugging Face model folder (transformers, safetensors, tokenizer)",
+        description="Write CHECKPOINT as a Hugging Face folder OUT: config.json, "
+                    "generation_config.json, model.safetensors (sharded above "
+                    "--max-shard-size), tokenizer.json and tokenizer_config.json. A plain "
+                    "pre-norm Transformer is a LlamaForCausalLM; other residual designs add "
+                    "modeling_t2train.py (load with trust_remote_code=True). Needs "
+                    "transformers (pip install 't2train[hf]').")
+    hf.add_argument("checkpoint", help=CHECKPOINT_HELP)
+    hf.add_argument("out", help="the folder to write (written as OUT.tmp, then renamed)")
+    hf.add_argument("--tokenizer", help=TOKENIZER_HELP)
+    hf.add_argument("--max-shard-size", type=_size, default="5GB",
+                    help="largest safetensors file, e.g. 2GB or 500MB (default 5GB)")
+    hf.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
+                    help="weights' dtype (default: the checkpoint's)")
+    hf.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    hf.set_defaults(handler=_cmd_export_hf)
+
+    gen = commands.add_parser(
+        "generate", help="continue a prompt with a checkpoint (greedy or top-p)",
+        description="Continue --prompt with CHECKPOINT's model and its run's tokenizer: "
+                    "greedy by default, nucleus sampling with --top-p.")
+    gen.add_argument("checkpoint", help=CHECKPOINT_HELP)
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-new-tokens", type=_positive, default=64)
+    gen.add_argument("--top-p", type=float, default=None,
+                     help="sample from the smallest set of tokens with this probability mass "
+                          "(default: greedy)")
+    gen.add_argument("--temperature", type=float, default=1.0, help="with --top-p")
+    gen.add_argument("--seed", type=int, default=0, help="with --top-p")
+    gen.add_argument("--tokenizer", help=TOKENIZER_HELP)
+    _device_argument(gen)
+    gen.set_defaults(handler=_cmd_generate)
+
+    ev = commands.add_parser(
+        "eval", help="loss and perplexity of a checkpoint on a prepared dataset split",
+        description="Mean next-token loss, perplexity and tokens evaluated over a split of a "
+                    "dataset prepared with the run's tokenizer (refused otherwise, naming "
+                    "both tokenizer hashes), at the run's sequence length.")
+    ev.add_argument("checkpoint", help=CHECKPOINT_HELP)
+    ev.add_argument("--data", required=True, help="a prepared dataset directory")
+    ev.add_argument("--split", default="val", help="the split to read (default val)")
+    ev.add_argument("--batch-size", type=_positive, default=8)
+    ev.add_argument("--max-batches", type=_positive, default=None,
+                    help="stop after this many batches (default: the whole split)")
+    _device_argument(ev)
+    ev.set_defaults(handler=_cmd_eval)

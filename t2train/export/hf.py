@@ -1,0 +1,219 @@
+"""``t2train export hf CHECKPOINT OUT``: a Hugging Face model folder from any checkpoint.
+
+OUT holds ``config.json``, ``generation_config.json``, ``model.safetensors`` (or shards and
+their index above ``max_shard_size``) and the run's tokenizer (``tokenizer.json``,
+``tokenizer_config.json``). A plain pre-norm Transformer exports as ``LlamaForCausalLM``;
+every other residual design adds ``modeling_t2train.py`` (``trust_remote_code=True``).
+
+Everything is written into ``OUT.tmp`` and renamed to OUT at the end, so a failed export
+leaves no half-written OUT. Inputs are checked (checkpoint, design, tokenizer, OUT) before
+any weight is read.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from t2train.errors import UserInputError
+from t2train.export.load import load_model, open_checkpoint
+from t2train.export.tokenizer import RunTokenizer, run_tokenizer
+from t2train.residual import hf as residual_hf
+
+MODELING_NAME = "modeling_t2train"  # OUT/modeling_t2train.py, a copy of residual/hf_modeling.py
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# Megatron layer submodule -> its Hugging Face name (Llama's where Llama has one).
+_LAYER_SLOTS = {"input_layernorm": "input_layernorm", "self_attention": "self_attn",
+                "pre_mlp_layernorm": "post_attention_layernorm", "mlp": "mlp",
+                "pre_attention_layernorm": "local_attn_layernorm", "pre_attention": "local_attn",
+                "pre_attention_residual": "local_attn_residual"}
+_ATTENTION_SLOTS = ("self_attention", "pre_attention")  # Megatron SelfAttention modules
+
+
+@dataclass
+class Export:
+    out: Path
+    architecture: str
+    files: list[str]
+    parameters: int
+
+
+def export_hf(given: str | Path, out: str | Path, tokenizer: Optional[str | Path] = None,
+              max_shard_size: str | int = "5GB", dtype: Optional[str] = None,
+              overwrite: bool = False) -> Export:
+    out = Path(out)
+    _check_out(out, overwrite)
+    checkpoint = open_checkpoint(given)
+    model_config = checkpoint.config.model
+    llama = residual_hf.is_llama(model_config)
+    if not llama and model_config.residual not in residual_hf.modeling_designs():
+        raise UserInputError(f"{checkpoint.path}: model.residual={model_config.residual!r} has "
+                             f"no Hugging Face modeling code yet ({residual_hf.MODELING_FILE} "
+                             "implements " + ", ".join(sorted(residual_hf.modeling_designs()))
+                             + ")")
+    run_tok = run_tokenizer(checkpoint, tokenizer)
+    _require_transformers()
+    loaded = load_model(checkpoint, device="cpu", dtype=DTYPES[dtype] if dtype else None)
+    state = hf_state_dict(loaded.model.state_dict(), model_config)
+    config = hf_config(model_config, loaded.vocab_size, run_tok.eos_id,
+                       next(iter(state.values())).dtype)
+
+    staging = out.with_name(out.name + ".tmp")
+    if staging.exists():  # left by an interrupted export
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    try:
+        _write_weights(state, staging, max_shard_size)
+        config.save_pretrained(staging)
+        _generation_config(run_tok).save_pretrained(staging)
+        _tokenizer(run_tok, model_config.seq_length).save_pretrained(staging)
+        if not llama:
+            shutil.copyfile(residual_hf.MODELING_FILE, staging / f"{MODELING_NAME}.py")
+        _publish(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return Export(out, config.architectures[0], sorted(p.name for p in out.iterdir()),
+                  sum(t.numel() for t in state.values()))
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise UserInputError(f"output {out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UserInputError(f"output directory {out} is not empty; choose another one or pass "
+                             "--overwrite to replace it")
+
+
+def _require_transformers() -> None:
+    if importlib.util.find_spec("transformers") is None:
+        raise UserInputError("the Hugging Face export needs transformers: "
+                             "pip install 't2train[hf]'")
+
+
+# --- weights -------------------------------------------------------------------------------
+
+def hf_state_dict(megatron: dict, model) -> dict[str, torch.Tensor]:
+    """Megatron's TP = 1 state dict under the Hugging Face names, fused tensors split.
+
+    ``model`` is the ``ModelConfig``. Megatron's fused QKV holds, per query group, the group's
+    query heads, then its key head, then its value head; the gated MLP's fc1 holds [gate; up].
+    A design's own parameters keep their names under ``model.``.
+    """
+    heads = model.num_attention_heads
+    groups = model.num_query_groups or heads
+    head_dim = model.hidden_size // heads
+    state = {}
+    for key, tensor in megatron.items():
+        if key.endswith("_extra_state"):
+            continue
+        for name, value in _hf_tensors(key, tensor, heads, groups, head_dim).items():
+            state[name] = value.detach().to("cpu").clone()  # no shared storage for safetensors
+    return state
+
+
+def _hf_tensors(key: str, tensor, heads: int, groups: int, head_dim: int) -> dict:
+    if key == "embedding.word_embeddings.weight":
+        return {"model.embed_tokens.weight": tensor}
+    if key == "output_layer.weight":
+        return {"lm_head.weight": tensor}
+    if key == "decoder.final_layernorm.weight":
+        return {"model.norm.weight": tensor}
+    parts = key.split(".")
+    if parts[:2] != ["decoder", "layers"]:
+        if parts[0] != "decoder":
+            raise ValueError(f"{key}: a model weight the exporter does not know")
+        return {"model." + ".".join(parts[1:]): tensor}  # the stream's own parameters
+    index, slot, rest = parts[2], parts[3], ".".join(parts[4:])
+    prefix = f"model.layers.{index}.{_LAYER_SLOTS.get(slot, slot)}"
+    if slot in _ATTENTION_SLOTS and rest == "linear_qkv.weight":
+        per_group = tensor.view(groups, heads // groups + 2, head_dim, tensor.shape[-1])
+        return {f"{prefix}.q_proj.weight": per_group[:, :-2].reshape(-1, tensor.shape[-1]),
+                f"{prefix}.k_proj.weight": per_group[:, -2].reshape(-1, tensor.shape[-1]),
+                f"{prefix}.v_proj.weight": per_group[:, -1].reshape(-1, tensor.shape[-1])}
+    if slot in _ATTENTION_SLOTS and rest == "linear_proj.weight":
+        return {f"{prefix}.o_proj.weight": tensor}
+    if slot == "mlp" and rest == "linear_fc1.weight":
+        gate, up = tensor.chunk(2, dim=0)
+        return {f"{prefix}.gate_proj.weight": gate, f"{prefix}.up_proj.weight": up}
+    if slot == "mlp" and rest == "linear_fc2.weight":
+        return {f"{prefix}.down_proj.weight": tensor}
+    return {f"{prefix}.{rest}": tensor}
+
+
+def _write_weights(state: dict, folder: Path, max_shard_size: str | int) -> None:
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({name: state[name] for name in names}, folder / filename,
+                  metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
+                                                for t in state.values())},
+                 "weight_map": split.tensor_to_filename}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+# --- config, generation config, tokenizer ----------------------------------------------------
+
+def hf_config(model, vocab_rows: int, eos_id: int, dtype: torch.dtype):
+    """The transformers config of a ``ModelConfig``: ``LlamaConfig`` for a plain pre-norm
+    Transformer, else ``hf_modeling.T2TrainConfig`` (with its ``auto_map``)."""
+    shape = dict(vocab_size=vocab_rows, hidden_size=model.hidden_size,
+                 intermediate_size=model.resolved_ffn_hidden_size(),
+                 num_hidden_layers=model.num_layers,
+                 num_attention_heads=model.num_attention_heads,
+                 num_key_value_heads=model.num_query_groups or model.num_attention_heads,
+                 rms_norm_eps=model.norm_epsilon, rope_theta=float(model.rotary_base),
+                 max_position_embeddings=model.seq_length,
+                 initializer_range=model.init_method_std,
+                 tie_word_embeddings=model.tie_embeddings, bos_token_id=eos_id,
+                 eos_token_id=eos_id, dtype=str(dtype).removeprefix("torch."))
+    if residual_hf.is_llama(model):
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**shape, head_dim=model.hidden_size // model.num_attention_heads,
+                           hidden_act="silu", attention_bias=False, mlp_bias=False,
+                           architectures=["LlamaForCausalLM"])
+    from t2train.residual.hf_modeling import T2TrainConfig
+
+    return T2TrainConfig(**shape, **residual_hf.config_fields(model),
+                         architectures=["T2TrainForCausalLM"],
+                         auto_map={"AutoConfig": f"{MODELING_NAME}.T2TrainConfig",
+                                   "AutoModelForCausalLM": f"{MODELING_NAME}.T2TrainForCausalLM"})
+
+
+def _generation_config(run_tok: RunTokenizer):
+    from transformers import GenerationConfig
+
+    return GenerationConfig(bos_token_id=run_tok.eos_id, eos_token_id=run_tok.eos_id,
+                            pad_token_id=run_tok.eos_id)
+
+
+def _tokenizer(run_tok: RunTokenizer, seq_length: int):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_file=str(run_tok.path), eos_token=run_tok.eos_token,
+                                   bos_token=run_tok.eos_token, model_max_length=seq_length,
+                                   clean_up_tokenization_spaces=False,
+                                   model_input_names=["input_ids", "attention_mask"])
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Rename the finished folder to OUT (an existing OUT is replaced only now)."""
+    replaced = out.with_name(out.name + ".replaced")
+    if out.exists():
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(out, replaced)
+    os.replace(staging, out)
+    shutil.rmtree(replaced, ignore_errors=True)

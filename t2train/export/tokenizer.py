@@ -1,0 +1,58 @@
+"""The tokenizer a run was trained with: ``tokenizer.json`` of its dataset (``data.path``).
+
+Checkpoints record the tokenizer's sha256 (``tokenizer_sha256``); a tokenizer file given in
+its place (``--tokenizer``, when the dataset has moved) must have that hash.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from t2train.data.errors import DataError
+from t2train.data.tokenizer import EOS, TOKENIZER_FILE, eos_id, file_sha256, load_tokenizer
+from t2train.export.load import Checkpoint
+
+
+@dataclass
+class RunTokenizer:
+    path: Path
+    sha256: str
+    tokenizer: object  # tokenizers.Tokenizer
+    eos_id: int
+    eos_token: str = EOS
+
+
+def run_tokenizer_hash(checkpoint: Checkpoint) -> Optional[str]:
+    """The sha256 the checkpoint records, else that of its dataset's index (older checkpoints),
+    else None."""
+    recorded = checkpoint.train_state.get("tokenizer_sha256")
+    if recorded:
+        return recorded
+    from t2train.data.prepare import read_index
+
+    try:
+        return read_index(checkpoint.config.data.path)["tokenizer"]["sha256"]
+    except (DataError, KeyError, TypeError):
+        return None
+
+
+def run_tokenizer(checkpoint: Checkpoint, given: Optional[str | Path] = None) -> RunTokenizer:
+    """The run's tokenizer, or ``given`` if its hash is the run's; a one-line error if the file
+    is missing, unreadable or of another vocabulary."""
+    expected = run_tokenizer_hash(checkpoint)
+    if given is not None:
+        path = Path(given)
+    else:
+        path = Path(checkpoint.config.data.path) / TOKENIZER_FILE
+        if not path.is_file():
+            raise DataError(f"tokenizer {path}: not found; the run's dataset (data.path="
+                            f"{checkpoint.config.data.path!r}) holds the tokenizer it was trained "
+                            "with: pass --tokenizer FILE if the dataset has moved")
+    tokenizer = load_tokenizer(path)
+    sha = file_sha256(path)
+    if expected is not None and sha != expected:
+        raise DataError(f"tokenizer {path}: sha256 {sha[:12]}, but the run was trained with "
+                        f"tokenizer {expected[:12]}")
+    return RunTokenizer(path, sha, tokenizer, eos_id(tokenizer, path))

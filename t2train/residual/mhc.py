@@ -1,0 +1,212 @@
+"""`mhc`: Manifold-Constrained Hyper-Connections (Xie et al., DeepSeek-AI, arXiv 2512.24880).
+
+The stream is n copies of the hidden state as in `hc` (``model.mhc.expansion_rate``, default
+4): per token x_l in R^{n x h}, stored as [n, s, b, h]. Every sublayer F (attention, the MLP
+and, with the local mixer on, the ShortSWA sublayer) has its own mappings, predicted from the
+whole stream flattened, x~ = vec(x_l) in R^{nh} (the paper's parameterization):
+
+    x~'    = x~ / sqrt(mean(x~^2) + eps)                    RMSNorm without a learned weight
+    H~pre  = a_pre  (x~' phi_pre)       + b_pre             phi_pre, phi_post in R^{nh x n}
+    H~post = a_post (x~' phi_post)      + b_post
+    H~res  = a_res  mat(x~' phi_res)    + b_res             phi_res in R^{nh x n^2}
+    H_pre = sigmoid(H~pre),  H_post = 2 sigmoid(H~post),  H_res = SK(H~res)
+
+    x_{l+1} = H_res x_l + H_post^T F(Norm(H_pre x_l))        (F applies its pre-norm)
+
+i.e. the sublayer reads sum_j H_pre[j] x_j and stream i becomes
+sum_j H_res[i, j] x_j + H_post[i] F(...). SK is Sinkhorn-Knopp, as in the paper, with t_max =
+``model.mhc.sinkhorn_iterations`` (default 20): M(0) = exp(H~res), M(t) = T_c(T_r(M(t-1)))
+(T_r, T_c divide each row, then each column, by its sum), H_res = M(t_max). Its columns sum
+to 1 exactly, so the mixing keeps the streams' sum (and the mean the final norm reads); its
+rows sum to 1 up to the iterations' convergence: within 1e-6 for logits spread over about 2
+(tested), more slowly for wider spreads (noted by mHC-lite, arXiv 2601.05732). exp is taken
+after subtracting each row's maximum, which the first row normalisation cancels exactly.
+
+Choices the paper leaves open:
+
+- phi is initialised with the model's init method (normal, std ``model.init_method_std``);
+  the gates a_pre = a_post = a_res start at ``model.mhc.gate_init`` (the paper's 0.01);
+- the static biases start so that equal streams give `standard`: b_pre = logit(1/n)
+  (H_pre sums to 1, the read is the streams' mean; n = 1: 0, the gate starts at 1/2, since a
+  sigmoid cannot reach 1), b_post = 0 (H_post = 1: every stream gets the whole output),
+  b_res = 0 (H_res uniform, which maps equal streams to themselves);
+- the embedding enters as n copies and the final norm reads the mean of the streams (the
+  paper does not say);
+- dropout (``model.hidden_dropout``) applies to F's output before the write;
+- mappings, Sinkhorn and the stream update run in at least fp32; the state keeps the
+  activation dtype.
+
+What holds at initialisation: the streams are n copies of the embedding and H_res (doubly
+stochastic) maps equal streams to themselves exactly, so they stay equal; the read is
+(sum_j H_pre[j]) h and each stream gains H_post[i] F, where H_pre and H_post differ from 1/n
+and 1 by O(a |x~' phi|) (a = gate_init; about a * 0.02 sqrt(nh) per logit with the default
+init). With ``model.mhc.gate_init=0`` the model computes `standard`'s logits (up to b_pre's
+rounding in the parameter dtype; tested), and the gates still get gradients. With n = 1,
+H_res = 1 and the design is a gated `standard` residual:
+x' = x + 2 sigmoid(H~post) F(Norm(sigmoid(H~pre) x)).
+
+The read (H_pre) and the write (Sinkhorn, H_res and H_post) are one fused Triton pass each
+over the stream on CUDA (``t2train/kernels/mhc_streams.py``, chosen by ``T2_KERNELS``); the
+projection stays a PyTorch matmul. Hops carry n units of [s, b, h] (unit ids None); all is
+per token, so sequence parallelism applies; parameters are replicated across tensor ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from t2train.errors import require
+from t2train.kernels import dispatch
+from t2train.residual.base import ResidualDesign, mark_replicated
+from t2train.residual.hc import (
+    StreamCopies,
+    StreamMixResidual,
+    at_least_fp32,
+    diagnostics_for,
+    record_weights,
+    sublayers,
+)
+
+
+@dataclass
+class MHCOptions:
+    """``model.mhc``: n streams; per sublayer a sigmoid read, a sigmoid write and a
+    doubly-stochastic (Sinkhorn-Knopp) stream mixing, predicted from the whole stream."""
+
+    expansion_rate: int = 4  # n: copies of the hidden state in the stream
+    sinkhorn_iterations: int = 20  # t_max: row-then-column normalisations of exp(H~res)
+    gate_init: float = 0.01  # a_pre, a_post, a_res at initialisation
+    eps: float = 1e-6  # of the RMSNorm over the flattened stream
+
+    def validate(self, prefix: str) -> None:
+        require(self.expansion_rate >= 1, f"{prefix}.expansion_rate", self.expansion_rate,
+                "must be >= 1 (the number of hidden-state copies in the stream)")
+        require(self.sinkhorn_iterations >= 1, f"{prefix}.sinkhorn_iterations",
+                self.sinkhorn_iterations, "must be >= 1 (row-then-column normalisations "
+                "that make H_res doubly stochastic)")
+        require(self.gate_init >= 0, f"{prefix}.gate_init", self.gate_init,
+                "must be >= 0 (0 starts exactly as standard)")
+        require(self.eps > 0, f"{prefix}.eps", self.eps, "must be > 0")
+
+
+def sinkhorn(logits: Tensor, iterations: int) -> Tensor:
+    """Sinkhorn-Knopp on [..., n, n] logits: exp, then ``iterations`` times rows, columns."""
+    m = torch.softmax(logits, dim=-1)  # exp and the first row normalisation
+    m = m / m.sum(-2, keepdim=True)
+    for _ in range(iterations - 1):
+        m = m / m.sum(-1, keepdim=True)
+        m = m / m.sum(-2, keepdim=True)
+    return m
+
+
+def stream_read(state: Tensor, pre_logit: Tensor) -> Tensor:
+    """The sublayer's input sum_j sigmoid(pre_logit[..., j]) x_j.
+
+    state [n, s, b, h]; pre_logit [s, b, n]. Computed in (at least) fp32, returned in the
+    state's dtype.
+    """
+    x = at_least_fp32(state)
+    weights = torch.sigmoid(pre_logit.to(x.dtype))
+    return torch.einsum("sbj,jsbh->sbh", weights, x).to(state.dtype)
+
+
+def stream_write(state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor,
+                 iterations: int) -> Tensor:
+    """Stream i <- sum_j SK(res_logit)[i, j] x_j + 2 sigmoid(post_logit[i]) out.
+
+    state [n, s, b, h]; out [s, b, h]; post_logit [s, b, n]; res_logit [s, b, n, n].
+    """
+    x = at_least_fp32(state)
+    mixing = sinkhorn(res_logit.to(x.dtype), iterations)
+    post = 2 * torch.sigmoid(post_logit.to(x.dtype))
+    y = torch.einsum("sbij,jsbh->isbh", mixing, x) + torch.einsum(
+        "sbi,sbh->isbh", post, at_least_fp32(out))
+    return y.to(state.dtype)
+
+
+def read_streams(state: Tensor, pre_logit: Tensor) -> Tensor:
+    """``stream_read``, through the fused Triton kernel where ``T2_KERNELS`` routes it."""
+    return dispatch.route("stream_read", stream_read, state, pre_logit)(state, pre_logit)
+
+
+def write_streams(state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor,
+                  iterations: int) -> Tensor:
+    """``stream_write``, through the fused Triton kernel where ``T2_KERNELS`` routes it."""
+    write = dispatch.route("stream_write", stream_write, state, out, post_logit, res_logit)
+    return write(state, out, post_logit, res_logit, iterations)
+
+
+class ManifoldHyperConnection(StreamMixResidual):
+    def __init__(self, config, layer_number: int = 1, position: int = 0):
+        super().__init__(config, layer_number, position)
+        options = config.t2_model.mhc
+        n, h, dtype = options.expansion_rate, config.hidden_size, config.params_dtype
+        self.n, self.eps, self.iterations = n, options.eps, options.sinkhorn_iterations
+        outputs = n * n + 2 * n  # H~pre, H~post, H~res (row-major)
+        self.projection = torch.nn.Parameter(torch.empty(outputs, n * h, dtype=dtype))
+        config.init_method(self.projection)
+        bias = torch.zeros(outputs, dtype=dtype)
+        bias[:n] = -math.log(n - 1) if n > 1 else 0.0  # logit(1/n): H_pre sums to 1
+        self.bias = torch.nn.Parameter(bias)
+        self.gates = torch.nn.Parameter(torch.full((3,), options.gate_init, dtype=dtype))
+        mark_replicated(self, config)
+
+    def logits(self, state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """H~pre [s, b, n], H~post [s, b, n], H~res [s, b, n, n] from the flattened stream."""
+        n = self.n
+        x = at_least_fp32(state)
+        inv_rms = torch.rsqrt(x.pow(2).mean((0, 3)) + self.eps)  # over all n x h: [s, b]
+        phi = at_least_fp32(self.projection).view(-1, n, x.shape[-1])
+        raw = torch.einsum("jsbh,kjh->sbk", x, phi) * inv_rms.unsqueeze(-1)
+        gates, bias = at_least_fp32(self.gates), at_least_fp32(self.bias)
+        pre = gates[0] * raw[..., :n] + bias[:n]
+        post = gates[1] * raw[..., n:2 * n] + bias[n:2 * n]
+        res = (gates[2] * raw[..., 2 * n:] + bias[2 * n:]).unflatten(-1, (n, n))
+        return pre, post, res
+
+    def width_connection(self, state: Tensor) -> tuple[Tensor, tuple]:
+        pre, post, res = self.logits(state)
+        record_weights("mhc", (self.layer_number, self.position), torch.sigmoid(pre),
+                       2 * torch.sigmoid(post), lambda: sinkhorn(res, self.iterations))
+        return read_streams(state, pre), (post, res)
+
+    def depth_connection(self, state: Tensor, pending: tuple, out: Tensor) -> Tensor:
+        post, res = pending
+        return write_streams(state, out, post, res, self.iterations)
+
+
+class ManifoldStreamCopies(StreamCopies):
+    section = "mhc"
+
+
+def extra_parameters(model) -> int:
+    """Per sublayer: phi (nh x (n^2 + 2n)), the biases b (n^2 + 2n) and three gates."""
+    n, h = model.mhc.expansion_rate, model.hidden_size
+    outputs = n * n + 2 * n
+    return sublayers(model) * (n * h * outputs + outputs + 3)
+
+
+def extra_flops_per_token(model) -> int:
+    """Per sublayer: the RMS over nh 2nh, the projection 2nh(n^2 + 2n), the read 2nh, the
+    mixing 2n^2 h and the write 2nh. The final mean 2nh. (Terms in h only: the O(n^2)
+    sigmoids and the Sinkhorn iterations per token are left out.)"""
+    n, h = model.mhc.expansion_rate, model.hidden_size
+    per_sublayer = 2 * n * h * (n * n + 2 * n) + 2 * n * n * h + 6 * n * h
+    return sublayers(model) * per_sublayer + 2 * n * h
+
+
+DESIGN = ResidualDesign(
+    name="mhc",
+    stream=ManifoldStreamCopies,
+    sublayer=ManifoldHyperConnection,
+    reference="Manifold-Constrained Hyper-Connections, Xie et al., DeepSeek-AI, arXiv 2512.24880",
+    extra_parameters=extra_parameters,
+    extra_flops_per_token=extra_flops_per_token,
+    section="mhc",
+    options=MHCOptions,
+    write_diagnostics=diagnostics_for("mhc"),
+)

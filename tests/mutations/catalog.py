@@ -1,0 +1,222 @@
+"""The mistakes a careful implementer could make in each design, as named source edits.
+
+Each ``Mutation`` replaces text that must occur exactly once in its file (a mutation whose
+text has moved is "stale": ``tests/mutations/test_catalog.py`` fails until it is updated).
+The runner (``python -m tests.mutations``) applies one at a time and runs the fast residual
+and kernel tests; every mutation must make one fail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+REF_DDL = "t2train/residual/ddl.py"
+REF_WINDOW = "t2train/residual/window_attention.py"
+REF_DEPTH = "t2train/residual/depth_attn.py"
+REF_ATTNRES = "t2train/residual/attnres.py"
+REF_STANDARD = "t2train/residual/standard.py"
+DISPATCH = "kernels/dispatch.py"
+K_DDL = "kernels/ddl_update.py"
+K_WINDOW = "kernels/window_attention.py"
+K_ATTNRES = "kernels/depth_mix.py"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    design: str
+    mistake: str  # what a careful implementer might have done
+    edits: tuple  # (path relative to the repository, old text, new text), ...
+
+    def mutated_sources(self) -> dict[str, str]:
+        """path -> the file's text with this mutation's edits applied."""
+        sources: dict[str, str] = {}
+        for path, old, new in self.edits:
+            text = sources.get(path) or (ROOT / path).read_text()
+            count = text.count(old)
+            if count != 1:
+                raise ValueError(f"mutation {self.name}: {old!r} occurs {count} times in {path} "
+                                 f"(expected once): update tests/mutations/catalog.py")
+            sources[path] = text.replace(old, new)
+        return sources
+
+
+def module_of(path: str) -> str:
+    """The import name of a repository file (``kernels/`` is installed as t2train.kernels)."""
+    dotted = path.removesuffix(".py").replace("/", ".")
+    return dotted if dotted.startswith("t2train.") else f"t2train.{dotted}"
+
+
+def m(name, design, mistake, *edits) -> Mutation:
+    return Mutation(name, design, mistake, tuple(edits))
+
+
+MUTATIONS = [
+    # --- standard ------------------------------------------------------------------------------
+    m("standard-adds-to-normed-input", "standard",
+      "the residual adds the sublayer output to Norm(x) instead of x",
+      (REF_STANDARD, "return state + out", "return normed + out")),
+
+    # --- DDL -----------------------------------------------------------------------------------
+    m("ddl-gate-sigmoid", "ddl",
+      "beta = sigmoid(.) in (0, 1) instead of 2 sigmoid(.) in (0, 2), reference and kernel",
+      (REF_DDL, "beta = 2 * torch.sigmoid(at_least_fp32(beta_logit))",
+       "beta = torch.sigmoid(at_least_fp32(beta_logit))"),
+      (K_DDL, "beta = 2.0 * tl.sigmoid(", "beta = tl.sigmoid(")),
+    m("ddl-v-from-normalised-input", "ddl",
+      "v = W_v c from the normalised context (the paper's text) instead of the raw state x",
+      (REF_DDL, "fp32_linear(x, self.v_proj)", "fp32_linear(normed, self.v_proj)")),
+    m("ddl-beta-from-raw-state", "ddl",
+      "beta's logit from the raw state x instead of the normalised context c",
+      (REF_DDL, "beta_logit = fp32_linear(normed, self.beta_proj)",
+       "beta_logit = fp32_linear(x, self.beta_proj)")),
+    m("ddl-delta-sign", "ddl", "X - beta k (v - k^T X): the update's sign flipped",
+      (REF_DDL, "return (x + beta * error * k).to(state.dtype)",
+       "return (x - beta * error * k).to(state.dtype)")),
+    m("ddl-beta-on-v-only", "ddl",
+      "X + k (beta v - k^T X): beta scales the write of v but not the erase of k^T X",
+      (REF_DDL, "return (x + beta * error * k).to(state.dtype)",
+       "return (x + (beta * v - (k * x).sum(-1, keepdim=True)) * k).to(state.dtype)")),
+    m("ddl-k-rms-normalised", "ddl",
+      "k = k~ / RMS(k~) (mean of squares) instead of k~ / |k~| (sum): |k| = sqrt(d)",
+      (REF_DDL, "return k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + eps * eps)",
+       "return k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps * eps)")),
+    m("ddl-v-scale-missing", "ddl", "v = sigmoid(.) without the v_scale (4) factor",
+      (REF_DDL, "v = v_scale * torch.sigmoid(at_least_fp32(v_logit))",
+       "v = torch.sigmoid(at_least_fp32(v_logit))")),
+    m("ddl-beta-bias-not-logit", "ddl",
+      "the gate bias set to beta_init itself instead of logit(beta_init / 2)",
+      (REF_DDL, "self.beta_proj.bias.fill_(math.log(options.beta_init / (2 - options.beta_init)))",
+       "self.beta_proj.bias.fill_(options.beta_init)")),
+    m("ddl-expander-anticausal", "ddl",
+      "the embedding conv padded on the right: column t reads tokens t .. t+3",
+      (REF_DDL, "(self.expander.kernel_size[0] - 1, 0))", "(0, self.expander.kernel_size[0] - 1))")),
+    m("ddl-expander-identity-at-oldest-tap", "ddl",
+      "the identity init on the oldest conv tap: the state starts 3 tokens late",
+      (REF_DDL, "self.expander.weight[:, 0, -1] = 1.0", "self.expander.weight[:, 0, 0] = 1.0")),
+    m("ddl-compressor-plain-mean", "ddl",
+      "the CC read ignores its learned mix and averages the columns",
+      (REF_DDL, 'return torch.einsum("jsbh,jh->sbh", state, self.weight)', "return state.mean(0)")),
+    m("ddl-columns-share-one-v", "ddl", "every state column is written with v_0",
+      (REF_DDL, "v = v.permute(2, 0, 1).unsqueeze(-1)", "v = v[..., :1].permute(2, 0, 1).unsqueeze(-1)")),
+
+    # --- ShortSWA and the shared window operator -----------------------------------------------
+    m("window-plus-one", "shortswa",
+      "the window holds w + 1 tokens (t - w .. t)",
+      (REF_WINDOW, "(keys > pos - window)", "(keys > pos - window - 1)")),
+    m("window-minus-one", "shortswa", "the window holds w - 1 tokens",
+      (REF_WINDOW, "(keys > pos - window)", "(keys > pos - window + 1)")),
+    m("window-excludes-current-token", "shortswa", "keys strictly before the query (j < t)",
+      (REF_WINDOW, "(keys <= pos)", "(keys < pos)")),
+    m("window-queries-start-aligned", "depth_attn",
+      "queries aligned to the first key, not the last: a one-query depth read sees h^(l-n+1)",
+      (REF_WINDOW, "pos = torch.arange(k_len - q_len, k_len,", "pos = torch.arange(0, q_len,")),
+
+    # --- depth read -----------------------------------------------------------------------------
+    m("depth-query-from-oldest-state", "depth_attn",
+      "the query from the oldest state in the window instead of the current h^(l)",
+      (REF_DEPTH, "current, _ = self.linear_q(self.norm(states[-1]))",
+       "current, _ = self.linear_q(self.norm(states[0]))")),
+    m("depth-window-plus-one", "depth_attn",
+      "the read keeps and attends to K + 1 states",
+      (REF_DEPTH, "keep = self.window - 1", "keep = self.window"),
+      (REF_DEPTH, "attend_window(q, k, v, self.window, scale)",
+       "attend_window(q, k, v, self.window + 1, scale)")),
+    m("depth-missing-scale", "depth_attn", "scores without the 1/sqrt(d_k) scale",
+      (REF_DEPTH, "scale = 1 / math.sqrt(self.head_dim)", "scale = 1.0")),
+    m("depth-keys-unnormalised", "depth_attn",
+      "K and V projected from the raw states, the query from the normalised one",
+      (REF_DEPTH, "stacked = self.norm(torch.cat(states, dim=1))",
+       "stacked = torch.cat(states, dim=1)")),
+    m("depth-keys-values-swapped", "depth_attn", "the K and V halves of W_KV swapped",
+      (REF_DEPTH, "k, v = (t.reshape(s * b, self.heads, n, self.head_dim) for t in kv)",
+       "v, k = (t.reshape(s * b, self.heads, n, self.head_dim) for t in kv)")),
+    m("depth-history-after-read", "depth_attn",
+      "the window remembers h^(l) + W_O z (after the read) instead of the layer input h^(l)",
+      (REF_DEPTH, "history = tuple(window[-keep:]) if keep else ()",
+       "history = tuple(window[:-1] + [current])[-keep:] if keep else ()")),
+    m("depth-read-replaces-state", "depth_attn",
+      "the read replaces the state (h <- W_O z) instead of adding a branch",
+      (REF_DEPTH, "current = state.current + self.read(window)", "current = self.read(window)")),
+
+    # --- Attention Residuals --------------------------------------------------------------------
+    m("attnres-norm-on-values", "attnres",
+      "RMSNorm on the values instead of the keys (scores from raw sources, normalised sum)",
+      (REF_ATTNRES, "torch.softmax((x @ query.to(x.dtype)) * _inverse_rms(x, eps), dim=0)",
+       "torch.softmax(x @ query.to(x.dtype), dim=0)"),
+      (REF_ATTNRES, "logits = (x @ queries.to(x.dtype).T) * _inverse_rms(x, eps).unsqueeze(-1)",
+       "logits = x @ queries.to(x.dtype).T"),
+      (REF_ATTNRES, "gamma = torch.sigmoid((p @ query.to(p.dtype)) * _inverse_rms(p, eps) - lse)",
+       "gamma = torch.sigmoid(p @ query.to(p.dtype) - lse)"),
+      (REF_ATTNRES, "return (weights.unsqueeze(-1) * x).sum(0)",
+       "return (weights.unsqueeze(-1) * x * _inverse_rms(x, 1e-6).unsqueeze(-1)).sum(0)")),
+    m("attnres-keys-unnormalised", "attnres",
+      "the pseudo-query applied to unnormalised keys",
+      (REF_ATTNRES, "return torch.rsqrt(x.pow(2).mean(-1) + eps)",
+       "return torch.ones_like(x[..., 0])")),
+    m("attnres-temperature", "attnres", "a 1/sqrt(d) temperature the paper does not have",
+      (REF_ATTNRES, "return torch.rsqrt(x.pow(2).mean(-1) + eps)",
+       "return torch.rsqrt(x.pow(2).mean(-1) + eps) / x.shape[-1] ** 0.5")),
+    m("attnres-softmax-over-batch", "attnres", "softmax over the last axis (batch), not sources",
+      (REF_ATTNRES, "query.to(x.dtype)) * _inverse_rms(x, eps), dim=0)",
+       "query.to(x.dtype)) * _inverse_rms(x, eps), dim=-1)"),
+      (REF_ATTNRES, "weights = torch.softmax(logits, dim=0)",
+       "weights = torch.softmax(logits, dim=2)")),
+    m("attnres-sources-cumulative", "attnres",
+      "Full AttnRes stores the running state h_l + f_l instead of the output f_l",
+      (REF_ATTNRES, "return AttnResState(state.sources + (out,), None, {})",
+       "return AttnResState(state.sources + (x + out,), None, {})")),
+    m("block-boundary-off-by-one", "block_attnres",
+      "a block closes one sublayer early",
+      (REF_ATTNRES, "if (self.index + 1) % self.block_size == 0:",
+       "if self.index % self.block_size == 0:")),
+    m("attnres-one-based-layer-index", "block_attnres",
+      "sublayer index from the 1-based layer number: blocks shifted by a layer",
+      (REF_ATTNRES, "self.index = per_layer * (layer_number - 1) + position",
+       "self.index = per_layer * layer_number + position")),
+    m("block-read-skips-partial", "block_attnres",
+      "a sublayer reads only the completed blocks, not the open block's partial sum",
+      (REF_ATTNRES, "        if state.partial is None:\n            return out.to(",
+       "        if True:\n            return out.to(")),
+    m("attnres-final-read-is-last-source", "attnres",
+      "the final norm reads the last source instead of a mixture with its own query",
+      (REF_ATTNRES, "return mix_sources(self.final_query, state.sources, state.partial, "
+                    "self.eps)", "return state.values()[-1]")),
+
+    # --- kernels and their dispatch -------------------------------------------------------------
+    m("triton-falls-back-to-references", "kernels",
+      "T2_KERNELS=triton on CPU silently runs the PyTorch references",
+      (DISPATCH, "    return True\n", "    return on_cuda\n")),
+    m("dispatch-drops-partial", "kernels",
+      "the kernel route calls the Block AttnRes kernel without the partial sum",
+      (REF_ATTNRES, "return mix(query, list(sources), partial, eps)",
+       "return mix(query, list(sources), None, eps)")),
+    m("kernel-ddl-gate-sigmoid", "kernels", "the DDL kernel alone uses beta = sigmoid(.)",
+      (K_DDL, "beta = 2.0 * tl.sigmoid(", "beta = tl.sigmoid(")),
+    m("kernel-ddl-dbeta", "kernels",
+      "the DDL backward's d(2 sigmoid)/da written beta (1 - beta) instead of beta (1 - beta/2)",
+      (K_DDL, "dbeta = beta * (1.0 - 0.5 * beta)", "dbeta = beta * (1.0 - beta)")),
+    m("kernel-window-mask-plus-one", "kernels",
+      "the window kernel's forward mask keeps w + 1 keys",
+      (K_WINDOW, "(offs_n[None, :] > pos[:, None] - window)\n                & (offs_n[None, :] < k_len))",
+       "(offs_n[None, :] >= pos[:, None] - window)\n                & (offs_n[None, :] < k_len))")),
+    m("kernel-window-dkdv-range", "kernels",
+      "the dK/dV program stops one query early (the last query that sees its key tile)",
+      (K_WINDOW, "BLOCK_N + window - 1 - shift, q_len)", "BLOCK_N + window - 2 - shift, q_len)")),
+    m("kernel-attnres-rms-sum", "kernels", "the AttnRes kernel's RMS over the sum, not the mean",
+      (K_ATTNRES, "r = 1.0 / tl.sqrt(sumsq / hidden + eps)", "r = 1.0 / tl.sqrt(sumsq + eps)")),
+    m("kernel-attnres-merge-swapped", "kernels",
+      "phase 2 weighs the partial sum with e^LSE and the blocks with e^z_p",
+      (K_ATTNRES, "gamma = tl.sigmoid(z - tl.load(LSE + row))",
+       "gamma = tl.sigmoid(tl.load(LSE + row) - z)")),
+]
+
+
+def by_name(name: str) -> Mutation:
+    for mutation in MUTATIONS:
+        if mutation.name == name:
+            return mutation
+    raise KeyError(f"no mutation {name!r}; see tests/mutations/catalog.py")

@@ -1,0 +1,333 @@
+"""Checkpoints outside the trainer: Hugging Face export, generation, evaluation.
+
+* the modeling file (``t2train/residual/hf_modeling.py``) and the Llama mapping give
+  t2train's logits for every design alone and with the local mixer, with random non-trivial
+  weights (fp32, within 1e-5), and a wrong mapping is seen;
+* one 4-rank launch trains every design at TP = 2 x PP = 2 (and `depth_attn` under DeepSpeed
+  ZeRO-3 at TP = 2 x DP = 2) and saves; each checkpoint is exported, loaded by transformers
+  on the CPU (`standard` with no remote code), and its logits on a real batch equal
+  t2train's own forward within 1e-5, the loaded weights reproduce the run's last validation
+  loss, `generate` runs, the tokenizer encodes as the run's, and
+  ``checkpoint.export_hf_on_finish`` wrote the same model;
+* bad inputs (no or a malformed checkpoint, a missing shard, an unknown design or one without
+  modeling code, a missing tokenizer or one of another hash, a dataset of another tokenizer,
+  a non-empty OUT) stop with one line naming the cause, and a failed export leaves no OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+from torchrun_helper import run_torchrun
+
+from t2train.checkpoint.errors import CheckpointError
+from t2train.cli import main
+from t2train.config.loader import load_config
+from t2train.data.errors import DataError
+from t2train.errors import UserInputError
+from t2train.residual import registered
+
+SEQ = 32
+BASE = ["data.path=unused", "model.num_layers=3", "model.hidden_size=64",
+        "model.num_attention_heads=4", "model.seq_length=16"]
+MIXER = ["model.shortswa.window=4"]
+DESIGNS = {  # every registered design, with non-default options where they matter
+    "standard": ["model.residual=standard"], "ddl": ["model.residual=ddl"],
+    "ddl_dv4": ["model.residual=ddl", "model.ddl.dv=4"],
+    "depth_attn": ["model.residual=depth_attn", "model.depth_attn.window=2"],
+    "attnres": ["model.residual=attnres"],
+    "block_attnres": ["model.residual=block_attnres", "model.attnres.block_size=3"],
+    "hc": ["model.residual=hc"], "hc_static": ["model.residual=hc", "model.hc.dynamic=false"],
+    "mhc": ["model.residual=mhc", "model.mhc.expansion_rate=3", "model.mhc.sinkhorn_iterations=5"],
+}
+RANDOM_VARIANTS = {  # each alone and with the local mixer; GQA and untied embeddings
+    **DESIGNS, **{f"{name}+mixer": [*options, *MIXER] for name, options in DESIGNS.items()},
+    "standard_gqa_untied": ["model.num_query_groups=2", "model.tie_embeddings=false"],
+    "attnres_gqa_untied": ["model.residual=attnres", "model.num_query_groups=2",
+                           "model.tie_embeddings=false"],
+}
+
+
+def test_every_registered_design_has_hugging_face_modeling():
+    from t2train.residual.hf import modeling_designs
+
+    assert modeling_designs() == set(registered())
+
+
+# --- the math, with random weights (in-process, TP = 1) ---------------------------------------
+
+def _t2train_model(overrides: list[str], vocab: int = 128):
+    from t2train.model.build import build_model_chunks, transformer_config
+
+    config = load_config(overrides=BASE + overrides)
+    torch.manual_seed(0)
+    [model] = build_model_chunks(config, transformer_config(config), vocab_size=vocab)
+    with torch.no_grad():  # non-trivial everywhere, zero-initialised parameters included
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    return config, model.eval()
+
+
+def _hf_model(model_config, state: dict, vocab: int = 128):
+    from transformers import LlamaForCausalLM
+
+    from t2train.export.hf import hf_config
+    from t2train.residual.hf_modeling import T2TrainForCausalLM
+
+    config = hf_config(model_config, vocab, eos_id=0, dtype=torch.float32)
+    cls = LlamaForCausalLM if config.architectures == ["LlamaForCausalLM"] else T2TrainForCausalLM
+    model = cls(config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert unexpected == []
+    assert missing == ([] if not model_config.tie_embeddings else ["lm_head.weight"])
+    return model.eval()
+
+
+def _tokens(vocab: int = 128, batch: int = 2, seq: int = 16):
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("variant", RANDOM_VARIANTS)
+def test_modeling_file_matches_t2train(megatron_world, variant):
+    from t2train.export.hf import hf_state_dict
+
+    config, model = _t2train_model(RANDOM_VARIANTS[variant])
+    hf = _hf_model(config.model, hf_state_dict(model.state_dict(), config.model))
+    if variant.startswith("standard") and "mixer" not in variant:
+        assert type(hf).__name__ == "LlamaForCausalLM"
+    tokens = _tokens()
+    with torch.no_grad():
+        ours = model(tokens, torch.arange(16).expand(2, 16), None)
+        theirs = hf(tokens).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
+
+
+def test_a_wrong_mapping_is_seen(megatron_world):
+    """Swapping SwiGLU's gate and up halves, or two query heads, changes the logits."""
+    from t2train.export.hf import hf_state_dict
+
+    config, model = _t2train_model(["model.num_query_groups=2"])
+    tokens = _tokens()
+    state = hf_state_dict(model.state_dict(), config.model)
+    with torch.no_grad():
+        right = _hf_model(config.model, state)(tokens).logits
+        swapped = dict(state)
+        gate, up = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"
+        swapped[gate], swapped[up] = state[up], state[gate]
+        assert not torch.allclose(_hf_model(config.model, swapped)(tokens).logits, right)
+        heads = dict(state)
+        q = state["model.layers.0.self_attn.q_proj.weight"].view(4, 16, 64)
+        heads["model.layers.0.self_attn.q_proj.weight"] = q[[1, 0, 2, 3]].reshape(64, 64)
+        assert not torch.allclose(_hf_model(config.model, heads)(tokens).logits, right)
+
+
+# --- refusals that need no weights ------------------------------------------------------------
+
+def _fake_checkpoint(root: Path, overrides=(), residual=None, **state) -> Path:
+    """A DeepSpeed-engine checkpoint directory holding only its summary file."""
+    config = asdict(load_config(overrides=[*BASE, *overrides]))
+    if residual is not None:
+        config["model"]["residual"] = residual
+    path = root / "checkpoints" / "step_00000001"
+    path.mkdir(parents=True)
+    (path / "t2train_engine.json").write_text(json.dumps(dict(
+        {"engine": "deepspeed", "step": 1, "layout": {"tp": 1, "pp": 1, "dp": 1},
+         "config": config, "config_format": 2, "has_optimizer": True}, **state)))
+    return path
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+def test_no_checkpoint_or_a_malformed_one_is_named(tmp_path, capsys):
+    err = _one_line_error(capsys, ["export", "hf", str(tmp_path / "nothing"), str(tmp_path / "o")])
+    assert "nothing: not a complete t2train checkpoint" in err
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "metadata.json").write_text("{not json")
+    assert "metadata.json: cannot read" in _one_line_error(
+        capsys, ["export", "hf", str(bad), str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_unknown_design_is_named(tmp_path, capsys):
+    checkpoint = _fake_checkpoint(tmp_path / "run", residual="no_such_design")
+    err = _one_line_error(capsys, ["export", "hf", str(checkpoint), str(tmp_path / "o")])
+    assert "model.residual='no_such_design'" in err and str(checkpoint) in err
+
+
+def test_a_design_without_modeling_code_is_named(tmp_path, capsys, monkeypatch):
+    from t2train.residual import hf
+
+    monkeypatch.setattr(hf, "modeling_designs", lambda: {"standard"})
+    checkpoint = _fake_checkpoint(tmp_path / "run", ["model.residual=ddl"])
+    err = _one_line_error(capsys, ["export", "hf", str(checkpoint), str(tmp_path / "o")])
+    assert "model.residual='ddl' has no Hugging Face modeling code yet" in err
+
+
+def test_a_missing_tokenizer_is_named_and_nothing_is_written(tmp_path, capsys):
+    gone = tmp_path / "moved-dataset"
+    checkpoint = _fake_checkpoint(tmp_path / "run", [f"data.path={gone}"])
+    out = tmp_path / "out"
+    err = _one_line_error(capsys, ["export", "hf", str(tmp_path / "run"), str(out)])
+    assert f"tokenizer {gone}/tokenizer.json: not found" in err and "--tokenizer" in err
+    assert not out.exists() and not out.with_name("out.tmp").exists()
+    err = _one_line_error(capsys, ["generate", str(checkpoint), "--prompt", "hi"])
+    assert "tokenizer.json: not found" in err
+
+
+def test_a_non_empty_out_is_refused(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    checkpoint = _fake_checkpoint(tmp_path / "run")
+    err = _one_line_error(capsys, ["export", "hf", str(checkpoint), str(out)])
+    assert "is not empty" in err and "--overwrite" in err
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_eval_refuses_a_dataset_of_another_tokenizer(tmp_path, capsys):
+    from t2train.data.prepare import FORMAT, VERSION
+
+    ours, theirs = "a" * 64, "b" * 64
+    checkpoint = _fake_checkpoint(tmp_path / "run", tokenizer_sha256=ours)
+    data = tmp_path / "other-data"
+    data.mkdir()
+    (data / "index.json").write_text(json.dumps({
+        "format": FORMAT, "version": VERSION, "seq_length": 16, "vocab_size": 300, "eos_id": 0,
+        "token_dtype": "uint16", "splits": {"val": {}}, "tokenizer": {"sha256": theirs}}))
+    err = _one_line_error(capsys, ["eval", str(checkpoint), "--data", str(data)])
+    assert f"tokenizer sha256 {theirs}" in err and f"tokenizer sha256 {ours}" in err
+
+
+# --- trained checkpoints of every design, saved at TP = 2 x PP = 2 -----------------------------
+
+@pytest.fixture(scope="module")
+def trained(shakespeare, tmp_path_factory):
+    """{variant: {"checkpoint", "val_loss", "exported"}} from one 4-rank launch."""
+    root = tmp_path_factory.mktemp("export-runs")
+    return run_torchrun("export_designs.py", 4, ["--data", str(shakespeare), "--root", str(root)],
+                        root / "result.json", timeout=900)
+
+
+def _val_batch(data: Path, samples: int) -> torch.Tensor:
+    from t2train.data.loader import StreamingWorld, TokenBatches
+
+    batches = TokenBatches(data, "val", micro_batch_size=samples, seq_length=SEQ,
+                           world=StreamingWorld(0, 1, 0, 1), seed=0, shuffle=False, finite=True)
+    return next(iter(batches))["tokens"]
+
+
+@pytest.mark.slow
+def test_every_design_exports_to_transformers(trained, shakespeare, megatron_world, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from t2train.data.tokenizer import load_tokenizer
+    from t2train.export.evaluate import evaluate
+    from t2train.export.hf import export_hf
+    from t2train.export.load import load_model, open_checkpoint
+
+    assert set(trained) == {"standard", "ddl", "ddl_dv4", "depth_attn", "attnres",
+                            "block_attnres", "depth_attn-zero3", "ddl+shortswa"}
+    tokens = _val_batch(shakespeare, 2)
+    text = "To be, or not to be, that is the question:"
+    run_ids = load_tokenizer(shakespeare / "tokenizer.json").encode(text).ids
+    for variant, run in trained.items():
+        out = tmp_path / variant
+        export = export_hf(run["checkpoint"], out, max_shard_size="96KB")
+        llama = variant == "standard"
+        assert export.architecture == ("LlamaForCausalLM" if llama else "T2TrainForCausalLM")
+        assert (out / "modeling_t2train.py").exists() != llama
+        assert (out / "model.safetensors.index.json").exists()  # sharded above 96KB
+        hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=not llama,
+                                                  dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(out)
+        assert tokenizer(text).input_ids == run_ids, variant
+
+        loaded = load_model(open_checkpoint(run["checkpoint"]), device="cpu")
+        with torch.no_grad():
+            ours = loaded.model(tokens, torch.arange(SEQ).expand(2, SEQ), None)
+            theirs = hf(tokens).logits
+        torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5, msg=variant)
+        # The weights are the trained ones: the run's last validation loss (first 4 val samples).
+        again = evaluate(loaded.model, shakespeare, "val", SEQ, batch_size=4, max_batches=1)
+        assert again.tokens == 4 * SEQ
+        assert abs(again.loss - run["val_loss"]) < 2e-5, (variant, again.loss, run["val_loss"])
+
+        prompt = tokenizer(text, return_tensors="pt")
+        generated = hf.generate(**prompt, max_new_tokens=4, do_sample=False)
+        assert generated.shape == (1, len(run_ids) + 4)
+
+        if run["exported"] is not None:  # checkpoint.export_hf_on_finish
+            finished = AutoModelForCausalLM.from_pretrained(
+                run["exported"], trust_remote_code=True, dtype=torch.float32).eval()
+            with torch.no_grad():
+                torch.testing.assert_close(finished(tokens).logits, theirs, atol=0, rtol=0)
+    assert sum(run["exported"] is not None for run in trained.values()) == 1
+
+
+@pytest.mark.slow
+def test_generate_and_eval_commands(trained, shakespeare, megatron_world, capsys):
+    run_dir = Path(trained["ddl+shortswa"]["checkpoint"]).parents[1]
+    for sampling in ([], ["--top-p", "0.9", "--seed", "3"]):
+        assert main(["generate", str(run_dir), "--prompt", "To be, or not",
+                     "--max-new-tokens", "6", "--device", "cpu", *sampling]) == 0
+        assert capsys.readouterr().out.startswith("To be, or not")
+    assert main(["eval", str(run_dir), "--data", str(shakespeare), "--max-batches", "2",
+                 "--batch-size", "2", "--device", "cpu"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert f"over {2 * 2 * SEQ:,} tokens (2 batches of up to 2 x {SEQ})" in line
+    loss = float(line.split("loss ")[1].split(",")[0])
+    perplexity = float(line.split("perplexity ")[1].split(" ")[0])
+    assert abs(perplexity - math.exp(loss)) < 1e-3 * perplexity
+
+
+@pytest.mark.slow
+def test_a_broken_checkpoint_or_a_failed_write_leaves_no_out(trained, megatron_world, tmp_path,
+                                                           monkeypatch):
+    from t2train.export import hf as exporter
+
+    original = Path(trained["ddl"]["checkpoint"])
+    broken = tmp_path / "broken" / original.name
+    shutil.copytree(original, broken)
+    shard = sorted(broken.glob("*.distcp"))[0]
+    shard.unlink()
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match=f"{shard}: shard file missing"):
+        exporter.export_hf(broken, out)
+    assert not out.exists()
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(exporter, "_tokenizer", fail)
+    with pytest.raises(OSError, match="No space left"):
+        exporter.export_hf(original, out)
+    assert not out.exists() and not (tmp_path / "out.tmp").exists()
+    with pytest.raises(UserInputError):  # and the refusals keep their type for the CLI
+        exporter.export_hf(original, out, tokenizer=tmp_path / "missing.json")
+    assert not out.exists()
+
+
+def test_a_tokenizer_of_another_hash_is_refused(tmp_path):
+    from t2train.data.tokenizer import save_tokenizer, train_tokenizer
+    from t2train.export.load import open_checkpoint
+    from t2train.export.tokenizer import run_tokenizer
+
+    data = tmp_path / "data"
+    data.mkdir()
+    save_tokenizer(train_tokenizer(["to be or not to be"] * 4, 260), data)
+    checkpoint = _fake_checkpoint(tmp_path / "run", [f"data.path={data}"],
+                                  tokenizer_sha256="c" * 64)
+    with pytest.raises(DataError, match="but the run was trained with tokenizer cccccccccccc"):
+        run_tokenizer(open_checkpoint(checkpoint))
