@@ -84,8 +84,9 @@ def _latest(run_dir: Path) -> int:
 def _wait_for(condition, job: str, cluster, log: Path) -> None:
     deadline = time.monotonic() + JOB_TIMEOUT
     while not condition():
-        assert time.monotonic() < deadline and not _done(cluster.job(job)), \
-            log.read_text()[-6000:] if log.is_file() else "no log"
+        fields = cluster.job(job)
+        assert time.monotonic() < deadline and not _done(fields), \
+            (log.read_text()[-6000:] if log.is_file() else "no log") + f"\njob: {fields}"
         time.sleep(0.2)
 
 
@@ -104,10 +105,13 @@ def test_usr1_requeues_and_scancel_saves_and_both_resume_with_the_same_losses(
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True,
                    env=slurm_cluster.env, timeout=60)
 
-    # The job requeues itself; SLURM holds a requeued job ~2 min (BeginTime): release it.
+    # The job requeues itself; SLURM holds a requeued job ~2 min (BeginTime): release it a few
+    # seconds on. Not at once: the requeue revokes the job's credential with a timestamp in
+    # seconds, and slurmd refuses a launch in that same second ("Job credential revoked"),
+    # which fails the job.
     slurm_cluster.wait_job(job, lambda f: f.get("Restarts") == "1"
                            and f.get("JobState") == "PENDING", JOB_TIMEOUT, log)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True,
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+3"], check=True,
                    env=slurm_cluster.env, timeout=60)
     text = log.read_text()
     stopped = int(text.split("| stopping early: received SIGUSR1")[0].rsplit("step", 1)[1])
