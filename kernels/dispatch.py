@@ -24,6 +24,8 @@ KERNELS = {  # kernel name -> (module, function)
     "window_attention": ("t2train.kernels.window_attention", "window_attention"),
     "delta_write": ("t2train.kernels.ddl_update", "delta_write"),
     "depth_mix": ("t2train.kernels.depth_mix", "depth_mix"),
+    "block_phase_1": ("t2train.kernels.depth_mix", "phase_1"),
+    "block_phase_2": ("t2train.kernels.depth_mix", "phase_2"),
     "stream_read": ("t2train.kernels.mhc_streams", "stream_read"),
     "stream_write": ("t2train.kernels.mhc_streams", "stream_write"),
 }

@@ -75,14 +75,23 @@ def _cmd_launch(args) -> int:
     return launch(args)
 
 
+VOCAB_DEFAULT = 32000  # `t2train plan` without model.vocab_size or --vocab-size
+
+
 def _cmd_plan(args) -> int:
     from t2train.config.loader import load_config
     from t2train.bench.plan import format_plan, plan_layout
 
     config = load_config(args.preset, args.config, args.overrides)
-    vocab = config.model.vocab_size or args.vocab_size
+    if config.model.vocab_size:
+        vocab, source = config.model.vocab_size, "model.vocab_size"
+    else:
+        vocab = args.vocab_size
+        source = "--vocab-size" if args.vocab_size != VOCAB_DEFAULT else \
+            "--vocab-size default; training takes the dataset's"
     world = args.world_size or config.parallel.tensor * config.parallel.pipeline
-    print(format_plan(config, plan_layout(config, vocab, world)))
+    print(format_plan(config, plan_layout(config, vocab, world), source,
+                      int(args.device_memory_gib * 2 ** 30)))
     return 0
 
 
@@ -127,8 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(plan)
     plan.add_argument("--world-size", type=int, help="processes (default TP x PP, i.e. DP = 1)")
-    plan.add_argument("--vocab-size", type=int, default=32000,
-                      help="vocabulary when model.vocab_size is unset (default 32000)")
+    plan.add_argument("--vocab-size", type=int, default=VOCAB_DEFAULT,
+                      help=f"vocabulary when model.vocab_size is unset (default "
+                           f"{VOCAB_DEFAULT}; training takes the dataset's)")
+    plan.add_argument("--device-memory-gib", type=float, default=80.0,
+                      help="memory of one GPU, for the per-GPU totals (default 80, an H100)")
     plan.set_defaults(handler=_cmd_plan)
 
     launch = commands.add_parser(

@@ -58,17 +58,36 @@ def test_config_prints_resolved_yaml(tmp_path):
 def test_plan_prints_stages_and_hops(tmp_path):
     proc = t2train("plan", "--preset", "tiny", "model.residual=attnres", "model.num_layers=8",
                    "parallel.pipeline=4", "parallel.virtual_pipeline=2",
-                   "train.global_batch_size=32", cwd=tmp_path)
+                   "train.global_batch_size=32", "parallel.hop_shapes=padded", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "hops  naive: units per hop [3, 5, 7, 9, 11, 13, 15]" in proc.stdout
-    assert "hops cached: units per hop [3, 5, 7, 6, 6, 6, 6]" in proc.stdout
-    assert proc.stdout.count("\n") >= 7  # header, columns, 4 stages, 2 hop lines
+    out = proc.stdout
+    assert "vocabulary 32,000 (--vocab-size default; training takes the dataset's)" in out
+    assert "one unit is one [seq 128 x micro-batch 8 x hidden 192] tensor = 768.0 KiB" in out
+    assert "naive (every unit the next stages read): units per hop 3, 5, 7, 9, 11, 13, 15" in out
+    assert "units per hop 3, 5, 7, 6, 6, 6, 6  <- in use (parallel.depth_cache=cached)" in out
+    # 4 micro-batches x 45 data units x 768 KiB; padded: 7 hops x 7 units
+    assert "data 117.0 MiB, on the wire 147.0 MiB (each hop padded to 7 units" in out
+    for stage in range(4):  # weights, grads, optimizer, activations, depth cache, total
+        assert len([line for line in out.splitlines()
+                    if line.startswith(f"    {stage}  ") and line.count("iB") == 6]) == 1
+
+
+def test_plan_without_anything_to_cache_says_so(tmp_path):
+    proc = t2train("plan", "--preset", "tiny", "model.residual=ddl", "parallel.pipeline=2",
+                   "model.vocab_size=5000", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "vocabulary 5,000 (model.vocab_size), padded to 5,120" in proc.stdout
+    assert "ddl's units all change every layer: nothing to cache" in proc.stdout
+    assert "cached" not in proc.stdout and "virtual stages" not in proc.stdout
 
 
 def test_plan_refuses_impossible_layouts(tmp_path):
     proc = t2train("plan", "--preset", "tiny", "parallel.pipeline=3", cwd=tmp_path)
     assert proc.returncode == 2
     assert "model.num_layers=4: must be divisible by parallel.pipeline" in proc.stderr
+    proc = t2train("plan", "--preset", "7b", "parallel.tensor=1", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "add the override parallel.sequence_parallel=false" in proc.stderr
 
 
 def test_the_last_line_says_what_happened():

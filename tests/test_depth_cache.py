@@ -1,5 +1,6 @@
 """The depth cache's gradient routing, in one process: two chunks of one micro-batch."""
 
+import pytest
 import torch
 
 from t2train.parallel.depth_cache import DepthCache, HopPlan
@@ -36,3 +37,51 @@ def test_hop_plan_without_virtual_stages_sends_everything():
     cached = HopPlan(ids, pipeline=4, chunks=4, layers_per_chunk=2, cached=True)
     assert naive.hop_units() == cached.hop_units() == [3, 5, 7]
     assert naive.padded_units == 7
+
+
+MINIMUM_DESIGNS = {  # name: overrides (8 layers: chunks of 1, 2 or 4 layers)
+    "attnres": ["model.residual=attnres"],
+    "attnres+shortswa": ["model.residual=attnres", "model.shortswa.window=4"],
+    "block_attnres S=2": ["model.residual=block_attnres", "model.attnres.block_size=2"],
+    "block_attnres S=4": ["model.residual=block_attnres", "model.attnres.block_size=4"],
+    "block_attnres+shortswa S=4": ["model.residual=block_attnres", "model.attnres.block_size=4",
+                                   "model.shortswa.window=4"],
+    "depth_attn K=2": ["model.residual=depth_attn", "model.depth_attn.window=2"],
+    "depth_attn K=3": ["model.residual=depth_attn", "model.depth_attn.window=3"],
+    "depth_attn K=L+1": ["model.residual=depth_attn", "model.depth_attn.window=9"],
+    "ddl d_v=4": ["model.residual=ddl", "model.ddl.dv=4"],
+    "standard": ["model.residual=standard"],
+}
+MINIMUM_LAYOUTS = [(2, 2), (4, 2), (2, 4), (4, 1)]  # (PP, VPP); 8 layers
+
+
+def _hop_plans(overrides, pipeline, virtual):
+    from t2train.config.loader import load_config
+    from t2train.model.build import transformer_config
+    from t2train.residual import get_design
+
+    config = load_config(overrides=[
+        "data.path=unused", "model.num_layers=8", "model.hidden_size=32",
+        "model.num_attention_heads=4", "model.seq_length=8", f"parallel.pipeline={pipeline}",
+        f"parallel.virtual_pipeline={virtual}", *overrides])
+    stream = get_design(config.model.residual).stream(transformer_config(config), False, False, 0)
+    chunks = pipeline * virtual
+    return config.model, {(cached, shapes): HopPlan(stream.unit_ids, pipeline, chunks,
+                                                    8 // chunks, cached=cached, shapes=shapes)
+                          for cached in (False, True) for shapes in ("exact", "padded")}
+
+
+@pytest.mark.parametrize("design", MINIMUM_DESIGNS)
+def test_every_hop_carries_exactly_the_minimum(design):
+    """HopPlan's hops equal the minimum written from each design's definition
+    (``tests/hop_minimum.py``): cached hops carry exactly what the receiver lacks, naive
+    hops what the rest of the model reads; exact hops put just that on the wire."""
+    from hop_minimum import minimum_hop_units
+
+    for layout in MINIMUM_LAYOUTS:
+        model, plans = _hop_plans(MINIMUM_DESIGNS[design], *layout)
+        for cached in (False, True):
+            minimum = minimum_hop_units(model, *layout, cached=cached)
+            assert plans[cached, "exact"].hop_units() == minimum, (layout, cached)
+            assert plans[cached, "exact"].wire_hop_units() == minimum, (layout, cached)
+            assert plans[cached, "padded"].wire_hop_units() == [max(minimum)] * len(minimum)

@@ -1,5 +1,6 @@
 """Four real ranks (gloo): 4-stage pipelines, TP x PP, data parallel with either optimizer,
-and the depth cache's cached transfer against naive resending, with its byte counts.
+and the depth cache's cached transfer (exact hop shapes) against naive resending (padded
+hops), with their byte counts against the minimum each design's definition allows.
 
 Runs 3 training steps per layout from the (1, 1, 1) run's step-0 checkpoint on the same
 global batches (micro-batch 1, global batch 4, sequence 8, hidden 32, fp32).
@@ -19,12 +20,20 @@ DESIGNS = {
     "attnres": "model.residual=attnres",
     "block_attnres": "model.residual=block_attnres,model.attnres.block_size=4",
 }
-DEEP = "model.num_layers=8"  # 4 stages x 2 virtual stages of one layer each
+DEEP = "model.num_layers=8"  # chunks of 1 (PP 4 x VPP 2, PP 2 x VPP 4) or 2 layers (PP 2 x VPP 2)
 RECOMPUTE = {"depth_attn": ",model.recompute=full"}  # cached leaves as recompute inputs
+CACHED = {name: DESIGNS[name] for name in ("attnres", "block_attnres", "depth_attn")}
+CACHED["attnres+shortswa"] = "model.residual=attnres,model.shortswa.window=4"  # 3 sublayers
+LAYOUTS = {name: "1x1x1,1x4x2,2x2x2,1x2x4" for name in CACHED}  # (PP, VPP) = (4,2) (2,2) (2,4)
+LAYOUTS["attnres+shortswa"] = "1x1x1,1x4x2"
 CACHE = {
-    f"{name}_{mode}": (f"1x1x1,1x4x2|{DESIGNS[name]},{DEEP},parallel.depth_cache={mode}"
-                       f"{RECOMPUTE.get(name, '')}")
-    for name in ("attnres", "block_attnres", "depth_attn") for mode in ("naive", "cached")
+    **{f"{name}_cached": (f"{LAYOUTS[name]}|{design},{DEEP},"
+                          f"parallel.depth_cache=cached{RECOMPUTE.get(name, '')}")
+       for name, design in CACHED.items()},
+    # Naive resending with every hop padded to the largest: the fallback hop shapes.
+    **{f"{name}_naive": (f"1x1x1,1x4x2|{DESIGNS[name]},{DEEP},parallel.depth_cache=naive,"
+                         f"parallel.hop_shapes=padded{RECOMPUTE.get(name, '')}")
+       for name in ("attnres", "block_attnres", "depth_attn")},
 }
 DATA_PARALLEL = {
     f"{name}_{optimizer}": (f"1x1x1,2x1x1,1x2x1|{DESIGNS[name]},"
@@ -33,7 +42,11 @@ DATA_PARALLEL = {
 }
 RUNS = {**{name: f"1x1x1,2x2x1,1x4x1|{design}" for name, design in DESIGNS.items()},
         **CACHE, **DATA_PARALLEL}
-SEQ, MICRO, HIDDEN, MICRO_BATCHES, BYTES = 8, 1, 32, 4, 4
+SEQ, MICRO, HIDDEN, GLOBAL, BYTES = 8, 1, 32, 4, 4
+WORKER_BASE = ["data.path=unused", "model.num_layers=4", "model.hidden_size=32",
+               "model.num_attention_heads=4", f"model.seq_length={SEQ}",
+               f"train.micro_batch_size={MICRO}", f"train.global_batch_size={GLOBAL}",
+               "train.warmup_steps=1", "train.steps=3"]  # as tests/workers/layout_equivalence.py
 
 
 @pytest.fixture(scope="module")
@@ -67,60 +80,60 @@ def test_cached_and_naive_transfer_match(runs, name):
     _assert_same_losses(runs[name])
 
 
-def _per_step_bytes(units: int, hops_per_micro_batch: int) -> int:
-    return units * SEQ * MICRO * HIDDEN * BYTES * hops_per_micro_batch * MICRO_BATCHES
+def _config(name: str, layout: str):
+    from t2train.config.loader import load_config
+
+    tp, pp, vpp = (int(n) for n in layout.split("x"))
+    overrides = RUNS[name].split("|")[1].split(",")
+    return load_config(overrides=[*WORKER_BASE, f"parallel.tensor={tp}",
+                                  f"parallel.pipeline={pp}", f"parallel.virtual_pipeline={vpp}",
+                                  *overrides])
 
 
-@pytest.mark.parametrize("name", CACHE)
-def test_hop_bytes_match_the_formula(runs, name):
-    """units x s x b x h x bytes per hop; 7 hops per micro-batch for 8 chunks, both ways."""
-    run = runs[name]["1x4x2"]
-    expected = _per_step_bytes(run["padded_units"], hops_per_micro_batch=7)
-    assert run["traffic"]["pipeline/forward_bytes"] == expected
-    assert run["traffic"]["pipeline/backward_bytes"] == expected
-    assert run["traffic"]["pipeline/forward_hops"] == 7 * MICRO_BATCHES
+def _pipelined():
+    return [(name, layout) for name, spec in RUNS.items()
+            for layout in spec.split("|")[0].split(",") if layout.split("x")[1] != "1"]
 
 
-def test_attention_residual_units_per_hop():
-    """The formula itself: Full AttnRes naive hops grow with depth, cached ones do not."""
-    from t2train.parallel.depth_cache import HopPlan
-    from t2train.residual.attnres import source_unit_ids
+@pytest.mark.parametrize("name, layout", _pipelined())
+def test_what_is_sent_is_the_minimum(runs, name, layout):
+    """A real run's counters, summed over ranks: data bytes equal the minimum written from the
+    design's definition (tests/hop_minimum.py) for every hop of every micro-batch, each way;
+    exact hops put just the data on the wire, padded ones the largest hop every time."""
+    from hop_minimum import minimum_hop_units
 
-    def plan(cached, block_size=1):  # two sublayers (attention, MLP) per layer
-        return HopPlan(lambda layers: source_unit_ids(2 * layers, block_size), pipeline=4,
-                       chunks=8, layers_per_chunk=1, cached=cached)
-
-    # Into chunk c: the embedding and 2 sources per finished layer.
-    assert plan(False).hop_units() == [1 + 2 * c for c in range(1, 8)]
-    # Cached: rank c mod 4 kept its sources from chunk c - 4; only the 6 newer ones come.
-    assert plan(True).hop_units() == [3, 5, 7, 6, 6, 6, 6]
-    # Blocks of 4 sublayers (2 layers): completed blocks, plus the partial after odd layers.
-    assert plan(False, 4).hop_units() == [2, 2, 3, 3, 4, 4, 5]
-    assert plan(True, 4).hop_units() == [2, 2, 3, 2, 2, 2, 2]
+    config = _config(name, layout)
+    parallel = config.parallel
+    units = minimum_hop_units(config.model, parallel.pipeline, parallel.virtual_pipeline,
+                              cached=parallel.caches_depth_units())
+    wire = units if parallel.hop_shapes == "exact" else [max(units)] * len(units)
+    per_unit = SEQ * MICRO * HIDDEN * BYTES * (GLOBAL // MICRO) * parallel.tensor
+    traffic = runs[name][layout]["traffic"]
+    for direction in ("forward", "backward"):
+        assert traffic[f"pipeline/{direction}_data_bytes"] == sum(units) * per_unit, direction
+        assert traffic[f"pipeline/{direction}_wire_bytes"] == sum(wire) * per_unit, direction
+    assert traffic["pipeline/forward_hops"] == len(units) * GLOBAL // MICRO * parallel.tensor
 
 
 @pytest.mark.parametrize("design", ["attnres", "block_attnres"])
 def test_cached_sends_less_than_naive(runs, design):
-    naive = runs[f"{design}_naive"]["1x4x2"]["traffic"]["pipeline/forward_bytes"]
-    cached = runs[f"{design}_cached"]["1x4x2"]["traffic"]["pipeline/forward_bytes"]
-    print(f"{design}: forward bytes per step naive {naive:.0f}, cached {cached:.0f}")
-    assert cached < naive
+    naive = runs[f"{design}_naive"]["1x4x2"]["traffic"]
+    cached = runs[f"{design}_cached"]["1x4x2"]["traffic"]
+    print(f"{design}: forward bytes per step naive {naive['pipeline/forward_wire_bytes']:.0f} "
+          f"on the wire ({naive['pipeline/forward_data_bytes']:.0f} data), cached "
+          f"{cached['pipeline/forward_wire_bytes']:.0f}")
+    assert cached["pipeline/forward_wire_bytes"] < naive["pipeline/forward_data_bytes"]
 
 
-@pytest.mark.parametrize("name", CACHE)
-def test_plan_predicts_the_measured_bytes(runs, name):
-    """`t2train plan`'s hop bytes equal a real run's counters, naive and cached."""
-    from t2train.config.loader import load_config
+@pytest.mark.parametrize("name, layout", [(name, "1x4x2") for name in CACHE])
+def test_plan_predicts_the_measured_bytes(runs, name, layout):
+    """`t2train plan`'s data and wire bytes equal a real run's counters, naive and cached."""
     from t2train.bench.plan import plan_layout
 
-    overrides = CACHE[name].split("|")[1].split(",")
-    config = load_config(overrides=[
-        "data.path=unused", "model.hidden_size=32", "model.num_attention_heads=4",
-        f"model.seq_length={SEQ}", f"train.micro_batch_size={MICRO}", "train.global_batch_size=4",
-        "train.warmup_steps=1", "train.steps=3", "parallel.pipeline=4",
-        "parallel.virtual_pipeline=2", *overrides])
+    config = _config(name, layout)
     plan = plan_layout(config, vocab_size=128, world_size=4)
-    hops = plan.cached if config.parallel.depth_cache == "cached" else plan.naive
-    traffic = runs[name]["1x4x2"]["traffic"]
-    assert plan.step_bytes(hops) == traffic["pipeline/forward_bytes"]
-    assert plan.step_bytes(hops) == traffic["pipeline/backward_bytes"]
+    hops = plan.hops_in_use(config.parallel.caches_depth_units())
+    traffic = runs[name][layout]["traffic"]
+    for direction in ("forward", "backward"):
+        assert plan.step_bytes(hops, wire=False) == traffic[f"pipeline/{direction}_data_bytes"]
+        assert plan.step_bytes(hops, wire=True) == traffic[f"pipeline/{direction}_wire_bytes"]

@@ -1,20 +1,26 @@
 """`t2train plan`: what a layout puts on each pipeline stage, before anything runs.
 
 For a config and a layout (TP, PP, VPP, micro-batch, sequence length) it estimates, per
-pipeline rank, the parameters held, the activation memory of the micro-batches in flight,
-the depth cache kept for them, and the bytes each pipeline hop carries, naive vs cached.
-Hop bytes are exact (the same ``HopPlan`` the decoder sends with, so a run's traffic
-counters must equal them); parameters and memory are estimates.
+pipeline rank (one GPU of each tensor-parallel group), the memory held: parameters, their
+gradients, the optimizer state, the activations of the micro-batches in flight and the depth
+cache kept for them, against the device's memory; and the bytes the pipeline hops carry,
+naive vs cached, as data (the units the receiver lacks) and on the wire (with the zero
+padding of ``parallel.hop_shapes=padded``). Hop bytes are exact (the same ``HopPlan`` the
+decoder sends with, so a run's traffic counters equal them); memory is an estimate.
 
 Activation memory follows Korthikanti et al. (arXiv 2205.05198): per layer and micro-batch
 s*b*h*(10 + 24/t) two-byte units without sequence parallelism and 34/t with it (the
 attention-score term is absent: attention never materialises s x s here), scaled by the
-element size; full recompute keeps only each layer's input state.
+element size; full recompute keeps only each layer's input state. Gradients are kept in fp32
+(Megatron DDP's ``grad_reduce_in_fp32``); Adam keeps two fp32 moments, plus an fp32 master
+copy of bf16 parameters, sharded over data parallelism by the distributed optimizer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from t2train.config.schema import Config
 from t2train.model.build import compute_dtype, padded_vocab_size, transformer_config
@@ -27,9 +33,17 @@ from t2train.residual import get_design, variant_label
 class StagePlan:
     rank: int
     layers: list[int]  # global 0-based layer indices on this pipeline rank
-    parameters: int
+    parameters: int  # on one GPU (one tensor-parallel shard)
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
     activation_bytes: int
     depth_cache_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
+                + self.activation_bytes + self.depth_cache_bytes)
 
 
 @dataclass
@@ -38,21 +52,23 @@ class LayoutPlan:
     pipeline: int
     virtual: int
     data_parallel: int
-    micro_batches: int
+    micro_batches: int  # per data-parallel replica
     unit_bytes: int  # one [s, b, h] unit as sent (sequence-parallel shard included)
+    unit_shape: tuple[int, int, int]
     naive: HopPlan
     cached: HopPlan
+    cacheable: bool  # the design has units that never change (the depth cache can skip them)
+    vocab_size: int
+    padded_vocab_size: int
     stages: list[StagePlan]
 
-    def hop_bytes(self, hops: HopPlan) -> int:
-        """Bytes of every hop as sent: padded to the largest hop of the layout."""
-        return hops.padded_units * self.unit_bytes
+    def hops_in_use(self, cached: bool) -> HopPlan:
+        return self.cached if cached else self.naive
 
-    def step_bytes(self, hops: HopPlan) -> int:
-        """Forward bytes sent per step by all ranks (the backward sends as many)."""
-        hops_per_micro_batch = (self.pipeline * self.virtual - 1) * self.tensor * \
-            self.data_parallel
-        return self.hop_bytes(hops) * hops_per_micro_batch * self.micro_batches
+    def step_bytes(self, hops: HopPlan, wire: bool) -> int:
+        """Bytes all ranks send forward per step, data or on the wire (backward: as many)."""
+        units = sum(hops.wire_hop_units() if wire else hops.hop_units())
+        return units * self.unit_bytes * self.micro_batches * self.tensor * self.data_parallel
 
 
 def _layer_parameters(config: Config, tp: int) -> tuple[int, int]:
@@ -74,6 +90,13 @@ def _in_flight(pp_rank: int, pipeline: int, virtual: int, micro_batches: int) ->
     return min(warmup, micro_batches * virtual)
 
 
+def _state_bytes(parameters: int, element: int, distributed: bool, dp: int) -> tuple[int, int]:
+    """(gradient, optimizer) bytes for ``parameters`` of ``element`` bytes each."""
+    master = 4 if element < 4 else 0  # an fp32 copy of low-precision parameters
+    optimizer = parameters * (8 + master)
+    return parameters * 4, optimizer // dp if distributed else optimizer
+
+
 def plan_layout(config: Config, vocab_size: int, world_size: int) -> LayoutPlan:
     model, parallel, train = config.model, config.parallel, config.train
     dp = config.validate_world(world_size)
@@ -81,11 +104,14 @@ def plan_layout(config: Config, vocab_size: int, world_size: int) -> LayoutPlan:
     micro_batches = config.micro_batches_per_step(dp)
     element = compute_dtype(config).itemsize
     seq = model.seq_length // tp if parallel.sequence_parallel else model.seq_length
+    unit_shape = (seq, train.micro_batch_size, model.hidden_size)
     unit_bytes = seq * train.micro_batch_size * model.hidden_size * element
     stream = get_design(model.residual).stream(transformer_config(config), False, False, 0)
     chunks, per_chunk = pp * vp, model.num_layers // (pp * vp)
-    hop_plans = {cached: HopPlan(stream.unit_ids, pp, chunks, per_chunk, cached=cached)
-                 for cached in (False, True)}
+    hop_plans = {cached: HopPlan(stream.unit_ids, pp, chunks, per_chunk, cached=cached,
+                                 shapes=parallel.hop_shapes) for cached in (False, True)}
+    cacheable = any(uid is not None for layers in range(model.num_layers + 1)
+                    for uid in stream.unit_ids(layers))
 
     vocab = padded_vocab_size(vocab_size, config)
     per_layer, _ = _layer_parameters(config, tp)
@@ -105,43 +131,106 @@ def plan_layout(config: Config, vocab_size: int, world_size: int) -> LayoutPlan:
         if rank == pp - 1:
             parameters += h + (vocab * h // tp if (not model.tie_embeddings or pp > 1) else 0)
         in_flight = _in_flight(rank, pp, vp, micro_batches)
-        held_units = max(len(hop_plans[True].held(c)) for c in chunk_ids)
+        held_units = max(len(hop_plans[parallel.depth_cache == "cached"].held(c))
+                         for c in chunk_ids)
+        gradients, optimizer = _state_bytes(parameters, element,
+                                            parallel.distributed_optimizer, dp)
         stages.append(StagePlan(
             rank=rank, layers=layers, parameters=parameters,
+            parameter_bytes=parameters * element, gradient_bytes=gradients,
+            optimizer_bytes=optimizer,
             activation_bytes=int(per_layer_activation * per_chunk * in_flight),
             depth_cache_bytes=held_units * unit_bytes * min(in_flight, micro_batches)))
-    return LayoutPlan(tp, pp, vp, dp, micro_batches, unit_bytes, hop_plans[False],
-                      hop_plans[True], stages)
+    return LayoutPlan(tp, pp, vp, dp, micro_batches, unit_bytes, unit_shape, hop_plans[False],
+                      hop_plans[True], cacheable, vocab_size, vocab, stages)
 
 
-def _mib(value: float) -> str:
-    return f"{value / 2**20:,.1f} MiB"
+def readable_bytes(value: float) -> str:
+    """1,234 B, 12.3 KiB, ... up to TiB."""
+    for unit, scale in (("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if value >= scale:
+            return f"{value / scale:,.1f} {unit}"
+    return f"{value:,.0f} B"
 
 
-def format_plan(config: Config, plan: LayoutPlan) -> str:
+def _units(counts: list[int]) -> str:
+    return ", ".join(str(n) for n in counts)
+
+
+def _hop_lines(config: Config, plan: LayoutPlan) -> list[str]:
+    seq, micro, hidden = plan.unit_shape
+    hops_per_step = (plan.pipeline * plan.virtual - 1) * plan.micro_batches * plan.tensor * \
+        plan.data_parallel
+    lines = [
+        f"pipeline hops: {plan.pipeline * plan.virtual - 1} per micro-batch each way, "
+        f"{hops_per_step:,} per step forward over all ranks (as many backward, carrying "
+        "gradients of the same size)",
+        f"  a hop carries the residual-state units the next stage needs; one unit is one "
+        f"[seq {seq} x micro-batch {micro} x hidden {hidden}] tensor = "
+        f"{readable_bytes(plan.unit_bytes)}",
+    ]
+    modes = [("naive", "every unit the next stages read", False)]
+    if plan.cacheable:
+        modes.append(("cached", "minus units the receiving rank kept from its previous "
+                                "chunk", True))
+    else:
+        lines.append(f"  {config.model.residual}'s units all change every layer: nothing to "
+                     "cache, every hop is the same size")
+    chosen = config.parallel.caches_depth_units()
+    for name, meaning, cached in modes:
+        hops = plan.hops_in_use(cached)
+        data, wire = plan.step_bytes(hops, wire=False), plan.step_bytes(hops, wire=True)
+        in_use = f"  <- in use (parallel.depth_cache={config.parallel.depth_cache})" \
+            if cached == chosen and plan.cacheable else ""
+        lines.append(f"  {name:>6} ({meaning}): units per hop {_units(hops.hop_units())}"
+                     f"{in_use}")
+        padding = "" if data == wire else (
+            f", on the wire {readable_bytes(wire)} (each hop padded to {hops.padded_units} "
+            "units, parallel.hop_shapes=padded)")
+        lines.append(f"         per step forward: data {readable_bytes(data)}{padding}")
+    if plan.cacheable and plan.virtual == 1:
+        lines.append("  cached transfer needs virtual stages (parallel.virtual_pipeline > 1); "
+                     "without them it equals naive")
+    return lines
+
+
+def _precision(config: Config) -> str:
+    name = str(compute_dtype(config)).replace("torch.", "")
+    if config.train.precision != "auto" or compute_dtype(config) == torch.bfloat16:
+        return name
+    return f"{name} (train.precision=auto without CUDA; GPU runs use bfloat16: add " \
+           "train.precision=bf16 to plan one)"
+
+
+def format_plan(config: Config, plan: LayoutPlan, vocab_source: str,
+                device_bytes: int) -> str:
     model = config.model
     lines = [
         f"{variant_label(model)}: {model.num_layers} layers, hidden {model.hidden_size}, seq "
         f"{model.seq_length}, micro-batch {config.train.micro_batch_size} | TP {plan.tensor} x "
         f"PP {plan.pipeline} x VPP {plan.virtual} x DP {plan.data_parallel}, "
-        f"{plan.micro_batches} micro-batches per step",
-        f"{'stage':>5}  {'layers':<16} {'params/rank':>12} {'activations':>13} "
-        f"{'depth cache':>12}",
+        f"{plan.micro_batches} micro-batches per step per replica",
+        f"vocabulary {plan.vocab_size:,} ({vocab_source}), padded to "
+        f"{plan.padded_vocab_size:,} for tensor parallelism",
+        f"memory per GPU, estimated, {_precision(config)}; device "
+        f"{readable_bytes(device_bytes)} (--device-memory-gib):",
+        f"{'stage':>5}  {'layers':<12} {'params':>9} {'weights':>10} {'grads':>10} "
+        f"{'optimizer':>10} {'activations':>11} {'depth cache':>11} {'total':>10}",
     ]
     for stage in plan.stages:
-        span = ",".join(str(i) for i in stage.layers) if len(stage.layers) <= 6 else \
+        span = ",".join(str(i) for i in stage.layers) if len(stage.layers) <= 4 else \
             f"{len(stage.layers)} of {model.num_layers}"
-        lines.append(f"{stage.rank:>5}  {span:<16} {stage.parameters / 1e6:>11.2f}M "
-                     f"{_mib(stage.activation_bytes):>13} {_mib(stage.depth_cache_bytes):>12}")
+        fits = "" if stage.total_bytes <= device_bytes else "  > device memory"
+        lines.append(
+            f"{stage.rank:>5}  {span:<12} {stage.parameters / 1e6:>8.1f}M "
+            f"{readable_bytes(stage.parameter_bytes):>10} "
+            f"{readable_bytes(stage.gradient_bytes):>10} "
+            f"{readable_bytes(stage.optimizer_bytes):>10} "
+            f"{readable_bytes(stage.activation_bytes):>11} "
+            f"{readable_bytes(stage.depth_cache_bytes):>11} "
+            f"{readable_bytes(stage.total_bytes):>10}{fits}")
     if plan.pipeline == 1:
         lines.append("no pipeline hops (PP = 1)")
-        return "\n".join(lines)
-    for name, hops in (("naive", plan.naive), ("cached", plan.cached)):
-        lines.append(
-            f"hops {name:>6}: units per hop {hops.hop_units()} -> sent as "
-            f"{hops.padded_units} units = {_mib(plan.hop_bytes(hops))} per hop, "
-            f"{_mib(plan.step_bytes(hops))} forward per step (as much backward)")
-    if plan.virtual == 1:
-        lines.append("cached transfer needs virtual stages (parallel.virtual_pipeline > 1); "
-                     "without them it equals naive")
+    else:
+        lines.extend(_hop_lines(config, plan))
     return "\n".join(lines)

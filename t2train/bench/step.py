@@ -1,16 +1,19 @@
 """``t2train bench step``: step time, throughput, memory and pipeline traffic per residual design.
 
 Every design runs in one process on the same real batches: ``--warmup`` untimed steps, then
-``--steps`` timed ones (median reported). A plain-PyTorch loop of the ``standard`` model
+``--steps`` timed ones, ``--repeats`` times with the designs taking turns, so a change of the
+machine's load affects them alike; the table gives the minimum and the median over all timed
+steps, and the load average before and after. A plain-PyTorch loop of the ``standard`` model
 (``reference_gpt``) runs on the same batches so the stack's own overhead is visible.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -25,10 +28,32 @@ REFERENCE = f"plain PyTorch ({BASELINE})"
 class DesignTiming:
     design: str
     params: int
-    step_seconds: float  # median of the timed steps
-    tokens_per_sec: float
+    step_samples: list  # seconds of every timed step
+    tokens_per_step: int
     memory_gib: float  # peak CUDA allocation, or the process RSS on CPU
-    pipeline_bytes: float  # forward + backward bytes across pipeline hops per step
+    traffic: dict  # the last step's pipeline/<...> counters (empty without a pipeline)
+
+    @property
+    def step_seconds(self) -> float:
+        return statistics.median(self.step_samples)
+
+    @property
+    def step_seconds_min(self) -> float:
+        return min(self.step_samples)
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.tokens_per_step / self.step_seconds
+
+    def pipeline_bytes(self, kind: str) -> float:
+        """Forward + backward ``data`` or ``wire`` bytes across pipeline hops per step."""
+        return sum(self.traffic.get(f"pipeline/{direction}_{kind}_bytes", 0.0)
+                   for direction in ("forward", "backward"))
+
+    def merged(self, later: "DesignTiming") -> "DesignTiming":
+        """This timing and a later repetition's, as one."""
+        return replace(later, step_samples=self.step_samples + later.step_samples,
+                       memory_gib=max(self.memory_gib, later.memory_gib))
 
 
 def _synchronize() -> None:
@@ -71,13 +96,10 @@ def time_design(config, vocab_size: int, steps: list, warmup: int,
         _synchronize()
         if index >= warmup:
             seconds.append(time.perf_counter() - started)
-    median = statistics.median(seconds)
-    traffic = result.traffic
     timing = DesignTiming(
         design=variant, params=parameters(config.model, vocab_size),
-        step_seconds=median, tokens_per_sec=_tokens_per_step(config) / median,
-        memory_gib=_memory_gib(),
-        pipeline_bytes=traffic["pipeline/forward_bytes"] + traffic["pipeline/backward_bytes"])
+        step_samples=seconds, tokens_per_step=_tokens_per_step(config),
+        memory_gib=_memory_gib(), traffic=result.traffic)
     del objs
     gc.collect()
     if torch.cuda.is_available():
@@ -124,15 +146,16 @@ def reference_timing(config, vocab_size: int, steps: list, warmup: int) -> Desig
     torch.manual_seed(config.train.seed)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    median = statistics.median(time_reference_steps(config, vocab_size, steps, warmup,
-                                                    compute_dtype(config)))
-    return DesignTiming(REFERENCE, standard_parameters(config.model, vocab_size), median,
-                        _tokens_per_step(config) / median, _memory_gib(), 0.0)
+    seconds = time_reference_steps(config, vocab_size, steps, warmup, compute_dtype(config))
+    return DesignTiming(REFERENCE, standard_parameters(config.model, vocab_size), seconds,
+                        _tokens_per_step(config), _memory_gib(), {})
 
 
 def run_step_bench(preset: Optional[str], config_file: Optional[str], overrides: list[str],
-                   designs: list[str], warmup: int, steps: int) -> list[DesignTiming]:
-    """One timing per design, plus the plain-PyTorch reference when the world is one rank."""
+                   designs: list[str], warmup: int, steps: int,
+                   repeats: int = 1) -> list[DesignTiming]:
+    """One timing per design, plus the plain-PyTorch reference when the world is one rank;
+    ``repeats`` rounds in which every design takes its turn."""
     import torch.distributed as dist
 
     from t2train.bench.variants import variant_config
@@ -140,27 +163,44 @@ def run_step_bench(preset: Optional[str], config_file: Optional[str], overrides:
     configs = [variant_config(preset, config_file, overrides, design) for design in designs]
     vocab_size = model_vocab_size(configs[0])
     batches = real_batches(configs[0], warmup + steps)
-    timings = [time_design(config, vocab_size, batches, warmup, design)
-               for config, design in zip(configs, designs, strict=True)]
-    if dist.get_world_size() == 1:
-        timings.append(reference_timing(configs[0], vocab_size, batches, warmup))
+    reference = dist.get_world_size() == 1
+    timings = None
+    for _ in range(repeats):
+        round_ = [time_design(config, vocab_size, batches, warmup, design)
+                  for config, design in zip(configs, designs, strict=True)]
+        if reference:
+            round_.append(reference_timing(configs[0], vocab_size, batches, warmup))
+        timings = round_ if timings is None else [
+            earlier.merged(later) for earlier, later in zip(timings, round_)]
     return timings
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} / {five:.2f} / {fifteen:.2f} (1 / 5 / 15 min) on {os.cpu_count()} CPUs"
 
 
 def format_step_table(timings: list[DesignTiming]) -> str:
     by_design = {timing.design: timing for timing in timings}
     baseline = by_design.get(BASELINE)
     memory = "peak CUDA memory (GiB)" if torch.cuda.is_available() else "process RSS (GiB)"
-    headers = ["design", "params (M)", "step time (ms, median)", f"vs {BASELINE}", "tokens/s",
-               memory, "pipeline bytes/step"]
-    rows = [[timing.design, f"{timing.params / 1e6:.2f}", f"{timing.step_seconds * 1e3:.1f}",
+    headers = ["design", "params (M)", "step time (ms, min)", "step time (ms, median)",
+               f"vs {BASELINE} (median)", "tokens/s (median)", memory,
+               "pipeline data bytes/step", "pipeline wire bytes/step"]
+    rows = [[timing.design, f"{timing.params / 1e6:.2f}", f"{timing.step_seconds_min * 1e3:.1f}",
+             f"{timing.step_seconds * 1e3:.1f}",
              f"{timing.step_seconds / baseline.step_seconds:.2f}" if baseline else "n/a",
              f"{timing.tokens_per_sec:.0f}", f"{timing.memory_gib:.2f}",
-             f"{timing.pipeline_bytes:.0f}"] for timing in timings]
+             f"{timing.pipeline_bytes('data'):.0f}", f"{timing.pipeline_bytes('wire'):.0f}"]
+            for timing in timings]
     table = markdown_table(headers, rows)
+    samples = {len(timing.step_samples) for timing in timings}
+    table += (f"\n\n{'/'.join(str(n) for n in sorted(samples))} timed steps per design; "
+              "pipeline bytes: forward + backward of one step, summed over ranks (data: the "
+              "units each receiver lacked; wire: as sent, zero padding included)")
     reference = by_design.get(REFERENCE)
     if baseline and reference:
-        table += (f"\n\nstack overhead: t2train `standard` runs at "
+        table += (f"\nstack overhead: t2train `standard` runs at "
                   f"{baseline.tokens_per_sec / reference.tokens_per_sec:.2f}x the tokens/s of "
                   f"the plain-PyTorch loop")
     return table
@@ -171,10 +211,12 @@ def _cmd_step(args) -> int:
     from t2train.parallel.init import is_rank_zero
 
     designs = variant_names(args.designs)
+    before = load_average()
     timings = run_step_bench(args.preset, args.config, args.overrides, designs, args.warmup,
-                             args.steps)
+                             args.steps, args.repeats)
     if is_rank_zero():
         print(format_step_table(timings))
+        print(f"load average before: {before}; after: {load_average()}")
     return 0
 
 
@@ -193,4 +235,7 @@ def register(commands) -> None:
                                         "registered design alone)")
     step.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     step.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    step.add_argument("--repeats", type=int, default=1,
+                      help="rounds of every design, taking turns (default 1); min and median "
+                           "are over all timed steps")
     step.set_defaults(handler=_cmd_step)

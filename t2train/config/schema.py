@@ -100,6 +100,11 @@ class ParallelConfig:
     # Residual-state units over pipeline hops: `naive` resends every unit; `cached` (with
     # virtual stages) skips units the receiving rank kept from its previous chunk.
     depth_cache: Literal["naive", "cached"] = "cached"
+    # Pipeline hop tensors (t2train/parallel/hops.py): `exact` sends each hop with just the
+    # units the receiver lacks; `padded` zero-pads every hop to the layout's largest (the
+    # fixed shape of Megatron's schedules; a fallback if a Megatron upgrade changes the
+    # schedule order the exact shapes follow).
+    hop_shapes: Literal["exact", "padded"] = "exact"
     # A rank with no progress for longer ends the run (exit code 124), naming the phase and the
     # torch.distributed call it waits in (t2train/train/watchdog.py); it is also the process
     # groups' timeout. Under `t2train launch --max-restarts` the workers restart.
@@ -127,7 +132,9 @@ class ParallelConfig:
         require(self.virtual_pipeline == 1 or self.pipeline > 1, "parallel.virtual_pipeline",
                 self.virtual_pipeline, "needs parallel.pipeline > 1")
         require(not self.sequence_parallel or self.tensor > 1, "parallel.sequence_parallel",
-                self.sequence_parallel, "needs parallel.tensor > 1")
+                self.sequence_parallel, "needs parallel.tensor > 1; to run with "
+                f"parallel.tensor={self.tensor}, add the override "
+                "parallel.sequence_parallel=false")
         if self.sequence_parallel:
             require(model.seq_length % self.tensor == 0, "model.seq_length", model.seq_length,
                     f"must be divisible by parallel.tensor={self.tensor} with sequence_parallel")

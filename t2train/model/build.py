@@ -20,6 +20,7 @@ class T2TransformerConfig(TransformerConfig):
     t2_attention_backend: str = "auto"
     t2_model: Optional[ModelConfig] = None  # residual designs read their options here
     t2_cached_hops: bool = False  # hops skip units the receiving rank kept (depth cache)
+    t2_hop_shapes: str = "exact"  # parallel.hop_shapes: exact or padded
 
 
 def compute_dtype(config: Config) -> torch.dtype:
@@ -77,6 +78,7 @@ def transformer_config(config: Config) -> T2TransformerConfig:
         t2_attention_backend=model.attention_backend,
         t2_model=model,
         t2_cached_hops=parallel.caches_depth_units(),
+        t2_hop_shapes=parallel.hop_shapes,
     )
 
 

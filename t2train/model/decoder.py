@@ -54,11 +54,15 @@ class ResidualDecoder(TransformerBlock):
         self.stream = get_design(config.t2_model.residual).stream(
             config, pre_process, post_process,
             first_layer=get_transformer_layer_offset(config, vp_stage, pp_rank))
+        self.stream.connect([residual for layer in self.layers
+                             for residual in layer.sublayer_residuals()])
         virtual = config.virtual_pipeline_model_parallel_size or 1
         self.hops = HopPlan(self.stream.unit_ids, config.pipeline_model_parallel_size,
                             config.pipeline_model_parallel_size * virtual, len(self.layers),
-                            cached=config.t2_cached_hops)
+                            cached=config.t2_cached_hops, shapes=config.t2_hop_shapes)
         self.chunk = self.stream.first_layer // len(self.layers)
+        tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+        self.hop_seq_length = config.t2_model.seq_length // tp  # rows of one unit
         self.last_virtual_stage = (vp_stage or 0) == virtual - 1
         self.depth_cache: Optional[DepthCache] = None  # shared by this rank's chunks, if cached
         self.micro_batch = 0
@@ -95,10 +99,17 @@ class ResidualDecoder(TransformerBlock):
 
     def _receive_hop(self, hop: Tensor) -> State:
         """Rebuild the state from the hop's units and, when cached, the units kept here."""
-        self.traffic.received(hop)
         layers_done = self.stream.first_layer
         arriving = self.hops.sent_ids(self.chunk)
-        seq = hop.shape[0] // self.hops.padded_units
+        wire_units = self.hops.wire_units(self.chunk)
+        seq = hop.shape[0] // wire_units
+        if seq * wire_units != hop.shape[0] or seq != self.hop_seq_length:
+            raise RuntimeError(
+                f"pipeline hop into chunk {self.chunk} has {hop.shape[0]} rows, expected "
+                f"{wire_units} units of {self.hop_seq_length}: the schedule sent hops in an "
+                "order t2train/parallel/hops.py does not predict (parallel.hop_shapes=padded "
+                "avoids predicting)")
+        self.traffic.received(hop, len(arriving), wire_units)
         received = iter(make_viewless_tensor(hop, True, True)[: len(arriving) * seq]
                         .chunk(len(arriving)))
         cache, units = self.depth_cache, []
@@ -112,7 +123,8 @@ class ResidualDecoder(TransformerBlock):
         return self.stream.from_units(units, layers_done)
 
     def _send_hop(self, state: State) -> Tensor:
-        """The units the next chunk lacks, zero-padded to the layout's hop size.
+        """The units the next chunk lacks, zero-padded to the layout's largest hop unless
+        hop shapes are exact (``HopPlan.wire_units``).
 
         Megatron frees the storage of the tensor it sends, so it is a fresh tensor, never a
         view of the state or of a cached unit.
@@ -126,11 +138,12 @@ class ResidualDecoder(TransformerBlock):
                      for uid, unit in zip(ids, units)]
         wanted = self.hops.sent_ids(self.chunk + 1)
         sent = [unit for uid, unit in zip(ids, units) if uid is None or uid in wanted]
-        padding = self.hops.padded_units - len(sent)
+        wire_units = self.hops.wire_units(self.chunk + 1)
+        padding = wire_units - len(sent)
         if padding:
             sent.append(sent[0].new_zeros(padding * sent[0].shape[0], *sent[0].shape[1:]))
         packed = torch.cat(sent)
-        self.traffic.sent(packed)
+        self.traffic.sent(packed, len(wanted), wire_units)
         return make_viewless_tensor(packed, True, True)
 
     def _recomputed_layers(self, state: State, attention_mask, rotary_pos_emb) -> State:

@@ -56,6 +56,11 @@ class ResidualTransformerLayer(TransformerLayer):
             self.pre_attention_residual = build_module(submodules.pre_attention_residual,
                                                        **built)
 
+    def sublayer_residuals(self) -> list:
+        """This layer's ``SublayerResidual`` modules, in the order they run."""
+        mixer = [self.pre_attention_residual] if self.pre_attention is not None else []
+        return mixer + [self.attn_residual, self.mlp_residual]
+
     def _sublayer(self, state: State, residual, norm, mixer: Callable[[Tensor], tuple]) -> State:
         """Hidden dropout is the layer's, before the design writes the output (where Megatron's
         bias-dropout-add has it), so every design gets the same; its masks come from the

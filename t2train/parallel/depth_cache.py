@@ -26,13 +26,20 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class HopPlan:
-    """Which unit ids cross the hop into each chunk, for a layout and a transfer mode."""
+    """Which unit ids cross the hop into each chunk, and how many units each hop puts on the
+    wire, for a layout, a transfer mode and a hop-shape mode.
+
+    ``shapes``: ``exact`` sends each hop with just its own units (the schedule is told each
+    receive's size, ``t2train/parallel/hops.py``); ``padded`` zero-pads every hop to the
+    layout's largest, the one shape Megatron's schedules send by default.
+    """
 
     unit_ids: object  # (layers_done) -> list of ids, the stream's ``unit_ids``
     pipeline: int
     chunks: int  # pipeline * virtual stages
     layers_per_chunk: int
     cached: bool
+    shapes: str = "exact"
 
     def held(self, chunk: int) -> set:
         """Ids the rank running ``chunk`` kept from its previous chunk of the micro-batch."""
@@ -47,14 +54,27 @@ class HopPlan:
         return [uid for uid in self.unit_ids(chunk * self.layers_per_chunk)
                 if uid is None or uid not in held]
 
+    def hop_units(self) -> list[int]:
+        """Units of data each hop carries, hops into chunks 1 .. chunks-1."""
+        return [len(self.sent_ids(c)) for c in range(1, self.chunks)]
+
     @property
     def padded_units(self) -> int:
-        """Megatron sends one tensor shape on every hop: the largest hop of the layout."""
-        return max([1] + [len(self.sent_ids(c)) for c in range(1, self.chunks)])
+        """The largest hop of the layout: what every hop carries when padded."""
+        return max([1] + self.hop_units())
 
-    def hop_units(self) -> list[int]:
-        """Units each hop would carry without padding, hops into chunks 1 .. chunks-1."""
-        return [len(self.sent_ids(c)) for c in range(1, self.chunks)]
+    def wire_units(self, chunk: int) -> int:
+        """Units on the wire into ``chunk``: its data, zero-padded unless shapes are exact."""
+        return len(self.sent_ids(chunk)) if self.shapes == "exact" else self.padded_units
+
+    def wire_hop_units(self) -> list[int]:
+        return [self.wire_units(c) for c in range(1, self.chunks)]
+
+    @property
+    def shapes_vary(self) -> bool:
+        """Whether hops go out at different sizes, so the schedule must be told each
+        receive's shape (``t2train/parallel/hops.py``)."""
+        return len(set(self.wire_hop_units())) > 1
 
 
 class _AddSlotGradient(torch.autograd.Function):

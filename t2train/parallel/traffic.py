@@ -1,12 +1,17 @@
-"""Bytes the residual stream sends across pipeline hops, counted where they are packed."""
+"""Bytes the residual stream sends across pipeline hops, counted where they are packed.
+
+Per direction, two counts: *data* bytes, the units the receiver lacks, and *wire* bytes,
+the hop tensors as sent, zero padding included (``parallel.hop_shapes=padded``; exact hops
+carry no padding and no shape messages, ``t2train/parallel/hops.py``). The backward
+direction carries the gradient of each hop tensor, the same shape as the forward tensor.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
-
 
 @dataclass
 class HopTraffic:
@@ -16,32 +21,47 @@ class HopTraffic:
     hop, sent back by the receiver) by the receiver, only when it will run a backward.
     """
 
-    forward_bytes: int = 0
-    backward_bytes: int = 0
+    forward_data_bytes: int = 0
+    forward_wire_bytes: int = 0
+    backward_data_bytes: int = 0
+    backward_wire_bytes: int = 0
     forward_hops: int = 0
 
-    def sent(self, tensor: torch.Tensor) -> None:
-        self.forward_bytes += tensor.numel() * tensor.element_size()
+    def sent(self, hop: torch.Tensor, data_units: int, wire_units: int) -> None:
+        data, wire = _bytes(hop, data_units, wire_units)
+        self.forward_data_bytes += data
+        self.forward_wire_bytes += wire
         self.forward_hops += 1
 
-    def received(self, tensor: torch.Tensor) -> None:
+    def received(self, hop: torch.Tensor, data_units: int, wire_units: int) -> None:
         if torch.is_grad_enabled():
-            self.backward_bytes += tensor.numel() * tensor.element_size()
+            data, wire = _bytes(hop, data_units, wire_units)
+            self.backward_data_bytes += data
+            self.backward_wire_bytes += wire
 
     def reset(self) -> None:
-        self.forward_bytes = self.backward_bytes = self.forward_hops = 0
+        for field in fields(self):
+            setattr(self, field.name, 0)
+
+
+def _bytes(hop: torch.Tensor, data_units: int, wire_units: int) -> tuple[int, int]:
+    """(data, wire) bytes of a hop tensor holding ``wire_units`` units, ``data_units`` real."""
+    wire = hop.numel() * hop.element_size()
+    return wire // wire_units * data_units, wire
 
 
 def collect_traffic(chunks) -> dict[str, float]:
-    """Sum every rank's counters (collective) and reset them; the same dict on all ranks."""
-    totals = torch.zeros(3, dtype=torch.float64)
+    """Sum every rank's counters (collective) and reset them; the same dict on all ranks.
+
+    Keys ``pipeline/<field>``: forward and backward data and wire bytes, forward hops.
+    """
+    names = [field.name for field in fields(HopTraffic)]
+    totals = torch.zeros(len(names), dtype=torch.float64)
     for chunk in chunks:
         traffic = chunk.module.decoder.traffic
-        totals += torch.tensor([traffic.forward_bytes, traffic.backward_bytes,
-                                traffic.forward_hops], dtype=torch.float64)
+        totals += torch.tensor([getattr(traffic, name) for name in names], dtype=torch.float64)
         traffic.reset()
     if torch.cuda.is_available():
         totals = totals.cuda()
     dist.all_reduce(totals)
-    return {"pipeline/forward_bytes": float(totals[0]), "pipeline/backward_bytes": float(totals[1]),
-            "pipeline/forward_hops": float(totals[2])}
+    return {f"pipeline/{name}": float(total) for name, total in zip(names, totals)}

@@ -59,6 +59,7 @@ def kernel_references() -> dict:
 
     return {"window_attention": window_attention.short_window_attention,
             "delta_write": ddl.delta_write, "depth_mix": attnres.depth_mix,
+            "block_phase_1": attnres.block_phase_1, "block_phase_2": attnres.block_phase_2,
             "stream_read": mhc.stream_read, "stream_write": mhc.stream_write}
 
 

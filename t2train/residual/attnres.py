@@ -33,6 +33,7 @@ from torch import Tensor
 from t2train.errors import require
 from t2train.kernels import dispatch
 from t2train.nn import probe
+from t2train.nn.precision import at_least_fp32
 from t2train.residual import mixer, mixer_on, sublayer_names
 from t2train.residual.base import (
     ResidualDesign,
@@ -74,18 +75,37 @@ def check_blocks(config) -> None:
 class AttnResState(NamedTuple):
     sources: tuple  # embedding, then completed block sums (Full: every sublayer output)
     partial: Optional[Tensor]  # the current block's running sum (None at a block start)
+    # Phase-1 results of the open block's later reads in this chunk, by sublayer index
+    # (filled by the block's first read here; None: each read computes its own).
+    reads: Optional[dict] = None
 
     def values(self) -> list[Tensor]:
         return list(self.sources) + ([self.partial] if self.partial is not None else [])
 
 
+def _inverse_rms(x: Tensor, eps: float) -> Tensor:
+    return torch.rsqrt(x.pow(2).mean(-1) + eps)
+
+
+def _weighted_sum(weights: Tensor, x: Tensor) -> Tensor:
+    """sum_n weights[n] x[n] for weights [N, s, b] and x [N, s, b, h]. Elementwise: as a
+    contraction it is a batched matmul of one [1, N] x [N, h] product per token, which the
+    CPU runs token by token (most of a CPU step's time went there)."""
+    return (weights.unsqueeze(-1) * x).sum(0)
+
+
 def depth_mix(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
-    """sum_i softmax_i(query . RMSNorm(v_i)) v_i over the sources (each [s, b, h])."""
+    """sum_i softmax_i(query . RMSNorm(v_i)) v_i over the sources (each [s, b, h]).
+
+    Logits, softmax and sum in fp32 whatever the inputs' dtype or autocast; the RMSNorm is
+    weight-free, so query . RMSNorm(v) = (query . v) rsqrt(mean(v^2) + eps) and the
+    normalised keys are never materialised.
+    """
     stacked = torch.stack(values)
-    x = stacked.to(torch.promote_types(stacked.dtype, torch.float32))  # fp32, or fp64 for checks
-    keys = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    weights = torch.softmax(keys @ query.to(x.dtype), dim=0)
-    return (weights.unsqueeze(-1) * x).sum(0).to(stacked.dtype)
+    with torch.autocast(stacked.device.type, enabled=False):
+        x = at_least_fp32(stacked)
+        weights = torch.softmax((x @ query.to(x.dtype)) * _inverse_rms(x, eps), dim=0)
+        return _weighted_sum(weights, x).to(stacked.dtype)
 
 
 def mix_sources(query: Tensor, sources, partial: Optional[Tensor], eps: float) -> Tensor:
@@ -102,9 +122,31 @@ def _mix_parts(query: Tensor, sources: list, partial: Optional[Tensor], eps: flo
 
 def mixing_weights(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
     """The softmax weights of ``depth_mix`` [n_sources, s, b] (for diagnostics)."""
-    stacked = torch.stack(values).float()
-    keys = stacked * torch.rsqrt(stacked.pow(2).mean(-1, keepdim=True) + eps)
-    return torch.softmax(keys @ query.float(), dim=0)
+    x = torch.stack(values).float()
+    with torch.autocast(x.device.type, enabled=False):
+        return torch.softmax((x @ query.float()) * _inverse_rms(x, eps), dim=0)
+
+
+def block_phase_1(queries: Tensor, stacked: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Phase 1 of Block AttnRes (arXiv 2603.15031 Sec. 4.2): S pseudo-queries [S, h] over the
+    completed sources [N, s, b, h] at once, one read of the sources. O [S, s, b, h] is each
+    query's mixture of the sources, LSE [S, s, b] its logsumexp (both fp32)."""
+    with torch.autocast(stacked.device.type, enabled=False):
+        x = at_least_fp32(stacked)
+        logits = (x @ queries.to(x.dtype).T) * _inverse_rms(x, eps).unsqueeze(-1)  # [N,s,b,S]
+        weights = torch.softmax(logits, dim=0)
+        out = torch.stack([_weighted_sum(weights[..., q], x) for q in range(len(queries))])
+        return out, torch.logsumexp(logits, dim=0).permute(2, 0, 1)
+
+
+def block_phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor,
+                  eps: float) -> Tensor:
+    """Phase 2: merge one query's phase-1 result with the block's partial sum p, the online
+    softmax (e^LSE O + e^z_p p) / (e^LSE + e^z_p), in fp32; returned in p's dtype."""
+    with torch.autocast(partial.device.type, enabled=False):
+        p = at_least_fp32(partial)
+        gamma = torch.sigmoid((p @ query.to(p.dtype)) * _inverse_rms(p, eps) - lse)
+        return (out + gamma.unsqueeze(-1) * (p - out)).to(partial.dtype)
 
 
 def _pseudo_query(config) -> torch.nn.Parameter:
@@ -112,7 +154,13 @@ def _pseudo_query(config) -> torch.nn.Parameter:
 
 
 class BlockAttnResidual(SublayerResidual):
-    """Block AttnRes: read the mixture; add the output to the block's partial sum."""
+    """Block AttnRes: read the mixture; add the output to the block's partial sum.
+
+    The reads of one block share their sources (embedding and completed blocks), so the
+    block's first read in a chunk runs phase 1 for itself and the block's later reads in the
+    chunk at once (``block_mates``, set by the stream's ``connect``); each read then merges
+    its row with the partial sum (phase 2).
+    """
 
     def __init__(self, config, layer_number: int = 1, position: int = 0):
         super().__init__(config, layer_number, position)
@@ -121,26 +169,45 @@ class BlockAttnResidual(SublayerResidual):
         per_layer = _sublayers_per_layer(config.t2_model)
         self.index = per_layer * (layer_number - 1) + position  # 0-based, global
         self.block_size = config.t2_model.attnres.block_size
+        self.block_mates = [self]  # this and the block's later reads in the chunk, in order
         mark_replicated(self, config)
 
     def read(self, state: AttnResState) -> Tensor:
         values = state.values()
         probe.record("attnres", self.index, lambda: mixing_weights(
             self.query, values, self.eps).mean((1, 2)))
-        return mix_sources(self.query, state.sources, state.partial, self.eps)
+        out, lse = self._phase_1_row(state)
+        if state.partial is None:
+            return out.to(state.sources[0].dtype)
+        phase_2 = dispatch.route("block_phase_2", block_phase_2, state.partial, out)
+        return phase_2(state.partial, self.query, out, lse, self.eps)
+
+    def _phase_1_row(self, state: AttnResState) -> tuple[Tensor, Tensor]:
+        """This read's phase-1 result, computed with its block mates' if not yet done."""
+        if state.reads is not None and self.index in state.reads:
+            return state.reads.pop(self.index)
+        mates = self.block_mates if state.reads is not None else [self]
+        queries, sources = torch.stack([mate.query for mate in mates]), torch.stack(state.sources)
+        phase_1 = dispatch.route("block_phase_1", block_phase_1, queries, sources)
+        out, lse = phase_1(queries, sources, self.eps)
+        rows = {mate.index: (out[i], lse[i]) for i, mate in enumerate(mates)}
+        row = rows.pop(self.index)
+        if state.reads is not None:
+            state.reads.update(rows)
+        return row
 
     def write(self, state: AttnResState, x: Tensor, normed: Tensor, out: Tensor) -> AttnResState:
         partial = out if state.partial is None else state.partial + out
         if (self.index + 1) % self.block_size == 0:
-            return AttnResState(state.sources + (partial,), None)
-        return AttnResState(state.sources, partial)
+            return AttnResState(state.sources + (partial,), None, {})
+        return AttnResState(state.sources, partial, state.reads)
 
 
 class FullAttnResidual(BlockAttnResidual):
     """Full AttnRes: every sublayer output is a source of its own."""
 
     def write(self, state: AttnResState, x: Tensor, normed: Tensor, out: Tensor) -> AttnResState:
-        return AttnResState(state.sources + (out,), None)
+        return AttnResState(state.sources + (out,), None, {})
 
 
 def source_unit_ids(sublayers: int, block_size: int) -> list:
@@ -166,8 +233,14 @@ class AttnResStream(ResidualStream):
     def unit_ids(self, layers_done: int) -> list:
         return source_unit_ids(self.per_layer * layers_done, self.block_size)
 
+    def connect(self, sublayers: list) -> None:
+        """Each read learns the later reads of its block in this chunk (its phase-1 batch)."""
+        for i, read in enumerate(sublayers):
+            read.block_mates = [mate for mate in sublayers[i:]
+                                if mate.index // self.block_size == read.index // self.block_size]
+
     def enter(self, embedding: Tensor) -> AttnResState:
-        return AttnResState((embedding,), None)
+        return AttnResState((embedding,), None, {})
 
     def exit(self, state: AttnResState) -> Tensor:
         values = state.values()
@@ -181,8 +254,8 @@ class AttnResStream(ResidualStream):
 
     def from_units(self, units: list[Tensor], layers_done: int) -> AttnResState:
         if (self.per_layer * layers_done) % self.block_size:
-            return AttnResState(tuple(units[:-1]), units[-1])
-        return AttnResState(tuple(units), None)
+            return AttnResState(tuple(units[:-1]), units[-1], {})
+        return AttnResState(tuple(units), None, {})
 
 
 class FullAttnResStream(AttnResStream):

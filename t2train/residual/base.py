@@ -69,6 +69,10 @@ class ResidualStream(MegatronModule):
         """Ids of the state's units after ``layers_done`` layers (None: changes per layer)."""
         return [None]
 
+    def connect(self, sublayers: list[SublayerResidual]) -> None:
+        """Called once with this chunk's sublayer residuals, in the order they run (a design
+        whose reads share work across sublayers links them here)."""
+
     def enter(self, embedding: Tensor) -> State:
         raise NotImplementedError
 

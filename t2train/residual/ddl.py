@@ -6,8 +6,10 @@ Per sublayer (attention and MLP each), with state X in R^{d x d_v} per token:
     c    = RMSNorm(x_in)        the sublayer's usual pre-norm
     k~   = F(c)                 the sublayer output is the write direction
     k    = k~ / sqrt(|k~|^2 + eps_k^2)
-    beta = 2 sigmoid(w_beta . c + b_beta)  in (0, 2), logits in fp32
+    beta = 2 sigmoid(w_beta . c + b_beta)  in (0, 2)
     v    = v_scale sigmoid(W_v x_in + b_v)  in R^{d_v}
+    (both logits computed in fp32 from low-precision inputs and weights, as the authors
+    specify; k, the gates and the update in fp32, the new state in the state's dtype)
     X   <- X + beta k (v^T - k^T X)         (Eq. 2.2: A X + beta k v^T, A = I - beta k k^T)
 
 beta = 0 is the identity, beta = 1 overwrites the k-readout with v (k^T X_new = v^T), and
@@ -39,6 +41,7 @@ from torch import Tensor
 from t2train.errors import require
 from t2train.kernels import dispatch
 from t2train.nn import probe
+from t2train.nn.precision import at_least_fp32, fp32_linear
 from t2train.residual import sublayer_names
 from t2train.residual.base import (
     ResidualDesign,
@@ -77,13 +80,9 @@ def check(config) -> None:
                 "use model.ddl.dv=1 or parallel.sequence_parallel=false")
 
 
-def _at_least_fp32(t: Tensor) -> Tensor:
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
 def normalized_direction(k: Tensor, eps: float) -> Tensor:
     """k / sqrt(|k|^2 + eps^2): unit length for |k| >> eps, smooth at 0."""
-    k = _at_least_fp32(k)
+    k = at_least_fp32(k)
     return k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + eps * eps)
 
 
@@ -93,7 +92,7 @@ def delta_update(state: Tensor, k: Tensor, beta: Tensor, v: Tensor) -> Tensor:
     state [s, b, h] or [d_v, s, b, h]; k [s, b, h]; beta [s, b, 1]; v [s, b, 1] or
     [d_v, s, b, 1]. Computed in (at least) fp32, returned in the state's dtype.
     """
-    x = _at_least_fp32(state)
+    x = at_least_fp32(state)
     error = v - (k * x).sum(-1, keepdim=True)
     return (x + beta * error * k).to(state.dtype)
 
@@ -107,8 +106,8 @@ def delta_write(state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor,
     state gets v[..., j]).
     """
     k = normalized_direction(out, k_eps)
-    beta = 2 * torch.sigmoid(_at_least_fp32(beta_logit))
-    v = v_scale * torch.sigmoid(_at_least_fp32(v_logit))
+    beta = 2 * torch.sigmoid(at_least_fp32(beta_logit))
+    v = v_scale * torch.sigmoid(at_least_fp32(v_logit))
     if state.dim() == out.dim() + 1:
         v = v.permute(2, 0, 1).unsqueeze(-1)  # one value per state column
     return delta_update(state, k, beta, v)
@@ -152,12 +151,13 @@ class DeltaResidual(SublayerResidual):
         return state if self.compressor is None else self.compressor(state)
 
     def write(self, state: Tensor, x: Tensor, normed: Tensor, out: Tensor) -> Tensor:
-        beta_logit = self.beta_proj(normed)
+        beta_logit = fp32_linear(normed, self.beta_proj)  # the authors' fp32 gate logits
         sublayer = (self.layer_number, self.position)
         probe.record("ddl_beta", sublayer, lambda: 2 * torch.sigmoid(beta_logit.float()))
         probe.record("ddl_kx", sublayer, lambda: (  # the readout k^T X that v replaces
-            normalized_direction(out, self.k_eps) * _at_least_fp32(state)).sum(-1))
-        return write_delta(state, out, beta_logit, self.v_proj(x), self.k_eps, self.v_scale)
+            normalized_direction(out, self.k_eps) * at_least_fp32(state)).sum(-1))
+        return write_delta(state, out, beta_logit, fp32_linear(x, self.v_proj), self.k_eps,
+                           self.v_scale)
 
 
 class DeltaStream(ResidualStream):

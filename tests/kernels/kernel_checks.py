@@ -16,6 +16,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKWARD_NODES = {"window_attention": {"WindowAttentionBackward"},
                   "delta_write": {"DeltaWriteBackward"},
                   "depth_mix": {"Phase1Backward", "Phase2Backward"},
+                  "block_phase_1": {"Phase1Backward"}, "block_phase_2": {"Phase2Backward"},
                   "stream_read": {"StreamReadBackward"}, "stream_write": {"StreamWriteBackward"}}
 
 

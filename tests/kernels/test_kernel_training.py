@@ -24,10 +24,10 @@ VARIANTS = {
     # the mixer's window attention, and a delta write on each of its 3 sublayers per layer
     "ddl+shortswa": (["model.residual=ddl", "model.shortswa.window=4"],
                      {"window_attention": LAYERS, "delta_write": 3 * LAYERS}),
-    # Blocks of 2 sublayers: reads alternate phase 1 alone (block start) and both phases;
-    # one read per sublayer and the final one.
+    # Blocks of 2 sublayers (one per layer): the block's first read runs phase 1 for both of
+    # its reads, the second read phase 2; the final read mixes everything in one call.
     "block_attnres": (["model.residual=block_attnres", "model.attnres.block_size=2"],
-                      {"depth_mix": 2 * LAYERS + 1}),
+                      {"block_phase_1": LAYERS, "block_phase_2": LAYERS, "depth_mix": 1}),
     # The fused read and write (Sinkhorn included) on every sublayer; few iterations, since
     # the interpreter runs them token by token.
     "mhc": (["model.residual=mhc", "model.mhc.sinkhorn_iterations=5"],

@@ -63,8 +63,9 @@ SCALARS = {
     "train/skipped_steps", "train/tokens", "val/loss", "val/perplexity",
     "throughput/tokens_per_sec", "throughput/tokens_per_sec_per_device",
     "throughput/tflops_per_device", "time/step_seconds", "time/data_wait_seconds",
-    "memory/rss_gib", "pipeline/forward_bytes", "pipeline/backward_bytes",
-    "pipeline/forward_hops", "checkpoint/save_seconds",
+    "memory/rss_gib", "pipeline/forward_data_bytes", "pipeline/forward_wire_bytes",
+    "pipeline/backward_data_bytes", "pipeline/backward_wire_bytes", "pipeline/forward_hops",
+    "checkpoint/save_seconds",
     "diagnostics/residual_rms/layer_01", "diagnostics/residual_rms/layer_02",
     "diagnostics/residual_rms/final",
 }
@@ -177,7 +178,8 @@ def test_pipeline_stages_send_their_diagnostics_and_other_ranks_stay_quiet(
     assert set(tags["histograms"]) == DDL_HISTOGRAMS
     assert {"diagnostics/residual_rms/layer_01", "diagnostics/residual_rms/layer_02",
             "diagnostics/residual_rms/final"} <= set(tags["scalars"])
-    assert events.Scalars("pipeline/forward_bytes")[-1].value > 0
+    forward = events.Scalars("pipeline/forward_data_bytes")[-1].value
+    assert forward > 0 and events.Scalars("pipeline/forward_wire_bytes")[-1].value == forward
     [rank0] = logs.glob("*/attempt_0/0")
     assert "step      5/5 | loss" in (rank0 / "stdout.log").read_text()
     for rank in (1, 2, 3):

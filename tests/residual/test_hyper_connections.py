@@ -263,7 +263,8 @@ def test_the_stream_crosses_a_hop_as_n_units(megatron_world, design, n):
     assert all(u.shape == (SEQ, BATCH, HIDDEN) for u in units)
     assert torch.equal(stream.from_units(units, 2), state)
     plan = plan_layout(config, vocab_size=128, world_size=2)
-    assert plan.naive.padded_units == n and plan.hop_bytes(plan.naive) == n * plan.unit_bytes
+    assert plan.naive.hop_units() == [n] and plan.step_bytes(plan.naive, wire=True) == (
+        n * plan.unit_bytes * plan.micro_batches)
 
 
 @pytest.mark.parametrize("override, message", [

@@ -41,11 +41,14 @@ CASES = {
                                                             DEPTH_WINDOW, t),
                    {"window_attention": LAYERS}),
     "attnres": (["model.residual=attnres"], lambda p, x, t: paper.attnres_decoder(
-        p, x, LAYERS, HEADS, EPS, 1, ATTNRES_EPS, t), {"depth_mix": 2 * LAYERS + 1}),
+        p, x, LAYERS, HEADS, EPS, 1, ATTNRES_EPS, t),  # every read is phase 1 alone
+        {"block_phase_1": 2 * LAYERS, "depth_mix": 1}),
     "block_attnres": (["model.residual=block_attnres", f"model.attnres.block_size={BLOCK}"],
                       lambda p, x, t: paper.attnres_decoder(p, x, LAYERS, HEADS, EPS, BLOCK,
                                                             ATTNRES_EPS, t),
-                      {"depth_mix": 2 * LAYERS + 1}),
+                      # a block's first read runs phase 1 for the block, the others phase 2
+                      {"block_phase_1": 2 * LAYERS // BLOCK,
+                       "block_phase_2": 2 * LAYERS - 2 * LAYERS // BLOCK, "depth_mix": 1}),
 }
 
 

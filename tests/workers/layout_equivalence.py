@@ -55,8 +55,7 @@ def run_layout(layout: str, overrides: list[str], checkpoint: Path, load: bool) 
     # One more forward after the last update: equal only if every parameter ended up equal.
     final = evaluate(objs, [next(global_batches())[dp_rank * per_replica:
                                                    (dp_rank + 1) * per_replica]])
-    return {"losses": [r.loss for r in results] + [final], "traffic": results[0].traffic,
-            "padded_units": objs.model[0].module.decoder.hops.padded_units}
+    return {"losses": [r.loss for r in results] + [final], "traffic": results[0].traffic}
 
 
 def main() -> None:

@@ -8,10 +8,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
 
 from t2train.engine import MicroBatch, StepResult
 from t2train.engine.megatron.numerics import UpdateGuard, grads_finite
 from t2train.engine.megatron.setup import TrainingObjects
+from t2train.parallel.hops import planned_shape_arguments
 from t2train.parallel.traffic import collect_traffic
 
 
@@ -34,24 +36,32 @@ def forward_step(data_iterator, model):
     return model_loss(model, next(data_iterator)), _loss
 
 
-def hop_units(objs: TrainingObjects) -> int:
-    return objs.model[0].module.decoder.hops.padded_units
+def hop_plan(objs: TrainingObjects):
+    return objs.model[0].module.decoder.hops
 
 
 def _run_schedule(objs: TrainingObjects, micro_batches: list[MicroBatch], forward_only: bool):
-    train = objs.config.train
+    train, model = objs.config.train, objs.config.model
     for chunk in objs.model:
         chunk.module.decoder.start_schedule()
     iterators = [iter(micro_batches) for _ in objs.model]
+    hops, config = hop_plan(objs), get_model_config(objs.model[0])
+    varying = {}
+    if objs.config.parallel.pipeline > 1 and hops.shapes_vary:
+        unit = (objs.model[0].module.decoder.hop_seq_length, train.micro_batch_size,
+                model.hidden_size)
+        varying = planned_shape_arguments(config, hops, unit, len(micro_batches), forward_only)
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iterators if len(iterators) > 1 else iterators[0],
         model=objs.model,
         num_microbatches=len(micro_batches),
-        # A pipeline hop packs the residual state's units along the sequence dim.
-        seq_length=objs.config.model.seq_length * hop_units(objs),
+        # A pipeline hop packs the residual state's units along the sequence dim: the
+        # layout's largest hop, or each hop's own size when ``varying`` tells the schedule.
+        seq_length=model.seq_length * hops.padded_units,
         micro_batch_size=train.micro_batch_size,
         forward_only=forward_only,
+        **varying,
     )
 
 

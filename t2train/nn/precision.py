@@ -1,0 +1,44 @@
+"""fp32 where low precision would bend a gate: helpers for the residual designs.
+
+Under bf16 (bf16 parameters, or fp32 parameters under autocast) a gate's logits, a softmax's
+scores and a normalisation's statistics are computed in fp32 (docs/residuals.md, "Numerics").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def at_least_fp32(t: Tensor) -> Tensor:
+    """``t`` in fp32, or kept in fp64 (the gradient checks run in fp64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+class _Fp32Linear(torch.autograd.Function):
+    """x W^T + b computed in fp32 from low-precision x and W, saving x as it came (no fp32
+    copy of the activation stays alive for the backward)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.with_bias = bias is not None
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(at_least_fp32(x), at_least_fp32(weight),
+                            None if bias is None else at_least_fp32(bias))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        with torch.autocast(x.device.type, enabled=False):
+            grad_x = (grad @ at_least_fp32(weight)).to(x.dtype)
+            rows = grad.reshape(-1, grad.shape[-1])
+            grad_weight = (rows.T @ at_least_fp32(x).reshape(-1, x.shape[-1])).to(weight.dtype)
+            grad_bias = rows.sum(0) if ctx.with_bias else None
+        return grad_x, grad_weight, None if grad_bias is None else grad_bias.to(weight.dtype)
+
+
+def fp32_linear(x: Tensor, linear: torch.nn.Linear) -> Tensor:
+    """``linear(x)`` in fp32 whatever the dtypes of ``x`` and the weights, or autocast."""
+    return _Fp32Linear.apply(x, linear.weight, linear.bias)

@@ -1,0 +1,115 @@
+"""Under bf16 (bf16 parameters, or fp32 parameters under CPU autocast) the designs' gate logits,
+softmax scores and normalisation statistics are computed in fp32 (docs/residuals.md,
+"Numerics"): each is compared bitwise with the same formula written out in fp32."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from t2train.config.loader import load_config
+from t2train.model.build import transformer_config
+from t2train.nn.precision import fp32_linear
+from t2train.residual import attnres, ddl
+
+BF16 = torch.bfloat16
+
+
+def _randn(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def test_fp32_linear_from_bf16_inputs_and_weights():
+    linear = torch.nn.Linear(48, 3, dtype=BF16)
+    x = _randn(5, 2, 48, dtype=BF16).requires_grad_()
+    out = fp32_linear(x, linear)
+    want = F.linear(x.float(), linear.weight.float(), linear.bias.float())
+    assert out.dtype == torch.float32
+    assert torch.equal(out, want)
+    assert not torch.equal(linear(x).float(), want)  # what bf16 logits would have been
+    grad = _randn(5, 2, 3, seed=1)
+    out.backward(grad)
+    x_ref = x.detach().float().requires_grad_()
+    w_ref = linear.weight.detach().float().requires_grad_()
+    F.linear(x_ref, w_ref, linear.bias.detach().float()).backward(grad)
+    assert x.grad.dtype == BF16 and linear.weight.grad.dtype == BF16
+    torch.testing.assert_close(x.grad, x_ref.grad.to(BF16), atol=0, rtol=0)
+    torch.testing.assert_close(linear.weight.grad, w_ref.grad.to(BF16), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(linear.bias.grad.float(), grad.sum((0, 1)), atol=1e-2, rtol=1e-2)
+
+
+def test_fp32_linear_ignores_autocast():
+    linear = torch.nn.Linear(48, 3)
+    x = _randn(5, 2, 48)
+    with torch.autocast("cpu", dtype=BF16):
+        assert linear(x).dtype == BF16  # autocast would lower a plain linear
+        out = fp32_linear(x, linear)
+    assert out.dtype == torch.float32 and torch.equal(out, linear(x))
+
+
+@pytest.fixture
+def ddl_bf16():
+    config = load_config(overrides=["data.path=unused", "model.num_layers=2",
+                                    "model.hidden_size=48", "model.num_attention_heads=4",
+                                    "model.residual=ddl", "model.ddl.dv=2",
+                                    "train.precision=bf16"])
+    torch.manual_seed(0)
+    return ddl.DeltaResidual(transformer_config(config), layer_number=1, position=0)
+
+
+def test_ddl_gate_logits_are_fp32_with_bf16_parameters(ddl_bf16):
+    residual = ddl_bf16
+    assert residual.beta_proj.weight.dtype == BF16
+    state, x = _randn(2, 5, 2, 48, dtype=BF16), _randn(5, 2, 48, dtype=BF16, seed=1)
+    normed, out = _randn(5, 2, 48, dtype=BF16, seed=2), _randn(5, 2, 48, dtype=BF16, seed=3)
+    got = residual.write(state, x, normed, out)
+
+    def fp32(linear, inputs):
+        return F.linear(inputs.float(), linear.weight.float(), linear.bias.float())
+
+    want = ddl.delta_write(state, out, fp32(residual.beta_proj, normed),
+                           fp32(residual.v_proj, x), residual.k_eps, residual.v_scale)
+    assert got.dtype == BF16 and torch.equal(got, want)
+    bf16_logits = ddl.delta_write(state, out, residual.beta_proj(normed),
+                                  residual.v_proj(x), residual.k_eps, residual.v_scale)
+    assert not torch.equal(got, bf16_logits)
+
+
+def test_ddl_gate_logits_are_fp32_under_autocast(ddl_bf16):
+    residual = ddl_bf16.float()
+    state, x = _randn(2, 5, 2, 48), _randn(5, 2, 48, seed=1)
+    normed, out = _randn(5, 2, 48, seed=2), _randn(5, 2, 48, seed=3)
+    with torch.autocast("cpu", dtype=BF16):
+        got = residual.write(state, x, normed, out)
+    assert torch.equal(got, residual.write(state, x, normed, out))
+
+
+def test_attnres_scores_and_softmax_are_fp32_under_autocast_and_bf16():
+    sources = [_randn(5, 2, 48, seed=n) * (1 + n) for n in range(4)]
+    queries, partial = _randn(3, 48, seed=9), _randn(5, 2, 48, seed=10)
+    plain = (attnres.depth_mix(queries[0], sources, 1e-6),
+             attnres.block_phase_1(queries, torch.stack(sources), 1e-6),
+             attnres.mixing_weights(queries[0], sources, 1e-6))
+    with torch.autocast("cpu", dtype=BF16):
+        mixed = (attnres.depth_mix(queries[0], sources, 1e-6),
+                 attnres.block_phase_1(queries, torch.stack(sources), 1e-6),
+                 attnres.mixing_weights(queries[0], sources, 1e-6))
+        out, lse = mixed[1]
+        merged = attnres.block_phase_2(partial, queries[1], out[1], lse[1], 1e-6)
+    assert torch.equal(mixed[0], plain[0]) and torch.equal(mixed[2], plain[2])
+    assert all(torch.equal(a, b) for a, b in zip(mixed[1], plain[1]))
+    assert torch.equal(merged, attnres.block_phase_2(partial, queries[1], out[1], lse[1], 1e-6))
+    # bf16 sources: the mixture is computed from their fp32 values and rounded once.
+    low, query = [s.to(BF16) for s in sources], queries[0].to(BF16)
+    want = attnres.depth_mix(query.float(), [s.float() for s in low], 1e-6).to(BF16)
+    assert torch.equal(attnres.depth_mix(query, low, 1e-6), want)
+
+
+def test_rmsnorm_statistics_are_fp32_for_bf16_inputs():
+    """The pre-norms (and depth_attn's) use torch's RMSNorm: fp32 statistics, one rounding."""
+    norm = torch.nn.RMSNorm(48, eps=1e-5, dtype=BF16)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = _randn(5, 2, 48, dtype=BF16) * 3
+    xf = x.float()
+    want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.float())
+    assert torch.equal(norm(x), want.to(BF16))
