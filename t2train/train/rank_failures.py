@@ -13,7 +13,9 @@ every rank polls that key: each peer prints the same ``error:`` line and exits w
 code (3) within about a second, whatever collective its main thread is blocked in. The
 failing rank exits at once too, without the interpreter's teardown: torchrun stops the other
 workers of one that has exited, and a rank still tearing down would be killed by it and
-report SIGTERM instead of the error's exit code.
+report SIGTERM instead of the error's exit code. For the same reason a rank whose collective
+breaks because a peer has already exited (gloo: "Connection closed by peer") ends with the
+announced error when the exception leaves the run, before the stop guard unblocks SIGTERM.
 """
 
 from __future__ import annotations
@@ -46,8 +48,12 @@ class RankFailures:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         self._stop.set()
+        if exc_type is not None and not self._announced:
+            message = _announced_by_peer()
+            if message is not None:  # a peer's exit broke this rank's collective first
+                _end_as_peer(message)
 
     def end_all(self, message: str) -> None:
         """This rank failed alone: every rank ends with ``message``, this one included. Returns
@@ -65,17 +71,30 @@ class RankFailures:
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_seconds):
-            store = _store()
-            if store is None or self._announced:
-                continue
-            try:
-                if not store.check([_FAILED]):
-                    continue
-                message = store.get(_FAILED).decode()
-                store.add(_READ, 1)
-            except Exception:  # the store ended with its host; the collective timeout remains
-                continue
-            _exit(message)  # the main thread is blocked in a collective
+            message = None if self._announced else _announced_by_peer()
+            if message is not None:
+                _end_as_peer(message)  # the main thread is blocked in a collective
+
+
+def _announced_by_peer() -> Optional[str]:
+    store = _store()
+    if store is None:
+        return None
+    try:
+        return store.get(_FAILED).decode() if store.check([_FAILED]) else None
+    except Exception:  # the store ended with its host; the collective timeout remains
+        return None
+
+
+def _end_as_peer(message: str) -> None:
+    """Print the error before telling the failing rank (it waits for every peer's word, then
+    exits, and torchrun stops the rest), then exit."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    try:
+        _store().add(_READ, 1)
+    except Exception:  # the failing rank's wait is bounded
+        pass
+    exit_now(TrainingHalted.exit_code)
 
 
 def _exit(message: str) -> None:
