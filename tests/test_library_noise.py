@@ -22,6 +22,11 @@ def test_the_known_megatron_warning_is_dropped_and_others_are_kept():
     assert _warn_from("megatron.core.optimizer", known) == []
     assert _warn_from("megatron.core.optimizer", "something new") == ["something new"]
     assert _warn_from("some.other.library", known) == [known]  # only megatron's
+    norm = "Apex is not installed. Falling back to Torch Norm"
+    assert _warn_from("megatron.core.models.backends", norm) == []
+    scope = "full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer."
+    assert _warn_from("megatron.core.transformer.transformer_config", scope) == []
+    assert _warn_from("megatron.core.transformer.transformer_config", "new") == ["new"]
 
 
 def test_the_known_torch_log_record_is_dropped_and_others_are_kept(caplog):

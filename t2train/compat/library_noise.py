@@ -16,6 +16,10 @@ KNOWN_WARNINGS = (
     # megatron-core falls back to its PyTorch implementations, as it should on CPU and
     # without the optional Transformer Engine / Apex packages.
     (r"Transformer Engine and Apex are not installed", r"megatron\.core", UserWarning),
+    (r"Apex is not installed\. Falling back to Torch Norm", r"megatron\.core", UserWarning),
+    # megatron-core 0.16's own default (cuda_graph_scope="full") trips its deprecation
+    # warning on every TransformerConfig; t2train uses no CUDA graphs.
+    (r"full scope is deprecated", r"megatron\.core\.transformer", UserWarning),
 )
 # logger name -> message regex: library log records.
 KNOWN_LOG_RECORDS = {
