@@ -160,6 +160,7 @@ for path, workers, how in json.loads(sys.argv[1]):
 """
 
 
+@pytest.mark.slow  # DataLoader worker processes in a subprocess: 25 s
 def test_errors_in_loader_workers_read_like_errors_in_the_reader(dataset, tmp_path):
     """A corrupt shard read by DataLoader worker processes: the same one-line error as when
     the reader reads it itself, also when the workers would wait for a shard that another
