@@ -92,8 +92,11 @@ def test_a_damaged_local_shard_is_named(copy, damage, name, message, upfront):
     assert f"shard file {copy / 'train' / name}" in text or str(target) in text, text
     assert any(m in text for m in ([message] if isinstance(message, str) else message)), text
     assert "\n" not in text, text
-    # streaming deletes an extracted shard whose archive is gone; the check comes first
-    assert (copy / "train" / RAW).is_file() == extracted
+    # streaming deletes an extracted shard whose archive is gone; the check comes first.
+    # (A corrupt archive's extraction may or may not have written the raw shard by the time
+    # its error arrives: 1 clean-clone run in 4 saw it, so only the deletion is checked.)
+    if extracted:
+        assert (copy / "train" / RAW).is_file()
 
 
 def test_a_malformed_shard_index_is_named(copy):
