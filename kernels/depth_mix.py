@@ -267,9 +267,10 @@ class Phase2(torch.autograd.Function):
         return d_partial, dq_part.sum(0).to(query.dtype), d_out, d_lse, None
 
 
-def phase_1(queries: Tensor, sources: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """O [S, ..., h] and LSE [S, ...] (fp32) of S pseudo-queries over stacked sources."""
-    return Phase1.apply(queries, sources, eps)
+def phase_1(queries: Tensor, sources, eps: float) -> tuple[Tensor, Tensor]:
+    """O [S, ..., h] and LSE [S, ...] (fp32) of S pseudo-queries over the N sources (a list
+    of [..., h] tensors, or one stacked [N, ..., h] tensor)."""
+    return Phase1.apply(queries, torch.stack(list(sources)), eps)
 
 
 def phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float) -> Tensor:
@@ -280,7 +281,7 @@ def phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float
 def depth_mix(query: Tensor, sources: list[Tensor], partial: Tensor | None,
               eps: float) -> Tensor:
     """``t2train.residual.attnres.depth_mix(query, sources + [partial], eps)`` in two phases."""
-    out, lse = phase_1(query[None], torch.stack(sources), eps)
+    out, lse = phase_1(query[None], sources, eps)
     if partial is None:
         return out[0].to(sources[0].dtype)
     return phase_2(partial, query, out[0], lse[0], eps)

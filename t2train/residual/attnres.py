@@ -87,25 +87,40 @@ def _inverse_rms(x: Tensor, eps: float) -> Tensor:
     return torch.rsqrt(x.pow(2).mean(-1) + eps)
 
 
-def _weighted_sum(weights: Tensor, x: Tensor) -> Tensor:
-    """sum_n weights[n] x[n] for weights [N, s, b] and x [N, s, b, h]. Elementwise: as a
-    contraction it is a batched matmul of one [1, N] x [N, h] product per token, which the
-    CPU runs token by token (most of a CPU step's time went there)."""
-    return (weights.unsqueeze(-1) * x).sum(0)
+def _logits(queries: Tensor, xs: list[Tensor], eps: float) -> Tensor:
+    """z [N, S, s, b]: each query [S, h] against each RMS-normalised source [s, b, h]. The
+    RMSNorm is weight-free, so query . RMSNorm(v) = (query . v) rsqrt(mean(v^2) + eps) and
+    the normalised keys are never materialised."""
+    return torch.stack([(x @ queries.T).movedim(-1, 0) * _inverse_rms(x, eps) for x in xs])
+
+
+def _mixtures(queries: Tensor, sources, eps: float) -> tuple[list[Tensor], Tensor]:
+    """Each query's softmax mixture of the sources (S tensors [s, b, h]) and the logits z,
+    in fp32 whatever the inputs' dtype or autocast.
+
+    The sources stay separate tensors: stacking them copied every source on every read, and
+    a weighted sum of the stack materialised [N, s, b, h] products (forward and backward);
+    one multiply-add per source costs neither. (As a contraction over N the sum is a batched
+    [1, N] x [N, h] matmul per token, which the CPU runs token by token.)"""
+    xs = [at_least_fp32(v) for v in sources]
+    z = _logits(queries.to(xs[0].dtype), xs, eps)
+    weights = torch.softmax(z, dim=0).unsqueeze(-1)  # [N, S, s, b, 1]
+    outs = []
+    for query_weights in weights.unbind(1):
+        out = query_weights[0] * xs[0]
+        for weight, x in zip(query_weights[1:], xs[1:]):
+            out = torch.addcmul(out, weight, x)
+        outs.append(out)
+    return outs, z
 
 
 def depth_mix(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
     """sum_i softmax_i(query . RMSNorm(v_i)) v_i over the sources (each [s, b, h]).
 
-    Logits, softmax and sum in fp32 whatever the inputs' dtype or autocast; the RMSNorm is
-    weight-free, so query . RMSNorm(v) = (query . v) rsqrt(mean(v^2) + eps) and the
-    normalised keys are never materialised.
-    """
-    stacked = torch.stack(values)
-    with torch.autocast(stacked.device.type, enabled=False):
-        x = at_least_fp32(stacked)
-        weights = torch.softmax((x @ query.to(x.dtype)) * _inverse_rms(x, eps), dim=0)
-        return _weighted_sum(weights, x).to(stacked.dtype)
+    Logits, softmax and sum in fp32 whatever the inputs' dtype or autocast."""
+    with torch.autocast(values[0].device.type, enabled=False):
+        [out], _ = _mixtures(query[None], values, eps)
+        return out.to(values[0].dtype)
 
 
 def mix_sources(query: Tensor, sources, partial: Optional[Tensor], eps: float) -> Tensor:
@@ -122,21 +137,18 @@ def _mix_parts(query: Tensor, sources: list, partial: Optional[Tensor], eps: flo
 
 def mixing_weights(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
     """The softmax weights of ``depth_mix`` [n_sources, s, b] (for diagnostics)."""
-    x = torch.stack(values).float()
-    with torch.autocast(x.device.type, enabled=False):
-        return torch.softmax((x @ query.float()) * _inverse_rms(x, eps), dim=0)
+    with torch.autocast(values[0].device.type, enabled=False):
+        return torch.softmax(_logits(query[None].float(), [v.float() for v in values], eps),
+                             dim=0)[:, 0]
 
 
-def block_phase_1(queries: Tensor, stacked: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def block_phase_1(queries: Tensor, sources, eps: float) -> tuple[Tensor, Tensor]:
     """Phase 1 of Block AttnRes (arXiv 2603.15031 Sec. 4.2): S pseudo-queries [S, h] over the
-    completed sources [N, s, b, h] at once, one read of the sources. O [S, s, b, h] is each
-    query's mixture of the sources, LSE [S, s, b] its logsumexp (both fp32)."""
-    with torch.autocast(stacked.device.type, enabled=False):
-        x = at_least_fp32(stacked)
-        logits = (x @ queries.to(x.dtype).T) * _inverse_rms(x, eps).unsqueeze(-1)  # [N,s,b,S]
-        weights = torch.softmax(logits, dim=0)
-        out = torch.stack([_weighted_sum(weights[..., q], x) for q in range(len(queries))])
-        return out, torch.logsumexp(logits, dim=0).permute(2, 0, 1)
+    N completed sources (each [s, b, h]) at once, one read of the sources. O [S, s, b, h] is
+    each query's mixture of the sources, LSE [S, s, b] its logsumexp (both fp32)."""
+    with torch.autocast(sources[0].device.type, enabled=False):
+        outs, z = _mixtures(queries, sources, eps)
+        return torch.stack(outs), torch.logsumexp(z, dim=0)
 
 
 def block_phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor,
@@ -187,9 +199,9 @@ class BlockAttnResidual(SublayerResidual):
         if state.reads is not None and self.index in state.reads:
             return state.reads.pop(self.index)
         mates = self.block_mates if state.reads is not None else [self]
-        queries, sources = torch.stack([mate.query for mate in mates]), torch.stack(state.sources)
-        phase_1 = dispatch.route("block_phase_1", block_phase_1, queries, sources)
-        out, lse = phase_1(queries, sources, self.eps)
+        queries = torch.stack([mate.query for mate in mates])
+        phase_1 = dispatch.route("block_phase_1", block_phase_1, queries, *state.sources)
+        out, lse = phase_1(queries, list(state.sources), self.eps)
         rows = {mate.index: (out[i], lse[i]) for i, mate in enumerate(mates)}
         row = rows.pop(self.index)
         if state.reads is not None:
@@ -204,7 +216,13 @@ class BlockAttnResidual(SublayerResidual):
 
 
 class FullAttnResidual(BlockAttnResidual):
-    """Full AttnRes: every sublayer output is a source of its own."""
+    """Full AttnRes: every sublayer output is a source of its own, so a read has no partial
+    sum to merge and no block mates: one mixture (no logsumexp for a phase 2)."""
+
+    def read(self, state: AttnResState) -> Tensor:
+        probe.record("attnres", self.index, lambda: mixing_weights(
+            self.query, list(state.sources), self.eps).mean((1, 2)))
+        return mix_sources(self.query, state.sources, None, self.eps)
 
     def write(self, state: AttnResState, x: Tensor, normed: Tensor, out: Tensor) -> AttnResState:
         return AttnResState(state.sources + (out,), None, {})

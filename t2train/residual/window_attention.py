@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from t2train.kernels.dispatch import route
+from t2train.nn.precision import at_least_fp32
 
 
 def window_mask(q_len: int, k_len: int, window: int, device=None) -> Tensor:
@@ -36,9 +37,25 @@ def short_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
     """
     if window < 1:
         raise ValueError(f"window={window}: must be >= 1")
+    if q.shape[-2] == 1:
+        return _single_query_attention(q, k, v, window, scale)
     mask = window_mask(q.shape[-2], k.shape[-2], window, device=q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _single_query_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
+                            scale: float | None) -> Tensor:
+    """One query per (batch, head) (a depth read): a softmax-weighted sum of the last
+    ``window`` keys' values, elementwise. As attention it is a [1, d] x [d, n] matmul per
+    (token, head), which the CPU runs one by one; scores and weights in fp32."""
+    k, v = k[..., -window:, :], v[..., -window:, :]
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (at_least_fp32(q) * at_least_fp32(k)).sum(-1, keepdim=True) * scale  # [batch, heads, n, 1]
+    weights = torch.softmax(scores, dim=-2).to(v.dtype)
+    return (weights * v).sum(-2, keepdim=True)
 
 
 def attend_window(q: Tensor, k: Tensor, v: Tensor, window: int,

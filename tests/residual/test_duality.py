@@ -88,6 +88,26 @@ def test_window_covering_the_sequence_is_full_causal_attention():
     torch.testing.assert_close(short_window_attention(q, k, v, 3), banded, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("window", [1, 3, 6, 9])
+def test_a_single_query_attends_to_the_last_window_keys(window):
+    """One query per head (a depth read's shape) takes its own path; the paper's formula
+    with grouped-query heads (4 query heads on 2 key/value heads), values and gradients."""
+    g = torch.Generator().manual_seed(window)
+    q = torch.randn(2, 4, 1, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 6, 5, generator=g, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    earlier = torch.zeros(5, 5, dtype=torch.float64)  # queries at positions 0..4, unused
+    want = torch.stack([torch.stack([paper.window_attention_1d(
+        torch.cat([earlier, q[b, h]]), k[b, h // 2], v[b, h // 2], window, 0.7)[-1:]
+        for h in range(4)]) for b in range(2)])
+    got = short_window_attention(q, k, v, window, 0.7)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    upstream = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), upstream),
+                    torch.autograd.grad(want, (q, k, v), upstream)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
 def test_window_mask_bands():
     mask = window_mask(4, 4, 2)
     assert mask.tolist() == [[True, False, False, False], [True, True, False, False],

@@ -41,8 +41,8 @@ CASES = {
                                                             DEPTH_WINDOW, t),
                    {"window_attention": LAYERS}),
     "attnres": (["model.residual=attnres"], lambda p, x, t: paper.attnres_decoder(
-        p, x, LAYERS, HEADS, EPS, 1, ATTNRES_EPS, t),  # every read is phase 1 alone
-        {"block_phase_1": 2 * LAYERS, "depth_mix": 1}),
+        p, x, LAYERS, HEADS, EPS, 1, ATTNRES_EPS, t),  # every read one mixture
+        {"depth_mix": 2 * LAYERS + 1}),
     "block_attnres": (["model.residual=block_attnres", f"model.attnres.block_size={BLOCK}"],
                       lambda p, x, t: paper.attnres_decoder(p, x, LAYERS, HEADS, EPS, BLOCK,
                                                             ATTNRES_EPS, t),
