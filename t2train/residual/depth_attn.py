@@ -76,12 +76,13 @@ class DepthRead(MegatronModule):
         """z for the last state of ``states`` (each [s, b, h]) over all of them."""
         n = len(states)
         current, _ = self.linear_q(self.norm(states[-1]))
-        # Fold the window into the batch dim so one (sequence-parallel aware) matmul projects it.
-        stacked = self.norm(torch.cat(states, dim=1))
+        # Fold the window into the batch dim ([s, b * n, h]) so one (sequence-parallel aware)
+        # matmul projects it; with the window inside each token's rows, k and v are views.
+        stacked = self.norm(torch.stack(states, dim=2).flatten(1, 2))
         kv, _ = self.linear_kv(stacked)
         s, b = current.shape[:2]
         q = current.reshape(s * b, self.heads, 1, self.head_dim)
-        kv = kv.reshape(s, n, b, self.heads, 2, self.head_dim).permute(4, 0, 2, 3, 1, 5)
+        kv = kv.view(s, b, n, self.heads, 2, self.head_dim).permute(4, 0, 1, 3, 2, 5)
         k, v = (t.reshape(s * b, self.heads, n, self.head_dim) for t in kv)
         scale = 1 / math.sqrt(self.head_dim)
         # Weights over the states entering layers l-n+1 .. l (0-based), averaged.
