@@ -53,7 +53,7 @@ class RankFailures:
         if exc_type is not None and not self._announced:
             message = _announced_by_peer()
             if message is not None:  # a peer's exit broke this rank's collective first
-                _end_as_peer(message)
+                _exit(message, acknowledge=True)
 
     def end_all(self, message: str) -> None:
         """This rank failed alone: every rank ends with ``message``, this one included. Returns
@@ -73,7 +73,7 @@ class RankFailures:
         while not self._stop.wait(self.poll_seconds):
             message = None if self._announced else _announced_by_peer()
             if message is not None:
-                _end_as_peer(message)  # the main thread is blocked in a collective
+                _exit(message, acknowledge=True)  # the main thread is blocked in a collective
 
 
 def _announced_by_peer() -> Optional[str]:
@@ -86,19 +86,16 @@ def _announced_by_peer() -> Optional[str]:
         return None
 
 
-def _end_as_peer(message: str) -> None:
-    """Print the error before telling the failing rank (it waits for every peer's word, then
-    exits, and torchrun stops the rest), then exit."""
+def _exit(message: str, acknowledge: bool = False) -> None:
+    """Print the error and exit. A peer (``acknowledge``) tells the failing rank only after
+    printing: that rank waits for every peer's word, then exits, and torchrun stops the
+    rest."""
     print(f"error: {message}", file=sys.stderr, flush=True)
-    try:
-        _store().add(_READ, 1)
-    except Exception:  # the failing rank's wait is bounded
-        pass
-    exit_now(TrainingHalted.exit_code)
-
-
-def _exit(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    if acknowledge:
+        try:
+            _store().add(_READ, 1)
+        except Exception:  # the failing rank's wait is bounded
+            pass
     exit_now(TrainingHalted.exit_code)
 
 
