@@ -34,7 +34,8 @@ import torch.distributed as dist
 from streaming import StreamingDataLoader, StreamingDataset
 
 from t2train.data.errors import DataError
-from t2train.data.shm import clean_stale_streaming_files
+from t2train.data.shm import (clean_stale_streaming_files, prefix_probes_closed_when_dropped,
+                              release_shared_memory)
 from t2train.data.streams import DataStream, split_streams
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -194,9 +195,10 @@ class TokenBatches:
                 _clean_stale_files()
             if dist.is_initialized():  # every reader picks its prefix after the cleaning
                 dist.barrier()
-            self.dataset = _NumberedDataset(
-                streams=streams, shuffle=shuffle, shuffle_seed=seed,
-                num_canonical_nodes=num_canonical_nodes, batch_size=micro_batch_size)
+            with prefix_probes_closed_when_dropped():
+                self.dataset = _NumberedDataset(
+                    streams=streams, shuffle=shuffle, shuffle_seed=seed,
+                    num_canonical_nodes=num_canonical_nodes, batch_size=micro_batch_size)
             self.loader = _StoppableLoader(self.dataset, batch_size=micro_batch_size,
                                             num_workers=num_workers, drop_last=not finite,
                                             collate_fn=_collate)
@@ -237,12 +239,18 @@ class TokenBatches:
                         f"{self.world.world_size} readers); lower the micro-batch size or add data")
 
     def close(self) -> None:
-        """Stop this stream's DataLoader workers now. Forked inside the trainer's stop guard,
-        they hold its stop signals blocked (``t2train/signals.py``), so the interpreter's exit,
-        which terminates and then joins them, would wait forever; torch's own shutdown asks
-        them to finish through their index queues instead."""
+        """Stop this stream's DataLoader workers and reading threads now, and release its
+        shared memory. Forked inside the trainer's stop guard, the workers hold its stop
+        signals blocked (``t2train/signals.py``), so the interpreter's exit, which terminates
+        and then joins them, would wait forever; torch's own shutdown asks them to finish
+        through their index queues instead. streaming would keep the shared memory until the
+        process exits (``release_shared_memory``)."""
         self._batches = None
         self.loader.stop_workers()
+        iterating = getattr(self.dataset, "_iterator", None)
+        if iterating is not None:  # this process's own reads (no DataLoader workers)
+            iterating.exit()
+        release_shared_memory(self.dataset)
 
     def state_dict(self) -> dict:
         """The position in the stream (global: the same on every reader) and the layout that

@@ -17,12 +17,16 @@ construction to destruction. Files of other users are left alone (they cannot be
 
 from __future__ import annotations
 
+import atexit
 import re
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN
+from streaming.base.shared import prefix
+from streaming.base.shared.memory import SharedMemory
 
 SHM_DIR = Path("/dev/shm")
 _SEGMENT = re.compile(r"(\d{6})_(?:%s)" % "|".join(sorted({*SHM_TO_CLEAN, LOCALS})))
@@ -65,3 +69,54 @@ def _mapped_prefixes() -> set[str]:
             continue
         prefixes.update(match.group(1) for match in mapped.finditer(text))
     return prefixes
+
+
+def release_shared_memory(dataset) -> int:
+    """Close (and, where this process created them, unlink) a finished ``StreamingDataset``'s
+    shared-memory segments now; returns how many were released.
+
+    streaming registers an ``atexit`` cleanup per segment, and that handler keeps the
+    segment and its file descriptor alive until the process exits, dataset or not: a process
+    that trains many times (``t2train experiment compare``, the test suite) gains a dozen or
+    more descriptors and segments per dataset, and ran out of descriptors (EMFILE) after
+    some hundred datasets. The dataset's background threads must have ended (its iterator's
+    ``exit()``), as they read the segments.
+    """
+    segments = list(_segments_of(dataset))
+    for segment in segments:
+        segment.cleanup()
+        atexit.unregister(segment.cleanup)
+    return len(segments)
+
+
+def _segments_of(obj, depth: int = 0) -> Iterator[SharedMemory]:
+    """The ``SharedMemory`` objects ``obj`` holds directly or through streaming's shared
+    arrays, scalars and barriers (which wrap them)."""
+    for value in vars(obj).values():
+        if isinstance(value, SharedMemory):
+            yield value
+        elif depth < 2 and type(value).__module__.startswith("streaming.base.shared"):
+            yield from _segments_of(value, depth + 1)
+
+
+@contextmanager
+def prefix_probes_closed_when_dropped() -> Iterator[None]:
+    """While a ``StreamingDataset`` is made: its attachments to existing segments register no
+    ``atexit`` cleanup, so a dropped one is closed at once.
+
+    streaming picks a new dataset's prefix by attaching to every segment of every existing
+    prefix on the host (``get_shm_prefix``), and each attachment's cleanup handler would keep
+    it open until the process exits: a dozen descriptors per dataset per live prefix. The
+    segments a dataset creates keep their handler; those it keeps are released by
+    ``release_shared_memory``.
+    """
+    original = prefix.SharedMemory
+
+    def attach_without_handler(name=None, create=None, size=0, auto_cleanup=True):
+        return original(name, create, size, auto_cleanup=auto_cleanup and create is not False)
+
+    prefix.SharedMemory = attach_without_handler
+    try:
+        yield
+    finally:
+        prefix.SharedMemory = original

@@ -69,6 +69,27 @@ def _shm_in_use() -> set:
     return used
 
 
+@pytest.fixture(autouse=True)
+def close_token_batches(monkeypatch):
+    """Close every ``TokenBatches`` a test made, after it: tests drop them unclosed, and the
+    suite's one process would keep each dataset's shared memory (a dozen or more file
+    descriptors per dataset, until EMFILE; ``t2train/data/shm.py``)."""
+    from t2train.data.loader import TokenBatches
+
+    made = []
+    init = TokenBatches.__init__
+
+    def tracked(self, *args, **kwargs):
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(TokenBatches, "__init__", tracked)
+    yield
+    for batches in made:
+        if hasattr(batches, "loader"):  # construction finished
+            batches.close()
+
+
 @pytest.fixture(scope="session")
 def megatron_world():
     """torch.distributed (gloo, world 1) and Megatron's groups at TP = PP = 1."""

@@ -54,16 +54,19 @@ def evaluate(model, data: Path, split: str, seq_length: int, batch_size: int,
     batches = TokenBatches(data, split, micro_batch_size=batch_size, seq_length=seq_length,
                            world=StreamingWorld(0, 1, 0, 1), seed=0, shuffle=False, finite=True)
     device = next(model.parameters()).device
-    total, tokens, count = 0.0, 0, 0
-    for batch in batches:
-        ids, labels = batch["tokens"].to(device), batch["labels"].to(device)
-        positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
-        losses = model(ids, positions, None, labels=labels)
-        total += float(losses.double().sum())
-        tokens += labels.numel()
-        count += 1
-        if max_batches is not None and count >= max_batches:
-            break
+    try:
+        total, tokens, count = 0.0, 0, 0
+        for batch in batches:
+            ids, labels = batch["tokens"].to(device), batch["labels"].to(device)
+            positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
+            losses = model(ids, positions, None, labels=labels)
+            total += float(losses.double().sum())
+            tokens += labels.numel()
+            count += 1
+            if max_batches is not None and count >= max_batches:
+                break
+    finally:
+        batches.close()
     if tokens == 0:
         raise DataError(f"{data}/{split}: no samples to evaluate")
     return Evaluation(total / tokens, tokens, count)

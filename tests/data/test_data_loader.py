@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import tempfile
 from datetime import timedelta
 from itertools import islice
 
@@ -109,6 +110,47 @@ def test_split_smaller_than_a_micro_batch(dataset):
     val = TokenBatches(dataset, "val", samples + 1, 32, ONE, seed=0)
     with pytest.raises(DataError, match=rf"val: {samples} samples give no full micro-batch"):
         next(val)
+
+
+def _segments_open(prefix: str) -> list[str]:
+    """This process's file descriptors on streaming's shared-memory segments of ``prefix``."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # closed meanwhile (listdir's own descriptor)
+            continue
+    return [link for link in links if link.startswith(f"/dev/shm/{prefix}")]
+
+
+@pytest.mark.parametrize("finished", [False, True], ids=["mid-pass", "after-pass"])
+def test_close_releases_the_datasets_shared_memory(dataset, finished):
+    """streaming keeps a dataset's segments open until the process exits (an atexit handler
+    holds them); close() releases them, also while its reading threads are mid-pass."""
+    batches = TokenBatches(dataset, "val", 4, 32, ONE, seed=0, finite=True)
+    taken = list(batches) if finished else [next(batches)]
+    assert taken
+    prefix = f"{batches.dataset._shm_prefix_int:06d}_"
+    assert len(_segments_open(prefix)) >= 6  # locals, barrier, epoch, cache, shard states...
+    batches.close()
+    assert _segments_open(prefix) == []
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
+
+
+def test_a_new_dataset_leaves_no_descriptor_on_another_jobs_segments(dataset, tmp_path,
+                                                                     monkeypatch):
+    """streaming picks a new dataset's prefix by attaching to the segments of every prefix
+    whose lock files it cannot see (another job's, with its own TMPDIR, as SLURM gives);
+    those probes must not stay open (each would until the process exits)."""
+    with monkeypatch.context() as other_job:
+        other_job.setattr(tempfile, "tempdir", str(tmp_path))
+        live = TokenBatches(dataset, "val", 4, 32, ONE, seed=0)
+        next(live)
+    prefix = f"{live.dataset._shm_prefix_int:06d}_"
+    held = len(_segments_open(prefix))
+    for _ in range(3):
+        TokenBatches(dataset, "val", 4, 32, ONE, seed=0).close()
+    assert len(_segments_open(prefix)) == held
 
 
 def test_reader_world_without_torch_distributed():
