@@ -60,10 +60,32 @@ def munge_works() -> bool:
                           timeout=10).returncode == 0
 
 
+def _free_base_port(nodes: int, first: int = 17100, step: int = 100, tries: int = 20) -> int:
+    """The first base whose cluster ports are all free: the daemons of a session that was
+    killed (and never stopped them) keep theirs bound, and must not fail this one."""
+    for base in range(first, first + step * tries, step):
+        if all(_port_free(port) for port in (base, base + 1, *range(base + 10,
+                                                                    base + 10 + nodes))):
+            return base
+    raise RuntimeError(f"no free ports for a local SLURM cluster in {first}.."
+                       f"{first + step * tries}")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
 class LocalSlurm:
     """Start with ``start()``, always ``stop()``; ``env`` is what clients need."""
 
-    def __init__(self, root: Path, nodes: int = 2, cpus: int = 2, base_port: int = 17100):
+    def __init__(self, root: Path, nodes: int = 2, cpus: int = 2,
+                 base_port: Optional[int] = None):
+        base_port = base_port or _free_base_port(nodes)
         self.root = root
         self.nodes = [f"n{i}" for i in range(1, nodes + 1)]
         self.cpus = cpus
