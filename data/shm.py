@@ -71,9 +71,9 @@ def _mapped_prefixes() -> set[str]:
     return prefixes
 
 
-def release_shared_memory(dataset) -> int:
+def release_shared_memory(dataset) -> None:
     """Close (and, where this process created them, unlink) a finished ``StreamingDataset``'s
-    shared-memory segments now; returns how many were released.
+    shared-memory segments now.
 
     streaming registers an ``atexit`` cleanup per segment, and that handler keeps the
     segment and its file descriptor alive until the process exits, dataset or not: a process
@@ -82,11 +82,9 @@ def release_shared_memory(dataset) -> int:
     some hundred datasets. The dataset's background threads must have ended (its iterator's
     ``exit()``), as they read the segments.
     """
-    segments = list(_segments_of(dataset))
-    for segment in segments:
+    for segment in list(_segments_of(dataset)):
         segment.cleanup()
         atexit.unregister(segment.cleanup)
-    return len(segments)
 
 
 def _segments_of(obj, depth: int = 0) -> Iterator[SharedMemory]:
