@@ -55,7 +55,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, so
                 heads, group, q_len, k_len, window, head_dim, qk_scale,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 FP32_DOT: tl.constexpr):
-    pid_m, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit base offsets
+    bh, pid_m = tl.program_id(0).to(tl.int64), tl.program_id(1)  # 64-bit base offsets
     b, h = bh // heads, bh % heads
     hk = h // group
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -92,7 +92,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, so
 def _delta_kernel(O, DO, DELTA, sob, soh, som, sdb, sdh, sdm, heads, q_len, head_dim,
                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """D = rowsum(dO * O) in fp32."""
-    pid_m, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit base offsets
+    bh, pid_m = tl.program_id(0).to(tl.int64), tl.program_id(1)  # 64-bit base offsets
     b, h = bh // heads, bh % heads
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -111,7 +111,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                  heads, group, q_len, k_len, window, head_dim, scale, qk_scale,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  FP32_DOT: tl.constexpr):
-    pid_n, bhk = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    bhk, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     kv_heads = heads // group
     b, hk = bhk // kv_heads, bhk % kv_heads
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -158,7 +158,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                heads, group, q_len, k_len, window, head_dim, scale, qk_scale,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                FP32_DOT: tl.constexpr):
-    pid_m, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit base offsets
+    bh, pid_m = tl.program_id(0).to(tl.int64), tl.program_id(1)  # 64-bit base offsets
     b, h = bh // heads, bh % heads
     hk = h // group
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -198,6 +198,22 @@ def _tiles(q_len: int, head_dim: int) -> dict:
                 num_warps=4)
 
 
+# CUDA allows 2^31 - 1 blocks on grid axis 0 but 65,535 on axes 1 and 2: the (batch, head)
+# pairs go on axis 0, since a depth read has one query per token (125m: 393,216 pairs).
+MAX_GRID_YZ = 65535
+
+
+def _grids(batch: int, heads: int, kv_heads: int, q_len: int, k_len: int, tiles: dict) -> dict:
+    """Launch grids: ``rows`` (forward, delta, dQ: one program per query tile and head) and
+    ``keys`` (dK/dV: one per key tile and KV head)."""
+    rows = (batch * heads, triton.cdiv(q_len, tiles["BLOCK_M"]))
+    keys = (batch * kv_heads, triton.cdiv(k_len, tiles["BLOCK_N"]))
+    if max(rows[1], keys[1]) > MAX_GRID_YZ:
+        raise ValueError(f"window attention over {max(q_len, k_len)} positions needs more "
+                         f"than {MAX_GRID_YZ} tiles on grid axis 1")
+    return {"rows": rows, "keys": keys}
+
+
 def _unit_last(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -217,7 +233,7 @@ class WindowAttention(torch.autograd.Function):
         o = torch.empty_like(q)  # keeps q's (possibly permuted) layout
         lse = torch.empty(batch, heads, q_len, device=q.device, dtype=torch.float32)
         tiles = _tiles(q_len, head_dim)
-        grid = (triton.cdiv(q_len, tiles["BLOCK_M"]), batch * heads)
+        grid = _grids(batch, heads, k.shape[1], q_len, k_len, tiles)["rows"]
         _fwd_kernel[grid](q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v),
                           *_strides(o), heads, heads // k.shape[1], q_len, k_len, window,
                           head_dim, scale * LOG2E, FP32_DOT=fp32_dot(q.dtype), **tiles)
@@ -233,7 +249,8 @@ class WindowAttention(torch.autograd.Function):
         kv_heads, k_len = k.shape[1], k.shape[2]
         tiles = _tiles(q_len, head_dim)
         delta = torch.empty_like(lse)
-        rows = (triton.cdiv(q_len, tiles["BLOCK_M"]), batch * heads)
+        grids = _grids(batch, heads, kv_heads, q_len, k_len, tiles)
+        rows = grids["rows"]
         _delta_kernel[rows](o, do, delta, *_strides(o), *_strides(do), heads, q_len, head_dim,
                             BLOCK_M=tiles["BLOCK_M"], BLOCK_D=tiles["BLOCK_D"])
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -243,7 +260,7 @@ class WindowAttention(torch.autograd.Function):
                   heads // kv_heads, q_len, k_len, ctx.window, head_dim, ctx.scale,
                   ctx.scale * LOG2E)
         flags = dict(FP32_DOT=fp32_dot(q.dtype), **tiles)
-        _dkdv_kernel[(triton.cdiv(k_len, tiles["BLOCK_N"]), batch * kv_heads)](
+        _dkdv_kernel[grids["keys"]](
             q, k, v, do, lse, delta, dk, dv, *common, **flags)
         _dq_kernel[rows](q, k, v, do, lse, delta, dq, *common, **flags)
         return dq, dk, dv, None, None

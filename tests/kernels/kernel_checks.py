@@ -57,8 +57,8 @@ def assert_matches(kernel, reference, inputs, dtype, name, seed=0):
     """kernel(*inputs) == reference(*fp32 inputs) in value and in every input gradient;
     ``kernel`` calls the dispatch, which must route it to the Triton kernel ``name``.
 
-    The reference runs in fp32 on the same (rounded) inputs, so low-precision kernels are
-    judged against the exact result; ``dtype`` picks the tolerance.
+    The reference runs in fp32 on the same (rounded) inputs and upstream gradient, so
+    low-precision kernels are judged against the exact result; ``dtype`` picks the tolerance.
     """
     ours = leaves(*inputs)
     theirs = leaves(*(None if t is None else t.float() for t in inputs))
@@ -66,9 +66,12 @@ def assert_matches(kernel, reference, inputs, dtype, name, seed=0):
     assert_kernel_ran(out, name)
     expected = reference(*theirs)
     torch.manual_seed(seed)
-    grad = torch.randn(out.shape, dtype=torch.float32, device=out.device)
-    out.backward(grad.to(out.dtype))
-    expected.backward(grad)
+    # One upstream gradient for both, rounded to the kernel's dtype like its inputs: with the
+    # exact one the reference's gradients move by that rounding, amplified where they cancel
+    # (a softmax's weights' gradients sum to zero), which is not the kernel's error.
+    grad = torch.randn(out.shape, dtype=torch.float32, device=out.device).to(out.dtype)
+    out.backward(grad)
+    expected.backward(grad.float())
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
     for index, a, b in zip(range(len(inputs)), ours, theirs):

@@ -66,3 +66,21 @@ def test_reference_passes_gradcheck():
     q, k, v = (t.double().requires_grad_() for t in _inputs(SHAPES["gqa"], torch.float32))
     q, k, v = q[:, :2, :4, :4], k[:, :1, :6, :4], v[:, :1, :6, :4]
     assert torch.autograd.gradcheck(lambda *t: short_window_attention(*t, 3, 0.5), (q, k, v))
+
+
+@pytest.mark.parametrize("shape", [
+    (32768, 12, 12, 1, 4, 64),  # 125m depth read: one query per token, 393,216 (token, head)
+    (16, 12, 12, 2048, 2048, 64),  # 125m sequence
+    (4, 16, 8, 4096, 4096, 128),  # 1b sequence, grouped heads
+])
+def test_launch_grids_fit_cudas_limits(shape):
+    """A CUDA grid holds 2^31 - 1 blocks on axis 0 but 65,535 on axes 1 and 2; the depth read
+    of the 125m preset once put its 393,216 (token, head) pairs on axis 1 and failed to launch
+    ("invalid argument") on an H100."""
+    from t2train.kernels.window_attention import _grids, _tiles
+
+    batch, heads, kv_heads, q_len, k_len, head_dim = shape
+    grids = _grids(batch, heads, kv_heads, q_len, k_len, _tiles(q_len, head_dim))
+    assert grids["rows"][0] == batch * heads and grids["keys"][0] == batch * kv_heads
+    for grid in grids.values():
+        assert grid[0] < 2**31 and all(blocks <= 65535 for blocks in grid[1:]), grids
