@@ -119,3 +119,32 @@ def test_the_device_entry_point_names_its_one_argument(capsys):
 
     assert main([]) == 2
     assert "usage: python3 -m t2train.bench.gpu OUT_DIR" in capsys.readouterr().err
+
+
+def test_a_failure_is_reported_with_what_locates_it(tmp_path):
+    """The first GPU run reported a test as 'Tensor-likes are not close!' and a variant as
+    'Triton Error [CUDA]: invalid argument', with nothing to tell by how much or where: the
+    report keeps assert_close's numbers and the item's traceback."""
+    import time
+
+    from t2train.bench.gpu.check import Section
+    from t2train.bench.gpu.correctness import _junit_items
+    from t2train.bench.gpu.perf import _timed
+
+    message = ("gradient of input 0: Tensor-likes are not close!\n\nMismatched elements: 1 / 24"
+               "\nGreatest absolute difference: 0.04 at index (17,) (up to 0.02 allowed)")
+    junit = tmp_path / "junit.xml"
+    junit.write_text(f'<testsuite><testcase classname="t.m" name="test_bf16">'
+                     f'<failure message="{message.replace(chr(10), "&#10;")}">trace</failure>'
+                     '</testcase></testsuite>')  # newlines escaped, as pytest writes them
+    (item,) = _junit_items(junit)
+    assert item["outcome"] == "failed" and "Greatest absolute difference: 0.04" in item["message"]
+
+    def launch_a_kernel():
+        raise RuntimeError("Triton Error [CUDA]: invalid argument")
+
+    section = Section("step_cost", tmp_path / "step_cost.json", time.time() + 60, tmp_path)
+    _timed(section, "depth_attn", launch_a_kernel, estimate=1.0)
+    (item,) = json.loads((tmp_path / "step_cost.json").read_text())["items"]
+    assert item["status"] == "error" and item["reason"].endswith("invalid argument")
+    assert "launch_a_kernel" in item["traceback"]

@@ -61,6 +61,13 @@ class Section:
         return (f"would overrun the section's time: needs about {estimate:.0f}s (the previous "
                 f"item's time, or a prior), {max(self.left(), 0):.0f}s left")
 
+    @staticmethod
+    def error(err: Exception) -> dict:
+        """An item's fields for an exception being handled: the message and where it came
+        from (a kernel's launch error names no kernel without its traceback)."""
+        return {"status": "error", "reason": f"{type(err).__name__}: {err}",
+                "traceback": traceback.format_exc()[-2000:]}
+
     def add(self, item: dict) -> None:
         self.result["items"].append(item)
         self.save()

@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[3]
 # torch.distributed variables of the parent's world of one: a child must make its own.
 WORLD_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 PYTEST_SHARE = 0.5  # of the section's time, at most, for the GPU-marked tests
+MESSAGE_LINES, MESSAGE_CHARS = 6, 600  # of a test's failure message, kept in the report
 
 
 def child_env(**extra: str) -> dict:
@@ -106,8 +107,9 @@ def _junit_items(path: Path) -> list[dict]:
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
                 outcome = {"failure": "failed"}.get(child.tag, child.tag)
-                message = (child.get("message") or "").splitlines()[0][:200] if \
-                    child.get("message") else ""
+                # assert_close's message: what, how many elements, the largest differences
+                lines = [line for line in (child.get("message") or "").splitlines() if line]
+                message = " | ".join(lines[:MESSAGE_LINES])[:MESSAGE_CHARS]
         items.append({"test": f"{case.get('classname')}::{case.get('name')}",
                       "outcome": outcome, "message": message})
     return items
@@ -176,7 +178,7 @@ def _compare_variant(section, plan: Plan, variant: str, reference: subprocess.Po
         result = compare(json.loads(expected.read_text()),
                          device_run(plan, variant, section.scratch), plan.loss_rtol)
     except Exception as err:  # noqa: BLE001 - reported; the other designs still run
-        result = {"status": "error", "reason": f"{type(err).__name__}: {err}"}
+        result = section.error(err)
     section.add(dict(result, variant=variant, seconds=time.monotonic() - started))
 
 

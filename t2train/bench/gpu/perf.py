@@ -32,7 +32,7 @@ def _timed(section, name: str, measure, estimate: float, **extra) -> None:
     try:
         item = dict(_timing_item(name, measure(), **extra), status="ok")
     except Exception as err:  # noqa: BLE001 - reported; the other variants still run
-        item = dict(extra, name=name, status="error", reason=f"{type(err).__name__}: {err}")
+        item = dict(extra, name=name, **section.error(err))
     section.add(dict(item, seconds=time.monotonic() - started))
 
 
