@@ -53,6 +53,14 @@ def test_dry_run_reports_every_section(shakespeare, tmp_path):
     triton = [row for row in rows if row["impl"] == "triton"]
     assert len(triton) == 6 and all(row["ms"] > 0 and row["vs_best_peer"] > 0 for row in triton)
 
+    profiled = sections["profile"]["items"]
+    assert [item["name"] for item in profiled] == step_variants(settings, registered())
+    for item in profiled:  # the kinds and the heaviest kernels add up within the total
+        assert item["ms_per_step"] > 0 and 0 < len(item["top"]) <= 8
+        assert sum(item["kinds"].values()) == pytest.approx(item["ms_per_step"])
+        assert sum(top["ms"] for top in item["top"]) <= item["ms_per_step"] * (1 + 1e-9)
+    assert "## Where the step time goes" in markdown
+
     verdicts = {t["target"].split(" ")[0]: t["verdict"] for t in report["targets"]}
     assert len(report["targets"]) == 5 and set(verdicts.values()) <= {"met", "missed"} | {
         "not measured"}
@@ -148,3 +156,21 @@ def test_a_failure_is_reported_with_what_locates_it(tmp_path):
     (item,) = json.loads((tmp_path / "step_cost.json").read_text())["items"]
     assert item["status"] == "error" and item["reason"].endswith("invalid argument")
     assert "launch_a_kernel" in item["traceback"]
+
+
+@pytest.mark.parametrize("kernel, kind", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+    ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT", "matmul"),
+    ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>", "attention"),
+    ("_dkdv_kernel", "t2train triton"), ("_phase1_bwd_grads_kernel", "t2train triton"),
+    ("_write_fwd", "t2train triton"),
+    ("triton_poi_fused_add_mul_0", "torch.compile"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>",
+     "elementwise / reduction"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "communication"),
+    ("Memcpy DtoD (Device -> Device)", "copy"),
+])
+def test_profile_sorts_kernels_by_kind(kernel, kind):
+    from t2train.bench.gpu.profile import kind_of
+
+    assert kind_of(kernel) == kind

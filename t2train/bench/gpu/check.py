@@ -1,7 +1,7 @@
 """``python -m t2train.bench.gpu.check --out DIR [--dry-run]``: the one-command GPU check.
 
-Runs the sections of ``plan.SECTIONS`` (environment, correctness, step cost, MFU, kernels)
-and writes ``DIR/gpu-report.md``, ``DIR/gpu-report.json`` and ``DIR/gpu-check.log``.
+Runs the sections of ``plan.SECTIONS`` (environment, correctness, step cost, MFU, kernels,
+profile) and writes ``DIR/gpu-report.md``, ``DIR/gpu-report.json`` and ``DIR/gpu-check.log``.
 
 Time: section i must end by the sum of the budgets of sections 1..i (so time one section
 leaves unspent goes to the next). A section skips what would not fit, with the reason, and
@@ -81,10 +81,10 @@ class Section:
 
 def _section_runner(name: str):
     from t2train.bench import kernels
-    from t2train.bench.gpu import correctness, env, perf
+    from t2train.bench.gpu import correctness, env, perf, profile
 
-    return {"env": env.run, "correctness": correctness.run,
-            "step_cost": perf.step_cost, "mfu": perf.mfu, "kernels": kernels.run}[name]
+    return {"env": env.run, "correctness": correctness.run, "step_cost": perf.step_cost,
+            "mfu": perf.mfu, "kernels": kernels.run, "profile": profile.run}[name]
 
 
 def work(plan: Plan, names: list[str], ends: dict, results: Path) -> int:

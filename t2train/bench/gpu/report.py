@@ -14,7 +14,7 @@ DRY_RUN_STAMP = ("**CPU dry run**: the whole plan at tiny shapes on the CPU (ker
                  "Triton interpreter, bf16 training on the CPU). It proves the check runs; its "
                  "timings and target verdicts mean nothing.")
 TITLES = {"env": "Environment", "correctness": "Correctness", "step_cost": "Step cost",
-          "mfu": "MFU", "kernels": "Kernels"}
+          "mfu": "MFU", "kernels": "Kernels", "profile": "Where the step time goes"}
 
 
 def _table(headers: list[str], rows: list[list]) -> str:
@@ -188,6 +188,27 @@ def _mfu_md(section: dict, env: Optional[dict]) -> list[str]:
         _skipped_md(section)
 
 
+def _profile_md(section: dict, base: str) -> list[str]:
+    data = section.get("data", {})
+    items = _items(section)
+    kinds = list(dict.fromkeys(kind for item in items for kind in item["kinds"]))
+    base_item = next((item for item in items if item["name"] == base), None)
+    rows = [[item["name"], f"{item['ms_per_step']:.1f}",
+             _fmt(base_item and item["ms_per_step"] - base_item["ms_per_step"], "+.1f"),
+             *[_fmt(item["kinds"].get(kind), ".1f") for kind in kinds]] for item in items]
+    lines = [f"{data.get('preset')} preset, {data.get('steps')} profiled steps after "
+             f"{data.get('warmup')} warm-up; milliseconds per step of kernel time "
+             "(`torch.profiler`; on the CPU dry run, operators' self CPU time) by kind", "",
+             _table(["variant", "total", f"vs {base}", *kinds], rows)]
+    for item in items:
+        lines += ["", f"`{item['name']}`, heaviest:", ""]
+        lines.append(_table(["kernel", "kind", "ms per step", "share"], [
+            [top["kernel"][:90], top["kind"], f"{top['ms']:.2f}", f"{top['share']:.0%}"]
+            for top in item["top"]]))
+    return lines + _skipped_md(section) + [
+        f"- error: {item['name']}: {item['reason']}" for item in _items(section, "error")]
+
+
 def render_markdown(plan: Plan, sections: dict, targets: list[dict], report: dict) -> str:
     env = sections.get("env") or {}
     device = env.get("data", {}).get("device", "unknown device")
@@ -206,8 +227,8 @@ def render_markdown(plan: Plan, sections: dict, targets: list[dict], report: dic
                   for name in SECTIONS])]
     renderers = {"env": _env_md, "correctness": _correctness_md, "kernels": _kernels_md,
                  "step_cost": lambda s: _step_md(s, baseline()),
-                 "mfu": lambda s: _mfu_md(s, env)}
-    for name in ("env", "correctness", "kernels", "step_cost", "mfu"):  # the issue's order
+                 "mfu": lambda s: _mfu_md(s, env), "profile": lambda s: _profile_md(s, baseline())}
+    for name in ("env", "correctness", "kernels", "step_cost", "mfu", "profile"):
         section = sections.get(name)
         lines += ["", f"## {TITLES[name]}", ""]
         if not section or section.get("status") in ("skipped", "missing"):
