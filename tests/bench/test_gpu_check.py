@@ -174,3 +174,20 @@ def test_profile_sorts_kernels_by_kind(kernel, kind):
     from t2train.bench.gpu.profile import kind_of
 
     assert kind_of(kernel) == kind
+
+
+def test_gpu_tests_stopped_at_their_share_still_report_what_ran():
+    """pytest writes its junit file only at the end; a run stopped at its time share (the
+    second GPU run: 0 results from 62 s of tests) is read from its verbose lines."""
+    from t2train.bench.gpu.correctness import _verbose_items
+
+    printed = (b"tests/kernels/test_attnres_kernel.py::test_bf16[partial] PASSED  [  6%]\n"
+               b"tests/kernels/test_window_kernel.py::test_bf16[gqa] FAILED  [ 12%]\n"
+               b"tests/launch/test_launcher.py::test_more_processes SKIPPED (no corpus) [ 18%]\n")
+    assert _verbose_items(printed) == [
+        {"test": "tests.kernels.test_attnres_kernel::test_bf16[partial]", "outcome": "passed",
+         "message": ""},
+        {"test": "tests.kernels.test_window_kernel::test_bf16[gqa]", "outcome": "failed",
+         "message": ""},
+        {"test": "tests.launch.test_launcher::test_more_processes", "outcome": "skipped",
+         "message": ""}]
