@@ -23,6 +23,7 @@ from torch import Tensor
 KERNELS = {  # kernel name -> (module, function)
     "window_attention": ("t2train.kernels.window_attention", "window_attention"),
     "delta_write": ("t2train.kernels.ddl_update", "delta_write"),
+    "fp32_linear": ("t2train.kernels.fp32_linear", "fp32_linear"),
     "depth_mix": ("t2train.kernels.depth_mix", "depth_mix"),
     "block_phase_1": ("t2train.kernels.depth_mix", "phase_1"),
     "block_phase_2": ("t2train.kernels.depth_mix", "phase_2"),

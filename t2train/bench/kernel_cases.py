@@ -206,6 +206,28 @@ def delta_write_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
                    impls, {"fwd": (2 * dv + 1) * unit, "fwd+bwd": (5 * dv + 3) * unit}, "GB/s")
 
 
+def gate_logit_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
+    """DDL's gate logits in fp32 (beta: one output; v: d_v outputs) over one micro-batch of
+    the preset's width."""
+    from t2train.kernels.fp32_linear import fp32_linear as fused
+
+    linear_in_fp32 = kernel_references()["fp32_linear"]
+
+    tokens, hidden = (shapes.seq, shapes.batch), shapes.hidden
+    x = _leaf(rt, *tokens, hidden)
+    compiled = rt.compile(linear_in_fp32)
+    for outputs in shapes.ddl_widths:
+        weight, bias = _leaf(rt, outputs, hidden, scale=hidden ** -0.5), _leaf(rt, outputs)
+        inputs = [x, weight, bias]
+        impls = [Impl(name, lambda f=f, args=tuple(inputs): f(*args), inputs)
+                 for name, f in (("triton", fused), ("eager", linear_in_fp32),
+                                 ("torch.compile", compiled))]
+        unit = x.numel() * x.element_size()  # read x; the backward reads x, writes dx
+        yield Case("fp32_linear", shapes.label,
+                   f"s={tokens[0]} b={tokens[1]} h={hidden} outputs={outputs}", impls,
+                   {"fwd": unit, "fwd+bwd": 3 * unit}, "GB/s")
+
+
 def depth_mix_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
     """Block AttnRes: one block's S sublayer reads over the N completed sources of the
     preset's last block."""
@@ -274,7 +296,8 @@ def stream_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
 
 
 BUILDERS = {"window_attention": window_cases, "delta_write": delta_write_cases,
-            "depth_mix": depth_mix_cases, "mhc_streams": stream_cases}
+            "fp32_linear": gate_logit_cases, "depth_mix": depth_mix_cases,
+            "mhc_streams": stream_cases}
 
 
 def cases(shapes: KernelShapes, rt: Runtime, only=None) -> Iterator[Case]:

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from t2train.kernels.dispatch import route
+
 
 def at_least_fp32(t: Tensor) -> Tensor:
     """``t`` in fp32, or kept in fp64 (the gradient checks run in fp64)."""
@@ -39,6 +41,20 @@ class _Fp32Linear(torch.autograd.Function):
         return grad_x, grad_weight, None if grad_bias is None else grad_bias.to(weight.dtype)
 
 
+# The Triton kernel's limit (t2train/kernels/fp32_linear.py MAX_OUTPUTS; a test keeps them
+# equal): gate logits have a few outputs, wider projections stay cuBLAS GEMMs.
+GATE_MAX_OUTPUTS = 16
+
+
 def fp32_linear(x: Tensor, linear: torch.nn.Linear) -> Tensor:
-    """``linear(x)`` in fp32 whatever the dtypes of ``x`` and the weights, or autocast."""
-    return _Fp32Linear.apply(x, linear.weight, linear.bias)
+    """``linear(x)`` in fp32 whatever the dtypes of ``x`` and the weights, or autocast;
+    through the Triton kernel where ``T2_KERNELS`` routes it (up to 16 outputs)."""
+    if linear.out_features > GATE_MAX_OUTPUTS:
+        return linear_in_fp32(x, linear.weight, linear.bias)
+    apply = route("fp32_linear", linear_in_fp32, x, linear.weight)
+    return apply(x, linear.weight, linear.bias)
+
+
+def linear_in_fp32(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """The PyTorch reference of ``fp32_linear`` (and of its Triton kernel)."""
+    return _Fp32Linear.apply(x, weight, bias)

@@ -6,6 +6,7 @@ import torch
 from kernel_checks import BACKWARD_NODES, graph_nodes
 
 from t2train.kernels import dispatch
+from t2train.nn.precision import fp32_linear
 from t2train.residual.attnres import mix_sources
 from t2train.residual.ddl import write_delta
 from t2train.residual.window_attention import attend_window
@@ -38,6 +39,7 @@ def _call_each_kernel():
         "window_attention": attend_window(r(1, 1, 4, 16), r(1, 1, 4, 16), r(1, 1, 4, 16), 2),
         "delta_write": write_delta(r(3, 1, 8), r(3, 1, 8), r(3, 1, 1), r(3, 1, 1), 1e-5, 4.0),
         "depth_mix": mix_sources(r(8), [r(3, 1, 8)], r(3, 1, 8), 1e-6),
+        "fp32_linear": fp32_linear(r(3, 1, 8), torch.nn.Linear(8, 2)),
     }
 
 

@@ -19,11 +19,14 @@ VARIANTS = {
                           {"window_attention": LAYERS}),
     "depth_attn": (["model.residual=depth_attn", "model.depth_attn.window=2"],
                    {"window_attention": LAYERS}),
-    "ddl": (["model.residual=ddl"], {"delta_write": 2 * LAYERS}),
-    "ddl_dv4": (["model.residual=ddl", "model.ddl.dv=4"], {"delta_write": 2 * LAYERS}),
+    # a delta write per sublayer, and its two gate logits (beta, v)
+    "ddl": (["model.residual=ddl"], {"delta_write": 2 * LAYERS, "fp32_linear": 4 * LAYERS}),
+    "ddl_dv4": (["model.residual=ddl", "model.ddl.dv=4"],
+                {"delta_write": 2 * LAYERS, "fp32_linear": 4 * LAYERS}),
     # the mixer's window attention, and a delta write on each of its 3 sublayers per layer
     "ddl+shortswa": (["model.residual=ddl", "model.shortswa.window=4"],
-                     {"window_attention": LAYERS, "delta_write": 3 * LAYERS}),
+                     {"window_attention": LAYERS, "delta_write": 3 * LAYERS,
+                      "fp32_linear": 6 * LAYERS}),
     # Blocks of 2 sublayers (one per layer): the block's first read runs phase 1 for both of
     # its reads, the second read phase 2; the final read mixes everything in one call.
     "block_attnres": (["model.residual=block_attnres", "model.attnres.block_size=2"],

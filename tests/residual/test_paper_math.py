@@ -30,9 +30,11 @@ ATTNRES_EPS = 1e-6
 CASES = {
     "standard": ([], lambda p, x, t: paper.standard_decoder(p, x, LAYERS, HEADS, EPS), {}),
     "ddl": (["model.residual=ddl"], lambda p, x, t: paper.ddl_decoder(
-        p, x, LAYERS, HEADS, EPS, 1, trace=t, **DDL), {"delta_write": 2 * LAYERS}),
+        p, x, LAYERS, HEADS, EPS, 1, trace=t, **DDL),
+        {"delta_write": 2 * LAYERS, "fp32_linear": 4 * LAYERS}),  # and 2 gate logits a write
     "ddl_dv4": (["model.residual=ddl", "model.ddl.dv=4"], lambda p, x, t: paper.ddl_decoder(
-        p, x, LAYERS, HEADS, EPS, 4, trace=t, **DDL), {"delta_write": 2 * LAYERS}),
+        p, x, LAYERS, HEADS, EPS, 4, trace=t, **DDL),
+        {"delta_write": 2 * LAYERS, "fp32_linear": 4 * LAYERS}),
     "shortswa": (["model.residual=shortswa", f"model.shortswa.window={SWA_WINDOW}"],
                  lambda p, x, t: paper.shortswa_decoder(p, x, LAYERS, HEADS, EPS, SWA_WINDOW),
                  {"window_attention": LAYERS}),

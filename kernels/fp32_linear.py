@@ -1,0 +1,121 @@
+"""Gate logits: x W^T + b in fp32 from low-precision x and W, for a few outputs, forward and
+backward, without an fp32 copy of x.
+
+Exact counterpart of ``t2train.nn.precision.fp32_linear`` (DDL's beta and v logits): with x
+[rows, h], W [n, h] and n <= ``MAX_OUTPUTS``,
+
+    y = x W^T + b,  dx = g W,  dW = g^T x,  db = sum_rows g      (all in fp32)
+
+On an H100 the reference spent more on its fp32 copies of x (forward and backward) and on
+skinny fp32 GEMMs than the delta write itself (docs/gpu/h100-2026-11-26.md). Here one
+program owns ``BLOCK_R`` rows and walks h once: the forward reads x once; the backward reads
+x and W once, writes dx in x's dtype and its rows' partial dW and db (fp32), which PyTorch
+sums over the programs. Products of bf16 values are exact in fp32, so a bf16 ``tl.dot`` with
+fp32 accumulation is the fp32 computation up to the order of the sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from t2train.kernels.common import dot, fp32_dot, interpreting
+
+MAX_OUTPUTS = 16  # wider projections are ordinary GEMMs: the reference's cuBLAS call
+
+
+@triton.jit
+def _fwd_kernel(X, W, B, Y, rows, hidden, n_out, HAS_BIAS: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr,
+                FP32_DOT: tl.constexpr):
+    offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_j = tl.arange(0, BLOCK_J)
+    r_ok, j_ok = offs_r < rows, offs_j < n_out
+    acc = tl.zeros([BLOCK_R, BLOCK_J], tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = offs_h[None, :] < hidden
+        x = tl.load(X + offs_r[:, None] * hidden + offs_h[None, :], mask=r_ok[:, None] & h_ok,
+                    other=0.0)
+        w = tl.load(W + offs_j[:, None] * hidden + offs_h[None, :], mask=j_ok[:, None] & h_ok,
+                    other=0.0)
+        acc += dot(x, tl.trans(w), FP32_DOT)
+    if HAS_BIAS:
+        acc += tl.load(B + offs_j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs_r[:, None] * n_out + offs_j[None, :], acc,
+             mask=r_ok[:, None] & j_ok[None, :])
+
+
+@triton.jit
+def _bwd_kernel(X, W, G, DX, DW_PART, DB_PART, rows, hidden, n_out,
+                BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr):
+    block = tl.program_id(0).to(tl.int64)
+    offs_r = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_j = tl.arange(0, BLOCK_J)
+    r_ok, j_ok = offs_r < rows, offs_j < n_out
+    g = tl.load(G + offs_r[:, None] * n_out + offs_j[None, :],
+                mask=r_ok[:, None] & j_ok[None, :], other=0.0)  # fp32 [R, J]
+    tl.store(DB_PART + block * n_out + offs_j, tl.sum(g, 0), mask=j_ok)
+    for h0 in range(0, hidden, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = offs_h[None, :] < hidden
+        x_at = offs_r[:, None] * hidden + offs_h[None, :]
+        x = tl.load(X + x_at, mask=r_ok[:, None] & h_ok, other=0.0)
+        w = tl.load(W + offs_j[:, None] * hidden + offs_h[None, :], mask=j_ok[:, None] & h_ok,
+                    other=0.0)
+        tl.store(DX + x_at, dot(g, w, True).to(DX.dtype.element_ty), mask=r_ok[:, None] & h_ok)
+        tl.store(DW_PART + (block * n_out + offs_j[:, None]) * hidden + offs_h[None, :],
+                 dot(tl.trans(g), x, True), mask=j_ok[:, None] & h_ok)
+
+
+def _blocks(n_out: int) -> dict:
+    """tl.dot needs >= 16 on every side: the outputs are padded to 16 (masked)."""
+    if interpreting():
+        return dict(BLOCK_R=16, BLOCK_H=16, BLOCK_J=16)
+    return dict(BLOCK_R=64, BLOCK_H=128, BLOCK_J=max(16, triton.next_power_of_2(n_out)),
+                num_warps=4)
+
+
+class Fp32Linear(torch.autograd.Function):
+    """x [..., h], weight [n, h], bias [n] or None -> fp32 [..., n]."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        x, weight = x.contiguous(), weight.contiguous()
+        hidden, n_out = x.shape[-1], weight.shape[0]
+        rows = x.numel() // hidden
+        y = torch.empty(*x.shape[:-1], n_out, device=x.device, dtype=torch.float32)
+        blocks = _blocks(n_out)
+        # Mixed dtypes (fp32 weights under autocast) multiply in fp32, as the reference does.
+        exact = fp32_dot(x.dtype) or x.dtype != weight.dtype
+        _fwd_kernel[(triton.cdiv(rows, blocks["BLOCK_R"]),)](
+            x, weight, weight if bias is None else bias, y, rows, hidden, n_out,
+            HAS_BIAS=bias is not None, FP32_DOT=exact, **blocks)
+        ctx.save_for_backward(x, weight)
+        ctx.with_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        hidden, n_out = x.shape[-1], weight.shape[0]
+        rows = x.numel() // hidden
+        blocks = _blocks(n_out)
+        programs = triton.cdiv(rows, blocks["BLOCK_R"])
+        dx = torch.empty_like(x)
+        dw_part = torch.empty(programs, n_out, hidden, device=x.device, dtype=torch.float32)
+        db_part = torch.empty(programs, n_out, device=x.device, dtype=torch.float32)
+        _bwd_kernel[(programs,)](x, weight, grad.float().contiguous(), dx, dw_part, db_part,
+                                 rows, hidden, n_out, **blocks)
+        d_bias = db_part.sum(0).to(weight.dtype) if ctx.with_bias else None
+        return dx, dw_part.sum(0).to(weight.dtype), d_bias
+
+
+def fp32_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """Triton ``t2train.nn.precision`` fp32 linear (same arguments, same result)."""
+    if weight.shape[0] > MAX_OUTPUTS or weight.shape[-1] != x.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} for x {tuple(x.shape)}: the kernel "
+                         f"takes [n <= {MAX_OUTPUTS}, {x.shape[-1]}]")
+    return Fp32Linear.apply(x, weight, bias)
