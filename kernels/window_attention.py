@@ -14,6 +14,12 @@ and stores O = acc / l and LSE = m + log2 l. The backward recomputes P = 2^(S - 
 with D = rowsum(dO * O):  dV = P^T dO,  dS = P (dO V^T - D),  dQ = dS K scale,  dK = dS^T Q scale.
 dK/dV programs own one key tile and loop over the grouped query heads of their KV head, so
 grouped-query attention needs no atomics. Inputs need a unit last-dim stride only.
+
+One query (a depth read: each token attends over its last K layer states) takes its own
+kernels: a program owns ``BLOCK_B`` batch rows of one head and holds their few keys as a
+[BLOCK_B, BLOCK_N, d] tile, elementwise. Tiled as above, 15 of every 16 query rows were
+padding: on an H100 that kernel spent 139.5 ms of a 441 ms `depth_attn` step at 125m
+(docs/gpu/h100-2026-11-26.md).
 """
 
 from __future__ import annotations
@@ -188,6 +194,86 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
              (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok)
 
 
+@triton.jit
+def _one_query_scores(Q, K, b, h, hk, offs_d, sqb, sqh, skb, skh, skn, batch, k_len, window,
+                      head_dim, qk_scale, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr):
+    """q [B, D], the keys' offsets and mask [B, N, D], and the scores [B, N] in base 2 (-inf
+    off the window) of ``BLOCK_B`` batch rows of query head h."""
+    offs_n = tl.maximum(k_len - window, 0) + tl.arange(0, BLOCK_N)
+    b_ok, d_ok = b < batch, offs_d < head_dim
+    q = tl.load(Q + b[:, None] * sqb + h * sqh + offs_d[None, :],
+                mask=b_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    kv_ok = b_ok[:, None, None] & (offs_n < k_len)[None, :, None] & d_ok[None, None, :]
+    k_at = b[:, None, None] * skb + hk * skh + offs_n[None, :, None] * skn + offs_d[None, None, :]
+    k = tl.load(K + k_at, mask=kv_ok, other=0.0).to(tl.float32)
+    s = tl.sum(q[:, None, :] * k, 2) * qk_scale
+    s = tl.where((offs_n < k_len)[None, :], s, float("-inf"))
+    return q, k, offs_n, kv_ok, s
+
+
+@triton.jit
+def _one_query_fwd_kernel(Q, K, V, O, LSE, sqb, sqh, skb, skh, skn, svb, svh, svn, sob, soh,
+                          heads, group, batch, k_len, window, head_dim, qk_scale,
+                          BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    h = tl.program_id(1)
+    hk = h // group
+    offs_d = tl.arange(0, BLOCK_D)
+    q, k, offs_n, kv_ok, s = _one_query_scores(Q, K, b, h, hk, offs_d, sqb, sqh, skb, skh,
+                                               skn, batch, k_len, window, head_dim, qk_scale,
+                                               BLOCK_B, BLOCK_N)
+    m = tl.max(s, 1)
+    p = tl.exp2(s - m[:, None])
+    total = tl.sum(p, 1)
+    v_at = b[:, None, None] * svb + hk * svh + offs_n[None, :, None] * svn + offs_d[None, None, :]
+    v = tl.load(V + v_at, mask=kv_ok, other=0.0).to(tl.float32)
+    o = tl.sum(p[:, :, None] * v, 1) / total[:, None]
+    b_ok = b < batch
+    tl.store(O + b[:, None] * sob + h * soh + offs_d[None, :], o.to(O.dtype.element_ty),
+             mask=b_ok[:, None] & (offs_d < head_dim)[None, :])
+    tl.store(LSE + b * heads + h, m + tl.log2(total), mask=b_ok)
+
+
+@triton.jit
+def _one_query_bwd_kernel(Q, K, V, O, DO, LSE, DQ, DK, DV, sqb, sqh, skb, skh, skn, svb, svh,
+                          svn, sob, soh, sdb, sdh, heads, group, batch, k_len, window, head_dim,
+                          scale, qk_scale, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    """One program: ``BLOCK_B`` batch rows of one KV head and its group of query heads; dK
+    and dV sum over the group in registers (no atomics)."""
+    b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    hk = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    b_ok, d_ok = b < batch, offs_d < head_dim
+    row_ok = b_ok[:, None] & d_ok[None, :]
+    dk = tl.zeros([BLOCK_B, BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_B, BLOCK_N, BLOCK_D], tl.float32)
+    for h in range(hk * group, hk * group + group):
+        q, k, offs_n, kv_ok, s = _one_query_scores(Q, K, b, h, hk, offs_d, sqb, sqh, skb, skh,
+                                                   skn, batch, k_len, window, head_dim,
+                                                   qk_scale, BLOCK_B, BLOCK_N)
+        p = tl.exp2(s - tl.load(LSE + b * heads + h, mask=b_ok, other=0.0)[:, None])
+        v_at = (b[:, None, None] * svb + hk * svh + offs_n[None, :, None] * svn
+                + offs_d[None, None, :])
+        v = tl.load(V + v_at, mask=kv_ok, other=0.0).to(tl.float32)
+        do = tl.load(DO + b[:, None] * sdb + h * sdh + offs_d[None, :], mask=row_ok,
+                     other=0.0).to(tl.float32)
+        o = tl.load(O + b[:, None] * sob + h * soh + offs_d[None, :], mask=row_ok,
+                    other=0.0).to(tl.float32)
+        ds = p * (tl.sum(do[:, None, :] * v, 2) - tl.sum(do * o, 1)[:, None])
+        dq = tl.sum(ds[:, :, None] * k, 1) * scale
+        tl.store(DQ + (b[:, None] * heads + h) * head_dim + offs_d[None, :],
+                 dq.to(DQ.dtype.element_ty), mask=row_ok)
+        dk += ds[:, :, None] * q[:, None, :]
+        dv += p[:, :, None] * do[:, None, :]
+    kv_heads = heads // group
+    out = ((b[:, None, None] * kv_heads + hk) * k_len + offs_n[None, :, None]) * head_dim \
+        + offs_d[None, None, :]
+    kv_ok = b_ok[:, None, None] & (offs_n < k_len)[None, :, None] & d_ok[None, None, :]
+    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_ok)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_ok)
+
+
 def _tiles(q_len: int, head_dim: int) -> dict:
     """Tile sizes: tl.dot needs >= 16; small tiles keep the interpreter fast."""
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -266,6 +352,52 @@ class WindowAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+def _one_query_blocks(k_len: int, window: int, head_dim: int) -> dict:
+    """Batch rows per program such that a [BLOCK_B, BLOCK_N, BLOCK_D] fp32 tile stays <= 2048
+    elements (the backward holds four of them)."""
+    block_n = triton.next_power_of_2(min(k_len, window))
+    block_d = triton.next_power_of_2(head_dim)
+    return dict(BLOCK_B=max(2, 2048 // (block_n * block_d)), BLOCK_N=block_n, BLOCK_D=block_d)
+
+
+class OneQueryAttention(torch.autograd.Function):
+    """``WindowAttention`` for q_len = 1: q [b, h, 1, d], k/v [b, kv_heads, k_len, d]."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, window: int, scale: float) -> Tensor:
+        q, k, v = (_unit_last(t) for t in (q, k, v))
+        batch, heads, _, head_dim = q.shape
+        k_len = k.shape[2]
+        o = torch.empty_like(q)
+        lse = torch.empty(batch, heads, device=q.device, dtype=torch.float32)
+        blocks = _one_query_blocks(k_len, window, head_dim)
+        _one_query_fwd_kernel[(triton.cdiv(batch, blocks["BLOCK_B"]), heads)](
+            q, k, v, o, lse, q.stride(0), q.stride(1), *_strides(k), *_strides(v), o.stride(0),
+            o.stride(1), heads, heads // k.shape[1], batch, k_len, window, head_dim,
+            scale * LOG2E, **blocks)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.window, ctx.scale = window, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        q, k, v, o, lse = ctx.saved_tensors
+        do = _unit_last(do)
+        batch, heads, _, head_dim = q.shape
+        kv_heads, k_len = k.shape[1], k.shape[2]
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        # keys before the window get no gradient: zero them when there are any
+        make = torch.zeros if k_len > ctx.window else torch.empty
+        dk, dv = (make(t.shape, device=t.device, dtype=t.dtype) for t in (k, v))
+        blocks = _one_query_blocks(k_len, ctx.window, head_dim)
+        _one_query_bwd_kernel[(triton.cdiv(batch, blocks["BLOCK_B"]), kv_heads)](
+            q, k, v, o, do, lse, dq, dk, dv, q.stride(0), q.stride(1), *_strides(k),
+            *_strides(v), o.stride(0), o.stride(1), do.stride(0), do.stride(1), heads,
+            heads // kv_heads, batch, k_len, ctx.window, head_dim, ctx.scale,
+            ctx.scale * LOG2E, **blocks)
+        return dq, dk, dv, None, None
+
+
 def window_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
                      scale: float | None = None) -> Tensor:
     """Triton ``short_window_attention`` (same arguments, same result)."""
@@ -277,4 +409,6 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]}")
     if scale is None:
         scale = 1 / math.sqrt(q.shape[-1])
+    if q.shape[2] == 1:
+        return OneQueryAttention.apply(q, k, v, window, scale)
     return WindowAttention.apply(q, k, v, window, scale)

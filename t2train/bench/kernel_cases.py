@@ -56,6 +56,7 @@ class KernelShapes:
     heads: int
     kv_heads: int
     window: int  # ShortSWA window
+    depth_window: int  # depth_attn: the layer states a read attends over
     ddl_widths: tuple  # d_v values
     sources: int  # completed Block AttnRes sources at the last block
     block: int  # sublayers per Block AttnRes block (queries per phase-1 call)
@@ -156,6 +157,29 @@ def window_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
     flops = 4 * b * h * d * pairs
     yield Case("window_attention", shapes.label, f"b={b} h={h}/{hk} s={s} d={d} w={w}", impls,
                {"fwd": flops, "fwd+bwd": 3.5 * flops}, "TFLOP/s")
+
+
+def depth_read_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
+    """depth_attn's read: one query per token and head over its last ``depth_window`` layer
+    states (the model's heads, no grouping), against the FlashAttention-style kernel that
+    served it before the one-query kernels (16 query rows per tile, 15 of them padding)."""
+    from t2train.kernels.window_attention import WindowAttention, window_attention
+
+    short_window_attention = kernel_references()["window_attention"]
+
+    tokens, h, n, d = shapes.batch * shapes.seq, shapes.heads, shapes.depth_window, \
+        shapes.head_dim
+    q, k, v = _leaf(rt, tokens, h, 1, d), _leaf(rt, tokens, h, n, d), _leaf(rt, tokens, h, n, d)
+    scale = d ** -0.5
+    compiled = rt.compile(short_window_attention)
+    impls = [Impl("triton", lambda: window_attention(q, k, v, n, scale), [q, k, v]),
+             Impl("triton, 16-query tiles", lambda: WindowAttention.apply(q, k, v, n, scale),
+                  [q, k, v]),
+             Impl("eager", lambda: short_window_attention(q, k, v, n, scale), [q, k, v]),
+             Impl("torch.compile", lambda: compiled(q, k, v, n, scale), [q, k, v])]
+    unit = tokens * h * d * q.element_size()  # q or o; k and v are n of these each
+    yield Case("depth_read", shapes.label, f"tokens={tokens} h={h} n={n} d={d}", impls,
+               {"fwd": (2 * n + 2) * unit, "fwd+bwd": (6 * n + 5) * unit}, "GB/s")
 
 
 def _flex_impls(rt: Runtime, q, k, v, window) -> list[Impl]:
@@ -295,7 +319,8 @@ def stream_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
                {"fwd": (2 * n + 1) * unit, "fwd+bwd": (5 * n + 3) * unit}, "GB/s")
 
 
-BUILDERS = {"window_attention": window_cases, "delta_write": delta_write_cases,
+BUILDERS = {"window_attention": window_cases, "depth_read": depth_read_cases,
+            "delta_write": delta_write_cases,
             "fp32_linear": gate_logit_cases, "depth_mix": depth_mix_cases,
             "mhc_streams": stream_cases}
 

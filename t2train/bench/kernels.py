@@ -2,11 +2,11 @@
 and the GPU check's kernel section.
 
 Shapes: one micro-batch of the preset (sequence, width, heads, query groups), with the design
-options of ``targets.yaml`` (ShortSWA window, DDL widths d_v, Block AttnRes block size; the
-largest Block AttnRes read has one source per completed block). On the GPU in bf16 against
-eager, ``torch.compile`` and FlexAttention; in the check's dry run in fp32 on the CPU with the
-Triton interpreter (its bf16 ``tl.dot`` is wrong) and dynamo's eager backend, which only proves
-the harness runs.
+options of ``targets.yaml`` (ShortSWA window, depth_attn window, DDL widths d_v, Block AttnRes
+block size; the largest Block AttnRes read has one source per completed block). On the GPU in
+bf16 against eager, ``torch.compile`` and FlexAttention; in the check's dry run in fp32 on the
+CPU with the Triton interpreter (its bf16 ``tl.dot`` is wrong) and dynamo's eager backend,
+which only proves the harness runs.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ def preset_shapes(label: str, preset: str, overrides, options: dict):
         label=label, batch=train.micro_batch_size, seq=model.seq_length, hidden=model.hidden_size,
         heads=model.num_attention_heads,
         kv_heads=model.num_query_groups or model.num_attention_heads, window=options["window"],
+        depth_window=options["depth_window"],
         ddl_widths=tuple(options["ddl_widths"]),
         sources=2 * model.num_layers // options["block_size"], block=options["block_size"])
 

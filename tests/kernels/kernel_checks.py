@@ -13,7 +13,7 @@ from t2train.kernels import dispatch
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # kernel name in the dispatch counter -> the autograd nodes its forward leaves in the graph
-BACKWARD_NODES = {"window_attention": {"WindowAttentionBackward"},
+BACKWARD_NODES = {"window_attention": {"WindowAttentionBackward", "OneQueryAttentionBackward"},
                   "delta_write": {"DeltaWriteBackward"}, "fp32_linear": {"Fp32LinearBackward"},
                   "depth_mix": {"Phase1Backward", "Phase2Backward"},
                   "block_phase_1": {"Phase1Backward"}, "block_phase_2": {"Phase2Backward"},

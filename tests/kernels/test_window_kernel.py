@@ -12,8 +12,13 @@ SHAPES = {
     "gqa": (1, 4, 2, 20, 20, 24, 7),
     "window_one": (1, 2, 1, 17, 17, 16, 1),
     "full_window": (1, 2, 2, 20, 20, 16, 64),
+    # One query (the one-query kernels): more tokens than one program's rows, a single key,
+    # window 1 with a 3:1 head group and a head dim off the powers of two.
     "depth_read": (6, 2, 2, 1, 3, 16, 4),
     "depth_truncated": (3, 2, 1, 1, 9, 16, 4),
+    "depth_many_tokens": (37, 2, 2, 1, 4, 64, 4),
+    "depth_one_key": (5, 2, 2, 1, 1, 16, 4),
+    "depth_window_one": (5, 3, 1, 1, 6, 24, 1),
     "head_dim_128": (1, 1, 1, 18, 18, 128, 8),
     # Bands whose last query starts a new 16-row tile (the interpreter's tiles): a key tile's
     # dK/dV must still visit it (window 2: key 15 is seen by query 16; 18: by query 32).
@@ -41,7 +46,7 @@ def test_fp32(case):
     _check(SHAPES[case], torch.float32)
 
 
-@pytest.mark.parametrize("case", ["sequence", "gqa", "depth_read"])
+@pytest.mark.parametrize("case", ["sequence", "gqa", "depth_read", "depth_truncated"])
 def test_fp16(case):
     _check(SHAPES[case], torch.float16)
 
@@ -50,6 +55,30 @@ def test_fp16(case):
 @pytest.mark.parametrize("case", SHAPES)
 def test_bf16(case):
     _check(SHAPES[case], torch.bfloat16)
+
+
+@pytest.mark.parametrize("q_len, node", [(1, "OneQueryAttentionBackward"),
+                                          (2, "WindowAttentionBackward")])
+def test_one_query_takes_its_own_kernels(q_len, node):
+    from kernel_checks import graph_nodes, run_kernels
+
+    q, k, v = _inputs((4, 2, 2, q_len, 3, 16, 2), torch.float32)
+    out = run_kernels(attend_window, q.requires_grad_(), k, v, 2)
+    assert node in graph_nodes(out)
+
+
+def test_depth_read_views_as_the_model_passes_them():
+    """depth_attn folds the window into the batch ([s, b * n, h]): k and v are strided views
+    of one projection, and so is q here."""
+    tokens, heads, n, d = 5, 2, 3, 16
+    g = torch.Generator().manual_seed(5)
+    kv = torch.randn(tokens, n, 2, heads, d, generator=g).to(DEVICE)
+    k, v = (kv[:, :, i].permute(0, 2, 1, 3) for i in range(2))  # [tokens, heads, n, d] views
+    q = torch.randn(tokens, heads, 2 * d, generator=g).to(DEVICE)[..., :d].unsqueeze(2)
+    assert not k.is_contiguous() and not q.is_contiguous()
+    assert_matches(lambda q, k, v: attend_window(q, k, v, 2),
+                   lambda q, k, v: short_window_attention(q, k, v, 2), (q, k, v),
+                   torch.float32, "window_attention")
 
 
 def test_strided_inputs_and_default_scale():

@@ -23,7 +23,7 @@ class Settings:
     step_preset: str
     step_targets: dict  # variant -> max step time / the baseline's
     kernel_min_vs_best_peer: float
-    kernel_options: dict  # window, ddl_widths, block_size
+    kernel_options: dict  # window, depth_window, ddl_widths, block_size
     mfu_preset: str
     mfu_min: float
     dry_run_overrides: tuple[str, ...]
