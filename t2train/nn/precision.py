@@ -47,12 +47,16 @@ GATE_MAX_OUTPUTS = 16
 
 
 def fp32_linear(x: Tensor, linear: torch.nn.Linear) -> Tensor:
-    """``linear(x)`` in fp32 whatever the dtypes of ``x`` and the weights, or autocast;
-    through the Triton kernel where ``T2_KERNELS`` routes it (up to 16 outputs)."""
-    if linear.out_features > GATE_MAX_OUTPUTS:
-        return linear_in_fp32(x, linear.weight, linear.bias)
-    apply = route("fp32_linear", linear_in_fp32, x, linear.weight)
-    return apply(x, linear.weight, linear.bias)
+    """``linear(x)`` in fp32 whatever the dtypes of ``x`` and the weights, or autocast."""
+    return fp32_logits(x, linear.weight, linear.bias)
+
+
+def fp32_logits(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x W^T + b in fp32 (weight [outputs, h]); through the Triton kernel where ``T2_KERNELS``
+    routes it (up to 16 outputs: gate logits)."""
+    if weight.shape[0] > GATE_MAX_OUTPUTS:
+        return linear_in_fp32(x, weight, bias)
+    return route("fp32_linear", linear_in_fp32, x, weight)(x, weight, bias)
 
 
 def linear_in_fp32(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

@@ -56,6 +56,7 @@ from torch import Tensor
 from t2train.errors import require
 from t2train.nn import probe
 from t2train.nn.norm import RMSNorm
+from t2train.nn.precision import fp32_logits
 from t2train.residual import sublayer_names
 from t2train.residual.base import (
     ResidualDesign,
@@ -170,13 +171,14 @@ class HyperConnection(StreamMixResidual):
         beta = at_least_fp32(self.static_beta).expand(s, b, n)
         if not self.dynamic:
             return alpha, beta
-        normed = at_least_fp32(self.norm(state))  # each stream on its own
+        # Both projections of each stream (normed on its own) at once, in fp32 without an
+        # fp32 copy of the n streams: [n, s, b, n + 2], alpha's n + 1 logits, then beta's.
+        projections = torch.cat([self.dynamic_alpha.t(), self.dynamic_beta[None]])
+        logits = fp32_logits(self.norm(state), projections)
         scale_a, scale_b = (at_least_fp32(p) for p in (self.dynamic_alpha_scale,
                                                         self.dynamic_beta_scale))
-        alpha = alpha + scale_a * torch.tanh(
-            normed @ at_least_fp32(self.dynamic_alpha)).permute(1, 2, 0, 3)
-        beta = beta + scale_b * torch.tanh(
-            normed @ at_least_fp32(self.dynamic_beta)).permute(1, 2, 0)
+        alpha = alpha + scale_a * torch.tanh(logits[..., :n + 1]).permute(1, 2, 0, 3)
+        beta = beta + scale_b * torch.tanh(logits[..., n + 1]).permute(1, 2, 0)
         return alpha, beta
 
     def width_connection(self, state: Tensor) -> tuple[Tensor, tuple]:
