@@ -65,9 +65,13 @@ def _bwd_kernel(X, W, G, DX, DW_PART, DB_PART, rows, hidden, n_out,
         x = tl.load(X + x_at, mask=r_ok[:, None] & h_ok, other=0.0)
         w = tl.load(W + offs_j[:, None] * hidden + offs_h[None, :], mask=j_ok[:, None] & h_ok,
                     other=0.0)
-        tl.store(DX + x_at, dot(g, w, True).to(DX.dtype.element_ty), mask=r_ok[:, None] & h_ok)
-        tl.store(DW_PART + (block * n_out + offs_j[:, None]) * hidden + offs_h[None, :],
-                 dot(tl.trans(g), x, True), mask=j_ok[:, None] & h_ok)
+        # g is fp32: these products are IEEE fp32 (a literal True reaches ``dot`` as a runtime
+        # value once compiled, so the casts are written out)
+        dx = tl.dot(g, w.to(tl.float32), input_precision="ieee")
+        tl.store(DX + x_at, dx.to(DX.dtype.element_ty), mask=r_ok[:, None] & h_ok)
+        dw = tl.dot(tl.trans(g), x.to(tl.float32), input_precision="ieee")
+        tl.store(DW_PART + (block * n_out + offs_j[:, None]) * hidden + offs_h[None, :], dw,
+                 mask=j_ok[:, None] & h_ok)
 
 
 def _blocks(n_out: int) -> dict:

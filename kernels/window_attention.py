@@ -246,12 +246,16 @@ def _one_query_bwd_kernel(Q, K, V, O, DO, LSE, DQ, DK, DV, sqb, sqh, skb, skh, s
     offs_d = tl.arange(0, BLOCK_D)
     b_ok, d_ok = b < batch, offs_d < head_dim
     row_ok = b_ok[:, None] & d_ok[None, :]
+    # the window's keys, and their mask, as _one_query_scores makes them (a value defined
+    # inside the loop is not visible after it, once compiled)
+    offs_n = tl.maximum(k_len - window, 0) + tl.arange(0, BLOCK_N)
+    kv_ok = b_ok[:, None, None] & (offs_n < k_len)[None, :, None] & d_ok[None, None, :]
     dk = tl.zeros([BLOCK_B, BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_B, BLOCK_N, BLOCK_D], tl.float32)
     for h in range(hk * group, hk * group + group):
-        q, k, offs_n, kv_ok, s = _one_query_scores(Q, K, b, h, hk, offs_d, sqb, sqh, skb, skh,
-                                                   skn, batch, k_len, window, head_dim,
-                                                   qk_scale, BLOCK_B, BLOCK_N)
+        q, k, _, _, s = _one_query_scores(Q, K, b, h, hk, offs_d, sqb, sqh, skb, skh, skn,
+                                          batch, k_len, window, head_dim, qk_scale, BLOCK_B,
+                                          BLOCK_N)
         p = tl.exp2(s - tl.load(LSE + b * heads + h, mask=b_ok, other=0.0)[:, None])
         v_at = (b[:, None, None] * svb + hk * svh + offs_n[None, :, None] * svn
                 + offs_d[None, None, :])
@@ -269,7 +273,6 @@ def _one_query_bwd_kernel(Q, K, V, O, DO, LSE, DQ, DK, DV, sqb, sqh, skb, skh, s
     kv_heads = heads // group
     out = ((b[:, None, None] * kv_heads + hk) * k_len + offs_n[None, :, None]) * head_dim \
         + offs_d[None, None, :]
-    kv_ok = b_ok[:, None, None] & (offs_n < k_len)[None, :, None] & d_ok[None, None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_ok)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_ok)
 

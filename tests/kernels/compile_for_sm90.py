@@ -1,0 +1,111 @@
+"""Compile every Triton kernel for an H100 (sm_90) as the wrappers launch it, on a machine
+without a GPU: ``python tests/kernels/compile_for_sm90.py`` (without TRITON_INTERPRET).
+
+The interpreter runs the kernels' arithmetic but not Triton's compiler, which is stricter
+(types, shapes of ``tl.dot``, loop bounds); a kernel that does not compile would fail its
+first GPU run, in the middle of a scarce GPU session. Here each wrapper runs forward and
+backward on small CPU tensors with ``JITFunction.run`` replaced: every launch is compiled to
+a cubin for sm_90 with the launch's own argument types, constants and warp count (the GPU
+tile sizes, since the interpreter is off), and not run. Prints one line per compiled
+specialisation; exits 1 with the compiler's error on the first failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+TARGET = GPUTarget("cuda", 90, 32)
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+          torch.int64: "i64", torch.int32: "i32"}
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
+compiled: set = set()
+
+
+def _type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + DTYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i64" if abs(value) >= 2 ** 31 else "i32"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"{type(value).__name__} argument")
+
+
+def compile_launch(self: JITFunction, *args, grid, warmup, **kwargs):
+    """In place of ``JITFunction.run``: compile this launch for sm_90, run nothing."""
+    names = [param.name for param in self.params]
+    bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+    constexprs = {p.name: bound[p.name] for p in self.params if p.is_constexpr}
+    signature = {name: "constexpr" if name in constexprs else _type(value)
+                 for name, value in bound.items()}
+    options = {k: v for k, v in kwargs.items() if k in LAUNCH_OPTIONS}
+    key = (self.__name__, self.fn.__module__, tuple(signature.values()),
+           tuple(sorted(constexprs.items())), tuple(sorted(options.items())))
+    if key not in compiled:
+        triton.compile(ASTSource(self, signature, constexprs), target=TARGET, options=options)
+        compiled.add(key)
+        print(f"sm_90: {self.fn.__module__}.{self.__name__} {constexprs} {options}", flush=True)
+
+
+def _leaves(dtype, *shapes):
+    return [torch.randn(*shape, dtype=dtype).requires_grad_() for shape in shapes]
+
+
+def _backward(out) -> None:
+    outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    torch.autograd.backward([o for o in outs if o.requires_grad],
+                            [torch.ones_like(o) for o in outs if o.requires_grad])
+
+
+def launch_every_kernel(dtype) -> None:
+    """Each wrapper forward and backward at shapes like the presets' (head dims 64 and 128,
+    grouped heads, one query, d_v 1 and 4, a few sources and gate outputs)."""
+    from t2train.kernels import ddl_update, depth_mix, fp32_linear, mhc_streams
+    from t2train.kernels.window_attention import window_attention
+
+    for heads, kv_heads, q_len, k_len, head_dim, window in [
+            (4, 4, 64, 64, 64, 16), (4, 2, 64, 64, 128, 16), (4, 4, 1, 4, 64, 4),
+            (4, 2, 1, 4, 128, 2)]:
+        q, k, v = _leaves(dtype, (2, heads, q_len, head_dim), (2, kv_heads, k_len, head_dim),
+                          (2, kv_heads, k_len, head_dim))
+        _backward(window_attention(q, k, v, window))
+    for dv in (1, 4):
+        state = _leaves(dtype, (8, 2, 256) if dv == 1 else (dv, 8, 2, 256))[0]
+        out, beta, v_logit = _leaves(dtype, (8, 2, 256), (8, 2, 1), (8, 2, dv))
+        _backward(ddl_update.delta_write(state, out, beta, v_logit, 1e-5, 4.0))
+    for outputs in (1, 4, 6):
+        x, weight, bias = _leaves(dtype, (8, 2, 256), (outputs, 256), (outputs,))
+        _backward(fp32_linear.fp32_linear(x, weight, bias))
+    query, partial, *sources = _leaves(dtype, (256,), (8, 2, 256), *[(8, 2, 256)] * 3)
+    _backward(depth_mix.depth_mix(query, sources, partial, 1e-6))
+    queries = _leaves(dtype, (4, 256))[0]
+    _backward(depth_mix.phase_1(queries, sources, 1e-6))
+    state, out = _leaves(dtype, (4, 8, 2, 256), (8, 2, 256))
+    pre, post, res = _leaves(torch.float32, (8, 2, 4), (8, 2, 4), (8, 2, 4, 4))
+    _backward(mhc_streams.stream_read(state, pre))
+    _backward(mhc_streams.stream_write(state, out, post, res, 20))
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("unset TRITON_INTERPRET: the interpreter replaces the compiler", file=sys.stderr)
+        return 2
+    JITFunction.run = compile_launch
+    for dtype in (torch.bfloat16, torch.float32):
+        launch_every_kernel(dtype)
+    print(f"compiled {len(compiled)} kernel specialisations for sm_90 (triton "
+          f"{triton.__version__})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
