@@ -56,7 +56,7 @@ from torch import Tensor
 from t2train.errors import require
 from t2train.nn import probe
 from t2train.nn.norm import RMSNorm
-from t2train.nn.precision import fp32_logits
+from t2train.nn.precision import at_least_fp32, fp32_logits
 from t2train.residual import sublayer_names
 from t2train.residual.base import (
     ResidualDesign,
@@ -80,10 +80,6 @@ class HCOptions:
         require(self.dynamic_scale_init > 0, f"{prefix}.dynamic_scale_init",
                 self.dynamic_scale_init, "must be > 0 (at 0 neither the scales nor the "
                 "zero-initialised dynamic weights would get a gradient)")
-
-
-def at_least_fp32(t: Tensor) -> Tensor:
-    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def sublayer_index(config, layer_number: int, position: int) -> int:

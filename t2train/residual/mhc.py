@@ -61,11 +61,11 @@ from torch import Tensor
 
 from t2train.errors import require
 from t2train.kernels import dispatch
+from t2train.nn.precision import at_least_fp32
 from t2train.residual.base import ResidualDesign, mark_replicated
 from t2train.residual.hc import (
     StreamCopies,
     StreamMixResidual,
-    at_least_fp32,
     diagnostics_for,
     record_weights,
     sublayers,

@@ -22,6 +22,7 @@ DISPATCH = "kernels/dispatch.py"
 K_DDL = "kernels/ddl_update.py"
 K_WINDOW = "kernels/window_attention.py"
 K_ATTNRES = "kernels/depth_mix.py"
+K_GATES = "kernels/fp32_linear.py"
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,21 @@ MUTATIONS = [
     m("kernel-window-dkdv-range", "kernels",
       "the dK/dV program stops one query early (the last query that sees its key tile)",
       (K_WINDOW, "BLOCK_N + window - 1 - shift, q_len)", "BLOCK_N + window - 2 - shift, q_len)")),
+    m("kernel-one-query-first-keys", "kernels",
+      "the one-query (depth read) kernel attends to the first window keys, not the last",
+      (K_WINDOW, "    offs_n = tl.maximum(k_len - window, 0) + tl.arange(0, BLOCK_N)\n"
+                 "    b_ok, d_ok = b < batch, offs_d < head_dim\n    q = tl.load(",
+       "    offs_n = tl.arange(0, BLOCK_N)\n"
+       "    b_ok, d_ok = b < batch, offs_d < head_dim\n    q = tl.load(")),
+    m("kernel-one-query-dk-last-head", "kernels",
+      "the one-query backward keeps dK of the group's last query head only",
+      (K_WINDOW, "dk += ds[:, :, None] * q[:, None, :]", "dk = ds[:, :, None] * q[:, None, :]")),
+    m("kernel-gate-logits-no-bias", "kernels", "the gate-logit kernel drops the bias",
+      (K_GATES, "    if HAS_BIAS:\n        acc +=", "    if HAS_BIAS and False:\n        acc +=")),
+    m("kernel-gate-logits-rounded-weights", "kernels",
+      "fp32 weights under autocast are multiplied at the activations' low precision",
+      (K_GATES, "exact = fp32_dot(x.dtype) or x.dtype != weight.dtype",
+       "exact = fp32_dot(x.dtype)")),
     m("kernel-attnres-rms-sum", "kernels", "the AttnRes kernel's RMS over the sum, not the mean",
       (K_ATTNRES, "r = 1.0 / tl.sqrt(sumsq / hidden + eps)", "r = 1.0 / tl.sqrt(sumsq + eps)")),
     m("kernel-attnres-merge-swapped", "kernels",
