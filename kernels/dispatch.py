@@ -29,6 +29,8 @@ KERNELS = {  # kernel name -> (module, function)
     "block_phase_2": ("t2train.kernels.depth_mix", "phase_2"),
     "stream_read": ("t2train.kernels.mhc_streams", "stream_read"),
     "stream_write": ("t2train.kernels.mhc_streams", "stream_write"),
+    "hc_read": ("t2train.kernels.mhc_streams", "width_read"),
+    "hc_write": ("t2train.kernels.mhc_streams", "depth_write"),
 }
 launches: Counter = Counter()  # kernel name -> calls routed to the Triton kernel
 

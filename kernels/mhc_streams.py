@@ -1,4 +1,4 @@
-"""Fused mHC stream read and write, forward and backward (one pass over the stream each).
+"""Fused mHC (and HC) stream read and write, forward and backward (one pass over the stream each).
 
 Exact counterparts of ``t2train.residual.mhc.stream_read`` and ``stream_write``. Per token,
 with the streams x_j (j < n, each of width h), the read logits p_j, the write logits q_i and
@@ -20,6 +20,10 @@ sums of A). In fp32; results stored in the inputs' dtypes. Backward, with G = dL
 reruns the iterations once, keeping only each one's sums r_t and c_t in registers, and
 rebuilds the matrices in reverse from R: A_t = B_t c_t, and M_in(t) = A_t r_t is B_{t-1};
 nothing but the inputs is saved between forward and backward.
+
+Hyper-Connections (``RAW``) mix with weights given as they are: read w_j = p_j; write
+y_i = sum_j R_ij x_j + P_i o with R and P as given (no sigmoid, no Sinkhorn), so the backward
+ends at dR_ij = <g_i, x_j> and dP_i = <g_i, o>.
 
 One program owns a block of tokens (their n x n iterations side by side) and loops over the
 hidden dim in blocks, reading each stream once; the write's backward accumulates dR and dq
@@ -123,10 +127,17 @@ def _column(matrices, streams, j):
 
 
 @triton.jit
+def _read_weights(PRE, toks, t_ok, streams, n_ok, n, RAW: tl.constexpr):
+    """The read weights [tokens, n]: sigma(p) (mHC), or p as given (RAW: HC's alpha)."""
+    pre = _per_stream(PRE, toks, t_ok, streams, n_ok, n)
+    return pre if RAW else tl.where(n_ok[None, :], tl.sigmoid(pre), 0.0)
+
+
+@triton.jit
 def _read_fwd(X, PRE, Y, tokens, hidden, n, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_H: tl.constexpr):
+              BLOCK_H: tl.constexpr, RAW: tl.constexpr):
     toks, t_ok, streams, n_ok, plane = _block(tokens, hidden, n, BLOCK_T, BLOCK_N)
-    w = tl.where(n_ok[None, :], tl.sigmoid(_per_stream(PRE, toks, t_ok, streams, n_ok, n)), 0.0)
+    w = _read_weights(PRE, toks, t_ok, streams, n_ok, n, RAW)
     for start in range(0, hidden, BLOCK_H):
         cols = start + tl.arange(0, BLOCK_H)
         row = toks[:, None] * hidden + cols[None, :]
@@ -142,9 +153,9 @@ def _read_fwd(X, PRE, Y, tokens, hidden, n, BLOCK_T: tl.constexpr, BLOCK_N: tl.c
 
 @triton.jit
 def _read_bwd(X, PRE, G, DX, DPRE, tokens, hidden, n, BLOCK_T: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+              BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, RAW: tl.constexpr):
     toks, t_ok, streams, n_ok, plane = _block(tokens, hidden, n, BLOCK_T, BLOCK_N)
-    w = tl.where(n_ok[None, :], tl.sigmoid(_per_stream(PRE, toks, t_ok, streams, n_ok, n)), 0.0)
+    w = _read_weights(PRE, toks, t_ok, streams, n_ok, n, RAW)
     dw = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     for start in range(0, hidden, BLOCK_H):
         cols = start + tl.arange(0, BLOCK_H)
@@ -158,28 +169,32 @@ def _read_bwd(X, PRE, G, DX, DPRE, tokens, hidden, n, BLOCK_T: tl.constexpr,
                      mask=ok)
             dw += tl.where(streams[None, :] == j, tl.sum(x_j * g, 1)[:, None], 0.0)
             row_j += plane
-    tl.store(DPRE + toks[:, None] * n + streams[None, :],
-             (dw * w * (1.0 - w)).to(DPRE.dtype.element_ty), mask=t_ok[:, None] & n_ok[None, :])
+    d_pre = dw if RAW else dw * w * (1.0 - w)
+    tl.store(DPRE + toks[:, None] * n + streams[None, :], d_pre.to(DPRE.dtype.element_ty),
+             mask=t_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _write_inputs(POST, RES, toks, t_ok, streams, n_ok, n):
-    """M_0 = exp(L - rowmax L) [tokens, n, n] (0 outside n x n) and P = 2 sigma(q) [tokens, n]."""
+def _write_inputs(POST, RES, toks, t_ok, streams, n_ok, n, RAW: tl.constexpr):
+    """M_0 = exp(L - rowmax L) [tokens, n, n] (0 outside n x n) and P = 2 sigma(q) [tokens, n];
+    RAW (HC): the mixing matrix and P as given."""
     ok = n_ok[None, :, None] & n_ok[None, None, :]
     offsets = toks[:, None, None] * n * n + streams[None, :, None] * n + streams[None, None, :]
     logits = tl.load(RES + offsets, mask=t_ok[:, None, None] & ok, other=0.0).to(tl.float32)
+    post = _per_stream(POST, toks, t_ok, streams, n_ok, n)
+    if RAW:
+        return logits, post
     row_max = tl.where(n_ok[None, :], tl.max(tl.where(ok, logits, float("-inf")), 2), 0.0)
     m0 = tl.where(ok, tl.exp(logits - row_max[:, :, None]), 0.0)
-    post = 2.0 * tl.sigmoid(_per_stream(POST, toks, t_ok, streams, n_ok, n))
-    return m0, tl.where(n_ok[None, :], post, 0.0)
+    return m0, tl.where(n_ok[None, :], 2.0 * tl.sigmoid(post), 0.0)
 
 
 @triton.jit
 def _write_fwd(X, OUT, POST, RES, Y, tokens, hidden, n, iterations, BLOCK_T: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, RAW: tl.constexpr):
     toks, t_ok, streams, n_ok, plane = _block(tokens, hidden, n, BLOCK_T, BLOCK_N)
-    m0, post = _write_inputs(POST, RES, toks, t_ok, streams, n_ok, n)
-    mixing = _sinkhorn(m0, n_ok, iterations)
+    m0, post = _write_inputs(POST, RES, toks, t_ok, streams, n_ok, n, RAW)
+    mixing = _sinkhorn(m0, n_ok, iterations)  # RAW: no iterations
     for start in range(0, hidden, BLOCK_H):
         cols = start + tl.arange(0, BLOCK_H)
         row = toks[:, None] * hidden + cols[None, :]
@@ -198,9 +213,9 @@ def _write_fwd(X, OUT, POST, RES, Y, tokens, hidden, n, iterations, BLOCK_T: tl.
 @triton.jit
 def _write_bwd(X, OUT, POST, RES, G, DX, DOUT, DPOST, DRES, tokens, hidden, n, iterations,
                BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-               BLOCK_I: tl.constexpr):
+               BLOCK_I: tl.constexpr, RAW: tl.constexpr):
     toks, t_ok, streams, n_ok, plane = _block(tokens, hidden, n, BLOCK_T, BLOCK_N)
-    m0, post = _write_inputs(POST, RES, toks, t_ok, streams, n_ok, n)
+    m0, post = _write_inputs(POST, RES, toks, t_ok, streams, n_ok, n, RAW)
     mixing, row_sums, column_sums = _sinkhorn_recorded(m0, n_ok, iterations, BLOCK_T, BLOCK_N,
                                                        BLOCK_I)
     d_mixing = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_N], dtype=tl.float32)
@@ -222,13 +237,14 @@ def _write_bwd(X, OUT, POST, RES, G, DX, DOUT, DPOST, DRES, tokens, hidden, n, i
             d_mixing += tl.where(streams[None, None, :] == j,
                                  tl.sum(g * x_j[:, None, :], 2)[:, :, None], 0.0)
             row_j += plane
-    tl.store(DPOST + toks[:, None] * n + streams[None, :],
-             (d_post * post * (1.0 - 0.5 * post)).to(DPOST.dtype.element_ty),
+    if not RAW:  # through P = 2 sigma(q) and the Sinkhorn iterations
+        d_post = d_post * post * (1.0 - 0.5 * post)
+        d_mixing = _sinkhorn_backward(m0, mixing, row_sums, column_sums, iterations, d_mixing,
+                                      BLOCK_I)
+    tl.store(DPOST + toks[:, None] * n + streams[None, :], d_post.to(DPOST.dtype.element_ty),
              mask=t_ok[:, None] & n_ok[None, :])
-    d_logits = _sinkhorn_backward(m0, mixing, row_sums, column_sums, iterations, d_mixing,
-                                  BLOCK_I)
     offsets = toks[:, None, None] * n * n + streams[None, :, None] * n + streams[None, None, :]
-    tl.store(DRES + offsets, d_logits.to(DRES.dtype.element_ty),
+    tl.store(DRES + offsets, d_mixing.to(DRES.dtype.element_ty),
              mask=t_ok[:, None, None] & n_ok[None, :, None] & n_ok[None, None, :])
 
 
@@ -254,17 +270,18 @@ def _check(state: Tensor, **others: tuple) -> None:
 
 
 class StreamRead(torch.autograd.Function):
-    """state [n, s, b, h]; pre_logit [s, b, n] -> [s, b, h]."""
+    """state [n, s, b, h]; pre_logit [s, b, n] (raw: the weights themselves) -> [s, b, h]."""
 
     @staticmethod
-    def forward(ctx, state: Tensor, pre_logit: Tensor) -> Tensor:
+    def forward(ctx, state: Tensor, pre_logit: Tensor, raw: bool) -> Tensor:
         state, pre_logit = state.contiguous(), pre_logit.contiguous()
         n, hidden = state.shape[0], state.shape[-1]
         tokens = state[0].numel() // hidden
         y = torch.empty(state.shape[1:], dtype=state.dtype, device=state.device)
-        _read_fwd[_grid(tokens)](state, pre_logit, y, tokens, hidden, n,
+        _read_fwd[_grid(tokens)](state, pre_logit, y, tokens, hidden, n, RAW=raw,
                                  **_launch(n, hidden))
         ctx.save_for_backward(state, pre_logit)
+        ctx.raw = raw
         return y
 
     @staticmethod
@@ -274,24 +291,25 @@ class StreamRead(torch.autograd.Function):
         tokens = state[0].numel() // hidden
         d_state, d_pre = torch.empty_like(state), torch.empty_like(pre_logit)
         _read_bwd[_grid(tokens)](state, pre_logit, grad.contiguous(), d_state, d_pre, tokens,
-                                 hidden, n, **_launch(n, hidden))
-        return d_state, d_pre
+                                 hidden, n, RAW=ctx.raw, **_launch(n, hidden))
+        return d_state, d_pre, None
 
 
 class StreamWrite(torch.autograd.Function):
-    """state [n, s, b, h]; out [s, b, h]; post_logit [s, b, n]; res_logit [s, b, n, n]."""
+    """state [n, s, b, h]; out [s, b, h]; post_logit [s, b, n]; res_logit [s, b, n, n]; raw:
+    P and the mixing matrix as given (no sigmoid, no Sinkhorn)."""
 
     @staticmethod
     def forward(ctx, state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor,
-                iterations: int) -> Tensor:
+                iterations: int, raw: bool) -> Tensor:
         inputs = [t.contiguous() for t in (state, out, post_logit, res_logit)]
         n, hidden = state.shape[0], state.shape[-1]
         tokens = out.numel() // hidden
         y = torch.empty_like(inputs[0])
-        _write_fwd[_grid(tokens)](*inputs, y, tokens, hidden, n, iterations,
+        _write_fwd[_grid(tokens)](*inputs, y, tokens, hidden, n, iterations, RAW=raw,
                                   **_launch(n, hidden))
         ctx.save_for_backward(*inputs)
-        ctx.iterations = iterations
+        ctx.iterations, ctx.raw = iterations, raw
         return y
 
     @staticmethod
@@ -302,16 +320,17 @@ class StreamWrite(torch.autograd.Function):
         tokens = state[0].numel() // hidden
         grads = [torch.empty_like(t) for t in inputs]
         _write_bwd[_grid(tokens)](*inputs, grad.contiguous(), *grads, tokens, hidden, n,
-                                  ctx.iterations, BLOCK_I=triton.next_power_of_2(ctx.iterations),
-                                  **_launch(n, hidden))
-        return (*grads, None)
+                                  ctx.iterations,
+                                  BLOCK_I=triton.next_power_of_2(max(ctx.iterations, 1)),
+                                  RAW=ctx.raw, **_launch(n, hidden))
+        return (*grads, None, None)
 
 
 def stream_read(state: Tensor, pre_logit: Tensor) -> Tensor:
     """Triton ``t2train.residual.mhc.stream_read`` (same arguments, same result)."""
     n, s, b, _ = state.shape
     _check(state, pre_logit=(pre_logit, (s, b, n)))
-    return StreamRead.apply(state, pre_logit)
+    return StreamRead.apply(state, pre_logit, False)
 
 
 def stream_write(state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor,
@@ -320,4 +339,21 @@ def stream_write(state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tens
     n, s, b, h = state.shape
     _check(state, out=(out, (s, b, h)), post_logit=(post_logit, (s, b, n)),
            res_logit=(res_logit, (s, b, n, n)))
-    return StreamWrite.apply(state, out, post_logit, res_logit, iterations)
+    return StreamWrite.apply(state, out, post_logit, res_logit, iterations, False)
+
+
+def width_read(state: Tensor, weights: Tensor) -> Tensor:
+    """Triton ``t2train.residual.hc.width_read``: sum_i weights[..., i] h_i, the weights as
+    given (HC's read)."""
+    n, s, b, _ = state.shape
+    _check(state, weights=(weights, (s, b, n)))
+    return StreamRead.apply(state, weights, True)
+
+
+def depth_write(state: Tensor, residual: Tensor, beta: Tensor, out: Tensor) -> Tensor:
+    """Triton ``t2train.residual.hc.depth_write``: h'_j = sum_i residual[..., i, j] h_i +
+    beta[..., j] out (HC's write: stream j takes column j, the transpose of mHC's row)."""
+    n, s, b, h = state.shape
+    _check(state, out=(out, (s, b, h)), beta=(beta, (s, b, n)),
+           residual=(residual, (s, b, n, n)))
+    return StreamWrite.apply(state, out, beta, residual.transpose(-1, -2), 0, True)

@@ -56,13 +56,14 @@ def kernel_references() -> dict:
     """Each fused kernel's PyTorch reference (``t2train.kernels.dispatch.KERNELS`` names them),
     for benchmarks: the designs' own functions."""
     from t2train.nn.precision import linear_in_fp32
-    from t2train.residual import attnres, ddl, mhc, window_attention
+    from t2train.residual import attnres, ddl, hc, mhc, window_attention
 
     return {"window_attention": window_attention.short_window_attention,
             "delta_write": ddl.delta_write, "fp32_linear": linear_in_fp32,
             "depth_mix": attnres.depth_mix,
             "block_phase_1": attnres.block_phase_1, "block_phase_2": attnres.block_phase_2,
-            "stream_read": mhc.stream_read, "stream_write": mhc.stream_write}
+            "stream_read": mhc.stream_read, "stream_write": mhc.stream_write,
+            "hc_read": hc.width_read, "hc_write": hc.depth_write}
 
 
 def option_sections() -> dict[str, type]:

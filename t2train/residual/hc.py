@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from t2train.errors import require
+from t2train.kernels import dispatch
 from t2train.nn import probe
 from t2train.nn.norm import RMSNorm
 from t2train.nn.precision import at_least_fp32, fp32_logits
@@ -182,11 +183,12 @@ class HyperConnection(StreamMixResidual):
         read, residual = alpha[..., 0], alpha[..., 1:]
         record_weights("hc", (self.layer_number, self.position), read, beta,
                        lambda: residual.transpose(-1, -2))
-        return width_read(state, read), (residual, beta)
+        return dispatch.route("hc_read", width_read, state)(state, read), (residual, beta)
 
     def depth_connection(self, state: Tensor, pending: tuple, out: Tensor) -> Tensor:
         residual, beta = pending
-        return depth_write(state, residual, beta, out)
+        write = dispatch.route("hc_write", depth_write, state, out)
+        return write(state, residual, beta, out)
 
 
 class StreamCopies(ResidualStream):

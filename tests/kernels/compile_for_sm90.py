@@ -93,6 +93,8 @@ def launch_every_kernel(dtype) -> None:
     pre, post, res = _leaves(torch.float32, (8, 2, 4), (8, 2, 4), (8, 2, 4, 4))
     _backward(mhc_streams.stream_read(state, pre))
     _backward(mhc_streams.stream_write(state, out, post, res, 20))
+    _backward(mhc_streams.width_read(state, pre))
+    _backward(mhc_streams.depth_write(state, res, post, out))
 
 
 def main() -> int:

@@ -17,7 +17,8 @@ BACKWARD_NODES = {"window_attention": {"WindowAttentionBackward", "OneQueryAtten
                   "delta_write": {"DeltaWriteBackward"}, "fp32_linear": {"Fp32LinearBackward"},
                   "depth_mix": {"Phase1Backward", "Phase2Backward"},
                   "block_phase_1": {"Phase1Backward"}, "block_phase_2": {"Phase2Backward"},
-                  "stream_read": {"StreamReadBackward"}, "stream_write": {"StreamWriteBackward"}}
+                  "stream_read": {"StreamReadBackward"}, "stream_write": {"StreamWriteBackward"},
+                  "hc_read": {"StreamReadBackward"}, "hc_write": {"StreamWriteBackward"}}
 
 
 def leaves(*tensors):

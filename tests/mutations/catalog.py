@@ -23,6 +23,7 @@ K_DDL = "kernels/ddl_update.py"
 K_WINDOW = "kernels/window_attention.py"
 K_ATTNRES = "kernels/depth_mix.py"
 K_GATES = "kernels/fp32_linear.py"
+K_STREAMS = "kernels/mhc_streams.py"
 
 
 @dataclass(frozen=True)
@@ -228,6 +229,13 @@ MUTATIONS = [
       "fp32 weights under autocast are multiplied at the activations' low precision",
       (K_GATES, "exact = fp32_dot(x.dtype) or x.dtype != weight.dtype",
        "exact = fp32_dot(x.dtype)")),
+    m("kernel-hc-write-rows", "kernels",
+      "the HC write mixes stream j from row j of A_r (mHC's orientation), not column j",
+      (K_STREAMS, "StreamWrite.apply(state, out, beta, residual.transpose(-1, -2), 0, True)",
+       "StreamWrite.apply(state, out, beta, residual, 0, True)")),
+    m("kernel-hc-read-sigmoid", "kernels",
+      "the HC read squashes its weights with mHC's sigmoid",
+      (K_STREAMS, "return pre if RAW else", "return pre if False else")),
     m("kernel-attnres-rms-sum", "kernels", "the AttnRes kernel's RMS over the sum, not the mean",
       (K_ATTNRES, "r = 1.0 / tl.sqrt(sumsq / hidden + eps)", "r = 1.0 / tl.sqrt(sumsq + eps)")),
     m("kernel-attnres-merge-swapped", "kernels",
