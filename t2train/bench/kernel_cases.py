@@ -317,12 +317,36 @@ def stream_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
                 for name, f in (("triton", fused_write), ("eager", stream_write),
                                 ("torch.compile", rt.compile(stream_write)))],
                {"fwd": (2 * n + 1) * unit, "fwd+bwd": (5 * n + 3) * unit}, "GB/s")
+    yield from _hc_stream_cases(shapes, rt, state, out, pre, res, post, unit)
+
+
+def _hc_stream_cases(shapes, rt, state, out, read, residual, beta, unit) -> Iterator[Case]:
+    """HC's read and write: the same kernels with the weights as given (fp32, as the model
+    computes them), against HC's own references."""
+    from t2train.kernels.mhc_streams import depth_write as fused_write
+    from t2train.kernels.mhc_streams import width_read as fused_read
+
+    references = kernel_references()
+    hc_read, hc_write = references["hc_read"], references["hc_write"]
+    n, (_, s, b, hidden) = state.shape[0], state.shape
+    shape = f"s={s} b={b} h={hidden} n={n}"
+    yield Case("hc_read", shapes.label, shape,
+               [Impl(name, lambda f=f: f(state, read), [state, read])
+                for name, f in (("triton", fused_read), ("eager", hc_read),
+                                ("torch.compile", rt.compile(hc_read)))],
+               {"fwd": (n + 1) * unit, "fwd+bwd": (3 * n + 2) * unit}, "GB/s")
+    write = [state, residual, beta, out]
+    yield Case("hc_write", shapes.label, shape,
+               [Impl(name, lambda f=f: f(*write), write)
+                for name, f in (("triton", fused_write), ("eager", hc_write),
+                                ("torch.compile", rt.compile(hc_write)))],
+               {"fwd": (2 * n + 1) * unit, "fwd+bwd": (5 * n + 3) * unit}, "GB/s")
 
 
 BUILDERS = {"window_attention": window_cases, "depth_read": depth_read_cases,
             "delta_write": delta_write_cases,
             "fp32_linear": gate_logit_cases, "depth_mix": depth_mix_cases,
-            "mhc_streams": stream_cases}
+            "mhc_streams": stream_cases}  # mhc_streams: mHC's read and write, then HC's
 
 
 def cases(shapes: KernelShapes, rt: Runtime, only=None) -> Iterator[Case]:
