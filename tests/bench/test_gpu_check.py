@@ -164,7 +164,7 @@ def test_a_failure_is_reported_with_what_locates_it(tmp_path):
     ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT", "matmul"),
     ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>", "attention"),
     ("_dkdv_kernel", "t2train triton"), ("_phase1_bwd_grads_kernel", "t2train triton"),
-    ("_write_fwd", "t2train triton"),
+    ("_write_fwd", "t2train triton"), ("_one_query_bwd_kernel", "t2train triton"),
     ("triton_poi_fused_add_mul_0", "torch.compile"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>",
      "elementwise / reduction"),

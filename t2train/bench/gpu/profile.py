@@ -22,7 +22,7 @@ KINDS = (
     ("copy", r"^Memcpy|^Memset|copy_kernel|CatArrayBatchedCopy"),
     ("matmul", r"gemm|cutlass|cublas|nvjet|xmma|wgmma|aten::(addmm|mm|bmm|matmul)$|Linear"),
     ("attention", r"flash|fmha|attention|sdpa|_efficient_attention"),
-    ("t2train triton", r"^_(fwd|bwd|dkdv|dq|delta|phase|read|write)\w*kernel|^_(read|write)_"),
+    ("t2train triton", r"^_(fwd|bwd|dkdv|dq|delta|phase\d|read|write|one_query)_"),
     ("torch.compile", r"^triton_"),
     ("elementwise / reduction", r"elementwise|vectorized|reduce|Reduce|unrolled|softmax|norm"),
 )
