@@ -74,7 +74,7 @@ def launch_every_kernel(dtype) -> None:
 
     for heads, kv_heads, q_len, k_len, head_dim, window in [
             (4, 4, 64, 64, 64, 16), (4, 2, 64, 64, 128, 16), (4, 4, 1, 4, 64, 4),
-            (4, 2, 1, 4, 128, 2)]:
+            (4, 2, 1, 4, 128, 2), (4, 4, 1, 1, 64, 4)]:  # a first layer's read: one key
         q, k, v = _leaves(dtype, (2, heads, q_len, head_dim), (2, kv_heads, k_len, head_dim),
                           (2, kv_heads, k_len, head_dim))
         _backward(window_attention(q, k, v, window))
