@@ -4,7 +4,9 @@ equal tokens and at equal training FLOPs, and each variant's difference from the
 Every run of a batch trains the same steps on the same tokens per step, so "equal tokens" is
 the final evaluation. Variants differ in training FLOPs per token, so "equal FLOPs" is the
 largest budget every variant reached (the cheapest variant's whole run); each run's loss
-there is interpolated linearly in FLOPs between its two evaluations around it.
+there is interpolated linearly in FLOPs between its two evaluations around it. A last
+section shows the late evaluations with each variant's rank, so a reader can judge whether
+the curves (and the ranking) had settled when the batch stopped.
 """
 
 from __future__ import annotations
@@ -132,9 +134,56 @@ def format_report(results: list[VariantRuns], baseline: str, context: list[str],
              "loss there is interpolated linearly in FLOPs between its evaluations.", "",
              markdown_table(["variant", "tokens at budget", "steps at budget", "mean val loss",
                              "std", "min-max", vs], flop_rows), "",
-             _difference_note(baseline, base is not None), ""]
+             _difference_note(baseline, base is not None), "",
+             *_late_curves(results, base)]
     lines += [f"![{name}]({name})" for name in figures]
     return "\n".join(lines) + "\n"
+
+
+def late_steps(result: VariantRuns) -> list[int]:
+    """The evaluated steps nearest half and three quarters of the run, the one before the
+    last, and the last: where a reader sees whether the curves have settled."""
+    steps = result.steps()
+    final = steps[-1]
+    nearest = [min(steps, key=lambda step, f=fraction: abs(step - f * final))
+               for fraction in (0.5, 0.75)]
+    return sorted(set(nearest + steps[-2:]))
+
+
+def ranks(means: list[float]) -> list[int]:
+    """1 for the lowest mean, 2 for the next, ..."""
+    order = sorted(range(len(means)), key=means.__getitem__)
+    return [order.index(i) + 1 for i in range(len(means))]
+
+
+def _late_curves(results: list[VariantRuns], base: Optional[VariantRuns]) -> list[str]:
+    """A table of the mean loss (and its rank) at the late evaluations, and how far the
+    baseline still fell over its last interval compared with its spread over seeds."""
+    steps = late_steps(results[0])
+    if any(late_steps(result) != steps for result in results) or len(steps) < 2:
+        return []  # runs evaluated at different steps: no common columns
+    means = [[statistics.mean(curve[step] for curve in result.curves) for result in results]
+             for step in steps]
+    column_ranks = [ranks(column) for column in means]
+    rows = [[result.variant,
+             *(f"{column[i]:.4f} ({rank[i]})" for column, rank in zip(means, column_ranks)),
+             f"{means[-2][i] - means[-1][i]:.4f}"]
+            for i, result in enumerate(results)]
+    lines = ["## How settled the curves are", "",
+             "Mean validation loss over seeds at late evaluations, with each variant's rank "
+             f"(1 = lowest) in brackets; `last fall`: the mean's drop from step {steps[-2]} to "
+             f"step {steps[-1]}.", "",
+             markdown_table(["variant", *(f"step {step}" for step in steps), "last fall"],
+                            rows), ""]
+    lines.append(f"Ranking at step {steps[0]} and at step {steps[-1]}: "
+                 + ("the same." if column_ranks[0] == column_ranks[-1] else "different."))
+    if base is not None:
+        i = results.index(base)
+        fall, width = means[-2][i] - means[-1][i], Spread(base.final_losses())
+        lines.append(f"`{base.variant}` fell {fall:.4f} ({100 * fall / means[-2][i]:.2f}%) over "
+                     f"its last {steps[-1] - steps[-2]} steps; its seeds' final losses span "
+                     f"{max(width.values) - min(width.values):.4f}.")
+    return lines + [""]
 
 
 def _difference_note(baseline: str, present: bool) -> str:

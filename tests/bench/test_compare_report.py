@@ -106,3 +106,32 @@ def test_figures_are_pngs_of_the_stated_size(tmp_path):
     assert expected == (1200, 500)
     for name in names:
         assert png_size(tmp_path / name) == expected
+
+
+def test_late_curves_show_ranks_and_the_baselines_last_fall():
+    """Evaluations every 10 steps to 80: the late columns are steps 40 (half), 60 (three
+    quarters), 70 and 80. ``ddl`` leads at 40 and 60 but ``standard`` passes it by 70."""
+    from t2train.bench.compare_report import late_steps, ranks
+
+    def curves(late: dict[int, list[float]]) -> list[dict[int, float]]:
+        early = {step: 9.0 for step in range(0, 40, 10)} | {50: 5.0}
+        return [early | {step: losses[seed] for step, losses in late.items()}
+                for seed in range(2)]
+
+    standard = VariantRuns("standard", curves({40: [4.0, 4.2], 60: [3.6, 3.8], 70: [3.0, 3.2],
+                                               80: [2.9, 3.0]}), 100, 6.0, 1_000_000)
+    ddl = VariantRuns("ddl", curves({40: [3.0, 3.0], 60: [3.5, 3.5], 70: [3.3, 3.3],
+                                     80: [3.25, 3.25]}), 100, 6.0, 1_000_000)
+    assert late_steps(standard) == [40, 60, 70, 80]
+    assert ranks([3.1, 2.0, 5.0]) == [2, 1, 3]
+    report = format_report([standard, ddl], "standard", [], [])
+    rows = _table(report, "## How settled the curves are")
+    # standard's means: 4.1, 3.7, 3.1, 2.95; ddl's: 3.0, 3.5, 3.3, 3.25
+    assert rows["standard"][1:] == ["4.1000 (2)", "3.7000 (2)", "3.1000 (1)", "2.9500 (1)",
+                                    "0.1500"]
+    assert rows["ddl"][1:] == ["3.0000 (1)", "3.5000 (1)", "3.3000 (2)", "3.2500 (2)",
+                               "0.0500"]
+    assert "Ranking at step 40 and at step 80: different." in report
+    # 0.15 / 3.1 = 4.84%; final losses 2.9 and 3.0 span 0.1
+    assert ("`standard` fell 0.1500 (4.84%) over its last 10 steps; its seeds' final losses "
+            "span 0.1000.") in report
