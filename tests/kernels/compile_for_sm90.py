@@ -6,7 +6,8 @@ The interpreter runs the kernels' arithmetic but not Triton's compiler, which is
 first GPU run, in the middle of a scarce GPU session. Here each wrapper runs forward and
 backward on small CPU tensors with ``JITFunction.run`` replaced: every launch is compiled to
 a cubin for sm_90 with the launch's own argument types, constants and warp count (the GPU
-tile sizes, since the interpreter is off), and not run. Prints one line per compiled
+tile sizes, since the interpreter is off) and the JIT's specialisation of its arguments
+(alignment, divisibility by 16), and not run. Prints one line per compiled
 specialisation; exits 1 with the compiler's error on the first failure.
 """
 
@@ -19,41 +20,33 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
 
 TARGET = GPUTarget("cuda", 90, 32)
-DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-          torch.int64: "i64", torch.int32: "i32"}
-LAUNCH_OPTIONS = ("num_warps", "num_stages")
+BACKEND = make_backend(TARGET)
 compiled: set = set()
 
 
-def _type(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + DTYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i64" if abs(value) >= 2 ** 31 else "i32"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"{type(value).__name__} argument")
-
-
 def compile_launch(self: JITFunction, *args, grid, warmup, **kwargs):
-    """In place of ``JITFunction.run``: compile this launch for sm_90, run nothing."""
-    names = [param.name for param in self.params]
-    bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
-    constexprs = {p.name: bound[p.name] for p in self.params if p.is_constexpr}
-    signature = {name: "constexpr" if name in constexprs else _type(value)
-                 for name, value in bound.items()}
-    options = {k: v for k, v in kwargs.items() if k in LAUNCH_OPTIONS}
-    key = (self.__name__, self.fn.__module__, tuple(signature.values()),
-           tuple(sorted(constexprs.items())), tuple(sorted(options.items())))
+    """In place of ``JITFunction.run``: compile this launch for sm_90, run nothing.
+
+    The arguments are specialised by the JIT's own binder, as on a GPU: pointers aligned to
+    16 bytes and integers divisible by 16 (or equal to 1) become attributes of the compiled
+    kernel, which decide vectorised loads and the code path the GPU will compile.
+    """
+    binder = create_function_from_signature(self.signature, self.params, BACKEND)
+    bound, specialization, options = binder(*args, **kwargs)
+    key = (self.__name__, self.fn.__module__, str(specialization), str(options))
     if key not in compiled:
-        triton.compile(ASTSource(self, signature, constexprs), target=TARGET, options=options)
+        options, signature, constexprs, attrs = self._pack_args(BACKEND, kwargs, bound,
+                                                                specialization, options)
+        triton.compile(ASTSource(self, signature, constexprs, attrs), target=TARGET,
+                       options=options.__dict__)
         compiled.add(key)
-        print(f"sm_90: {self.fn.__module__}.{self.__name__} {constexprs} {options}", flush=True)
+        named = {self.params[path[0]].name: value for path, value in constexprs.items()}
+        print(f"sm_90: {self.fn.__module__}.{self.__name__} {named} "
+              f"num_warps={options.num_warps} aligned/divisible: {len(attrs)}", flush=True)
 
 
 def _leaves(dtype, *shapes):
