@@ -179,10 +179,10 @@ def _late_curves(results: list[VariantRuns], base: Optional[VariantRuns]) -> lis
                  + ("the same." if column_ranks[0] == column_ranks[-1] else "different."))
     if base is not None:
         i = results.index(base)
-        fall, width = means[-2][i] - means[-1][i], Spread(base.final_losses())
+        fall, finals = means[-2][i] - means[-1][i], base.final_losses()
         lines.append(f"`{base.variant}` fell {fall:.4f} ({100 * fall / means[-2][i]:.2f}%) over "
                      f"its last {steps[-1] - steps[-2]} steps; its seeds' final losses span "
-                     f"{max(width.values) - min(width.values):.4f}.")
+                     f"{max(finals) - min(finals):.4f}.")
     return lines + [""]
 
 
