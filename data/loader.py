@@ -35,7 +35,7 @@ from streaming import StreamingDataLoader, StreamingDataset
 
 from t2train.data.errors import DataError
 from t2train.data.shm import (clean_stale_streaming_files, prefix_probes_closed_when_dropped,
-                              release_shared_memory)
+                              prefix_registration_serialised, release_shared_memory)
 from t2train.data.streams import DataStream, split_streams
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -195,7 +195,7 @@ class TokenBatches:
                 _clean_stale_files()
             if dist.is_initialized():  # every reader picks its prefix after the cleaning
                 dist.barrier()
-            with prefix_probes_closed_when_dropped():
+            with prefix_probes_closed_when_dropped(), prefix_registration_serialised():
                 self.dataset = _NumberedDataset(
                     streams=streams, shuffle=shuffle, shuffle_seed=seed,
                     num_canonical_nodes=num_canonical_nodes, batch_size=micro_batch_size)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,50 @@ def test_files_of_a_killed_run_are_removed_and_live_ones_kept(dataset, tmp_path,
     assert not set(clean_stale_streaming_files(locks)) & kept
     assert all(p.exists() for p in kept)
     assert next(live)["tokens"].shape == (4, 32)
+
+
+# Picks its streaming prefix at wall-clock time argv[2] and waits 2 s between finding a free
+# prefix and registering it (a slow host), with or without t2train's lock (argv[3]); stays
+# alive 3 s more so that its segments outlive the other's registration.
+RACER = """
+import contextlib, sys, time
+from streaming.base.shared import prefix
+from t2train.data import loader
+from t2train.data.loader import StreamingWorld, TokenBatches
+pack = prefix._pack_locals  # the leader packs its locals between finding and registering
+def slow_pack(*args):
+    time.sleep(2)
+    return pack(*args)
+prefix._pack_locals = slow_pack
+if sys.argv[3] == "unlocked":
+    loader.prefix_registration_serialised = contextlib.nullcontext
+time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
+try:
+    batches = TokenBatches(sys.argv[1], "train", 4, 32, StreamingWorld(0, 1, 0, 1), seed=0)
+    print("prefix", batches.dataset._shm_prefix_int, flush=True)
+except FileExistsError as error:
+    print("FileExistsError", error, flush=True)
+time.sleep(3)
+"""
+
+
+def _race(dataset, mode: str) -> list[str]:
+    """Two jobs' readers start together on this host; what each printed."""
+    start = f"{time.time() + 3:.3f}"  # both processes have imported by then
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(dataset), start, mode],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    outputs = [racer.communicate(timeout=120) for racer in racers]
+    assert all(racer.returncode == 0 for racer in racers), [err[-2000:] for _, err in outputs]
+    return sorted(out.strip() for out, _ in outputs)
+
+
+@pytest.mark.slow
+def test_two_jobs_starting_together_get_their_own_prefixes(dataset):
+    """Without the lock both find the same free prefix and the second to register it fails
+    (streaming's race, reproduced); with it the second looks after the first registered."""
+    unlocked = _race(dataset, "unlocked")
+    assert unlocked[0].startswith("FileExistsError") and "_locals" in unlocked[0], unlocked
+    locked = _race(dataset, "locked")
+    assert all(line.startswith("prefix ") for line in locked), locked
+    assert len(set(locked)) == 2, locked
