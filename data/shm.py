@@ -26,8 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
-from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN
 from streaming.base import dataset as streaming_dataset
+from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN
 from streaming.base.shared import prefix
 from streaming.base.shared.memory import SharedMemory
 
@@ -126,7 +126,7 @@ def prefix_probes_closed_when_dropped() -> Iterator[None]:
 
 
 @contextmanager
-def prefix_registration_serialised(lock_path: Path = PREFIX_LOCK) -> Iterator[None]:
+def prefix_registration_serialised() -> Iterator[None]:
     """While a ``StreamingDataset`` is made: its local leader picks and registers its prefix
     holding a host-wide file lock.
 
@@ -148,7 +148,7 @@ def prefix_registration_serialised(lock_path: Path = PREFIX_LOCK) -> Iterator[No
         if not world.is_local_leader or world.is_multinode:
             return original(streams_local, streams_remote, world, *args, **kwargs)
         # Read-only is enough for flock, so another user's lock file serves too.
-        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o644)
+        fd = os.open(PREFIX_LOCK, os.O_RDONLY | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             return original(streams_local, streams_remote, world, *args, **kwargs)
