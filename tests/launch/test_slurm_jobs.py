@@ -122,7 +122,9 @@ def test_usr1_requeues_and_scancel_saves_and_both_resume_with_the_same_losses(
               job, slurm_cluster, log)
     subprocess.run(["scancel", job], check=True, env=slurm_cluster.env, timeout=60)
     cancelled = time.monotonic()
-    running = max(_losses(run_dir))  # the trainers are past it or in the next step
+    # Trained before scancel returned; SLURM forwards the signal a moment later, and on a
+    # loaded machine a tiny model trains a step or two more in that moment.
+    running = max(_losses(run_dir))
     published = {}  # checkpoint step -> seconds after scancel when `latest` first named it
     while True:
         ended = _done(slurm_cluster.job(job)) and not slurm_cluster.busy_nodes()
@@ -133,7 +135,10 @@ def test_usr1_requeues_and_scancel_saves_and_both_resume_with_the_same_losses(
     text = log.read_text()
     assert slurm_cluster.job(job).get("JobState") == "CANCELLED", text[-6000:]
     cancel_step = _latest(run_dir)
-    assert cancel_step in (running, running + 1), (running, cancel_step, text[-6000:])
+    # The step trained when SIGTERM arrived is the one saved: none trained is lost, none
+    # trained after the save.
+    assert cancel_step >= running, (running, cancel_step, text[-6000:])
+    assert f"step {cancel_step:>6} | stopping early: received SIGTERM" in text, text[-6000:]
     assert sorted(_losses(run_dir)) == list(range(1, cancel_step + 1))
     assert not list((run_dir / "checkpoints").glob("*.incomplete")), text[-6000:]
     print(f"scancel: step {cancel_step} published {published[cancel_step]:.1f}s after it")
