@@ -73,4 +73,6 @@ def test_a_save_fault_one_rank_sees_ends_every_rank_with_its_error(shakespeare, 
     assert not (run_dir / "checkpoints" / "latest").exists()
     seconds = ended - float(fired[0])
     print(f"{nproc} ranks, fault on rank {rank}: all exited {seconds:.1f}s after it")
-    assert seconds < 20  # the collective timeout would take parallel.collective_timeout_mins
+    # Far below the 10 min the peers would wait in a collective (parallel.collective_timeout_mins)
+    # and still true on a loaded machine, where tearing down the ranks takes a while.
+    assert seconds < 120
