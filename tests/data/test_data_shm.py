@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -80,11 +79,12 @@ def test_files_of_a_killed_run_are_removed_and_live_ones_kept(dataset, tmp_path,
     assert next(live)["tokens"].shape == (4, 32)
 
 
-# Picks its streaming prefix at wall-clock time argv[2] and waits 2 s between finding a free
-# prefix and registering it (a slow host), with or without t2train's lock (argv[3]); stays
-# alive 3 s more so that its segments outlive the other's registration.
+# Picks its streaming prefix as soon as the other racer has imported too (both touch a file
+# in the directory argv[2], then wait for two), and waits 2 s between finding a free prefix and
+# registering it (a slow host), with or without t2train's lock (argv[3]); stays alive 3 s more
+# so that its segments outlive the other's registration.
 RACER = """
-import contextlib, sys, time
+import contextlib, os, pathlib, sys, time
 from streaming.base.shared import prefix
 from t2train.data import loader
 from t2train.data.loader import StreamingWorld, TokenBatches
@@ -95,7 +95,11 @@ def slow_pack(*args):
 prefix._pack_locals = slow_pack
 if sys.argv[3] == "unlocked":
     loader.prefix_registration_serialised = contextlib.nullcontext
-time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
+ready = pathlib.Path(sys.argv[2])
+(ready / str(os.getpid())).touch()
+deadline = time.time() + 60  # imports take seconds on a loaded machine
+while len(list(ready.iterdir())) < 2 and time.time() < deadline:
+    time.sleep(0.01)
 try:
     batches = TokenBatches(sys.argv[1], "train", 4, 32, StreamingWorld(0, 1, 0, 1), seed=0)
     print("prefix", batches.dataset._shm_prefix_int, flush=True)
@@ -105,10 +109,10 @@ time.sleep(3)
 """
 
 
-def _race(dataset, mode: str) -> list[str]:
+def _race(dataset, mode: str, ready: Path) -> list[str]:
     """Two jobs' readers start together on this host; what each printed."""
-    start = f"{time.time() + 3:.3f}"  # both processes have imported by then
-    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(dataset), start, mode],
+    ready.mkdir()
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(dataset), str(ready), mode],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for _ in range(2)]
     outputs = [racer.communicate(timeout=120) for racer in racers]
@@ -117,11 +121,11 @@ def _race(dataset, mode: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_two_jobs_starting_together_get_their_own_prefixes(dataset):
+def test_two_jobs_starting_together_get_their_own_prefixes(dataset, tmp_path):
     """Without the lock both find the same free prefix and the second to register it fails
     (streaming's race, reproduced); with it the second looks after the first registered."""
-    unlocked = _race(dataset, "unlocked")
+    unlocked = _race(dataset, "unlocked", tmp_path / "unlocked")
     assert unlocked[0].startswith("FileExistsError") and "_locals" in unlocked[0], unlocked
-    locked = _race(dataset, "locked")
+    locked = _race(dataset, "locked", tmp_path / "locked")
     assert all(line.startswith("prefix ") for line in locked), locked
     assert len(set(locked)) == 2, locked
