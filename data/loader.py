@@ -34,8 +34,9 @@ import torch.distributed as dist
 from streaming import StreamingDataLoader, StreamingDataset
 
 from t2train.data.errors import DataError
-from t2train.data.shm import (clean_stale_streaming_files, prefix_probes_closed_when_dropped,
-                              prefix_registration_serialised, release_shared_memory)
+from t2train.compat.streaming_prefix import (prefix_probes_closed_when_dropped,
+                                             prefix_registration_serialised)
+from t2train.data.shm import clean_stale_streaming_files, release_shared_memory
 from t2train.data.streams import DataStream, split_streams
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

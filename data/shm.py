@@ -18,22 +18,15 @@ construction to destruction. Files of other users are left alone (they cannot be
 from __future__ import annotations
 
 import atexit
-import fcntl
-import os
 import re
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
-from streaming.base import dataset as streaming_dataset
 from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN
-from streaming.base.shared import prefix
 from streaming.base.shared.memory import SharedMemory
 
 SHM_DIR = Path("/dev/shm")
-# Beside the segments it guards: every process that sees them sees it (TMPDIR may be per job).
-PREFIX_LOCK = SHM_DIR / "t2train-streaming-prefix.lock"
 _SEGMENT = re.compile(r"(\d{6})_(?:%s)" % "|".join(sorted({*SHM_TO_CLEAN, LOCALS})))
 _LOCK = re.compile(rf"(\d{{6}})_(?:{BARRIER_FILELOCK}|{CACHE_FILELOCK})")
 
@@ -100,63 +93,3 @@ def _segments_of(obj, depth: int = 0) -> Iterator[SharedMemory]:
             yield value
         elif depth < 2 and type(value).__module__.startswith("streaming.base.shared"):
             yield from _segments_of(value, depth + 1)
-
-
-@contextmanager
-def prefix_probes_closed_when_dropped() -> Iterator[None]:
-    """While a ``StreamingDataset`` is made: its attachments to existing segments register no
-    ``atexit`` cleanup, so a dropped one is closed at once.
-
-    streaming picks a new dataset's prefix by attaching to every segment of every existing
-    prefix on the host (``get_shm_prefix``), and each attachment's cleanup handler would keep
-    it open until the process exits: a dozen descriptors per dataset per live prefix. The
-    segments a dataset creates keep their handler; those it keeps are released by
-    ``release_shared_memory``.
-    """
-    original = prefix.SharedMemory
-
-    def attach_without_handler(name=None, create=None, size=0, auto_cleanup=True):
-        return original(name, create, size, auto_cleanup=auto_cleanup and create is not False)
-
-    prefix.SharedMemory = attach_without_handler
-    try:
-        yield
-    finally:
-        prefix.SharedMemory = original
-
-
-@contextmanager
-def prefix_registration_serialised() -> Iterator[None]:
-    """While a ``StreamingDataset`` is made: its local leader picks and registers its prefix
-    holding a host-wide file lock.
-
-    streaming's leader looks for the first free prefix, then creates that prefix's
-    ``_locals`` segment. Two jobs whose leaders start together on one host (two workers of
-    ``experiment compare``, two jobs sharing a node) both find the same prefix and the second
-    create fails: ``FileExistsError: '/000000_locals'``. Under the lock the second leader
-    looks only after the first has registered.
-
-    The leader holds the lock through streaming's barriers, so only the leaders of
-    single-node jobs take it: their barriers wait for ranks on this host that never lock.
-    A multi-node job's leader would wait in them for leaders on other hosts, which may be
-    queued behind another multi-node job's leader there: a deadlock across hosts. Those
-    keep streaming's race.
-    """
-    original = streaming_dataset.get_shm_prefix
-
-    def serialised(streams_local, streams_remote, world, *args, **kwargs):
-        if not world.is_local_leader or world.is_multinode:
-            return original(streams_local, streams_remote, world, *args, **kwargs)
-        # Read-only is enough for flock, so another user's lock file serves too.
-        fd = os.open(PREFIX_LOCK, os.O_RDONLY | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            return original(streams_local, streams_remote, world, *args, **kwargs)
-        finally:
-            os.close(fd)  # releases the lock
-
-    streaming_dataset.get_shm_prefix = serialised
-    try:
-        yield
-    finally:
-        streaming_dataset.get_shm_prefix = original

@@ -8,8 +8,11 @@ import multiprocessing
 import os
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 from datetime import timedelta
+from pathlib import Path
 from itertools import islice
 
 import pytest
@@ -148,9 +151,50 @@ def test_a_new_dataset_leaves_no_descriptor_on_another_jobs_segments(dataset, tm
         next(live)
     prefix = f"{live.dataset._shm_prefix_int:06d}_"
     held = len(_segments_open(prefix))
+    # This job's own lock directory: no earlier test's lock files that skip the probes.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "this"))
+    (tmp_path / "this").mkdir()
     for _ in range(3):
         TokenBatches(dataset, "val", 4, 32, ONE, seed=0).close()
     assert len(_segments_open(prefix)) == held
+
+
+# Another job's live dataset (its own TMPDIR), then three datasets made and closed with
+# streaming's prefix search unpatched; prints this process's descriptors on the live one's
+# segments before and after. In a child: the probes it leaves open stay until it exits (the
+# test module is imported for its helpers).
+UNPATCHED_PROBES = """
+import contextlib, sys, tempfile
+sys.path.insert(0, sys.argv[4])
+from test_data_loader import ONE, _segments_open
+from t2train.data import loader
+from t2train.data.loader import TokenBatches
+tempfile.tempdir = sys.argv[2]
+live = TokenBatches(sys.argv[1], "val", 4, 32, ONE, seed=0)
+next(live)
+tempfile.tempdir = sys.argv[3]  # this job's own: no other lock files that skip the probes
+loader.prefix_probes_closed_when_dropped = contextlib.nullcontext
+prefix = f"{live.dataset._shm_prefix_int:06d}_"
+held = len(_segments_open(prefix))
+for _ in range(3):
+    TokenBatches(sys.argv[1], "val", 4, 32, ONE, seed=0).close()
+print(held, len(_segments_open(prefix)))
+live.close()
+"""
+
+
+def test_streaming_alone_still_leaves_the_probes_open(dataset, tmp_path):
+    """What the test above guards against still happens without t2train's patch
+    (``t2train/compat/streaming_prefix.py``): when streaming fixes it, the patch can go."""
+    (tmp_path / "other").mkdir()
+    (tmp_path / "this").mkdir()
+    done = subprocess.run([sys.executable, "-c", UNPATCHED_PROBES, str(dataset),
+                           str(tmp_path / "other"), str(tmp_path / "this"),
+                           str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    held, after = map(int, done.stdout.split())
+    assert after > held, "streaming now closes its prefix probes: drop the patch"
 
 
 def test_reader_world_without_torch_distributed():

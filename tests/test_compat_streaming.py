@@ -1,0 +1,44 @@
+"""The mosaicml-streaming patches: they still name what streaming has, and they are scoped.
+
+That each is still needed is shown where the fault is: ``tests/data/test_data_loader.py``
+(descriptors left open without the probe patch) and ``tests/data/test_data_shm.py`` (two
+leaders collide without the lock).
+"""
+
+import importlib
+import inspect
+
+import pytest
+
+from t2train.compat import streaming_prefix
+
+PATCHES = {"SharedMemory": streaming_prefix.prefix_probes_closed_when_dropped,
+           "get_shm_prefix": streaming_prefix.prefix_registration_serialised}
+
+
+@pytest.mark.parametrize("module,name", streaming_prefix.PATCHED)
+def test_each_patched_name_still_exists_with_the_arguments_used(module, name):
+    target = getattr(importlib.import_module(module), name)
+    parameters = list(inspect.signature(target).parameters)
+    expected = {"SharedMemory": ["name", "create", "size", "auto_cleanup"],
+                "get_shm_prefix": ["streams_local", "streams_remote", "world"]}[name]
+    assert parameters[:len(expected)] == expected, f"{module}.{name}{parameters}: revisit the patch"
+
+
+def test_the_prefix_search_still_attaches_through_the_patched_names():
+    """The probes go through ``prefix.SharedMemory`` and the dataset calls its module's
+    ``get_shm_prefix``: a patch of a name streaming no longer calls would do nothing."""
+    prefix = importlib.import_module("streaming.base.shared.prefix")
+    assert "SharedMemory(" in inspect.getsource(prefix.get_shm_prefix)
+    dataset = importlib.import_module("streaming.base.dataset")
+    assert "get_shm_prefix(" in inspect.getsource(dataset.StreamingDataset.__init__)
+
+
+@pytest.mark.parametrize("module,name", streaming_prefix.PATCHED)
+def test_a_patch_holds_only_inside_its_block_and_is_undone_by_an_error(module, name):
+    owner = importlib.import_module(module)
+    original = getattr(owner, name)
+    with pytest.raises(KeyError), PATCHES[name]():
+        assert getattr(owner, name) is not original
+        raise KeyError("made the dataset fail")
+    assert getattr(owner, name) is original
