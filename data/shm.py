@@ -57,8 +57,12 @@ def clean_stale_streaming_files(lock_dir: Optional[str | Path] = None) -> list[P
 
 
 def _mapped_prefixes() -> set[str]:
-    """The prefixes of the streaming segments that some process on this host maps now."""
-    mapped = re.compile(rf"{re.escape(str(SHM_DIR))}/{_SEGMENT.pattern}")
+    """The prefixes of the streaming segments that some process on this host maps now.
+
+    A mapping of an unlinked segment (``... (deleted)`` in the maps) protects no file: the
+    prefix's files now on disk are a later dataset's, live only if mapped themselves.
+    """
+    mapped = re.compile(rf"{re.escape(str(SHM_DIR))}/{_SEGMENT.pattern}$", re.MULTILINE)
     prefixes: set[str] = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:

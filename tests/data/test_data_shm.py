@@ -3,6 +3,7 @@ live dataset are kept and it reads on."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import signal
@@ -129,3 +130,23 @@ def test_two_jobs_starting_together_get_their_own_prefixes(dataset, tmp_path):
     locked = _race(dataset, "locked", tmp_path / "locked")
     assert all(line.startswith("prefix ") for line in locked), locked
     assert len(set(locked)) == 2, locked
+
+
+def test_a_mapping_of_an_unlinked_segment_protects_no_later_file(tmp_path):
+    """A process still maps a prefix's segment that was unlinked since; files of that prefix
+    left later by a killed run are stale all the same, and a live mapping keeps them."""
+    path = SHM_DIR / "999998_locals"
+    with path.open("w+b") as old:
+        old.write(b"\0" * 4096)
+        old.flush()
+        unlinked = mmap.mmap(old.fileno(), 4096)
+    path.unlink()
+    try:
+        path.write_bytes(b"\0" * 4096)  # a killed run's leftover of the same name
+        assert path in clean_stale_streaming_files(tmp_path) and not path.exists()
+        path.write_bytes(b"\0" * 4096)
+        with path.open("r+b") as live_file, mmap.mmap(live_file.fileno(), 4096):
+            assert path not in clean_stale_streaming_files(tmp_path) and path.exists()
+    finally:
+        unlinked.close()
+        path.unlink(missing_ok=True)
