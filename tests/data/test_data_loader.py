@@ -12,8 +12,8 @@ import subprocess
 import sys
 import tempfile
 from datetime import timedelta
-from pathlib import Path
 from itertools import islice
+from pathlib import Path
 
 import pytest
 import torch
