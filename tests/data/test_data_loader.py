@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from datetime import timedelta
 from itertools import islice
 from pathlib import Path
@@ -140,30 +139,12 @@ def test_close_releases_the_datasets_shared_memory(dataset, finished):
     assert not [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
 
 
-def test_a_new_dataset_leaves_no_descriptor_on_another_jobs_segments(dataset, tmp_path,
-                                                                     monkeypatch):
-    """streaming picks a new dataset's prefix by attaching to the segments of every prefix
-    whose lock files it cannot see (another job's, with its own TMPDIR, as SLURM gives);
-    those probes must not stay open (each would until the process exits)."""
-    with monkeypatch.context() as other_job:
-        other_job.setattr(tempfile, "tempdir", str(tmp_path))
-        live = TokenBatches(dataset, "val", 4, 32, ONE, seed=0)
-        next(live)
-    prefix = f"{live.dataset._shm_prefix_int:06d}_"
-    held = len(_segments_open(prefix))
-    # This job's own lock directory: no earlier test's lock files that skip the probes.
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "this"))
-    (tmp_path / "this").mkdir()
-    for _ in range(3):
-        TokenBatches(dataset, "val", 4, 32, ONE, seed=0).close()
-    assert len(_segments_open(prefix)) == held
-
-
-# Another job's live dataset (its own TMPDIR), then three datasets made and closed with
-# streaming's prefix search unpatched; prints this process's descriptors on the live one's
-# segments before and after. In a child: the probes it leaves open stay until it exits (the
-# test module is imported for its helpers).
-UNPATCHED_PROBES = """
+# Another job's live dataset (its own TMPDIR), then three datasets made and closed with this
+# job's own lock directory (no earlier test's lock files that would skip the probes) and
+# streaming's prefix search patched by t2train or not (argv[5]); prints this process's
+# descriptors on the live one's segments before and after. In a child: probes left open stay
+# until it exits (the test module is imported for its helpers).
+PROBES = """
 import contextlib, sys, tempfile
 sys.path.insert(0, sys.argv[4])
 from test_data_loader import ONE, _segments_open
@@ -172,8 +153,9 @@ from t2train.data.loader import TokenBatches
 tempfile.tempdir = sys.argv[2]
 live = TokenBatches(sys.argv[1], "val", 4, 32, ONE, seed=0)
 next(live)
-tempfile.tempdir = sys.argv[3]  # this job's own: no other lock files that skip the probes
-loader.prefix_probes_closed_when_dropped = contextlib.nullcontext
+tempfile.tempdir = sys.argv[3]
+if sys.argv[5] == "unpatched":
+    loader.prefix_probes_closed_when_dropped = contextlib.nullcontext
 prefix = f"{live.dataset._shm_prefix_int:06d}_"
 held = len(_segments_open(prefix))
 for _ in range(3):
@@ -183,17 +165,29 @@ live.close()
 """
 
 
-def test_streaming_alone_still_leaves_the_probes_open(dataset, tmp_path):
-    """What the test above guards against still happens without t2train's patch
-    (``t2train/compat/streaming_prefix.py``): when streaming fixes it, the patch can go."""
+def _probe_descriptors(dataset, tmp_path, mode: str) -> tuple[int, int]:
     (tmp_path / "other").mkdir()
     (tmp_path / "this").mkdir()
-    done = subprocess.run([sys.executable, "-c", UNPATCHED_PROBES, str(dataset),
-                           str(tmp_path / "other"), str(tmp_path / "this"),
-                           str(Path(__file__).parent)],
+    done = subprocess.run([sys.executable, "-c", PROBES, str(dataset), str(tmp_path / "other"),
+                           str(tmp_path / "this"), str(Path(__file__).parent), mode],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     held, after = map(int, done.stdout.split())
+    return held, after
+
+
+def test_a_new_dataset_leaves_no_descriptor_on_another_jobs_segments(dataset, tmp_path):
+    """streaming picks a new dataset's prefix by attaching to the segments of every prefix
+    whose lock files it cannot see (another job's, with its own TMPDIR, as SLURM gives);
+    those probes must not stay open (each would until the process exits)."""
+    held, after = _probe_descriptors(dataset, tmp_path, "patched")
+    assert after == held
+
+
+def test_streaming_alone_still_leaves_the_probes_open(dataset, tmp_path):
+    """What the test above guards against still happens without t2train's patch
+    (``t2train/compat/streaming_prefix.py``): when streaming fixes it, the patch can go."""
+    held, after = _probe_descriptors(dataset, tmp_path, "unpatched")
     assert after > held, "streaming now closes its prefix probes: drop the patch"
 
 
