@@ -13,11 +13,13 @@ the kernels ran rather than the references: ``reset_launches()``, run, read ``la
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from collections import Counter
 from typing import Callable
 
+import torch
 from torch import Tensor
 
 KERNELS = {  # kernel name -> (module, function)
@@ -54,9 +56,17 @@ def use_triton(*tensors: Tensor) -> bool:
 
 
 def route(kernel: str, reference: Callable, *tensors: Tensor) -> Callable:
-    """The Triton kernel ``kernel`` when ``use_triton(*tensors)`` (counted), else ``reference``."""
+    """The Triton kernel ``kernel`` when ``use_triton(*tensors)`` (counted), else ``reference``.
+
+    Inside a compiled layer (``model.fusions``) the kernel runs eagerly, one graph break per
+    call: dynamo does not trace into the kernels' autograd functions and launch code."""
     if not use_triton(*tensors):
         return reference
+    return functools.partial(_launch, kernel)
+
+
+@torch.compiler.disable
+def _launch(kernel: str, *args, **kwargs):
     module, function = KERNELS[kernel]
     launches[kernel] += 1
-    return getattr(importlib.import_module(module), function)
+    return getattr(importlib.import_module(module), function)(*args, **kwargs)
