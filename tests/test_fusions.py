@@ -109,3 +109,25 @@ def test_fusions_default_to_all_with_cuda_only(monkeypatch, fusions, cuda, expec
     assert build.fusions_on(config) is expected
     tf_config = build.transformer_config(config)
     assert tf_config.t2_fused_loss is expected and tf_config.bias_activation_fusion is expected
+
+
+def test_with_the_triton_kernels_a_layer_breaks_only_at_each_kernel(megatron_world, monkeypatch):
+    """On CUDA the designs' Triton kernels run eagerly between compiled graphs: the only graph
+    breaks are their launches (here under the Triton interpreter), also inside Megatron's
+    attention (the mixer's window-attention kernel; t2train/compat/megatron_compile.py)."""
+    from t2train.model.build import build_model_chunks, transformer_config
+    from t2train.nn.compiling import trace_megatron_modules
+
+    monkeypatch.setenv("T2_KERNELS", "triton")
+    config = load_config(overrides=TINY + ["model.shortswa.window=4", "model.fusions=none"])
+    [model] = build_model_chunks(config, transformer_config(config), VOCAB)
+    trace_megatron_modules()
+    torch._dynamo.reset()
+    hidden = torch.randn(16, 2, 32)
+    explained = torch._dynamo.explain(model.decoder.layers[0])(hidden, None,
+                                                               model.rotary_pos_emb(16))
+    # One kernel call (the mixer's window attention); dynamo reports its break once per
+    # frame it resumes (the layer, its sublayer, the attention), without Megatron's
+    # offloading context at most the attention's own frame fell back to eager.
+    reasons = [reason.reason for reason in explained.break_reasons]
+    assert reasons and all("_launch" in reason for reason in reasons), reasons

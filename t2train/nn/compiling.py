@@ -22,6 +22,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from t2train.compat import megatron_compile
+
 BACKEND_VARIABLE = "T2_COMPILE_BACKEND"
 # Variants one layer may compile to: training, evaluation, a diagnostics pass, the two halves
 # of activation recompute.
@@ -39,8 +41,10 @@ def trace_megatron_modules() -> None:
     """megatron-core 0.16.1's ``RowParallelLinear`` passes ``tp_group=None`` on purpose and
     so calls ``warnings.warn`` (a deprecation) on every forward on rank 0: dynamo cannot trace
     the call with its keyword arguments and breaks the graph there, twice per layer. Inside
-    compiled code it is dropped (eager code still warns)."""
+    compiled code it is dropped (eager code still warns). Its attention's offloading contexts
+    become ones dynamo can break a graph inside (``t2train/compat/megatron_compile.py``)."""
     torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
+    megatron_compile.apply()
 
 
 def compile_modules(modules: Iterable[torch.nn.Module], backend: str | None = None) -> None:
