@@ -220,3 +220,13 @@ def test_gpu_tests_stopped_at_their_share_still_report_what_ran():
          "message": ""},
         {"test": "tests.launch.test_launcher::test_more_processes", "outcome": "skipped",
          "message": ""}]
+
+
+def test_the_verdict_counts_only_the_sections_asked_for():
+    from t2train.bench.gpu.report import NOT_ASKED, verdict
+
+    sections = {name: {"status": "skipped", "reason": NOT_ASKED} for name in SECTIONS}
+    sections.update({name: {"status": "ok"} for name in QUICK_SECTIONS})
+    assert verdict(sections, []).startswith(f"{len(QUICK_SECTIONS)}/{len(QUICK_SECTIONS)} ")
+    sections["mfu"] = {"status": "timeout"}
+    assert verdict(sections, []).startswith(f"{len(QUICK_SECTIONS) - 1}/{len(QUICK_SECTIONS)} ")

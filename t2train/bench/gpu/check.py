@@ -180,7 +180,7 @@ def orchestrate(plan: Plan, names: list[str], results: Path, log, started: float
 
 
 def check(plan: Plan, out: Path, names: list[str]) -> dict:
-    from t2train.bench.gpu.report import write_report
+    from t2train.bench.gpu.report import NOT_ASKED, write_report
 
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -192,7 +192,7 @@ def check(plan: Plan, out: Path, names: list[str]) -> dict:
 
         def report() -> dict:
             sections = {name: _load(results / f"{name}.json") for name in SECTIONS}
-            not_asked = {"status": "skipped", "reason": "not asked for (--only, --quick)"}
+            not_asked = {"status": "skipped", "reason": NOT_ASKED}
             return write_report(plan, {name: sections[name] or (None if name in names else
                                                                  not_asked)
                                        for name in SECTIONS}, out, time.time() - started)

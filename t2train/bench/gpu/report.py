@@ -13,6 +13,7 @@ from t2train.bench.table import markdown_table
 DRY_RUN_STAMP = ("**CPU dry run**: the whole plan at tiny shapes on the CPU (kernels under the "
                  "Triton interpreter, bf16 training on the CPU). It proves the check runs; its "
                  "timings and target verdicts mean nothing.")
+NOT_ASKED = "not asked for (--only, --quick)"  # the reason of a section this run leaves out
 TITLES = {"env": "Environment", "correctness": "Correctness", "step_cost": "Step cost",
           "mfu": "MFU", "kernels": "Kernels", "profile": "Where the step time goes"}
 
@@ -280,14 +281,16 @@ def render_markdown(plan: Plan, sections: dict, targets: list[dict], report: dic
 
 
 def verdict(sections: dict, targets: list[dict]) -> str:
-    statuses = [(sections.get(name) or {}).get("status", "missing") for name in SECTIONS]
+    asked = [name for name in SECTIONS
+             if (sections.get(name) or {}).get("reason") != NOT_ASKED]
+    statuses = [(sections.get(name) or {}).get("status", "missing") for name in asked]
     complete = sum(status == "ok" for status in statuses)
     failing = [item["variant"] for item in (sections.get("correctness") or {}).get("items", [])
                if item.get("status") in ("fail", "error")]
     tests = ((sections.get("correctness") or {}).get("data", {}).get("gpu_tests") or {})
     failed_tests = sum(tests.get("counts", {}).get(k, 0) for k in ("failed", "error"))
     met = sum(t["verdict"] == "met" for t in targets)
-    return (f"{complete}/{len(SECTIONS)} sections complete; correctness: "
+    return (f"{complete}/{len(asked)} sections complete; correctness: "
             f"{failed_tests} GPU test(s) failed, bf16 training "
             f"{'off for ' + ', '.join(failing) if failing else 'within tolerance where run'}; "
             f"targets: {met}/{len(targets)} met")
