@@ -115,9 +115,9 @@ def build_model_chunks(config: Config, tf_config: T2TransformerConfig,
             share_embeddings_and_output_weights=config.model.tie_embeddings,
             rotary_base=config.model.rotary_base, vp_stage=vp)
         chunk.decoder.depth_cache = cache
-        if fusions_on(config):
-            compile_modules(chunk.decoder.layers)
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)
+    if fusions_on(config):  # all chunks' layers share the layer's code, and its recompile limit
+        compile_modules([layer for chunk in chunks for layer in chunk.decoder.layers])
     return chunks

@@ -43,7 +43,9 @@ def trace_megatron_modules() -> None:
     the call with its keyword arguments and breaks the graph there, twice per layer. Inside
     compiled code it is dropped (eager code still warns). Its attention's offloading contexts
     become ones dynamo can break a graph inside (``t2train/compat/megatron_compile.py``)."""
-    torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
+    ignored = getattr(torch._dynamo.config, "ignore_logging_functions", None)  # torch >= 2.11
+    if ignored is not None:
+        ignored.add(warnings.warn)
     megatron_compile.apply()
 
 
