@@ -131,3 +131,27 @@ def test_with_the_triton_kernels_a_layer_breaks_only_at_each_kernel(megatron_wor
     # offloading context at most the attention's own frame fell back to eager.
     reasons = [reason.reason for reason in explained.break_reasons]
     assert reasons and all("_launch" in reason for reason in reasons), reasons
+
+
+def test_diagnostics_reach_a_compiled_layer(megatron_world):
+    """The diagnostics pass hooks the layers' norms after they were compiled, and the model
+    records values through ``probe.record``: both must run, not be compiled away."""
+    from t2train.model.build import build_model_chunks, transformer_config
+    from t2train.nn import probe
+
+    config = load_config(overrides=TINY + ["model.shortswa.window=4", "model.fusions=all"])
+    [model] = build_model_chunks(config, transformer_config(config), VOCAB)
+    layer, hidden, rotary = model.decoder.layers[0], torch.randn(16, 2, 32), \
+        model.rotary_pos_emb(16)
+    layer.eval()
+    with torch.no_grad():  # an evaluation, compiled without hooks
+        layer(hidden, None, rotary)
+    seen = []
+    hook = layer.input_layernorm.register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+    with torch.no_grad():
+        layer(hidden, None, rotary)
+        with probe.recording() as records:
+            layer(hidden, None, rotary)
+        hook.remove()
+        layer(hidden, None, rotary)
+    assert len(seen) == 2 and list(records) == ["shortswa_entropy"]

@@ -54,6 +54,9 @@ def compile_modules(modules: Iterable[torch.nn.Module], backend: str | None = No
     modules = list(modules)
     trace_megatron_modules()
     config = torch._dynamo.config
+    # Hooks added later (the diagnostics pass's per-layer RMS on the layers' norms) must
+    # recompile, not be skipped silently: guard on the hooks (a few checks per call).
+    config.skip_nnmodule_hook_guards = False
     config.recompile_limit = max(config.recompile_limit, GRAPHS_PER_LAYER * len(modules))
     for module in modules:
         module.compile(backend=backend or compile_backend())
