@@ -32,7 +32,8 @@ Choices the paper leaves open:
   b_res = 0 (H_res uniform, which maps equal streams to themselves);
 - the embedding enters as n copies and the final norm reads the mean of the streams (the
   paper does not say);
-- dropout (``model.hidden_dropout``) applies to F's output before the write;
+- hidden dropout (``model.dropout``) is the layer's, applied once to F's output before the
+  write, as for every design;
 - mappings, Sinkhorn and the stream update run in at least fp32; the state keeps the
   activation dtype.
 
