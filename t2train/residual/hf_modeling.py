@@ -430,12 +430,11 @@ class HyperConnection(StreamMixResidual):
 
 
 def sinkhorn(logits: Tensor, iterations: int) -> Tensor:
-    """exp, then ``iterations`` times: divide each row, then each column, by its sum."""
-    m = torch.softmax(logits, dim=-1)
-    m = m / m.sum(-2, keepdim=True)
-    for _ in range(iterations - 1):
-        m = m / m.sum(-1, keepdim=True)
+    """exp, then ``iterations`` times: divide each column, then each row, by its sum."""
+    m = torch.exp(logits - logits.amax((-2, -1), keepdim=True))
+    for _ in range(iterations):
         m = m / m.sum(-2, keepdim=True)
+        m = m / m.sum(-1, keepdim=True)
     return m
 
 

@@ -14,13 +14,15 @@ whole stream flattened, x~ = vec(x_l) in R^{nh} (the paper's parameterization):
     x_{l+1} = H_res x_l + H_post^T F(Norm(H_pre x_l))        (F applies its pre-norm)
 
 i.e. the sublayer reads sum_j H_pre[j] x_j and stream i becomes
-sum_j H_res[i, j] x_j + H_post[i] F(...). SK is Sinkhorn-Knopp, as in the paper, with t_max =
-``model.mhc.sinkhorn_iterations`` (default 20): M(0) = exp(H~res), M(t) = T_c(T_r(M(t-1)))
-(T_r, T_c divide each row, then each column, by its sum), H_res = M(t_max). Its columns sum
-to 1 exactly, so the mixing keeps the streams' sum (and the mean the final norm reads); its
-rows sum to 1 up to the iterations' convergence: within 1e-6 for logits spread over about 2
-(tested), more slowly for wider spreads (noted by mHC-lite, arXiv 2601.05732). exp is taken
-after subtracting each row's maximum, which the first row normalisation cancels exactly.
+sum_j H_res[i, j] x_j + H_post[i] F(...). SK is Sinkhorn-Knopp as the paper's Eq. 9 writes
+it, with t_max = ``model.mhc.sinkhorn_iterations`` (default 20): M(0) = exp(H~res),
+M(t) = T_r(T_c(M(t-1))) (T_c divides each column by its sum, then T_r each row),
+H_res = M(t_max). Its rows sum to 1 exactly, so every new stream is a convex combination of
+the old ones (the forward gain is exact, and equal streams stay equal); its columns sum to 1
+up to the iterations' convergence: within 1e-6 for logits spread over about 2 (tested), more
+slowly for wider spreads (noted by mHC-lite, arXiv 2601.05732), so the streams' mean, which
+the final norm reads, is kept to that accuracy. exp is taken after subtracting the matrix's
+largest logit, a common factor every normalisation cancels.
 
 Choices the paper leaves open:
 
@@ -79,7 +81,7 @@ class MHCOptions:
     doubly-stochastic (Sinkhorn-Knopp) stream mixing, predicted from the whole stream."""
 
     expansion_rate: int = 4  # n: copies of the hidden state in the stream
-    sinkhorn_iterations: int = 20  # t_max: row-then-column normalisations of exp(H~res)
+    sinkhorn_iterations: int = 20  # t_max: column-then-row normalisations of exp(H~res)
     gate_init: float = 0.01  # a_pre, a_post, a_res at initialisation
     eps: float = 1e-6  # of the RMSNorm over the flattened stream
 
@@ -87,7 +89,7 @@ class MHCOptions:
         require(self.expansion_rate >= 1, f"{prefix}.expansion_rate", self.expansion_rate,
                 "must be >= 1 (the number of hidden-state copies in the stream)")
         require(self.sinkhorn_iterations >= 1, f"{prefix}.sinkhorn_iterations",
-                self.sinkhorn_iterations, "must be >= 1 (row-then-column normalisations "
+                self.sinkhorn_iterations, "must be >= 1 (column-then-row normalisations "
                 "that make H_res doubly stochastic)")
         require(self.gate_init >= 0, f"{prefix}.gate_init", self.gate_init,
                 "must be >= 0 (0 starts exactly as standard)")
@@ -95,12 +97,12 @@ class MHCOptions:
 
 
 def sinkhorn(logits: Tensor, iterations: int) -> Tensor:
-    """Sinkhorn-Knopp on [..., n, n] logits: exp, then ``iterations`` times rows, columns."""
-    m = torch.softmax(logits, dim=-1)  # exp and the first row normalisation
-    m = m / m.sum(-2, keepdim=True)
-    for _ in range(iterations - 1):
-        m = m / m.sum(-1, keepdim=True)
+    """Sinkhorn-Knopp on [..., n, n] logits (Eq. 9): exp, then ``iterations`` times columns,
+    then rows, divided by their sums."""
+    m = torch.exp(logits - logits.amax((-2, -1), keepdim=True))
+    for _ in range(iterations):
         m = m / m.sum(-2, keepdim=True)
+        m = m / m.sum(-1, keepdim=True)
     return m
 
 

@@ -265,6 +265,13 @@ MUTATIONS = [
       "the HC write mixes stream j from row j of A_r (mHC's orientation), not column j",
       (K_STREAMS, "StreamWrite.apply(state, out, beta, residual.transpose(-1, -2), 0, True)",
        "StreamWrite.apply(state, out, beta, residual, 0, True)")),
+    m("mhc-sinkhorn-rows-first", "mhc",
+      "each Sinkhorn iteration normalises rows, then columns (columns exact), in the reference "
+      "and the kernel alike, where Eq. 9 has T_r(T_c(M))",
+      (REF_MHC, "        m = m / m.sum(-2, keepdim=True)\n        m = m / m.sum(-1, keepdim=True)",
+       "        m = m / m.sum(-1, keepdim=True)\n        m = m / m.sum(-2, keepdim=True)"),
+      (K_STREAMS, "        m, _c = _normalise_columns(m, n_ok)\n        m, _r = _normalise_rows(m, n_ok)",
+       "        m, _r = _normalise_rows(m, n_ok)\n        m, _c = _normalise_columns(m, n_ok)")),
     m("kernel-hc-read-sigmoid", "kernels",
       "the HC read squashes its weights with mHC's sigmoid",
       (K_STREAMS, "return pre if RAW else", "return pre if False else")),
