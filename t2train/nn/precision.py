@@ -41,7 +41,7 @@ class _Fp32Linear(torch.autograd.Function):
         return grad_x, grad_weight, None if grad_bias is None else grad_bias.to(weight.dtype)
 
 
-# The Triton kernel's limit (t2train/kernels/fp32_linear.py MAX_OUTPUTS; a test keeps them
+# The Triton kernel's limit (kernels/fp32_linear.py MAX_OUTPUTS; a test keeps them
 # equal): gate logits have a few outputs, wider projections stay cuBLAS GEMMs.
 GATE_MAX_OUTPUTS = 16
 

@@ -46,7 +46,7 @@ H_res = 1 and the design is a gated `standard` residual:
 x' = x + 2 sigmoid(H~post) F(Norm(sigmoid(H~pre) x)).
 
 The read (H_pre) and the write (Sinkhorn, H_res and H_post) are one fused Triton pass each
-over the stream on CUDA (``t2train/kernels/mhc_streams.py``, chosen by ``T2_KERNELS``); the
+over the stream on CUDA (``kernels/mhc_streams.py``, chosen by ``T2_KERNELS``); the
 projection stays a PyTorch matmul. Hops carry n units of [s, b, h] (unit ids None); all is
 per token, so sequence parallelism applies; parameters are replicated across tensor ranks.
 """
