@@ -23,7 +23,7 @@ K_DDL = "kernels/ddl_update.py"
 K_WINDOW = "kernels/window_attention.py"
 K_ATTNRES = "kernels/depth_mix.py"
 K_GATES = "kernels/fp32_linear.py"
-K_STREAMS = "kernels/mhc_streams.py"
+K_STREAMS = "kernels/stream_mix.py"
 
 
 @dataclass(frozen=True)
