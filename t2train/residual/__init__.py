@@ -39,6 +39,11 @@ def registered() -> tuple[str, ...]:
     return tuple(_DESIGNS)
 
 
+def design_module(name: str) -> str:
+    """The module that implements design ``name`` (its export part is ``<module>_hf.py``)."""
+    return _DESIGNS[name][0]
+
+
 def get_design(name: str):
     """The ``ResidualDesign`` registered under ``name``."""
     if name not in _DESIGNS:
