@@ -10,10 +10,10 @@ Two independent choices make a model's residual stream:
 A combination is labelled ``<design>`` or ``<design>+shortswa`` (``variant_label``); the
 same spelling selects it in ``t2train bench step`` and ``t2train experiment compare``.
 
-Adding a design: one module here with a ``ResidualDesign``, one line in ``_DESIGNS``, and its
-tests (docs/residuals.md, "How to add a design"); a fused kernel adds its ``Kernel``
-declaration to the design's module and one entry in ``kernel_table()``. Modules are imported
-on first use.
+Adding a design: one module here with a ``ResidualDesign``, one line in ``_DESIGNS``, its
+export part ``<module>_hf.py`` beside it, and its tests (docs/residuals.md, "How to add a
+design"); a fused kernel adds its ``Kernel`` declaration to the design's module and one entry
+in ``kernel_table()``. Modules are imported on first use.
 """
 
 from __future__ import annotations
