@@ -222,16 +222,16 @@ def register(commands) -> None:
         description="Train each variant for each seed on the same tokens, evaluating every "
                     "train.eval_interval steps (default: steps/10), and write OUT/compare.md "
                     "(validation loss at equal tokens and at equal training FLOPs: mean, "
-                    "std, min-max over seeds, difference from the baseline with its standard "
-                    "error) and two PNG figures beside it; TensorBoard runs under OUT. Run the "
+                    "std, min-max over seeds, difference from the baseline and the error of that "
+                    "difference) and two PNG figures beside it; TensorBoard runs under OUT. Run the "
                     "same command again to resume an interrupted batch: finished runs are "
                     "read, unfinished ones resume from their checkpoints.")
     add_config_arguments(compare)
     compare.add_argument("--designs", help="comma-separated variants: a design alone or with "
-                                           "the local mixer (ddl, ddl+shortswa), optionally "
-                                           "with model options of its own after colons "
-                                           "(ddl:model.ddl.dv=4); default: every registered "
-                                           "design alone")
+                                           "the local mixer (<design>, <design>+<mixer>), "
+                                           "optionally with model options of its own after "
+                                           "colons (<design>:model.<section>.<option>=<value>); "
+                                           "default: every registered design alone")
     compare.add_argument("--seeds", type=int, default=3, help="seeds per design (default 3)")
     compare.add_argument("--first-seed", type=int, default=1234,
                          help="seeds are FIRST, FIRST+1, ... (default 1234)")

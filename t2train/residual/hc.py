@@ -140,6 +140,10 @@ def depth_write(state: Tensor, residual: Tensor, beta: Tensor, out: Tensor) -> T
             ).to(state.dtype)
 
 
+HC_READ = dispatch.Kernel("hc_read", "t2train.kernels.stream_mix:width_read", width_read)
+HC_WRITE = dispatch.Kernel("hc_write", "t2train.kernels.stream_mix:depth_write", depth_write)
+
+
 class HyperConnection(StreamMixResidual):
     def __init__(self, config, layer_number: int = 1, position: int = 0):
         super().__init__(config, layer_number, position)
@@ -182,11 +186,11 @@ class HyperConnection(StreamMixResidual):
         read, residual = alpha[..., 0], alpha[..., 1:]
         record_weights("hc", (self.layer_number, self.position), read, beta,
                        lambda: residual.transpose(-1, -2))
-        return dispatch.route("hc_read", width_read, state)(state, read), (residual, beta)
+        return dispatch.route(HC_READ, state)(state, read), (residual, beta)
 
     def depth_connection(self, state: Tensor, pending: tuple, out: Tensor) -> Tensor:
         residual, beta = pending
-        write = dispatch.route("hc_write", depth_write, state, out)
+        write = dispatch.route(HC_WRITE, state, out)
         return write(state, residual, beta, out)
 
 

@@ -49,7 +49,7 @@ H_res = 1 and the design is a gated `standard` residual:
 x' = x + 2 sigmoid(H~post) F(Norm(sigmoid(H~pre) x)).
 
 The read (H_pre) and the write (Sinkhorn, H_res and H_post) are one fused Triton pass each
-over the stream on CUDA (``t2train/kernels/mhc_streams.py``, chosen by ``T2_KERNELS``); the
+over the stream on CUDA (``kernels/stream_mix.py``, chosen by ``T2_KERNELS``); the
 projection stays a PyTorch matmul. Hops carry n units of [s, b, h] (unit ids None); all is
 per token, so sequence parallelism applies; parameters are replicated across tensor ranks.
 """
@@ -133,14 +133,19 @@ def stream_write(state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tens
 
 def read_streams(state: Tensor, pre_logit: Tensor) -> Tensor:
     """``stream_read``, through the fused Triton kernel where ``T2_KERNELS`` routes it."""
-    return dispatch.route("stream_read", stream_read, state, pre_logit)(state, pre_logit)
+    return dispatch.route(STREAM_READ, state, pre_logit)(state, pre_logit)
 
 
 def write_streams(state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor,
                   iterations: int) -> Tensor:
     """``stream_write``, through the fused Triton kernel where ``T2_KERNELS`` routes it."""
-    write = dispatch.route("stream_write", stream_write, state, out, post_logit, res_logit)
+    write = dispatch.route(STREAM_WRITE, state, out, post_logit, res_logit)
     return write(state, out, post_logit, res_logit, iterations)
+
+
+STREAM_READ = dispatch.Kernel("stream_read", "t2train.kernels.stream_mix:stream_read", stream_read)
+STREAM_WRITE = dispatch.Kernel("stream_write", "t2train.kernels.stream_mix:stream_write",
+                               stream_write)
 
 
 class ManifoldHyperConnection(StreamMixResidual):

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from t2train.bench.gpu.compare import DRY_RUN_STEPS
+from t2train.bench.gpu.compare import batch_spec
 
 pytestmark = pytest.mark.slow
 
@@ -62,4 +62,4 @@ def test_a_batch_completed_over_two_windows_and_merged(shakespeare, tmp_path):
     for run in ("standard-seed1234", "ddl-seed1234"):
         steps = [json.loads(line)["step"] for line in (records / run / "metrics.jsonl").open()
                  if "val/loss" in line]
-        assert steps[-1] == DRY_RUN_STEPS
+        assert steps[-1] == batch_spec(dry_run=True)["steps"]

@@ -101,7 +101,7 @@ def test_bf16(n):
 
 
 def test_shapes_are_checked():
-    from t2train.kernels.mhc_streams import stream_write as fused
+    from t2train.kernels.stream_mix import stream_write as fused
 
     state, out, post, res = _inputs(4, torch.float32)
     with pytest.raises(ValueError, match="res_logit"):

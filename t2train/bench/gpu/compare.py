@@ -1,8 +1,8 @@
 """``python3 -m t2train.bench.gpu.compare OUT``: the next share of the GPU comparison, in one
 GPU window.
 
-The comparison at GPU scale (docs/benchmarks.md) trains ten variants x three seeds of the
-``20m`` preset on the bundle's held-out split. One H100/H200 needs longer than one 10-minute
+The comparison at GPU scale (docs/benchmarks.md) trains the batch of ``comparison.yaml`` (ten
+variants x three seeds of the ``20m`` preset) on the bundle's held-out split. One H100/H200 needs longer than one 10-minute
 command for all of it, so it is completed over several windows, and only the runs' records
 travel between them (a few kB each), never checkpoints:
 
@@ -30,34 +30,28 @@ import sys
 import tempfile
 from pathlib import Path
 
+import yaml
+
 from t2train.bench.run_records import CONFIG_FILE, METRICS_FILE, finished_curve
 
 BUNDLE = ".gpu-bundle"
 DATA = f"{BUNDLE}/data/shakespeare-heldout-bpe4k-s1024"
 RECORDS = Path("docs/compare-gpu")
-# The batch: the 1,200-step CPU comparison's ten variants, at the 20m preset in bf16, with the
-# mixer at the companion note's window. Changing any of it starts another batch: give the
-# records another folder.
-DESIGNS = ("standard,ddl,ddl:model.ddl.dv=4,standard+shortswa,ddl+shortswa,depth_attn,"
-           "attnres,block_attnres,hc,mhc")
-SEEDS, STEPS = 3, 350
-OVERRIDES = ["train.precision=bf16", "model.shortswa.window=128", "checkpoint.keep_last=1"]
-# --dry-run: the same procedure at a size the CPU trains in seconds.
-DRY_RUN_DESIGNS, DRY_RUN_SEEDS, DRY_RUN_STEPS = "standard,ddl", 1, 4
-DRY_RUN_OVERRIDES = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-                     "model.seq_length=64", "train.micro_batch_size=2",
-                     "train.global_batch_size=4", "train.warmup_steps=1", "train.eval_batches=1",
-                     "train.eval_interval=2", "log.tensorboard=false",
-                     "model.shortswa.window=16"]
+BATCH = Path(__file__).with_name("comparison.yaml")  # what the batch trains
+
+
+def batch_spec(dry_run: bool) -> dict:
+    """``comparison.yaml``'s batch: preset, designs, seeds, steps, overrides."""
+    spec = yaml.safe_load(BATCH.read_text())
+    return {**spec, **spec["dry_run"]} if dry_run else spec
 
 
 def compare_args(data: str, dry_run: bool) -> list[str]:
     """``t2train experiment compare``'s arguments for the batch, without ``--out``."""
-    designs, seeds, steps = ((DRY_RUN_DESIGNS, DRY_RUN_SEEDS, DRY_RUN_STEPS) if dry_run
-                             else (DESIGNS, SEEDS, STEPS))
-    overrides = ["checkpoint.keep_last=1", *DRY_RUN_OVERRIDES] if dry_run else OVERRIDES
-    return ["experiment", "compare", "--preset", "20m", f"data.path={data}", *overrides,
-            "--designs", designs, "--seeds", str(seeds), "--steps", str(steps)]
+    spec = batch_spec(dry_run)
+    return ["experiment", "compare", "--preset", spec["preset"], f"data.path={data}",
+            *spec["overrides"], "--designs", spec["designs"], "--seeds", str(spec["seeds"]),
+            "--steps", str(spec["steps"])]
 
 
 def copy_finished(source: Path, dest: Path, steps: int) -> list[str]:
@@ -90,7 +84,7 @@ def window(out: Path, records: Path, budget_min: float, data: str, dry_run: bool
     if not dry_run:
         subprocess.run([sys.executable, "-m", "t2train.bench.gpu.install", "--bundle", BUNDLE],
                        check=True)
-    steps = DRY_RUN_STEPS if dry_run else STEPS
+    steps = batch_spec(dry_run)["steps"]
     kept = out / "records"
     kept.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="t2-compare-") as scratch:
@@ -108,7 +102,7 @@ def window(out: Path, records: Path, budget_min: float, data: str, dry_run: bool
 
 def merge(new_records: Path, records: Path, data: str, dry_run: bool) -> int:
     """Add a window's records to ``records`` and report over every finished run."""
-    steps = DRY_RUN_STEPS if dry_run else STEPS
+    steps = batch_spec(dry_run)["steps"]
     records.mkdir(parents=True, exist_ok=True)
     added = copy_finished(new_records, records, steps)
     print(f"merged {len(added)} run(s) into {records}", flush=True)
