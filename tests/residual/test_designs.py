@@ -220,3 +220,12 @@ def test_the_mixer_multiplied_by_zero_is_exactly_standard(megatron_world):
     grads = dict(mixed.named_parameters())
     for name, param in standard.named_parameters():
         torch.testing.assert_close(grads[name].grad, param.grad, atol=0, rtol=0, msg=name)
+
+
+def test_a_zero_initialised_mixer_starts_as_standard(megatron_world):
+    """model.shortswa.zero_init_output: the ShortSWA output projection starts at zero, so the
+    model starts with `standard`'s logits exactly (and only that projection differs)."""
+    standard, mixed, missing = _shared_logits(
+        "standard", "standard+shortswa", extra_b=["model.shortswa.zero_init_output=true"])
+    assert all(".pre_attention" in key for key in missing)
+    torch.testing.assert_close(mixed, standard, atol=0, rtol=0)
