@@ -165,7 +165,8 @@ class TrainConfig:
     log_interval: int = 10
     # Save and stop at the next step boundary (exit code 75, see t2train/train/preemption.py)
     # on these signals, or once this process has run exit_duration_mins (0 = no limit).
-    exit_signals: str = "SIGUSR1,SIGTERM"
+    # SIGINT is Ctrl-C: a second Ctrl-C stops at once, without saving (exit code 130).
+    exit_signals: str = "SIGUSR1,SIGTERM,SIGINT"
     exit_duration_mins: float = 0.0
     # The LR schedule a resumed run follows when this config's differs from the checkpoint's
     # (e.g. train.steps changed): `checkpoint` keeps the checkpoint's horizon, warm-up and LRs
@@ -387,8 +388,11 @@ class Config:
     def validate_world(self, world_size: int) -> int:
         """Check the layout against the launched world; returns the data-parallel size."""
         model_parallel = self.parallel.tensor * self.parallel.pipeline
+        launch = (f"; start {model_parallel} processes or more with `t2train launch "
+                  f"--nproc-per-node={model_parallel} ...` (same arguments)"
+                  if world_size < model_parallel else "")
         require(world_size % model_parallel == 0, "parallel.tensor*parallel.pipeline",
-                model_parallel, f"must divide the world size {world_size}")
+                model_parallel, f"must divide the world size {world_size}{launch}")
         dp = world_size // model_parallel
         per_step = self.train.micro_batch_size * dp
         require(self.train.global_batch_size % per_step == 0, "train.global_batch_size",
