@@ -16,8 +16,6 @@ import time
 from dataclasses import dataclass, replace
 from typing import Optional
 
-import torch
-
 from t2train.bench.table import markdown_table
 from t2train.residual import BASELINE
 
@@ -57,6 +55,8 @@ class DesignTiming:
 
 
 def _synchronize() -> None:
+    import torch
+
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -82,6 +82,8 @@ def build_objects(config, vocab_size: int):
 
 def time_design(config, vocab_size: int, steps: list, warmup: int,
                 variant: str) -> DesignTiming:
+    import torch
+
     from t2train.engine.megatron.step import train_step
     from t2train.model.flops import parameters
 
@@ -139,6 +141,8 @@ def real_batches(config, count: int) -> list:
 
 
 def reference_timing(config, vocab_size: int, steps: list, warmup: int) -> DesignTiming:
+    import torch
+
     from t2train.bench.reference_gpt import time_reference_steps
     from t2train.model.build import compute_dtype
     from t2train.model.flops import standard_parameters
@@ -181,6 +185,8 @@ def load_average() -> str:
 
 
 def format_step_table(timings: list[DesignTiming]) -> str:
+    import torch
+
     by_design = {timing.design: timing for timing in timings}
     baseline = by_design.get(BASELINE)
     memory = "peak CUDA memory (GiB)" if torch.cuda.is_available() else "process RSS (GiB)"
