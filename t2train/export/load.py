@@ -13,7 +13,6 @@ import contextlib
 import io
 import os
 import tempfile
-import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
@@ -145,12 +144,8 @@ def _load_megatron(model, path: Path) -> None:
 
     from t2train.checkpoint.store import read_checkpoint
 
-    with warnings.catch_warnings():  # deprecations between Megatron and torch DCP: not ours
-        warnings.filterwarnings(
-            "ignore", category=FutureWarning,
-            module=r"(torch\.distributed\.checkpoint|megatron\.core\.dist_checkpointing)")
-        loaded = read_checkpoint(path, lambda: dist_checkpointing.load(
-            {"model": model.sharded_state_dict()}, str(path)))
+    loaded = read_checkpoint(path, lambda: dist_checkpointing.load(
+        {"model": model.sharded_state_dict()}, str(path)))
     model.load_state_dict(loaded["model"])
 
 
