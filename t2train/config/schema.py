@@ -287,6 +287,10 @@ class CheckpointConfig:
     # `t2train train` then writes the final checkpoint as a Hugging Face folder next to it
     # (checkpoints/step_N-hf, as `t2train export hf` does); not after a run stopped early.
     export_hf_on_finish: bool = False
+    # A fresh start (no checkpoint of this run to resume) begins from the model weights of this
+    # checkpoint or run directory, of any layout: e.g. a Hugging Face Llama brought in with
+    # `t2train import hf`. Optimizer, LR schedule, data position and step start anew.
+    init_from: str = ""
 
     def validate(self) -> None:
         require(self.interval >= 1, "checkpoint.interval", self.interval, "must be >= 1")
@@ -381,6 +385,8 @@ class Config:
         require(not self.parallel.distributed_optimizer, "parallel.distributed_optimizer", True,
                 f"{why}: ZeRO (deepspeed.zero_stage) shards the optimizer instead")
         require(not self.checkpoint.async_save, "checkpoint.async_save", True, why)
+        require(not self.checkpoint.init_from, "checkpoint.init_from", self.checkpoint.init_from,
+                f"{why} yet: start from the weights with train.engine=megatron")
         require(self.train.loss_spike_factor == 0, "train.loss_spike_factor",
                 self.train.loss_spike_factor, f"{why} (DeepSpeed applies the update itself; "
                 "it skips non-finite gradients on its own)")

@@ -81,14 +81,14 @@ def load_model(checkpoint: Checkpoint, device: Optional[str] = None,
                                   "missing)")
         stored = shards[0][EMBEDDING].dtype
         rows = sum(shard[EMBEDDING].shape[0] for shard in shards.values())
-        model = _build(checkpoint.config, rows, stored)
+        model = build_model(checkpoint.config, rows, stored)
         _load_gathered(model, _join_tensor_parallel(model, shards), checkpoint.path)
     else:
         rows, stored = _megatron_embedding(checkpoint.path)
-        model = _build(checkpoint.config, rows, stored)
+        model = build_model(checkpoint.config, rows, stored)
         _load_megatron(model, checkpoint.path)
     if dtype is not None and dtype != stored:
-        converted = _build(checkpoint.config, model.vocab_size, dtype)
+        converted = build_model(checkpoint.config, model.vocab_size, dtype)
         converted.load_state_dict(model.state_dict())
         model = converted
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -112,7 +112,7 @@ def single_process_world() -> None:
     set_seed(0, init_model_parallel(1, 1, 1))
 
 
-def _build(config: Config, vocab_rows: int, dtype: torch.dtype):
+def build_model(config: Config, vocab_rows: int, dtype: torch.dtype):
     from t2train.model.build import build_model_chunks, transformer_config
 
     precision = "bf16" if dtype == torch.bfloat16 else "fp32"

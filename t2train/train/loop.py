@@ -141,6 +141,12 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog",
         start = (f"resumed from {resume_from} (loaded in "
                  f"{time.monotonic() - loading_started:.1f}s) | "
                  f"{_schedule_in_force(config, engine.scheduler)}")
+    elif config.checkpoint.init_from:
+        from t2train.checkpoint.inspect import resolve_checkpoint
+
+        weights = resolve_checkpoint(Path(config.checkpoint.init_from))
+        engine.load_weights(weights, facts["tokenizer_sha256"])
+        start = f"fresh start from the weights of {weights}"
     else:
         start = "fresh start"
     start_step = train_state.get("step", 0)
