@@ -38,9 +38,10 @@ KNOWN_WARNINGS = (
 # Advice for CUDA runs, noise without CUDA: silenced by ``silence_without_cuda`` (the
 # megatron-core CPU shim calls it), so a GPU run still shows it.
 CUDA_ADVICE_WARNINGS = (
-    # megatron-core with sequence parallelism, about CUDA streams.
-    (r"When using sequence parallelism it is recommended to set the environment variable "
-     r"CUDA_DEVICE_MAX_CONNECTIONS to 1",
+    # megatron-core with sequence parallelism or tensor-parallel gradient all-reduces, about
+    # CUDA streams.
+    (r"When using (sequence parallelism|async grad allreduce) it is recommended to set the "
+     r"environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1",
      r"megatron\.core\.tensor_parallel", UserWarning),
 )
 # logger name -> message regex: library log records.
