@@ -279,10 +279,13 @@ def test_every_design_exports_to_transformers(trained, shakespeare, megatron_wor
 @pytest.mark.slow
 def test_generate_and_eval_commands(trained, shakespeare, megatron_world, capsys):
     run_dir = Path(trained["ddl+shortswa"]["checkpoint"]).parents[1]
-    for sampling in ([], ["--top-p", "0.9", "--seed", "3"]):
+    texts = []
+    for sampling in ([], ["--top-p", "0.9", "--seed", "3"], ["--temperature", "20", "--seed", "3"]):
         assert main(["generate", str(run_dir), "--prompt", "To be, or not",
                      "--max-new-tokens", "6", "--device", "cpu", *sampling]) == 0
-        assert capsys.readouterr().out.startswith("To be, or not")
+        texts.append(capsys.readouterr().out)
+        assert texts[-1].startswith("To be, or not")
+    assert texts[2] != texts[0]  # --temperature alone samples (nearly uniformly, at 20)
     assert main(["eval", str(run_dir), "--data", str(shakespeare), "--max-batches", "2",
                  "--batch-size", "2", "--device", "cpu"]) == 0
     line = capsys.readouterr().out.strip()

@@ -4,6 +4,7 @@ of that run gives the Llama's weights back."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -62,7 +63,12 @@ def test_a_llama_round_trips_through_import_training_and_export(megatron_world, 
                  "log.diagnostics_interval=0", f"log.run_dir={run}"]) == 0
     assert f"fresh start from the weights of {out / 'checkpoints' / 'step_00000000'}" in \
         capsys.readouterr().out
-    export_hf(run, tmp_path / "back")
+    umask = os.umask(0o022)
+    try:
+        export_hf(run, tmp_path / "back")
+    finally:
+        os.umask(umask)
+    assert {oct(f.stat().st_mode & 0o777) for f in (tmp_path / "back").iterdir()} == {"0o644"}
     back = load_file(str(tmp_path / "back" / "model.safetensors"))
     for name, tensor in llama.state_dict().items():
         assert torch.allclose(back[name], tensor, atol=1e-6), name

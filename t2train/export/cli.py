@@ -58,8 +58,10 @@ def _cmd_generate(args) -> int:
 
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise _usage(f"--top-p={args.top_p}: must be in (0, 1]")
-    if args.temperature <= 0:
+    if args.temperature is not None and args.temperature <= 0:
         raise _usage(f"--temperature={args.temperature}: must be > 0")
+    # --temperature alone samples from the whole distribution (top-p 1)
+    top_p = 1.0 if args.top_p is None and args.temperature is not None else args.top_p
     checkpoint = open_checkpoint(args.checkpoint)
     tok = run_tokenizer(checkpoint, args.tokenizer)
     prompt = tok.tokenizer.encode(args.prompt).ids
@@ -67,8 +69,8 @@ def _cmd_generate(args) -> int:
         raise _usage("--prompt: encodes to no tokens; give some text")
     loaded = load_model(checkpoint, device=args.device)
     new = generate(loaded.model, prompt, args.max_new_tokens, tok.tokenizer.get_vocab_size(),
-                   checkpoint.config.model.seq_length, tok.eos_id, args.top_p,
-                   args.temperature, args.seed)
+                   checkpoint.config.model.seq_length, tok.eos_id, top_p,
+                   args.temperature or 1.0, args.seed)
     print(args.prompt + tok.tokenizer.decode(new, skip_special_tokens=False))
     return 0
 
@@ -164,15 +166,21 @@ def register(commands) -> None:
     gen = commands.add_parser(
         "generate", help="continue a prompt with a checkpoint (greedy or top-p)",
         description="Continue --prompt with CHECKPOINT's model and its run's tokenizer: "
-                    "greedy by default, nucleus sampling with --top-p.")
+                    "greedy by default, nucleus sampling with --top-p, sampling from the whole "
+                    "distribution with --temperature alone. The context is the newest "
+                    "model.seq_length tokens (a sliding window, positions from 0): past that "
+                    "length transformers' generate on the exported model, which keeps the whole "
+                    "context at positions the model never trained on, gives other tokens.")
     gen.add_argument("checkpoint", help=CHECKPOINT_HELP)
     gen.add_argument("--prompt", required=True, help="the text to continue")
     gen.add_argument("--max-new-tokens", type=_positive, default=64)
     gen.add_argument("--top-p", type=float, default=None,
                      help="sample from the smallest set of tokens with this probability mass "
                           "(default: greedy)")
-    gen.add_argument("--temperature", type=float, default=1.0, help="with --top-p")
-    gen.add_argument("--seed", type=int, default=0, help="with --top-p")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="divide the logits by this before sampling (default 1 with --top-p); "
+                          "without --top-p, samples from the whole distribution")
+    gen.add_argument("--seed", type=int, default=0, help="of the sampling")
     gen.add_argument("--tokenizer", help=TOKENIZER_HELP)
     _device_argument(gen)
     gen.set_defaults(handler=_cmd_generate)

@@ -77,6 +77,7 @@ def export_hf(given: str | Path, out: str | Path, tokenizer: Optional[str | Path
         _tokenizer(run_tok, model_config.seq_length).save_pretrained(staging)
         if not llama:
             shutil.copyfile(residual_hf.MODELING_FILE, staging / f"{MODELING_NAME}.py")
+        _follow_umask(staging)
         _publish(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -246,6 +247,14 @@ def _tokenizer(run_tok: RunTokenizer, seq_length: int):
                                    bos_token=run_tok.eos_token, model_max_length=seq_length,
                                    clean_up_tokenization_spaces=False,
                                    model_input_names=["input_ids", "attention_mask"])
+
+
+def _follow_umask(folder: Path) -> None:
+    """Give every file the mode a plain ``open`` would: safetensors writes 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in folder.iterdir():
+        file.chmod(0o666 & ~umask)
 
 
 def _publish(staging: Path, out: Path) -> None:
