@@ -47,6 +47,8 @@ def _cmd_train(args) -> int:
         return SAVE_FAILED_EXIT_CODE
     if is_rank_zero():
         print(_outcome(summary, REQUEUE_EXIT_CODE))
+        if not summary.stopped:
+            print(_next_commands(summary.run_dir, config.data.path))
     exported = export_on_finish(config, summary)
     if exported is not None:
         print(f"exported the final checkpoint for Hugging Face transformers to {exported}")
@@ -97,6 +99,12 @@ def _dry_run(config) -> int:
                       else "model.vocab_size", None))
     print("nothing trained or written; to train, run the same command without --dry-run")
     return 0
+
+
+def _next_commands(run_dir, data: str) -> str:
+    """What one does with a finished run."""
+    return (f"next: t2train generate {run_dir} --prompt TEXT | t2train eval {run_dir} --data "
+            f"{data} | t2train export hf {run_dir} OUT | tensorboard --logdir {run_dir.parent}")
 
 
 def _cmd_launch(args) -> int:

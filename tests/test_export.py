@@ -334,3 +334,12 @@ def test_a_tokenizer_of_another_hash_is_refused(tmp_path):
                                   tokenizer_sha256="c" * 64)
     with pytest.raises(DataError, match="but the run was trained with tokenizer cccccccccccc"):
         run_tokenizer(open_checkpoint(checkpoint))
+
+
+def test_eval_reports_progress_on_stderr(capsys):
+    from t2train.export.cli import ProgressLine
+
+    report = ProgressLine("eval val", total=40, every=0)
+    report(10)
+    line = capsys.readouterr().err
+    assert line.startswith("eval val: 10/40 batches, 0:00 elapsed, eta 0:0") and line.count("\n") == 1

@@ -61,8 +61,11 @@ def test_a_llama_round_trips_through_import_training_and_export(megatron_world, 
                  "train.steps=1", "train.lr=1e-12", "train.min_lr=0", "train.warmup_steps=0",
                  "train.micro_batch_size=2", "train.global_batch_size=2", "train.eval_batches=1",
                  "log.diagnostics_interval=0", f"log.run_dir={run}"]) == 0
-    assert f"fresh start from the weights of {out / 'checkpoints' / 'step_00000000'}" in \
-        capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"fresh start from the weights of {out / 'checkpoints' / 'step_00000000'}" in printed
+    assert printed.splitlines()[-1] == (  # what to do with a finished run
+        f"next: t2train generate {run} --prompt TEXT | t2train eval {run} --data {shakespeare} | "
+        f"t2train export hf {run} OUT | tensorboard --logdir {tmp_path}")
     umask = os.umask(0o022)
     try:
         export_hf(run, tmp_path / "back")

@@ -83,15 +83,45 @@ def _cmd_eval(args) -> int:
     from t2train.export.tokenizer import run_tokenizer_hash
 
     checkpoint = open_checkpoint(args.checkpoint)
-    check_same_tokenizer(checkpoint, Path(args.data), run_tokenizer_hash(checkpoint))
+    index = check_same_tokenizer(checkpoint, Path(args.data), run_tokenizer_hash(checkpoint))
     loaded = load_model(checkpoint, device=args.device)
     seq = checkpoint.config.model.seq_length
+    samples = index["splits"].get(args.split, {}).get("samples", 0)
+    total = min(-(-samples // args.batch_size), args.max_batches or samples)
     result = evaluate(loaded.model, Path(args.data), args.split, seq, args.batch_size,
-                      args.max_batches)
+                      args.max_batches, ProgressLine(f"eval {args.split}", total))
     print(f"{checkpoint.path} ({_label(checkpoint)}) on {args.data}/{args.split}: "
           f"loss {result.loss:.4f}, perplexity {result.perplexity:.2f} over {result.tokens:,} "
           f"tokens ({result.batches} batches of up to {args.batch_size} x {seq})")
     return 0
+
+
+class ProgressLine:
+    """``what: 120/480 batches, 0:42 elapsed, eta 2:06`` on stderr every ``every`` seconds."""
+
+    def __init__(self, what: str, total: int, every: float = 10.0):
+        import time
+
+        self.what, self.total, self.every = what, total, every
+        self.started = self.last = time.monotonic()
+
+    def __call__(self, done: int) -> None:
+        import sys
+        import time
+
+        now = time.monotonic()
+        if now - self.last < self.every:
+            return
+        self.last = now
+        elapsed = now - self.started
+        eta = elapsed / done * max(self.total - done, 0)
+        print(f"{self.what}: {done:,}/{self.total:,} batches, {_clock(elapsed)} elapsed, eta "
+              f"{_clock(eta)}", file=sys.stderr, flush=True)
+
+
+def _clock(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}:{seconds:02d}"
 
 
 def _usage(message: str):
