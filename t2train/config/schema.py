@@ -6,6 +6,7 @@ dotted field, the value and what is allowed (``ConfigError``).
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field, make_dataclass
 from typing import Literal, Optional
 
@@ -333,9 +334,15 @@ class LogConfig:
     # Peak TFLOP/s of one device for MFU; 0 = look the GPU up in t2train/monitor/mfu.py.
     peak_tflops: float = 0.0
     all_ranks: bool = False  # every rank prints its console lines (debugging); else rank 0
+    # Also log the scalars to Weights & Biases (t2train/monitor/wandb_sink.py): online, or
+    # offline into <run_dir>/wandb (wandb sync uploads it later); needs t2train[wandb].
+    wandb: Literal["off", "online", "offline"] = "off"
+    wandb_project: str = "t2train"
 
     def validate(self) -> None:
         require(bool(self.run_dir), "log.run_dir", self.run_dir, "must be a directory path")
+        require(self.wandb == "off" or importlib.util.find_spec("wandb") is not None,
+                "log.wandb", self.wandb, "needs the wandb package: pip install 't2train[wandb]'")
         require(self.diagnostics_interval >= 0, "log.diagnostics_interval",
                 self.diagnostics_interval, "must be >= 0 (0 turns diagnostics off)")
         require(self.peak_tflops >= 0, "log.peak_tflops", self.peak_tflops,

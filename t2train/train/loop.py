@@ -118,6 +118,7 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog",
     from t2train.monitor.diagnostics import Diagnostics, diagnostic_micro_batches
     from t2train.monitor.metrics import Monitor
     from t2train.monitor.step_metrics import loss_scalars, step_meter
+    from t2train.monitor.wandb_sink import wandb_settings
     from t2train.parallel.init import init_distributed, init_model_parallel, set_seed
     from t2train.residual import variant_label
     from t2train.train.batches import GlobalBatchFeeder
@@ -166,7 +167,7 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog",
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(config))
     monitor = Monitor(run_dir if logging_rank else None, train_cfg.steps,
-                      tensorboard=config.log.tensorboard,
+                      tensorboard=config.log.tensorboard, wandb=wandb_settings(config),
                       resumed_at=start_step if resume_from is not None else None,
                       console=logging_rank or config.log.all_ranks,
                       prefix=f"[rank {topology.rank}] " if config.log.all_ranks else "")
