@@ -234,11 +234,11 @@ def register(commands) -> None:
     step = tools.add_parser(
         "step", help="step time, tokens/s, memory, pipeline bytes per residual design",
         description="Time training steps of each residual design at the configured layout on "
-                    "real batches, against standard and a plain-PyTorch loop.")
+                    "real batches, against the baseline design and a plain-PyTorch loop.")
     add_config_arguments(step)
     step.add_argument("--designs", help="comma-separated designs, each alone or with the "
-                                        "local mixer: ddl,ddl+shortswa (default: every "
-                                        "registered design alone)")
+                                        "local mixer: <design> or <design>+<mixer> (default: "
+                                        "every registered design alone)")
     step.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     step.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     step.add_argument("--repeats", type=int, default=1,

@@ -11,6 +11,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from t2train.config.schema import Config, ModelConfig
+from t2train.parallel.depth_cache import DepthCache, HopPlan, plan_hops
 
 
 @dataclass
@@ -82,13 +83,14 @@ def transformer_config(config: Config) -> T2TransformerConfig:
     )
 
 
-def build_model_chunks(config: Config, tf_config: T2TransformerConfig,
-                       vocab_size: int) -> list[torch.nn.Module]:
-    """This rank's model chunks: one per virtual pipeline stage (one without interleaving)."""
+def build_model_chunks(config: Config, tf_config: T2TransformerConfig, vocab_size: int,
+                       hops: Optional[HopPlan] = None) -> list[torch.nn.Module]:
+    """This rank's model chunks: one per virtual pipeline stage (one without interleaving),
+    each sending and receiving its hops as ``hops`` says (the run's plan; made here when the
+    caller has none)."""
     from t2train.model.gpt import T2GPTModel
 
-    from t2train.parallel.depth_cache import DepthCache
-
+    hops = hops or plan_hops(tf_config)
     virtual = config.parallel.virtual_pipeline
     cache = DepthCache() if config.parallel.caches_depth_units() else None
     chunks = []
@@ -100,7 +102,7 @@ def build_model_chunks(config: Config, tf_config: T2TransformerConfig,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             share_embeddings_and_output_weights=config.model.tie_embeddings,
-            rotary_base=config.model.rotary_base, vp_stage=vp)
+            rotary_base=config.model.rotary_base, vp_stage=vp, hops=hops)
         chunk.decoder.depth_cache = cache
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
