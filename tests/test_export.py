@@ -375,4 +375,5 @@ def test_eval_reports_progress_on_stderr(capsys):
     report = ProgressLine("eval val", total=40, every=0)
     report(10)
     line = capsys.readouterr().err
-    assert line.startswith("eval val: 10/40 batches, 0:00 elapsed, eta 0:0") and line.count("\n") == 1
+    assert line.startswith("eval val: 10/40 batches, 0:00 elapsed, eta 0:0")
+    assert line.count("\n") == 1

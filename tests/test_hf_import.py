@@ -46,7 +46,8 @@ def test_a_llama_round_trips_through_import_training_and_export(megatron_world, 
     llama.save_pretrained(folder)
     shutil.copy(shakespeare / "tokenizer.json", folder)  # a tokenizer from a local folder
     assert main(["import", "hf", str(folder), str(out)]) == 0
-    assert f"t2train train --config {out / 't2train.yaml'} data.path=DATA" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"t2train train --config {out / 't2train.yaml'} data.path=DATA" in printed
 
     tokens = torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

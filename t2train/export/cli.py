@@ -43,8 +43,8 @@ def _cmd_import_hf(args) -> int:
     done = import_hf(args.folder, args.out, seq_length=args.seq_length, overwrite=args.overwrite)
     seq = "--seq-length N" if args.seq_length is None else f"--seq-length {args.seq_length}"
     print(f"imported {done.parameters / 1e6:.2f}M parameters of {args.folder} as the "
-          f"{BASELINE} design: checkpoint {done.checkpoint}, tokenizer {done.out / 'tokenizer.json'}, "
-          f"config {done.config_file}\n"
+          f"{BASELINE} design: checkpoint {done.checkpoint}, tokenizer "
+          f"{done.out / 'tokenizer.json'}, config {done.config_file}\n"
           f"next: t2train data prepare --input 'TEXT_GLOB' --tokenizer {done.out} {seq} "
           f"--out DATA\n"
           f"      t2train train --config {done.config_file} data.path=DATA name=NAME")
@@ -174,13 +174,15 @@ def register(commands) -> None:
     hf.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     hf.set_defaults(handler=_cmd_export_hf)
 
+    from t2train.residual import BASELINE
+
     imports = commands.add_parser("import", help="bring a model of another format in as a "
                                                  "checkpoint to train on from")
     sources = imports.add_subparsers(dest="import_format", required=True)
     llama = sources.add_parser(
         "hf", help="a Hugging Face LlamaForCausalLM folder (safetensors, tokenizer.json)",
-        description="Write the Llama in FOLDER (config.json, model.safetensors or its shards, "
-                    "tokenizer.json) as a checkpoint of the standard design in OUT, with its "
+        description=f"Write the Llama in FOLDER (config.json, model.safetensors or its shards, "
+                    f"tokenizer.json) as a checkpoint of the {BASELINE} design in OUT, with its "
                     "tokenizer and OUT/t2train.yaml (its model section and "
                     "checkpoint.init_from=OUT): `t2train train --config OUT/t2train.yaml "
                     "data.path=DATA` continues pretraining from it, at any layout. Prepare DATA "

@@ -47,7 +47,7 @@ def llama_model_section(hf: dict, source: Path, seq_length: Optional[int]) -> di
     for name, supported in _UNSUPPORTED.items():
         if hf.get(name, supported) != supported:
             raise UserInputError(f"{source}: {name}={hf[name]!r} is not supported (the "
-                                 f"standard design has {name}={supported!r})")
+                                 f"{BASELINE} design has {name}={supported!r})")
     heads = hf["num_attention_heads"]
     if hf.get("head_dim", hf["hidden_size"] // heads) * heads != hf["hidden_size"]:
         raise UserInputError(f"{source}: head_dim={hf['head_dim']} x num_attention_heads="
