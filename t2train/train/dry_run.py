@@ -32,18 +32,11 @@ def dry_run(config: Config) -> DryRun:
     from t2train.data.prepare import read_index
     from t2train.engine import build_engine
     from t2train.model.build import padded_vocab_size
-    from t2train.parallel.init import init_distributed, init_model_parallel, set_seed
     from t2train.train.batches import GlobalBatchFeeder
     from t2train.train.data import open_streams
-    from t2train.train.loop import _resume_target, dataset_facts
+    from t2train.train.loop import start_ranks
 
-    facts = dataset_facts(config)
-    resume_from = _resume_target(config, Path(config.run_dir))
-    init_distributed(config.parallel.collective_timeout_mins)
-    dp_size = config.validate_world(dist.get_world_size())
-    topology = init_model_parallel(config.parallel.tensor, config.parallel.pipeline,
-                                   config.parallel.virtual_pipeline)
-    set_seed(config.train.seed, topology)
+    facts, resume_from, dp_size, topology = start_ranks(config)
     engine = build_engine(config, padded_vocab_size(facts["vocab_size"], config))
     streams = open_streams(config, topology, dp_size, None)
     try:

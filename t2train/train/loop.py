@@ -19,6 +19,7 @@ from t2train.config.schema import Config, ConfigError
 from t2train.errors import RankFailure, TrainingHalted
 
 if TYPE_CHECKING:
+    from t2train.parallel.init import Topology
     from t2train.train.preemption import StopGuard
     from t2train.train.watchdog import Watchdog
 
@@ -109,6 +110,22 @@ def train(config: Config) -> RunSummary:
             raise
 
 
+def start_ranks(config: Config) -> tuple[dict, Optional[Path], int, "Topology"]:
+    """A run's first steps, also ``train --dry-run``'s: the dataset's facts and the checkpoint
+    to resume (checked before anything is written), then the process groups against the world
+    size and the seeds. Returns (facts, resume target, data-parallel size, topology)."""
+    from t2train.parallel.init import init_distributed, init_model_parallel, set_seed
+
+    facts = dataset_facts(config)
+    resume_from = _resume_target(config, Path(config.run_dir))
+    init_distributed(config.parallel.collective_timeout_mins)
+    dp_size = config.validate_world(dist.get_world_size())
+    topology = init_model_parallel(config.parallel.tensor, config.parallel.pipeline,
+                                   config.parallel.virtual_pipeline)
+    set_seed(config.train.seed, topology)
+    return facts, resume_from, dp_size, topology
+
+
 def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog",
          cleanup: ExitStack) -> RunSummary:
     from t2train.checkpoint.manager import Checkpointer
@@ -119,20 +136,12 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog",
     from t2train.monitor.metrics import Monitor
     from t2train.monitor.step_metrics import loss_scalars, step_meter
     from t2train.monitor.wandb_sink import wandb_settings
-    from t2train.parallel.init import init_distributed, init_model_parallel, set_seed
     from t2train.residual import variant_label
     from t2train.train.batches import GlobalBatchFeeder
     from t2train.train.data import open_streams
 
-    facts = dataset_facts(config)
     run_dir = Path(config.run_dir)
-    resume_from = _resume_target(config, run_dir)
-
-    init_distributed(config.parallel.collective_timeout_mins)
-    dp_size = config.validate_world(dist.get_world_size())
-    topology = init_model_parallel(config.parallel.tensor, config.parallel.pipeline,
-                                   config.parallel.virtual_pipeline)
-    set_seed(config.train.seed, topology)
+    facts, resume_from, dp_size, topology = start_ranks(config)
     engine = build_engine(config, padded_vocab_size(facts["vocab_size"], config))
 
     train_state: dict = {}

@@ -11,6 +11,7 @@ import time
 
 import psutil
 import pytest
+from test_stop_guard import _stop_reason
 from tiny_run import TINY_MODEL
 
 from t2train.cli import main as t2train_main
@@ -60,13 +61,6 @@ def test_a_second_ctrl_c_stops_at_once_and_a_doubled_delivery_counts_once(megatr
             while time.monotonic() < deadline:  # the main thread is interrupted in here
                 time.sleep(0.01)
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
-
-
-def _stop_reason(guard: StopGuard, wait_s: float = 10.0):
-    deadline = time.monotonic() + wait_s
-    while (reason := guard.should_stop()) is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return reason
 
 
 def test_ctrl_c_in_any_command_is_one_line_and_exit_code_130(monkeypatch, capsys):
