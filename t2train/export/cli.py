@@ -196,7 +196,7 @@ def register(commands) -> None:
     llama.set_defaults(handler=_cmd_import_hf)
 
     gen = commands.add_parser(
-        "generate", help="continue a prompt with a checkpoint (greedy or top-p)",
+        "generate", help="continue a prompt with a checkpoint (greedy or sampled)",
         description="Continue --prompt with CHECKPOINT's model and its run's tokenizer: "
                     "greedy by default, nucleus sampling with --top-p, sampling from the whole "
                     "distribution with --temperature alone. The context is the newest "
