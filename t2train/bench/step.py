@@ -18,8 +18,6 @@ import time
 from dataclasses import dataclass, replace
 from typing import Optional
 
-import torch
-
 from t2train.bench.table import markdown_table
 from t2train.residual import BASELINE
 
@@ -62,6 +60,8 @@ class DesignTiming:
 
 
 def _synchronize() -> None:
+    import torch
+
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -79,6 +79,8 @@ def build_objects(config, vocab_size: int):
     Compiled code of models built before is dropped: each variant's fused path compiles in
     its own warm-up, and one process timing many designs stays under dynamo's recompile limit
     (designs share the layer's code)."""
+    import torch
+
     from t2train.engine.megatron.setup import build_training_objects
     from t2train.parallel.init import init_distributed, init_model_parallel, set_seed
 
@@ -92,6 +94,8 @@ def build_objects(config, vocab_size: int):
 
 def time_design(config, vocab_size: int, steps: list, warmup: int,
                 variant: str) -> DesignTiming:
+    import torch
+
     from t2train.engine.megatron.step import train_step
     from t2train.model.flops import parameters
 
@@ -150,6 +154,8 @@ def real_batches(config, count: int) -> list:
 def reference_timing(config, vocab_size: int, steps: list, warmup: int,
                      compiled: bool = False) -> DesignTiming:
     """The plain-PyTorch loop, eager or with each block compiled (the fused path's backend)."""
+    import torch
+
     from t2train.bench.reference_gpt import time_reference_steps
     from t2train.model.build import compute_dtype
     from t2train.model.flops import standard_parameters
@@ -202,6 +208,8 @@ def load_average() -> str:
 
 
 def format_step_table(timings: list[DesignTiming]) -> str:
+    import torch
+
     by_design = {timing.design: timing for timing in timings}
     baseline = by_design.get(BASELINE)
     memory = "peak CUDA memory (GiB)" if torch.cuda.is_available() else "process RSS (GiB)"
