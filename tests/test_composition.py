@@ -69,6 +69,20 @@ def test_a_mixer_window_of_a_format_1_checkpoint_meant_nothing_without_the_old_n
         check_same_model(Path("new"), {"config": {"model": saved}, "config_format": 2}, ddl)
 
 
+def test_initial_values_may_change_on_resume_and_shapes_may_not():
+    """The options a design declares not_architecture (its initial values) may differ from
+    the checkpoint's, or be missing from an older one; its shapes may not."""
+    mhc = load_config(overrides=[*SHAPE, "model.residual=mhc", "model.shortswa.window=4"]).model
+    saved = asdict(mhc)
+    saved["mhc"] = dict(saved["mhc"], gate_init=0.5)
+    saved["shortswa"] = {"window": 4}  # written before zero_init_output existed
+    check_same_model(Path("older"), {"config": {"model": saved}, "config_format": 2}, mhc)
+    saved["mhc"]["expansion_rate"] = 3
+    with pytest.raises(CheckpointError, match="model.mhc.expansion_rate: checkpoint 3, this "
+                                              "run 4"):
+        check_same_model(Path("other"), {"config": {"model": saved}, "config_format": 2}, mhc)
+
+
 def _layer_and_inputs(design: str, *extra: str):
     """Layer 1 of a one-layer fp64 model, every parameter moved off its initial value."""
     config = load_config(overrides=[*SHAPE, "model.num_layers=1", f"model.residual={design}",

@@ -17,7 +17,9 @@ from t2train.residual import get_design, mixer, resolve_aliases
 
 # Fields that fix the parameters' shapes or meaning; seq_length, attention backend,
 # recompute and initialisation may change between runs. The residual design's section and the
-# local mixer's are compared too.
+# local mixer's are compared too, but for the fields their options declare
+# ``not_architecture`` (initial values: a checkpoint written before such a field existed
+# continues too).
 _ARCHITECTURE = ("residual", "num_layers", "hidden_size", "num_attention_heads",
                  "num_query_groups", "ffn_hidden_size", "vocab_size", "tie_embeddings",
                  "norm_epsilon", "rotary_base")
@@ -28,11 +30,14 @@ def _architecture(model: dict, with_design: bool) -> dict:
     fields["ffn_hidden_size"] = ModelConfig(
         hidden_size=model["hidden_size"],
         ffn_hidden_size=model.get("ffn_hidden_size")).resolved_ffn_hidden_size()
-    sections = [mixer().section] + ([get_design(model["residual"]).section] if with_design
-                                    else [])
-    for section in filter(None, sections):
-        fields.update({f"{section}.{key}": value
-                       for key, value in (model.get(section) or {}).items()})
+    parts = [mixer()] + ([get_design(model["residual"])] if with_design else [])
+    for part in parts:
+        if part.section is None:
+            continue
+        free = getattr(part.options, "not_architecture", ())
+        fields.update({f"{part.section}.{key}": value
+                       for key, value in (model.get(part.section) or {}).items()
+                       if key not in free})
     return fields
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +58,7 @@ class DDLOptions:
 
     dv: int = 1  # state width: 1 = vector state [s, b, h]; > 1 = matrix state [dv, s, b, h]
     beta_init: float = 1.0  # beta at initialisation, in (0, 2); the authors' default is 1
+    not_architecture: ClassVar[tuple] = ("beta_init",)  # a resumed run may change these
     k_eps: float = 1e-5  # k = k~ / sqrt(|k~|^2 + k_eps^2)
     v_scale: float = 4.0  # v = v_scale * sigmoid(linear(x))
     embed_conv_kernel: int = 4  # causal depthwise conv expanding the embedding when dv > 1

@@ -49,6 +49,7 @@ all-reduced under sequence parallelism).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -74,6 +75,7 @@ class HCOptions:
     expansion_rate: int = 4  # n: copies of the hidden state in the stream
     dynamic: bool = True  # DHC (weights predicted per token); false: SHC (static weights)
     dynamic_scale_init: float = 0.01  # s_a and s_b at initialisation
+    not_architecture: ClassVar[tuple] = ("dynamic_scale_init",)  # a resumed run may change it
 
     def validate(self, prefix: str) -> None:
         require(self.expansion_rate >= 1, f"{prefix}.expansion_rate", self.expansion_rate,

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -84,6 +85,7 @@ class MHCOptions:
     sinkhorn_iterations: int = 20  # t_max: column-then-row normalisations of exp(H~res)
     gate_init: float = 0.01  # a_pre, a_post, a_res at initialisation
     eps: float = 1e-6  # of the RMSNorm over the flattened stream
+    not_architecture: ClassVar[tuple] = ("gate_init",)  # a resumed run may change it
 
     def validate(self, prefix: str) -> None:
         require(self.expansion_rate >= 1, f"{prefix}.expansion_rate", self.expansion_rate,

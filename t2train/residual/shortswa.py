@@ -47,6 +47,7 @@ class ShortSWAOptions:
     # Start the sublayer's output projection at zero, so it adds nothing until it learns (as
     # the depth read's W_O); false: Megatron's scaled output init, like attention's.
     zero_init_output: bool = False
+    not_architecture: ClassVar[tuple] = ("zero_init_output",)  # a resumed run may change it
     default_window: ClassVar[int] = 128  # the companion note's chunk size (Rethinking SWA)
 
     def enabled(self) -> bool:
