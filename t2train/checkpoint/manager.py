@@ -15,6 +15,7 @@ from typing import Callable, NoReturn, Optional
 import torch
 import torch.distributed as dist
 
+from t2train.checkpoint.errors import NonFiniteState
 from t2train.checkpoint.paths import INCOMPLETE, LATEST, is_complete, step_dir_name
 from t2train.checkpoint.retention import apply_retention
 from t2train.config.schema import CONFIG_FORMAT, Config
@@ -73,22 +74,25 @@ def _full_path(function, path, exc_info) -> None:
     raise err
 
 
-# Errors of a save that may be the disk's (they are caught, agreed on and reported); others
-# are bugs and propagate. CheckpointException is torch DCP's wrapper of failed ranks' writes.
+# Errors of a save that may be the disk's, or a state that must not be saved (they are
+# caught, agreed on and reported); others are bugs and propagate. CheckpointException is torch
+# DCP's wrapper of failed ranks' writes.
 def _save_errors() -> tuple:
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
 
-    return (OSError, CheckpointException, CheckpointingException)
+    return (OSError, CheckpointException, CheckpointingException, NonFiniteState)
 
 
 def _seen_by_every_rank(err: BaseException) -> bool:
     """torch DCP gathers every rank's planning and writing errors and raises them on all ranks
-    together (``CheckpointException``); any other error of a save is this rank's alone, and
-    its peers may be waiting for it in one of the save's collectives."""
+    together (``CheckpointException``), as the finiteness check does (``NonFiniteState``); any
+    other error of a save is this rank's alone, and its peers may be waiting for it in one of
+    the save's collectives."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    return isinstance(err, CheckpointException) or dist.get_world_size() == 1
+    return (isinstance(err, (CheckpointException, NonFiniteState))
+            or dist.get_world_size() == 1)
 
 
 class Checkpointer:
