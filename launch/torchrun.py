@@ -7,12 +7,14 @@ stopped early on purpose (``REQUEUE_EXIT_CODE``) and wants to be requeued.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 from typing import Iterable
 
 from t2train.launch.plan import LaunchPlan
+from t2train.processes import LAUNCHER_PID, become_subreaper, end_descendants
 from t2train.signals import REQUEUE_EXIT_CODE, block
 
 
@@ -87,15 +89,33 @@ def run(plan: LaunchPlan, train_argv: list[str], exit_signals: list[signal.Signa
     """
     agent_signals = (_hand_signals_to_workers(exit_signals) if exit_signals
                      else TORCH_HANDLED_SIGNALS)
-    code, workers_failed = _run_once(plan, train_argv, agent_signals)
-    for restart in range(1, max_restarts + 1):
-        if not workers_failed:
-            break
-        print(f"t2train launch: workers failed (exit code {code}); restart {restart} of "
-              f"{max_restarts}, resuming from the newest checkpoint", flush=True)
-        code, workers_failed = _run_once(plan, [*train_argv, "checkpoint.resume=auto"],
-                                         agent_signals)
+    become_subreaper()  # the orphans of a killed worker become ours, not pid 1's
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # workers die with this launcher
+    try:
+        code, workers_failed = _run_once(plan, train_argv, agent_signals)
+        for restart in range(1, max_restarts + 1):
+            if not workers_failed:
+                break
+            _end_leftovers()
+            print(f"t2train launch: workers failed (exit code {code}); restart {restart} of "
+                  f"{max_restarts}, resuming from the newest checkpoint", flush=True)
+            code, workers_failed = _run_once(plan, [*train_argv, "checkpoint.resume=auto"],
+                                             agent_signals)
+    finally:
+        _end_leftovers()
     return code
+
+
+def _end_leftovers() -> None:
+    """Kill what the workers left running (helpers of a killed worker), sparing this
+    launcher's own resource tracker."""
+    from multiprocessing import resource_tracker
+
+    own_tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+    ended = end_descendants(spare=[own_tracker] if own_tracker else [])
+    if ended:
+        print(f"t2train launch: ended {len(ended)} process(es) the workers left running: "
+              + "; ".join(command[:80] for command in ended), file=sys.stderr, flush=True)
 
 
 def _run_once(plan: LaunchPlan, train_argv: list[str],

@@ -114,9 +114,11 @@ def _schedule_in_force(config: Config, scheduler) -> str:
 def train(config: Config) -> RunSummary:
     """Run to ``train.steps``, or stop early with a checkpoint (``RunSummary.stopped``)."""
     from t2train.monitor.metrics import quiet_other_ranks
+    from t2train.processes import die_with_launcher
     from t2train.signals import parse_signals
     from t2train.train.preemption import StopGuard
 
+    die_with_launcher()
     quiet_other_ranks(config.log.all_ranks)
     from t2train.train.rank_failures import RankFailures
     from t2train.train.watchdog import Watchdog

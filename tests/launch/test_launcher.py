@@ -76,6 +76,30 @@ def _wait_for_step(proc: subprocess.Popen, run_dir: Path, log: Path, step: int) 
         time.sleep(0.1)
 
 
+RUN_TAG = "T2TRAIN_TEST_RUN"  # set in a launcher's environment: every process of its run has it
+
+
+def run_processes(tag: str) -> list[str]:
+    """The live processes (command lines) whose environment carries ``RUN_TAG=tag``: the
+    launcher's, its workers' and their helpers', wherever they were re-parented."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if f"{RUN_TAG}={tag}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:  # not a process, or it ended
+            continue
+    return found
+
+
+def wait_until_none_left(tag: str, seconds: float = 30) -> None:
+    """A resource tracker ends a moment after its last client: allow that, no more."""
+    deadline = time.monotonic() + seconds
+    while (left := run_processes(tag)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"processes of the run outlived it: {left}"
+
+
 def _worker(launcher: subprocess.Popen, rank: int) -> psutil.Process:
     for child in psutil.Process(launcher.pid).children(recursive=True):
         try:
@@ -90,7 +114,9 @@ def _worker(launcher: subprocess.Popen, rank: int) -> psutil.Process:
 def test_standalone_launch_trains_and_restarts_a_killed_rank(shakespeare, tmp_path):
     """The uninterrupted run is the reference for a run whose rank 1 is SIGKILLed after
     step 4: ``--max-restarts=1`` restarts both workers, which resume from the newest
-    checkpoint; every step's final loss equals the uninterrupted run's, bitwise."""
+    checkpoint; every step's final loss equals the uninterrupted run's, bitwise. Nothing of
+    the run outlives the launcher (the killed rank's checkpoint-queue server and resource
+    tracker were re-parented to pid 1 and lived on)."""
     steps = ["parallel.tensor=2", "train.steps=7", "train.eval_interval=7",
              "checkpoint.interval=3"]
     proc = subprocess.run(
@@ -109,13 +135,15 @@ def test_standalone_launch_trains_and_restarts_a_killed_rank(shakespeare, tmp_pa
                 shakespeare, run_dir, *steps,
                 # the survivor, blocked in a collective with the dead rank, ends soon
                 "parallel.collective_timeout_mins=0.25")),
-            stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
+            stdout=out, stderr=subprocess.STDOUT, env=dict(_env(), **{RUN_TAG: str(run_dir)}),
+            cwd=REPO)
     deadline = time.monotonic() + 300
     while max(_losses(run_dir), default=0) < 4:  # step 3 is saved, step 4 done
         assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.1)
     _worker(launcher, rank=1).send_signal(signal.SIGKILL)
     assert launcher.wait(timeout=600) == 0, log.read_text()[-6000:]
+    wait_until_none_left(str(run_dir))
     text = log.read_text()
     assert "workers failed (exit code" in text and "restart 1 of 1" in text, text[-4000:]
     assert f"resumed from {run_dir / 'checkpoints'}/step_0000000" in text, text[-4000:]

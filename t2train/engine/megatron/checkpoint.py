@@ -25,7 +25,9 @@ from t2train.checkpoint.integrity import check_finite, optimizer_tensors
 from t2train.checkpoint.paths import INCOMPLETE, step_dir_name
 from t2train.checkpoint.store import (capture_rng, check_engine, current_layout, publish_checkpoint,
                                       read_checkpoint, restore_rng)
+from t2train.compat.megatron_writer import start_results_queue
 from t2train.engine.megatron.setup import TrainingObjects
+from t2train.processes import die_with_parent
 
 
 # Reshardable optimizer state so a checkpoint loads into another (TP, PP, DP) layout.
@@ -101,6 +103,7 @@ def save_checkpoint(root: Path, step: int, objs: TrainingObjects, train_state: d
     def publish() -> None:
         publish_checkpoint(root, staging, final, on_published)
 
+    start_results_queue(die_with_parent)  # its server dies with this trainer
     if async_queue is None:
         dist_checkpointing.save(state, str(staging))
         publish()
