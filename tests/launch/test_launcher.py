@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -169,6 +170,50 @@ def test_a_signal_to_the_launcher_saves_and_exits_with_the_requeue_code(shakespe
     assert f"step {stopped:>6} | stopping early: received SIGTERM" in output
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
     assert "training saved a checkpoint and stopped early" in output
+
+
+@pytest.mark.slow
+def test_a_node_that_outlives_the_rendezvous_host_exits_with_its_workers_code(shakespeare,
+                                                                              tmp_path):
+    """Two nodes of one run on this host (tests/launch/node_launcher.py). Node 1's worker is
+    paused and node 0's killed: node 0's launcher exits, taking the rendezvous store it hosts
+    along, while node 1's agent still watches a live worker. Node 1's launcher then waits for
+    its worker and exits with its code and one line (it raised RendezvousConnectionError out
+    of torchrun: a long traceback and exit code 1, whatever its worker did)."""
+    run_dir = tmp_path / "run"
+    train = _train_args(shakespeare, run_dir, "parallel.tensor=2", "train.steps=400",
+                        "train.eval_interval=400", "checkpoint.interval=400",
+                        "log.diagnostics_interval=0", "parallel.collective_timeout_mins=0.25")
+    port, nodes, logs = plan_standalone(1, None).rdzv_port, [], []
+    for node in (0, 1):
+        logs.append(tmp_path / f"node{node}.log")
+        with logs[-1].open("w") as out:
+            nodes.append(subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("node_launcher.py")), str(node),
+                 str(port), *train], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                env=dict(_env(), **{RUN_TAG: str(run_dir)}), start_new_session=True))
+    paused = None
+    try:
+        _wait_for_step(nodes[0], run_dir, logs[0], 1)
+        paused = _worker(nodes[1], rank=1)
+        paused.suspend()
+        _worker(nodes[0], rank=0).kill()
+        assert nodes[0].wait(timeout=120) == 128 + signal.SIGKILL, logs[0].read_text()[-3000:]
+        time.sleep(2)  # node 1's agent asks the gone store every 0.1 s meanwhile
+        paused.resume()
+        code = nodes[1].wait(timeout=300)
+    finally:
+        if paused is not None and paused.is_running():
+            paused.resume()
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    output = logs[1].read_text()
+    assert "rendezvous.api.RendezvousConnectionError:" not in output, output[-6000:]
+    last = [line for line in output.splitlines() if line.startswith("t2train launch:")][-1]
+    assert re.fullmatch(rf"t2train launch: workers failed \(rank 1 exited with code {code}\); "
+                        rf"exit code {code}", last), (last, code)
+    wait_until_none_left(str(run_dir))
 
 
 def killed_by_sigterm(pid: int) -> bool:
