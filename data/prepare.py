@@ -244,7 +244,7 @@ def _write_splits(files: list[InputFile], tok, index: dict, out: Path, workers: 
     counts = dict.fromkeys(SPLITS, 0)
     tokens = [0] * len(files)
     # Each shard file's hash goes into streaming's index: the loader checks it before using a
-    # shard (t2train/data/streams.py, loader.py), so a corrupt file stops the run by name.
+    # shard (data/streams.py, loader.py), so a corrupt file stops the run by name.
     settings = dict(columns=columns, compression=index["compression"], hashes=[SHARD_HASH])
     with MDSWriter(out=str(out / "train"), **settings) as train, \
             MDSWriter(out=str(out / "val"), **settings) as val:

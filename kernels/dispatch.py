@@ -5,33 +5,42 @@
 kernels on CPU needs the Triton interpreter (``TRITON_INTERPRET=1``, set before Triton is
 imported), which is how the tests run them. The kernel modules are imported on first use.
 
-The residual designs own their PyTorch references (``t2train/residual/``) and ask
-``route(kernel, reference, *tensors)`` which one to call: both take the same arguments.
-``launches`` counts the calls routed to each kernel, so a caller (the tests) can tell that
-the kernels ran rather than the references: ``reset_launches()``, run, read ``launches``.
+Each kernel is declared once, as a ``Kernel`` beside its PyTorch reference (the design that
+owns the math in ``t2train/residual/``, or ``t2train.nn.precision``): its name, where its
+Triton implementation is, and the reference, which takes the same arguments. The residual
+package lists them all (``t2train.residual.kernel_table()``, which the tests and the
+benchmark read), so this module, below the designs, never names one. A caller asks
+``route(kernel, *tensors)`` which of the two to call. ``launches`` counts the calls routed to
+each kernel, so a caller (the tests) can tell that the kernels ran rather than the references:
+``reset_launches()``, run, read ``launches``.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from collections import Counter
+from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import Tensor
 
-KERNELS = {  # kernel name -> (module, function)
-    "window_attention": ("t2train.kernels.window_attention", "window_attention"),
-    "delta_write": ("t2train.kernels.ddl_update", "delta_write"),
-    "fp32_linear": ("t2train.kernels.fp32_linear", "fp32_linear"),
-    "depth_mix": ("t2train.kernels.depth_mix", "depth_mix"),
-    "block_phase_1": ("t2train.kernels.depth_mix", "phase_1"),
-    "block_phase_2": ("t2train.kernels.depth_mix", "phase_2"),
-    "stream_read": ("t2train.kernels.mhc_streams", "stream_read"),
-    "stream_write": ("t2train.kernels.mhc_streams", "stream_write"),
-    "hc_read": ("t2train.kernels.mhc_streams", "width_read"),
-    "hc_write": ("t2train.kernels.mhc_streams", "depth_write"),
-}
+
+@dataclass(frozen=True)
+class Kernel:
+    """A fused Triton kernel and the PyTorch reference it equals (same arguments, same result)."""
+
+    name: str  # the launch counter's key, the benchmark's and the tests' name for it
+    triton: str  # "t2train.kernels.<module>:<function>", imported on first use
+    reference: Callable
+
+    def triton_function(self) -> Callable:
+        module, _, function = self.triton.partition(":")
+        return getattr(importlib.import_module(module), function)
+
+
 launches: Counter = Counter()  # kernel name -> calls routed to the Triton kernel
 
 
@@ -53,10 +62,18 @@ def use_triton(*tensors: Tensor) -> bool:
     return True
 
 
-def route(kernel: str, reference: Callable, *tensors: Tensor) -> Callable:
-    """The Triton kernel ``kernel`` when ``use_triton(*tensors)`` (counted), else ``reference``."""
+def route(kernel: Kernel, *tensors: Tensor) -> Callable:
+    """``kernel``'s Triton function when ``use_triton(*tensors)`` (counted), else its reference.
+
+    Inside a compiled layer (``model.fusions``) the Triton function runs eagerly, one graph
+    break per call: dynamo does not trace into the kernels' autograd functions and launch
+    code."""
     if not use_triton(*tensors):
-        return reference
-    module, function = KERNELS[kernel]
-    launches[kernel] += 1
-    return getattr(importlib.import_module(module), function)
+        return kernel.reference
+    return functools.partial(_launch, kernel)
+
+
+@torch.compiler.disable
+def _launch(kernel: Kernel, *args, **kwargs):
+    launches[kernel.name] += 1
+    return kernel.triton_function()(*args, **kwargs)

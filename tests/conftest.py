@@ -73,7 +73,7 @@ def _shm_in_use() -> set:
 def close_token_batches(monkeypatch):
     """Close every ``TokenBatches`` a test made, after it: tests drop them unclosed, and the
     suite's one process would keep each dataset's shared memory (a dozen or more file
-    descriptors per dataset, until EMFILE; ``t2train/data/shm.py``)."""
+    descriptors per dataset, until EMFILE; ``data/shm.py``)."""
     from t2train.data.loader import TokenBatches
 
     made = []

@@ -1,9 +1,11 @@
 """The depth cache's gradient routing, in one process: two chunks of one micro-batch."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from t2train.parallel.depth_cache import DepthCache, HopPlan
+from t2train.parallel.depth_cache import DepthCache, HopPlan, plan_hops
 
 
 def test_gradient_of_a_cached_unit_reaches_its_owner_once():
@@ -58,16 +60,13 @@ MINIMUM_LAYOUTS = [(2, 2), (4, 2), (2, 4), (4, 1)]  # (PP, VPP); 8 layers
 def _hop_plans(overrides, pipeline, virtual):
     from t2train.config.loader import load_config
     from t2train.model.build import transformer_config
-    from t2train.residual import get_design
 
     config = load_config(overrides=[
         "data.path=unused", "model.num_layers=8", "model.hidden_size=32",
         "model.num_attention_heads=4", "model.seq_length=8", f"parallel.pipeline={pipeline}",
         f"parallel.virtual_pipeline={virtual}", *overrides])
-    stream = get_design(config.model.residual).stream(transformer_config(config), False, False, 0)
-    chunks = pipeline * virtual
-    return config.model, {(cached, shapes): HopPlan(stream.unit_ids, pipeline, chunks,
-                                                    8 // chunks, cached=cached, shapes=shapes)
+    run = plan_hops(transformer_config(config))  # the run's plan, as the engine makes it
+    return config.model, {(cached, shapes): replace(run, cached=cached, shapes=shapes)
                           for cached in (False, True) for shapes in ("exact", "padded")}
 
 
@@ -85,3 +84,16 @@ def test_every_hop_carries_exactly_the_minimum(design):
             assert plans[cached, "exact"].hop_units() == minimum, (layout, cached)
             assert plans[cached, "exact"].wire_hop_units() == minimum, (layout, cached)
             assert plans[cached, "padded"].wire_hop_units() == [max(minimum)] * len(minimum)
+
+
+def test_a_hop_unit_is_the_sequence_or_a_tensor_ranks_slice_of_it():
+    from t2train.config.loader import load_config
+    from t2train.model.build import transformer_config
+
+    def rows(*overrides):
+        config = load_config(overrides=["data.path=unused", "model.seq_length=8",
+                                        "parallel.tensor=2", *overrides])
+        return plan_hops(transformer_config(config)).unit_rows
+
+    assert rows() == 8
+    assert rows("parallel.sequence_parallel=true") == 4

@@ -1,6 +1,7 @@
 """Checkpoints outside the trainer: Hugging Face export, generation, evaluation.
 
-* the modeling file (``t2train/residual/hf_modeling.py``) and the Llama mapping give
+* the modeling file (``t2train/residual/hf_modeling.py`` with the designs' export parts,
+  ``t2train/residual/<module>_hf.py``) and the Llama mapping give
   t2train's logits for every design alone and with the local mixer, with random non-trivial
   weights (fp32, within 1e-5), and a wrong mapping is seen;
 * one 4-rank launch trains every design at TP = 2 x PP = 2 (and `depth_attn` under DeepSpeed
@@ -60,6 +61,37 @@ def test_every_registered_design_has_hugging_face_modeling():
     assert modeling_designs() == set(registered())
 
 
+def test_the_assembled_modeling_file_stands_alone(monkeypatch):
+    """What export writes imports no t2train module and runs with t2train unimportable."""
+    import ast
+    import sys
+
+    from t2train.residual.hf import modeling_source
+
+    source = modeling_source()
+    imported = {node.module if isinstance(node, ast.ImportFrom) else alias.name
+                for node in ast.walk(ast.parse(source))
+                if isinstance(node, (ast.Import, ast.ImportFrom))
+                for alias in node.names}
+    assert not {name for name in imported if name.startswith("t2train")}
+    monkeypatch.setitem(sys.modules, "t2train", None)  # any t2train import now fails
+    namespace = {"__name__": "modeling_t2train"}
+    exec(compile(source, "modeling_t2train.py", "exec"), namespace)
+    assert set(namespace["DESIGNS"]) == set(registered())
+
+
+def test_an_export_part_may_not_import_the_trainer(tmp_path, monkeypatch):
+    """A part's other t2train imports would not resolve next to the weights: refused."""
+    from t2train.residual import hf
+
+    part = tmp_path / "standard_hf.py"
+    part.write_text('"""A part."""\nfrom t2train.residual.standard import AdditiveResidual\n'
+                    'EXPORTED = {"standard": (AdditiveResidual, AdditiveResidual, None)}\n')
+    monkeypatch.setattr(hf, "export_parts", lambda: [part])
+    with pytest.raises(RuntimeError, match="t2train.residual.standard"):
+        hf.modeling_source()
+
+
 # --- the math, with random weights (in-process, TP = 1) ---------------------------------------
 
 def _t2train_model(overrides: list[str], vocab: int = 128):
@@ -78,10 +110,11 @@ def _hf_model(model_config, state: dict, vocab: int = 128):
     from transformers import LlamaForCausalLM
 
     from t2train.export.hf import hf_config
-    from t2train.residual.hf_modeling import T2TrainForCausalLM
+    from t2train.residual.hf import modeling_module
 
     config = hf_config(model_config, vocab, eos_id=0, dtype=torch.float32)
-    cls = LlamaForCausalLM if config.architectures == ["LlamaForCausalLM"] else T2TrainForCausalLM
+    cls = LlamaForCausalLM if config.architectures == ["LlamaForCausalLM"] \
+        else modeling_module().T2TrainForCausalLM
     model = cls(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert unexpected == []

@@ -1,10 +1,16 @@
 """The package layers hold: a package imports only from the packages below it.
 
-Every import counts, including those inside functions (they are dependencies all the same).
+Every import counts, in every form: inside functions, relative (``from ..model import gpt``),
+of a submodule through its package (``from t2train import model``), and by name in a string
+(``importlib.import_module("t2train.train.loop")``, or a table of module names that the
+registry and the kernel dispatch import on first use: any string that names a t2train module
+is an import of it). An import of a standalone package (``launch``, ``data``, ...) counts with
+everything that package reaches, so a higher layer cannot be routed through one.
+
 The table is the architecture in one place (docs/architecture.md explains each layer). It is
 checked here from the source rather than with import-linter because data/, kernels/ and
 launch/ are installed as t2train.* from folders outside t2train/, which import-linter's graph
-builder cannot see.
+builder cannot see. The collectors are tested on planted violations at the end.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ LAYERS = [
     ["t2train.nn"],
     ["t2train.kernels"],
 ]
-# Outside the layers: what each may import of t2train (anything may import them).
+# Outside the layers: what each may import of t2train (anything may import them, and then
+# counts as importing what they reach).
 STANDALONE = {
     "t2train.data": {"t2train.errors", "t2train.compat"},
     "t2train.launch": {"t2train.config", "t2train.errors", "t2train.signals",
@@ -47,11 +54,12 @@ EXCEPTIONS = {
 }
 
 
-def _modules() -> dict[str, Path]:
+def _modules(repo: Path = REPO) -> dict[str, Path]:
+    """Module name -> source file, for every module of every source root under ``repo``."""
     modules = {}
     for package, folder in SOURCE_ROOTS.items():
-        for path in (REPO / folder).rglob("*.py"):
-            parts = [p for p in path.relative_to(REPO / folder).with_suffix("").parts
+        for path in (repo / folder).rglob("*.py"):
+            parts = [p for p in path.relative_to(repo / folder).with_suffix("").parts
                      if p != "__init__"]
             modules[".".join([package, *parts])] = path
     return modules
@@ -62,13 +70,53 @@ def _package(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
 
-def _imports(path: Path) -> set[str]:
+def _absolute(node: ast.ImportFrom, module: str, path: Path) -> str:
+    """The absolute module an ``from X import ...`` names, resolving relative levels."""
+    if node.level == 0:
+        return node.module or ""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    base = package[:len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _named_module(text: str, known: set[str]):
+    """The t2train module a string names (``a.b.c`` or ``a.b.c:attribute``), or None."""
+    name = text.partition(":")[0]
+    return name if name in known else None
+
+
+def _run_as_programs(tree: ast.AST) -> set[int]:
+    """ids of the strings that follow ``"-m"`` in a command list: a module run in a child
+    process (``[sys.executable, "-m", "t2train.cli", ...]``) shares nothing with its caller
+    but the command line, so it is not an import."""
+    programs = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.List, ast.Tuple)):
+            for flag, name in zip(node.elts, node.elts[1:]):
+                if isinstance(flag, ast.Constant) and flag.value == "-m":
+                    programs.add(id(name))
+    return programs
+
+
+def _imports(path: Path, module: str, known: set[str]) -> set[str]:
+    """Every t2train module ``module`` (at ``path``) imports, in any form."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
+    tree = ast.parse(path.read_text())
+    programs = _run_as_programs(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = _absolute(node, module, path)
+            names.add(source)
+            # ``from t2train import model`` imports the submodule t2train.model
+            names.update(f"{source}.{alias.name}" for alias in node.names
+                         if f"{source}.{alias.name}" in known)
         elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+              and id(node) not in programs):
+            named = _named_module(node.value, known)
+            if named:
+                names.add(named)
     return {name for name in names if name == "t2train" or name.startswith("t2train.")}
 
 
@@ -91,6 +139,46 @@ def _violation(source: str, target: str):
     return None
 
 
+def _package_graph(repo: Path = REPO) -> dict[str, dict[str, list[str]]]:
+    """package -> imported package -> the 'module -> module' lines that make the edge."""
+    modules = _modules(repo)
+    known = set(modules)
+    graph: dict[str, dict[str, list[str]]] = {}
+    for module, path in sorted(modules.items()):
+        for imported in sorted(_imports(path, module, known)):
+            edges = graph.setdefault(_package(module), {})
+            edges.setdefault(_package(imported), []).append(f"{module} -> {imported}")
+    return graph
+
+
+def _reach(graph: dict, start: str) -> set[str]:
+    """Every package ``start`` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for target in graph.get(todo.pop(), {}):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def _violations(repo: Path = REPO) -> list[str]:
+    graph = _package_graph(repo)
+    broken = []
+    for source, targets in sorted(graph.items()):
+        for target, lines in sorted(targets.items()):
+            why = _violation(source, target)
+            if why:
+                broken += [f"{line}: {why}" for line in lines]
+            elif target in STANDALONE and source not in STANDALONE:
+                for beyond in sorted(_reach(graph, target) - {source, target}):
+                    why = _violation(source, beyond)
+                    if why:
+                        broken += [f"{line}: {why} ({beyond}) through {target}"
+                                   for line in lines]
+    return broken
+
+
 def test_every_package_has_a_place():
     packages = {_package(module) for module in _modules()} - {"t2train"}
     placed = {p for line in LAYERS for p in line} | set(STANDALONE)
@@ -99,12 +187,7 @@ def test_every_package_has_a_place():
 
 
 def test_imports_follow_the_layers():
-    broken = []
-    for module, path in sorted(_modules().items()):
-        for imported in sorted(_imports(path)):
-            why = _violation(_package(module), _package(imported))
-            if why:
-                broken.append(f"{module} -> {imported}: {why}")
+    broken = _violations()
     assert broken == [], "\n".join(broken)
 
 
@@ -113,3 +196,68 @@ def test_the_check_catches_an_upward_import():
     assert _violation("t2train.monitor", "t2train.checkpoint") == "imports an independent sibling"
     assert _violation("t2train.data", "t2train.model") == "imports outside what it may use"
     assert _violation("t2train.model", "t2train.residual") is None
+
+
+# Planted violations: a tiny tree per form an upward import can take. Each one passed the
+# collector that kept only absolute ``import``/``from`` statements.
+_CLEAN_TREE = {
+    "t2train/__init__.py": "",
+    "t2train/cli.py": "from t2train.launch import plan\n",
+    "t2train/model/__init__.py": "",
+    "t2train/model/gpt.py": "from t2train.residual import design\n",
+    "t2train/residual/__init__.py": "",
+    "t2train/residual/design.py": "import torch\n",
+    "t2train/train/__init__.py": "",
+    "t2train/train/loop.py": "",
+    "launch/__init__.py": "",
+    "launch/__main__.py": "from t2train import cli\n",
+    "launch/plan.py": "from t2train.config import schema\n",
+    "t2train/config/__init__.py": "",
+    "t2train/config/schema.py": "",
+    "data/__init__.py": "",
+    "kernels/__init__.py": "",
+    "kernels/dispatch.py": "",
+}
+
+PLANTED = {
+    "relative": ("t2train/residual/design.py", "from ..model import gpt\n"),
+    "relative, submodule": ("t2train/residual/design.py", "from .. import model\n"),
+    "submodule through its package": ("t2train/residual/design.py",
+                                      "from t2train import model\n"),
+    "string import": ("t2train/residual/design.py",
+                      "import importlib\n\ndef load():\n"
+                      "    return importlib.import_module('t2train.train.loop')\n"),
+    "registry table of module names": ("kernels/dispatch.py",
+                                       "TABLE = {'x': ('t2train.residual.design', 'DESIGN')}\n"),
+    "module:attribute string": ("kernels/dispatch.py", "WHERE = 't2train.model.gpt:GPT'\n"),
+    "higher layer through launch": ("t2train/residual/design.py",
+                                    "from t2train.launch import plan\n"),
+    "cli through launch": ("t2train/model/gpt.py", "import t2train.launch.plan\n"),
+}
+
+
+def _tree(root: Path, files: dict) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_the_planted_tree_is_clean_without_a_violation(tmp_path):
+    assert _violations(_tree(tmp_path, _CLEAN_TREE)) == []
+
+
+def test_every_planted_violation_is_caught(tmp_path):
+    missed = []
+    for form, (name, text) in PLANTED.items():
+        root = _tree(tmp_path / form.replace(" ", "_").replace(",", "").replace(":", "_"),
+                     _CLEAN_TREE | {name: text})
+        if not _violations(root):
+            missed.append(form)
+    assert missed == []
+
+
+def test_a_docstring_or_a_child_process_is_not_an_import(tmp_path):
+    text = ('"""Read ``t2train.model.gpt`` for the model."""\nimport sys\n'
+            'COMMAND = [sys.executable, "-m", "t2train.cli", "export"]\n')
+    assert _violations(_tree(tmp_path, _CLEAN_TREE | {"kernels/dispatch.py": text})) == []

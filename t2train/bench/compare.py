@@ -11,6 +11,12 @@ A batch is resumable: run the same command again after an interruption, and fini
 are read from their directories, unfinished ones resume from their newest checkpoint
 (``run_records.py``). A run that stops early (a signal, ``train.exit_duration_mins``) stops
 the batch with the training command's requeue exit code.
+
+A batch can also be completed in pieces on machines lent for a few minutes each (the GPU
+comparison, ``t2train/bench/gpu/compare.py``): ``--time-budget-min`` starts a run only while
+the slowest run so far still fits the budget, and ``--report-only`` trains nothing: it writes
+the report over the runs finished so far (whose records were brought together in OUT) and
+lists the ones still missing.
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ class Batch:
     """The runs of one ``compare`` command, trained, resumed or read in order."""
 
     def __init__(self, preset: Optional[str], config_file: Optional[str], overrides: list[str],
-                 variants: list[str], seeds: list[int], steps: int, out: Path):
+                 variants: list[str], seeds: list[int], steps: int, out: Path,
+                 train_missing: bool = True, budget_s: Optional[float] = None):
         self.configs = {(variant, seed): _run_config(preset, config_file, overrides, variant,
                                                      seed, steps, out)
                         for variant in variants for seed in seeds}
@@ -46,6 +53,9 @@ class Batch:
         self._check_equal_tokens()
         self.stopped: Optional[str] = None  # why a run stopped early, stopping the batch
         self.trained = self.read = 0
+        self.train_missing, self.budget_s = train_missing, budget_s
+        self.started, self.slowest_s = time.monotonic(), 0.0
+        self.missing: list[str] = []  # runs neither finished earlier nor trained now
 
     def _check_equal_tokens(self) -> None:
         from t2train.config.schema import ConfigError
@@ -69,8 +79,11 @@ class Batch:
                 curve = self._curve(self.configs[variant, seed])
                 if self.stopped:
                     return results
-                curves.append(curve)
-            results.append(_variant_runs(variant, curves, self.configs[variant, self.seeds[0]]))
+                if curve:
+                    curves.append(curve)
+            if curves:
+                results.append(_variant_runs(variant, curves,
+                                             self.configs[variant, self.seeds[0]]))
         return results
 
     def _curve(self, config) -> dict[int, float]:
@@ -85,12 +98,35 @@ class Batch:
             if is_rank_zero():
                 print(f"{run_dir}: finished earlier, read its validation losses", flush=True)
             return curve
+        if not self.train_missing or not self._time_for_another_run():
+            self.missing.append(run_dir.name)
+            return {}
+        run_started = time.monotonic()
         summary = train(config)
+        self.slowest_s = max(self.slowest_s, time.monotonic() - run_started)
         self.trained += 1
         if summary.stopped:
             self.stopped = (f"{run_dir} stopped early at step {summary.final_step} "
                             f"({summary.stopped}), checkpoint {summary.checkpoint}")
         return val_curve(run_dir)
+
+
+    def _time_for_another_run(self) -> bool:
+        """Whether a run as slow as the slowest so far still ends within the budget (every
+        rank takes the decision of the one furthest behind)."""
+        if self.budget_s is None:
+            return True
+        import torch  # deferred, as the imports above: the CLI imports this module for --help
+        import torch.distributed as dist
+
+        needed = time.monotonic() - self.started + self.slowest_s
+        if dist.is_initialized():
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if torch.cuda.is_available() else torch.device("cpu"))
+            agreed = torch.tensor([needed], dtype=torch.float64, device=device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            needed = float(agreed.item())
+        return needed <= self.budget_s
 
 
 def _tokens_per_step(config) -> int:
@@ -133,7 +169,9 @@ def _context(batch: Batch, argv: list[str]) -> list[str]:
             f"each run: {batch.steps} steps x {train_cfg.global_batch_size} sequences x "
             f"{config.model.seq_length} tokens = {batch.steps * tokens} tokens; "
             f"seeds {seeds}; runs: {len(batch.configs)}; model: {config.model.num_layers} "
-            f"layers, hidden {config.model.hidden_size}, {dtype}"]
+            f"layers, hidden {config.model.hidden_size}, {dtype}"] + (
+        [f"not finished yet, so not in the tables: {len(batch.missing)} run(s) "
+         f"({', '.join(batch.missing)})"] if batch.missing else [])
 
 
 def _cmd_compare(args) -> int:
@@ -146,8 +184,9 @@ def _cmd_compare(args) -> int:
 
     seeds = [args.first_seed + index for index in range(args.seeds)]
     out = Path(args.out)
+    budget_s = None if args.time_budget_min is None else 60 * args.time_budget_min
     batch = Batch(args.preset, args.config, args.overrides, variant_names(args.designs), seeds,
-                  args.steps, out)
+                  args.steps, out, train_missing=not args.report_only, budget_s=budget_s)
     started = time.monotonic()
     results = batch.run()
     if not is_rank_zero():
@@ -158,6 +197,13 @@ def _cmd_compare(args) -> int:
         print(f"batch stopped: {batch.stopped}; {done}. Run the same command again to resume "
               f"the batch (exit code {REQUEUE_EXIT_CODE})")
         return REQUEUE_EXIT_CODE
+    if batch.missing:
+        why = "--report-only" if args.report_only else f"--time-budget-min={args.time_budget_min:g}"
+        print(f"not run ({why}): {len(batch.missing)} of {len(batch.configs)} run(s): "
+              f"{', '.join(batch.missing)}")
+    if BASELINE not in [runs.variant for runs in results]:
+        print(f"{done}; no report yet: the baseline `{BASELINE}` has no finished run in {out}")
+        return 0
     figures = write_figures(results, equal_flops_budget(results), out)
     report = format_report(results, BASELINE, _context(batch, sys.argv[1:]), figures)
     (out / "compare.md").write_text(report)
@@ -176,20 +222,28 @@ def register(commands) -> None:
         description="Train each variant for each seed on the same tokens, evaluating every "
                     "train.eval_interval steps (default: steps/10), and write OUT/compare.md "
                     "(validation loss at equal tokens and at equal training FLOPs: mean, "
-                    "std, min-max over seeds, difference from the baseline with its standard "
-                    "error) and two PNG figures beside it; TensorBoard runs under OUT. Run the "
+                    "std, min-max over seeds, difference from the baseline and the error of that "
+                    "difference) and two PNG figures beside it; TensorBoard runs under OUT. Run the "
                     "same command again to resume an interrupted batch: finished runs are "
                     "read, unfinished ones resume from their checkpoints.")
     add_config_arguments(compare)
     compare.add_argument("--designs", help="comma-separated variants: a design alone or with "
-                                           "the local mixer (ddl, ddl+shortswa), optionally "
-                                           "with model options of its own after colons "
-                                           "(ddl:model.ddl.dv=4); default: every registered "
-                                           "design alone")
+                                           "the local mixer (<design>, <design>+<mixer>), "
+                                           "optionally with model options of its own after "
+                                           "colons (<design>:model.<section>.<option>=<value>); "
+                                           "default: every registered design alone")
     compare.add_argument("--seeds", type=int, default=3, help="seeds per design (default 3)")
     compare.add_argument("--first-seed", type=int, default=1234,
                          help="seeds are FIRST, FIRST+1, ... (default 1234)")
     compare.add_argument("--steps", type=int, required=True, help="training steps per run")
     compare.add_argument("--out", required=True, help="directory for the runs, compare.md and "
                                                       "the figures")
+    compare.add_argument("--time-budget-min", type=float,
+                         help="start a run only while the slowest run so far still ends within "
+                              "this many minutes of the command's start (a batch completed "
+                              "over several short machine loans); the report covers the runs "
+                              "finished so far")
+    compare.add_argument("--report-only", action="store_true",
+                         help="train nothing: report the runs finished in OUT so far and list "
+                              "the missing ones")
     compare.set_defaults(handler=_cmd_compare)

@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from t2train.residual import kernel_references
+from t2train.residual import kernel_table
 
 MODES = ("fwd", "fwd+bwd")
 
@@ -140,9 +140,8 @@ def _leaf(rt: Runtime, *shape, scale=1.0) -> torch.Tensor:
 
 def window_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
     """Sequence ShortSWA: one micro-batch of the preset's heads, causal window."""
-    from t2train.kernels.window_attention import window_attention
-
-    short_window_attention = kernel_references()["window_attention"]
+    kernel = kernel_table()["window_attention"]
+    window_attention, short_window_attention = kernel.triton_function(), kernel.reference
 
     b, s, w, d = shapes.batch, shapes.seq, shapes.window, shapes.head_dim
     h, hk = shapes.heads, shapes.kv_heads
@@ -163,9 +162,10 @@ def depth_read_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
     """depth_attn's read: one query per token and head over its last ``depth_window`` layer
     states (the model's heads, no grouping), against the FlashAttention-style kernel that
     served it before the one-query kernels (16 query rows per tile, 15 of them padding)."""
-    from t2train.kernels.window_attention import WindowAttention, window_attention
+    from t2train.kernels.window_attention import WindowAttention
 
-    short_window_attention = kernel_references()["window_attention"]
+    kernel = kernel_table()["window_attention"]
+    window_attention, short_window_attention = kernel.triton_function(), kernel.reference
 
     tokens, h, n, d = shapes.batch * shapes.seq, shapes.heads, shapes.depth_window, \
         shapes.head_dim
@@ -212,9 +212,8 @@ def _flash_impls(rt: Runtime, b, h, hk, s, d, window) -> list[Impl]:
 
 def delta_write_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
     """The DDL write over one micro-batch of the preset's width, for each d_v."""
-    from t2train.kernels.ddl_update import delta_write as fused
-
-    delta_write = kernel_references()["delta_write"]
+    kernel = kernel_table()["delta_write"]
+    fused, delta_write = kernel.triton_function(), kernel.reference
 
     tokens, hidden, k_eps, v_scale = (shapes.seq, shapes.batch), shapes.hidden, 1e-5, 4.0
     compiled = rt.compile(delta_write)
@@ -233,9 +232,8 @@ def delta_write_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
 def gate_logit_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
     """DDL's gate logits in fp32 (beta: one output; v: d_v outputs) over one micro-batch of
     the preset's width."""
-    from t2train.kernels.fp32_linear import fp32_linear as fused
-
-    linear_in_fp32 = kernel_references()["fp32_linear"]
+    kernel = kernel_table()["fp32_linear"]
+    fused, linear_in_fp32 = kernel.triton_function(), kernel.reference
 
     tokens, hidden = (shapes.seq, shapes.batch), shapes.hidden
     x = _leaf(rt, *tokens, hidden)
@@ -254,10 +252,11 @@ def gate_logit_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
 
 def depth_mix_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
     """Block AttnRes: one block's S sublayer reads over the N completed sources of the
-    preset's last block."""
-    from t2train.kernels.depth_mix import phase_1, phase_2
-
-    depth_mix = kernel_references()["depth_mix"]
+    preset's last block: the two phases' kernels against one reference read per sublayer."""
+    table = kernel_table()
+    phase_1, phase_2 = (table[name].triton_function() for name in ("block_phase_1",
+                                                                    "block_phase_2"))
+    depth_mix = table["depth_mix"].reference
 
     n_src, n_q, eps = shapes.sources, shapes.block, 1e-6
     batch, seq, hidden = shapes.batch, shapes.seq, shapes.hidden
@@ -271,7 +270,7 @@ def depth_mix_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
         return [second(partials[i], queries[i], out[i], lse[i], eps) for i in range(n_q)]
 
     def per_read(mix):
-        return [mix(queries[i], [*sources.unbind(0), partials[i]], eps) for i in range(n_q)]
+        return [mix(queries[i], list(sources.unbind(0)), partials[i], eps) for i in range(n_q)]
 
     compiled = rt.compile(depth_mix)
     impls = [Impl("triton", lambda: two_phase(phase_1, phase_2), inputs),
@@ -293,11 +292,10 @@ def stream_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
     """mHC: the stream read and write (Sinkhorn, 20 iterations, n = 4 streams: the paper's
     defaults) over one micro-batch of the preset's width; the mixing logits are fp32, as the
     model computes them."""
-    from t2train.kernels.mhc_streams import stream_read as fused_read
-    from t2train.kernels.mhc_streams import stream_write as fused_write
-
-    references = kernel_references()
-    stream_read, stream_write = references["stream_read"], references["stream_write"]
+    table = kernel_table()
+    fused_read, stream_read = table["stream_read"].triton_function(), table["stream_read"].reference
+    fused_write, stream_write = (table["stream_write"].triton_function(),
+                                 table["stream_write"].reference)
     n, iterations = 4, 20
     tokens, hidden = (shapes.seq, shapes.batch), shapes.hidden
     state, out = _leaf(rt, n, *tokens, hidden), _leaf(rt, *tokens, hidden)
@@ -323,11 +321,9 @@ def stream_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
 def _hc_stream_cases(shapes, rt, state, out, read, residual, beta, unit) -> Iterator[Case]:
     """HC's read and write: the same kernels with the weights as given (fp32, as the model
     computes them), against HC's own references."""
-    from t2train.kernels.mhc_streams import depth_write as fused_write
-    from t2train.kernels.mhc_streams import width_read as fused_read
-
-    references = kernel_references()
-    hc_read, hc_write = references["hc_read"], references["hc_write"]
+    table = kernel_table()
+    fused_read, hc_read = table["hc_read"].triton_function(), table["hc_read"].reference
+    fused_write, hc_write = table["hc_write"].triton_function(), table["hc_write"].reference
     n, (_, s, b, hidden) = state.shape[0], state.shape
     shape = f"s={s} b={b} h={hidden} n={n}"
     yield Case("hc_read", shapes.label, shape,
@@ -343,16 +339,20 @@ def _hc_stream_cases(shapes, rt, state, out, read, residual, beta, unit) -> Iter
                {"fwd": (2 * n + 1) * unit, "fwd+bwd": (5 * n + 3) * unit}, "GB/s")
 
 
-BUILDERS = {"window_attention": window_cases, "depth_read": depth_read_cases,
-            "delta_write": delta_write_cases,
-            "fp32_linear": gate_logit_cases, "depth_mix": depth_mix_cases,
-            "mhc_streams": stream_cases}  # mhc_streams: mHC's read and write, then HC's
+# benchmark (``--only``) -> its cases, and the kernels of the table they time (every one is)
+BUILDERS = {"window_attention": (window_cases, ("window_attention",)),
+            "depth_read": (depth_read_cases, ("window_attention",)),
+            "delta_write": (delta_write_cases, ("delta_write",)),
+            "fp32_linear": (gate_logit_cases, ("fp32_linear",)),
+            "depth_mix": (depth_mix_cases, ("block_phase_1", "block_phase_2", "depth_mix")),
+            "stream_mix": (stream_cases, ("stream_read", "stream_write", "hc_read", "hc_write"))}
 
 
 def cases(shapes: KernelShapes, rt: Runtime, only=None) -> Iterator[Case]:
     """Every kernel's cases at one preset's shapes; tensors are made as each case starts."""
     for name in only or BUILDERS:
-        yield from BUILDERS[name](shapes, rt)
+        builder, _ = BUILDERS[name]
+        yield from builder(shapes, rt)
 
 
 def copy_bandwidth_gbs() -> float:

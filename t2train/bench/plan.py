@@ -5,8 +5,9 @@ pipeline rank (one GPU of each tensor-parallel group), the memory held: paramete
 gradients, the optimizer state, the activations of the micro-batches in flight and the depth
 cache kept for them, against the device's memory; and the bytes the pipeline hops carry,
 naive vs cached, as data (the units the receiver lacks) and on the wire (with the zero
-padding of ``parallel.hop_shapes=padded``). Hop bytes are exact (the same ``HopPlan`` the
-decoder sends with, so a run's traffic counters equal them); memory is an estimate.
+padding of ``parallel.hop_shapes=padded``). Hop bytes are exact (the ``HopPlan`` is made
+by ``plan_hops``, as the run's, so a run's traffic counters equal them); memory is an
+estimate.
 
 Activation memory follows Korthikanti et al. (arXiv 2205.05198): per layer and micro-batch
 s*b*h*(10 + 24/t) two-byte units without sequence parallelism and 34/t with it (the
@@ -18,15 +19,15 @@ copy of bf16 parameters, sharded over data parallelism by the distributed optimi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from t2train.config.schema import Config
 from t2train.model.build import compute_dtype, padded_vocab_size, transformer_config
 from t2train.model.flops import extra_parameters, extra_tensor_parallel_parameters
-from t2train.parallel.depth_cache import HopPlan
-from t2train.residual import get_design, variant_label
+from t2train.parallel.depth_cache import HopPlan, plan_hops
+from t2train.residual import variant_label
 
 
 @dataclass
@@ -103,15 +104,13 @@ def plan_layout(config: Config, vocab_size: int, world_size: int) -> LayoutPlan:
     tp, pp, vp = parallel.tensor, parallel.pipeline, parallel.virtual_pipeline
     micro_batches = config.micro_batches_per_step(dp)
     element = compute_dtype(config).itemsize
-    seq = model.seq_length // tp if parallel.sequence_parallel else model.seq_length
-    unit_shape = (seq, train.micro_batch_size, model.hidden_size)
-    unit_bytes = seq * train.micro_batch_size * model.hidden_size * element
-    stream = get_design(model.residual).stream(transformer_config(config), False, False, 0)
-    chunks, per_chunk = pp * vp, model.num_layers // (pp * vp)
-    hop_plans = {cached: HopPlan(stream.unit_ids, pp, chunks, per_chunk, cached=cached,
-                                 shapes=parallel.hop_shapes) for cached in (False, True)}
+    run_hops = plan_hops(transformer_config(config))
+    hop_plans = {cached: replace(run_hops, cached=cached) for cached in (False, True)}
+    unit_shape = (run_hops.unit_rows, train.micro_batch_size, model.hidden_size)
+    unit_bytes = run_hops.unit_rows * train.micro_batch_size * model.hidden_size * element
+    per_chunk = run_hops.layers_per_chunk
     cacheable = any(uid is not None for layers in range(model.num_layers + 1)
-                    for uid in stream.unit_ids(layers))
+                    for uid in run_hops.unit_ids(layers))
 
     vocab = padded_vocab_size(vocab_size, config)
     per_layer, _ = _layer_parameters(config, tp)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from t2train.config.loader import config_to_dict, flatten, load_config
-from t2train.config.schema import Config, ConfigError
+if TYPE_CHECKING:
+    from t2train.config.schema import Config
+
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
@@ -50,8 +52,13 @@ def finished_curve(run_dir: Path, steps: int) -> dict[int, float]:
     return curve if steps in curve else {}
 
 
-def check_same_run(config: Config, run_dir: Path) -> None:
+def check_same_run(config: "Config", run_dir: Path) -> None:
     """Refuse to reuse or resume ``run_dir`` if its saved config computes something else."""
+    # Deferred: the records alone (val_curve, finished_curve) are read where the config's
+    # imports (torch, megatron-core) are not installed yet (t2train/bench/gpu/compare.py).
+    from t2train.config.loader import config_to_dict, flatten, load_config
+    from t2train.config.schema import ConfigError
+
     saved = run_dir / CONFIG_FILE
     if not saved.is_file():
         return

@@ -3,7 +3,7 @@
 A ``StreamingDataset`` picks its six-digit prefix in ``get_shm_prefix``: its local leader
 attaches to the segments of every prefix already on the host, takes the first free one and
 creates that prefix's ``_locals`` segment. Two things go wrong there, each patched only while a
-dataset is made (``t2train/data/loader.py``) and nowhere else:
+dataset is made (``data/loader.py``) and nowhere else:
 
 - ``prefix_probes_closed_when_dropped``: each probing attachment registers an ``atexit``
   cleanup that keeps it open until the process exits, a dozen descriptors per dataset per live

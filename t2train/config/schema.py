@@ -33,6 +33,12 @@ class ModelShape:
     init_method_std: float = 0.02
     attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
     recompute: Literal["none", "full"] = "none"
+    # The fused hot path: `all` compiles every decoder layer with torch.compile (Inductor fuses
+    # the norms, RoPE, SwiGLU, dropout and the design's read and write around the GEMMs;
+    # t2train/nn/compiling.py), turns on Megatron's SwiGLU fusion and computes the loss without
+    # an fp32 copy of the logits (t2train/nn/cross_entropy.py); `none` is the eager reference.
+    # auto: all with CUDA, none on the CPU (where compiling costs more than it saves).
+    fusions: Literal["auto", "all", "none"] = "auto"
     # Dropout probability of the attention weights and of every sublayer's output before the
     # residual design writes it (Megatron's attention and hidden dropout); 0 = none.
     dropout: float = 0.0

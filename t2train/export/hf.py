@@ -27,7 +27,7 @@ from t2train.export.load import load_model, open_checkpoint
 from t2train.export.tokenizer import RunTokenizer, run_tokenizer
 from t2train.residual import hf as residual_hf
 
-MODELING_NAME = "modeling_t2train"  # OUT/modeling_t2train.py, a copy of residual/hf_modeling.py
+MODELING_NAME = "modeling_t2train"  # OUT/modeling_t2train.py, residual.hf.modeling_source()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # Megatron layer submodule -> its Hugging Face name (Llama's where Llama has one).
@@ -56,9 +56,9 @@ def export_hf(given: str | Path, out: str | Path, tokenizer: Optional[str | Path
     llama = residual_hf.is_llama(model_config)
     if not llama and model_config.residual not in residual_hf.modeling_designs():
         raise UserInputError(f"{checkpoint.path}: model.residual={model_config.residual!r} has "
-                             f"no Hugging Face modeling code yet ({residual_hf.MODELING_FILE} "
-                             "implements " + ", ".join(sorted(residual_hf.modeling_designs()))
-                             + ")")
+                             "no Hugging Face modeling code yet (no export part "
+                             "t2train/residual/<module>_hf.py; the modeling file implements "
+                             + ", ".join(sorted(residual_hf.modeling_designs())) + ")")
     run_tok = run_tokenizer(checkpoint, tokenizer)
     _require_transformers()
     loaded = load_model(checkpoint, device="cpu", dtype=DTYPES[dtype] if dtype else None)
@@ -76,7 +76,7 @@ def export_hf(given: str | Path, out: str | Path, tokenizer: Optional[str | Path
         _generation_config(run_tok).save_pretrained(staging)
         _tokenizer(run_tok, model_config.seq_length).save_pretrained(staging)
         if not llama:
-            shutil.copyfile(residual_hf.MODELING_FILE, staging / f"{MODELING_NAME}.py")
+            (staging / f"{MODELING_NAME}.py").write_text(residual_hf.modeling_source())
         _publish(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -168,7 +168,7 @@ def _write_weights(state: dict, folder: Path, max_shard_size: str | int) -> None
 
 def hf_config(model, vocab_rows: int, eos_id: int, dtype: torch.dtype):
     """The transformers config of a ``ModelConfig``: ``LlamaConfig`` for a plain pre-norm
-    Transformer, else ``hf_modeling.T2TrainConfig`` (with its ``auto_map``)."""
+    Transformer, else the modeling file's ``T2TrainConfig`` (with its ``auto_map``)."""
     shape = dict(vocab_size=vocab_rows, hidden_size=model.hidden_size,
                  intermediate_size=model.resolved_ffn_hidden_size(),
                  num_hidden_layers=model.num_layers,
@@ -185,9 +185,7 @@ def hf_config(model, vocab_rows: int, eos_id: int, dtype: torch.dtype):
         return LlamaConfig(**shape, head_dim=model.hidden_size // model.num_attention_heads,
                            hidden_act="silu", attention_bias=False, mlp_bias=False,
                            architectures=["LlamaForCausalLM"])
-    from t2train.residual.hf_modeling import T2TrainConfig
-
-    return T2TrainConfig(**shape, **residual_hf.config_fields(model),
+    return residual_hf.modeling_module().T2TrainConfig(**shape, **residual_hf.config_fields(model),
                          architectures=["T2TrainForCausalLM"],
                          auto_map={"AutoConfig": f"{MODELING_NAME}.T2TrainConfig",
                                    "AutoModelForCausalLM": f"{MODELING_NAME}.T2TrainForCausalLM"})

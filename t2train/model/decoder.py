@@ -43,11 +43,11 @@ class ResidualDecoder(TransformerBlock):
     First chunk: the embedding enters the stream. Other chunks: the packed state arrives
     through ``set_input_tensor``. Last chunk: the stream's final read goes through the
     final norm. Otherwise the packed state is returned for the next pipeline hop: its units
-    concatenated along the sequence dim (``t2train/parallel/depth_cache.py`` decides which).
+    concatenated along the sequence dim (``hops``, the run's ``HopPlan``, says which).
     """
 
     def __init__(self, config, pre_process: bool, post_process: bool,
-                 vp_stage: Optional[int], pp_rank: int, pg_collection=None):
+                 vp_stage: Optional[int], pp_rank: int, hops: HopPlan, pg_collection=None):
         super().__init__(config, decoder_block_submodules(config, vp_stage, pp_rank),
                          pre_process=pre_process, post_process=post_process,
                          pg_collection=pg_collection, vp_stage=vp_stage)
@@ -57,12 +57,8 @@ class ResidualDecoder(TransformerBlock):
         self.stream.connect([residual for layer in self.layers
                              for residual in layer.sublayer_residuals()])
         virtual = config.virtual_pipeline_model_parallel_size or 1
-        self.hops = HopPlan(self.stream.unit_ids, config.pipeline_model_parallel_size,
-                            config.pipeline_model_parallel_size * virtual, len(self.layers),
-                            cached=config.t2_cached_hops, shapes=config.t2_hop_shapes)
+        self.hops = hops
         self.chunk = self.stream.first_layer // len(self.layers)
-        tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
-        self.hop_seq_length = config.t2_model.seq_length // tp  # rows of one unit
         self.last_virtual_stage = (vp_stage or 0) == virtual - 1
         self.depth_cache: Optional[DepthCache] = None  # shared by this rank's chunks, if cached
         self.micro_batch = 0
@@ -103,10 +99,10 @@ class ResidualDecoder(TransformerBlock):
         arriving = self.hops.sent_ids(self.chunk)
         wire_units = self.hops.wire_units(self.chunk)
         seq = hop.shape[0] // wire_units
-        if seq * wire_units != hop.shape[0] or seq != self.hop_seq_length:
+        if seq * wire_units != hop.shape[0] or seq != self.hops.unit_rows:
             raise RuntimeError(
                 f"pipeline hop into chunk {self.chunk} has {hop.shape[0]} rows, expected "
-                f"{wire_units} units of {self.hop_seq_length}: the schedule sent hops in an "
+                f"{wire_units} units of {self.hops.unit_rows}: the schedule sent hops in an "
                 "order t2train/parallel/hops.py does not predict (parallel.hop_shapes=padded "
                 "avoids predicting)")
         self.traffic.received(hop, len(arriving), wire_units)

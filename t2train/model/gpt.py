@@ -21,13 +21,14 @@ from megatron.core.transformer.enums import ModelType
 from torch import Tensor
 
 from t2train.model.decoder import ResidualDecoder
+from t2train.nn.cross_entropy import vocab_parallel_cross_entropy
 
 
 class T2GPTModel(LanguageModule):
     def __init__(self, config, vocab_size: int, max_sequence_length: int,
                  pre_process: bool = True, post_process: bool = True,
                  share_embeddings_and_output_weights: bool = True, rotary_base: int = 10000,
-                 vp_stage: Optional[int] = None, pg_collection=None):
+                 vp_stage: Optional[int] = None, hops=None, pg_collection=None):
         pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
         super().__init__(config=config, pg_collection=pg_collection)
         self.model_type = ModelType.encoder_or_decoder
@@ -47,7 +48,8 @@ class T2GPTModel(LanguageModule):
             use_cpu_initialization=config.use_cpu_initialization, cp_group=pg_collection.cp)
         self.decoder = ResidualDecoder(
             config, pre_process=pre_process, post_process=post_process,
-            vp_stage=vp_stage, pp_rank=pg_collection.pp.rank(), pg_collection=pg_collection)
+            vp_stage=vp_stage, pp_rank=pg_collection.pp.rank(), hops=hops,
+            pg_collection=pg_collection)
         if post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size, vocab_size, config=config, init_method=config.init_method,
@@ -84,3 +86,11 @@ class T2GPTModel(LanguageModule):
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
+
+    def compute_language_model_loss(self, labels: Tensor, logits: Tensor) -> Tensor:
+        """Per-token loss [b, s] from logits [s, b, vocab/tp]: Megatron's, or on the fused path
+        t2train's, which keeps no fp32 copy of the logits (``t2train/nn/cross_entropy.py``)."""
+        if not self.config.t2_fused_loss:
+            return super().compute_language_model_loss(labels, logits)
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.pg_collection.tp)
+        return loss.transpose(0, 1).contiguous()

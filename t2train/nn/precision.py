@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from t2train.kernels.dispatch import route
+from t2train.kernels.dispatch import Kernel, route
 
 
 def at_least_fp32(t: Tensor) -> Tensor:
@@ -41,7 +41,7 @@ class _Fp32Linear(torch.autograd.Function):
         return grad_x, grad_weight, None if grad_bias is None else grad_bias.to(weight.dtype)
 
 
-# The Triton kernel's limit (t2train/kernels/fp32_linear.py MAX_OUTPUTS; a test keeps them
+# The Triton kernel's limit (kernels/fp32_linear.py MAX_OUTPUTS; a test keeps them
 # equal): gate logits have a few outputs, wider projections stay cuBLAS GEMMs.
 GATE_MAX_OUTPUTS = 16
 
@@ -56,9 +56,12 @@ def fp32_logits(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     routes it (up to 16 outputs: gate logits)."""
     if weight.shape[0] > GATE_MAX_OUTPUTS:
         return linear_in_fp32(x, weight, bias)
-    return route("fp32_linear", linear_in_fp32, x, weight)(x, weight, bias)
+    return route(FP32_LINEAR, x, weight)(x, weight, bias)
 
 
 def linear_in_fp32(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """The PyTorch reference of ``fp32_linear`` (and of its Triton kernel)."""
     return _Fp32Linear.apply(x, weight, bias)
+
+
+FP32_LINEAR = Kernel("fp32_linear", "t2train.kernels.fp32_linear:fp32_linear", linear_in_fp32)

@@ -12,10 +12,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from t2train.nn.attention import CausalCoreAttention
 
 
-def self_attention_spec(core_attention=CausalCoreAttention) -> ModuleSpec:
-    """Megatron's tensor-parallel self-attention around a core attention of our choice."""
+def self_attention_spec(core_attention=CausalCoreAttention, module=SelfAttention) -> ModuleSpec:
+    """Megatron's tensor-parallel self-attention (or a subclass) around a core attention of
+    our choice."""
     return ModuleSpec(
-        module=SelfAttention,
+        module=module,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=ColumnParallelLinear,

@@ -13,6 +13,10 @@ received) owns it. Later chunks read a detached leaf whose gradient is deposited
 unit's slot; the owner's copy adds the slot to its own gradient when its backward runs,
 which the schedule guarantees is later (backward visits the chunks of a micro-batch in
 reverse). No graph is traversed twice and the sent (deallocated) tensor is never cached.
+
+The run's ``HopPlan`` is made once, by ``plan_hops`` (``engine/megatron/setup.py`` and
+``t2train/model/build.py``), and handed to every decoder chunk and to the step; ``t2train
+plan`` makes it the same way, so its byte predictions are those of the run.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from t2train.residual import get_design
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,7 @@ class HopPlan:
     layers_per_chunk: int
     cached: bool
     shapes: str = "exact"
+    unit_rows: Optional[int] = None  # rows of one unit on the wire (``unit_rows``)
 
     def held(self, chunk: int) -> set:
         """Ids the rank running ``chunk`` kept from its previous chunk of the micro-batch."""
@@ -75,6 +82,28 @@ class HopPlan:
         """Whether hops go out at different sizes, so the schedule must be told each
         receive's shape (``t2train/parallel/hops.py``)."""
         return len(set(self.wire_hop_units())) > 1
+
+
+def unit_rows(seq_length: int, tensor: int, sequence_parallel: bool) -> int:
+    """Rows (tokens) of one hop unit: the sequence, split over the tensor ranks when they
+    hold sequence-parallel slices of it."""
+    return seq_length // tensor if sequence_parallel else seq_length
+
+
+def plan_hops(tf_config) -> HopPlan:
+    """The run's hop plan, from its Megatron config (a ``T2TransformerConfig``: the layout,
+    ``t2_model``, ``t2_cached_hops``, ``t2_hop_shapes``).
+
+    The stream that names the units is built without its first and last chunks' modules, so
+    making the plan creates no parameters and draws no random numbers."""
+    stream = get_design(tf_config.t2_model.residual).stream(tf_config, False, False, 0)
+    pipeline = tf_config.pipeline_model_parallel_size
+    chunks = pipeline * (tf_config.virtual_pipeline_model_parallel_size or 1)
+    return HopPlan(stream.unit_ids, pipeline, chunks, tf_config.num_layers // chunks,
+                   cached=tf_config.t2_cached_hops, shapes=tf_config.t2_hop_shapes,
+                   unit_rows=unit_rows(tf_config.t2_model.seq_length,
+                                       tf_config.tensor_model_parallel_size,
+                                       tf_config.sequence_parallel))
 
 
 class _AddSlotGradient(torch.autograd.Function):

@@ -10,8 +10,10 @@ Two independent choices make a model's residual stream:
 A combination is labelled ``<design>`` or ``<design>+shortswa`` (``variant_label``); the
 same spelling selects it in ``t2train bench step`` and ``t2train experiment compare``.
 
-Adding a design: one module here with a ``ResidualDesign``, one line in ``_DESIGNS``, and its
-tests (docs/residuals.md, "How to add a design"). Modules are imported on first use.
+Adding a design: one module here with a ``ResidualDesign``, one line in ``_DESIGNS``, its
+export part ``<module>_hf.py`` beside it, and its tests (docs/residuals.md, "How to add a
+design"); a fused kernel adds its ``Kernel`` declaration to the design's module and one entry
+in ``kernel_table()``. Modules are imported on first use.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ def registered() -> tuple[str, ...]:
     return tuple(_DESIGNS)
 
 
+def design_module(name: str) -> str:
+    """The module that implements design ``name`` (its export part is ``<module>_hf.py``)."""
+    return _DESIGNS[name][0]
+
+
 def get_design(name: str):
     """The ``ResidualDesign`` registered under ``name``."""
     if name not in _DESIGNS:
@@ -52,18 +59,17 @@ def mixer():
     return getattr(importlib.import_module(module), attribute)
 
 
-def kernel_references() -> dict:
-    """Each fused kernel's PyTorch reference (``t2train.kernels.dispatch.KERNELS`` names them),
-    for benchmarks: the designs' own functions."""
-    from t2train.nn.precision import linear_in_fp32
+def kernel_table() -> dict:
+    """The kernel table: every fused Triton kernel by name, a ``t2train.kernels.dispatch.
+    Kernel`` (name, Triton function, PyTorch reference) declared once beside its reference.
+    The dispatch routes each declaration; the tests and ``t2train.bench.kernels`` read this."""
+    from t2train.nn import precision
     from t2train.residual import attnres, ddl, hc, mhc, window_attention
 
-    return {"window_attention": window_attention.short_window_attention,
-            "delta_write": ddl.delta_write, "fp32_linear": linear_in_fp32,
-            "depth_mix": attnres.depth_mix,
-            "block_phase_1": attnres.block_phase_1, "block_phase_2": attnres.block_phase_2,
-            "stream_read": mhc.stream_read, "stream_write": mhc.stream_write,
-            "hc_read": hc.width_read, "hc_write": hc.depth_write}
+    table = [window_attention.WINDOW_ATTENTION, ddl.DELTA_WRITE, precision.FP32_LINEAR,
+             attnres.DEPTH_MIX, attnres.BLOCK_PHASE_1, attnres.BLOCK_PHASE_2,
+             mhc.STREAM_READ, mhc.STREAM_WRITE, hc.HC_READ, hc.HC_WRITE]
+    return {kernel.name: kernel for kernel in table}
 
 
 def option_sections() -> dict[str, type]:

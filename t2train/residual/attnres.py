@@ -127,11 +127,14 @@ def mix_sources(query: Tensor, sources, partial: Optional[Tensor], eps: float) -
     """``depth_mix`` over the sources and the open block's partial sum (if any), through the
     two-phase Triton kernel where ``T2_KERNELS`` routes it."""
     values = list(sources) + ([] if partial is None else [partial])
-    mix = dispatch.route("depth_mix", _mix_parts, query, *values)
+    mix = dispatch.route(DEPTH_MIX, query, *values)
     return mix(query, list(sources), partial, eps)
 
 
-def _mix_parts(query: Tensor, sources: list, partial: Optional[Tensor], eps: float) -> Tensor:
+def mix_with_partial(query: Tensor, sources: list, partial: Optional[Tensor],
+                     eps: float) -> Tensor:
+    """``depth_mix`` over the sources and the partial sum, taking the arguments of the fused
+    kernel (``DEPTH_MIX``) that computes it in two phases."""
     return depth_mix(query, sources + ([] if partial is None else [partial]), eps)
 
 
@@ -159,6 +162,13 @@ def block_phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor,
         p = at_least_fp32(partial)
         gamma = torch.sigmoid((p @ query.to(p.dtype)) * _inverse_rms(p, eps) - lse)
         return (out + gamma.unsqueeze(-1) * (p - out)).to(partial.dtype)
+
+
+DEPTH_MIX = dispatch.Kernel("depth_mix", "t2train.kernels.depth_mix:depth_mix", mix_with_partial)
+BLOCK_PHASE_1 = dispatch.Kernel("block_phase_1", "t2train.kernels.depth_mix:phase_1",
+                                block_phase_1)
+BLOCK_PHASE_2 = dispatch.Kernel("block_phase_2", "t2train.kernels.depth_mix:phase_2",
+                                block_phase_2)
 
 
 def _pseudo_query(config) -> torch.nn.Parameter:
@@ -191,7 +201,7 @@ class BlockAttnResidual(SublayerResidual):
         out, lse = self._phase_1_row(state)
         if state.partial is None:
             return out.to(state.sources[0].dtype)
-        phase_2 = dispatch.route("block_phase_2", block_phase_2, state.partial, out)
+        phase_2 = dispatch.route(BLOCK_PHASE_2, state.partial, out)
         return phase_2(state.partial, self.query, out, lse, self.eps)
 
     def _phase_1_row(self, state: AttnResState) -> tuple[Tensor, Tensor]:
@@ -200,7 +210,7 @@ class BlockAttnResidual(SublayerResidual):
             return state.reads.pop(self.index)
         mates = self.block_mates if state.reads is not None else [self]
         queries = torch.stack([mate.query for mate in mates])
-        phase_1 = dispatch.route("block_phase_1", block_phase_1, queries, *state.sources)
+        phase_1 = dispatch.route(BLOCK_PHASE_1, queries, *state.sources)
         out, lse = phase_1(queries, list(state.sources), self.eps)
         rows = {mate.index: (out[i], lse[i]) for i, mate in enumerate(mates)}
         row = rows.pop(self.index)

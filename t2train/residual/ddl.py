@@ -116,8 +116,11 @@ def delta_write(state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor,
 def write_delta(state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor,
                 k_eps: float, v_scale: float) -> Tensor:
     """``delta_write``, through the fused Triton kernel where ``T2_KERNELS`` routes it."""
-    write = dispatch.route("delta_write", delta_write, state, out, beta_logit, v_logit)
+    write = dispatch.route(DELTA_WRITE, state, out, beta_logit, v_logit)
     return write(state, out, beta_logit, v_logit, k_eps, v_scale)
+
+
+DELTA_WRITE = dispatch.Kernel("delta_write", "t2train.kernels.ddl_update:delta_write", delta_write)
 
 
 class ChannelMixRead(torch.nn.Module):

@@ -36,7 +36,8 @@ Choices the paper leaves open (or t2train's model differs):
 - the normalisation of the dynamic weights is the model's RMSNorm with a learned weight (the
   paper's models use LayerNorm);
 - k counts the mixer's sublayer too when it is on;
-- dropout (``model.hidden_dropout``) applies to T's output before the write, as in `standard`;
+- hidden dropout (``model.dropout``) is the layer's, applied once to T's output before the
+  write, as for every design;
 - the weights and mixes are computed in at least fp32; the state keeps the activation dtype.
 
 A pipeline hop carries the n streams as n units of [s, b, h]; they change at every sublayer
@@ -50,7 +51,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from t2train.errors import require
@@ -116,7 +116,6 @@ class StreamMixResidual(SublayerResidual):
         if self._pending is None:
             raise RuntimeError(f"{type(self).__name__}.write without its read")
         pending, self._pending = self._pending, None
-        out = F.dropout(out, p=self.config.hidden_dropout, training=self.training)
         return self.depth_connection(state, pending, out)
 
     def width_connection(self, state: Tensor) -> tuple[Tensor, tuple]:
@@ -139,6 +138,10 @@ def depth_write(state: Tensor, residual: Tensor, beta: Tensor, out: Tensor) -> T
     mixed = torch.einsum("sbij,isbh->jsbh", residual.to(x.dtype), x)
     return (mixed + torch.einsum("sbj,sbh->jsbh", beta.to(x.dtype), at_least_fp32(out))
             ).to(state.dtype)
+
+
+HC_READ = dispatch.Kernel("hc_read", "t2train.kernels.stream_mix:width_read", width_read)
+HC_WRITE = dispatch.Kernel("hc_write", "t2train.kernels.stream_mix:depth_write", depth_write)
 
 
 class HyperConnection(StreamMixResidual):
@@ -183,11 +186,11 @@ class HyperConnection(StreamMixResidual):
         read, residual = alpha[..., 0], alpha[..., 1:]
         record_weights("hc", (self.layer_number, self.position), read, beta,
                        lambda: residual.transpose(-1, -2))
-        return dispatch.route("hc_read", width_read, state)(state, read), (residual, beta)
+        return dispatch.route(HC_READ, state)(state, read), (residual, beta)
 
     def depth_connection(self, state: Tensor, pending: tuple, out: Tensor) -> Tensor:
         residual, beta = pending
-        write = dispatch.route("hc_write", depth_write, state, out)
+        write = dispatch.route(HC_WRITE, state, out)
         return write(state, residual, beta, out)
 
 

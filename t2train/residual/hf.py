@@ -2,12 +2,15 @@
 
 * ``is_llama(model)``: the baseline design without the local mixer is the Llama
   architecture, which transformers loads with no code of ours;
-* every other design and combination runs through ``hf_modeling.py``, copied next to the
-  weights: ``config_fields(model)`` are the fields its config reads, ``modeling_designs()``
-  the designs it implements.
+* every other design and combination runs through one standalone modeling file, written
+  next to the weights. ``modeling_source()`` assembles it from ``hf_modeling.py`` (the
+  config, the shared blocks, the decoder) and each design's export part, ``<module>_hf.py``
+  beside the design's training module, so a design's math has one place;
+  ``config_fields(model)`` are the fields its config reads, ``modeling_designs()`` the
+  designs it implements, ``modeling_module()`` the assembled file imported in-process.
 
-Parameter names need no table per design: ``hf_modeling.py`` names a design's own
-parameters as the training modules do (``attn_residual.beta_proj.weight``,
+Parameter names need no table per design: an export part names a design's own parameters
+as the training modules do (``attn_residual.beta_proj.weight``,
 ``layer_entry.linear_q.weight``, ``stream.final_query``); the exporter renames only the
 shared Megatron parts (attention, MLP, norms, embedding, head).
 """
@@ -15,12 +18,18 @@ shared Megatron parts (attention, MLP, norms, embedding, head).
 from __future__ import annotations
 
 import ast
+import functools
+import linecache
+import sys
+import types
 from dataclasses import asdict
 from pathlib import Path
 
-from t2train.residual import BASELINE, get_design, mixer, mixer_on
+from t2train.residual import BASELINE, design_module, get_design, mixer, mixer_on, registered
 
 MODELING_FILE = Path(__file__).with_name("hf_modeling.py")
+DESIGNS_LINE = "DESIGNS: dict = {}"  # in hf_modeling.py; the parts' code goes after it
+EXPORTED = "EXPORTED"  # a part's table: model.residual -> (stream, residual, layer entry)
 
 
 def is_llama(model) -> bool:
@@ -30,19 +39,116 @@ def is_llama(model) -> bool:
 
 def config_fields(model) -> dict:
     """The residual design, its options (its ``model.<section>``) and the local attention
-    window (0 = off), as ``hf_modeling.T2TrainConfig`` reads them."""
+    window (0 = off), as the modeling file's ``T2TrainConfig`` reads them."""
     design = get_design(model.residual)
     options = asdict(getattr(model, design.section)) if design.section else {}
     return {"residual": model.residual, "residual_options": options,
             "local_window": getattr(model, mixer().section).window}
 
 
-def modeling_designs() -> set[str]:
-    """The keys of ``DESIGNS`` in ``hf_modeling.py`` (read from its source: importing it
-    needs transformers)."""
-    tree = ast.parse(MODELING_FILE.read_text())
+def export_parts() -> list[Path]:
+    """The export part of each registered design's module that has one, in registry order (a
+    part may use the names of the parts before it)."""
+    names = dict.fromkeys(design_module(name).rsplit(".", 1)[-1] for name in registered())
+    paths = [MODELING_FILE.with_name(f"{name}_hf.py") for name in names]
+    return [path for path in paths if path.exists()]
+
+
+def _exported(tree: ast.Module, path: Path) -> ast.Assign:
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(
-                isinstance(target, ast.Name) and target.id == "DESIGNS" for target in node.targets):
-            return {key.value for key in node.value.keys}
-    raise RuntimeError(f"{MODELING_FILE}: no DESIGNS table")
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None)
+                                             for t in node.targets] == [EXPORTED]:
+            return node
+    raise RuntimeError(f"{path}: no {EXPORTED} table")
+
+
+def modeling_designs() -> set[str]:
+    """The designs the modeling file implements: the keys of the parts' ``EXPORTED`` (read
+    from their source: importing them needs transformers)."""
+    return {key.value for path in export_parts()
+            for key in _exported(ast.parse(path.read_text()), path).value.keys}
+
+
+def _defined_in_the_file(node: ast.ImportFrom, path: Path) -> bool:
+    """An import of ``hf_modeling`` or of another part: names the assembled file defines.
+    Any other t2train import could not be resolved where the file is loaded."""
+    module = node.module or ""
+    if node.level or not module.startswith("t2train"):
+        return False
+    last = module.rsplit(".", 1)[-1]
+    if module.startswith("t2train.residual.") and (last == "hf_modeling" or last.endswith("_hf")):
+        return True
+    raise RuntimeError(f"{path}: imports {module}; an export part may import only torch, the "
+                       "standard library, hf_modeling and the parts before it")
+
+
+def _part(path: Path) -> tuple[list[ast.stmt], str]:
+    """A part's imports, and its code after them with ``EXPORTED`` added to ``DESIGNS``."""
+    text = path.read_text()
+    tree, lines = ast.parse(text), text.splitlines()
+    imports, code_start = [], 0
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            code_start = node.end_lineno
+            if isinstance(node, ast.Import) or not _defined_in_the_file(node, path):
+                imports.append(node)
+    table = _exported(tree, path)
+    code = (lines[code_start:table.lineno - 1]
+            + [f"DESIGNS.update({ast.get_source_segment(text, table.value)})"]
+            + lines[table.end_lineno:])
+    designs = ", ".join(key.value for key in table.value.keys)
+    return imports, "\n".join([f"# --- {designs}: t2train/residual/{path.name}", *code]).strip()
+
+
+def _import_block(imports: list[ast.stmt]) -> list[str]:
+    """The imports, merged per module: ``__future__``, the standard library, then the rest."""
+    modules: dict[str, dict] = {}  # "" for plain imports
+    for node in imports:
+        names = [alias.name + (f" as {alias.asname}" if alias.asname else "")
+                 for alias in node.names]
+        key = node.module if isinstance(node, ast.ImportFrom) else ""
+        modules.setdefault(key, {}).update(dict.fromkeys(names))
+
+    def lines(stdlib: bool) -> list[str]:
+        is_stdlib = lambda name: name.split(".")[0] in sys.stdlib_module_names  # noqa: E731
+        plain = [f"import {name}" for name in sorted(modules.get("", {}))
+                 if is_stdlib(name) == stdlib]
+        return plain + [f"from {module} import {', '.join(sorted(names))}"
+                        for module, names in sorted(modules.items())
+                        if module not in ("", "__future__") and is_stdlib(module) == stdlib]
+
+    future = [f"from __future__ import {', '.join(modules['__future__'])}"] \
+        if "__future__" in modules else []
+    groups = [group for group in (future, lines(True), lines(False)) if group]
+    return [line for group in groups for line in [*group, ""]][:-1]
+
+
+def modeling_source() -> str:
+    """The standalone modeling file: ``hf_modeling.py`` with the parts' imports merged into
+    its own and the parts' code after its ``DESIGNS`` line."""
+    frame = MODELING_FILE.read_text()
+    tree, lines = ast.parse(frame), frame.splitlines()
+    imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    first, last = imports[0].lineno - 1, imports[-1].end_lineno
+    codes = []
+    for path in export_parts():
+        part_imports, code = _part(path)
+        imports += part_imports
+        codes.append(code)
+    designs = next(i for i, line in enumerate(lines) if line.startswith(DESIGNS_LINE)) + 1
+    return "\n".join(lines[:first] + _import_block(imports) + lines[last:designs] + ["", ""]
+                      + ["\n\n\n".join(codes)] + lines[designs:]) + "\n"
+
+
+@functools.lru_cache(maxsize=None)
+def modeling_module() -> types.ModuleType:
+    """The assembled modeling file, imported in-process (exported models load the file
+    written next to them)."""
+    name = "t2train_modeling"
+    source, filename = modeling_source(), "<t2train_modeling>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    module = types.ModuleType(name)
+    module.__file__ = filename
+    sys.modules[name] = module  # transformers looks classes' modules up by name
+    exec(compile(source, filename, "exec"), module.__dict__)
+    return module

@@ -1,9 +1,11 @@
 """A t2train decoder for Hugging Face transformers (``trust_remote_code=True``).
 
-`t2train export hf` copies this file, unchanged, next to the exported weights as
-``modeling_t2train.py``; it imports only torch and transformers. It is the math of t2train's
-training modules (``t2train/residual/*.py`` and Megatron's attention and MLP) written out
-for reading, on [batch, seq, hidden] tensors:
+`t2train export hf` writes this file next to the exported weights as ``modeling_t2train.py``,
+with every design's export part (``t2train/residual/<module>_hf.py``, beside the design's
+training module) inserted where the designs go (``t2train.residual.hf.modeling_source``); it
+imports only torch and transformers. It is the math of t2train's training modules
+(``t2train/residual/*.py`` and Megatron's attention and MLP) written out for reading, on
+[batch, seq, hidden] tensors:
 
     state = stream.enter(embed(tokens))
     for every layer:
@@ -15,9 +17,10 @@ for reading, on [batch, seq, hidden] tensors:
     logits = lm_head(final_norm(stream.exit(state)))
 
 A residual design is a stream (what the state is, how the embedding enters it and the final
-norm reads it), a sublayer residual (read/write) and an optional layer entry: one line in
-``DESIGNS``. Parameter names follow t2train's (``attn_residual.beta_proj.weight``,
-``stream.final_query``, ``layer_entry.linear_q.weight``), the shared parts Llama's.
+norm reads it), a sublayer residual (read/write) and an optional layer entry, which its
+export part adds to ``DESIGNS``. Parameter names follow t2train's
+(``attn_residual.beta_proj.weight``, ``stream.final_query``, ``layer_entry.linear_q.weight``),
+the shared parts Llama's.
 
 There is no KV cache: every generation step runs the whole sequence again (plain and
 exact; fine for the small models this is meant to look at). Padding is not supported.
@@ -25,8 +28,7 @@ exact; fine for the small models this is meant to look at). Padding is not suppo
 
 from __future__ import annotations
 
-import math
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -141,344 +143,10 @@ def at_least_fp32(t: Tensor) -> Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-# --- standard: x <- x + f(norm(x)) ------------------------------------------------------------
+# --- the designs: each one's export part, beside its training module -------------------------
+# (t2train/residual/<module>_hf.py; ``t2train.residual.hf`` inserts them below this line)
 
-class HiddenStateStream(nn.Module):
-    """The state is the hidden tensor [b, s, h]."""
-
-    def __init__(self, config: T2TrainConfig):
-        super().__init__()
-
-    def enter(self, embedding: Tensor) -> Tensor:
-        return embedding
-
-    def exit(self, state: Tensor) -> Tensor:
-        return state
-
-
-class AdditiveResidual(nn.Module):
-    def __init__(self, config: T2TrainConfig, layer: int, position: int):
-        super().__init__()
-
-    def read(self, state: Tensor) -> Tensor:
-        return state
-
-    def write(self, state: Tensor, x: Tensor, normed: Tensor, out: Tensor) -> Tensor:
-        return state + out
-
-
-# --- ddl: Deep Delta Learning, X <- X + beta k (v^T - k^T X) (arXiv 2601.00417) ---------------
-
-class ChannelMixRead(nn.Module):
-    """x[..., i] = sum_j weight[j, i] X_j[..., i]: reads a [d_v, b, s, h] state."""
-
-    def __init__(self, hidden: int, dv: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.full((dv, hidden), 1.0 / dv))
-
-    def forward(self, state: Tensor) -> Tensor:
-        return torch.einsum("jbsh,jh->bsh", state, self.weight)
-
-
-class DeltaStream(nn.Module):
-    """d_v = 1: the state is [b, s, h]. d_v > 1: [d_v, b, s, h], made from the embedding by a
-    causal depthwise convolution over tokens (``expander``) and read by a channel mix."""
-
-    def __init__(self, config: T2TrainConfig):
-        super().__init__()
-        h, self.dv = config.hidden_size, config.residual_options.get("dv", 1)
-        if self.dv > 1:
-            kernel = config.residual_options["embed_conv_kernel"]
-            self.expander = nn.Conv1d(h, h * self.dv, kernel, groups=h, bias=False)
-            self.final_read = ChannelMixRead(h, self.dv)
-
-    def enter(self, embedding: Tensor) -> Tensor:
-        if self.dv == 1:
-            return embedding
-        b, s, h = embedding.shape
-        tokens = F.pad(embedding.transpose(1, 2), (self.expander.kernel_size[0] - 1, 0))
-        # output channel i * d_v + j is column j of feature i
-        return self.expander(tokens).view(b, h, self.dv, s).permute(2, 0, 3, 1)
-
-    def exit(self, state: Tensor) -> Tensor:
-        return state if self.dv == 1 else self.final_read(state)
-
-
-class DeltaResidual(nn.Module):
-    """k = out / sqrt(|out|^2 + k_eps^2), beta = 2 sigmoid(w_beta . normed + b_beta),
-    v = v_scale sigmoid(W_v x + b_v), then X <- X + beta k (v^T - k^T X) column by column;
-    computed in (at least) fp32."""
-
-    def __init__(self, config: T2TrainConfig, layer: int, position: int):
-        super().__init__()
-        options, h = config.residual_options, config.hidden_size
-        self.dv = options.get("dv", 1)
-        self.k_eps, self.v_scale = options["k_eps"], options["v_scale"]
-        self.beta_proj = nn.Linear(h, 1)
-        self.v_proj = nn.Linear(h, self.dv)
-        self.compressor = ChannelMixRead(h, self.dv) if self.dv > 1 else None
-
-    def read(self, state: Tensor) -> Tensor:
-        return state if self.compressor is None else self.compressor(state)
-
-    def write(self, state: Tensor, x: Tensor, normed: Tensor, out: Tensor) -> Tensor:
-        k = at_least_fp32(out)
-        k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + self.k_eps * self.k_eps)
-        beta = 2 * torch.sigmoid(at_least_fp32(self.beta_proj(normed)))
-        v = self.v_scale * torch.sigmoid(at_least_fp32(self.v_proj(x)))
-        if self.dv > 1:
-            v = v.permute(2, 0, 1).unsqueeze(-1)  # one value per state column
-        current = at_least_fp32(state)
-        error = v - (k * current).sum(-1, keepdim=True)
-        return (current + beta * error * k).to(state.dtype)
-
-
-# --- depth_attn: causal attention over a token's last K layer states (arXiv 2603.16039) --------
-
-class DepthState(NamedTuple):
-    history: tuple  # the states entering the last K - 1 layers, oldest first
-    current: Tensor
-
-
-class DepthStream(nn.Module):
-    def __init__(self, config: T2TrainConfig):
-        super().__init__()
-
-    def enter(self, embedding: Tensor) -> DepthState:
-        return DepthState((), embedding)
-
-    def exit(self, state: DepthState) -> Tensor:
-        return state.current
-
-
-class DepthAdditive(nn.Module):
-    """Sublayers add to the current state; only the layer entry reads the history."""
-
-    def __init__(self, config: T2TrainConfig, layer: int, position: int):
-        super().__init__()
-
-    def read(self, state: DepthState) -> Tensor:
-        return state.current
-
-    def write(self, state: DepthState, x: Tensor, normed: Tensor, out: Tensor) -> DepthState:
-        return DepthState(state.history, state.current + out)
-
-
-class DepthRead(nn.Module):
-    """Before each layer: current += W_O softmax(q K^T / sqrt(d)) V over the window
-    [history..., current], q = W_Q n(current), K, V = n(window) W_K, W_V, one RMSNorm n.
-    ``linear_kv`` holds each head's key rows then its value rows."""
-
-    def __init__(self, config: T2TrainConfig, layer: int):
-        super().__init__()
-        h = config.hidden_size
-        self.window = config.residual_options["window"]
-        self.heads, self.head_dim = config.num_attention_heads, h // config.num_attention_heads
-        self.norm = nn.RMSNorm(h, eps=config.rms_norm_eps)
-        self.linear_q = nn.Linear(h, h, bias=False)
-        self.linear_kv = nn.Linear(h, 2 * h, bias=False)
-        self.linear_proj = nn.Linear(h, h, bias=False)
-
-    def read(self, states: list[Tensor]) -> Tensor:
-        b, s, h = states[-1].shape
-        n = len(states)
-        q = self.linear_q(self.norm(states[-1])).view(b, s, self.heads, 1, self.head_dim)
-        kv = self.linear_kv(self.norm(torch.stack(states, dim=2)))  # [b, s, n, 2h]
-        kv = kv.view(b, s, n, self.heads, 2, self.head_dim).permute(4, 0, 1, 3, 2, 5)
-        k, v = kv[0], kv[1]  # [b, s, heads, n, d]
-        z = F.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(self.head_dim))
-        return self.linear_proj(z.reshape(b, s, h))
-
-    def begin(self, state: DepthState) -> DepthState:
-        window = list(state.history) + [state.current]
-        current = state.current + self.read(window)
-        keep = self.window - 1
-        return DepthState(tuple(window[-keep:]) if keep else (), current)
-
-
-# --- attnres / block_attnres: Attention Residuals (arXiv 2603.15031) ---------------------------
-
-class AttnResState(NamedTuple):
-    sources: tuple  # the embedding, then completed blocks (Full: every sublayer output)
-    partial: Optional[Tensor]  # the open block's running sum
-
-    def values(self) -> list[Tensor]:
-        return list(self.sources) + ([self.partial] if self.partial is not None else [])
-
-
-def depth_mix(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
-    """sum_i softmax_i(query . RMSNorm(v_i)) v_i (weight-free RMSNorm on keys, fp32)."""
-    stacked = torch.stack(values)
-    x = at_least_fp32(stacked)
-    keys = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    weights = torch.softmax(keys @ query.to(x.dtype), dim=0)
-    return (weights.unsqueeze(-1) * x).sum(0).to(stacked.dtype)
-
-
-class AttnResStream(nn.Module):
-    """Sources start with the embedding; the final norm reads a mixture with its own query."""
-
-    def __init__(self, config: T2TrainConfig):
-        super().__init__()
-        self.eps = config.residual_options["eps"]
-        self.final_query = nn.Parameter(torch.zeros(config.hidden_size))
-
-    def enter(self, embedding: Tensor) -> AttnResState:
-        return AttnResState((embedding,), None)
-
-    def exit(self, state: AttnResState) -> Tensor:
-        return depth_mix(self.final_query, state.values(), self.eps)
-
-
-class BlockAttnResidual(nn.Module):
-    """Each sublayer reads a mixture of the sources and the open block; its output joins the
-    block, which becomes a source after ``block_size`` sublayers (counted over the model)."""
-
-    def __init__(self, config: T2TrainConfig, layer: int, position: int):
-        super().__init__()
-        self.eps = config.residual_options["eps"]
-        self.block_size = config.residual_options["block_size"]
-        self.index = len(config.sublayers()) * layer + position
-        self.query = nn.Parameter(torch.zeros(config.hidden_size))
-
-    def read(self, state: AttnResState) -> Tensor:
-        return depth_mix(self.query, state.values(), self.eps)
-
-    def write(self, state: AttnResState, x: Tensor, normed: Tensor, out: Tensor) -> AttnResState:
-        partial = out if state.partial is None else state.partial + out
-        if (self.index + 1) % self.block_size == 0:
-            return AttnResState(state.sources + (partial,), None)
-        return AttnResState(state.sources, partial)
-
-
-class FullAttnResidual(BlockAttnResidual):
-    """Every sublayer output is a source of its own."""
-
-    def write(self, state: AttnResState, x: Tensor, normed: Tensor, out: Tensor) -> AttnResState:
-        return AttnResState(state.sources + (out,), None)
-
-
-# model.residual -> (stream, sublayer residual, layer entry or None)
-# --- hc, mhc: n streams joined per sublayer (arXiv 2409.19606, 2512.24880) --------------------
-
-class StreamCopies(nn.Module):
-    """n streams [n, b, s, h]: the embedding enters as n copies, the final norm reads their
-    mean."""
-
-    def __init__(self, config: T2TrainConfig):
-        super().__init__()
-        self.n = config.residual_options["expansion_rate"]
-
-    def enter(self, embedding: Tensor) -> Tensor:
-        return embedding.unsqueeze(0).expand(self.n, *embedding.shape)
-
-    def exit(self, state: Tensor) -> Tensor:
-        return at_least_fp32(state).mean(0).to(state.dtype)
-
-
-class StreamMixResidual(nn.Module):
-    """Reads sum_i read[i] h_i; writes stream j <- sum_i mix[i, j] h_i + write[j] out. The
-    weights of a sublayer are computed once by ``read`` and used by ``write``."""
-
-    def __init__(self):
-        super().__init__()
-        self.pending = None
-
-    def read(self, state: Tensor) -> Tensor:
-        read, self.pending = self.weights(state)
-        x = at_least_fp32(state)
-        return torch.einsum("bsi,ibsh->bsh", read.to(x.dtype), x).to(state.dtype)
-
-    def write(self, state: Tensor, x: Tensor, normed: Tensor, out: Tensor) -> Tensor:
-        mix, write = self.pending
-        self.pending = None
-        current = at_least_fp32(state)
-        new = torch.einsum("bsij,ibsh->jbsh", mix.to(current.dtype), current) + torch.einsum(
-            "bsj,bsh->jbsh", write.to(current.dtype), at_least_fp32(out))
-        return new.to(state.dtype)
-
-
-class HyperConnection(StreamMixResidual):
-    """Hyper-Connections: [A_m | A_r] = static_alpha (+ s_a tanh(Norm(h_i) W_a), row i from
-    stream i, when dynamic), B = static_beta (+ s_b tanh(Norm(h_i) W_b)); the sublayer reads
-    A_m^T H and stream j becomes sum_i A_r[i, j] h_i + B_j out."""
-
-    def __init__(self, config: T2TrainConfig, layer: int, position: int):
-        super().__init__()
-        options, h = config.residual_options, config.hidden_size
-        n, self.dynamic = options["expansion_rate"], options["dynamic"]
-        self.static_alpha = nn.Parameter(torch.zeros(n, n + 1))
-        self.static_beta = nn.Parameter(torch.ones(n))
-        if self.dynamic:
-            self.norm = nn.RMSNorm(h, eps=config.rms_norm_eps)
-            self.dynamic_alpha = nn.Parameter(torch.zeros(h, n + 1))
-            self.dynamic_beta = nn.Parameter(torch.zeros(h))
-            self.dynamic_alpha_scale = nn.Parameter(torch.ones(1))
-            self.dynamic_beta_scale = nn.Parameter(torch.ones(1))
-
-    def weights(self, state: Tensor) -> tuple[Tensor, tuple]:
-        n, b, s, _ = state.shape
-        alpha = at_least_fp32(self.static_alpha).expand(b, s, n, n + 1)
-        beta = at_least_fp32(self.static_beta).expand(b, s, n)
-        if self.dynamic:
-            normed = at_least_fp32(self.norm(state))  # each stream on its own
-            alpha = alpha + at_least_fp32(self.dynamic_alpha_scale) * torch.tanh(
-                normed @ at_least_fp32(self.dynamic_alpha)).permute(1, 2, 0, 3)
-            beta = beta + at_least_fp32(self.dynamic_beta_scale) * torch.tanh(
-                normed @ at_least_fp32(self.dynamic_beta)).permute(1, 2, 0)
-        return alpha[..., 0], (alpha[..., 1:], beta)
-
-
-def sinkhorn(logits: Tensor, iterations: int) -> Tensor:
-    """exp, then ``iterations`` times: divide each row, then each column, by its sum."""
-    m = torch.softmax(logits, dim=-1)
-    m = m / m.sum(-2, keepdim=True)
-    for _ in range(iterations - 1):
-        m = m / m.sum(-1, keepdim=True)
-        m = m / m.sum(-2, keepdim=True)
-    return m
-
-
-class ManifoldHyperConnection(StreamMixResidual):
-    """mHC: from the flattened stream x~' = RMSNorm(vec(H)) (no weight), H_pre =
-    sigmoid(a_pre x~' phi_pre + b_pre), H_post = 2 sigmoid(a_post x~' phi_post + b_post),
-    H_res = Sinkhorn(a_res x~' phi_res + b_res); the sublayer reads sum_j H_pre[j] h_j and
-    stream i becomes sum_j H_res[i, j] h_j + H_post[i] out."""
-
-    def __init__(self, config: T2TrainConfig, layer: int, position: int):
-        super().__init__()
-        options, h = config.residual_options, config.hidden_size
-        n = self.n = options["expansion_rate"]
-        self.eps, self.iterations = options["eps"], options["sinkhorn_iterations"]
-        outputs = n * n + 2 * n  # H~pre, H~post, H~res (row-major)
-        self.projection = nn.Parameter(torch.zeros(outputs, n * h))
-        self.bias = nn.Parameter(torch.zeros(outputs))
-        self.gates = nn.Parameter(torch.zeros(3))
-
-    def weights(self, state: Tensor) -> tuple[Tensor, tuple]:
-        n = self.n
-        x = at_least_fp32(state)
-        inv_rms = torch.rsqrt(x.pow(2).mean((0, 3)) + self.eps)  # over all n x h: [b, s]
-        phi = at_least_fp32(self.projection).view(-1, n, x.shape[-1])
-        raw = torch.einsum("jbsh,kjh->bsk", x, phi) * inv_rms.unsqueeze(-1)
-        gates, bias = at_least_fp32(self.gates), at_least_fp32(self.bias)
-        pre = torch.sigmoid(gates[0] * raw[..., :n] + bias[:n])
-        post = 2 * torch.sigmoid(gates[1] * raw[..., n:2 * n] + bias[n:2 * n])
-        res = sinkhorn((gates[2] * raw[..., 2 * n:] + bias[2 * n:]).unflatten(-1, (n, n)),
-                       self.iterations)
-        # ``write`` mixes with [i, j] -> stream j; H_res is [new i, old j]: transpose
-        return pre, (res.transpose(-1, -2), post)
-
-
-DESIGNS = {
-    "standard": (HiddenStateStream, AdditiveResidual, None),
-    "ddl": (DeltaStream, DeltaResidual, None),
-    "depth_attn": (DepthStream, DepthAdditive, DepthRead),
-    "attnres": (AttnResStream, FullAttnResidual, None),
-    "block_attnres": (AttnResStream, BlockAttnResidual, None),
-    "hc": (StreamCopies, HyperConnection, None),
-    "mhc": (StreamCopies, ManifoldHyperConnection, None),
-}
+DESIGNS: dict = {}  # model.residual -> (stream, sublayer residual, layer entry or None)
 
 
 def design(config: T2TrainConfig) -> tuple:

@@ -14,13 +14,15 @@ whole stream flattened, x~ = vec(x_l) in R^{nh} (the paper's parameterization):
     x_{l+1} = H_res x_l + H_post^T F(Norm(H_pre x_l))        (F applies its pre-norm)
 
 i.e. the sublayer reads sum_j H_pre[j] x_j and stream i becomes
-sum_j H_res[i, j] x_j + H_post[i] F(...). SK is Sinkhorn-Knopp, as in the paper, with t_max =
-``model.mhc.sinkhorn_iterations`` (default 20): M(0) = exp(H~res), M(t) = T_c(T_r(M(t-1)))
-(T_r, T_c divide each row, then each column, by its sum), H_res = M(t_max). Its columns sum
-to 1 exactly, so the mixing keeps the streams' sum (and the mean the final norm reads); its
-rows sum to 1 up to the iterations' convergence: within 1e-6 for logits spread over about 2
-(tested), more slowly for wider spreads (noted by mHC-lite, arXiv 2601.05732). exp is taken
-after subtracting each row's maximum, which the first row normalisation cancels exactly.
+sum_j H_res[i, j] x_j + H_post[i] F(...). SK is Sinkhorn-Knopp as the paper's Eq. 9 writes
+it, with t_max = ``model.mhc.sinkhorn_iterations`` (default 20): M(0) = exp(H~res),
+M(t) = T_r(T_c(M(t-1))) (T_c divides each column by its sum, then T_r each row),
+H_res = M(t_max). Its rows sum to 1 exactly, so every new stream is a convex combination of
+the old ones (the forward gain is exact, and equal streams stay equal); its columns sum to 1
+up to the iterations' convergence: within 1e-6 for logits spread over about 2 (tested), more
+slowly for wider spreads (noted by mHC-lite, arXiv 2601.05732), so the streams' mean, which
+the final norm reads, is kept to that accuracy. exp is taken after subtracting the matrix's
+largest logit, a common factor every normalisation cancels.
 
 Choices the paper leaves open:
 
@@ -32,7 +34,8 @@ Choices the paper leaves open:
   b_res = 0 (H_res uniform, which maps equal streams to themselves);
 - the embedding enters as n copies and the final norm reads the mean of the streams (the
   paper does not say);
-- dropout (``model.hidden_dropout``) applies to F's output before the write;
+- hidden dropout (``model.dropout``) is the layer's, applied once to F's output before the
+  write, as for every design;
 - mappings, Sinkhorn and the stream update run in at least fp32; the state keeps the
   activation dtype.
 
@@ -46,7 +49,7 @@ H_res = 1 and the design is a gated `standard` residual:
 x' = x + 2 sigmoid(H~post) F(Norm(sigmoid(H~pre) x)).
 
 The read (H_pre) and the write (Sinkhorn, H_res and H_post) are one fused Triton pass each
-over the stream on CUDA (``t2train/kernels/mhc_streams.py``, chosen by ``T2_KERNELS``); the
+over the stream on CUDA (``kernels/stream_mix.py``, chosen by ``T2_KERNELS``); the
 projection stays a PyTorch matmul. Hops carry n units of [s, b, h] (unit ids None); all is
 per token, so sequence parallelism applies; parameters are replicated across tensor ranks.
 """
@@ -78,7 +81,7 @@ class MHCOptions:
     doubly-stochastic (Sinkhorn-Knopp) stream mixing, predicted from the whole stream."""
 
     expansion_rate: int = 4  # n: copies of the hidden state in the stream
-    sinkhorn_iterations: int = 20  # t_max: row-then-column normalisations of exp(H~res)
+    sinkhorn_iterations: int = 20  # t_max: column-then-row normalisations of exp(H~res)
     gate_init: float = 0.01  # a_pre, a_post, a_res at initialisation
     eps: float = 1e-6  # of the RMSNorm over the flattened stream
 
@@ -86,7 +89,7 @@ class MHCOptions:
         require(self.expansion_rate >= 1, f"{prefix}.expansion_rate", self.expansion_rate,
                 "must be >= 1 (the number of hidden-state copies in the stream)")
         require(self.sinkhorn_iterations >= 1, f"{prefix}.sinkhorn_iterations",
-                self.sinkhorn_iterations, "must be >= 1 (row-then-column normalisations "
+                self.sinkhorn_iterations, "must be >= 1 (column-then-row normalisations "
                 "that make H_res doubly stochastic)")
         require(self.gate_init >= 0, f"{prefix}.gate_init", self.gate_init,
                 "must be >= 0 (0 starts exactly as standard)")
@@ -94,12 +97,12 @@ class MHCOptions:
 
 
 def sinkhorn(logits: Tensor, iterations: int) -> Tensor:
-    """Sinkhorn-Knopp on [..., n, n] logits: exp, then ``iterations`` times rows, columns."""
-    m = torch.softmax(logits, dim=-1)  # exp and the first row normalisation
-    m = m / m.sum(-2, keepdim=True)
-    for _ in range(iterations - 1):
-        m = m / m.sum(-1, keepdim=True)
+    """Sinkhorn-Knopp on [..., n, n] logits (Eq. 9): exp, then ``iterations`` times columns,
+    then rows, divided by their sums."""
+    m = torch.exp(logits - logits.amax((-2, -1), keepdim=True))
+    for _ in range(iterations):
         m = m / m.sum(-2, keepdim=True)
+        m = m / m.sum(-1, keepdim=True)
     return m
 
 
@@ -130,14 +133,19 @@ def stream_write(state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tens
 
 def read_streams(state: Tensor, pre_logit: Tensor) -> Tensor:
     """``stream_read``, through the fused Triton kernel where ``T2_KERNELS`` routes it."""
-    return dispatch.route("stream_read", stream_read, state, pre_logit)(state, pre_logit)
+    return dispatch.route(STREAM_READ, state, pre_logit)(state, pre_logit)
 
 
 def write_streams(state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor,
                   iterations: int) -> Tensor:
     """``stream_write``, through the fused Triton kernel where ``T2_KERNELS`` routes it."""
-    write = dispatch.route("stream_write", stream_write, state, out, post_logit, res_logit)
+    write = dispatch.route(STREAM_WRITE, state, out, post_logit, res_logit)
     return write(state, out, post_logit, res_logit, iterations)
+
+
+STREAM_READ = dispatch.Kernel("stream_read", "t2train.kernels.stream_mix:stream_read", stream_read)
+STREAM_WRITE = dispatch.Kernel("stream_write", "t2train.kernels.stream_mix:stream_write",
+                               stream_write)
 
 
 class ManifoldHyperConnection(StreamMixResidual):

@@ -23,7 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 import torch.nn.functional as F
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor
 
@@ -42,6 +44,9 @@ class ShortSWAOptions:
     over the last ``window`` tokens before attention in every layer; 0 turns it off."""
 
     window: int = 0
+    # Start the sublayer's output projection at zero, so it adds nothing until it learns (as
+    # the depth read's W_O); false: Megatron's scaled output init, like attention's.
+    zero_init_output: bool = False
     default_window: ClassVar[int] = 128  # the companion note's chunk size (Rethinking SWA)
 
     def enabled(self) -> bool:
@@ -85,8 +90,19 @@ class ShortWindowCoreAttention(CausalCoreAttention):
         return out.permute(2, 0, 1, 3)
 
 
+class ShortSWAAttention(SelfAttention):
+    """Megatron's ``SelfAttention``; its output projection starts at zero with
+    ``model.shortswa.zero_init_output``."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        if config.t2_model.shortswa.zero_init_output:
+            with torch.no_grad():
+                self.linear_proj.weight.zero_()
+
+
 def short_attention_spec() -> ModuleSpec:
-    return self_attention_spec(core_attention=ShortWindowCoreAttention)
+    return self_attention_spec(core_attention=ShortWindowCoreAttention, module=ShortSWAAttention)
 
 
 def extra_parameters(model) -> int:

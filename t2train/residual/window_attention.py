@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from t2train.kernels.dispatch import route
+from t2train.kernels.dispatch import Kernel, route
 from t2train.nn.precision import at_least_fp32
 
 
@@ -61,7 +61,11 @@ def _single_query_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
 def attend_window(q: Tensor, k: Tensor, v: Tensor, window: int,
                   scale: float | None = None) -> Tensor:
     """``short_window_attention``, through the Triton kernel where ``T2_KERNELS`` routes it."""
-    return route("window_attention", short_window_attention, q, k, v)(q, k, v, window, scale)
+    return route(WINDOW_ATTENTION, q, k, v)(q, k, v, window, scale)
+
+
+WINDOW_ATTENTION = Kernel("window_attention", "t2train.kernels.window_attention:window_attention",
+                          short_window_attention)
 
 
 def window_attention_probs(q: Tensor, k: Tensor, window: int,

@@ -62,7 +62,7 @@ def _backward(out) -> None:
 def launch_every_kernel(dtype) -> None:
     """Each wrapper forward and backward at shapes like the presets' (head dims 64 and 128,
     grouped heads, one query, d_v 1 and 4, a few sources and gate outputs)."""
-    from t2train.kernels import ddl_update, depth_mix, fp32_linear, mhc_streams
+    from t2train.kernels import ddl_update, depth_mix, fp32_linear, stream_mix
     from t2train.kernels.window_attention import window_attention
 
     for heads, kv_heads, q_len, k_len, head_dim, window in [
@@ -84,10 +84,10 @@ def launch_every_kernel(dtype) -> None:
     _backward(depth_mix.phase_1(queries, sources, 1e-6))
     state, out = _leaves(dtype, (4, 8, 2, 256), (8, 2, 256))
     pre, post, res = _leaves(torch.float32, (8, 2, 4), (8, 2, 4), (8, 2, 4, 4))
-    _backward(mhc_streams.stream_read(state, pre))
-    _backward(mhc_streams.stream_write(state, out, post, res, 20))
-    _backward(mhc_streams.width_read(state, pre))
-    _backward(mhc_streams.depth_write(state, res, post, out))
+    _backward(stream_mix.stream_read(state, pre))
+    _backward(stream_mix.stream_write(state, out, post, res, 20))
+    _backward(stream_mix.width_read(state, pre))
+    _backward(stream_mix.depth_write(state, res, post, out))
 
 
 def main() -> int:

@@ -35,15 +35,15 @@ def _paper_write(state, residual, beta, out):
 
 
 def _read(state, read):
-    from t2train.residual.hc import width_read
+    from t2train.residual.hc import HC_READ
 
-    return dispatch.route("hc_read", width_read, state)(state, read)
+    return dispatch.route(HC_READ, state)(state, read)
 
 
 def _write(state, residual, beta, out):
-    from t2train.residual.hc import depth_write
+    from t2train.residual.hc import HC_WRITE
 
-    return dispatch.route("hc_write", depth_write, state, out)(state, residual, beta, out)
+    return dispatch.route(HC_WRITE, state, out)(state, residual, beta, out)
 
 
 @pytest.mark.parametrize("n", [4, 3, 1])

@@ -25,4 +25,4 @@ def test_every_kernel_compiles_for_sm90():
         "window_attention._one_query_fwd_kernel", "window_attention._one_query_bwd_kernel",
         "ddl_update._bwd_kernel", "fp32_linear._fwd_kernel", "fp32_linear._bwd_kernel",
         "depth_mix._phase1_bwd_grads_kernel", "depth_mix._phase2_bwd_kernel",
-        "mhc_streams._write_bwd")} <= kernels, kernels
+        "stream_mix._write_bwd")} <= kernels, kernels

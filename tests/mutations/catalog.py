@@ -23,7 +23,10 @@ K_DDL = "kernels/ddl_update.py"
 K_WINDOW = "kernels/window_attention.py"
 K_ATTNRES = "kernels/depth_mix.py"
 K_GATES = "kernels/fp32_linear.py"
-K_STREAMS = "kernels/mhc_streams.py"
+K_STREAMS = "kernels/stream_mix.py"
+LAYER = "t2train/model/layer.py"
+REF_HC = "t2train/residual/hc.py"
+REF_MHC = "t2train/residual/mhc.py"
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,35 @@ MUTATIONS = [
       (REF_ATTNRES, "return mix_sources(self.final_query, state.sources, state.partial, "
                     "self.eps)", "return state.values()[-1]")),
 
+    # --- hidden dropout and initial values -----------------------------------------------------
+    m("dropout-twice-in-hyper-connections", "hc",
+      "the HC/mHC write drops the sublayer output out again after the layer did",
+      (REF_HC, "        return self.depth_connection(state, pending, out)",
+       "        out = torch.nn.functional.dropout(out, p=self.config.hidden_dropout,\n"
+       "                                          training=self.training)\n"
+       "        return self.depth_connection(state, pending, out)")),
+    m("dropout-skipped", "standard", "the layer writes the sublayer output without dropout",
+      (LAYER, "F.dropout(out, p=self.hidden_dropout, training=self.training)", "out")),
+    m("dropout-on-the-stream", "standard",
+      "dropout applied to the written state instead of the sublayer output",
+      (LAYER, "        return residual.write(state, x, normed,\n"
+              "                              F.dropout(out, p=self.hidden_dropout, "
+              "training=self.training))",
+       "        return F.dropout(residual.write(state, x, normed, out), p=self.hidden_dropout,\n"
+       "                         training=self.training)")),
+    m("hc-init-reads-stream-of-the-layer", "hc",
+      "A_m starts at e_(layer mod n) instead of e_(sublayer index mod n)",
+      (REF_HC, "alpha[sublayer_index(config, layer_number, position) % n, 0] = 1.0",
+       "alpha[layer_number % n, 0] = 1.0")),
+    m("attnres-query-init-nonzero", "attnres",
+      "the pseudo-queries start at a small constant instead of zero (reads not uniform)",
+      (REF_ATTNRES, "torch.nn.Parameter(torch.zeros(config.hidden_size, dtype=config.params_dtype))",
+       "torch.nn.Parameter(torch.full((config.hidden_size,), 0.02,\n"
+       "                                              dtype=config.params_dtype))")),
+    m("mhc-pre-bias-zero", "mhc",
+      "b_pre starts at 0 (H_pre = 1/2 per stream) instead of logit(1/n) (the read a mean)",
+      (REF_MHC, "bias[:n] = -math.log(n - 1) if n > 1 else 0.0", "bias[:n] = 0.0")),
+
     # --- kernels and their dispatch -------------------------------------------------------------
     m("triton-falls-back-to-references", "kernels",
       "T2_KERNELS=triton on CPU silently runs the PyTorch references",
@@ -233,6 +265,13 @@ MUTATIONS = [
       "the HC write mixes stream j from row j of A_r (mHC's orientation), not column j",
       (K_STREAMS, "StreamWrite.apply(state, out, beta, residual.transpose(-1, -2), 0, True)",
        "StreamWrite.apply(state, out, beta, residual, 0, True)")),
+    m("mhc-sinkhorn-rows-first", "mhc",
+      "each Sinkhorn iteration normalises rows, then columns (columns exact), in the reference "
+      "and the kernel alike, where Eq. 9 has T_r(T_c(M))",
+      (REF_MHC, "        m = m / m.sum(-2, keepdim=True)\n        m = m / m.sum(-1, keepdim=True)",
+       "        m = m / m.sum(-1, keepdim=True)\n        m = m / m.sum(-2, keepdim=True)"),
+      (K_STREAMS, "        m, _c = _normalise_columns(m, n_ok)\n        m, _r = _normalise_rows(m, n_ok)",
+       "        m, _r = _normalise_rows(m, n_ok)\n        m, _c = _normalise_columns(m, n_ok)")),
     m("kernel-hc-read-sigmoid", "kernels",
       "the HC read squashes its weights with mHC's sigmoid",
       (K_STREAMS, "return pre if RAW else", "return pre if False else")),

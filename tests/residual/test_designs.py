@@ -200,3 +200,32 @@ def test_expanded_ddl_refuses_sequence_parallelism():
     with pytest.raises(ConfigError, match="parallel.sequence_parallel=True: is not supported"):
         load_config(overrides=BASE + ["model.residual=ddl", "model.ddl.dv=4", "parallel.tensor=2",
                                       "parallel.sequence_parallel=true"])
+
+
+def test_the_mixer_multiplied_by_zero_is_exactly_standard(megatron_world):
+    """With the ShortSWA sublayer's output multiplied by zero, `standard+shortswa` computes
+    `standard`'s logits and gradients bit for bit (shared weights copied): the mixer
+    composes with the plain residual by addition only, nothing else in the layer changes."""
+    standard = _build(_config("standard"), seed=1)
+    mixed = _build(_config("standard+shortswa"), seed=2)
+    missing, unexpected = mixed.load_state_dict(standard.state_dict(), strict=False)
+    assert not unexpected and all(".pre_attention" in key for key in missing)
+    for layer in mixed.decoder.layers:
+        layer.pre_attention.register_forward_hook(lambda m, args, out: (out[0] * 0, out[1]))
+    tokens, labels, positions = _batch()
+    for model in (standard, mixed):
+        model(tokens, positions, None, labels=labels).sum().backward()
+    torch.testing.assert_close(mixed(tokens, positions, None), standard(tokens, positions, None),
+                               atol=0, rtol=0)
+    grads = dict(mixed.named_parameters())
+    for name, param in standard.named_parameters():
+        torch.testing.assert_close(grads[name].grad, param.grad, atol=0, rtol=0, msg=name)
+
+
+def test_a_zero_initialised_mixer_starts_as_standard(megatron_world):
+    """model.shortswa.zero_init_output: the ShortSWA output projection starts at zero, so the
+    model starts with `standard`'s logits exactly (and only that projection differs)."""
+    standard, mixed, missing = _shared_logits(
+        "standard", "standard+shortswa", extra_b=["model.shortswa.zero_init_output=true"])
+    assert all(".pre_attention" in key for key in missing)
+    torch.testing.assert_close(mixed, standard, atol=0, rtol=0)

@@ -3,8 +3,8 @@
 The target machine (see docs/gpu/README.md) has CPython 3.12 on manylinux x86_64 with PyTorch,
 Triton, NumPy, TensorBoard, transformers, tokenizers, psutil and PyYAML preinstalled, and no
 network. This downloads, here, the wheels it lacks, a setuptools wheel as the offline build
-backend of ``pip install -e .``, and a prepared demo dataset with its tokenizer, then prints the
-bundle's size and fails above the limit (the device runner carries at most 64 MiB with the
+backend of ``pip install -e .``, and two prepared datasets with their tokenizers (the check's,
+and the GPU comparison's held-out split), then prints the bundle's size and fails above the limit (the device runner carries at most 64 MiB with the
 checkout). ``t2train/bench/gpu/install.py`` installs it there.
 
     python t2train/bench/gpu/bundle.py [--out .gpu-bundle] [--max-mib 48]
@@ -42,8 +42,17 @@ RUNTIME_WHEELS = (
     ("tokenizers==0.22.2", "fallback: preinstalled there (transformers needs it)"),
 )
 BUILD_WHEELS = (("setuptools==80.9.0", "build backend of `pip install -e .`, offline"),)
-DATASET = {"name": "shakespeare-bpe4k-s4096", "corpus": "shakespeare", "seq_length": 4096,
-           "vocab_size": 4096}
+# The validation plays of `make heldout-data` (the CPU comparisons' split), both editions each.
+HELDOUT_PLAYS = ("hamlet_*", "macbeth_*", "tempest_*")
+# (name, seq_length, extra `t2train data prepare` arguments, what reads it)
+DATASETS = (
+    ("shakespeare-bpe4k-s4096", 4096, [],
+     "the check: samples of 4096 + 1 tokens, the 1b preset's length; shorter presets read a "
+     "prefix"),
+    ("shakespeare-heldout-bpe4k-s1024", 1024,
+     [arg for plays in HELDOUT_PLAYS for arg in ("--val-files", plays)],
+     "the GPU comparison (t2train/bench/gpu/compare.py, the 20m preset): whole plays held out"),
+)
 
 
 def download(requirements: list[str], dest: Path) -> None:
@@ -54,12 +63,13 @@ def download(requirements: list[str], dest: Path) -> None:
                    check=True)
 
 
-def prepare_dataset(dest: Path) -> None:
-    """Samples of 4096 + 1 tokens: the 1b preset's length; shorter presets read a prefix."""
-    subprocess.run([sys.executable, "-m", "t2train.cli", "data", "prepare",
-                    "--corpus", DATASET["corpus"], "--out", str(dest / DATASET["name"]),
-                    "--seq-length", str(DATASET["seq_length"]),
-                    "--vocab-size", str(DATASET["vocab_size"])], check=True)
+def prepare_datasets(dest: Path) -> None:
+    """Shakespeare with a 4k byte-level BPE, once per entry of ``DATASETS``."""
+    for name, seq_length, extra, _ in DATASETS:
+        subprocess.run([sys.executable, "-m", "t2train.cli", "data", "prepare",
+                        "--corpus", "shakespeare", "--out", str(dest / name),
+                        "--seq-length", str(seq_length), "--vocab-size", "4096", *extra],
+                       check=True)
 
 
 def size_mib(path: Path) -> float:
@@ -71,12 +81,12 @@ def build(out: Path, max_mib: float) -> float:
     shutil.rmtree(staging, ignore_errors=True)
     download([req for req, _ in RUNTIME_WHEELS], staging / "wheels")
     download([req for req, _ in BUILD_WHEELS], staging / "build")
-    prepare_dataset(staging / "data")
+    prepare_datasets(staging / "data")
     manifest = {
         "python": PYTHON_VERSION, "platforms": PLATFORMS,
         "wheels": {req: why for req, why in RUNTIME_WHEELS},
         "build": {req: why for req, why in BUILD_WHEELS},
-        "dataset": dict(DATASET, path=f"data/{DATASET['name']}"),
+        "datasets": {f"data/{name}": why for name, _, _, why in DATASETS},
         "files": sorted(str(f.relative_to(staging)) for f in staging.rglob("*") if f.is_file()),
     }
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

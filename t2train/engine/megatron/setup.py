@@ -20,6 +20,7 @@ from t2train.model.build import (
     compute_dtype,
     transformer_config,
 )
+from t2train.parallel.depth_cache import HopPlan, plan_hops
 
 
 @dataclass
@@ -30,11 +31,13 @@ class TrainingObjects:
     optimizer: object
     scheduler: OptimizerParamScheduler
     vocab_size: int
+    hops: HopPlan  # what crosses each pipeline hop: the chunks send by it, the step sizes by it
 
 
 def build_training_objects(config: Config, vocab_size: int) -> TrainingObjects:
     tf_config = transformer_config(config)
-    chunks = build_model_chunks(config, tf_config, vocab_size)
+    hops = plan_hops(tf_config)
+    chunks = build_model_chunks(config, tf_config, vocab_size, hops)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -47,7 +50,7 @@ def build_training_objects(config: Config, vocab_size: int) -> TrainingObjects:
     optimizer = get_megatron_optimizer(optimizer_config(config), model)
     scheduler = lr_scheduler(optimizer, config)
     _wire_schedule_hooks(tf_config, model, optimizer)
-    return TrainingObjects(config, tf_config, model, optimizer, scheduler, vocab_size)
+    return TrainingObjects(config, tf_config, model, optimizer, scheduler, vocab_size, hops)
 
 
 def optimizer_config(config: Config) -> OptimizerConfig:

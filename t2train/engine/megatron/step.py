@@ -36,20 +36,15 @@ def forward_step(data_iterator, model):
     return model_loss(model, next(data_iterator)), _loss
 
 
-def hop_plan(objs: TrainingObjects):
-    return objs.model[0].module.decoder.hops
-
-
 def _run_schedule(objs: TrainingObjects, micro_batches: list[MicroBatch], forward_only: bool):
     train, model = objs.config.train, objs.config.model
     for chunk in objs.model:
         chunk.module.decoder.start_schedule()
     iterators = [iter(micro_batches) for _ in objs.model]
-    hops, config = hop_plan(objs), get_model_config(objs.model[0])
+    hops, config = objs.hops, get_model_config(objs.model[0])
     varying = {}
     if objs.config.parallel.pipeline > 1 and hops.shapes_vary:
-        unit = (objs.model[0].module.decoder.hop_seq_length, train.micro_batch_size,
-                model.hidden_size)
+        unit = (hops.unit_rows, train.micro_batch_size, model.hidden_size)
         varying = planned_shape_arguments(config, hops, unit, len(micro_batches), forward_only)
     return get_forward_backward_func()(
         forward_step_func=forward_step,

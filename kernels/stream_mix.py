@@ -7,18 +7,19 @@ the mixing logits L (n x n):
     read:   w_j = sigma(p_j),         y = sum_j w_j x_j
     write:  R = SK(L),  P_i = 2 sigma(q_i),   y_i = sum_j R_ij x_j + P_i o
 
-SK (Sinkhorn-Knopp, t_max iterations): M_0 = exp(L - rowmax L); per iteration the rows, then
-the columns, are divided by their sums (A = M / r, r = row sums of M; B = A / c, c = column
-sums of A). In fp32; results stored in the inputs' dtypes. Backward, with G = dL/dy:
+SK (Sinkhorn-Knopp as mHC's Eq. 9, t_max iterations): M_0 = exp(L - max L); per iteration the
+columns, then the rows, are divided by their sums (A = M / c, c = column sums of M;
+B = A / r, r = row sums of A). In fp32; results stored in the inputs' dtypes. Backward, with
+G = dL/dy:
 
     read:   dx_j = w_j g,   dp_j = w_j (1 - w_j) <g, x_j>
     write:  dx_j = sum_i R_ij g_i,   do = sum_i P_i g_i,   dq_i = P_i (1 - P_i / 2) <g_i, o>,
             dR_ij = <g_i, x_j>, then back through the iterations, last first:
-            dA = (dB - colsum(dB * B)) / c,   dM = (dA - rowsum(dA * A)) / r,   dL = dM * M_0
+            dA = (dB - rowsum(dB * B)) / r,   dM = (dA - colsum(dA * A)) / c,   dL = dM * M_0
 
-(the row maximum gets no gradient: the first row normalisation cancels it). The backward
-reruns the iterations once, keeping only each one's sums r_t and c_t in registers, and
-rebuilds the matrices in reverse from R: A_t = B_t c_t, and M_in(t) = A_t r_t is B_{t-1};
+(the maximum gets no gradient: every normalisation cancels a common factor). The backward
+reruns the iterations once, keeping only each one's sums c_t and r_t in registers, and
+rebuilds the matrices in reverse from R: A_t = B_t r_t, and M_in(t) = A_t c_t is B_{t-1};
 nothing but the inputs is saved between forward and backward.
 
 Hyper-Connections (``RAW``) mix with weights given as they are: read w_j = p_j; write
@@ -55,23 +56,23 @@ def _normalise_columns(m, n_ok):
 def _sinkhorn(m0, n_ok, iterations):
     m = m0
     for _ in range(iterations):
-        m, _r = _normalise_rows(m, n_ok)
         m, _c = _normalise_columns(m, n_ok)
+        m, _r = _normalise_rows(m, n_ok)
     return m
 
 
 @triton.jit
 def _sinkhorn_recorded(m0, n_ok, iterations, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_I: tl.constexpr):
-    """``_sinkhorn``, also returning each iteration's row sums r_t and column sums c_t
+    """``_sinkhorn``, also returning each iteration's column sums c_t and row sums r_t
     ([tokens, iteration, n] tiles)."""
     steps = tl.arange(0, BLOCK_I)[None, :, None]
     row_sums = tl.full([BLOCK_T, BLOCK_I, BLOCK_N], 1.0, tl.float32)
     column_sums = tl.full([BLOCK_T, BLOCK_I, BLOCK_N], 1.0, tl.float32)
     m = m0
     for t in range(iterations):
-        m, r = _normalise_rows(m, n_ok)
         m, c = _normalise_columns(m, n_ok)
+        m, r = _normalise_rows(m, n_ok)
         row_sums = tl.where(steps == t, tl.where(n_ok[None, :], r, 1.0)[:, None, :], row_sums)
         column_sums = tl.where(steps == t, tl.where(n_ok[None, :], c, 1.0)[:, None, :],
                                column_sums)
@@ -82,17 +83,17 @@ def _sinkhorn_recorded(m0, n_ok, iterations, BLOCK_T: tl.constexpr, BLOCK_N: tl.
 def _sinkhorn_backward(m0, mixing, row_sums, column_sums, iterations, grad,
                        BLOCK_I: tl.constexpr):
     """dL from dR through the unrolled iterations, last first. Each iteration's matrices are
-    rebuilt from its output and recorded sums: A_t = B_t c_t, B_{t-1} = M_in(t) = A_t r_t."""
+    rebuilt from its output and recorded sums: A_t = B_t r_t, B_{t-1} = M_in(t) = A_t c_t."""
     steps = tl.arange(0, BLOCK_I)[None, :, None]
     b = mixing
     for back in range(iterations):
         t = iterations - 1 - back
         r = tl.sum(tl.where(steps == t, row_sums, 0.0), 1)
         c = tl.sum(tl.where(steps == t, column_sums, 0.0), 1)
-        a = b * c[:, None, :]
-        grad = (grad - tl.sum(grad * b, 1)[:, None, :]) / c[:, None, :]
-        grad = (grad - tl.sum(grad * a, 2)[:, :, None]) / r[:, :, None]
-        b = a * r[:, :, None]
+        a = b * r[:, :, None]
+        grad = (grad - tl.sum(grad * b, 2)[:, :, None]) / r[:, :, None]
+        grad = (grad - tl.sum(grad * a, 1)[:, None, :]) / c[:, None, :]
+        b = a * c[:, None, :]
     return grad * m0
 
 
@@ -176,7 +177,7 @@ def _read_bwd(X, PRE, G, DX, DPRE, tokens, hidden, n, BLOCK_T: tl.constexpr,
 
 @triton.jit
 def _write_inputs(POST, RES, toks, t_ok, streams, n_ok, n, RAW: tl.constexpr):
-    """M_0 = exp(L - rowmax L) [tokens, n, n] (0 outside n x n) and P = 2 sigma(q) [tokens, n];
+    """M_0 = exp(L - max L) [tokens, n, n] (0 outside n x n) and P = 2 sigma(q) [tokens, n];
     RAW (HC): the mixing matrix and P as given."""
     ok = n_ok[None, :, None] & n_ok[None, None, :]
     offsets = toks[:, None, None] * n * n + streams[None, :, None] * n + streams[None, None, :]
@@ -184,8 +185,8 @@ def _write_inputs(POST, RES, toks, t_ok, streams, n_ok, n, RAW: tl.constexpr):
     post = _per_stream(POST, toks, t_ok, streams, n_ok, n)
     if RAW:
         return logits, post
-    row_max = tl.where(n_ok[None, :], tl.max(tl.where(ok, logits, float("-inf")), 2), 0.0)
-    m0 = tl.where(ok, tl.exp(logits - row_max[:, :, None]), 0.0)
+    largest = tl.max(tl.max(tl.where(ok, logits, float("-inf")), 2), 1)
+    m0 = tl.where(ok, tl.exp(logits - largest[:, None, None]), 0.0)
     return m0, tl.where(n_ok[None, :], 2.0 * tl.sigmoid(post), 0.0)
 
 

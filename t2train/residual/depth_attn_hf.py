@@ -1,0 +1,82 @@
+"""``depth_attn`` for the Hugging Face export: causal attention over a token's last K layer
+states (arXiv 2603.16039), on [batch, seq, hidden].
+
+An export part (``t2train/residual/hf.py`` says how it is assembled); its parameters are
+named as in ``depth_attn.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from t2train.residual.hf_modeling import T2TrainConfig
+
+
+class DepthState(NamedTuple):
+    history: tuple  # the states entering the last K - 1 layers, oldest first
+    current: Tensor
+
+
+class DepthStream(nn.Module):
+    def __init__(self, config: T2TrainConfig):
+        super().__init__()
+
+    def enter(self, embedding: Tensor) -> DepthState:
+        return DepthState((), embedding)
+
+    def exit(self, state: DepthState) -> Tensor:
+        return state.current
+
+
+class DepthAdditive(nn.Module):
+    """Sublayers add to the current state; only the layer entry reads the history."""
+
+    def __init__(self, config: T2TrainConfig, layer: int, position: int):
+        super().__init__()
+
+    def read(self, state: DepthState) -> Tensor:
+        return state.current
+
+    def write(self, state: DepthState, x: Tensor, normed: Tensor, out: Tensor) -> DepthState:
+        return DepthState(state.history, state.current + out)
+
+
+class DepthRead(nn.Module):
+    """Before each layer: current += W_O softmax(q K^T / sqrt(d)) V over the window
+    [history..., current], q = W_Q n(current), K, V = n(window) W_K, W_V, one RMSNorm n.
+    ``linear_kv`` holds each head's key rows then its value rows."""
+
+    def __init__(self, config: T2TrainConfig, layer: int):
+        super().__init__()
+        h = config.hidden_size
+        self.window = config.residual_options["window"]
+        self.heads, self.head_dim = config.num_attention_heads, h // config.num_attention_heads
+        self.norm = nn.RMSNorm(h, eps=config.rms_norm_eps)
+        self.linear_q = nn.Linear(h, h, bias=False)
+        self.linear_kv = nn.Linear(h, 2 * h, bias=False)
+        self.linear_proj = nn.Linear(h, h, bias=False)
+
+    def read(self, states: list[Tensor]) -> Tensor:
+        b, s, h = states[-1].shape
+        n = len(states)
+        q = self.linear_q(self.norm(states[-1])).view(b, s, self.heads, 1, self.head_dim)
+        kv = self.linear_kv(self.norm(torch.stack(states, dim=2)))  # [b, s, n, 2h]
+        kv = kv.view(b, s, n, self.heads, 2, self.head_dim).permute(4, 0, 1, 3, 2, 5)
+        k, v = kv[0], kv[1]  # [b, s, heads, n, d]
+        z = F.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(self.head_dim))
+        return self.linear_proj(z.reshape(b, s, h))
+
+    def begin(self, state: DepthState) -> DepthState:
+        window = list(state.history) + [state.current]
+        current = state.current + self.read(window)
+        keep = self.window - 1
+        return DepthState(tuple(window[-keep:]) if keep else (), current)
+
+
+# model.residual -> (stream, sublayer residual, layer entry or None)
+EXPORTED = {"depth_attn": (DepthStream, DepthAdditive, DepthRead)}
