@@ -91,7 +91,8 @@ def _damage(directory: Path, name: str, recorded: dict) -> Optional[str]:
         return f"{path}: missing"
     size = path.stat().st_size
     if size != recorded["bytes"]:
-        return f"{path}: {size} bytes, {recorded['bytes']} when it was saved (truncated or replaced)"
+        return (f"{path}: {size} bytes, {recorded['bytes']} when it was saved (truncated or "
+                "replaced)")
     if file_digest(path) != recorded[ALGORITHM]:
         return (f"{path}: content differs from the {ALGORITHM} checksum recorded when it was "
                 f"saved (overwritten or corrupted in place)")

@@ -65,7 +65,7 @@ def test_a_run_preempted_at_random_steps_ends_as_if_never_interrupted(shakespear
          f"log.run_dir={reference_dir}"], stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
     env = dict(_env(), **{RUN_TAG: str(run_dir)})
-    latest, history = run_dir / "checkpoints" / "latest", []
+    latest, history, started = run_dir / "checkpoints" / "latest", [], time.monotonic()
     try:
         for attempt, stop in enumerate([*stops, None]):
             log = tmp_path / f"attempt{attempt}.log"
@@ -85,7 +85,8 @@ def test_a_run_preempted_at_random_steps_ends_as_if_never_interrupted(shakespear
                     time.sleep(0.05)
                 launcher.send_signal(stop)
             code = launcher.wait(timeout=300)
-            history.append((stop and stop.name, resumed, _progress(log), code))
+            history.append((stop and stop.name, resumed, _progress(log), code,
+                            round(time.monotonic() - started)))
             expected = {None: 0, signal.SIGKILL: -signal.SIGKILL}.get(stop, REQUEUE_EXIT_CODE)
             assert code == expected, f"{about} {history}\n{log.read_text()[-3000:]}"
             if stop == signal.SIGKILL:  # nothing was left to end the workers but themselves
@@ -100,7 +101,7 @@ def test_a_run_preempted_at_random_steps_ends_as_if_never_interrupted(shakespear
         for process in (reference, launcher):
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL) if process is launcher else process.kill()
-    print(f"soak {about}: (signal, resumed at, stopped at, exit code) {history}")
+    print(f"soak {about}: (signal, resumed at, stopped at, exit code, second) {history}")
     final = f"step_{STEPS:08d}"
     assert latest.read_text().strip() == final
     assert _shard_digests(run_dir / "checkpoints" / final) == \
