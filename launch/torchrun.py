@@ -7,12 +7,15 @@ stopped early on purpose (``REQUEUE_EXIT_CODE``) and wants to be requeued.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 from typing import Iterable
 
+from t2train.launch import rendezvous
 from t2train.launch.plan import LaunchPlan
+from t2train.processes import LAUNCHER_PID, become_subreaper, end_descendants
 from t2train.signals import REQUEUE_EXIT_CODE, block
 
 
@@ -23,7 +26,8 @@ def torchrun_argv(plan: LaunchPlan, train_argv: list[str],
                   agent_signals: Iterable[str] = TORCH_HANDLED_SIGNALS) -> list[str]:
     return [f"--nnodes={plan.nnodes}", f"--nproc-per-node={plan.nproc_per_node}",
             f"--signals-to-handle={','.join(agent_signals)}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={plan.rdzv_host}:{plan.rdzv_port}",
+            f"--rdzv-backend={rendezvous.BACKEND}",
+            f"--rdzv-endpoint={plan.rdzv_host}:{plan.rdzv_port}",
             f"--rdzv-id={plan.rdzv_id}",
             f"--rdzv-conf=is_host={'true' if plan.is_rdzv_host else 'false'}",
             "--max-restarts=0", "--module", "t2train.cli", "train", *train_argv]
@@ -87,15 +91,38 @@ def run(plan: LaunchPlan, train_argv: list[str], exit_signals: list[signal.Signa
     """
     agent_signals = (_hand_signals_to_workers(exit_signals) if exit_signals
                      else TORCH_HANDLED_SIGNALS)
-    code, workers_failed = _run_once(plan, train_argv, agent_signals)
-    for restart in range(1, max_restarts + 1):
-        if not workers_failed:
-            break
-        print(f"t2train launch: workers failed (exit code {code}); restart {restart} of "
-              f"{max_restarts}, resuming from the newest checkpoint", flush=True)
-        code, workers_failed = _run_once(plan, [*train_argv, "checkpoint.resume=auto"],
-                                         agent_signals)
+    become_subreaper()  # the orphans of a killed worker become ours, not pid 1's
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # workers die with this launcher
+    try:
+        code, workers_failed = _run_once(plan, train_argv, agent_signals)
+        for restart in range(1, max_restarts + 1):
+            if not workers_failed:
+                break
+            _end_leftovers()
+            print(f"t2train launch: workers failed (exit code {code}); restart {restart} of "
+                  f"{max_restarts}, resuming from the newest checkpoint", flush=True)
+            code, workers_failed = _run_once(plan, [*train_argv, "checkpoint.resume=auto"],
+                                             agent_signals)
+    finally:
+        _end_leftovers()
     return code
+
+
+def _end_leftovers() -> None:
+    """Kill what the workers left running (helpers of a killed worker), sparing this
+    launcher's own resource tracker."""
+    from multiprocessing import resource_tracker
+
+    own_tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+    ended = end_descendants(spare=[own_tracker] if own_tracker else [])
+    if ended:
+        print(f"t2train launch: ended {len(ended)} process(es) the workers left running: "
+              + "; ".join(command[:80] for command in ended), file=sys.stderr, flush=True)
+
+
+def _how_it_ended(exitcode: int) -> str:
+    return (f"exited with code {exitcode}" if exitcode >= 0
+            else f"was killed by {signal.Signals(-exitcode).name}")
 
 
 def _run_once(plan: LaunchPlan, train_argv: list[str],
@@ -106,6 +133,7 @@ def _run_once(plan: LaunchPlan, train_argv: list[str],
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run as torchrun
 
+    rendezvous.register()
     try:
         torchrun(parse_args(torchrun_argv(plan, train_argv, agent_signals)))
     except ChildFailedError as err:
@@ -114,7 +142,11 @@ def _run_once(plan: LaunchPlan, train_argv: list[str],
             print(f"t2train launch: training saved a checkpoint and stopped early; exit code "
                   f"{code} (run the same command again to resume)", flush=True)
             return code, False
-        print(err.format_msg(), file=sys.stderr, flush=True)
+        failed = "; ".join(
+            f"rank {rank} {_how_it_ended(failure.exitcode)}"
+            for rank, failure in sorted(err.failures.items()))
+        print(f"t2train launch: workers failed ({failed}); exit code {code}", file=sys.stderr,
+              flush=True)
         return code, True
     except SignalException as err:
         print(f"t2train launch: stopped by {err.sigval.name}", file=sys.stderr, flush=True)

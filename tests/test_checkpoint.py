@@ -186,3 +186,78 @@ def test_inspect_prints_step_layout_design_and_shards(megatron_world, tmp_path: 
     (path / "metadata.json").write_text("{not json")
     assert main(["ckpt", "inspect", str(path)]) == 2
     assert f"{path / 'metadata.json'}: cannot read (JSONDecodeError" in capsys.readouterr().err
+
+
+def _damage(shard: Path, how: str) -> None:
+    if how == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    else:  # 4 KiB of random bytes in place, the size unchanged
+        data = bytearray(shard.read_bytes())
+        middle = len(data) // 2
+        data[middle:middle + 4096] = torch.randint(0, 256, (4096,),
+                                                   generator=torch.Generator().manual_seed(0),
+                                                   dtype=torch.uint8).numpy().tobytes()
+        shard.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["truncated", "overwritten"])
+def test_a_damaged_newest_checkpoint_is_skipped_or_refused(megatron_world, tmp_path: Path,
+                                                           capsys, how):
+    """The newest checkpoint's shard truncated, or overwritten in place at its own size (which
+    loads without an error): ``checkpoint.resume=auto`` resumes from the step before, saying
+    which checkpoint it skipped and why; ``checkpoint.on_damaged=stop`` refuses, naming the
+    checkpoint that verifies; a damaged checkpoint named explicitly is refused."""
+    from t2train.checkpoint.errors import CheckpointError
+    from t2train.engine.megatron.checkpoint import save_checkpoint
+    from t2train.train.loop import _verified
+
+    root = tmp_path / "run" / "checkpoints"
+    objs = _objects(seed=1)
+    _steps(objs, 1, seed=0)
+    good = save_checkpoint(root, 1, objs, {})
+    _steps(objs, 1, seed=1)
+    newest = save_checkpoint(root, 2, objs, {})
+    assert (newest / "t2train_checksums.json").is_file()
+    shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    _damage(shard, how)
+    why = ("bytes, " if how == "truncated" else "content differs from the xxh3_64 checksum")
+
+    chosen, note = _verified(_config(), tmp_path / "run", newest)
+    assert chosen == good and note == " | skipped damaged step_00000002"
+    warning = capsys.readouterr().err
+    assert f"warning: skipping damaged checkpoint {newest}: {shard}: " in warning
+    assert why in warning and f"resuming from {good}" in warning, warning
+
+    with pytest.raises(CheckpointError) as refused:
+        _verified(_config("checkpoint.on_damaged=stop"), tmp_path / "run", newest)
+    assert str(refused.value).startswith(f"{newest} is damaged: {shard}: ")
+    assert f"checkpoint.resume={good}" in str(refused.value) and why in str(refused.value)
+    with pytest.raises(CheckpointError, match=f"checkpoint.resume={newest}: damaged: {shard}"):
+        _verified(_config(f"checkpoint.resume={newest}"), tmp_path / "run", newest)
+
+
+@pytest.mark.parametrize("where", ["parameter", "optimizer moment"])
+def test_a_non_finite_state_is_never_published(megatron_world, tmp_path: Path, where):
+    """NaN in a weight or in an Adam moment: the save fails on every rank like a failed write
+    (``checkpoint.on_save_error=stop``: exit code 3); the previous checkpoint stays `latest`."""
+    from t2train.checkpoint.manager import Checkpointer
+    from t2train.errors import TrainingHalted
+
+    config = _config()
+    engine = _engine(seed=1, config=config)
+    _steps(engine.objs, 1, seed=0)
+    saver = Checkpointer(tmp_path, config, engine, lambda *args: None)
+    first = saver.save(1, {})
+    weight = next(engine.objs.model[0].module.parameters())
+    if where == "parameter":
+        poisoned = weight.data
+    else:
+        poisoned = engine.objs.optimizer.optimizer.state[
+            engine.objs.optimizer.optimizer.param_groups[0]["params"][0]]["exp_avg_sq"]
+    poisoned.view(-1)[3] = float("nan")
+    with pytest.raises(TrainingHalted) as err:
+        saver.save(2, {})
+    assert "NonFiniteState: 1 tensor(s) of the parameters and optimizer state hold NaN" in \
+        str(err.value) and f"the last good checkpoint {first} is intact" in str(err.value)
+    assert (tmp_path / "latest").read_text().strip() == "step_00000001"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]

@@ -130,8 +130,10 @@ def test_a_write_that_fails_midway_is_caught_and_cleaned_up(megatron_world, tmp_
     with file_size_limit(100_000):  # above the save's 64 KiB probe, below a shard
         assert checkpointer.save(2, {"tokens": 2}) == first
     warning = next(line for line in monitor.lines if "warning" in line)
-    # torch's serializer reports the short write without the errno (EFBIG here)
-    assert "rank 0: RuntimeError: Worker failure" in warning and "unexpected pos" in warning
+    # torch's serializer reports the short write without the errno: a write is tried again
+    assert (f"failed: OSError: [Errno 27] File too large: '{root}/step_00000002.incomplete' "
+            "(a write there fails now; the writer reported rank 0: RuntimeError: Worker "
+            "failure") in warning and "unexpected pos" in warning, warning
     assert f"{root}/step_00000002.incomplete (" in warning and "GiB free there" in warning
     assert (root / "latest").read_text().strip() == "step_00000001"
     assert not (root / "step_00000002.incomplete").exists()
@@ -207,3 +209,35 @@ def test_a_failed_async_save_is_reported_when_it_is_finalized(megatron_world, tm
     checkpointer.save(3, {"tokens": 3})
     checkpointer.close()
     assert (root / "latest").read_text().strip() == "step_00000003"
+
+
+@contextmanager
+def small_tmpfs(path: Path, size: str):
+    """A tmpfs of ``size`` mounted at ``path``: writes past it fail with ENOSPC."""
+    path.mkdir(parents=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip() or proc.returncode}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def test_a_full_disk_is_named_with_the_os_error_and_the_file(megatron_world, tmp_path: Path):
+    """The disk fills while the shards are written (a 256 KiB tmpfs: room for the save's
+    64 KiB probe, not for the shards). torch's serializer reports only a short write
+    ("unexpected pos"); the one error line names ENOSPC and the file it happened to."""
+    with small_tmpfs(tmp_path / "disk", "256k") as disk:
+        root = disk / "checkpoints"
+        monitor = FakeMonitor()
+        checkpointer, saved = _checkpointer(root, "stop", monitor)
+        with pytest.raises(TrainingHalted) as err:
+            checkpointer.save(1, {"tokens": 1})
+        text = str(err.value)
+        assert "\n" not in text
+        assert (f"failed: OSError: [Errno 28] No space left on device: "
+                f"'{root}/step_00000001.incomplete' (a write there fails now; the writer "
+                "reported rank 0: RuntimeError: Worker failure") in text, text
+        assert not (root / "step_00000001.incomplete").exists() and not saved

@@ -14,6 +14,7 @@ from typing import Callable, NoReturn, Optional
 import torch
 import torch.distributed as dist
 
+from t2train.checkpoint.errors import NonFiniteState
 from t2train.checkpoint.paths import INCOMPLETE, LATEST, is_complete, step_dir_name
 from t2train.checkpoint.retention import apply_retention
 from t2train.config.schema import CONFIG_FORMAT, Config
@@ -47,6 +48,34 @@ def describe_save_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[-1] if lines else ''}"
 
 
+def _write_probe(directory: Path, size: int) -> None:
+    """Write ``size`` bytes into ``directory`` and sync them to disk; raises the OSError."""
+    probe = directory / f".write-test-{os.getpid()}"  # ranks may probe one directory together
+    try:
+        with open(probe, "wb") as stream:
+            stream.write(b"\0" * size)
+            stream.flush()
+            os.fsync(stream.fileno())
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def explain_save_error(err: BaseException, staging: Path) -> str:
+    """``describe_save_error``, with the OS error behind a failed write named: torch's
+    serializer reports a short write only as "unexpected pos N vs M" (the OSError stays in the
+    writer process), so a write is tried again where the shards go, and its OS error (a full
+    disk, a file size limit) and the directory are put first."""
+    described = describe_save_error(err)
+    if "Error: [Errno " in described or not staging.is_dir():
+        return described
+    try:
+        _write_probe(staging, 1 << 20)
+    except OSError as probed:
+        return (f"{type(probed).__name__}: [Errno {probed.errno}] {probed.strerror}: "
+                f"'{staging}' (a write there fails now; the writer reported {described})")
+    return described
+
+
 def _full_path(function, path, exc_info) -> None:
     """shutil.rmtree's error handler: the error with the full path (rmtree reports names
     relative to the directory it is in)."""
@@ -56,22 +85,25 @@ def _full_path(function, path, exc_info) -> None:
     raise err
 
 
-# Errors of a save that may be the disk's (they are caught, agreed on and reported); others
-# are bugs and propagate. CheckpointException is torch DCP's wrapper of failed ranks' writes.
+# Errors of a save that may be the disk's, or a state that must not be saved (they are
+# caught, agreed on and reported); others are bugs and propagate. CheckpointException is torch
+# DCP's wrapper of failed ranks' writes.
 def _save_errors() -> tuple:
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
 
-    return (OSError, CheckpointException, CheckpointingException)
+    return (OSError, CheckpointException, CheckpointingException, NonFiniteState)
 
 
 def _seen_by_every_rank(err: BaseException) -> bool:
     """torch DCP gathers every rank's planning and writing errors and raises them on all ranks
-    together (``CheckpointException``); any other error of a save is this rank's alone, and
-    its peers may be waiting for it in one of the save's collectives."""
+    together (``CheckpointException``), as the finiteness check does (``NonFiniteState``); any
+    other error of a save is this rank's alone, and its peers may be waiting for it in one of
+    the save's collectives."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    return isinstance(err, CheckpointException) or dist.get_world_size() == 1
+    return (isinstance(err, (CheckpointException, NonFiniteState))
+            or dist.get_world_size() == 1)
 
 
 class Checkpointer:
@@ -124,7 +156,7 @@ class Checkpointer:
                     train_state, failed_saves=self.failed_saves, **self.manifest),
                     self.queue, self._published)
             except _save_errors() as err:
-                error = describe_save_error(err)
+                error = explain_save_error(err, self.root / (step_dir_name(step) + INCOMPLETE))
                 if not _seen_by_every_rank(err):
                     self._failed_alone(step, error)
             error = self._agree(error)
@@ -177,11 +209,7 @@ class Checkpointer:
             if staging.exists():
                 shutil.rmtree(staging, onerror=_full_path)
             staging.mkdir()
-            with open(staging / ".write-test", "wb") as probe:
-                probe.write(b"\0" * 65536)
-                probe.flush()
-                os.fsync(probe.fileno())
-            (staging / ".write-test").unlink()
+            _write_probe(staging, 65536)
         except OSError as err:
             return describe_save_error(err)
         return None
@@ -262,9 +290,10 @@ class Checkpointer:
             path, (step, _, _) = next(iter(self._pending.items()))
             self._pending.pop(path)
             staging = path.with_name(path.name + INCOMPLETE)
+            error = explain_save_error(err, staging)
             if not _seen_by_every_rank(err):
-                self._failed_alone(step, describe_save_error(err), staging)
-            self._failed(step, describe_save_error(err), staging)
+                self._failed_alone(step, error, staging)
+            self._failed(step, error, staging)
 
     def _published(self, path: Path) -> None:
         if dist.get_rank() == 0:

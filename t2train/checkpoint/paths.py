@@ -4,6 +4,9 @@
                                 t2train_engine.json for a DeepSpeed engine checkpoint)
     step_00000200.incomplete/   being written, or left by a crash: never loaded
     latest                      the name of the newest complete checkpoint
+
+A complete checkpoint also holds ``t2train_checksums.json``: every file's size and checksum,
+written when it was published (``integrity.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 LATEST = "latest"
 ENGINE_FILE = "t2train_engine.json"  # written last into a DeepSpeed engine checkpoint
 INCOMPLETE = ".incomplete"
+CHECKSUMS = "t2train_checksums.json"  # written into a checkpoint just before it is published
 STEP_DIR = re.compile(r"step_(\d{8})")
 
 

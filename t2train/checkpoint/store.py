@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from t2train.checkpoint.errors import CheckpointError
+from t2train.checkpoint.integrity import record_checksums
 from t2train.checkpoint.paths import (ENGINE_FILE, INCOMPLETE, LATEST, checkpoint_engine,
                                       complete_steps, is_complete, step_dir_name)
 
@@ -55,8 +56,10 @@ def restore_rng(states: list) -> None:
 
 def publish_checkpoint(root: Path, staging: Path, final: Path,
              on_published: Optional[Callable[[Path], None]]) -> None:
-    """Collective: rename the finished staging directory and point ``latest`` at it."""
+    """Collective: record the files' checksums, rename the finished staging directory and
+    point ``latest`` at it."""
     dist.barrier()
+    record_checksums(staging)
     if dist.get_rank() == 0:
         replaced = final.with_name(final.name + ".replaced")
         if final.exists():  # re-saving the same step after a resume: moved aside, not lost

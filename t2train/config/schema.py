@@ -276,6 +276,10 @@ class CheckpointConfig:
 
     interval: int = 100  # steps between saves; the last step is always saved
     resume: str = "auto"  # auto | none | a checkpoint directory
+    # A checkpoint whose files do not match the checksums recorded when it was saved (a shard
+    # truncated or overwritten): with resume=auto, `fall_back` resumes from the newest one that
+    # verifies and says which it skipped and why; `stop` refuses (exit code 2), naming both.
+    on_damaged: Literal["fall_back", "stop"] = "fall_back"
     overwrite: bool = False  # with resume=none, allow reusing a non-empty run directory
     # Retention: keep the newest keep_last checkpoints plus every keep_every-th step
     # (0 = keep all / none extra). The newest is never deleted.

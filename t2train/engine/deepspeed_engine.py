@@ -22,6 +22,7 @@ from megatron.core import parallel_state as ps
 
 from t2train.checkpoint.compatibility import check_same_model
 from t2train.checkpoint.errors import CheckpointError
+from t2train.checkpoint.integrity import check_finite, optimizer_tensors
 from t2train.checkpoint.paths import ENGINE_FILE, INCOMPLETE, step_dir_name
 from t2train.checkpoint.store import (capture_rng, check_engine, current_layout,
                                       publish_checkpoint, restore_rng)
@@ -129,12 +130,20 @@ class DeepSpeedEngine:
     def _layout(self) -> dict:
         return dict(current_layout(), zero_stage=self.zero_stage)
 
+    def _state_tensors(self) -> list:
+        """This rank's parameters (its ZeRO-3 partitions) and ZeRO optimizer state."""
+        tensors = [(name, getattr(param, "ds_tensor", param))
+                   for name, param in self.ds.module.named_parameters()]
+        return tensors + optimizer_tensors(getattr(self.ds.optimizer, "optimizer",
+                                                   self.ds.optimizer))
+
     def save(self, root: Path, step: int, train_state: dict, async_queue=None,
              on_published: Optional[Callable[[Path], None]] = None) -> Path:
         """Collective. DeepSpeed writes its shards into ``step_N.incomplete``; the engine file
         goes in last and the directory is published like a Megatron checkpoint."""
         if async_queue is not None:
             raise ValueError("the DeepSpeed engine saves synchronously (checkpoint.async_save)")
+        check_finite(self._state_tensors(), "parameters and optimizer state")
         final = root / step_dir_name(step)
         staging = root / (final.name + INCOMPLETE)
         if dist.get_rank() == 0:

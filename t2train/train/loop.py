@@ -73,6 +73,29 @@ def _resume_target(config: Config, run_dir: Path) -> Optional[Path]:
     return path
 
 
+def _verified(config: Config, run_dir: Path, resume_from: Path) -> tuple[Path, str]:
+    """Collective: the checkpoint to load once its checksums verify, and a note naming the
+    damaged ones skipped. ``checkpoint.resume=auto`` falls back to the newest checkpoint that
+    verifies unless ``checkpoint.on_damaged=stop``; a checkpoint named explicitly is used or
+    refused."""
+    from t2train.checkpoint.errors import CheckpointError
+    from t2train.checkpoint.integrity import (choose_verified, resume_candidates, say,
+                                              verify_checksums)
+
+    if config.checkpoint.resume != "auto":
+        damage = verify_checksums(resume_from)
+        if damage is not None:
+            raise CheckpointError(f"checkpoint.resume={config.checkpoint.resume}: damaged: "
+                                  f"{damage}")
+        return resume_from, ""
+    chosen, skipped = choose_verified(resume_candidates(run_dir / "checkpoints"),
+                                      fall_back=config.checkpoint.on_damaged == "fall_back")
+    for path, damage in skipped:
+        say(f"skipping damaged checkpoint {path}: {damage}; resuming from {chosen}, the newest "
+            "that verifies (checkpoint.on_damaged=fall_back; set it to stop to refuse instead)")
+    return chosen, "".join(f" | skipped damaged {path.name}" for path, _ in skipped)
+
+
 def _schedule_in_force(config: Config, scheduler) -> str:
     """The LR schedule a resumed run follows, whose it is, and this config's if it differs."""
     def describe(lr, min_lr, warmup, until) -> str:
@@ -92,9 +115,11 @@ def _schedule_in_force(config: Config, scheduler) -> str:
 def train(config: Config) -> RunSummary:
     """Run to ``train.steps``, or stop early with a checkpoint (``RunSummary.stopped``)."""
     from t2train.monitor.metrics import quiet_other_ranks
+    from t2train.processes import die_with_launcher
     from t2train.signals import parse_signals
     from t2train.train.preemption import StopGuard
 
+    die_with_launcher()
     quiet_other_ranks(config.log.all_ranks)
     from t2train.train.rank_failures import RankFailures
     from t2train.train.watchdog import Watchdog
@@ -142,6 +167,9 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog",
 
     run_dir = Path(config.run_dir)
     facts, resume_from, dp_size, topology = start_ranks(config)
+    skipped = ""
+    if resume_from is not None:
+        resume_from, skipped = _verified(config, run_dir, resume_from)
     engine = build_engine(config, padded_vocab_size(facts["vocab_size"], config))
 
     train_state: dict = {}
@@ -149,7 +177,7 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog",
         loading_started = time.monotonic()
         train_state = engine.load(resume_from)
         start = (f"resumed from {resume_from} (loaded in "
-                 f"{time.monotonic() - loading_started:.1f}s) | "
+                 f"{time.monotonic() - loading_started:.1f}s){skipped} | "
                  f"{_schedule_in_force(config, engine.scheduler)}")
     elif config.checkpoint.init_from:
         from t2train.checkpoint.inspect import resolve_checkpoint

@@ -4,13 +4,15 @@ A stop signal goes to the launcher process only (as ``kill PID`` or a container 
 would send it), so the launcher must pass it on; or to every process of the launcher's tree
 at once (SLURM's way: slurmstepd signals every process of the job step), so no helper
 process (checkpoint writers, multiprocessing's resource tracker) may die of it.
-test_slurm_jobs.py does the latter with a real ``scancel``.
+test_slurm_jobs.py does the latter with a real ``scancel``; a signal to the launcher alone is
+part of test_soak.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -36,7 +38,7 @@ def _launch_cmd(*args: str) -> list[str]:
 
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
-    return dict(env, PYTHONUNBUFFERED="1")
+    return dict(env, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")  # one thread per process
 
 
 def _train_args(data: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -76,6 +78,30 @@ def _wait_for_step(proc: subprocess.Popen, run_dir: Path, log: Path, step: int) 
         time.sleep(0.1)
 
 
+RUN_TAG = "T2TRAIN_TEST_RUN"  # set in a launcher's environment: every process of its run has it
+
+
+def run_processes(tag: str) -> list[str]:
+    """The live processes (command lines) whose environment carries ``RUN_TAG=tag``: the
+    launcher's, its workers' and their helpers', wherever they were re-parented."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if f"{RUN_TAG}={tag}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:  # not a process, or it ended
+            continue
+    return found
+
+
+def wait_until_none_left(tag: str, seconds: float = 30) -> None:
+    """A resource tracker ends a moment after its last client: allow that, no more."""
+    deadline = time.monotonic() + seconds
+    while (left := run_processes(tag)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"processes of the run outlived it: {left}"
+
+
 def _worker(launcher: subprocess.Popen, rank: int) -> psutil.Process:
     for child in psutil.Process(launcher.pid).children(recursive=True):
         try:
@@ -90,7 +116,9 @@ def _worker(launcher: subprocess.Popen, rank: int) -> psutil.Process:
 def test_standalone_launch_trains_and_restarts_a_killed_rank(shakespeare, tmp_path):
     """The uninterrupted run is the reference for a run whose rank 1 is SIGKILLed after
     step 4: ``--max-restarts=1`` restarts both workers, which resume from the newest
-    checkpoint; every step's final loss equals the uninterrupted run's, bitwise."""
+    checkpoint; every step's final loss equals the uninterrupted run's, bitwise. Nothing of
+    the run outlives the launcher (the killed rank's checkpoint-queue server and resource
+    tracker were re-parented to pid 1 and lived on)."""
     steps = ["parallel.tensor=2", "train.steps=7", "train.eval_interval=7",
              "checkpoint.interval=3"]
     without_omp = {k: v for k, v in _env().items() if k != "OMP_NUM_THREADS"}
@@ -111,13 +139,15 @@ def test_standalone_launch_trains_and_restarts_a_killed_rank(shakespeare, tmp_pa
                 shakespeare, run_dir, *steps,
                 # the survivor, blocked in a collective with the dead rank, ends soon
                 "parallel.collective_timeout_mins=0.25")),
-            stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
+            stdout=out, stderr=subprocess.STDOUT, env=dict(_env(), **{RUN_TAG: str(run_dir)}),
+            cwd=REPO)
     deadline = time.monotonic() + 300
     while max(_losses(run_dir), default=0) < 4:  # step 3 is saved, step 4 done
         assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.1)
     _worker(launcher, rank=1).send_signal(signal.SIGKILL)
     assert launcher.wait(timeout=600) == 0, log.read_text()[-6000:]
+    wait_until_none_left(str(run_dir))
     text = log.read_text()
     assert "workers failed (exit code" in text and "restart 1 of 1" in text, text[-4000:]
     assert f"resumed from {run_dir / 'checkpoints'}/step_0000000" in text, text[-4000:]
@@ -126,24 +156,47 @@ def test_standalone_launch_trains_and_restarts_a_killed_rank(shakespeare, tmp_pa
 
 
 @pytest.mark.slow
-def test_a_signal_to_the_launcher_saves_and_exits_with_the_requeue_code(shakespeare, tmp_path):
-    run_dir, log = tmp_path / "run", tmp_path / "launch.log"
-    proc = _start(shakespeare, run_dir, log, 2, "parallel.tensor=2", "train.steps=400",
-                  "train.eval_interval=400", "checkpoint.interval=400")
+def test_a_node_that_outlives_the_rendezvous_host_exits_with_its_workers_code(shakespeare,
+                                                                              tmp_path):
+    """Two nodes of one run on this host (tests/launch/node_launcher.py). Node 1's worker is
+    paused and node 0's killed: node 0's launcher exits, taking the rendezvous store it hosts
+    along, while node 1's agent still watches a live worker. Node 1's launcher then waits for
+    its worker and exits with its code and one line (it raised RendezvousConnectionError out
+    of torchrun: a long traceback and exit code 1, whatever its worker did)."""
+    run_dir = tmp_path / "run"
+    train = _train_args(shakespeare, run_dir, "parallel.tensor=2", "train.steps=400",
+                        "train.eval_interval=400", "checkpoint.interval=400",
+                        "log.diagnostics_interval=0", "parallel.collective_timeout_mins=0.25")
+    port, nodes, logs = plan_standalone(1, None).rdzv_port, [], []
+    for node in (0, 1):
+        logs.append(tmp_path / f"node{node}.log")
+        with logs[-1].open("w") as out:
+            nodes.append(subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("node_launcher.py")), str(node),
+                 str(port), *train], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                env=dict(_env(), **{RUN_TAG: str(run_dir)}), start_new_session=True))
+    paused = None
     try:
-        _wait_for_step(proc, run_dir, log, 2)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=300)
+        _wait_for_step(nodes[0], run_dir, logs[0], 1)
+        paused = _worker(nodes[1], rank=1)
+        paused.suspend()
+        _worker(nodes[0], rank=0).kill()
+        assert nodes[0].wait(timeout=120) == 128 + signal.SIGKILL, logs[0].read_text()[-3000:]
+        time.sleep(1)  # node 1's agent asks the gone store every 0.1 s meanwhile
+        paused.resume()
+        code = nodes[1].wait(timeout=300)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    output = log.read_text()
-    assert proc.returncode == REQUEUE_EXIT_CODE, output[-4000:]
-    stopped = _logged_steps(run_dir)[-1]
-    assert stopped < 400
-    assert f"step {stopped:>6} | stopping early: received SIGTERM" in output
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
-    assert "training saved a checkpoint and stopped early" in output
+        if paused is not None and paused.is_running():
+            paused.resume()
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    output = logs[1].read_text()
+    assert "rendezvous.api.RendezvousConnectionError:" not in output, output[-6000:]
+    last = [line for line in output.splitlines() if line.startswith("t2train launch:")][-1]
+    assert re.fullmatch(rf"t2train launch: workers failed \(rank 1 exited with code {code}\); "
+                        rf"exit code {code}", last), (last, code)
+    wait_until_none_left(str(run_dir))
 
 
 def killed_by_sigterm(pid: int) -> bool:

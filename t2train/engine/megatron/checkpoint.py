@@ -15,16 +15,20 @@ import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from t2train.checkpoint.compatibility import check_same_model, check_shard_files
 from t2train.checkpoint.errors import CheckpointError
+from t2train.checkpoint.integrity import check_finite, optimizer_tensors
 from t2train.checkpoint.paths import INCOMPLETE, step_dir_name
 from t2train.checkpoint.store import (capture_rng, check_engine, current_layout, publish_checkpoint,
                                       read_checkpoint, restore_rng)
+from t2train.compat.megatron_writer import start_results_queue
 from t2train.engine.megatron.setup import TrainingObjects
+from t2train.processes import die_with_parent
 
 
 # Reshardable optimizer state so a checkpoint loads into another (TP, PP, DP) layout.
@@ -57,6 +61,15 @@ def _has_optimizer_state(optimizer) -> bool:
     return any(len(state) for part in parts for state in part.optimizer.state.values())
 
 
+def _state_tensors(objs: TrainingObjects) -> list[tuple[str, torch.Tensor]]:
+    """This rank's parameters and optimizer state (main parameters and moments)."""
+    tensors = [(f"{key}.{name}", param) for key, chunk in zip(_model_keys(objs), objs.model)
+               for name, param in chunk.module.named_parameters()]
+    for part in getattr(objs.optimizer, "chained_optimizers", [objs.optimizer]):
+        tensors += optimizer_tensors(part.optimizer)
+    return tensors
+
+
 def save_checkpoint(root: Path, step: int, objs: TrainingObjects, train_state: dict,
                     async_queue=None, on_published: Optional[Callable[[Path], None]] = None
                     ) -> Path:
@@ -65,7 +78,10 @@ def save_checkpoint(root: Path, step: int, objs: TrainingObjects, train_state: d
     Without ``async_queue`` it returns once the checkpoint is published. With one (Megatron's
     ``AsyncCallsQueue``) it returns once the shards' writer has started; the checkpoint is
     published when the queue finalizes the save. ``on_published(path)`` then runs on every rank.
+    A state holding NaN or inf raises ``NonFiniteState`` on every rank before anything is
+    written.
     """
+    check_finite(_state_tensors(objs), "parameters and optimizer state")
     final = root / step_dir_name(step)
     staging = root / (step_dir_name(step) + INCOMPLETE)
     if dist.get_rank() == 0:
@@ -88,6 +104,7 @@ def save_checkpoint(root: Path, step: int, objs: TrainingObjects, train_state: d
     def publish() -> None:
         publish_checkpoint(root, staging, final, on_published)
 
+    start_results_queue(die_with_parent)  # its server dies with this trainer
     if async_queue is None:
         dist_checkpointing.save(state, str(staging))
         publish()

@@ -1,0 +1,67 @@
+"""torchrun's c10d rendezvous, for nodes that may outlive the node that hosts it.
+
+The rendezvous store lives in node 0's launcher (``is_host``). When node 0's workers end first
+(they saved and stopped with the requeue code a moment before the other nodes' workers, or
+one of them failed), its launcher exits and the store goes with it, while every other node's
+agent still asks it, once per monitor interval, whether new nodes wait to join
+(``num_nodes_waiting``). That question then raised ``RendezvousConnectionError`` out of
+torchrun: the node's launcher printed a long traceback and exited 1 while its own workers were
+still finishing, and the job script saw 1 instead of the workers' code.
+
+With the host gone no node can join, so ``HostMayEndFirst`` answers "none waiting" and the
+agent goes on waiting for its workers; the launcher then exits with their code. It is
+registered as a rendezvous backend of its own (torch's documented extension point), which
+``t2train launch`` names instead of ``c10d``.
+"""
+
+from __future__ import annotations
+
+BACKEND = "t2train-c10d"
+
+
+class HostMayEndFirst:
+    """The c10d rendezvous handler, except that once its store is unreachable no node waits,
+    and nothing more is sent to it (each try would log a warning with a C++ stack)."""
+
+    def __init__(self, handler):
+        self._handler = handler
+        self._host_gone = False
+
+    def __getattr__(self, name: str):
+        return getattr(self._handler, name)
+
+    def get_backend(self) -> str:
+        return BACKEND
+
+    def num_nodes_waiting(self) -> int:
+        from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+        if self._host_gone:
+            return 0
+        try:
+            return self._handler.num_nodes_waiting()
+        except RendezvousConnectionError:  # the host node has ended: nobody can join
+            self._host_gone = True
+            stop_heartbeats = getattr(self._handler, "_stop_heartbeats", None)
+            if stop_heartbeats is not None:  # torch's keep-alive would fail every 5 s
+                stop_heartbeats()
+            return 0
+
+    def shutdown(self) -> bool:
+        """Close the rendezvous, unless its store has gone with the host."""
+        return False if self._host_gone else self._handler.shutdown()
+
+
+def _create_handler(params):
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    backend, store = create_backend(params)
+    return HostMayEndFirst(create_handler(store, backend, params))
+
+
+def register() -> None:
+    """Make ``BACKEND`` available to torchrun in this process (registering again is a no-op)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(BACKEND, _create_handler)

@@ -1,0 +1,40 @@
+"""The server of megatron-core's checkpoint result queue, started so that it dies with its
+trainer.
+
+megatron-core's filesystem writer (every torch_dist save, sync or async) collects its
+writers' results through a queue served by a ``multiprocessing`` Manager that it spawns on
+the first save (``filesystem_async._get_write_results_queue``) and keeps for the life of the
+trainer, with no way to configure it. That server inherits the trainer's blocked stop signals,
+as it must (a SIGTERM to every process of a job would otherwise kill it in the middle of the
+final save, ``t2train/signals.py``), so when the trainer is killed nothing ends it: it lived on,
+re-parented to pid 1, after the job. ``start_results_queue`` makes that queue first, from a
+Manager whose server runs ``initializer`` before serving (t2train gives it a parent-death
+signal, ``t2train.processes.die_with_parent``).
+
+``PATCHED`` is the contract with megatron-core; ``tests/test_compat.py`` fails if the name moves
+or megatron-core stops using it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from multiprocessing.managers import SyncManager
+from typing import Callable
+
+MODULE = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+PATCHED = ((MODULE, "_results_queue"),)
+
+
+def start_results_queue(initializer: Callable[[int], None]) -> None:
+    """Unless megatron-core already has one: its result queue, served by a spawned process
+    that first runs ``initializer(trainer_pid)``. Call it from the thread that saves (a
+    parent-death signal follows the thread that started the process)."""
+    import importlib
+
+    writer = importlib.import_module(MODULE)
+    if writer._results_queue is not None:
+        return
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer, (os.getpid(),))
+    writer._results_queue = manager.Queue()  # the proxy keeps its manager alive

@@ -1,0 +1,53 @@
+"""The launcher owns its process tree (t2train/processes.py): orphans are adopted and ended,
+and megatron-core still keeps its checkpoint result queue where t2train starts it."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import psutil
+
+from t2train.compat import megatron_writer
+
+ADOPT_AND_END = """
+import os, subprocess, sys
+from t2train.processes import become_subreaper, end_descendants
+assert become_subreaper()
+# A child starts a grandchild that blocks SIGTERM (as a trainer's helpers do), then exits.
+orphaner = ("import signal, subprocess, sys; "
+            "signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM]); "
+            "print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], "
+            "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)")
+child = subprocess.run([sys.executable, "-c", orphaner], capture_output=True, text=True)
+grandchild = int(child.stdout)
+print(grandchild, __import__("psutil").Process(grandchild).ppid() == os.getpid(), flush=True)
+print("|".join(end_descendants()))
+"""
+
+
+def test_the_launcher_adopts_and_ends_what_a_dead_child_left():
+    proc = subprocess.run([sys.executable, "-c", ADOPT_AND_END], capture_output=True,
+                          text=True, timeout=120)
+    lines = proc.stdout.splitlines()
+    grandchild = int(lines[0].split()[0]) if lines else None
+    try:
+        assert proc.returncode == 0, proc.stderr
+        assert lines[0].split()[1] == "True"  # adopted, not re-parented to pid 1
+        assert "time.sleep(300)" in lines[1]
+        assert not psutil.pid_exists(grandchild) or \
+            psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+    finally:
+        if grandchild and psutil.pid_exists(grandchild):
+            psutil.Process(grandchild).kill()
+
+
+def test_megatron_still_makes_its_result_queue_only_when_none_exists():
+    import importlib
+
+    for module, name in megatron_writer.PATCHED:
+        writer = importlib.import_module(module)
+        assert hasattr(writer, name), f"{module}.{name} is gone: revisit compat/megatron_writer"
+        source = inspect.getsource(writer._get_write_results_queue)
+        assert f"if {name} is None" in source and f"return {name}" in source, source
