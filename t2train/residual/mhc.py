@@ -96,6 +96,49 @@ class MHCOptions:
         require(self.eps > 0, f"{prefix}.eps", self.eps, "must be > 0")
 
 
+class _NormedProjection(torch.autograd.Function):
+    """RMSNorm(vec x) phi^T in fp32, saving the stream as it came (no fp32 copy of the n
+    streams stays alive for the backward: the read and write kernels save the same tensor).
+
+    Each stream is a contiguous [tokens, h] slab, so the projection is one batched matmul
+    over the streams (no permuted copy of the stream), summed over them; the RMS divides the
+    result (the norm is weight-free, so RMSNorm(x~) phi = (x~ phi) rsqrt(mean(x~^2) + eps)).
+    Backward, with g the incoming gradient, r the rsqrt and y = x~ phi^T:
+    dx~ = (g r) phi - x~ r^3 sum_k(g_k y_k) / (n h),  dphi = (g r)^T x~."""
+
+    @staticmethod
+    def forward(ctx, state: Tensor, projection: Tensor, eps: float) -> Tensor:
+        n, h = state.shape[0], state.shape[-1]
+        with torch.autocast(state.device.type, enabled=False):
+            x = at_least_fp32(state).reshape(n, -1, h)  # a temporary, freed after the forward
+            phi = at_least_fp32(projection).view(-1, n, h).permute(1, 2, 0)  # [n, h, outputs]
+            inv_rms = torch.rsqrt(x.pow(2).sum((0, 2)) / (n * h) + eps)  # [tokens]
+            y = torch.bmm(x, phi).sum(0)  # [tokens, outputs]
+        ctx.save_for_backward(state, projection, y, inv_rms)
+        return (y * inv_rms[:, None]).view(*state.shape[1:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        state, projection, y, inv_rms = ctx.saved_tensors
+        n, h = state.shape[0], state.shape[-1]
+        with torch.autocast(state.device.type, enabled=False):
+            x = at_least_fp32(state).reshape(n, -1, h)
+            phi = at_least_fp32(projection).view(-1, n, h).transpose(0, 1)  # [n, outputs, h]
+            g = grad.reshape(-1, grad.shape[-1]).to(y.dtype)
+            g_y = g * inv_rms[:, None]
+            coef = -(g * y).sum(-1) * inv_rms.pow(3) / (n * h)  # [tokens]
+            d_state = torch.baddbmm(x * coef[:, None], g_y.expand(n, *g_y.shape), phi)
+            d_phi = torch.bmm(g_y.T.expand(n, *g_y.T.shape), x)  # [n, outputs, h]
+        return (d_state.view(state.shape).to(state.dtype),
+                d_phi.transpose(0, 1).reshape(projection.shape).to(projection.dtype), None)
+
+
+def normed_projection(state: Tensor, projection: Tensor, eps: float) -> Tensor:
+    """RMSNorm(vec x) phi^T [s, b, outputs] in fp32: state [n, s, b, h], projection
+    [outputs, n h] (stream after stream), the RMSNorm weight-free over all n h."""
+    return _NormedProjection.apply(state, projection, eps)
+
+
 def sinkhorn(logits: Tensor, iterations: int) -> Tensor:
     """Sinkhorn-Knopp on [..., n, n] logits (Eq. 9): exp, then ``iterations`` times columns,
     then rows, divided by their sums."""
@@ -166,10 +209,7 @@ class ManifoldHyperConnection(StreamMixResidual):
     def logits(self, state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """H~pre [s, b, n], H~post [s, b, n], H~res [s, b, n, n] from the flattened stream."""
         n = self.n
-        x = at_least_fp32(state)
-        inv_rms = torch.rsqrt(x.pow(2).mean((0, 3)) + self.eps)  # over all n x h: [s, b]
-        phi = at_least_fp32(self.projection).view(-1, n, x.shape[-1])
-        raw = torch.einsum("jsbh,kjh->sbk", x, phi) * inv_rms.unsqueeze(-1)
+        raw = normed_projection(state, self.projection, self.eps)
         gates, bias = at_least_fp32(self.gates), at_least_fp32(self.bias)
         pre = gates[0] * raw[..., :n] + bias[:n]
         post = gates[1] * raw[..., n:2 * n] + bias[n:2 * n]
