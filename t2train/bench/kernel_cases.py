@@ -42,7 +42,10 @@ class Runtime:
 
     def compile(self, fn: Callable) -> Callable:
         # On CPU, inductor would spend minutes in the C++ compiler; dynamo alone still runs.
-        return torch.compile(fn) if self.on_cuda else torch.compile(fn, backend="eager")
+        # Static shapes: the second shape of the same reference would otherwise recompile it
+        # with dynamic shapes (dynamo's automatic dynamic), a slower peer than a user's.
+        return (torch.compile(fn, dynamic=False) if self.on_cuda
+                else torch.compile(fn, backend="eager"))
 
 
 @dataclass(frozen=True)
