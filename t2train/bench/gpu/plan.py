@@ -28,6 +28,7 @@ class Settings:
     mfu_min: float
     dry_run_overrides: tuple[str, ...]
     dry_run_kernel_options: dict
+    cost: dict = field(default_factory=dict)  # step_time, max_time_over_flops, peak_memory
 
 
 def load_settings(path: Path = SETTINGS_FILE) -> Settings:
@@ -39,7 +40,7 @@ def load_settings(path: Path = SETTINGS_FILE) -> Settings:
         kernel_options=raw["kernels"]["options"], mfu_preset=raw["mfu"]["preset"],
         mfu_min=float(raw["mfu"]["min_mfu"]),
         dry_run_overrides=tuple(raw["dry_run"]["overrides"]),
-        dry_run_kernel_options=raw["dry_run"]["kernel_options"])
+        dry_run_kernel_options=raw["dry_run"]["kernel_options"], cost=raw.get("cost") or {})
 
 
 def baseline() -> str:
