@@ -48,6 +48,13 @@ rounding in the parameter dtype; tested), and the gates still get gradients. Wit
 H_res = 1 and the design is a gated `standard` residual:
 x' = x + 2 sigmoid(H~post) F(Norm(sigmoid(H~pre) x)).
 
+Memory (``model.mhc.recompute_streams``, off by default): as the paper recomputes its
+mappings' intermediates in the backward (Sec. 4.3), the n streams between a layer's sublayers
+can be dropped after the forward and rebuilt by their write when the backward needs them
+(``_DroppedStates``: saved-tensor hooks around this design's own reads and writes); only the
+stream entering each layer is kept. Values are unchanged (the same kernel on the same
+inputs); it saves one n x [s, b, h] state per layer, two with the local mixer.
+
 The read (H_pre) and the write (Sinkhorn, H_res and H_post) are one fused Triton pass each
 over the stream on CUDA (``kernels/stream_mix.py``, chosen by ``T2_KERNELS``); the
 projection stays a PyTorch matmul. Hops carry n units of [s, b, h] (unit ids None); all is
@@ -56,15 +63,18 @@ per token, so sequence parallelism applies; parameters are replicated across ten
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from t2train.errors import require
 from t2train.kernels import dispatch
 from t2train.nn.precision import at_least_fp32
+from t2train.residual import sublayer_names
 from t2train.residual.base import ResidualDesign, mark_replicated
 from t2train.residual.hc import (
     StreamCopies,
@@ -84,6 +94,11 @@ class MHCOptions:
     sinkhorn_iterations: int = 20  # t_max: column-then-row normalisations of exp(H~res)
     gate_init: float = 0.01  # a_pre, a_post, a_res at initialisation
     eps: float = 1e-6  # of the RMSNorm over the flattened stream
+    # Keep the n streams for the backward only where a layer starts; the states between its
+    # sublayers are recomputed from there in the backward (one stream write per dropped
+    # state: mHC's recomputation, Sec. 4.3, at the granularity of a layer). False, the
+    # default: keep every state (no recomputation).
+    recompute_streams: bool = False
 
     def validate(self, prefix: str) -> None:
         require(self.expansion_rate >= 1, f"{prefix}.expansion_rate", self.expansion_rate,
@@ -94,6 +109,8 @@ class MHCOptions:
         require(self.gate_init >= 0, f"{prefix}.gate_init", self.gate_init,
                 "must be >= 0 (0 starts exactly as standard)")
         require(self.eps > 0, f"{prefix}.eps", self.eps, "must be > 0")
+        require(isinstance(self.recompute_streams, bool), f"{prefix}.recompute_streams",
+                self.recompute_streams, "must be true or false")
 
 
 class _NormedProjection(torch.autograd.Function):
@@ -191,12 +208,64 @@ STREAM_WRITE = dispatch.Kernel("stream_write", "t2train.kernels.stream_mix:strea
                                stream_write)
 
 
+class _Recomputed:
+    """A stream state dropped after the forward: rebuilt in the backward by the write that
+    made it, from the state before (kept, or itself a ``_Recomputed``), the sublayer's
+    output and its mappings' logits (saved for the backward anyway). Rebuilt once; the
+    backward nodes that saved the state share it."""
+
+    def __init__(self, before, out: Tensor, post: Tensor, res: Tensor, iterations: int):
+        self.inputs = (before, out.detach(), post.detach(), res.detach())
+        self.iterations, self.value = iterations, None
+
+    def materialise(self) -> Tensor:
+        if self.value is None:
+            before, out, post, res = self.inputs
+            if isinstance(before, _Recomputed):
+                before = before.materialise()
+            with torch.no_grad():
+                self.value = write_streams(before, out, post, res, self.iterations)
+        return self.value
+
+
+class _DroppedStates:
+    """``saved_tensors_hooks`` that store a registered state as its ``_Recomputed`` recipe."""
+
+    def __init__(self):
+        self.recipes = WeakTensorKeyDictionary()  # state -> _Recomputed
+
+    def pack(self, t: Tensor):
+        return self.recipes.get(t, t)
+
+    @staticmethod
+    def unpack(saved):
+        return saved.materialise() if isinstance(saved, _Recomputed) else saved
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def register(self, state: Tensor, before: Tensor, out: Tensor, post: Tensor, res: Tensor,
+                 iterations: int) -> None:
+        before = self.recipes.get(before, before)  # a chain within the layer: never a tensor
+        self.recipes[state] = _Recomputed(before, out, post, res, iterations)
+
+
+# One registry for every sublayer: a state is registered by the write that makes it and
+# saved by the next sublayer's read and write (keys are weak: a state gone is forgotten).
+DROPPED_STATES = _DroppedStates()
+
+
 class ManifoldHyperConnection(StreamMixResidual):
     def __init__(self, config, layer_number: int = 1, position: int = 0):
         super().__init__(config, layer_number, position)
         options = config.t2_model.mhc
         n, h, dtype = options.expansion_rate, config.hidden_size, config.params_dtype
         self.n, self.eps, self.iterations = n, options.eps, options.sinkhorn_iterations
+        # with recompute_streams: the states between this layer's sublayers are dropped
+        # (the last sublayer's output, the next layer's input, is kept)
+        last = position == len(sublayer_names(config.t2_model)) - 1
+        self.dropped = DROPPED_STATES if options.recompute_streams else None
+        self.drops_its_output = options.recompute_streams and not last
         outputs = n * n + 2 * n  # H~pre, H~post, H~res (row-major)
         self.projection = torch.nn.Parameter(torch.empty(outputs, n * h, dtype=dtype))
         config.init_method(self.projection)
@@ -217,14 +286,23 @@ class ManifoldHyperConnection(StreamMixResidual):
         return pre, post, res
 
     def width_connection(self, state: Tensor) -> tuple[Tensor, tuple]:
-        pre, post, res = self.logits(state)
-        record_weights("mhc", (self.layer_number, self.position), torch.sigmoid(pre),
-                       2 * torch.sigmoid(post), lambda: sinkhorn(res, self.iterations))
-        return read_streams(state, pre), (post, res)
+        with self._saving():
+            pre, post, res = self.logits(state)
+            record_weights("mhc", (self.layer_number, self.position), torch.sigmoid(pre),
+                           2 * torch.sigmoid(post), lambda: sinkhorn(res, self.iterations))
+            return read_streams(state, pre), (post, res)
 
     def depth_connection(self, state: Tensor, pending: tuple, out: Tensor) -> Tensor:
         post, res = pending
-        return write_streams(state, out, post, res, self.iterations)
+        with self._saving():
+            new = write_streams(state, out, post, res, self.iterations)
+        if self.drops_its_output and torch.is_grad_enabled():
+            self.dropped.register(new, state, out, post, res, self.iterations)
+        return new
+
+    def _saving(self):
+        """Where the states this sublayer saves may be recipes (``recompute_streams``)."""
+        return self.dropped.hooks() if self.dropped is not None else contextlib.nullcontext()
 
 
 class ManifoldStreamCopies(StreamCopies):
