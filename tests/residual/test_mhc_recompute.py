@@ -62,10 +62,10 @@ def _run(recompute: bool, dtype, mixer: bool = True):
     return loss, grads, sum(storages.values())
 
 
-@pytest.mark.parametrize("mixer", [True, False], ids=["with_mixer", "alone"])
-def test_recomputing_the_streams_changes_no_value(megatron_world, mixer):
-    loss, grads, _ = _run(False, torch.float32, mixer)
-    loss_rc, grads_rc, _ = _run(True, torch.float32, mixer)
+def test_recomputing_the_streams_changes_no_value(megatron_world):
+    """With the mixer: two states dropped per layer, the second rebuilt from the first."""
+    loss, grads, _ = _run(False, torch.float32)
+    loss_rc, grads_rc, _ = _run(True, torch.float32)
     assert loss_rc == loss  # the same kernels on the same inputs: bitwise
     for index, (a, b) in enumerate(zip(grads, grads_rc)):
         torch.testing.assert_close(b, a, atol=0, rtol=0, msg=lambda m, i=index: f"{i}: {m}")
