@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml setup.py $(LOCK)
 	$(PIP) install --upgrade pip
 	$(PIP) install -c $(LOCK) torch torchvision
 	DS_BUILD_OPS=0 $(PIP) install -c $(LOCK) --no-build-isolation deepspeed
-	$(PIP) install -c $(LOCK) -e '.[test,hf]'
+	$(PIP) install -c $(LOCK) -e '.[test,hf,wandb]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -63,10 +63,12 @@ gpu-bundle: $(VENV)/.installed
 
 # On the GPU machine: `make gpu-check OUT=dir` (or `python3 -m t2train.bench.gpu dir`, no make needed).
 # Here: `make gpu-check DRY_RUN=1 OUT=dir`, the same plan on the CPU at tiny shapes.
+# QUICK=1: the baseline and the targeted variants only (about 3.5 minutes on a GPU).
 OUT ?= runs/gpu-check
+GPU_CHECK_FLAGS := $(if $(QUICK),--quick)
 gpu-check:
 ifdef DRY_RUN
-	$(PY) -m t2train.bench.gpu.check --dry-run --out $(OUT)
+	$(PY) -m t2train.bench.gpu.check --dry-run --out $(OUT) $(GPU_CHECK_FLAGS)
 else
-	python3 -m t2train.bench.gpu $(OUT)
+	python3 -m t2train.bench.gpu $(OUT) $(GPU_CHECK_FLAGS)
 endif

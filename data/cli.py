@@ -181,6 +181,8 @@ def _prepare(args) -> int:
     notes += [f"replaced {_count(replaced, invalid)} with U+FFFD"] if replaced else []
     notes += [f"dropped the last {index['dropped_tokens']} tokens (less than one sample)"]
     print("\n".join(f"  {note}" for note in notes if note))
+    print(f"next: t2train train --preset tiny data.path={args.out} model.seq_length="
+          f"{args.seq_length}   (any preset; model.seq_length at most {args.seq_length})")
     return 0
 
 

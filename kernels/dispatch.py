@@ -17,12 +17,14 @@ each kernel, so a caller (the tests) can tell that the kernels ran rather than t
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import Tensor
 
 
@@ -61,8 +63,17 @@ def use_triton(*tensors: Tensor) -> bool:
 
 
 def route(kernel: Kernel, *tensors: Tensor) -> Callable:
-    """``kernel``'s Triton function when ``use_triton(*tensors)`` (counted), else its reference."""
+    """``kernel``'s Triton function when ``use_triton(*tensors)`` (counted), else its reference.
+
+    Inside a compiled layer (``model.fusions``) the Triton function runs eagerly, one graph
+    break per call: dynamo does not trace into the kernels' autograd functions and launch
+    code."""
     if not use_triton(*tensors):
         return kernel.reference
+    return functools.partial(_launch, kernel)
+
+
+@torch.compiler.disable
+def _launch(kernel: Kernel, *args, **kwargs):
     launches[kernel.name] += 1
-    return kernel.triton_function()
+    return kernel.triton_function()(*args, **kwargs)

@@ -33,6 +33,8 @@ def _cmd_train(args) -> int:
     from t2train.train.loop import train
 
     config = _load(args)
+    if args.dry_run:
+        return _dry_run(config)
     summary = train(config)
     if summary.final_save_failed:
         from t2train.checkpoint.manager import SAVE_FAILED_EXIT_CODE
@@ -45,6 +47,8 @@ def _cmd_train(args) -> int:
         return SAVE_FAILED_EXIT_CODE
     if is_rank_zero():
         print(_outcome(summary, REQUEUE_EXIT_CODE))
+        if not summary.stopped:
+            print(_next_commands(summary.run_dir, config.data.path))
     exported = export_on_finish(config, summary)
     if exported is not None:
         print(f"exported the final checkpoint for Hugging Face transformers to {exported}")
@@ -69,6 +73,40 @@ def _outcome(summary, requeue_code: int) -> str:
     return f"{done}; run dir {summary.run_dir}"
 
 
+def _dry_run(config) -> int:
+    """Set everything up, read one step of data, print what would run; train nothing."""
+    from t2train.bench.plan import format_plan, plan_layout
+    from t2train.parallel.init import is_rank_zero
+    from t2train.residual import variant_label
+    from t2train.train.dry_run import dry_run
+
+    checked = dry_run(config)
+    if not is_rank_zero():
+        return 0
+    parallel, steps = config.parallel, config.train.steps
+    epochs = steps * config.train.global_batch_size / checked.samples["train"]
+    start = (f"resume from {checked.resume_from} (not loaded now)" if checked.resume_from
+             else "fresh start")
+    print(f"dry run of {config.run_dir}: {variant_label(config.model)} residual, "
+          f"{checked.parameters / 1e6:.2f}M parameters on rank 0 | world {checked.world_size} = "
+          f"TP {parallel.tensor} x PP {parallel.pipeline} x DP {checked.data_parallel} | "
+          f"engine {config.train.engine} | {start}\n"
+          f"data {config.data.path}: {checked.samples['train']:,} training and "
+          f"{checked.samples['val']:,} validation samples; {steps:,} steps of "
+          f"{checked.tokens_per_step:,} tokens = {epochs:.2f} epochs; one step's batches read")
+    print(format_plan(config, plan_layout(config, checked.vocab_size, checked.world_size),
+                      "the dataset's tokenizer" if not config.model.vocab_size
+                      else "model.vocab_size", None))
+    print("nothing trained or written; to train, run the same command without --dry-run")
+    return 0
+
+
+def _next_commands(run_dir, data: str) -> str:
+    """What one does with a finished run."""
+    return (f"next: t2train generate {run_dir} --prompt TEXT | t2train eval {run_dir} --data "
+            f"{data} | t2train export hf {run_dir} OUT | tensorboard --logdir {run_dir.parent}")
+
+
 def _cmd_launch(args) -> int:
     from t2train.launch.launcher import launch
 
@@ -79,10 +117,11 @@ VOCAB_DEFAULT = 32000  # `t2train plan` without model.vocab_size or --vocab-size
 
 
 def _cmd_plan(args) -> int:
+    from t2train.bench.plan import format_plan, plan_layout, planned_for_gpu
     from t2train.config.loader import load_config
-    from t2train.bench.plan import format_plan, plan_layout
 
-    config = load_config(args.preset, args.config, args.overrides)
+    given = load_config(args.preset, args.config, args.overrides)
+    config = planned_for_gpu(given)
     if config.model.vocab_size:
         vocab, source = config.model.vocab_size, "model.vocab_size"
     else:
@@ -90,19 +129,41 @@ def _cmd_plan(args) -> int:
         source = "--vocab-size" if args.vocab_size != VOCAB_DEFAULT else \
             "--vocab-size default; training takes the dataset's"
     world = args.world_size or config.parallel.tensor * config.parallel.pipeline
+    note = (" (train.precision=auto plans a GPU run; train.precision=fp32 plans fp32)"
+            if given.train.precision == "auto" else "")
     print(format_plan(config, plan_layout(config, vocab, world), source,
-                      int(args.device_memory_gib * 2 ** 30)))
+                      int(args.device_memory_gib * 2 ** 30), note))
     return 0
 
 
 def _cmd_config(args) -> int:
     from t2train.config.loader import dump_config
 
-    print(dump_config(_load(args)), end="")
+    config = _load(args)
+    if config.data.path:  # a dataset that is not there (or does not fit) fails here too
+        from t2train.train.loop import dataset_facts
+
+        dataset_facts(config)
+    print(dump_config(config), end="")
     return 0
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: the line is built only when asked (it runs git)."""
+
+    def __init__(self, option_strings, dest, help=None):
+        super().__init__(option_strings, dest, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from t2train.version import version_line
+
+        print(version_line())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """Every command and option; imports nothing heavy (no torch, no Megatron), so ``--help``
+    is fast: a command's module imports those when it runs (tests/test_cli.py checks)."""
     from t2train.bench.compare import register as register_compare
     from t2train.bench.step import register as register_bench
     from t2train.checkpoint.inspect import register as register_ckpt
@@ -114,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="t2train",
         description="Pretrain decoder Transformers with pluggable residual streams "
                     "(Megatron-core TP/PP, mosaicml-streaming data, TensorBoard).")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print t2train's version (and commit) and its stack's, then exit")
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser(
@@ -122,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "checkpoint of the run directory by default.",
         epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(train)
+    train.add_argument("--dry-run", action="store_true",
+                       help="check the config, data and layout, build the model and read one "
+                            "step of data, print the plan, and stop: nothing is trained or "
+                            "written")
     train.set_defaults(handler=_cmd_train)
 
     show = commands.add_parser("config", help="print the resolved, validated config as YAML")
@@ -170,6 +237,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (UserInputError, TrainingHalted) as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
+    except KeyboardInterrupt:  # Ctrl-C (in training, the second one: the first saves)
+        print(f"t2train {args.command}: interrupted by Ctrl-C"
+              f"{INTERRUPTED.get(args.command, '')} (exit code {INTERRUPTED_EXIT_CODE})",
+              file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
+
+
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports it
+INTERRUPTED = {"train": ", without saving: the run continues from its last checkpoint"}
 
 
 if __name__ == "__main__":

@@ -19,6 +19,26 @@ def test_help_lists_subcommands(tmp_path):
         assert command in proc.stdout
 
 
+def test_help_and_version_import_nothing_heavy(tmp_path):
+    """--help and --version stay fast: building every command's parser imports no torch,
+    Megatron, numpy or DeepSpeed (each of which takes seconds on a busy machine)."""
+    check = ("import sys\n"
+             "from t2train.cli import build_parser, main\n"
+             "build_parser()\n"
+             "try:\n"
+             "    main(['--version'])\n"
+             "except SystemExit:\n"
+             "    pass\n"
+             "heavy = {'torch', 'megatron', 'numpy', 'deepspeed', 'streaming', 'transformers'}\n"
+             "print(sorted(heavy & {name.split('.')[0] for name in sys.modules}))\n")
+    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    version, imported = proc.stdout.splitlines()
+    assert version.startswith("t2train 0.1.0") and "torch 2." in version, version
+    assert imported == "[]"
+
+
 def test_train_help_explains_overrides_and_lists_every_section(tmp_path):
     from dataclasses import fields
 
@@ -35,7 +55,8 @@ def test_train_help_explains_overrides_and_lists_every_section(tmp_path):
 @pytest.mark.parametrize("args, cause", [
     (["--preset", "huge", "data.path=d"], "preset='huge': unknown preset"),
     (["--preset", "tiny", "data.path=d", "model.num_layers=-1"], "model.num_layers=-1"),
-    (["--preset", "tiny", "data.path=d", "model.layers=2"], "model.layers: unknown field"),
+    (["--preset", "tiny", "data.path=d", "model.layers=2"],
+     "model.layers: unknown field; did you mean model.num_layers?"),
     (["--preset", "tiny", "data.path=no/such/dir"], "no/such/dir"),
 ])
 def test_bad_input_fails_fast_before_any_output(tmp_path, args, cause):
@@ -48,8 +69,7 @@ def test_bad_input_fails_fast_before_any_output(tmp_path, args, cause):
 
 
 def test_config_prints_resolved_yaml(tmp_path):
-    proc = t2train("config", "--preset", "tiny", "data.path=d", "model.num_layers=2",
-                   cwd=tmp_path)
+    proc = t2train("config", "--preset", "tiny", "model.num_layers=2", cwd=tmp_path)
     assert proc.returncode == 0
     assert "num_layers: 2" in proc.stdout and "residual: standard" in proc.stdout
     assert proc.stderr == ""  # the libraries' known start-up warnings are silenced
@@ -62,11 +82,14 @@ def test_plan_prints_stages_and_hops(tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "vocabulary 32,000 (--vocab-size default; training takes the dataset's)" in out
-    assert "one unit is one [seq 128 x micro-batch 8 x hidden 192] tensor = 768.0 KiB" in out
+    # a GPU run's precision (bf16) unless train.precision says otherwise
+    assert "estimated, bfloat16 (train.precision=auto plans a GPU run" in out
+    assert "each column is one rank's share of TP 1" in out and "params/rank" in out
+    assert "one unit is one [seq 128 x micro-batch 8 x hidden 192] tensor = 384.0 KiB" in out
     assert "naive (every unit the next stages read): units per hop 3, 5, 7, 9, 11, 13, 15" in out
     assert "units per hop 3, 5, 7, 6, 6, 6, 6  <- in use (parallel.depth_cache=cached)" in out
-    # 4 micro-batches x 45 data units x 768 KiB; padded: 7 hops x 7 units
-    assert "data 117.0 MiB, on the wire 147.0 MiB (each hop padded to 7 units" in out
+    # 4 micro-batches x 45 data units x 384 KiB; padded: 7 hops x 7 units
+    assert "data 58.5 MiB, on the wire 73.5 MiB (each hop padded to 7 units" in out
     for stage in range(4):  # weights, grads, optimizer, activations, depth cache, total
         assert len([line for line in out.splitlines()
                     if line.startswith(f"    {stage}  ") and line.count("iB") == 6]) == 1
@@ -107,3 +130,45 @@ def test_the_last_line_says_what_happened():
     assert _outcome(stopped, 75) == (
         "stopped early at step 34 (received SIGUSR1): checkpoint runs/x/checkpoints/step_00000034"
         " saved; run the same command again to resume (exit code 75)")
+
+
+@pytest.mark.parametrize("args, cause", [
+    (["config", "--preset", "tiny", "data.path=no/such/dir"], "dataset no/such/dir: no such"),
+    (["train", "--preset", "tiny", "data.path=d", "modle.residual=ddl"],
+     "modle: unknown field; did you mean model?"),
+    (["train", "--preset", "tiny", "data.path=d", "model.seq_length=16", "parallel.tensor=2",
+      "--dry-run"],
+     "must divide the world size 1; start 2 processes or more with `t2train launch "
+     "--nproc-per-node=2 ...` (same arguments)"),
+])
+def test_mistakes_say_what_to_do(megatron_world, tmp_path, monkeypatch, capsys, args, cause):
+    from t2train.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    if "parallel.tensor=2" in args:  # a real dataset, so the layout is what fails
+        from t2train.data.prepare import prepare_dataset
+
+        (tmp_path / "doc.txt").write_text("to be or not to be " * 200)
+        prepare_dataset([str(tmp_path / "doc.txt")], tmp_path / "d", seq_length=16,
+                        vocab_size=300)
+    assert main(args) == 2
+    assert cause in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_dry_run_builds_everything_and_writes_nothing(megatron_world, shakespeare, tmp_path,
+                                                      capsys):
+    from t2train.cli import main
+
+    run_dir = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", f"data.path={shakespeare}", "model.seq_length=64",
+                 "train.steps=20", "train.warmup_steps=2", f"log.run_dir={run_dir}",
+                 "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"dry run of {run_dir}: standard residual, 1.97M parameters on rank 0" in out, out
+    assert "world 1 = TP 1 x PP 1 x DP 1 | engine megatron | fresh start" in out
+    assert "20 steps of 1,024 tokens" in out and "one step's batches read" in out
+    assert "no pipeline hops (PP = 1)" in out
+    assert out.rstrip().endswith("nothing trained or written; to train, run the same command "
+                                 "without --dry-run")
+    assert not run_dir.exists()

@@ -312,10 +312,13 @@ def test_every_design_exports_to_transformers(trained, shakespeare, megatron_wor
 @pytest.mark.slow
 def test_generate_and_eval_commands(trained, shakespeare, megatron_world, capsys):
     run_dir = Path(trained["ddl+shortswa"]["checkpoint"]).parents[1]
-    for sampling in ([], ["--top-p", "0.9", "--seed", "3"]):
+    texts = []
+    for sampling in ([], ["--top-p", "0.9", "--seed", "3"], ["--temperature", "20", "--seed", "3"]):
         assert main(["generate", str(run_dir), "--prompt", "To be, or not",
                      "--max-new-tokens", "6", "--device", "cpu", *sampling]) == 0
-        assert capsys.readouterr().out.startswith("To be, or not")
+        texts.append(capsys.readouterr().out)
+        assert texts[-1].startswith("To be, or not")
+    assert texts[2] != texts[0]  # --temperature alone samples (nearly uniformly, at 20)
     assert main(["eval", str(run_dir), "--data", str(shakespeare), "--max-batches", "2",
                  "--batch-size", "2", "--device", "cpu"]) == 0
     line = capsys.readouterr().out.strip()
@@ -364,3 +367,13 @@ def test_a_tokenizer_of_another_hash_is_refused(tmp_path):
                                   tokenizer_sha256="c" * 64)
     with pytest.raises(DataError, match="but the run was trained with tokenizer cccccccccccc"):
         run_tokenizer(open_checkpoint(checkpoint))
+
+
+def test_eval_reports_progress_on_stderr(capsys):
+    from t2train.export.cli import ProgressLine
+
+    report = ProgressLine("eval val", total=40, every=0)
+    report(10)
+    line = capsys.readouterr().err
+    assert line.startswith("eval val: 10/40 batches, 0:00 elapsed, eta 0:0")
+    assert line.count("\n") == 1

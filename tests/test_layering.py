@@ -44,6 +44,7 @@ STANDALONE = {
     "t2train.launch": {"t2train.config", "t2train.errors", "t2train.signals"},
     "t2train.signals": {"t2train.errors"},
     "t2train.errors": set(),
+    "t2train.version": set(),
     "t2train.compat": set(),
 }
 # Deliberate exceptions, each with its reason.

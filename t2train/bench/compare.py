@@ -25,9 +25,10 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from t2train.bench.compare_report import VariantRuns
+if TYPE_CHECKING:  # numpy: not imported to build the CLI's parser
+    from t2train.bench.compare_report import VariantRuns
 
 
 def _run_config(preset: Optional[str], config_file: Optional[str], overrides: list[str],
@@ -134,6 +135,7 @@ def _tokens_per_step(config) -> int:
 
 
 def _variant_runs(variant: str, curves: list[dict[int, float]], config) -> VariantRuns:
+    from t2train.bench.compare_report import VariantRuns
     from t2train.model.build import padded_vocab_size
     from t2train.model.flops import parameters, train_flops_per_token
     from t2train.train.loop import dataset_facts

@@ -20,6 +20,7 @@ copy of bf16 parameters, sharded over data parallelism by the distributed optimi
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Optional
 
 import torch
 
@@ -197,13 +198,23 @@ def _precision(config: Config) -> str:
     name = str(compute_dtype(config)).replace("torch.", "")
     if config.train.precision != "auto" or compute_dtype(config) == torch.bfloat16:
         return name
-    return f"{name} (train.precision=auto without CUDA; GPU runs use bfloat16: add " \
-           "train.precision=bf16 to plan one)"
+    return f"{name} (train.precision=auto without CUDA)"
+
+
+def planned_for_gpu(config: Config) -> Config:
+    """``train.precision=auto`` as on a GPU (bf16), where a plan's layout runs."""
+    if config.train.precision != "auto":
+        return config
+    return replace(config, train=replace(config.train, precision="bf16"))
 
 
 def format_plan(config: Config, plan: LayoutPlan, vocab_source: str,
-                device_bytes: int) -> str:
+                device_bytes: Optional[int], precision_note: str = "") -> str:
+    """The plan as text; each memory column is one GPU's: one tensor-parallel rank of a
+    pipeline stage. Without ``device_bytes`` stages are not compared to a device."""
     model = config.model
+    device = ("" if device_bytes is None else
+              f"; device {readable_bytes(device_bytes)} (--device-memory-gib)")
     lines = [
         f"{variant_label(model)}: {model.num_layers} layers, hidden {model.hidden_size}, seq "
         f"{model.seq_length}, micro-batch {config.train.micro_batch_size} | TP {plan.tensor} x "
@@ -211,17 +222,18 @@ def format_plan(config: Config, plan: LayoutPlan, vocab_source: str,
         f"{plan.micro_batches} micro-batches per step per replica",
         f"vocabulary {plan.vocab_size:,} ({vocab_source}), padded to "
         f"{plan.padded_vocab_size:,} for tensor parallelism",
-        f"memory per GPU, estimated, {_precision(config)}; device "
-        f"{readable_bytes(device_bytes)} (--device-memory-gib):",
-        f"{'stage':>5}  {'layers':<12} {'params':>9} {'weights':>10} {'grads':>10} "
+        f"memory per GPU, i.e. per tensor-parallel rank of a stage (each column is one rank's "
+        f"share of TP {plan.tensor}), estimated, {_precision(config)}{precision_note}{device}:",
+        f"{'stage':>5}  {'layers':<12} {'params/rank':>11} {'weights':>10} {'grads':>10} "
         f"{'optimizer':>10} {'activations':>11} {'depth cache':>11} {'total':>10}",
     ]
     for stage in plan.stages:
         span = ",".join(str(i) for i in stage.layers) if len(stage.layers) <= 4 else \
             f"{len(stage.layers)} of {model.num_layers}"
-        fits = "" if stage.total_bytes <= device_bytes else "  > device memory"
+        fits = ("" if device_bytes is None or stage.total_bytes <= device_bytes
+                else "  > device memory")
         lines.append(
-            f"{stage.rank:>5}  {span:<12} {stage.parameters / 1e6:>8.1f}M "
+            f"{stage.rank:>5}  {span:<12} {stage.parameters / 1e6:>10.1f}M "
             f"{readable_bytes(stage.parameter_bytes):>10} "
             f"{readable_bytes(stage.gradient_bytes):>10} "
             f"{readable_bytes(stage.optimizer_bytes):>10} "

@@ -1,13 +1,16 @@
 """A minimal plain-PyTorch GPT of the standard design, to time the stack's overhead against.
 
 Same shapes as t2train's ``standard`` model (pre-norm RMSNorm, RoPE, causal SDPA, SwiGLU MLP
-without biases, tied embeddings) trained with AdamW and gradient clipping on the same
-micro-batches: no Megatron, no pipeline schedule, no distributed optimizer.
+without biases, tied embeddings) trained with AdamW (fused on CUDA) and gradient clipping on
+the same micro-batches: no Megatron, no pipeline schedule, no distributed optimizer. Eager,
+or with ``torch.compile`` applied to each block (torchtitan's habit): what a user could write
+in an afternoon, and what t2train's fused path (``model.fusions``) must at least match.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -85,14 +88,20 @@ def _synchronize(device: torch.device) -> None:
 
 
 def time_reference_steps(config: Config, vocab_size: int, steps: list[list[dict]],
-                         warmup: int, dtype: torch.dtype) -> list[float]:
-    """Seconds of each step after the first ``warmup`` ones, on ``steps``' micro-batches."""
+                         warmup: int, dtype: torch.dtype,
+                         backend: Optional[str] = None) -> list[float]:
+    """Seconds of every step on ``steps``' micro-batches (the first ``warmup`` are the
+    warm-up); with a ``torch.compile`` ``backend``, each block compiled with it."""
     device = steps[0][0]["tokens"].device
     model = ReferenceGPT(config, vocab_size).to(device)
+    if backend is not None:
+        for block in model.blocks:
+            block.compile(backend=backend)
     train = config.train
     optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr,
                                   betas=(train.adam_beta1, train.adam_beta2),
-                                  eps=train.adam_eps, weight_decay=train.weight_decay)
+                                  eps=train.adam_eps, weight_decay=train.weight_decay,
+                                  fused=device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     seconds = []
     for index, micro_batches in enumerate(steps):
@@ -106,6 +115,5 @@ def time_reference_steps(config: Config, vocab_size: int, steps: list[list[dict]
         torch.nn.utils.clip_grad_norm_(model.parameters(), train.clip_grad)
         optimizer.step()
         _synchronize(device)
-        if index >= warmup:
-            seconds.append(time.perf_counter() - started)
+        seconds.append(time.perf_counter() - started)
     return seconds

@@ -4,7 +4,9 @@ Every design runs in one process on the same real batches: ``--warmup`` untimed 
 ``--steps`` timed ones, ``--repeats`` times with the designs taking turns, so a change of the
 machine's load affects them alike; the table gives the minimum and the median over all timed
 steps, and the load average before and after. A plain-PyTorch loop of the ``standard`` model
-(``reference_gpt``) runs on the same batches so the stack's own overhead is visible.
+(``reference_gpt``) runs on the same batches so the stack's own overhead is visible; when the
+fused path is on (``model.fusions``), also with each of its blocks compiled. The warm-up
+steps' time, where compilation happens, is reported apart from the step time.
 """
 
 from __future__ import annotations
@@ -16,12 +18,11 @@ import time
 from dataclasses import dataclass, replace
 from typing import Optional
 
-import torch
-
 from t2train.bench.table import markdown_table
 from t2train.residual import BASELINE
 
 REFERENCE = f"plain PyTorch ({BASELINE})"
+COMPILED_REFERENCE = f"plain PyTorch, compiled blocks ({BASELINE})"
 
 
 @dataclass
@@ -32,6 +33,7 @@ class DesignTiming:
     tokens_per_step: int
     memory_gib: float  # peak CUDA allocation, or the process RSS on CPU
     traffic: dict  # the last step's pipeline/<...> counters (empty without a pipeline)
+    warmup_seconds: float = 0.0  # the untimed steps before, compilation included
 
     @property
     def step_seconds(self) -> float:
@@ -53,10 +55,13 @@ class DesignTiming:
     def merged(self, later: "DesignTiming") -> "DesignTiming":
         """This timing and a later repetition's, as one."""
         return replace(later, step_samples=self.step_samples + later.step_samples,
-                       memory_gib=max(self.memory_gib, later.memory_gib))
+                       memory_gib=max(self.memory_gib, later.memory_gib),
+                       warmup_seconds=max(self.warmup_seconds, later.warmup_seconds))
 
 
 def _synchronize() -> None:
+    import torch
+
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -69,10 +74,17 @@ def _memory_gib() -> float:
 
 
 def build_objects(config, vocab_size: int):
-    """This rank's model, optimizer and schedule, seeded as a training run seeds them."""
+    """This rank's model, optimizer and schedule, seeded as a training run seeds them.
+
+    Compiled code of models built before is dropped: each variant's fused path compiles in
+    its own warm-up, and one process timing many designs stays under dynamo's recompile limit
+    (designs share the layer's code)."""
+    import torch
+
     from t2train.engine.megatron.setup import build_training_objects
     from t2train.parallel.init import init_distributed, init_model_parallel, set_seed
 
+    torch._dynamo.reset()
     init_distributed()
     parallel = config.parallel
     set_seed(config.train.seed, init_model_parallel(parallel.tensor, parallel.pipeline,
@@ -82,6 +94,8 @@ def build_objects(config, vocab_size: int):
 
 def time_design(config, vocab_size: int, steps: list, warmup: int,
                 variant: str) -> DesignTiming:
+    import torch
+
     from t2train.engine.megatron.step import train_step
     from t2train.model.flops import parameters
 
@@ -89,17 +103,16 @@ def time_design(config, vocab_size: int, steps: list, warmup: int,
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     seconds = []
-    for index, micro_batches in enumerate(steps):
+    for micro_batches in steps:
         _synchronize()
         started = time.perf_counter()
         result = train_step(objs, micro_batches)
         _synchronize()
-        if index >= warmup:
-            seconds.append(time.perf_counter() - started)
+        seconds.append(time.perf_counter() - started)
     timing = DesignTiming(
         design=variant, params=parameters(config.model, vocab_size),
-        step_samples=seconds, tokens_per_step=_tokens_per_step(config),
-        memory_gib=_memory_gib(), traffic=result.traffic)
+        step_samples=seconds[warmup:], tokens_per_step=_tokens_per_step(config),
+        memory_gib=_memory_gib(), traffic=result.traffic, warmup_seconds=sum(seconds[:warmup]))
     del objs
     gc.collect()
     if torch.cuda.is_available():
@@ -138,27 +151,38 @@ def real_batches(config, count: int) -> list:
     return [feeder.next_step() for _ in range(count)]
 
 
-def reference_timing(config, vocab_size: int, steps: list, warmup: int) -> DesignTiming:
+def reference_timing(config, vocab_size: int, steps: list, warmup: int,
+                     compiled: bool = False) -> DesignTiming:
+    """The plain-PyTorch loop, eager or with each block compiled (the fused path's backend)."""
+    import torch
+
     from t2train.bench.reference_gpt import time_reference_steps
     from t2train.model.build import compute_dtype
     from t2train.model.flops import standard_parameters
+    from t2train.nn.compiling import compile_backend
 
+    torch._dynamo.reset()
     torch.manual_seed(config.train.seed)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    seconds = time_reference_steps(config, vocab_size, steps, warmup, compute_dtype(config))
-    return DesignTiming(REFERENCE, standard_parameters(config.model, vocab_size), seconds,
-                        _tokens_per_step(config), _memory_gib(), {})
+    seconds = time_reference_steps(config, vocab_size, steps, warmup, compute_dtype(config),
+                                   backend=compile_backend() if compiled else None)
+    return DesignTiming(COMPILED_REFERENCE if compiled else REFERENCE,
+                        standard_parameters(config.model, vocab_size), seconds[warmup:],
+                        _tokens_per_step(config), _memory_gib(), {},
+                        warmup_seconds=sum(seconds[:warmup]))
 
 
 def run_step_bench(preset: Optional[str], config_file: Optional[str], overrides: list[str],
                    designs: list[str], warmup: int, steps: int,
                    repeats: int = 1) -> list[DesignTiming]:
-    """One timing per design, plus the plain-PyTorch reference when the world is one rank;
-    ``repeats`` rounds in which every design takes its turn."""
+    """One timing per design, plus the plain-PyTorch reference when the world is one rank
+    (and its compiled twin when the fused path is on); ``repeats`` rounds in which every
+    design takes its turn."""
     import torch.distributed as dist
 
     from t2train.bench.variants import variant_config
+    from t2train.model.build import fusions_on
 
     configs = [variant_config(preset, config_file, overrides, design) for design in designs]
     vocab_size = model_vocab_size(configs[0])
@@ -170,6 +194,9 @@ def run_step_bench(preset: Optional[str], config_file: Optional[str], overrides:
                   for config, design in zip(configs, designs, strict=True)]
         if reference:
             round_.append(reference_timing(configs[0], vocab_size, batches, warmup))
+            if fusions_on(configs[0]):
+                round_.append(reference_timing(configs[0], vocab_size, batches, warmup,
+                                               compiled=True))
         timings = round_ if timings is None else [
             earlier.merged(later) for earlier, later in zip(timings, round_)]
     return timings
@@ -181,28 +208,34 @@ def load_average() -> str:
 
 
 def format_step_table(timings: list[DesignTiming]) -> str:
+    import torch
+
     by_design = {timing.design: timing for timing in timings}
     baseline = by_design.get(BASELINE)
     memory = "peak CUDA memory (GiB)" if torch.cuda.is_available() else "process RSS (GiB)"
     headers = ["design", "params (M)", "step time (ms, min)", "step time (ms, median)",
                f"vs {BASELINE} (median)", "tokens/s (median)", memory,
-               "pipeline data bytes/step", "pipeline wire bytes/step"]
+               "pipeline data bytes/step", "pipeline wire bytes/step", "warm-up (s)"]
     rows = [[timing.design, f"{timing.params / 1e6:.2f}", f"{timing.step_seconds_min * 1e3:.1f}",
              f"{timing.step_seconds * 1e3:.1f}",
              f"{timing.step_seconds / baseline.step_seconds:.2f}" if baseline else "n/a",
              f"{timing.tokens_per_sec:.0f}", f"{timing.memory_gib:.2f}",
-             f"{timing.pipeline_bytes('data'):.0f}", f"{timing.pipeline_bytes('wire'):.0f}"]
+             f"{timing.pipeline_bytes('data'):.0f}", f"{timing.pipeline_bytes('wire'):.0f}",
+             f"{timing.warmup_seconds:.1f}"]
             for timing in timings]
     table = markdown_table(headers, rows)
     samples = {len(timing.step_samples) for timing in timings}
     table += (f"\n\n{'/'.join(str(n) for n in sorted(samples))} timed steps per design; "
               "pipeline bytes: forward + backward of one step, summed over ranks (data: the "
-              "units each receiver lacked; wire: as sent, zero padding included)")
-    reference = by_design.get(REFERENCE)
-    if baseline and reference:
-        table += (f"\nstack overhead: t2train `standard` runs at "
-                  f"{baseline.tokens_per_sec / reference.tokens_per_sec:.2f}x the tokens/s of "
-                  f"the plain-PyTorch loop")
+              "units each receiver lacked; wire: as sent, zero padding included); warm-up: the "
+              "untimed steps before them, compilation included (fused path)")
+    for name, loop in ((REFERENCE, "plain-PyTorch loop"),
+                       (COMPILED_REFERENCE, "plain-PyTorch loop with compiled blocks")):
+        reference = by_design.get(name)
+        if baseline and reference:
+            table += (f"\nstack overhead: t2train `{BASELINE}` runs at "
+                      f"{baseline.tokens_per_sec / reference.tokens_per_sec:.2f}x the tokens/s "
+                      f"of the {loop}")
     return table
 
 

@@ -12,12 +12,13 @@ from pathlib import Path
 
 from t2train.checkpoint.errors import CheckpointError
 from t2train.checkpoint.paths import ENGINE_FILE, LATEST, checkpoint_engine, is_complete
-from t2train.checkpoint.store import find_latest
 from t2train.residual import resolve_aliases, variant_label
 
 
 def resolve_checkpoint(path: Path) -> Path:
     """``path`` if it is a complete checkpoint, else the newest one it leads to."""
+    from t2train.checkpoint.store import find_latest  # torch and Megatron: not for --help
+
     if path.name == LATEST and path.is_file():
         path = path.parent
     if is_complete(path):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -19,28 +18,12 @@ from t2train.checkpoint.paths import INCOMPLETE, LATEST, is_complete, step_dir_n
 from t2train.checkpoint.retention import apply_retention
 from t2train.config.schema import CONFIG_FORMAT, Config
 from t2train.errors import RankFailure, TrainingHalted
+from t2train.version import code_version
 
 # EX_IOERR (sysexits.h): the run ended (train.steps reached, or stopped early) but its last
 # checkpoint could not be written (checkpoint.on_save_error=continue); a job script must not
 # take the run for finished, nor requeue it as if it had saved.
 SAVE_FAILED_EXIT_CODE = 74
-
-
-def code_version() -> str:
-    """t2train's version and, from a git checkout, the commit (``+dirty`` with local edits)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        release = version("t2train")
-    except PackageNotFoundError:
-        release = "unknown"
-    repo = Path(__file__).resolve().parents[2]
-    try:
-        commit = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty"],
-                                capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        commit = ""
-    return f"{release}+{commit}" if commit else release
 
 
 def describe_save_error(err: BaseException) -> str:

@@ -18,6 +18,8 @@ import types
 
 import torch
 
+from t2train.compat import library_noise
+
 SUPPORTED_MEGATRON = ("0.16.",)
 
 # megatron-core modules that allocate on, or query, the CUDA device at run time.
@@ -196,5 +198,6 @@ def apply(force: bool = False) -> bool:
         module.torch = proxy
     _set_cpu_rng_functions()
     _patch_tensor_method_users()
+    library_noise.silence_without_cuda()
     _applied = True
     return True

@@ -8,6 +8,7 @@ then checked against the field's declared type.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import typing
@@ -206,7 +207,9 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
     if unknown:
         shown = str(unknown[0])[:60]
         shown = shown if shown.isprintable() else repr(shown)  # the error stays one line
-        raise ConfigError(f"{prefix}{shown}: unknown field; known fields of "
+        close = difflib.get_close_matches(str(unknown[0]), known, n=1)
+        hint = f"did you mean {prefix}{close[0]}? " if close else ""
+        raise ConfigError(f"{prefix}{shown}: unknown field; {hint}known fields of "
                           f"{prefix.rstrip('.') or 'the config'}: {sorted(known)}")
     kwargs = {}
     for name, value in data.items():

@@ -6,6 +6,7 @@ dotted field, the value and what is allowed (``ConfigError``).
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field, make_dataclass
 from typing import Literal, Optional
 
@@ -33,6 +34,12 @@ class ModelShape:
     init_method_std: float = 0.02
     attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
     recompute: Literal["none", "full"] = "none"
+    # The fused hot path: `all` compiles every decoder layer with torch.compile (Inductor fuses
+    # the norms, RoPE, SwiGLU, dropout and the design's read and write around the GEMMs;
+    # t2train/nn/compiling.py), turns on Megatron's SwiGLU fusion and computes the loss without
+    # an fp32 copy of the logits (t2train/nn/cross_entropy.py); `none` is the eager reference.
+    # auto: all with CUDA, none on the CPU (where compiling costs more than it saves).
+    fusions: Literal["auto", "all", "none"] = "auto"
     # Dropout probability of the attention weights and of every sublayer's output before the
     # residual design writes it (Megatron's attention and hidden dropout); 0 = none.
     dropout: float = 0.0
@@ -165,7 +172,8 @@ class TrainConfig:
     log_interval: int = 10
     # Save and stop at the next step boundary (exit code 75, see t2train/train/preemption.py)
     # on these signals, or once this process has run exit_duration_mins (0 = no limit).
-    exit_signals: str = "SIGUSR1,SIGTERM"
+    # SIGINT is Ctrl-C: a second Ctrl-C stops at once, without saving (exit code 130).
+    exit_signals: str = "SIGUSR1,SIGTERM,SIGINT"
     exit_duration_mins: float = 0.0
     # The LR schedule a resumed run follows when this config's differs from the checkpoint's
     # (e.g. train.steps changed): `checkpoint` keeps the checkpoint's horizon, warm-up and LRs
@@ -286,6 +294,10 @@ class CheckpointConfig:
     # `t2train train` then writes the final checkpoint as a Hugging Face folder next to it
     # (checkpoints/step_N-hf, as `t2train export hf` does); not after a run stopped early.
     export_hf_on_finish: bool = False
+    # A fresh start (no checkpoint of this run to resume) begins from the model weights of this
+    # checkpoint or run directory, of any layout: e.g. a Hugging Face Llama brought in with
+    # `t2train import hf`. Optimizer, LR schedule, data position and step start anew.
+    init_from: str = ""
 
     def validate(self) -> None:
         require(self.interval >= 1, "checkpoint.interval", self.interval, "must be >= 1")
@@ -328,9 +340,15 @@ class LogConfig:
     # Peak TFLOP/s of one device for MFU; 0 = look the GPU up in t2train/monitor/mfu.py.
     peak_tflops: float = 0.0
     all_ranks: bool = False  # every rank prints its console lines (debugging); else rank 0
+    # Also log the scalars to Weights & Biases (t2train/monitor/wandb_sink.py): online, or
+    # offline into <run_dir>/wandb (wandb sync uploads it later); needs t2train[wandb].
+    wandb: Literal["off", "online", "offline"] = "off"
+    wandb_project: str = "t2train"
 
     def validate(self) -> None:
         require(bool(self.run_dir), "log.run_dir", self.run_dir, "must be a directory path")
+        require(self.wandb == "off" or importlib.util.find_spec("wandb") is not None,
+                "log.wandb", self.wandb, "needs the wandb package: pip install 't2train[wandb]'")
         require(self.diagnostics_interval >= 0, "log.diagnostics_interval",
                 self.diagnostics_interval, "must be >= 0 (0 turns diagnostics off)")
         require(self.peak_tflops >= 0, "log.peak_tflops", self.peak_tflops,
@@ -380,6 +398,8 @@ class Config:
         require(not self.parallel.distributed_optimizer, "parallel.distributed_optimizer", True,
                 f"{why}: ZeRO (deepspeed.zero_stage) shards the optimizer instead")
         require(not self.checkpoint.async_save, "checkpoint.async_save", True, why)
+        require(not self.checkpoint.init_from, "checkpoint.init_from", self.checkpoint.init_from,
+                f"{why} yet: start from the weights with train.engine=megatron")
         require(self.train.loss_spike_factor == 0, "train.loss_spike_factor",
                 self.train.loss_spike_factor, f"{why} (DeepSpeed applies the update itself; "
                 "it skips non-finite gradients on its own)")
@@ -387,8 +407,11 @@ class Config:
     def validate_world(self, world_size: int) -> int:
         """Check the layout against the launched world; returns the data-parallel size."""
         model_parallel = self.parallel.tensor * self.parallel.pipeline
+        launch = (f"; start {model_parallel} processes or more with `t2train launch "
+                  f"--nproc-per-node={model_parallel} ...` (same arguments)"
+                  if world_size < model_parallel else "")
         require(world_size % model_parallel == 0, "parallel.tensor*parallel.pipeline",
-                model_parallel, f"must divide the world size {world_size}")
+                model_parallel, f"must divide the world size {world_size}{launch}")
         dp = world_size // model_parallel
         per_step = self.train.micro_batch_size * dp
         require(self.train.global_batch_size % per_step == 0, "train.global_batch_size",

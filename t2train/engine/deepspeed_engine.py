@@ -13,7 +13,6 @@ import json
 import math
 import os
 import shutil
-import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -26,6 +25,7 @@ from t2train.checkpoint.errors import CheckpointError
 from t2train.checkpoint.paths import ENGINE_FILE, INCOMPLETE, step_dir_name
 from t2train.checkpoint.store import (capture_rng, check_engine, current_layout,
                                       publish_checkpoint, restore_rng)
+from t2train.compat.library_noise import known_prints_dropped
 from t2train.config.schema import Config
 from t2train.engine import MicroBatch, StepResult
 from t2train.engine.deepspeed_config import deepspeed_config
@@ -75,16 +75,14 @@ class DeepSpeedEngine:
         # DeepSpeed compiles some ops on first use: into the project, not the home cache.
         os.environ.setdefault("TORCH_EXTENSIONS_DIR",
                               str(Path.cwd() / ".cache" / "torch_extensions"))
-        # DeepSpeed's ZeRO calls a torch collective torch has deprecated (its concern, not ours)
-        warnings.filterwarnings("ignore", category=FutureWarning,
-                                message=".*reduce_scatter_tensor.* is deprecated")
         self.config, self.vocab_size = config, vocab_size
         self.zero_stage = config.deepspeed.zero_stage
         chunk, = build_model_chunks(config, transformer_config(config), vocab_size)
         self.ds_config = deepspeed_config(config, ps.get_data_parallel_world_size())
-        self.ds, optimizer, _, _ = deepspeed.initialize(
-            model=chunk, model_parameters=_parameter_groups(chunk, config),
-            config=self.ds_config, mpu=MegatronGroups(), dist_init_required=False)
+        with known_prints_dropped():
+            self.ds, optimizer, _, _ = deepspeed.initialize(
+                model=chunk, model_parameters=_parameter_groups(chunk, config),
+                config=self.ds_config, mpu=MegatronGroups(), dist_init_required=False)
         self.scheduler = lr_scheduler(optimizer, config)
         self.model = [self.ds]  # like a DDP chunk: ``.module`` is the T2GPTModel
 

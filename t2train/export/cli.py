@@ -36,6 +36,21 @@ def _cmd_export_hf(args) -> int:
     return 0
 
 
+def _cmd_import_hf(args) -> int:
+    from t2train.export.hf_import import import_hf
+    from t2train.residual import BASELINE
+
+    done = import_hf(args.folder, args.out, seq_length=args.seq_length, overwrite=args.overwrite)
+    seq = "--seq-length N" if args.seq_length is None else f"--seq-length {args.seq_length}"
+    print(f"imported {done.parameters / 1e6:.2f}M parameters of {args.folder} as the "
+          f"{BASELINE} design: checkpoint {done.checkpoint}, tokenizer "
+          f"{done.out / 'tokenizer.json'}, config {done.config_file}\n"
+          f"next: t2train data prepare --input 'TEXT_GLOB' --tokenizer {done.out} {seq} "
+          f"--out DATA\n"
+          f"      t2train train --config {done.config_file} data.path=DATA name=NAME")
+    return 0
+
+
 def _cmd_generate(args) -> int:
     from t2train.export.generate import generate
     from t2train.export.load import load_model, open_checkpoint
@@ -43,8 +58,10 @@ def _cmd_generate(args) -> int:
 
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise _usage(f"--top-p={args.top_p}: must be in (0, 1]")
-    if args.temperature <= 0:
+    if args.temperature is not None and args.temperature <= 0:
         raise _usage(f"--temperature={args.temperature}: must be > 0")
+    # --temperature alone samples from the whole distribution (top-p 1)
+    top_p = 1.0 if args.top_p is None and args.temperature is not None else args.top_p
     checkpoint = open_checkpoint(args.checkpoint)
     tok = run_tokenizer(checkpoint, args.tokenizer)
     prompt = tok.tokenizer.encode(args.prompt).ids
@@ -52,8 +69,8 @@ def _cmd_generate(args) -> int:
         raise _usage("--prompt: encodes to no tokens; give some text")
     loaded = load_model(checkpoint, device=args.device)
     new = generate(loaded.model, prompt, args.max_new_tokens, tok.tokenizer.get_vocab_size(),
-                   checkpoint.config.model.seq_length, tok.eos_id, args.top_p,
-                   args.temperature, args.seed)
+                   checkpoint.config.model.seq_length, tok.eos_id, top_p,
+                   args.temperature or 1.0, args.seed)
     print(args.prompt + tok.tokenizer.decode(new, skip_special_tokens=False))
     return 0
 
@@ -66,15 +83,45 @@ def _cmd_eval(args) -> int:
     from t2train.export.tokenizer import run_tokenizer_hash
 
     checkpoint = open_checkpoint(args.checkpoint)
-    check_same_tokenizer(checkpoint, Path(args.data), run_tokenizer_hash(checkpoint))
+    index = check_same_tokenizer(checkpoint, Path(args.data), run_tokenizer_hash(checkpoint))
     loaded = load_model(checkpoint, device=args.device)
     seq = checkpoint.config.model.seq_length
+    samples = index["splits"].get(args.split, {}).get("samples", 0)
+    total = min(-(-samples // args.batch_size), args.max_batches or samples)
     result = evaluate(loaded.model, Path(args.data), args.split, seq, args.batch_size,
-                      args.max_batches)
+                      args.max_batches, ProgressLine(f"eval {args.split}", total))
     print(f"{checkpoint.path} ({_label(checkpoint)}) on {args.data}/{args.split}: "
           f"loss {result.loss:.4f}, perplexity {result.perplexity:.2f} over {result.tokens:,} "
           f"tokens ({result.batches} batches of up to {args.batch_size} x {seq})")
     return 0
+
+
+class ProgressLine:
+    """``what: 120/480 batches, 0:42 elapsed, eta 2:06`` on stderr every ``every`` seconds."""
+
+    def __init__(self, what: str, total: int, every: float = 10.0):
+        import time
+
+        self.what, self.total, self.every = what, total, every
+        self.started = self.last = time.monotonic()
+
+    def __call__(self, done: int) -> None:
+        import sys
+        import time
+
+        now = time.monotonic()
+        if now - self.last < self.every:
+            return
+        self.last = now
+        elapsed = now - self.started
+        eta = elapsed / done * max(self.total - done, 0)
+        print(f"{self.what}: {done:,}/{self.total:,} batches, {_clock(elapsed)} elapsed, eta "
+              f"{_clock(eta)}", file=sys.stderr, flush=True)
+
+
+def _clock(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}:{seconds:02d}"
 
 
 def _usage(message: str):
@@ -127,18 +174,45 @@ def register(commands) -> None:
     hf.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     hf.set_defaults(handler=_cmd_export_hf)
 
+    from t2train.residual import BASELINE
+
+    imports = commands.add_parser("import", help="bring a model of another format in as a "
+                                                 "checkpoint to train on from")
+    sources = imports.add_subparsers(dest="import_format", required=True)
+    llama = sources.add_parser(
+        "hf", help="a Hugging Face LlamaForCausalLM folder (safetensors, tokenizer.json)",
+        description=f"Write the Llama in FOLDER (config.json, model.safetensors or its shards, "
+                    f"tokenizer.json) as a checkpoint of the {BASELINE} design in OUT, with its "
+                    "tokenizer and OUT/t2train.yaml (its model section and "
+                    "checkpoint.init_from=OUT): `t2train train --config OUT/t2train.yaml "
+                    "data.path=DATA` continues pretraining from it, at any layout. Prepare DATA "
+                    "with `t2train data prepare --tokenizer OUT`.")
+    llama.add_argument("folder", help="the Hugging Face model folder")
+    llama.add_argument("out", help="the folder to write")
+    llama.add_argument("--seq-length", type=_positive, default=None,
+                       help="model.seq_length to train at (default: the model's "
+                            "max_position_embeddings)")
+    llama.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    llama.set_defaults(handler=_cmd_import_hf)
+
     gen = commands.add_parser(
-        "generate", help="continue a prompt with a checkpoint (greedy or top-p)",
+        "generate", help="continue a prompt with a checkpoint (greedy or sampled)",
         description="Continue --prompt with CHECKPOINT's model and its run's tokenizer: "
-                    "greedy by default, nucleus sampling with --top-p.")
+                    "greedy by default, nucleus sampling with --top-p, sampling from the whole "
+                    "distribution with --temperature alone. The context is the newest "
+                    "model.seq_length tokens (a sliding window, positions from 0): past that "
+                    "length transformers' generate on the exported model, which keeps the whole "
+                    "context at positions the model never trained on, gives other tokens.")
     gen.add_argument("checkpoint", help=CHECKPOINT_HELP)
     gen.add_argument("--prompt", required=True, help="the text to continue")
     gen.add_argument("--max-new-tokens", type=_positive, default=64)
     gen.add_argument("--top-p", type=float, default=None,
                      help="sample from the smallest set of tokens with this probability mass "
                           "(default: greedy)")
-    gen.add_argument("--temperature", type=float, default=1.0, help="with --top-p")
-    gen.add_argument("--seed", type=int, default=0, help="with --top-p")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="divide the logits by this before sampling (default 1 with --top-p); "
+                          "without --top-p, samples from the whole distribution")
+    gen.add_argument("--seed", type=int, default=0, help="of the sampling")
     gen.add_argument("--tokenizer", help=TOKENIZER_HELP)
     _device_argument(gen)
     gen.set_defaults(handler=_cmd_generate)

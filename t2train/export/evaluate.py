@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -48,7 +48,9 @@ def check_same_tokenizer(checkpoint: Checkpoint, data: Path, run_hash: Optional[
 
 @torch.no_grad()
 def evaluate(model, data: Path, split: str, seq_length: int, batch_size: int,
-             max_batches: Optional[int] = None) -> Evaluation:
+             max_batches: Optional[int] = None,
+             progress: Optional[Callable[[int], None]] = None) -> Evaluation:
+    """``progress(batches done)`` is called after each batch."""
     from t2train.data.loader import StreamingWorld, TokenBatches
 
     batches = TokenBatches(data, split, micro_batch_size=batch_size, seq_length=seq_length,
@@ -63,6 +65,8 @@ def evaluate(model, data: Path, split: str, seq_length: int, batch_size: int,
             total += float(losses.double().sum())
             tokens += labels.numel()
             count += 1
+            if progress is not None:
+                progress(count)
             if max_batches is not None and count >= max_batches:
                 break
     finally:

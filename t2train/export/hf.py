@@ -77,6 +77,7 @@ def export_hf(given: str | Path, out: str | Path, tokenizer: Optional[str | Path
         _tokenizer(run_tok, model_config.seq_length).save_pretrained(staging)
         if not llama:
             (staging / f"{MODELING_NAME}.py").write_text(residual_hf.modeling_source())
+        _follow_umask(staging)
         _publish(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -149,6 +150,45 @@ def _hf_tensors(key: str, tensor, heads: int, groups: int, head_dim: int) -> dic
     return {f"{prefix}.{rest}": tensor}
 
 
+def megatron_state_dict(hf: dict, model) -> dict[str, torch.Tensor]:
+    """``hf_state_dict`` inverted for a Llama (``standard``): Hugging Face names and split
+    q/k/v and gate/up tensors to Megatron's TP = 1 state dict. ``model`` is the ``ModelConfig``."""
+    heads = model.num_attention_heads
+    groups = model.num_query_groups or heads
+    head_dim = model.hidden_size // heads
+    megatron_slot = {hf_slot: slot for slot, hf_slot in _LAYER_SLOTS.items()}
+    top = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
+           "lm_head.weight": "output_layer.weight",
+           "model.norm.weight": "decoder.final_layernorm.weight"}
+    state, fused = {}, {}
+    for name, tensor in hf.items():
+        if name in top:
+            state[top[name]] = tensor
+            continue
+        parts = name.split(".")
+        if parts[:2] != ["model", "layers"] or parts[3] not in megatron_slot:
+            raise ValueError(f"{name}: a weight a Llama does not have")
+        prefix = f"decoder.layers.{parts[2]}.{megatron_slot[parts[3]]}"
+        rest = ".".join(parts[4:])
+        if rest in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
+                    "up_proj.weight"):
+            fused.setdefault(prefix, {})[rest.split("_")[0]] = tensor
+        elif rest in ("o_proj.weight", "down_proj.weight"):
+            state[f"{prefix}.{'linear_proj' if rest[0] == 'o' else 'linear_fc2'}.weight"] = tensor
+        else:
+            state[f"{prefix}.{rest}"] = tensor
+    for prefix, parts in fused.items():
+        if prefix.endswith(".mlp"):
+            state[f"{prefix}.linear_fc1.weight"] = torch.cat([parts["gate"], parts["up"]])
+            continue
+        width = parts["q"].shape[-1]
+        per_group = torch.cat([parts["q"].view(groups, heads // groups, head_dim, width),
+                               parts["k"].view(groups, 1, head_dim, width),
+                               parts["v"].view(groups, 1, head_dim, width)], dim=1)
+        state[f"{prefix}.linear_qkv.weight"] = per_group.reshape(-1, width)
+    return state
+
+
 def _write_weights(state: dict, folder: Path, max_shard_size: str | int) -> None:
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
@@ -205,6 +245,14 @@ def _tokenizer(run_tok: RunTokenizer, seq_length: int):
                                    bos_token=run_tok.eos_token, model_max_length=seq_length,
                                    clean_up_tokenization_spaces=False,
                                    model_input_names=["input_ids", "attention_mask"])
+
+
+def _follow_umask(folder: Path) -> None:
+    """Give every file the mode a plain ``open`` would: safetensors writes 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in folder.iterdir():
+        file.chmod(0o666 & ~umask)
 
 
 def _publish(staging: Path, out: Path) -> None:

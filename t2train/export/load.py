@@ -13,7 +13,6 @@ import contextlib
 import io
 import os
 import tempfile
-import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
@@ -82,14 +81,14 @@ def load_model(checkpoint: Checkpoint, device: Optional[str] = None,
                                   "missing)")
         stored = shards[0][EMBEDDING].dtype
         rows = sum(shard[EMBEDDING].shape[0] for shard in shards.values())
-        model = _build(checkpoint.config, rows, stored)
+        model = build_model(checkpoint.config, rows, stored)
         _load_gathered(model, _join_tensor_parallel(model, shards), checkpoint.path)
     else:
         rows, stored = _megatron_embedding(checkpoint.path)
-        model = _build(checkpoint.config, rows, stored)
+        model = build_model(checkpoint.config, rows, stored)
         _load_megatron(model, checkpoint.path)
     if dtype is not None and dtype != stored:
-        converted = _build(checkpoint.config, model.vocab_size, dtype)
+        converted = build_model(checkpoint.config, model.vocab_size, dtype)
         converted.load_state_dict(model.state_dict())
         model = converted
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -113,7 +112,7 @@ def single_process_world() -> None:
     set_seed(0, init_model_parallel(1, 1, 1))
 
 
-def _build(config: Config, vocab_rows: int, dtype: torch.dtype):
+def build_model(config: Config, vocab_rows: int, dtype: torch.dtype):
     from t2train.model.build import build_model_chunks, transformer_config
 
     precision = "bf16" if dtype == torch.bfloat16 else "fp32"
@@ -145,12 +144,8 @@ def _load_megatron(model, path: Path) -> None:
 
     from t2train.checkpoint.store import read_checkpoint
 
-    with warnings.catch_warnings():  # deprecations between Megatron and torch DCP: not ours
-        warnings.filterwarnings(
-            "ignore", category=FutureWarning,
-            module=r"(torch\.distributed\.checkpoint|megatron\.core\.dist_checkpointing)")
-        loaded = read_checkpoint(path, lambda: dist_checkpointing.load(
-            {"model": model.sharded_state_dict()}, str(path)))
+    loaded = read_checkpoint(path, lambda: dist_checkpointing.load(
+        {"model": model.sharded_state_dict()}, str(path)))
     model.load_state_dict(loaded["model"])
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Optional
 
 from t2train.data.errors import DataError
-from t2train.data.tokenizer import EOS, TOKENIZER_FILE, eos_id, file_sha256, load_tokenizer
+from t2train.data.tokenizer import (EOS, TOKENIZER_FILE, eos_id, eos_token, file_sha256,
+                                    load_tokenizer)
 from t2train.export.load import Checkpoint
 
 
@@ -44,6 +45,7 @@ def run_tokenizer(checkpoint: Checkpoint, given: Optional[str | Path] = None) ->
     expected = run_tokenizer_hash(checkpoint)
     if given is not None:
         path = Path(given)
+        path = path / TOKENIZER_FILE if path.is_dir() else path
     else:
         path = Path(checkpoint.config.data.path) / TOKENIZER_FILE
         if not path.is_file():
@@ -55,4 +57,4 @@ def run_tokenizer(checkpoint: Checkpoint, given: Optional[str | Path] = None) ->
     if expected is not None and sha != expected:
         raise DataError(f"tokenizer {path}: sha256 {sha[:12]}, but the run was trained with "
                         f"tokenizer {expected[:12]}")
-    return RunTokenizer(path, sha, tokenizer, eos_id(tokenizer, path))
+    return RunTokenizer(path, sha, tokenizer, eos_id(tokenizer, path), eos_token(tokenizer, path))

@@ -22,6 +22,7 @@ class T2TransformerConfig(TransformerConfig):
     t2_model: Optional[ModelConfig] = None  # residual designs read their options here
     t2_cached_hops: bool = False  # hops skip units the receiving rank kept (depth cache)
     t2_hop_shapes: str = "exact"  # parallel.hop_shapes: exact or padded
+    t2_fused_loss: bool = False  # model.fusions: the loss without an fp32 copy of the logits
 
 
 def compute_dtype(config: Config) -> torch.dtype:
@@ -30,6 +31,12 @@ def compute_dtype(config: Config) -> torch.dtype:
     if precision == "auto":
         precision = "bf16" if torch.cuda.is_available() else "fp32"
     return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def fusions_on(config: Config) -> bool:
+    """``model.fusions`` resolved: ``auto`` is ``all`` with CUDA, ``none`` on the CPU."""
+    fusions = config.model.fusions
+    return fusions == "all" or (fusions == "auto" and torch.cuda.is_available())
 
 
 def padded_vocab_size(vocab_size: int, config: Config) -> int:
@@ -42,6 +49,7 @@ def transformer_config(config: Config) -> T2TransformerConfig:
     model, parallel = config.model, config.parallel
     dtype = compute_dtype(config)
     on_cuda = torch.cuda.is_available()
+    fused = fusions_on(config)
     return T2TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -65,7 +73,10 @@ def transformer_config(config: Config) -> T2TransformerConfig:
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not on_cuda,
-        bias_activation_fusion=on_cuda,
+        # Megatron's SwiGLU as one compiled function (its jit_fuser is torch.compile). Its
+        # RoPE and cross-entropy fusions need Transformer Engine, or cast the gradient to bf16
+        # whatever the precision: the loss is t2train's own (t2_fused_loss).
+        bias_activation_fusion=fused,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -80,6 +91,7 @@ def transformer_config(config: Config) -> T2TransformerConfig:
         t2_model=model,
         t2_cached_hops=parallel.caches_depth_units(),
         t2_hop_shapes=parallel.hop_shapes,
+        t2_fused_loss=fused,
     )
 
 
@@ -89,6 +101,7 @@ def build_model_chunks(config: Config, tf_config: T2TransformerConfig, vocab_siz
     each sending and receiving its hops as ``hops`` says (the run's plan; made here when the
     caller has none)."""
     from t2train.model.gpt import T2GPTModel
+    from t2train.nn.compiling import compile_modules
 
     hops = hops or plan_hops(tf_config)
     virtual = config.parallel.virtual_pipeline
@@ -107,4 +120,6 @@ def build_model_chunks(config: Config, tf_config: T2TransformerConfig, vocab_siz
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)
+    if fusions_on(config):  # all chunks' layers share the layer's code, and its recompile limit
+        compile_modules([layer for chunk in chunks for layer in chunk.decoder.layers])
     return chunks

@@ -21,6 +21,7 @@ from megatron.core.transformer.enums import ModelType
 from torch import Tensor
 
 from t2train.model.decoder import ResidualDecoder
+from t2train.nn.cross_entropy import vocab_parallel_cross_entropy
 
 
 class T2GPTModel(LanguageModule):
@@ -85,3 +86,11 @@ class T2GPTModel(LanguageModule):
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
+
+    def compute_language_model_loss(self, labels: Tensor, logits: Tensor) -> Tensor:
+        """Per-token loss [b, s] from logits [s, b, vocab/tp]: Megatron's, or on the fused path
+        t2train's, which keeps no fp32 copy of the logits (``t2train/nn/cross_entropy.py``)."""
+        if not self.config.t2_fused_loss:
+            return super().compute_language_model_loss(labels, logits)
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.pg_collection.tp)
+        return loss.transpose(0, 1).contiguous()

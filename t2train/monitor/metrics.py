@@ -81,7 +81,8 @@ class Monitor:
 
     def __init__(self, run_dir: Optional[Path], total_steps: int, tensorboard: bool = True,
                  resumed_at: Optional[int] = None, console: Optional[bool] = None,
-                 prefix: str = ""):
+                 prefix: str = "", wandb: Optional[dict] = None):
+        """``wandb``: ``wandb.init`` arguments (``wandb_sink.wandb_settings``), or None."""
         self.enabled = run_dir is not None
         self.console = self.enabled if console is None else console
         self.prefix = prefix
@@ -89,6 +90,7 @@ class Monitor:
         self.started = time.monotonic()
         self.writer = None
         self.jsonl = None
+        self.wandb = None
         if not self.enabled:
             return
         dropped = _drop_records_after(run_dir / "metrics.jsonl", resumed_at)
@@ -106,6 +108,10 @@ class Monitor:
             self.writer = SummaryWriter(str(run_dir), purge_step=(
                 resumed_at + 1 if resumed_at is not None else None))
         self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        if wandb is not None:
+            from t2train.monitor.wandb_sink import WandbSink
+
+            self.wandb = WandbSink(run_dir, wandb)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if not self.enabled:
@@ -116,6 +122,8 @@ class Monitor:
         record = {"step": step, "time": time.time()}
         record.update({k: (v if math.isfinite(v) else str(v)) for k, v in values.items()})
         self.jsonl.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            self.wandb.scalars(step, values)
 
     def image(self, step: int, tag: str, pixels) -> None:
         """An [height, width, 3] uint8 picture."""
@@ -144,3 +152,5 @@ class Monitor:
             self.writer.close()
         if self.jsonl is not None:
             self.jsonl.close()
+        if self.wandb is not None:
+            self.wandb.close()

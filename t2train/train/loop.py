@@ -19,6 +19,7 @@ from t2train.config.schema import Config, ConfigError
 from t2train.errors import RankFailure, TrainingHalted
 
 if TYPE_CHECKING:
+    from t2train.parallel.init import Topology
     from t2train.train.preemption import StopGuard
     from t2train.train.watchdog import Watchdog
 
@@ -109,6 +110,22 @@ def train(config: Config) -> RunSummary:
             raise
 
 
+def start_ranks(config: Config) -> tuple[dict, Optional[Path], int, "Topology"]:
+    """A run's first steps, also ``train --dry-run``'s: the dataset's facts and the checkpoint
+    to resume (checked before anything is written), then the process groups against the world
+    size and the seeds. Returns (facts, resume target, data-parallel size, topology)."""
+    from t2train.parallel.init import init_distributed, init_model_parallel, set_seed
+
+    facts = dataset_facts(config)
+    resume_from = _resume_target(config, Path(config.run_dir))
+    init_distributed(config.parallel.collective_timeout_mins)
+    dp_size = config.validate_world(dist.get_world_size())
+    topology = init_model_parallel(config.parallel.tensor, config.parallel.pipeline,
+                                   config.parallel.virtual_pipeline)
+    set_seed(config.train.seed, topology)
+    return facts, resume_from, dp_size, topology
+
+
 def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog",
          cleanup: ExitStack) -> RunSummary:
     from t2train.checkpoint.manager import Checkpointer
@@ -118,20 +135,13 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog",
     from t2train.monitor.diagnostics import Diagnostics, diagnostic_micro_batches
     from t2train.monitor.metrics import Monitor
     from t2train.monitor.step_metrics import loss_scalars, step_meter
-    from t2train.parallel.init import init_distributed, init_model_parallel, set_seed
+    from t2train.monitor.wandb_sink import wandb_settings
     from t2train.residual import variant_label
     from t2train.train.batches import GlobalBatchFeeder
     from t2train.train.data import open_streams
 
-    facts = dataset_facts(config)
     run_dir = Path(config.run_dir)
-    resume_from = _resume_target(config, run_dir)
-
-    init_distributed(config.parallel.collective_timeout_mins)
-    dp_size = config.validate_world(dist.get_world_size())
-    topology = init_model_parallel(config.parallel.tensor, config.parallel.pipeline,
-                                   config.parallel.virtual_pipeline)
-    set_seed(config.train.seed, topology)
+    facts, resume_from, dp_size, topology = start_ranks(config)
     engine = build_engine(config, padded_vocab_size(facts["vocab_size"], config))
 
     train_state: dict = {}
@@ -141,6 +151,12 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog",
         start = (f"resumed from {resume_from} (loaded in "
                  f"{time.monotonic() - loading_started:.1f}s) | "
                  f"{_schedule_in_force(config, engine.scheduler)}")
+    elif config.checkpoint.init_from:
+        from t2train.checkpoint.inspect import resolve_checkpoint
+
+        weights = resolve_checkpoint(Path(config.checkpoint.init_from))
+        engine.load_weights(weights, facts["tokenizer_sha256"])
+        start = f"fresh start from the weights of {weights}"
     else:
         start = "fresh start"
     start_step = train_state.get("step", 0)
@@ -160,7 +176,7 @@ def _run(config: Config, guard: "StopGuard", watchdog: "Watchdog",
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(config))
     monitor = Monitor(run_dir if logging_rank else None, train_cfg.steps,
-                      tensorboard=config.log.tensorboard,
+                      tensorboard=config.log.tensorboard, wandb=wandb_settings(config),
                       resumed_at=start_step if resume_from is not None else None,
                       console=logging_rank or config.log.all_ranks,
                       prefix=f"[rank {topology.rank}] " if config.log.all_ranks else "")

@@ -14,7 +14,8 @@ signal would be reset to its default action in those children and kill them. ``t
 launch`` blocks the signals before torchrun starts, so they are blocked in every worker from
 its first instruction; a trainer started another way blocks them when the guard opens and
 also records them with a handler, in case a thread created earlier receives one
-(``t2train/signals.py`` parses the signals and blocks them).
+(``t2train/signals.py`` parses the signals and blocks them). SIGINT (Ctrl-C) is one of them by
+default; a second Ctrl-C stops at once (``ctrl_c.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from t2train.signals import block
+from t2train.signals import REQUEUE_EXIT_CODE, block
+from t2train.train.ctrl_c import CtrlC, announces
 
 
 class StopGuard:
@@ -42,15 +44,23 @@ class StopGuard:
         self._received: Optional[signal.Signals] = None
         self._saved_handlers: dict = {}
         self._saved_mask: set = set()
+        # Polled at step boundaries; SIGINT is waited for by CtrlC, which announces it.
+        self._polled = [sig for sig in self.signals if sig != signal.SIGINT]
+        self._ctrl_c = (CtrlC(lambda: self._record(signal.SIGINT, None), announces(),
+                              REQUEUE_EXIT_CODE) if signal.SIGINT in self.signals else None)
 
     def __enter__(self) -> "StopGuard":
         self.started = time.monotonic()
         self._saved_mask = block(self.signals)
-        for sig in self.signals:
+        for sig in self._polled:
             self._saved_handlers[sig] = signal.signal(sig, self._record)
+        if self._ctrl_c is not None:
+            self._ctrl_c.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._ctrl_c is not None:
+            self._ctrl_c.__exit__(*exc)
         # A signal still pending would fire under the restored handler: consume it.
         while self.signals and signal.sigtimedwait(self.signals, 0) is not None:
             pass
@@ -63,7 +73,7 @@ class StopGuard:
 
     def _local_request(self) -> int:
         """0: carry on; 1: out of time; 2 + i: received ``self.signals[i]``."""
-        delivered = signal.sigtimedwait(self.signals, 0) if self.signals else None
+        delivered = signal.sigtimedwait(self._polled, 0) if self._polled else None
         if delivered is not None:
             self._received = signal.Signals(delivered.si_signo)
         if self._received is not None:

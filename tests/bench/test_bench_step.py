@@ -26,7 +26,7 @@ def test_step_bench_prints_one_row_per_design_and_the_reference(shakespeare):
     header, separator, *rows = _table_rows(out)
     assert header == ["design", "params (M)", "step time (ms, min)", "step time (ms, median)",
                       "vs standard (median)", "tokens/s (median)", "process RSS (GiB)",
-                      "pipeline data bytes/step", "pipeline wire bytes/step"]
+                      "pipeline data bytes/step", "pipeline wire bytes/step", "warm-up (s)"]
     assert set(separator) == {"---"}
     assert [row[0] for row in rows] == ["standard", "ddl+shortswa", "plain PyTorch (standard)"]
     for row in rows:

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from t2train.bench.gpu.plan import (SECTIONS, correctness_variants, load_settings, make_plan,
-                                    mixer_variants, step_variants)
+from t2train.bench.gpu.plan import (QUICK_SECTIONS, SECTIONS, correctness_variants,
+                                    load_settings, make_plan, mixer_variants, step_variants)
 from t2train.bench.gpu.report import evaluate_targets
+from t2train.bench.step import COMPILED_REFERENCE, REFERENCE
 from t2train.residual import BASELINE, mixer, registered
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,10 +43,13 @@ def test_dry_run_reports_every_section(shakespeare, tmp_path):
 
     steps = sections["step_cost"]["items"]
     settings = load_settings()
-    timed = [*step_variants(settings, registered()), "plain PyTorch (standard)",
+    timed = [*step_variants(settings, registered()), REFERENCE, COMPILED_REFERENCE,
              *mixer_variants(settings, registered())]
     assert [item["name"] for item in steps] == timed
-    assert all(item["step_ms"] > 0 for item in steps)
+    assert all(item["step_ms"] > 0 and item["warmup_s"] > 0 for item in steps)
+    mfu = sections["mfu"]["items"]  # the baseline on the fused path, and both loops
+    assert [item["name"] for item in mfu] == [BASELINE, REFERENCE, COMPILED_REFERENCE]
+    assert "the tokens/s and" in markdown and "warm-up (s)" in markdown
 
     rows = [row for item in sections["kernels"]["items"] for row in item["rows"]]
     assert {row["kernel"] for row in rows} == {
@@ -63,14 +67,19 @@ def test_dry_run_reports_every_section(shakespeare, tmp_path):
     assert "## Where the step time goes" in markdown
 
     verdicts = {t["target"].split(" ")[0]: t["verdict"] for t in report["targets"]}
-    assert len(report["targets"]) == 5 and set(verdicts.values()) <= {"met", "missed"} | {
+    assert len(report["targets"]) == 9 and set(verdicts.values()) <= {"met", "missed"} | {
         "not measured"}
     assert report["targets"][-1]["verdict"] == "not measured"  # no data-sheet peak on a CPU
 
 
-def _step(name, step_ms, reference=False):
+def _step(name, step_ms, reference=False, memory=10.0):
     return {"name": name, "status": "ok", "step_ms": step_ms, "reference": reference,
-            "tokens_per_s": 1000.0 / step_ms}
+            "tokens_per_s": 1000.0 / step_ms, "memory_gib": memory}
+
+
+def _compiled(step_ms, memory):
+    return dict(_step(COMPILED_REFERENCE, step_ms, reference=True, memory=memory),
+                compiled=True)
 
 
 def test_targets_are_judged_from_the_sections():
@@ -80,23 +89,42 @@ def test_targets_are_judged_from_the_sections():
         "env": {"data": {"matmul": {"tflops": 800.0}}},
         "step_cost": {"items": [_step(BASELINE, 100.0), _step(first, 100.0 * limit1),
                                 _step(second, 100.0 * limit2 + 1.0),
-                                {"name": third, "status": "skipped", "reason": "time"}]},
+                                {"name": third, "status": "skipped", "reason": "time"},
+                                _step(REFERENCE, 90.0, reference=True, memory=5.0),
+                                _compiled(100.0, 10.0)]},
         "kernels": {"items": [{"status": "ok", "rows": [
             {"kernel": "k", "preset": "p", "shape": "s", "impl": "triton", "ms": 1.0,
              "vs_best_peer": v} for v in (1.3, 0.9)]}]},
         "mfu": {"data": {"flops_per_token": 1e10, "datasheet_tflops": 1000.0},
-                "items": [dict(_step(BASELINE, 1.0), tokens_per_s=5e4)]},
+                "items": [dict(_step(BASELINE, 1.0), tokens_per_s=5e4),
+                          dict(_compiled(1.0, 9.0), tokens_per_s=5.1e4)]},
     }
     verdicts = [t["verdict"] for t in evaluate_targets(plan, sections)]
-    assert verdicts == ["met", "missed", "not measured", "missed", "met"]  # MFU 50% >= 45%
+    # 125m: as fast as the compiled loop (1.00x), same memory; 1b: slower (0.98x), more
+    # memory (10 > 9 GiB); the kernels: one 0.9x; MFU 50% >= 50%.
+    assert verdicts == ["met", "missed", "not measured", "met", "met", "missed", "missed",
+                        "missed", "met"]
     sections["mfu"]["items"][0]["tokens_per_s"] = 4e4  # 40%
     assert evaluate_targets(plan, sections)[-1]["verdict"] == "missed"
+    sections["mfu"]["items"].pop()  # no compiled loop at 1b: its two targets not measured
+    assert [t["verdict"] for t in evaluate_targets(plan, sections)][5:7] == ["not measured"] * 2
     kernel_rows = sections["kernels"]["items"][0]["rows"]
     kernel_rows[1].update(vs_best_peer=1.1)
     assert evaluate_targets(plan, sections)[-2]["verdict"] == "met"
     kernel_rows.append(dict(kernel_rows[0], ms=None, vs_best_peer=None, error="CompileError"))
     judged = evaluate_targets(plan, sections)[-2]  # a kernel that does not run is not fast
     assert judged["verdict"] == "missed" and "1 failed to run" in judged["measured"]
+
+
+def test_the_quick_plan_times_the_baseline_and_the_targets_within_four_minutes():
+    plan = make_plan(False, "unused", quick=True)
+    assert plan.sections == QUICK_SECTIONS and "profile" in QUICK_SECTIONS
+    assert sum(plan.budgets[name] for name in plan.sections) <= 240
+    assert step_variants(plan.settings, registered(), quick=True) == [
+        BASELINE, *plan.settings.step_targets]
+    assert mixer_variants(plan.settings, registered(), quick=True) == []
+    full = make_plan(False, "unused")
+    assert sum(full.budgets[name] for name in full.sections) <= 590  # one 10-minute command
 
 
 def test_every_registered_design_is_timed_and_trained():
@@ -192,3 +220,13 @@ def test_gpu_tests_stopped_at_their_share_still_report_what_ran():
          "message": ""},
         {"test": "tests.launch.test_launcher::test_more_processes", "outcome": "skipped",
          "message": ""}]
+
+
+def test_the_verdict_counts_only_the_sections_asked_for():
+    from t2train.bench.gpu.report import NOT_ASKED, verdict
+
+    sections = {name: {"status": "skipped", "reason": NOT_ASKED} for name in SECTIONS}
+    sections.update({name: {"status": "ok"} for name in QUICK_SECTIONS})
+    assert verdict(sections, []).startswith(f"{len(QUICK_SECTIONS)}/{len(QUICK_SECTIONS)} ")
+    sections["mfu"] = {"status": "timeout"}
+    assert verdict(sections, []).startswith(f"{len(QUICK_SECTIONS) - 1}/{len(QUICK_SECTIONS)} ")

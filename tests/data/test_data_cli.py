@@ -38,6 +38,8 @@ def test_prepare_prints_a_summary(text_files, tmp_path, capsys):
     assert index["compression"] is None
     assert f"train {index['splits']['train']['samples']:>9,} samples of 17 tokens in 1 shard\n" \
         in printed
+    assert printed.splitlines()[-1].startswith(
+        f"next: t2train train --preset tiny data.path={out} model.seq_length=16")
 
 
 def test_prepare_holds_out_files_named_by_val_files(text_files, tmp_path, capsys):

@@ -306,13 +306,23 @@ def test_user_tokenizer_without_eos(text_files, tmp_path):
     spec["added_tokens"] = []
     spec["model"]["vocab"] = {k: v for k, v in spec["model"]["vocab"].items() if k != EOS}
     bad = _write(tmp_path / "tokenizer.json", json.dumps(spec))
-    with pytest.raises(DataError, match=r"has no '<\|endoftext\|>' token; expected it as the "
-                                        r"end-of-document \(EOS\) token"):
+    with pytest.raises(DataError, match=r"has none of the tokens '<\|endoftext\|>', .*'</s>'.*; "
+                                        r"expected one as the end-of-document \(EOS\) token"):
         prepare_dataset(text_files, tmp_path / "other", seq_length=16, tokenizer=bad)
     with pytest.raises(DataError, match=r"not a valid tokenizer.json"):
         prepare_dataset(text_files, tmp_path / "other", seq_length=16,
                         tokenizer=_write(tmp_path / "t.json", "{}"))
     assert not (tmp_path / "other").exists()
+
+
+def test_a_tokenizer_folder_with_a_llama_eos(text_files, tmp_path):
+    prepare_dataset(text_files, tmp_path / "ds", seq_length=16, vocab_size=300)
+    text = (tmp_path / "ds" / "tokenizer.json").read_text().replace(EOS, "</s>")
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    _write(folder / "tokenizer.json", text)  # a Hugging Face model folder
+    index = prepare_dataset(text_files, tmp_path / "other", seq_length=16, tokenizer=folder)
+    assert index["eos_id"] == json.loads(text)["model"]["vocab"]["</s>"]
 
 
 def test_read_index_errors(tmp_path):

@@ -1,7 +1,8 @@
 """``python -m t2train.bench.gpu.check --out DIR [--dry-run]``: the one-command GPU check.
 
 Runs the sections of ``plan.SECTIONS`` (environment, correctness, step cost, MFU, kernels,
-profile) and writes ``DIR/gpu-report.md``, ``DIR/gpu-report.json`` and ``DIR/gpu-check.log``.
+profile) and writes ``DIR/gpu-report.md``, ``DIR/gpu-report.json`` and ``DIR/gpu-check.log``;
+``--quick`` runs ``plan.QUICK_SECTIONS`` on the baseline and the targeted variants only.
 
 Time: section i must end by the sum of the budgets of sections 1..i (so time one section
 leaves unspent goes to the next). A section skips what would not fit, with the reason, and
@@ -27,7 +28,8 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from t2train.bench.gpu.plan import SECTIONS, Plan, make_plan
+from t2train.bench.gpu.plan import QUICK_SECTIONS, SECTIONS, Plan, make_plan
+from t2train.nn.compiling import BACKEND_VARIABLE
 
 GRACE = 20.0  # seconds past its end before a section's worker is stopped
 MIN_SECTION = 5.0  # a section with less time than this left is skipped
@@ -144,7 +146,8 @@ def orchestrate(plan: Plan, names: list[str], results: Path, log, started: float
                 "--ends", json.dumps({name: ends[name] for name in pending})]
         # Its own process group, so that stopping it also stops its children (the CPU
         # reference, pytest, compile workers).
-        worker = subprocess.Popen(args + (["--dry-run"] if plan.dry_run else []),
+        flags = ["--dry-run"] * plan.dry_run + ["--quick"] * plan.quick
+        worker = subprocess.Popen(args + flags,
                                   stdout=log, stderr=subprocess.STDOUT, preexec_fn=os.setpgrp)
         while worker.poll() is None:
             statuses = [(_load(results / f"{n}.json") or {}).get("status") for n in pending]
@@ -177,7 +180,7 @@ def orchestrate(plan: Plan, names: list[str], results: Path, log, started: float
 
 
 def check(plan: Plan, out: Path, names: list[str]) -> dict:
-    from t2train.bench.gpu.report import write_report
+    from t2train.bench.gpu.report import NOT_ASKED, write_report
 
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -189,7 +192,7 @@ def check(plan: Plan, out: Path, names: list[str]) -> dict:
 
         def report() -> dict:
             sections = {name: _load(results / f"{name}.json") for name in SECTIONS}
-            not_asked = {"status": "skipped", "reason": "not among --only"}
+            not_asked = {"status": "skipped", "reason": NOT_ASKED}
             return write_report(plan, {name: sections[name] or (None if name in names else
                                                                  not_asked)
                                        for name in SECTIONS}, out, time.time() - started)
@@ -205,6 +208,9 @@ def main(argv=None) -> int:
                         help=f"prepared dataset (default: the bundle's, {DEFAULT_DATA})")
     parser.add_argument("--dry-run", action="store_true",
                         help="the whole plan on the CPU at tiny shapes (kernels interpreted)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the baseline and the targeted variants only, sections "
+                             f"{', '.join(QUICK_SECTIONS)} (about 3.5 minutes on a GPU)")
     parser.add_argument("--only", choices=SECTIONS, action="append",
                         help="run only these sections (repeatable; default all, in the order "
                              f"{', '.join(SECTIONS)})")
@@ -214,7 +220,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined
-    plan = make_plan(args.dry_run, args.data)
+        # The fused path's graphs without Inductor's code generation (minutes on a CPU).
+        os.environ.setdefault(BACKEND_VARIABLE, "aot_eager")
+    plan = make_plan(args.dry_run, args.data, quick=args.quick)
     if args.worker:
         return work(plan, args.sections.split(","), json.loads(args.ends), args.worker)
     if args.out is None:
@@ -223,7 +231,8 @@ def main(argv=None) -> int:
         print(f"error: --data {plan.data}: no prepared dataset there (make gpu-bundle builds "
               "one into .gpu-bundle/)", file=sys.stderr)
         return 2
-    report = check(plan, args.out, [name for name in SECTIONS if name in (args.only or SECTIONS)])
+    report = check(plan, args.out, [name for name in SECTIONS
+                                    if name in (args.only or plan.sections)])
     print(f"gpu_check: wrote {args.out}/gpu-report.md ({report['verdict']})")
     return 0
 

@@ -1,8 +1,11 @@
 """GPU check, performance: step cost of every design variant, and MFU of the MFU preset.
 
 Both time real training steps through ``t2train bench step``'s code (``time_design``): the
-same pre-read batches for every variant, warm-up steps untimed, the median of the timed ones.
-A variant is ``<design>`` or ``<design>+shortswa``, as ``t2train bench step --designs`` takes it.
+same pre-read batches for every variant, warm-up steps untimed (their time, compilation
+included, is reported apart), the median of the timed ones. A variant is ``<design>`` or
+``<design>+shortswa``, as ``t2train bench step --designs`` takes it. Beside them, the
+plain-PyTorch loop, eager and with compiled blocks: the speed and memory t2train's baseline
+must match.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ def variant_config(plan: Plan, preset: str, overrides: tuple, variant: str):
 
 def _timing_item(name: str, timing, **extra) -> dict:
     return dict(extra, name=name, params=timing.params, step_ms=timing.step_seconds * 1e3,
-                tokens_per_s=timing.tokens_per_sec, memory_gib=timing.memory_gib)
+                tokens_per_s=timing.tokens_per_sec, memory_gib=timing.memory_gib,
+                warmup_s=timing.warmup_seconds)
 
 
 def _timed(section, name: str, measure, estimate: float, **extra) -> None:
@@ -36,9 +40,19 @@ def _timed(section, name: str, measure, estimate: float, **extra) -> None:
     section.add(dict(item, seconds=time.monotonic() - started))
 
 
+def _references(section, config, vocab: int, batches: list, warmup: int) -> None:
+    """The plain-PyTorch loop, eager then with compiled blocks, each if it fits."""
+    from t2train.bench.step import COMPILED_REFERENCE, REFERENCE, reference_timing
+
+    for name, compiled in ((REFERENCE, False), (COMPILED_REFERENCE, True)):
+        _timed(section, name,
+               lambda compiled=compiled: reference_timing(config, vocab, batches, warmup,
+                                                          compiled=compiled),
+               section.last_item_seconds(default=30.0), reference=True, compiled=compiled)
+
+
 def step_cost(section, plan: Plan) -> None:
-    from t2train.bench.step import (REFERENCE, model_vocab_size, real_batches, reference_timing,
-                                    time_design)
+    from t2train.bench.step import model_vocab_size, real_batches, time_design
     from t2train.residual import registered
 
     designs = registered()
@@ -56,19 +70,17 @@ def step_cost(section, plan: Plan) -> None:
                section.last_item_seconds(default=30.0),
                max_ratio=plan.settings.step_targets.get(name))
 
-    for name in step_variants(plan.settings, designs):
+    for name in step_variants(plan.settings, designs, plan.quick):
         time_variant(name)
-    _timed(section, REFERENCE, lambda: reference_timing(first, vocab, batches, plan.step_warmup),
-           section.last_item_seconds(default=30.0), reference=True)
-    for name in mixer_variants(plan.settings, designs):
+    _references(section, first, vocab, batches, plan.step_warmup)
+    for name in mixer_variants(plan.settings, designs, plan.quick):
         time_variant(name)
 
 
 def mfu(section, plan: Plan) -> None:
     import torch
 
-    from t2train.bench.step import (REFERENCE, model_vocab_size, real_batches, reference_timing,
-                                    time_design)
+    from t2train.bench.step import model_vocab_size, real_batches, time_design
     from t2train.model.build import compute_dtype
     from t2train.monitor.mfu import model_flops_per_token, peak_tflops
 
@@ -85,5 +97,4 @@ def mfu(section, plan: Plan) -> None:
     batches = real_batches(config, plan.mfu_warmup + plan.mfu_steps)
     _timed(section, variant,
            lambda: time_design(config, vocab, batches, plan.mfu_warmup, variant), 60.0)
-    _timed(section, REFERENCE, lambda: reference_timing(config, vocab, batches, plan.mfu_warmup),
-           section.last_item_seconds(default=60.0), reference=True)
+    _references(section, config, vocab, batches, plan.mfu_warmup)

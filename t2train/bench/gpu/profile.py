@@ -97,7 +97,7 @@ def run(section, plan: Plan) -> None:
     section.data.update(preset=plan.step_preset, overrides=plan.step_overrides,
                         warmup=plan.profile_warmup, steps=plan.profile_steps)
     batches = real_batches(first, plan.profile_warmup + plan.profile_steps)
-    for name in step_variants(plan.settings, registered()):  # not the other mixer variants
+    for name in step_variants(plan.settings, registered(), plan.quick):  # not the mixer ones
         estimate = section.last_item_seconds(default=15.0)
         if not section.fits(estimate):
             section.add({"name": name, "status": "skipped", "reason": section.no_time(estimate)})

@@ -13,6 +13,7 @@ from t2train.bench.table import markdown_table
 DRY_RUN_STAMP = ("**CPU dry run**: the whole plan at tiny shapes on the CPU (kernels under the "
                  "Triton interpreter, bf16 training on the CPU). It proves the check runs; its "
                  "timings and target verdicts mean nothing.")
+NOT_ASKED = "not asked for (--only, --quick)"  # the reason of a section this run leaves out
 TITLES = {"env": "Environment", "correctness": "Correctness", "step_cost": "Step cost",
           "mfu": "MFU", "kernels": "Kernels", "profile": "Where the step time goes"}
 
@@ -36,6 +37,33 @@ def _judge(value: Optional[float], limit: float, at_most: bool) -> str:
 def kernel_rows(section: Optional[dict]) -> list[dict]:
     """Every timed row, also of the cases whose Triton kernel failed."""
     return [row for item in (section or {}).get("items", []) for row in item.get("rows", [])]
+
+
+def versus_compiled_reference(section: Optional[dict], base: str) -> Optional[dict]:
+    """The baseline's tokens/s and peak memory as multiples of the compiled plain-PyTorch
+    loop's, when both ran in this section."""
+    items = _items(section)
+    ours = next((item for item in items if item["name"] == base), None)
+    theirs = next((item for item in items if item.get("compiled")), None)
+    if not (ours and theirs):
+        return None
+    return {"speed": ours["tokens_per_s"] / theirs["tokens_per_s"],
+            "memory": ours["memory_gib"] / theirs["memory_gib"] if theirs["memory_gib"] else None}
+
+
+def _reference_targets(plan: Plan, section: Optional[dict], preset: str) -> list[dict]:
+    settings, base = plan.settings, baseline()
+    ratios = versus_compiled_reference(section, base) or {}
+    speed, memory = ratios.get("speed"), ratios.get("memory")
+    return [
+        {"target": f"{base} tokens/s >= {settings.reference_min_speed:.2f}x the plain-PyTorch "
+                   f"loop with compiled blocks ({preset})",
+         "measured": f"{speed:.3f}x" if speed else "",
+         "verdict": _judge(speed, settings.reference_min_speed, at_most=False)},
+        {"target": f"{base} peak memory <= {settings.reference_max_memory:.2f}x the compiled "
+                   f"loop's ({preset})",
+         "measured": f"{memory:.3f}x" if memory else "",
+         "verdict": _judge(memory, settings.reference_max_memory, at_most=True)}]
 
 
 def step_ratios(section: Optional[dict], baseline: str) -> dict:
@@ -68,6 +96,8 @@ def evaluate_targets(plan: Plan, sections: dict) -> list[dict]:
                                  f"({plan.step_preset})",
                        "measured": f"{ratio:.3f}x" if ratio else "",
                        "verdict": _judge(ratio, limit, at_most=True)})
+    judged += _reference_targets(plan, sections.get("step_cost"), plan.step_preset)
+    judged += _reference_targets(plan, sections.get("mfu"), plan.mfu_preset)
     triton = [row for row in kernel_rows(sections.get("kernels")) if row["impl"] == "triton"]
     rows = [row for row in triton if row["vs_best_peer"] is not None]
     failed = [row for row in triton if row["ms"] is None]
@@ -222,33 +252,43 @@ def _step_md(section: dict, base: str) -> list[str]:
     items = _items(section)
     rows = [[item["name"], f"{item['params'] / 1e6:.2f}", f"{item['step_ms']:.1f}",
              _fmt(ratios.get(item["name"]), ".3f"), _fmt(item.get("max_ratio"), ".2f"),
-             f"{item['tokens_per_s']:.0f}", f"{item['memory_gib']:.2f}"] for item in items]
+             f"{item['tokens_per_s']:.0f}", f"{item['memory_gib']:.2f}",
+             _fmt(item.get("warmup_s"))] for item in items]
     lines = [f"{data.get('preset')} preset {' '.join(data.get('overrides', ()))}; "
              f"{data.get('warmup')} warm-up + {data.get('steps')} timed steps of "
-             f"{data.get('tokens_per_step')} tokens, median", "",
+             f"{data.get('tokens_per_step')} tokens, median; warm-up: the untimed steps, "
+             "compilation included", "",
              _table(["variant", "params (M)", "step (ms)", "vs " + base, "target (at most)",
-                     "tokens/s", "memory (GiB)"], rows)]
-    timed = {item["name"]: item for item in items}
-    reference = next((item for item in items if item.get("reference")), None)
-    if reference and base in timed:
-        lines += ["", f"stack overhead: t2train `{base}` runs at "
-                      f"{timed[base]['tokens_per_s'] / reference['tokens_per_s']:.2f}x the "
-                      "tokens/s of the plain-PyTorch loop"]
-    return lines + _skipped_md(section)
+                     "tokens/s", "memory (GiB)", "warm-up (s)"], rows)]
+    return lines + _overhead_md(items, base) + _skipped_md(section)
+
+
+def _overhead_md(items: list[dict], base: str) -> list[str]:
+    """t2train's baseline against each plain-PyTorch loop that ran beside it."""
+    ours = next((item for item in items if item["name"] == base), None)
+    lines = []
+    for reference in (item for item in items if item.get("reference")):
+        if ours:
+            speed = ours["tokens_per_s"] / reference["tokens_per_s"]
+            memory = ours["memory_gib"] / reference["memory_gib"]
+            lines.append(f"- t2train `{base}` runs at {speed:.2f}x the tokens/s and "
+                         f"{memory:.2f}x the peak memory of `{reference['name']}`")
+    return [""] + lines if lines else []
 
 
 def _mfu_md(section: dict, env: Optional[dict]) -> list[str]:
     data = section.get("data", {})
     rows = [[row["name"], f"{row['step_ms']:.1f}", f"{row['tokens_per_s']:.0f}",
              f"{row['tflops']:.1f}", _fmt(row["mfu"] and 100 * row["mfu"]),
-             _fmt(row["mfu_measured"] and 100 * row["mfu_measured"]), f"{row['memory_gib']:.2f}"]
+             _fmt(row["mfu_measured"] and 100 * row["mfu_measured"]), f"{row['memory_gib']:.2f}",
+             _fmt(row.get("warmup_s"))]
             for row in mfu_numbers(section, env)]
     return [f"{data.get('preset')} preset {' '.join(data.get('overrides', ()))}, "
             f"{data.get('precision')}, {data.get('warmup')} warm-up + {data.get('steps')} timed "
             f"steps; {_fmt(data.get('flops_per_token'), '.3e')} model FLOPs per token", "",
             _table(["run", "step (ms)", "tokens/s", "TFLOP/s", "MFU % (data sheet)",
-                            "MFU % (measured matmul peak)", "memory (GiB)"], rows)] + \
-        _skipped_md(section)
+                    "MFU % (measured matmul peak)", "memory (GiB)", "warm-up (s)"], rows)] + \
+        _overhead_md(_items(section), baseline()) + _skipped_md(section)
 
 
 def _profile_md(section: dict, base: str) -> list[str]:
@@ -305,14 +345,16 @@ def render_markdown(plan: Plan, sections: dict, targets: list[dict], report: dic
 
 
 def verdict(sections: dict, targets: list[dict]) -> str:
-    statuses = [(sections.get(name) or {}).get("status", "missing") for name in SECTIONS]
+    asked = [name for name in SECTIONS
+             if (sections.get(name) or {}).get("reason") != NOT_ASKED]
+    statuses = [(sections.get(name) or {}).get("status", "missing") for name in asked]
     complete = sum(status == "ok" for status in statuses)
     failing = [item["variant"] for item in (sections.get("correctness") or {}).get("items", [])
                if item.get("status") in ("fail", "error")]
     tests = ((sections.get("correctness") or {}).get("data", {}).get("gpu_tests") or {})
     failed_tests = sum(tests.get("counts", {}).get(k, 0) for k in ("failed", "error"))
     met = sum(t["verdict"] == "met" for t in targets)
-    return (f"{complete}/{len(SECTIONS)} sections complete; correctness: "
+    return (f"{complete}/{len(asked)} sections complete; correctness: "
             f"{failed_tests} GPU test(s) failed, bf16 training "
             f"{'off for ' + ', '.join(failing) if failing else 'within tolerance where run'}; "
             f"targets: {met}/{len(targets)} met")

@@ -7,7 +7,7 @@ from typing import Callable, Optional
 
 from t2train.config.schema import Config
 from t2train.engine import MicroBatch, StepResult
-from t2train.engine.megatron.checkpoint import load_checkpoint, save_checkpoint
+from t2train.engine.megatron.checkpoint import load_checkpoint, load_weights, save_checkpoint
 from t2train.engine.megatron.numerics import UpdateGuard
 from t2train.engine.megatron.setup import build_training_objects
 from t2train.engine.megatron.step import evaluate, train_step
@@ -33,6 +33,9 @@ class MegatronEngine:
 
     def load(self, path: Path) -> dict:
         return load_checkpoint(path, self.objs, self.config)
+
+    def load_weights(self, path: Path, tokenizer_sha256: str) -> None:
+        load_weights(path, self.objs, self.config, tokenizer_sha256)
 
     def param_norm(self) -> float:
         return param_norm(self.model)

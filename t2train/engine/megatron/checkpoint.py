@@ -20,6 +20,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from t2train.checkpoint.compatibility import check_same_model, check_shard_files
+from t2train.checkpoint.errors import CheckpointError
 from t2train.checkpoint.paths import INCOMPLETE, step_dir_name
 from t2train.checkpoint.store import (capture_rng, check_engine, current_layout, publish_checkpoint,
                                       read_checkpoint, restore_rng)
@@ -132,3 +133,22 @@ def load_checkpoint(path: Path, objs: TrainingObjects, config=None) -> dict:
         warnings.warn(f"checkpoint layout {saved_layout} differs from {current_layout()}: "
                       "RNG streams start fresh")
     return common["train_state"]
+
+
+def load_weights(path: Path, objs: TrainingObjects, config, tokenizer_sha256: str) -> None:
+    """Collective: the model weights of ``path`` (any layout) and nothing else, for a fresh
+    start (``checkpoint.init_from``). Its model and tokenizer must be the run's."""
+    check_engine(path, "megatron")
+    common = read_checkpoint(path, lambda: dist_checkpointing.load_common_state_dict(str(path)))
+    check_same_model(path, common["train_state"], config.model)
+    theirs = common["train_state"].get("tokenizer_sha256")
+    if theirs and theirs != tokenizer_sha256:
+        raise CheckpointError(f"{path}: trained with tokenizer {theirs[:12]}, but data.path="
+                              f"{config.data.path} was prepared with {tokenizer_sha256[:12]}; "
+                              "prepare the data with that model's tokenizer (t2train data "
+                              "prepare --tokenizer)")
+    check_shard_files(path)
+    loaded = read_checkpoint(path, lambda: dist_checkpointing.load(_model_state(objs), str(path)))
+    for key, chunk in zip(_model_keys(objs), objs.model):
+        chunk.module.load_state_dict(loaded[key])
+    objs.optimizer.reload_model_params()  # low-precision runs: the fp32 master copies too

@@ -1,0 +1,147 @@
+"""``t2train import hf FOLDER OUT``: a Hugging Face ``LlamaForCausalLM`` as a t2train checkpoint.
+
+Continued pretraining usually starts from someone's Llama. A Llama is the ``standard`` design
+(pre-norm, RMSNorm, RoPE, SwiGLU, no biases), so its weights map onto Megatron's names exactly
+(``hf.megatron_state_dict``, the export's mapping inverted). OUT becomes a run-like folder:
+
+* ``checkpoints/step_00000000/``: the weights at TP = PP = 1 (torch_dist; they reshard into any
+  layout), the model config and the tokenizer's hash, no optimizer state;
+* ``tokenizer.json``: the folder's tokenizer as t2train saves it (its hash is the one recorded);
+* ``t2train.yaml``: the ``model`` section and ``checkpoint.init_from: OUT``, for ``--config``.
+
+``t2train export hf``, ``generate`` and ``eval`` read OUT like any checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import yaml
+
+from t2train.errors import UserInputError
+from t2train.residual import BASELINE
+
+# Llama options the `standard` design does not implement: refused by name.
+_UNSUPPORTED = {"rope_scaling": None, "attention_bias": False, "mlp_bias": False,
+                "hidden_act": "silu"}
+
+
+@dataclass
+class Imported:
+    out: Path
+    checkpoint: Path
+    parameters: int
+    config_file: Path
+
+
+def llama_model_section(hf: dict, source: Path, seq_length: Optional[int]) -> dict:
+    """The ``model`` config section of a Llama's ``config.json``."""
+    if "LlamaForCausalLM" not in (hf.get("architectures") or []):
+        raise UserInputError(f"{source}: architectures={hf.get('architectures')!r}; only "
+                             "LlamaForCausalLM checkpoints can be imported")
+    for name, supported in _UNSUPPORTED.items():
+        if hf.get(name, supported) != supported:
+            raise UserInputError(f"{source}: {name}={hf[name]!r} is not supported (the "
+                                 f"{BASELINE} design has {name}={supported!r})")
+    heads = hf["num_attention_heads"]
+    if hf.get("head_dim", hf["hidden_size"] // heads) * heads != hf["hidden_size"]:
+        raise UserInputError(f"{source}: head_dim={hf['head_dim']} x num_attention_heads="
+                             f"{heads} != hidden_size={hf['hidden_size']}")
+    kv_heads = hf.get("num_key_value_heads") or heads
+    return {"residual": BASELINE, "num_layers": hf["num_hidden_layers"],
+            "hidden_size": hf["hidden_size"], "num_attention_heads": heads,
+            "num_query_groups": None if kv_heads == heads else kv_heads,
+            "ffn_hidden_size": hf["intermediate_size"],
+            "seq_length": seq_length or hf["max_position_embeddings"],
+            "vocab_size": hf["vocab_size"], "tie_embeddings": bool(hf.get("tie_word_embeddings")),
+            "rotary_base": int(hf.get("rope_theta", 10000)),
+            "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
+            "init_method_std": float(hf.get("initializer_range", 0.02))}
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """``model.safetensors``, or the shards its ``model.safetensors.index.json`` names."""
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise UserInputError(f"{folder}: no model.safetensors (nor an index of shards); save "
+                             "the model with save_pretrained(..., safe_serialization=True)")
+    weights = {}
+    for name in files:
+        weights.update(load_file(str(folder / name)))
+    return {name: tensor for name, tensor in weights.items()
+            if not name.endswith("rotary_emb.inv_freq")}  # a buffer older exports kept
+
+
+def import_hf(given: str | Path, out: str | Path, seq_length: Optional[int] = None,
+              overwrite: bool = False) -> Imported:
+    from megatron.core import dist_checkpointing
+
+    from t2train.checkpoint.paths import INCOMPLETE, step_dir_name
+    from t2train.checkpoint.store import current_layout, publish_checkpoint
+    from t2train.config.loader import config_from_dict
+    from t2train.config.schema import CONFIG_FORMAT
+    from t2train.data.tokenizer import load_tokenizer, save_tokenizer
+    from t2train.export.hf import _check_out, megatron_state_dict
+    from t2train.export.load import build_model, single_process_world
+    from t2train.model.build import padded_vocab_size
+    from t2train.version import code_version
+
+    folder, out = Path(given), Path(out)
+    if not (folder / "config.json").is_file():
+        raise UserInputError(f"{folder}: no config.json (expected a Hugging Face model folder)")
+    section = llama_model_section(json.loads((folder / "config.json").read_text()),
+                                  folder / "config.json", seq_length)
+    config = config_from_dict({"model": section})
+    tokenizer = load_tokenizer(folder)
+    _check_out(out, overwrite)
+    hf_weights = read_safetensors(folder)
+    if config.model.tie_embeddings:  # Megatron's output layer reads the embedding itself
+        hf_weights.pop("lm_head.weight", None)
+    dtype = next(iter(hf_weights.values())).dtype
+    state = megatron_state_dict(hf_weights, config.model)
+
+    single_process_world()
+    model = build_model(config, padded_vocab_size(config.model.vocab_size, config), dtype)
+    own = model.state_dict()
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if name in state:  # Megatron pads the vocabulary: the extra rows stay zero
+            padded = torch.zeros_like(own[name])
+            padded[:state[name].shape[0]] = state[name]
+            state[name] = padded
+    missing = sorted(set(own) - set(state) - {k for k in own if k.endswith("_extra_state")})
+    extra = sorted(set(state) - set(own))
+    if missing or extra:
+        raise UserInputError(f"{folder}: the weights do not fit a Llama of its config.json "
+                             f"(missing {missing[:3]}, unexpected {extra[:3]})")
+    model.load_state_dict(state, strict=False)
+
+    if out.exists():  # empty, or --overwrite: replaced
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    root = out / "checkpoints"
+    final = root / step_dir_name(0)
+    staging = root / (final.name + INCOMPLETE)
+    staging.mkdir(parents=True, exist_ok=True)
+    sha = save_tokenizer(tokenizer, out)
+    train_state = {"step": 0, "layout": current_layout(), "has_optimizer": False,
+                   "config": asdict(config), "config_format": CONFIG_FORMAT,
+                   "code_version": code_version(), "tokenizer_sha256": sha,
+                   "imported_from": str(folder.resolve())}
+    dist_checkpointing.save({"model": model.sharded_state_dict(), "train_state": train_state},
+                            str(staging))
+    publish_checkpoint(root, staging, final, None)
+    config_file = out / "t2train.yaml"
+    config_file.write_text(yaml.safe_dump(
+        {"model": section, "checkpoint": {"init_from": str(out)}}, sort_keys=False))
+    return Imported(out, final, sum(t.numel() for t in hf_weights.values()), config_file)

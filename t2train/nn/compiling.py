@@ -1,0 +1,75 @@
+"""How t2train uses ``torch.compile``: the backend, and compiling modules in place.
+
+The fused hot path (``model.fusions``, ``t2train/model/build.py``) compiles every decoder
+layer, as torchtitan compiles each TransformerBlock: the GEMMs stay library calls and
+Inductor generates fused kernels for what lies between them (norms, RoPE's concatenations,
+SwiGLU, dropout, the residual design's read and write). ``Module.compile`` compiles in place,
+so parameter names, state dicts and checkpoints are those of the eager model.
+
+What dynamo makes of a layer (torch 2.14, megatron-core 0.16.1; ``tests/test_fusions.py``
+checks the counts): one graph per layer without a graph break for every design's PyTorch
+path, once megatron-core's deprecation warning is ignored (below); with the Triton kernels
+(CUDA), one graph break per kernel call (``t2train/kernels/dispatch.py`` runs them eagerly).
+A design whose layers differ in structure (a depth read over a growing list of earlier
+states) compiles once per layer, so the recompile limit grows with the layer count.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable, Iterable
+
+import torch
+
+from t2train.compat import megatron_compile
+
+BACKEND_VARIABLE = "T2_COMPILE_BACKEND"
+# Variants one layer may compile to: training, evaluation, a diagnostics pass, the two halves
+# of activation recompute.
+GRAPHS_PER_LAYER = 5
+
+
+def compile_backend() -> str:
+    """``inductor`` unless ``T2_COMPILE_BACKEND`` names another (the CPU tests and the GPU
+    check's dry run use ``aot_eager``: the same graphs, without generating kernels, which
+    costs a minute per graph on a loaded 2-core CPU)."""
+    return os.environ.get(BACKEND_VARIABLE, "inductor")
+
+
+def trace_megatron_modules() -> None:
+    """megatron-core 0.16.1's ``RowParallelLinear`` passes ``tp_group=None`` on purpose and
+    so calls ``warnings.warn`` (a deprecation) on every forward on rank 0: dynamo cannot trace
+    the call with its keyword arguments and breaks the graph there, twice per layer. Inside
+    compiled code it is dropped (eager code still warns). Its attention's offloading contexts
+    become ones dynamo can break a graph inside (``t2train/compat/megatron_compile.py``)."""
+    ignored = getattr(torch._dynamo.config, "ignore_logging_functions", None)  # torch >= 2.11
+    if ignored is not None:
+        ignored.add(warnings.warn)
+    megatron_compile.apply()
+
+
+def compile_modules(modules: Iterable[torch.nn.Module], backend: str | None = None) -> None:
+    """Compile each module in place (its first call traces and compiles it)."""
+    modules = list(modules)
+    trace_megatron_modules()
+    config = torch._dynamo.config
+    # Hooks added later (the diagnostics pass's per-layer RMS on the layers' norms) must
+    # recompile, not be skipped silently: guard on the hooks (a few checks per call).
+    config.skip_nnmodule_hook_guards = False
+    config.recompile_limit = max(config.recompile_limit, GRAPHS_PER_LAYER * len(modules))
+    for module in modules:
+        module.compile(backend=backend or compile_backend())
+
+
+def compiled(fn: Callable) -> Callable:
+    """``fn`` compiled on first use with ``compile_backend()``."""
+    compiled_fn = None
+
+    def call(*args):
+        nonlocal compiled_fn
+        if compiled_fn is None:
+            compiled_fn = torch.compile(fn, backend=compile_backend())
+        return compiled_fn(*args)
+
+    return call

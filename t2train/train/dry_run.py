@@ -1,0 +1,50 @@
+"""``t2train train --dry-run``: everything a run sets up, then no training.
+
+The same checks and objects as a run's start (``loop.py``): the dataset, the resume target,
+the process groups against the world size, the engine with its model and optimizer, and one
+step's micro-batches read through the loaders. Nothing is written to the run directory and no
+checkpoint is loaded (the target is named).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from t2train.config.schema import Config
+
+
+@dataclass
+class DryRun:
+    vocab_size: int  # the model's, before padding
+    parameters: int  # on rank 0
+    world_size: int
+    data_parallel: int
+    resume_from: Optional[Path]
+    samples: dict  # split -> samples in data.path
+    tokens_per_step: int
+
+
+def dry_run(config: Config) -> DryRun:
+    import torch.distributed as dist
+
+    from t2train.data.prepare import read_index
+    from t2train.engine import build_engine
+    from t2train.model.build import padded_vocab_size
+    from t2train.train.batches import GlobalBatchFeeder
+    from t2train.train.data import open_streams
+    from t2train.train.loop import start_ranks
+
+    facts, resume_from, dp_size, topology = start_ranks(config)
+    engine = build_engine(config, padded_vocab_size(facts["vocab_size"], config))
+    streams = open_streams(config, topology, dp_size, None)
+    try:
+        GlobalBatchFeeder(streams.train, config.micro_batches_per_step(dp_size),
+                          config.train.micro_batch_size, config.model.seq_length).next_step()
+    finally:
+        streams.close()
+    splits = read_index(config.data.path)["splits"]
+    return DryRun(facts["vocab_size"], engine.num_parameters(), dist.get_world_size(), dp_size,
+                  resume_from, {split: facts["samples"] for split, facts in splits.items()},
+                  config.train.global_batch_size * config.model.seq_length)
