@@ -25,7 +25,11 @@ def fp32_dot(dtype: torch.dtype) -> bool:
 
 @triton.jit
 def dot(a, b, FP32_DOT: tl.constexpr):
-    """a @ b accumulated in fp32; in IEEE fp32 when ``FP32_DOT``."""
+    """a @ b accumulated in fp32; in IEEE fp32 when ``FP32_DOT`` (also for operands of two
+    dtypes: low-precision activations, fp32 weights). The ``else`` matters: the compiler
+    compiles what follows a constant ``if`` that returns, and a mixed-dtype ``tl.dot`` there
+    fails to compile."""
     if FP32_DOT:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
+    else:
+        return tl.dot(a, b)

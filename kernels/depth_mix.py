@@ -1,7 +1,8 @@
 """Two-phase Block Attention Residuals (arXiv 2603.15031 Sec. 4.2), forward and backward.
 
 Exact counterpart of ``t2train.residual.attnres.depth_mix`` over the completed sources v_n
-(embedding and block sums, stacked [N, ..., h]) and the current block's partial sum p:
+(embedding and block sums, each [..., h], read in place through a table of their addresses)
+and the current block's partial sum p:
 
 Phase 1 (the S pseudo-queries w_s of a block at once, one read of the sources):
 
@@ -33,19 +34,35 @@ from t2train.kernels.common import interpreting
 
 
 @triton.jit
-def _phase1_logits(V, Q, DO, row, rows, hidden, n_src, n_q, eps,
+def _source_rows(SOURCES, V, n_src, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr):
+    """The N sources' base pointers [BLOCK_N], read from the table of their addresses
+    (``SOURCES``: int64 data pointers; ``V``: the first source, for the element type), so
+    the sources are read where they are, never stacked into one tensor. ``ALIGNED``: every
+    address is a multiple of 16 bytes, which the compiler cannot see in loaded pointers (it
+    then vectorises the loads, as for a pointer argument)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    address = tl.load(SOURCES + offs_n, mask=offs_n < n_src, other=0)
+    bases = address.to(tl.pointer_type(V.dtype.element_ty))
+    if ALIGNED:
+        bases = tl.multiple_of(bases, 16)
+    return bases
+
+
+@triton.jit
+def _phase1_logits(SOURCES, V, Q, DO, row, rows, hidden, n_src, n_q, eps,
                    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
-                   WITH_DO: tl.constexpr):
+                   WITH_DO: tl.constexpr, ALIGNED: tl.constexpr):
     """r [BLOCK_N], z [BLOCK_N, BLOCK_S] and (WITH_DO) dO . v [BLOCK_N, BLOCK_S] for one token."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
+    bases = _source_rows(SOURCES, V, n_src, BLOCK_N, ALIGNED)
     sumsq = tl.zeros([BLOCK_N], tl.float32)
     dots = tl.zeros([BLOCK_N, BLOCK_S], tl.float32)
     dov = tl.zeros([BLOCK_N, BLOCK_S], tl.float32)
     for h0 in range(0, hidden, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         h_ok = offs_h[None, :] < hidden
-        v = tl.load(V + (offs_n[:, None] * rows + row) * hidden + offs_h[None, :],
+        v = tl.load(bases[:, None] + row * hidden + offs_h[None, :],
                     mask=(offs_n[:, None] < n_src) & h_ok, other=0.0).to(tl.float32)
         q = tl.load(Q + offs_s[:, None] * hidden + offs_h[None, :],
                     mask=(offs_s[:, None] < n_q) & h_ok, other=0.0).to(tl.float32)
@@ -60,13 +77,15 @@ def _phase1_logits(V, Q, DO, row, rows, hidden, n_src, n_q, eps,
 
 
 @triton.jit
-def _phase1_fwd_kernel(V, Q, O, LSE, rows, hidden, n_src, n_q, eps,
-                       BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)  # 64-bit offsets: N sources can pass 2^31 elements
+def _phase1_fwd_kernel(SOURCES, V, Q, O, LSE, rows, hidden, n_src, n_q, eps,
+                       BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+                       ALIGNED: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # 64-bit offsets: S outputs can pass 2^31 elements
     offs_n = tl.arange(0, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
-    r, z, _ = _phase1_logits(V, Q, V, row, rows, hidden, n_src, n_q, eps,
-                             BLOCK_N, BLOCK_S, BLOCK_H, False)
+    bases = _source_rows(SOURCES, V, n_src, BLOCK_N, ALIGNED)
+    r, z, _ = _phase1_logits(SOURCES, V, Q, V, row, rows, hidden, n_src, n_q, eps,
+                             BLOCK_N, BLOCK_S, BLOCK_H, False, ALIGNED)
     z = tl.where(offs_n[:, None] < n_src, z, float("-inf"))
     m = tl.max(z, 0)
     p = tl.exp(z - m[None, :])
@@ -76,7 +95,7 @@ def _phase1_fwd_kernel(V, Q, O, LSE, rows, hidden, n_src, n_q, eps,
     for h0 in range(0, hidden, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         h_ok = offs_h[None, :] < hidden
-        v = tl.load(V + (offs_n[:, None] * rows + row) * hidden + offs_h[None, :],
+        v = tl.load(bases[:, None] + row * hidden + offs_h[None, :],
                     mask=(offs_n[:, None] < n_src) & h_ok, other=0.0).to(tl.float32)
         o = tl.sum(w[:, :, None] * v[:, None, :], 0)
         tl.store(O + (offs_s[:, None] * rows + row) * hidden + offs_h[None, :], o,
@@ -84,16 +103,16 @@ def _phase1_fwd_kernel(V, Q, O, LSE, rows, hidden, n_src, n_q, eps,
 
 
 @triton.jit
-def _phase1_bwd_scores_kernel(V, Q, LSE, DO, DLSE, W, DZR, COEF, rows, hidden, n_src, n_q,
-                              eps, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-                              BLOCK_H: tl.constexpr):
+def _phase1_bwd_scores_kernel(SOURCES, V, Q, LSE, DO, DLSE, W, DZR, COEF, rows, hidden, n_src,
+                              n_q, eps, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+                              BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr):
     """Per token: w, dz r and (r^2 / h) sum_s dz z, the coefficients of dv and dw."""
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
     ok = (offs_n[:, None] < n_src) & (offs_s[None, :] < n_q)
-    r, z, dov = _phase1_logits(V, Q, DO, row, rows, hidden, n_src, n_q, eps,
-                               BLOCK_N, BLOCK_S, BLOCK_H, True)
+    r, z, dov = _phase1_logits(SOURCES, V, Q, DO, row, rows, hidden, n_src, n_q, eps,
+                               BLOCK_N, BLOCK_S, BLOCK_H, True, ALIGNED)
     lse = tl.load(LSE + offs_s * rows + row, mask=offs_s < n_q, other=0.0)
     dlse = tl.load(DLSE + offs_s * rows + row, mask=offs_s < n_q, other=0.0)
     w = tl.where(ok, tl.exp(z - lse[None, :]), 0.0)
@@ -107,11 +126,14 @@ def _phase1_bwd_scores_kernel(V, Q, LSE, DO, DLSE, W, DZR, COEF, rows, hidden, n
 
 
 @triton.jit
-def _phase1_bwd_grads_kernel(V, Q, DO, W, DZR, COEF, DV, DQ_PART, rows, hidden, n_src, n_q,
-                             BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-                             BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
-    """dv for ROWS tokens on one slice of h, and their partial query gradient."""
+def _phase1_bwd_grads_kernel(SOURCES, V, Q, DO, W, DZR, COEF, DV, DQ_PART, rows, hidden, n_src,
+                             n_q, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+                             BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+                             ALIGNED: tl.constexpr):
+    """dv for ROWS tokens on one slice of h (into one [N, tokens, h] buffer), and their
+    partial query gradient."""
     pid_h, block = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    bases = _source_rows(SOURCES, V, n_src, BLOCK_N, ALIGNED)
     offs_n = tl.arange(0, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -124,8 +146,8 @@ def _phase1_bwd_grads_kernel(V, Q, DO, W, DZR, COEF, DV, DQ_PART, rows, hidden, 
         row = block * ROWS + i
         row_ok = row < rows
         v_mask = n_ok[:, None] & h_ok & row_ok
-        v_at = (offs_n[:, None] * rows + row) * hidden + offs_h[None, :]
-        v = tl.load(V + v_at, mask=v_mask, other=0.0).to(tl.float32)
+        v = tl.load(bases[:, None] + row * hidden + offs_h[None, :], mask=v_mask,
+                    other=0.0).to(tl.float32)
         do = tl.load(DO + (offs_s[:, None] * rows + row) * hidden + offs_h[None, :],
                      mask=s_ok[:, None] & h_ok & row_ok, other=0.0)
         scores = row * n_src * n_q + offs_n[:, None] * n_q + offs_s[None, :]
@@ -135,7 +157,8 @@ def _phase1_bwd_grads_kernel(V, Q, DO, W, DZR, COEF, DV, DQ_PART, rows, hidden, 
         coef = tl.load(COEF + row * n_src + offs_n, mask=n_ok & row_ok, other=0.0)
         dv = (tl.sum(w[:, :, None] * do[None, :, :] + dzr[:, :, None] * q[None, :, :], 1)
               - coef[:, None] * v)
-        tl.store(DV + v_at, dv.to(DV.dtype.element_ty), mask=v_mask)
+        tl.store(DV + (offs_n[:, None] * rows + row) * hidden + offs_h[None, :],
+                 dv.to(DV.dtype.element_ty), mask=v_mask)
         dq += tl.sum(dzr[:, :, None] * v[:, None, :], 0)
     tl.store(DQ_PART + (block * n_q + offs_s[:, None]) * hidden + offs_h[None, :], dq,
              mask=s_ok[:, None] & h_ok)
@@ -201,40 +224,60 @@ def _phase2_blocks(hidden: int) -> dict:
     return dict(BLOCK_H=block_h, ROWS=ROWS, num_warps=min(16, max(4, block_h // 512)))
 
 
+def _address_table(sources: tuple) -> tuple[Tensor, dict]:
+    """The sources' data pointers as an int64 tensor on their device (the kernels' table),
+    and whether all are 16-byte aligned (a fresh tensor is; a view may not be)."""
+    addresses = [t.data_ptr() for t in sources]
+    table = torch.tensor(addresses, dtype=torch.int64, device=sources[0].device)
+    return table, {"ALIGNED": all(address % 16 == 0 for address in addresses)}
+
+
 class Phase1(torch.autograd.Function):
-    """queries [S, h], sources [N, ..., h] -> O [S, ..., h] and LSE [S, ...], both fp32."""
+    """queries [S, h], the N sources (each [..., h]) -> O [S, ..., h] and LSE [S, ...], both
+    fp32. The kernels read each source where it is (a table of their addresses): no stacked
+    copy is made, and none is saved for the backward (the sources are the stream's, alive
+    anyway); the sources' gradients are one [N, ..., h] buffer, returned as N views."""
 
     @staticmethod
-    def forward(ctx, queries: Tensor, sources: Tensor, eps: float):
-        queries, sources = queries.contiguous(), sources.contiguous()
-        n_src, hidden, n_q = sources.shape[0], sources.shape[-1], queries.shape[0]
+    def forward(ctx, queries: Tensor, eps: float, *sources: Tensor):
+        queries = queries.contiguous()
+        sources = tuple(t.contiguous() for t in sources)
+        if len({(t.shape, t.dtype, t.device) for t in sources}) != 1:
+            raise ValueError("phase 1: the sources must share one shape, dtype and device, got "
+                             f"{[(tuple(t.shape), t.dtype) for t in sources]}")
+        n_src, hidden, n_q = len(sources), sources[0].shape[-1], queries.shape[0]
         rows = sources[0].numel() // hidden
-        out = torch.empty((n_q, *sources.shape[1:]), device=sources.device, dtype=torch.float32)
-        lse = torch.empty(out.shape[:-1], device=sources.device, dtype=torch.float32)
-        _phase1_fwd_kernel[(rows,)](sources, queries, out, lse, rows, hidden, n_src, n_q, eps,
-                                    **_phase1_blocks(n_src, n_q, hidden))
-        ctx.save_for_backward(queries, sources, lse)
+        out = torch.empty((n_q, *sources[0].shape), device=queries.device, dtype=torch.float32)
+        lse = torch.empty(out.shape[:-1], device=queries.device, dtype=torch.float32)
+        table, aligned = _address_table(sources)
+        _phase1_fwd_kernel[(rows,)](table, sources[0], queries, out, lse, rows, hidden, n_src,
+                                    n_q, eps, **_phase1_blocks(n_src, n_q, hidden), **aligned)
+        ctx.save_for_backward(queries, lse, *sources)
         ctx.eps = eps
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out: Tensor | None, d_lse: Tensor | None):
-        queries, sources, lse = ctx.saved_tensors
-        n_src, hidden, n_q = sources.shape[0], sources.shape[-1], queries.shape[0]
+        queries, lse, *sources = ctx.saved_tensors
+        n_src, hidden, n_q = len(sources), sources[0].shape[-1], queries.shape[0]
         rows = sources[0].numel() // hidden
         d_out = lse.new_zeros(*lse.shape, hidden) if d_out is None else d_out.float().contiguous()
         d_lse = torch.zeros_like(lse) if d_lse is None else d_lse.float().contiguous()
         w = torch.empty(rows, n_src, n_q, device=lse.device, dtype=torch.float32)
         dzr, coef = torch.empty_like(w), torch.empty(rows, n_src, device=lse.device)
         blocks = _phase1_blocks(n_src, n_q, hidden)
-        _phase1_bwd_scores_kernel[(rows,)](sources, queries, lse, d_out, d_lse, w, dzr, coef,
-                                           rows, hidden, n_src, n_q, ctx.eps, **blocks)
-        d_sources = torch.empty_like(sources)
+        table, aligned = _address_table(sources)
+        _phase1_bwd_scores_kernel[(rows,)](table, sources[0], queries, lse, d_out, d_lse, w, dzr,
+                                           coef, rows, hidden, n_src, n_q, ctx.eps, **blocks,
+                                           **aligned)
+        d_sources = torch.empty((n_src, *sources[0].shape), device=lse.device,
+                                dtype=sources[0].dtype)
         grid = (triton.cdiv(hidden, blocks["BLOCK_H"]), triton.cdiv(rows, ROWS))
         dq_part = torch.empty(grid[1], n_q, hidden, device=lse.device, dtype=torch.float32)
-        _phase1_bwd_grads_kernel[grid](sources, queries, d_out, w, dzr, coef, d_sources,
-                                       dq_part, rows, hidden, n_src, n_q, ROWS=ROWS, **blocks)
-        return dq_part.sum(0).to(queries.dtype), d_sources, None
+        _phase1_bwd_grads_kernel[grid](table, sources[0], queries, d_out, w, dzr, coef,
+                                       d_sources, dq_part, rows, hidden, n_src, n_q, ROWS=ROWS,
+                                       **blocks, **aligned)
+        return dq_part.sum(0).to(queries.dtype), None, *d_sources.unbind(0)
 
 
 class Phase2(torch.autograd.Function):
@@ -270,7 +313,7 @@ class Phase2(torch.autograd.Function):
 def phase_1(queries: Tensor, sources, eps: float) -> tuple[Tensor, Tensor]:
     """O [S, ..., h] and LSE [S, ...] (fp32) of S pseudo-queries over the N sources (a list
     of [..., h] tensors, or one stacked [N, ..., h] tensor)."""
-    return Phase1.apply(queries, torch.stack(list(sources)), eps)
+    return Phase1.apply(queries, eps, *sources)
 
 
 def phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float) -> Tensor:

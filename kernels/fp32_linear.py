@@ -12,6 +12,11 @@ program owns ``BLOCK_R`` rows and walks h once: the forward reads x once; the ba
 x and W once, writes dx in x's dtype and its rows' partial dW and db (fp32), which PyTorch
 sums over the programs. Products of bf16 values are exact in fp32, so a bf16 ``tl.dot`` with
 fp32 accumulation is the fp32 computation up to the order of the sums.
+
+With a weight-free RMSNorm in front (``rms_fp32_linear``: HC's dynamic weights, the norm's
+learned weight folded into W), the forward also sums each row's squares from the same read
+of x and scales by r = rsqrt(mean(x^2) + eps) afterwards, so the normalised x is never
+written; the backward adds the RMS's share, a per-row multiple of x, to dx in the same pass.
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ MAX_OUTPUTS = 16  # wider projections are ordinary GEMMs: the reference's cuBLAS
 
 
 @triton.jit
-def _fwd_kernel(X, W, B, Y, rows, hidden, n_out, HAS_BIAS: tl.constexpr,
+def _fwd_kernel(X, W, B, Y, SUMSQ, rows, hidden, n_out, HAS_BIAS: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr,
-                FP32_DOT: tl.constexpr):
+                FP32_DOT: tl.constexpr, WITH_SUMSQ: tl.constexpr):
     offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_j = tl.arange(0, BLOCK_J)
     r_ok, j_ok = offs_r < rows, offs_j < n_out
     acc = tl.zeros([BLOCK_R, BLOCK_J], tl.float32)
+    sumsq = tl.zeros([BLOCK_R], tl.float32)
     for h0 in range(0, hidden, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         h_ok = offs_h[None, :] < hidden
@@ -42,6 +48,10 @@ def _fwd_kernel(X, W, B, Y, rows, hidden, n_out, HAS_BIAS: tl.constexpr,
         w = tl.load(W + offs_j[:, None] * hidden + offs_h[None, :], mask=j_ok[:, None] & h_ok,
                     other=0.0)
         acc += dot(x, tl.trans(w), FP32_DOT)
+        if WITH_SUMSQ:  # the row's sum of squares, for an RMS, from the same read of x
+            sumsq += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
+    if WITH_SUMSQ:
+        tl.store(SUMSQ + offs_r, sumsq, mask=r_ok)
     if HAS_BIAS:
         acc += tl.load(B + offs_j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + offs_r[:, None] * n_out + offs_j[None, :], acc,
@@ -49,14 +59,19 @@ def _fwd_kernel(X, W, B, Y, rows, hidden, n_out, HAS_BIAS: tl.constexpr,
 
 
 @triton.jit
-def _bwd_kernel(X, W, G, DX, DW_PART, DB_PART, rows, hidden, n_out,
-                BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr):
+def _bwd_kernel(X, W, G, COEF, DX, DW_PART, DB_PART, rows, hidden, n_out,
+                BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr,
+                WITH_COEF: tl.constexpr):
+    """dx = g W (+ coef x per row: the RMS's share, ``WITH_COEF``), partial dW = g^T x."""
     block = tl.program_id(0).to(tl.int64)
     offs_r = block * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_j = tl.arange(0, BLOCK_J)
     r_ok, j_ok = offs_r < rows, offs_j < n_out
     g = tl.load(G + offs_r[:, None] * n_out + offs_j[None, :],
                 mask=r_ok[:, None] & j_ok[None, :], other=0.0)  # fp32 [R, J]
+    coef = tl.zeros([BLOCK_R], tl.float32)
+    if WITH_COEF:
+        coef = tl.load(COEF + offs_r, mask=r_ok, other=0.0)
     tl.store(DB_PART + block * n_out + offs_j, tl.sum(g, 0), mask=j_ok)
     for h0 in range(0, hidden, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
@@ -68,6 +83,8 @@ def _bwd_kernel(X, W, G, DX, DW_PART, DB_PART, rows, hidden, n_out,
         # g is fp32: these products are IEEE fp32 (a literal True reaches ``dot`` as a runtime
         # value once compiled, so the casts are written out)
         dx = tl.dot(g, w.to(tl.float32), input_precision="ieee")
+        if WITH_COEF:
+            dx += coef[:, None] * x.to(tl.float32)
         tl.store(DX + x_at, dx.to(DX.dtype.element_ty), mask=r_ok[:, None] & h_ok)
         dw = tl.dot(tl.trans(g), x.to(tl.float32), input_precision="ieee")
         tl.store(DW_PART + (block * n_out + offs_j[:, None]) * hidden + offs_h[None, :], dw,
@@ -88,15 +105,8 @@ class Fp32Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         x, weight = x.contiguous(), weight.contiguous()
-        hidden, n_out = x.shape[-1], weight.shape[0]
-        rows = x.numel() // hidden
-        y = torch.empty(*x.shape[:-1], n_out, device=x.device, dtype=torch.float32)
-        blocks = _blocks(n_out)
-        # Mixed dtypes (fp32 weights under autocast) multiply in fp32, as the reference does.
-        exact = fp32_dot(x.dtype) or x.dtype != weight.dtype
-        _fwd_kernel[(triton.cdiv(rows, blocks["BLOCK_R"]),)](
-            x, weight, weight if bias is None else bias, y, rows, hidden, n_out,
-            HAS_BIAS=bias is not None, FP32_DOT=exact, **blocks)
+        y = torch.empty(*x.shape[:-1], weight.shape[0], device=x.device, dtype=torch.float32)
+        _forward(x, weight, bias, y, None)
         ctx.save_for_backward(x, weight)
         ctx.with_bias = bias is not None
         return y
@@ -104,17 +114,70 @@ class Fp32Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, weight = ctx.saved_tensors
-        hidden, n_out = x.shape[-1], weight.shape[0]
-        rows = x.numel() // hidden
-        blocks = _blocks(n_out)
-        programs = triton.cdiv(rows, blocks["BLOCK_R"])
-        dx = torch.empty_like(x)
-        dw_part = torch.empty(programs, n_out, hidden, device=x.device, dtype=torch.float32)
-        db_part = torch.empty(programs, n_out, device=x.device, dtype=torch.float32)
-        _bwd_kernel[(programs,)](x, weight, grad.float().contiguous(), dx, dw_part, db_part,
-                                 rows, hidden, n_out, **blocks)
-        d_bias = db_part.sum(0).to(weight.dtype) if ctx.with_bias else None
-        return dx, dw_part.sum(0).to(weight.dtype), d_bias
+        dx, d_weight, d_bias = _backward(x, weight, grad, None, ctx.with_bias)
+        return dx, d_weight, d_bias
+
+
+def _forward(x: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor,
+             sumsq: Tensor | None) -> None:
+    """y = x W^T + b into ``y`` (fp32), and each row's sum of squares into ``sumsq``."""
+    hidden, n_out = x.shape[-1], weight.shape[0]
+    rows = x.numel() // hidden
+    blocks = _blocks(n_out)
+    # Mixed dtypes (fp32 weights under autocast) multiply in fp32, as the reference does.
+    exact = fp32_dot(x.dtype) or x.dtype != weight.dtype
+    _fwd_kernel[(triton.cdiv(rows, blocks["BLOCK_R"]),)](
+        x, weight, weight if bias is None else bias, y, y if sumsq is None else sumsq, rows,
+        hidden, n_out, HAS_BIAS=bias is not None, FP32_DOT=exact,
+        WITH_SUMSQ=sumsq is not None, **blocks)
+
+
+def _backward(x: Tensor, weight: Tensor, grad: Tensor, coef: Tensor | None,
+              with_bias: bool) -> tuple:
+    """dx = g W (+ coef x), dW = g^T x, db = sum g, for the incoming fp32 g."""
+    hidden, n_out = x.shape[-1], weight.shape[0]
+    rows = x.numel() // hidden
+    blocks = _blocks(n_out)
+    programs = triton.cdiv(rows, blocks["BLOCK_R"])
+    dx = torch.empty_like(x)
+    dw_part = torch.empty(programs, n_out, hidden, device=x.device, dtype=torch.float32)
+    db_part = torch.empty(programs, n_out, device=x.device, dtype=torch.float32)
+    grad = grad.float().contiguous()
+    _bwd_kernel[(programs,)](x, weight, grad, grad if coef is None else coef.contiguous(), dx,
+                             dw_part, db_part, rows, hidden, n_out, WITH_COEF=coef is not None,
+                             **blocks)
+    d_bias = db_part.sum(0).to(weight.dtype) if with_bias else None
+    return dx, dw_part.sum(0).to(weight.dtype), d_bias
+
+
+class RmsFp32Linear(torch.autograd.Function):
+    """x [..., h], weight [n, h], bias [n] or None -> fp32 RMSNorm(x) W^T + b [..., n], the
+    RMSNorm weight-free: y = r (x W^T) + b with r = rsqrt(mean(x^2) + eps) per row, the sum
+    of squares from the same read of x. Saves x as it came, u = x W^T and r (per row).
+    Backward: du = g r, dx = du W - x r^3 sum_k(g_k u_k) / h, dW = du^T x."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+        x, weight = x.contiguous(), weight.contiguous()
+        hidden = x.shape[-1]
+        u = torch.empty(*x.shape[:-1], weight.shape[0], device=x.device, dtype=torch.float32)
+        sumsq = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
+        _forward(x, weight, None, u, sumsq)
+        r = torch.rsqrt(sumsq / hidden + eps)
+        ctx.save_for_backward(x, weight, u, r)
+        ctx.with_bias = bias is not None
+        y = u * r[..., None]
+        return y if bias is None else y + bias.float()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight, u, r = ctx.saved_tensors
+        grad = grad.float()
+        coef = -(grad * u).sum(-1) * r.pow(3) / x.shape[-1]
+        dx, d_weight, _ = _backward(x, weight, grad * r[..., None], coef, False)
+        d_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(weight.dtype) \
+            if ctx.with_bias else None
+        return dx, d_weight, d_bias, None
 
 
 def fp32_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -123,3 +186,12 @@ def fp32_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         raise ValueError(f"weight {tuple(weight.shape)} for x {tuple(x.shape)}: the kernel "
                          f"takes [n <= {MAX_OUTPUTS}, {x.shape[-1]}]")
     return Fp32Linear.apply(x, weight, bias)
+
+
+def rms_fp32_linear(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+    """Triton ``t2train.nn.precision`` RMS-normalised fp32 linear (same arguments, same
+    result)."""
+    if weight.shape[0] > MAX_OUTPUTS or weight.shape[-1] != x.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} for x {tuple(x.shape)}: the kernel "
+                         f"takes [n <= {MAX_OUTPUTS}, {x.shape[-1]}]")
+    return RmsFp32Linear.apply(x, weight, bias, eps)

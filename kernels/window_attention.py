@@ -114,6 +114,7 @@ def _delta_kernel(O, DO, DELTA, sob, soh, som, sdb, sdh, sdm, heads, q_len, head
 @triton.jit
 def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                  sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm,
+                 sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
                  heads, group, q_len, k_len, window, head_dim, scale, qk_scale,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  FP32_DOT: tl.constexpr):
@@ -153,14 +154,15 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
             dp_t = dot(v, tl.trans(do), FP32_DOT)
             ds_t = p_t * (dp_t - delta[None, :])
             dk += dot(ds_t.to(q.dtype), q, FP32_DOT)
-    out = bhk * k_len * head_dim + offs_n[:, None] * head_dim + offs_d[None, :]
-    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=n_ok & d_ok)
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=n_ok & d_ok)
+    tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :],
+             (dk * scale).to(DK.dtype.element_ty), mask=n_ok & d_ok)
+    tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvn + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=n_ok & d_ok)
 
 
 @triton.jit
 def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
-               sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm,
+               sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, sdqb, sdqh, sdqm,
                heads, group, q_len, k_len, window, head_dim, scale, qk_scale,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                FP32_DOT: tl.constexpr):
@@ -190,7 +192,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
         p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
         ds = p * (dot(do, tl.trans(v), FP32_DOT) - delta[:, None])
         dq += dot(ds.to(k.dtype), k, FP32_DOT)
-    tl.store(DQ + bh * q_len * head_dim + offs_m[:, None] * head_dim + offs_d[None, :],
+    tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok)
 
 
@@ -342,16 +344,18 @@ class WindowAttention(torch.autograd.Function):
         rows = grids["rows"]
         _delta_kernel[rows](o, do, delta, *_strides(o), *_strides(do), heads, q_len, head_dim,
                             BLOCK_M=tiles["BLOCK_M"], BLOCK_D=tiles["BLOCK_D"])
-        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
-        dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-        common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), heads,
-                  heads // kv_heads, q_len, k_len, ctx.window, head_dim, ctx.scale,
-                  ctx.scale * LOG2E)
+        # The gradients in their inputs' layouts (the model's [s, b, heads, d] memory seen as
+        # [b, heads, s, d]): what flows back (RoPE's backward, the QKV split's) then reads
+        # and writes one layout, not a transposed one.
+        dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+        inputs = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
+        sizes = (heads, heads // kv_heads, q_len, k_len, ctx.window, head_dim, ctx.scale,
+                 ctx.scale * LOG2E)
         flags = dict(FP32_DOT=fp32_dot(q.dtype), **tiles)
         _dkdv_kernel[grids["keys"]](
-            q, k, v, do, lse, delta, dk, dv, *common, **flags)
-        _dq_kernel[rows](q, k, v, do, lse, delta, dq, *common, **flags)
+            q, k, v, do, lse, delta, dk, dv, *inputs, *_strides(dk), *_strides(dv), *sizes,
+            **flags)
+        _dq_kernel[rows](q, k, v, do, lse, delta, dq, *inputs, *_strides(dq), *sizes, **flags)
         return dq, dk, dv, None, None
 
 

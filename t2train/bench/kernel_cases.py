@@ -42,7 +42,10 @@ class Runtime:
 
     def compile(self, fn: Callable) -> Callable:
         # On CPU, inductor would spend minutes in the C++ compiler; dynamo alone still runs.
-        return torch.compile(fn) if self.on_cuda else torch.compile(fn, backend="eager")
+        # Static shapes: the second shape of the same reference would otherwise recompile it
+        # with dynamic shapes (dynamo's automatic dynamic), a slower peer than a user's.
+        return (torch.compile(fn, dynamic=False) if self.on_cuda
+                else torch.compile(fn, backend="eager"))
 
 
 @dataclass(frozen=True)
@@ -248,6 +251,27 @@ def gate_logit_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
         yield Case("fp32_linear", shapes.label,
                    f"s={tokens[0]} b={tokens[1]} h={hidden} outputs={outputs}", impls,
                    {"fwd": unit, "fwd+bwd": 3 * unit}, "GB/s")
+    yield from _rms_logit_cases(shapes, rt)
+
+
+def _rms_logit_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
+    """HC's dynamic weights: n = 4 streams, each RMS-normalised on its own, n + 2 = 6 logits
+    in fp32 (the norm's weight folded into the fp32 projection, as the model does)."""
+    kernel = kernel_table()["rms_fp32_linear"]
+    fused, reference = kernel.triton_function(), kernel.reference
+    n, outputs, eps = 4, 6, 1e-5
+    state = _leaf(rt, n, shapes.seq, shapes.batch, shapes.hidden)
+    weight = (torch.randn(outputs, shapes.hidden, device=rt.device)
+              * shapes.hidden ** -0.5).requires_grad_()
+    inputs = [state, weight]
+    compiled = rt.compile(reference)
+    impls = [Impl(name, lambda f=f: f(state, weight, None, eps), inputs)
+             for name, f in (("triton", fused), ("eager", reference),
+                             ("torch.compile", compiled))]
+    unit = state.numel() * state.element_size()  # read x; the backward reads x, writes dx
+    yield Case("rms_fp32_linear", shapes.label,
+               f"n={n} s={shapes.seq} b={shapes.batch} h={shapes.hidden} outputs={outputs}",
+               impls, {"fwd": unit, "fwd+bwd": 3 * unit}, "GB/s")
 
 
 def depth_mix_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
@@ -343,7 +367,7 @@ def _hc_stream_cases(shapes, rt, state, out, read, residual, beta, unit) -> Iter
 BUILDERS = {"window_attention": (window_cases, ("window_attention",)),
             "depth_read": (depth_read_cases, ("window_attention",)),
             "delta_write": (delta_write_cases, ("delta_write",)),
-            "fp32_linear": (gate_logit_cases, ("fp32_linear",)),
+            "fp32_linear": (gate_logit_cases, ("fp32_linear", "rms_fp32_linear")),
             "depth_mix": (depth_mix_cases, ("block_phase_1", "block_phase_2", "depth_mix")),
             "stream_mix": (stream_cases, ("stream_read", "stream_write", "hc_read", "hc_write"))}
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import sys
 import time
+from pathlib import Path
 
 from t2train.bench.gpu.plan import Plan, load_settings
 from t2train.bench import kernel_cases as bench
@@ -65,6 +67,8 @@ def run(section, plan: Plan) -> None:
 
 
 def main(argv=None) -> int:
+    """Every case at every preset's shapes, nothing skipped for time: the GPU window's separate
+    invocation for the kernel rows the check's section has no time for (docs/gpu/README.md)."""
     import torch
 
     from t2train.bench.table import markdown_table
@@ -76,23 +80,47 @@ def main(argv=None) -> int:
                         help="take shapes from these presets (repeatable; default 125m and 1b)")
     parser.add_argument("--mode", choices=bench.MODES, action="append",
                         help="forward only or forward+backward (default both)")
+    parser.add_argument("--json", type=Path, help="also write every row here (JSON)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="on the CPU (Triton interpreter, fp32) at the check's dry-run "
+                             "shapes: proves the cases run, times nothing meaningful")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("t2train.bench.kernels: no CUDA device, nothing to benchmark")
+    settings = load_settings()
+    if args.dry_run:
+        rt, options = bench.Runtime("cpu", torch.float32), settings.dry_run_kernel_options
+        presets = [("tiny", "tiny", (*settings.dry_run_overrides, "model.seq_length=8",
+                                     "train.micro_batch_size=1"))]
+        header = "# Kernel benchmark: CPU dry run (Triton interpreter, fp32)\n"
+    elif not torch.cuda.is_available():
+        print("t2train.bench.kernels: no CUDA device, nothing to benchmark (--dry-run runs "
+              "the cases on the CPU)")
         return 0
-    import triton
+    else:
+        import triton
 
-    rt, options = bench.Runtime(), load_settings().kernel_options
+        rt, options = bench.Runtime(), settings.kernel_options
+        presets = [(name, name, ()) for name in args.preset or ["125m", "1b"]]
+        header = (f"# Kernel benchmark: {torch.cuda.get_device_name()}, torch "
+                  f"{torch.__version__}, triton {triton.__version__}, {datetime.date.today()}\n"
+                  f"\nDevice copy bandwidth: {bench.copy_bandwidth_gbs():.0f} GB/s\n")
     torch.manual_seed(0)
-    print(f"# Kernel benchmark: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"triton {triton.__version__}, {datetime.date.today()}\n")
-    print(f"Device copy bandwidth: {bench.copy_bandwidth_gbs():.0f} GB/s\n")
-    rows = []
-    for preset in args.preset or ["125m", "1b"]:
-        for case in bench.cases(preset_shapes(preset, preset, (), options), rt, args.only):
+    print(header, flush=True)
+    rows, started = [], time.monotonic()
+    for label, preset, overrides in presets:
+        for case in bench.cases(preset_shapes(label, preset, overrides, options), rt, args.only):
+            case_started = time.monotonic()
             rows += bench.run_case(case, rt, args.mode or bench.MODES)
-            torch.cuda.empty_cache()
+            print(f"{case.kernel} {case.preset} {case.shape}: "
+                  f"{time.monotonic() - case_started:.1f} s", file=sys.stderr, flush=True)
+            if rt.on_cuda:
+                torch.cuda.empty_cache()
     print(markdown_table(bench.TABLE_HEADER, [bench.table_cells(row) for row in rows]))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"header": header.strip(), "seconds":
+                                         time.monotonic() - started,
+                                         "rows": [bench.row_dict(row) for row in rows]},
+                                        indent=1))
     return 0
 
 

@@ -65,3 +65,24 @@ def linear_in_fp32(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 FP32_LINEAR = Kernel("fp32_linear", "t2train.kernels.fp32_linear:fp32_linear", linear_in_fp32)
+
+
+def rms_fp32_logits(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+    """RMSNorm(x) W^T + b in fp32, the RMSNorm weight-free (a learned norm weight g folds
+    into W as W g): without writing the normalised x (with the Triton kernel, where
+    ``T2_KERNELS`` routes it: up to 16 outputs)."""
+    if weight.shape[0] > GATE_MAX_OUTPUTS:
+        return rms_linear_in_fp32(x, weight, bias, eps)
+    return route(RMS_FP32_LINEAR, x, weight)(x, weight, bias, eps)
+
+
+def rms_linear_in_fp32(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+    """The PyTorch reference of ``rms_fp32_logits`` (and of its Triton kernel)."""
+    x32 = at_least_fp32(x)
+    with torch.autocast(x.device.type, enabled=False):
+        return linear_in_fp32(x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps),
+                              weight, bias)
+
+
+RMS_FP32_LINEAR = Kernel("rms_fp32_linear", "t2train.kernels.fp32_linear:rms_fp32_linear",
+                         rms_linear_in_fp32)

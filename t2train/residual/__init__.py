@@ -67,6 +67,7 @@ def kernel_table() -> dict:
     from t2train.residual import attnres, ddl, hc, mhc, window_attention
 
     table = [window_attention.WINDOW_ATTENTION, ddl.DELTA_WRITE, precision.FP32_LINEAR,
+             precision.RMS_FP32_LINEAR,
              attnres.DEPTH_MIX, attnres.BLOCK_PHASE_1, attnres.BLOCK_PHASE_2,
              mhc.STREAM_READ, mhc.STREAM_WRITE, hc.HC_READ, hc.HC_WRITE]
     return {kernel.name: kernel for kernel in table}

@@ -58,7 +58,7 @@ from t2train.errors import require
 from t2train.kernels import dispatch
 from t2train.nn import probe
 from t2train.nn.norm import RMSNorm
-from t2train.nn.precision import at_least_fp32, fp32_logits
+from t2train.nn.precision import at_least_fp32, rms_fp32_logits
 from t2train.residual import sublayer_names
 from t2train.residual.base import (
     ResidualDesign,
@@ -175,8 +175,12 @@ class HyperConnection(StreamMixResidual):
             return alpha, beta
         # Both projections of each stream (normed on its own) at once, in fp32 without an
         # fp32 copy of the n streams: [n, s, b, n + 2], alpha's n + 1 logits, then beta's.
+        # Norm(H) W = r (H (g W)) per stream, r its rsqrt: the norm's weight g folds into
+        # the projections and r applies after them, so the normed streams are never written
+        # (nor saved for the backward).
         projections = torch.cat([self.dynamic_alpha.t(), self.dynamic_beta[None]])
-        logits = fp32_logits(self.norm(state), projections)
+        folded = at_least_fp32(projections) * at_least_fp32(self.norm.weight)
+        logits = rms_fp32_logits(state, folded, None, self.norm.eps)
         scale_a, scale_b = (at_least_fp32(p) for p in (self.dynamic_alpha_scale,
                                                         self.dynamic_beta_scale))
         alpha = alpha + scale_a * torch.tanh(logits[..., :n + 1]).permute(1, 2, 0, 3)

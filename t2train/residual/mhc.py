@@ -48,6 +48,13 @@ rounding in the parameter dtype; tested), and the gates still get gradients. Wit
 H_res = 1 and the design is a gated `standard` residual:
 x' = x + 2 sigmoid(H~post) F(Norm(sigmoid(H~pre) x)).
 
+Memory (``model.mhc.recompute_streams``, off by default): as the paper recomputes its
+mappings' intermediates in the backward (Sec. 4.3), the n streams between a layer's sublayers
+can be dropped after the forward and rebuilt by their write when the backward needs them
+(``_DroppedStates``: saved-tensor hooks around this design's own reads and writes); only the
+stream entering each layer is kept. Values are unchanged (the same kernel on the same
+inputs); it saves one n x [s, b, h] state per layer, two with the local mixer.
+
 The read (H_pre) and the write (Sinkhorn, H_res and H_post) are one fused Triton pass each
 over the stream on CUDA (``kernels/stream_mix.py``, chosen by ``T2_KERNELS``); the
 projection stays a PyTorch matmul. Hops carry n units of [s, b, h] (unit ids None); all is
@@ -56,16 +63,19 @@ per token, so sequence parallelism applies; parameters are replicated across ten
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from t2train.errors import require
 from t2train.kernels import dispatch
 from t2train.nn.precision import at_least_fp32
+from t2train.residual import sublayer_names
 from t2train.residual.base import ResidualDesign, mark_replicated
 from t2train.residual.hc import (
     StreamCopies,
@@ -85,7 +95,13 @@ class MHCOptions:
     sinkhorn_iterations: int = 20  # t_max: column-then-row normalisations of exp(H~res)
     gate_init: float = 0.01  # a_pre, a_post, a_res at initialisation
     eps: float = 1e-6  # of the RMSNorm over the flattened stream
-    not_architecture: ClassVar[tuple] = ("gate_init",)  # a resumed run may change it
+    # Keep the n streams for the backward only where a layer starts; the states between its
+    # sublayers are recomputed from there in the backward (one stream write per dropped
+    # state: mHC's recomputation, Sec. 4.3, at the granularity of a layer). False, the
+    # default: keep every state (no recomputation).
+    recompute_streams: bool = False
+    # A resumed run may change these (initial values, recomputation).
+    not_architecture: ClassVar[tuple] = ("gate_init", "recompute_streams")
 
     def validate(self, prefix: str) -> None:
         require(self.expansion_rate >= 1, f"{prefix}.expansion_rate", self.expansion_rate,
@@ -96,6 +112,51 @@ class MHCOptions:
         require(self.gate_init >= 0, f"{prefix}.gate_init", self.gate_init,
                 "must be >= 0 (0 starts exactly as standard)")
         require(self.eps > 0, f"{prefix}.eps", self.eps, "must be > 0")
+        require(isinstance(self.recompute_streams, bool), f"{prefix}.recompute_streams",
+                self.recompute_streams, "must be true or false")
+
+
+class _NormedProjection(torch.autograd.Function):
+    """RMSNorm(vec x) phi^T in fp32, saving the stream as it came (no fp32 copy of the n
+    streams stays alive for the backward: the read and write kernels save the same tensor).
+
+    Each stream is a contiguous [tokens, h] slab, so the projection is one batched matmul
+    over the streams (no permuted copy of the stream), summed over them; the RMS divides the
+    result (the norm is weight-free, so RMSNorm(x~) phi = (x~ phi) rsqrt(mean(x~^2) + eps)).
+    Backward, with g the incoming gradient, r the rsqrt and y = x~ phi^T:
+    dx~ = (g r) phi - x~ r^3 sum_k(g_k y_k) / (n h),  dphi = (g r)^T x~."""
+
+    @staticmethod
+    def forward(ctx, state: Tensor, projection: Tensor, eps: float) -> Tensor:
+        n, h = state.shape[0], state.shape[-1]
+        with torch.autocast(state.device.type, enabled=False):
+            x = at_least_fp32(state).reshape(n, -1, h)  # a temporary, freed after the forward
+            phi = at_least_fp32(projection).view(-1, n, h).permute(1, 2, 0)  # [n, h, outputs]
+            inv_rms = torch.rsqrt(x.pow(2).sum((0, 2)) / (n * h) + eps)  # [tokens]
+            y = torch.bmm(x, phi).sum(0)  # [tokens, outputs]
+        ctx.save_for_backward(state, projection, y, inv_rms)
+        return (y * inv_rms[:, None]).view(*state.shape[1:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        state, projection, y, inv_rms = ctx.saved_tensors
+        n, h = state.shape[0], state.shape[-1]
+        with torch.autocast(state.device.type, enabled=False):
+            x = at_least_fp32(state).reshape(n, -1, h)
+            phi = at_least_fp32(projection).view(-1, n, h).transpose(0, 1)  # [n, outputs, h]
+            g = grad.reshape(-1, grad.shape[-1]).to(y.dtype)
+            g_y = g * inv_rms[:, None]
+            coef = -(g * y).sum(-1) * inv_rms.pow(3) / (n * h)  # [tokens]
+            d_state = torch.baddbmm(x * coef[:, None], g_y.expand(n, *g_y.shape), phi)
+            d_phi = torch.bmm(g_y.T.expand(n, *g_y.T.shape), x)  # [n, outputs, h]
+        return (d_state.view(state.shape).to(state.dtype),
+                d_phi.transpose(0, 1).reshape(projection.shape).to(projection.dtype), None)
+
+
+def normed_projection(state: Tensor, projection: Tensor, eps: float) -> Tensor:
+    """RMSNorm(vec x) phi^T [s, b, outputs] in fp32: state [n, s, b, h], projection
+    [outputs, n h] (stream after stream), the RMSNorm weight-free over all n h."""
+    return _NormedProjection.apply(state, projection, eps)
 
 
 def sinkhorn(logits: Tensor, iterations: int) -> Tensor:
@@ -150,12 +211,64 @@ STREAM_WRITE = dispatch.Kernel("stream_write", "t2train.kernels.stream_mix:strea
                                stream_write)
 
 
+class _Recomputed:
+    """A stream state dropped after the forward: rebuilt in the backward by the write that
+    made it, from the state before (kept, or itself a ``_Recomputed``), the sublayer's
+    output and its mappings' logits (saved for the backward anyway). Rebuilt once; the
+    backward nodes that saved the state share it."""
+
+    def __init__(self, before, out: Tensor, post: Tensor, res: Tensor, iterations: int):
+        self.inputs = (before, out.detach(), post.detach(), res.detach())
+        self.iterations, self.value = iterations, None
+
+    def materialise(self) -> Tensor:
+        if self.value is None:
+            before, out, post, res = self.inputs
+            if isinstance(before, _Recomputed):
+                before = before.materialise()
+            with torch.no_grad():
+                self.value = write_streams(before, out, post, res, self.iterations)
+        return self.value
+
+
+class _DroppedStates:
+    """``saved_tensors_hooks`` that store a registered state as its ``_Recomputed`` recipe."""
+
+    def __init__(self):
+        self.recipes = WeakTensorKeyDictionary()  # state -> _Recomputed
+
+    def pack(self, t: Tensor):
+        return self.recipes.get(t, t)
+
+    @staticmethod
+    def unpack(saved):
+        return saved.materialise() if isinstance(saved, _Recomputed) else saved
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def register(self, state: Tensor, before: Tensor, out: Tensor, post: Tensor, res: Tensor,
+                 iterations: int) -> None:
+        before = self.recipes.get(before, before)  # a chain within the layer: never a tensor
+        self.recipes[state] = _Recomputed(before, out, post, res, iterations)
+
+
+# One registry for every sublayer: a state is registered by the write that makes it and
+# saved by the next sublayer's read and write (keys are weak: a state gone is forgotten).
+DROPPED_STATES = _DroppedStates()
+
+
 class ManifoldHyperConnection(StreamMixResidual):
     def __init__(self, config, layer_number: int = 1, position: int = 0):
         super().__init__(config, layer_number, position)
         options = config.t2_model.mhc
         n, h, dtype = options.expansion_rate, config.hidden_size, config.params_dtype
         self.n, self.eps, self.iterations = n, options.eps, options.sinkhorn_iterations
+        # with recompute_streams: the states between this layer's sublayers are dropped
+        # (the last sublayer's output, the next layer's input, is kept)
+        last = position == len(sublayer_names(config.t2_model)) - 1
+        self.dropped = DROPPED_STATES if options.recompute_streams else None
+        self.drops_its_output = options.recompute_streams and not last
         outputs = n * n + 2 * n  # H~pre, H~post, H~res (row-major)
         self.projection = torch.nn.Parameter(torch.empty(outputs, n * h, dtype=dtype))
         config.init_method(self.projection)
@@ -168,10 +281,7 @@ class ManifoldHyperConnection(StreamMixResidual):
     def logits(self, state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """H~pre [s, b, n], H~post [s, b, n], H~res [s, b, n, n] from the flattened stream."""
         n = self.n
-        x = at_least_fp32(state)
-        inv_rms = torch.rsqrt(x.pow(2).mean((0, 3)) + self.eps)  # over all n x h: [s, b]
-        phi = at_least_fp32(self.projection).view(-1, n, x.shape[-1])
-        raw = torch.einsum("jsbh,kjh->sbk", x, phi) * inv_rms.unsqueeze(-1)
+        raw = normed_projection(state, self.projection, self.eps)
         gates, bias = at_least_fp32(self.gates), at_least_fp32(self.bias)
         pre = gates[0] * raw[..., :n] + bias[:n]
         post = gates[1] * raw[..., n:2 * n] + bias[n:2 * n]
@@ -179,14 +289,23 @@ class ManifoldHyperConnection(StreamMixResidual):
         return pre, post, res
 
     def width_connection(self, state: Tensor) -> tuple[Tensor, tuple]:
-        pre, post, res = self.logits(state)
-        record_weights("mhc", (self.layer_number, self.position), torch.sigmoid(pre),
-                       2 * torch.sigmoid(post), lambda: sinkhorn(res, self.iterations))
-        return read_streams(state, pre), (post, res)
+        with self._saving():
+            pre, post, res = self.logits(state)
+            record_weights("mhc", (self.layer_number, self.position), torch.sigmoid(pre),
+                           2 * torch.sigmoid(post), lambda: sinkhorn(res, self.iterations))
+            return read_streams(state, pre), (post, res)
 
     def depth_connection(self, state: Tensor, pending: tuple, out: Tensor) -> Tensor:
         post, res = pending
-        return write_streams(state, out, post, res, self.iterations)
+        with self._saving():
+            new = write_streams(state, out, post, res, self.iterations)
+        if self.drops_its_output and torch.is_grad_enabled():
+            self.dropped.register(new, state, out, post, res, self.iterations)
+        return new
+
+    def _saving(self):
+        """Where the states this sublayer saves may be recipes (``recompute_streams``)."""
+        return self.dropped.hooks() if self.dropped is not None else contextlib.nullcontext()
 
 
 class ManifoldStreamCopies(StreamCopies):

@@ -8,12 +8,14 @@ backward on small CPU tensors with ``JITFunction.run`` replaced: every launch is
 a cubin for sm_90 with the launch's own argument types, constants and warp count (the GPU
 tile sizes, since the interpreter is off) and the JIT's specialisation of its arguments
 (alignment, divisibility by 16), and not run. Prints one line per compiled
-specialisation; exits 1 with the compiler's error on the first failure.
+specialisation, with its count of 16-byte (vectorised) global loads in the PTX; exits 1 with
+the compiler's error on the first failure.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import torch
@@ -41,12 +43,14 @@ def compile_launch(self: JITFunction, *args, grid, warmup, **kwargs):
     if key not in compiled:
         options, signature, constexprs, attrs = self._pack_args(BACKEND, kwargs, bound,
                                                                 specialization, options)
-        triton.compile(ASTSource(self, signature, constexprs, attrs), target=TARGET,
-                       options=options.__dict__)
+        kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=TARGET,
+                                options=options.__dict__)
         compiled.add(key)
         named = {self.params[path[0]].name: value for path, value in constexprs.items()}
+        vector_loads = len(re.findall(r"ld\.global[.\w]*\.v4", kernel.asm["ptx"]))
         print(f"sm_90: {self.fn.__module__}.{self.__name__} {named} "
-              f"num_warps={options.num_warps} aligned/divisible: {len(attrs)}", flush=True)
+              f"num_warps={options.num_warps} aligned/divisible: {len(attrs)} "
+              f"16-byte loads: {vector_loads}", flush=True)
 
 
 def _leaves(dtype, *shapes):
@@ -78,6 +82,7 @@ def launch_every_kernel(dtype) -> None:
     for outputs in (1, 4, 6):
         x, weight, bias = _leaves(dtype, (8, 2, 256), (outputs, 256), (outputs,))
         _backward(fp32_linear.fp32_linear(x, weight, bias))
+        _backward(fp32_linear.rms_fp32_linear(x, weight.float(), None, 1e-5))
     query, partial, *sources = _leaves(dtype, (256,), (8, 2, 256), *[(8, 2, 256)] * 3)
     _backward(depth_mix.depth_mix(query, sources, partial, 1e-6))
     queries = _leaves(dtype, (4, 256))[0]

@@ -15,6 +15,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # kernel name in the dispatch counter -> the autograd nodes its forward leaves in the graph
 BACKWARD_NODES = {"window_attention": {"WindowAttentionBackward", "OneQueryAttentionBackward"},
                   "delta_write": {"DeltaWriteBackward"}, "fp32_linear": {"Fp32LinearBackward"},
+                  "rms_fp32_linear": {"RmsFp32LinearBackward"},
                   "depth_mix": {"Phase1Backward", "Phase2Backward"},
                   "block_phase_1": {"Phase1Backward"}, "block_phase_2": {"Phase2Backward"},
                   "stream_read": {"StreamReadBackward"}, "stream_write": {"StreamWriteBackward"},

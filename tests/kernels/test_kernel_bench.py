@@ -1,4 +1,5 @@
-"""The benchmark runs anywhere: without CUDA it says so and succeeds."""
+"""The benchmark runs anywhere: without CUDA it says so and succeeds, and ``--dry-run`` runs
+its cases on the CPU."""
 
 import torch
 
@@ -9,3 +10,17 @@ def test_without_cuda_it_says_so(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert kernels.main([]) == 0
     assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_dry_run_runs_every_asked_case_on_the_cpu(tmp_path, capsys):
+    """``--dry-run``: the separate invocation's cases at the dry-run shapes on the CPU, every
+    Triton row timed, the rows written as JSON."""
+    import json
+
+    assert kernels.main(["--dry-run", "--only", "stream_mix", "--mode", "fwd+bwd",
+                         "--json", str(tmp_path / "rows.json")]) == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    triton = {row["kernel"]: row for row in rows if row["impl"] == "triton"}
+    assert set(triton) == {"stream_read", "stream_write", "hc_read", "hc_write"}
+    assert all(row["ms"] is not None and not row["error"] for row in triton.values()), triton
+    assert "| stream_write | tiny |" in capsys.readouterr().out

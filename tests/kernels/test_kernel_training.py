@@ -31,10 +31,10 @@ VARIANTS = {
     # its reads, the second read phase 2; the final read mixes everything in one call.
     "block_attnres": (["model.residual=block_attnres", "model.attnres.block_size=2"],
                       {"block_phase_1": LAYERS, "block_phase_2": LAYERS, "depth_mix": 1}),
-    # Dynamic hyper-connections: each sublayer's alpha and beta logits in one gate-logit call,
-    # its stream read and write.
+    # Dynamic hyper-connections: each sublayer's alpha and beta logits in one RMS-normalised
+    # gate-logit call, its stream read and write.
     "hc": (["model.residual=hc", "model.hc.dynamic=true"],
-           {"fp32_linear": 2 * LAYERS, "hc_read": 2 * LAYERS, "hc_write": 2 * LAYERS}),
+           {"rms_fp32_linear": 2 * LAYERS, "hc_read": 2 * LAYERS, "hc_write": 2 * LAYERS}),
     # The fused read and write (Sinkhorn included) on every sublayer; few iterations, since
     # the interpreter runs them token by token.
     "mhc": (["model.residual=mhc", "model.mhc.sinkhorn_iterations=5"],

@@ -26,3 +26,10 @@ def test_every_kernel_compiles_for_sm90():
         "ddl_update._bwd_kernel", "fp32_linear._fwd_kernel", "fp32_linear._bwd_kernel",
         "depth_mix._phase1_bwd_grads_kernel", "depth_mix._phase2_bwd_kernel",
         "stream_mix._write_bwd")} <= kernels, kernels
+    # Block AttnRes reads its sources through a table of their addresses: the compiler sees
+    # loaded pointers, and vectorises their loads only with the alignment hint (without it,
+    # every bf16 element was a load of its own)
+    table_reads = [line for line in compiled
+                   if "depth_mix._phase1" in line and "'ALIGNED': True" in line]
+    assert len(table_reads) >= 3, compiled
+    assert all(not line.endswith("16-byte loads: 0") for line in table_reads), table_reads

@@ -91,6 +91,24 @@ def test_strided_inputs_and_default_scale():
                    torch.float32, "window_attention")
 
 
+def test_gradients_keep_the_models_layout():
+    """The mixer hands the kernel [s, b, heads, d] memory as [b, heads, s, d] views: the
+    gradients come back in that memory layout (RoPE's and the QKV split's backward then read
+    one layout), and equal the reference's."""
+    from kernel_checks import leaves, run_kernels
+
+    q, k, v = (t.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+               for t in _inputs(SHAPES["gqa"], torch.float32))
+    ours, theirs = leaves(q, k, v), leaves(q, k, v)
+    out = run_kernels(attend_window, *ours, 6)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, ours, grad)
+    want = torch.autograd.grad(short_window_attention(*theirs, 6), theirs, grad)
+    for a, b, inp in zip(got, want, (q, k, v)):
+        assert a.stride() == inp.stride(), (a.stride(), inp.stride())
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_reference_passes_gradcheck():
     q, k, v = (t.double().requires_grad_() for t in _inputs(SHAPES["gqa"], torch.float32))
     q, k, v = q[:, :2, :4, :4], k[:, :1, :6, :4], v[:, :1, :6, :4]

@@ -33,6 +33,7 @@ class Settings:
     reference_max_memory: float  # baseline peak memory / the compiled loop's
     dry_run_overrides: tuple[str, ...]
     dry_run_kernel_options: dict
+    cost: dict = field(default_factory=dict)  # step_time, max_time_over_flops, peak_memory
 
 
 def load_settings(path: Path = SETTINGS_FILE) -> Settings:
@@ -46,7 +47,7 @@ def load_settings(path: Path = SETTINGS_FILE) -> Settings:
         reference_min_speed=float(raw["reference"]["min_speed"]),
         reference_max_memory=float(raw["reference"]["max_memory"]),
         dry_run_overrides=tuple(raw["dry_run"]["overrides"]),
-        dry_run_kernel_options=raw["dry_run"]["kernel_options"])
+        dry_run_kernel_options=raw["dry_run"]["kernel_options"], cost=raw.get("cost") or {})
 
 
 def baseline() -> str:

@@ -123,6 +123,69 @@ def evaluate_targets(plan: Plan, sections: dict) -> list[dict]:
     return judged
 
 
+def flop_ratio(plan: Plan, variant: str) -> Optional[float]:
+    """``variant``'s model FLOPs per token over the baseline's at the step shapes
+    (t2train/model/flops.py); None without a configured vocabulary."""
+    from t2train.bench.variants import variant_config
+    from t2train.monitor.mfu import model_flops_per_token
+
+    def flops(name: str) -> Optional[float]:
+        config = variant_config(plan.step_preset, None,
+                                ["data.path=unused", *plan.step_overrides], name)
+        vocab = config.model.vocab_size
+        return model_flops_per_token(config.model, vocab) if vocab else None
+
+    mine, base = flops(variant), flops(baseline())
+    return mine / base if mine and base else None
+
+
+def cost_targets(plan: Plan, sections: dict) -> list[dict]:
+    """Issue 32, per timed variant: step time and peak memory against the baseline's, the
+    FLOP ratio, time over FLOPs, and the verdict on every limit ``targets.yaml``'s ``cost``
+    sets for it."""
+    cost, base = plan.settings.cost, baseline()
+    if not cost:
+        return []
+    timed = {item["name"]: item for item in _items(sections.get("step_cost"))
+             if not item.get("reference")}
+    ratios = step_ratios(sections.get("step_cost"), base)
+    rows = []
+    for name in [name for name in timed if name != base] + [
+            name for name in {**cost.get("step_time", {}), **cost.get("peak_memory", {})}
+            if name not in timed]:
+        item, ratio = timed.get(name), ratios.get(name)
+        flops = flop_ratio(plan, name)
+        memory = (item["memory_gib"] / timed[base]["memory_gib"]
+                  if item and base in timed and timed[base].get("memory_gib") else None)
+        per_flop = ratio / flops if ratio and flops else None
+        limits = [(per_flop, cost.get("max_time_over_flops")),
+                  (ratio, cost.get("step_time", {}).get(name)),
+                  (memory, cost.get("peak_memory", {}).get(name))]
+        verdicts = [_judge(value, limit, at_most=True) for value, limit in limits
+                    if limit is not None]
+        rows.append({"variant": name, "time_ratio": ratio, "flop_ratio": flops,
+                     "time_over_flops": per_flop, "memory_ratio": memory,
+                     "limits": {"time_over_flops": limits[0][1], "step_time": limits[1][1],
+                                "peak_memory": limits[2][1]},
+                     "verdict": ("missed" if "missed" in verdicts else "not measured"
+                                 if "not measured" in verdicts else "met")})
+    return rows
+
+
+def _cost_md(rows: list[dict], base: str) -> list[str]:
+    def cell(value, limit, spec=".3f"):
+        return _fmt(value, spec) + (f" (<= {limit:.2f})" if limit is not None else "")
+
+    return ["", f"## Cost targets (issue 32): against `{base}` of the same run", "",
+            _table(["variant", "step time ratio", "FLOP ratio", "time / FLOPs", "memory ratio",
+                    "verdict"],
+                   [[row["variant"], cell(row["time_ratio"], row["limits"]["step_time"]),
+                     _fmt(row["flop_ratio"], ".3f"),
+                     cell(row["time_over_flops"], row["limits"]["time_over_flops"]),
+                     cell(row["memory_ratio"], row["limits"]["peak_memory"]), row["verdict"]]
+                    for row in rows])] if rows else []
+
+
 def _fmt(value, spec: str = ".1f") -> str:
     return "" if value is None else format(value, spec)
 
@@ -258,8 +321,9 @@ def render_markdown(plan: Plan, sections: dict, targets: list[dict], report: dic
     lines += [f"Verdict: {report['verdict']}. Total {report['seconds']:.0f}s.", "",
               "## Targets", "", _table(["target", "measured", "verdict"],
                                                [[t["target"], t["measured"], t["verdict"]]
-                                                for t in targets]), "",
-              "## Sections", "",
+                                                for t in targets]),
+              *_cost_md(report.get("cost_targets", []), baseline()),
+              "", "## Sections", "",
               _table(["section", "status", "seconds", "budget (s)", "note"], [
                   [name, (sections.get(name) or {}).get("status", "missing"),
                    _fmt((sections.get(name) or {}).get("seconds"), ".0f"),
@@ -300,7 +364,8 @@ def write_report(plan: Plan, sections: dict, out: Path, seconds: float) -> dict:
     targets = evaluate_targets(plan, sections)
     report = {"schema": 1, "dry_run": plan.dry_run, "date": datetime.date.today().isoformat(),
               "seconds": seconds, "verdict": verdict(sections, targets), "targets": targets,
-              "budgets": plan.budgets, "sections": sections}
+              "budgets": plan.budgets, "sections": sections,
+              "cost_targets": cost_targets(plan, sections)}
     (out / "gpu-report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (out / "gpu-report.md").write_text(render_markdown(plan, sections, targets, report))
     return report
