@@ -141,7 +141,7 @@ def _cmd_config(args) -> int:
 
     config = _load(args)
     if config.data.path:  # a dataset that is not there (or does not fit) fails here too
-        from t2train.train.loop import dataset_facts
+        from t2train.train.inputs import dataset_facts
 
         dataset_facts(config)
     print(dump_config(config), end="")

@@ -209,7 +209,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_or_refused(megatron_world, tmp_p
     checkpoint that verifies; a damaged checkpoint named explicitly is refused."""
     from t2train.checkpoint.errors import CheckpointError
     from t2train.engine.megatron.checkpoint import save_checkpoint
-    from t2train.train.loop import _verified
+    from t2train.train.trainer import verified
 
     root = tmp_path / "run" / "checkpoints"
     objs = _objects(seed=1)
@@ -222,18 +222,18 @@ def test_a_damaged_newest_checkpoint_is_skipped_or_refused(megatron_world, tmp_p
     _damage(shard, how)
     why = ("bytes, " if how == "truncated" else "content differs from the xxh3_64 checksum")
 
-    chosen, note = _verified(_config(), tmp_path / "run", newest)
+    chosen, note = verified(_config(), tmp_path / "run", newest)
     assert chosen == good and note == " | skipped damaged step_00000002"
     warning = capsys.readouterr().err
     assert f"warning: skipping damaged checkpoint {newest}: {shard}: " in warning
     assert why in warning and f"resuming from {good}" in warning, warning
 
     with pytest.raises(CheckpointError) as refused:
-        _verified(_config("checkpoint.on_damaged=stop"), tmp_path / "run", newest)
+        verified(_config("checkpoint.on_damaged=stop"), tmp_path / "run", newest)
     assert str(refused.value).startswith(f"{newest} is damaged: {shard}: ")
     assert f"checkpoint.resume={good}" in str(refused.value) and why in str(refused.value)
     with pytest.raises(CheckpointError, match=f"checkpoint.resume={newest}: damaged: {shard}"):
-        _verified(_config(f"checkpoint.resume={newest}"), tmp_path / "run", newest)
+        verified(_config(f"checkpoint.resume={newest}"), tmp_path / "run", newest)
 
 
 @pytest.mark.parametrize("where", ["parameter", "optimizer moment"])

@@ -68,7 +68,7 @@ def test_bad_values_are_named(overrides, message):
 
 
 def test_a_preset_shows_without_a_dataset_but_training_needs_one():
-    from t2train.train.loop import dataset_facts
+    from t2train.train.inputs import dataset_facts
 
     config = load_config("1b")  # `t2train config --preset 1b` needs no dataset
     assert config.data.path == "" and config.model.vocab_size is None

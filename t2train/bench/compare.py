@@ -138,7 +138,7 @@ def _variant_runs(variant: str, curves: list[dict[int, float]], config) -> Varia
     from t2train.bench.compare_report import VariantRuns
     from t2train.model.build import padded_vocab_size
     from t2train.model.flops import parameters, train_flops_per_token
-    from t2train.train.loop import dataset_facts
+    from t2train.train.inputs import dataset_facts
 
     vocab_size = padded_vocab_size(dataset_facts(config)["vocab_size"], config)
     return VariantRuns(variant, curves, _tokens_per_step(config),

@@ -178,8 +178,11 @@ class Checkpointer:
         """Publish every async save, waiting for the writers."""
         self._finalize(blocking=True)
 
-    def close(self) -> None:
-        self.wait()
+    def close(self, abandon: bool = False) -> None:
+        """Publish every async save and release the writer's queue; ``abandon`` (the run is
+        failing) skips the publication, a collective that failed peers would never join."""
+        if not abandon:
+            self.wait()
         if self.queue is not None:
             self.queue.close()
         if self.failed_saves:

@@ -34,7 +34,7 @@ def dry_run(config: Config) -> DryRun:
     from t2train.model.build import padded_vocab_size
     from t2train.train.batches import GlobalBatchFeeder
     from t2train.train.data import open_streams
-    from t2train.train.loop import start_ranks
+    from t2train.train.trainer import start_ranks
 
     facts, resume_from, dp_size, topology = start_ranks(config)
     engine = build_engine(config, padded_vocab_size(facts["vocab_size"], config))

@@ -1,0 +1,291 @@
+"""The ``Trainer``: one training run, in torchtitan's manner.
+
+Construction builds everything the run needs, in order: the inputs checked before anything
+is written (``inputs.py``), the process groups and seeds, the engine with its model and
+optimizer (loaded from the checkpoint it resumes, or from ``checkpoint.init_from``), the data
+streams, the monitor and the checkpointer. ``run`` then loops ``step``, which trains, logs,
+evaluates and saves as their intervals fall, and ``stop``, the collective decision to stop
+early, until ``train.steps``. Every resource the run opens is closed by one ``ExitStack``
+(``close``, or leaving the ``with`` block), also when the run fails.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+
+from t2train.checkpoint.errors import CheckpointError
+from t2train.checkpoint.inspect import resolve_checkpoint
+from t2train.checkpoint.integrity import (choose_verified, resume_candidates, say,
+                                          verify_checksums)
+from t2train.checkpoint.manager import Checkpointer
+from t2train.checkpoint.store import find_latest
+from t2train.config.loader import dump_config
+from t2train.config.schema import Config
+from t2train.engine import build_engine
+from t2train.errors import TrainingHalted
+from t2train.model.build import padded_vocab_size
+from t2train.monitor.diagnostics import Diagnostics, diagnostic_micro_batches
+from t2train.monitor.metrics import Monitor
+from t2train.monitor.step_metrics import loss_scalars, step_meter
+from t2train.monitor.wandb_sink import wandb_settings
+from t2train.parallel.init import Topology, init_distributed, init_model_parallel, set_seed
+from t2train.residual import variant_label
+from t2train.train.batches import GlobalBatchFeeder
+from t2train.train.data import open_streams
+from t2train.train.inputs import dataset_facts, resume_target
+from t2train.train.preemption import StopGuard
+from t2train.train.summary import RunSummary
+from t2train.train.watchdog import Watchdog
+
+
+def start_ranks(config: Config) -> tuple[dict, Optional[Path], int, Topology]:
+    """A run's first steps, also ``train --dry-run``'s: the dataset's facts and the checkpoint
+    to resume (checked before anything is written), then the process groups against the world
+    size and the seeds. Returns (facts, resume target, data-parallel size, topology)."""
+    facts = dataset_facts(config)
+    resume_from = resume_target(config, Path(config.run_dir))
+    init_distributed(config.parallel.collective_timeout_mins)
+    dp_size = config.validate_world(dist.get_world_size())
+    topology = init_model_parallel(config.parallel.tensor, config.parallel.pipeline,
+                                   config.parallel.virtual_pipeline)
+    set_seed(config.train.seed, topology)
+    return facts, resume_from, dp_size, topology
+
+
+def verified(config: Config, run_dir: Path, resume_from: Path) -> tuple[Path, str]:
+    """Collective: the checkpoint to load once its checksums verify, and a note naming the
+    damaged ones skipped. ``checkpoint.resume=auto`` falls back to the newest checkpoint that
+    verifies unless ``checkpoint.on_damaged=stop``; a checkpoint named explicitly is used or
+    refused."""
+    if config.checkpoint.resume != "auto":
+        damage = verify_checksums(resume_from)
+        if damage is not None:
+            raise CheckpointError(f"checkpoint.resume={config.checkpoint.resume}: damaged: "
+                                  f"{damage}")
+        return resume_from, ""
+    chosen, skipped = choose_verified(resume_candidates(run_dir / "checkpoints"),
+                                      fall_back=config.checkpoint.on_damaged == "fall_back")
+    for path, damage in skipped:
+        say(f"skipping damaged checkpoint {path}: {damage}; resuming from {chosen}, the newest "
+            "that verifies (checkpoint.on_damaged=fall_back; set it to stop to refuse instead)")
+    return chosen, "".join(f" | skipped damaged {path.name}" for path, _ in skipped)
+
+
+def schedule_in_force(config: Config, scheduler) -> str:
+    """The LR schedule a resumed run follows, whose it is, and this config's if it differs."""
+    def describe(lr, min_lr, warmup, until) -> str:
+        return f"warm-up {warmup}, cosine {lr:.2e} -> {min_lr:.2e} until step {until}"
+
+    train_cfg = config.train
+    used = describe(scheduler.max_lr, scheduler.min_lr, scheduler.lr_warmup_steps,
+                    scheduler.lr_decay_steps)
+    configured = describe(train_cfg.lr, train_cfg.min_lr, train_cfg.warmup_steps,
+                          train_cfg.steps)
+    choice = train_cfg.schedule_on_resume
+    unused = ("" if used == configured else
+              f"; this config's ({configured}) is not used: train.schedule_on_resume=config")
+    return f"LR schedule of the {choice} (train.schedule_on_resume={choice}): {used}{unused}"
+
+
+class Trainer:
+    """One run: ``Trainer(config, guard, watchdog)``, then ``run()`` (or ``step``, ``evaluate``,
+    ``save`` and ``stop`` one at a time); use it as a context manager, or call ``close``."""
+
+    def __init__(self, config: Config, guard: StopGuard, watchdog: Watchdog):
+        self.config, self.guard, self.watchdog = config, guard, watchdog
+        self.resources = ExitStack()
+        try:
+            self._build()
+        except BaseException:
+            self.resources.close()
+            raise
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.resources.__exit__(*exc)
+
+    def close(self) -> None:
+        """Close what the run opened, in reverse order: the checkpointer (publishing every
+        async save), the monitor, the data streams."""
+        self.resources.close()
+
+    # --- construction ------------------------------------------------------------------------
+    def _build(self) -> None:
+        config = self.config
+        self.run_dir = Path(config.run_dir)
+        self.facts, resume_from, self.dp_size, self.topology = start_ranks(config)
+        skipped = ""
+        if resume_from is not None:
+            resume_from, skipped = verified(config, self.run_dir, resume_from)
+        self.engine = build_engine(config, padded_vocab_size(self.facts["vocab_size"], config))
+        train_state, start = self._load(resume_from, skipped)
+        self.start_step = train_state.get("step", 0)
+        self.resumed = resume_from is not None
+        self._open_data(train_state)
+        self._open_monitor(start)
+        self.meter, mfu_note = step_meter(config, self.engine.vocab_size,
+                                          self.topology.world_size, train_state)
+        self.monitor.print(mfu_note)
+        self.diagnostics = Diagnostics(self.engine, config.log.diagnostics_interval,
+                                       diagnostic_micro_batches(self.val_batches, config),
+                                       self.monitor, sends=self.topology.tp_rank == 0
+                                       and self.topology.dp_rank == 0)
+        self.summary = RunSummary(run_dir=self.run_dir, start_step=self.start_step,
+                                  final_step=self.start_step)
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", config, self.engine,
+                                         self._report_save, monitor=self.monitor,
+                                         counters=train_state)
+        # An exception leaves async saves unpublished: waiting for them is a collective,
+        # which peers that failed would never join.
+        self.resources.push(lambda kind, *_: self.checkpointer.close(abandon=kind is not None))
+        self.skipped_in_a_row = 0
+
+    def _load(self, resume_from: Optional[Path], skipped: str) -> tuple[dict, str]:
+        """The train state to continue (empty for a fresh start) and how the run starts."""
+        if resume_from is not None:
+            loading_started = time.monotonic()
+            train_state = self.engine.load(resume_from)
+            return train_state, (f"resumed from {resume_from} (loaded in "
+                                 f"{time.monotonic() - loading_started:.1f}s){skipped} | "
+                                 f"{schedule_in_force(self.config, self.engine.scheduler)}")
+        if self.config.checkpoint.init_from:
+            weights = resolve_checkpoint(Path(self.config.checkpoint.init_from))
+            self.engine.load_weights(weights, self.facts["tokenizer_sha256"])
+            return {}, f"fresh start from the weights of {weights}"
+        return {}, "fresh start"
+
+    def _open_data(self, train_state: dict) -> None:
+        config, train_cfg = self.config, self.config.train
+        self.streams = open_streams(config, self.topology, self.dp_size,
+                                    train_state.get("data_state"))
+        self.resources.callback(self.streams.close)  # see TokenBatches.close
+        num_micro = config.micro_batches_per_step(self.dp_size)
+        self.feeder = GlobalBatchFeeder(self.streams.train, num_micro,
+                                        train_cfg.micro_batch_size, config.model.seq_length)
+        val_feeder = GlobalBatchFeeder(self.streams.val, num_micro, train_cfg.micro_batch_size,
+                                       config.model.seq_length)
+        self.val_batches = [val_feeder.next_step() for _ in range(train_cfg.eval_batches)]
+
+    def _open_monitor(self, start: str) -> None:
+        config, topology, run_dir = self.config, self.topology, self.run_dir
+        logging_rank = topology.is_logging_rank
+        if logging_rank:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(dump_config(config))
+        self.monitor = Monitor(run_dir if logging_rank else None, config.train.steps,
+                               tensorboard=config.log.tensorboard, wandb=wandb_settings(config),
+                               resumed_at=self.start_step if self.resumed else None,
+                               console=logging_rank or config.log.all_ranks,
+                               prefix=f"[rank {topology.rank}] " if config.log.all_ranks else "")
+        self.resources.callback(self.monitor.close)
+        engine_name = (f"deepspeed ZeRO-{config.deepspeed.zero_stage}"
+                       if config.train.engine == "deepspeed" else "megatron")
+        self.monitor.print(
+            f"t2train: {variant_label(config.model)} residual, {config.model.num_layers} "
+            f"layers, {self.engine.num_parameters() / 1e6:.2f}M parameters on rank 0 | world "
+            f"{topology.world_size} = TP {topology.tp_size} x PP {topology.pp_size} x DP "
+            f"{self.dp_size} | engine {engine_name} | {start}")
+        if config.log.tensorboard:
+            self.monitor.print(f"TensorBoard: tensorboard --logdir {run_dir.parent} (this run "
+                               f"is {run_dir.name!r}; its event files are in {run_dir})")
+
+    # --- the run -------------------------------------------------------------------------
+    def run(self) -> RunSummary:
+        """Train to ``train.steps`` or an agreed stop; returns the run's summary."""
+        if self.resumed and self.config.checkpoint.save_on_resume:
+            self.save(self.start_step)
+        if self.start_step == 0:
+            self.evaluate(0)
+        for step in range(self.start_step + 1, self.config.train.steps + 1):
+            saved = self.step(step)
+            if self.stop(step, saved):
+                break
+        self.close()
+        if self.checkpointer.last_failed_step == self.summary.final_step:
+            self.summary.final_save_failed = True
+            self.summary.checkpoint = self.checkpointer.last_published()
+        return self.summary
+
+    def step(self, step: int) -> bool:
+        """Train step ``step``, then log, evaluate and save where their intervals fall;
+        whether a checkpoint was saved."""
+        train_cfg = self.config.train
+        started = time.monotonic()
+        with self.watchdog.phase(f"training step {step}"):
+            micro_batches = self.feeder.next_step()
+            fed = time.monotonic()
+            result = self.engine.train_step(micro_batches)
+        self.meter.record(time.monotonic() - started, fed - started, result.skipped)
+        self.summary.losses[step] = result.loss
+        self._count_skipped(step, result)
+        if step % train_cfg.log_interval == 0 or step == train_cfg.steps:
+            scalars = self.meter.scalars(result, self.engine.param_norm())
+            self.monitor.scalars(step, scalars)
+            self.monitor.progress(step, result.loss, result.lr,
+                                  scalars["throughput/tokens_per_sec"], step - self.start_step)
+        if self.diagnostics.due(step):
+            self.diagnostics.log(step)
+        if step % train_cfg.eval_interval == 0 or step == train_cfg.steps:
+            self.evaluate(step)
+        self.checkpointer.poll()
+        saved = self.checkpointer.due(step, train_cfg.steps)
+        if saved:
+            self.save(step)
+        self.summary.final_step = step
+        return saved
+
+    def _count_skipped(self, step: int, result) -> None:
+        """Updates skipped in a row (non-finite or spiking loss); too many halt the run."""
+        limit = self.config.train.max_skipped_steps
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if result.skipped else 0
+        if result.skipped:
+            self.monitor.print(f"step {step:>6} | update skipped: {result.skip_reason} "
+                               f"({self.skipped_in_a_row} in a row; train/skipped_steps counts "
+                               "them)")
+        if self.skipped_in_a_row >= limit:
+            self.close()  # every rank skipped the same updates: publishing is safe
+            last = self.summary.checkpoint or find_latest(self.run_dir / "checkpoints")
+            raise TrainingHalted(
+                f"step {step}: {self.skipped_in_a_row} updates skipped in a row "
+                f"(train.max_skipped_steps={limit}), the last for {result.skip_reason}; stopped "
+                f"without saving. Last checkpoint: {last or 'none'}")
+
+    def evaluate(self, step: int) -> None:
+        """The validation loss on the run's fixed held-out batches."""
+        with self.watchdog.phase(f"the evaluation at step {step}"):
+            loss = self.summary.val_losses[step] = self.engine.evaluate(self.val_batches)
+        self.monitor.scalars(step, loss_scalars("val", loss))
+        self.monitor.print(f"step {step:>6} | val loss {loss:.4f}")
+
+    def save(self, step: int) -> None:
+        """A checkpoint of step ``step``: model, optimizer, data position, counters."""
+        with self.watchdog.phase(f"the checkpoint save of step {step}"):
+            self.summary.checkpoint = self.checkpointer.save(
+                step, {"data_state": self.streams.shared_state_dict(), **self.meter.counters(),
+                       # which tokenizer the ids mean (eval refuses a dataset of another)
+                       "tokenizer_sha256": self.facts["tokenizer_sha256"]})
+
+    def stop(self, step: int, saved: bool) -> bool:
+        """Collective: whether every rank stops after ``step`` (a signal, the time limit),
+        saving it first if its checkpoint is not written yet."""
+        if step < self.config.train.steps:
+            self.summary.stopped = self.guard.should_stop()
+        if not self.summary.stopped:
+            return False
+        self.monitor.print(f"step {step:>6} | stopping early: {self.summary.stopped}")
+        if not saved:
+            self.save(step)
+        return True
+
+    def _report_save(self, step: int, blocked: float, total: float, path: Path) -> None:
+        self.monitor.scalars(step, {"checkpoint/save_seconds": total,
+                                    "checkpoint/blocked_seconds": blocked})
+        self.monitor.print(f"step {step:>6} | saved {path} ({total:.1f}s"
+                           f"{f', training blocked {blocked:.1f}s' if blocked < total else ''})")
