@@ -84,3 +84,41 @@ def test_every_residual_design_learns(megatron_world, shakespeare, tmp_path, des
     summary = _train(shakespeare, tmp_path / "run", "train.steps=40", "train.eval_interval=40",
                      "checkpoint.interval=40", *design.split())
     assert summary.val_losses[40] < summary.val_losses[0] - 1.0, summary.val_losses
+
+
+def test_a_failing_run_closes_what_it_opened(megatron_world, shakespeare, tmp_path, monkeypatch):
+    """An exception in a step leaves through the Trainer's ExitStack: the checkpointer is
+    closed without publishing (its collective would wait for failed peers), the monitor's
+    files and the data streams are closed; the exception reaches the caller."""
+    from t2train.checkpoint.manager import Checkpointer
+    from t2train.monitor.metrics import Monitor
+    from t2train.train.data import open_streams as real_open_streams
+    from t2train.train.trainer import Trainer
+
+    closed = []
+    real_checkpointer_close, real_monitor_close = Checkpointer.close, Monitor.close
+
+    def checkpointer_close(self, abandon=False):
+        closed.append(("checkpointer", abandon))
+        real_checkpointer_close(self, abandon)
+
+    def monitor_close(self):
+        closed.append(("monitor", None))
+        real_monitor_close(self)
+
+    def open_streams(*args):
+        streams = real_open_streams(*args)
+        real_close = streams.close
+        streams.close = lambda: (closed.append(("streams", None)), real_close())
+        return streams
+
+    def failing_step(self, step):
+        raise RuntimeError(f"injected at step {step}")
+
+    monkeypatch.setattr(Checkpointer, "close", checkpointer_close)
+    monkeypatch.setattr(Monitor, "close", monitor_close)
+    monkeypatch.setattr("t2train.train.trainer.open_streams", open_streams)
+    monkeypatch.setattr(Trainer, "step", failing_step)
+    with pytest.raises(RuntimeError, match="injected at step 1"):
+        _train(shakespeare, tmp_path / "run", "train.steps=8", "train.eval_interval=4")
+    assert closed == [("checkpointer", True), ("monitor", None), ("streams", None)]
