@@ -123,7 +123,7 @@ def _verbose_items(output) -> list[dict]:
     """The results ``pytest -v`` printed before it was stopped (no failure messages)."""
     text = output.decode(errors="replace") if isinstance(output, bytes) else output
     outcomes = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped"}
-    found = re.findall(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)\b", text, )
+    found = re.findall(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)\b", text, re.MULTILINE)
     return [{"test": test.replace("/", ".").replace(".py::", "::"),
              "outcome": outcomes[word], "message": ""} for test, word in found]
 
