@@ -66,7 +66,7 @@ def run(section, plan: Plan) -> None:
             spec = run_spec(f"{variant} {engine}", preset, variant, [
                 f"data.path={plan.data}", *overrides, *choice, f"train.steps={settings['steps']}",
                 "train.log_interval=1", "train.eval_interval=100000", "log.tensorboard=false",
-                "checkpoint.interval=0", "checkpoint.resume=none",
+                "checkpoint.interval=100000", "checkpoint.resume=none",
                 f"log.run_dir={section.scratch / variant.replace('+', '_') / engine}"])
             try:
                 result = train_run(spec)

@@ -43,7 +43,8 @@ def _specs(plan: Plan, root: Path, n: int, label: str, resume_from: dict | None 
         specs.append(run_spec(f"{variant} {label}", preset, variant, [
             f"data.path={plan.data}", *overrides, f"train.steps={2 * n}",
             f"checkpoint.interval={n}", "train.eval_interval=100000",
-            f"log.run_dir={root / label / variant.replace('+', '_')}", start]))
+            f"log.run_dir={root / label / variant.replace('+', '_')}", start,
+            *["train.warmup_steps=0"] * plan.dry_run]))  # the dry run's 2 steps
     return specs
 
 
