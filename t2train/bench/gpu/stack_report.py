@@ -102,8 +102,11 @@ def _table(table, headers: list[str], rows: list[list]) -> list[str]:
 
 
 def _skipped(section: dict) -> list[str]:
-    return ["", *(f"- {item['status']}: {item.get('variant') or item.get('name') or item.get('check')}"
-                  f" {item.get('engine', '')} ({item.get('reason', '')[:300]})"
+    def label(item: dict) -> str:
+        return item.get("variant") or item.get("name") or item.get("check")
+
+    return ["", *(f"- {item['status']}: {label(item)} {item.get('engine', '')} "
+                  f"({item.get('reason', '')[:300]})"
                   for item in _items(section, "skipped", "error"))]
 
 
