@@ -7,7 +7,8 @@ LOCK   := constraints/cpu.txt
 DEMO_DATA ?= .cache/data/shakespeare-bpe4k-s128
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install demo heldout-data test test-fast test-mutations clean-demo gpu-bundle gpu-check
+.PHONY: install demo heldout-data test test-fast test-mutations clean-demo gpu-bundle gpu-check \
+	gpu-check-multi
 
 # The pinned CPU stack. torch and deepspeed go first: deepspeed builds against the
 # installed torch (no build isolation, no compiled ops), and the lock keeps every later
@@ -64,11 +65,18 @@ gpu-bundle: $(VENV)/.installed
 # On the GPU machine: `make gpu-check OUT=dir` (or `python3 -m t2train.bench.gpu dir`, no make needed).
 # Here: `make gpu-check DRY_RUN=1 OUT=dir`, the same plan on the CPU at tiny shapes.
 # QUICK=1: the baseline and the targeted variants only (about 3.5 minutes on a GPU).
+# STACK=1: the rest of the stack (tests, resume, DeepSpeed, planner memory, export), its own command.
 OUT ?= runs/gpu-check
-GPU_CHECK_FLAGS := $(if $(QUICK),--quick)
+GPU_CHECK_FLAGS := $(if $(QUICK),--quick) $(if $(STACK),--stack)
 gpu-check:
 ifdef DRY_RUN
 	$(PY) -m t2train.bench.gpu.check --dry-run --out $(OUT) $(GPU_CHECK_FLAGS)
 else
 	python3 -m t2train.bench.gpu $(OUT) $(GPU_CHECK_FLAGS)
 endif
+
+# On a machine with 2 or more GPUs: install the bundle, then TP = 2, PP = 2 (exact-size hops,
+# the depth cache), DP = 2 and ZeRO across 2 GPUs against one process (tests/test_multi_gpu.py).
+gpu-check-multi:
+	python3 -m t2train.bench.gpu.install --bundle .gpu-bundle
+	python3 -m pytest -v -m multi_gpu tests/test_multi_gpu.py

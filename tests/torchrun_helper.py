@@ -18,10 +18,11 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def run_torchrun(worker: str, nproc: int, args: list[str], out: Path,
-                 timeout: int = 600) -> dict:
+                 timeout: int = 600, **env_extra: str) -> dict:
     """Run ``tests/workers/<worker>`` on ``nproc`` ranks; it writes its result JSON to ``out``.
-    The console output (stdout, then stderr) is kept in ``out`` with the suffix ``.log``."""
-    env = child_env()
+    The console output (stdout, then stderr) is kept in ``out`` with the suffix ``.log``.
+    ``env_extra``: variables added to the ranks' environment."""
+    env = child_env(**env_extra)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(WORKERS / worker), "--out", str(out), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,

@@ -12,7 +12,12 @@ estimate.
 Activation memory follows Korthikanti et al. (arXiv 2205.05198): per layer and micro-batch
 s*b*h*(10 + 24/t) two-byte units without sequence parallelism and 34/t with it (the
 attention-score term is absent: attention never materialises s x s here), scaled by the
-element size; full recompute keeps only each layer's input state. Gradients are kept in fp32
+element size; full recompute keeps only each layer's input state. Beyond that standard layer:
+the local mixer's sublayer keeps an attention block's share of it (5 + 9/t units, 14/t with
+sequence parallelism); a residual stream wider than one [s, b, h] unit keeps, for backward,
+the new state every sublayer writes (its changing units, one of which the formula counts) and
+each unit it makes once (an earlier layer's state, an AttnRes source); and the last stage holds
+the logits of one micro-batch and their gradient (s*b*V/t elements each). Gradients are kept in fp32
 (Megatron DDP's ``grad_reduce_in_fp32``); Adam keeps two fp32 moments, plus an fp32 master
 copy of bf16 parameters, sharded over data parallelism by the distributed optimizer.
 """
@@ -28,7 +33,7 @@ from t2train.config.schema import Config
 from t2train.model.build import compute_dtype, padded_vocab_size, transformer_config
 from t2train.model.flops import extra_parameters, extra_tensor_parallel_parameters
 from t2train.parallel.depth_cache import HopPlan, plan_hops
-from t2train.residual import variant_label
+from t2train.residual import mixer_on, sublayer_names, variant_label
 
 
 @dataclass
@@ -84,6 +89,20 @@ def _layer_parameters(config: Config, tp: int) -> tuple[int, int]:
     return sharded // tp + replicated, replicated
 
 
+def _stream_units_per_layer(hops: HopPlan, num_layers: int, sublayers: int) -> float:
+    """[s, b, h] units a layer's residual stream keeps for backward beyond the one of a
+    standard layer, averaged over layers: each sublayer's write makes its changing units (id
+    None) anew, and a unit made once (an id not seen before) stays until backward."""
+    seen, extra = set(), 0
+    for layer in range(1, num_layers + 1):
+        ids = hops.unit_ids(layer)
+        changing = sum(uid is None for uid in ids)
+        made = {uid for uid in ids if uid is not None} - seen
+        seen |= made
+        extra += sublayers * max(changing - 1, 0) + len(made)
+    return extra / num_layers
+
+
 def _in_flight(pp_rank: int, pipeline: int, virtual: int, micro_batches: int) -> int:
     """Micro-batches whose activations a rank holds at the peak of the schedule."""
     if virtual == 1:
@@ -117,10 +136,14 @@ def plan_layout(config: Config, vocab_size: int, world_size: int) -> LayoutPlan:
     per_layer, _ = _layer_parameters(config, tp)
     h = model.hidden_size
     activation_units = (34 / tp) if parallel.sequence_parallel else (10 + 24 / tp)
-    per_layer_activation = model.seq_length * train.micro_batch_size * h * element / 2 \
-        * activation_units
+    if mixer_on(model):  # one more attention sublayer per layer
+        activation_units += (14 / tp) if parallel.sequence_parallel else (5 + 9 / tp)
+    tokens = model.seq_length * train.micro_batch_size
+    per_layer_activation = tokens * h * element / 2 * activation_units + unit_bytes * \
+        _stream_units_per_layer(run_hops, model.num_layers, len(sublayer_names(model)))
     if model.recompute == "full":
         per_layer_activation = unit_bytes
+    logits_bytes = 2 * tokens * padded_vocab_size(vocab_size, config) // tp * element
     stages = []
     for rank in range(pp):
         chunk_ids = [v * pp + rank for v in range(vp)]
@@ -139,7 +162,8 @@ def plan_layout(config: Config, vocab_size: int, world_size: int) -> LayoutPlan:
             rank=rank, layers=layers, parameters=parameters,
             parameter_bytes=parameters * element, gradient_bytes=gradients,
             optimizer_bytes=optimizer,
-            activation_bytes=int(per_layer_activation * per_chunk * in_flight),
+            activation_bytes=int(per_layer_activation * per_chunk * in_flight
+                                 + (logits_bytes if rank == pp - 1 else 0)),
             depth_cache_bytes=held_units * unit_bytes * min(in_flight, micro_batches)))
     return LayoutPlan(tp, pp, vp, dp, micro_batches, unit_bytes, unit_shape, hop_plans[False],
                       hop_plans[True], cacheable, vocab_size, vocab, stages)

@@ -18,6 +18,13 @@ from t2train.config.schema import Config, ConfigError
 from t2train.model.build import compute_dtype
 
 
+def _cuda_toolkit() -> bool:
+    """Whether DeepSpeed can JIT-build its CUDA ops here (it needs nvcc under CUDA_HOME)."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return CUDA_HOME is not None and (Path(CUDA_HOME) / "bin" / "nvcc").exists()
+
+
 def _owned(config: Config, dp_size: int) -> dict[str, tuple[Any, str]]:
     """Dotted DeepSpeed key -> (value, the t2train field that decides it)."""
     train, ds = config.train, config.deepspeed
@@ -37,8 +44,9 @@ def _owned(config: Config, dp_size: int) -> dict[str, tuple[Any, str]]:
                                    "train.adam_beta1/adam_beta2"),
         "optimizer.params.eps": (train.adam_eps, "train.adam_eps"),
         "optimizer.params.weight_decay": (train.weight_decay, "train.weight_decay"),
-        # torch's AdamW on the CPU; DeepSpeed's fused CUDA Adam on GPUs
-        "optimizer.params.torch_adam": (not cuda, "train.engine"),
+        # torch's AdamW on the CPU, and on GPUs without the CUDA toolkit to JIT-build
+        # DeepSpeed's fused Adam (a pip-installed torch brings no nvcc); else the fused Adam
+        "optimizer.params.torch_adam": (not (cuda and _cuda_toolkit()), "train.engine"),
         "zero_optimization.stage": (ds.zero_stage, "deepspeed.zero_stage"),
         "steps_per_print": (10**9, "train.log_interval"),  # t2train logs, not DeepSpeed
         "wall_clock_breakdown": (False, "log"),

@@ -24,9 +24,11 @@ VOCAB, SEQ, MICRO, GLOBAL, STEPS = 128, 8, 1, 4, 3
 
 
 def global_batches():
+    """The same tokens on every rank, on this rank's device (a GPU under NCCL)."""
     g = torch.Generator().manual_seed(3)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     for _ in range(STEPS):
-        tokens = torch.randint(0, VOCAB, (GLOBAL, SEQ + 1), generator=g)
+        tokens = torch.randint(0, VOCAB, (GLOBAL, SEQ + 1), generator=g).to(device)
         yield [{"tokens": tokens[i:i + MICRO, :-1], "labels": tokens[i:i + MICRO, 1:]}
                for i in range(0, GLOBAL, MICRO)]
 

@@ -1,4 +1,5 @@
-"""``python3 -m t2train.bench.gpu OUT_DIR [--quick]``: the GPU check on a fresh, offline machine.
+"""``python3 -m t2train.bench.gpu OUT_DIR [--quick | --stack]``: the GPU check on a fresh, offline
+machine (``--stack``: the rest of the stack, resume to export, a command of its own).
 
 From the repository root: installs ``.gpu-bundle/`` without replacing anything installed,
 then runs the check in a fresh interpreter (which sees what was installed), writing
@@ -18,10 +19,10 @@ BUNDLE = ".gpu-bundle"
 
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    quick = "--quick" in args
-    args = [arg for arg in args if arg != "--quick"]
-    if len(args) != 1:
-        print("usage: python3 -m t2train.bench.gpu OUT_DIR [--quick]", file=sys.stderr)
+    flags = [arg for arg in args if arg in ("--quick", "--stack")]
+    args = [arg for arg in args if arg not in flags]
+    if len(args) != 1 or len(flags) > 1:
+        print("usage: python3 -m t2train.bench.gpu OUT_DIR [--quick | --stack]", file=sys.stderr)
         return 2
     out = Path(args[0])
     out.mkdir(parents=True, exist_ok=True)
@@ -33,8 +34,8 @@ def main(argv=None) -> int:
     (out / "gpu-check.log").write_text(installed.stdout)
     print(installed.stdout, end="", flush=True)
     status = subprocess.call([sys.executable, "-m", "t2train.bench.gpu.check", "--out", str(out),
-                              "--data", f"{BUNDLE}/data/shakespeare-bpe4k-s4096",
-                              *["--quick"] * quick], env=env)
+                              "--data", f"{BUNDLE}/data/shakespeare-bpe4k-s4096", *flags],
+                             env=env)
     report = out / "gpu-report.md"
     if report.is_file():  # the verdicts: the report's head, up to its environment section
         print(report.read_text().split("## Environment")[0], end="")

@@ -2,7 +2,8 @@
 
 The target machine (see docs/gpu/README.md) has CPython 3.12 on manylinux x86_64 with PyTorch,
 Triton, NumPy, TensorBoard, transformers, tokenizers, psutil and PyYAML preinstalled, and no
-network. This downloads, here, the wheels it lacks, a setuptools wheel as the offline build
+network. This downloads, here, the wheels it lacks, builds DeepSpeed's (a source package on
+PyPI), a setuptools wheel as the offline build
 backend of ``pip install -e .``, and two prepared datasets with their tokenizers (the check's,
 and the GPU comparison's held-out split), then prints the bundle's size and fails above the limit (the device runner carries at most 64 MiB with the
 checkout). ``t2train/bench/gpu/install.py`` installs it there.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -40,7 +42,23 @@ RUNTIME_WHEELS = (
     ("psutil==7.2.2", "fallback: preinstalled there; megatron-core's checkpoint writer"),
     ("PyYAML==6.0.4", "fallback: preinstalled there; configs"),
     ("tokenizers==0.22.2", "fallback: preinstalled there (transformers needs it)"),
+    # DeepSpeed's dependencies (the --stack check's ZeRO section, train.engine=deepspeed)
+    ("pydantic==2.14.4", "DeepSpeed's config"),
+    ("pydantic_core==2.50.5", "pydantic's compiled core"),
+    ("annotated-types==0.8.0", "pydantic"),
+    ("typing-inspection==0.4.5", "pydantic"),
+    ("hjson==3.1.0", "DeepSpeed's config files"),
+    ("ninja==1.13.2", "DeepSpeed's op builder (JIT)"),
+    ("py-cpuinfo==9.0.0", "DeepSpeed's accelerator detection"),
+    ("msgpack==1.2.4", "imported by `import deepspeed`"),
+    ("einops==0.8.2", "imported by `import deepspeed`"),
+    ("packaging==26.4", "fallback: DeepSpeed and megatron-core"),
+    ("tqdm==4.70.1", "fallback: DeepSpeed"),
+    ("typing_extensions==4.16.0", "fallback: pydantic"),
 )
+# Source packages on PyPI: built here into wheels (pure Python; no compiled ops, DeepSpeed
+# JIT-builds the ones a run uses). They build against the torch installed here.
+BUILT_WHEELS = (("deepspeed==0.19.8", "train.engine=deepspeed; DS_BUILD_OPS=0"),)
 BUILD_WHEELS = (("setuptools==80.9.0", "build backend of `pip install -e .`, offline"),)
 # The validation plays of `make heldout-data` (the CPU comparisons' split), both editions each.
 HELDOUT_PLAYS = ("hamlet_*", "macbeth_*", "tempest_*")
@@ -63,6 +81,12 @@ def download(requirements: list[str], dest: Path) -> None:
                    check=True)
 
 
+def build_wheels(requirements: list[str], dest: Path) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
+                    "--no-build-isolation", "--wheel-dir", str(dest), *requirements],
+                   check=True, env=dict(os.environ, DS_BUILD_OPS="0"))
+
+
 def prepare_datasets(dest: Path) -> None:
     """Shakespeare with a 4k byte-level BPE, once per entry of ``DATASETS``."""
     for name, seq_length, extra, _ in DATASETS:
@@ -80,11 +104,12 @@ def build(out: Path, max_mib: float) -> float:
     staging = out.with_name(out.name + ".incomplete")
     shutil.rmtree(staging, ignore_errors=True)
     download([req for req, _ in RUNTIME_WHEELS], staging / "wheels")
+    build_wheels([req for req, _ in BUILT_WHEELS], staging / "wheels")
     download([req for req, _ in BUILD_WHEELS], staging / "build")
     prepare_datasets(staging / "data")
     manifest = {
         "python": PYTHON_VERSION, "platforms": PLATFORMS,
-        "wheels": {req: why for req, why in RUNTIME_WHEELS},
+        "wheels": {req: why for req, why in RUNTIME_WHEELS + BUILT_WHEELS},
         "build": {req: why for req, why in BUILD_WHEELS},
         "datasets": {f"data/{name}": why for name, _, _, why in DATASETS},
         "files": sorted(str(f.relative_to(staging)) for f in staging.rglob("*") if f.is_file()),

@@ -2,7 +2,9 @@
 
 Runs the sections of ``plan.SECTIONS`` (environment, correctness, step cost, MFU, kernels,
 profile) and writes ``DIR/gpu-report.md``, ``DIR/gpu-report.json`` and ``DIR/gpu-check.log``;
-``--quick`` runs ``plan.QUICK_SECTIONS`` on the baseline and the targeted variants only.
+``--quick`` runs ``plan.QUICK_SECTIONS`` on the baseline and the targeted variants only;
+``--stack`` runs ``plan.STACK_SECTIONS`` (the GPU-marked tests, resume, DeepSpeed, the planner's
+memory, TensorBoard and export, the multi-GPU tests), a command of its own.
 
 Time: section i must end by the sum of the budgets of sections 1..i (so time one section
 leaves unspent goes to the next). A section skips what would not fit, with the reason, and
@@ -28,7 +30,8 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from t2train.bench.gpu.plan import QUICK_SECTIONS, SECTIONS, Plan, make_plan
+from t2train.bench.gpu.plan import (ALL_SECTIONS, QUICK_SECTIONS, SECTIONS, STACK_SECTIONS,
+                                    Plan, make_plan)
 from t2train.nn.compiling import BACKEND_VARIABLE
 
 GRACE = 20.0  # seconds past its end before a section's worker is stopped
@@ -82,11 +85,16 @@ class Section:
 
 
 def _section_runner(name: str):
+    """The function that runs section ``name``: it fills the section in, and returns None or
+    the reason the section does not apply here (then recorded as skipped)."""
     from t2train.bench import kernels
-    from t2train.bench.gpu import correctness, env, perf, profile
+    from t2train.bench.gpu import correctness, engines, env, memory, outputs, perf, profile, resume
 
     return {"env": env.run, "correctness": correctness.run, "step_cost": perf.step_cost,
-            "mfu": perf.mfu, "kernels": kernels.run, "profile": profile.run}[name]
+            "mfu": perf.mfu, "kernels": kernels.run, "profile": profile.run,
+            "gpu_tests": correctness.all_gpu_tests, "resume": resume.run,
+            "deepspeed": engines.run, "memory": memory.run, "outputs": outputs.run,
+            "multi_gpu": correctness.multi_gpu_tests}[name]
 
 
 def work(plan: Plan, names: list[str], ends: dict, results: Path) -> int:
@@ -102,8 +110,8 @@ def work(plan: Plan, names: list[str], ends: dict, results: Path) -> int:
         section.save()
         print(f"gpu_check: section {name} ({section.left():.0f}s)", flush=True)
         try:
-            _section_runner(name)(section, plan)
-            section.result.update(status="ok")
+            not_here = _section_runner(name)(section, plan)
+            section.result.update(status="skipped" if not_here else "ok", reason=not_here or "")
             for status in ("error", "skipped"):
                 items = [item for item in section.result["items"] if item.get("status") == status]
                 if items:
@@ -146,7 +154,7 @@ def orchestrate(plan: Plan, names: list[str], results: Path, log, started: float
                 "--ends", json.dumps({name: ends[name] for name in pending})]
         # Its own process group, so that stopping it also stops its children (the CPU
         # reference, pytest, compile workers).
-        flags = ["--dry-run"] * plan.dry_run + ["--quick"] * plan.quick
+        flags = ["--dry-run"] * plan.dry_run + ["--quick"] * plan.quick + ["--stack"] * plan.stack
         worker = subprocess.Popen(args + flags,
                                   stdout=log, stderr=subprocess.STDOUT, preexec_fn=os.setpgrp)
         while worker.poll() is None:
@@ -191,11 +199,12 @@ def check(plan: Plan, out: Path, names: list[str]) -> dict:
         plan = dataclasses.replace(plan, data=str(shutil.copytree(plan.data, results / "data")))
 
         def report() -> dict:
-            sections = {name: _load(results / f"{name}.json") for name in SECTIONS}
+            sections = {name: _load(results / f"{name}.json") for name in plan.report_sections}
             not_asked = {"status": "skipped", "reason": NOT_ASKED}
             return write_report(plan, {name: sections[name] or (None if name in names else
                                                                  not_asked)
-                                       for name in SECTIONS}, out, time.time() - started)
+                                       for name in plan.report_sections}, out,
+                                time.time() - started)
 
         orchestrate(plan, names, results, log, started, report)
         return report()
@@ -211,9 +220,12 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="the baseline and the targeted variants only, sections "
                              f"{', '.join(QUICK_SECTIONS)} (about 3.5 minutes on a GPU)")
-    parser.add_argument("--only", choices=SECTIONS, action="append",
+    parser.add_argument("--stack", action="store_true",
+                        help="the rest of the stack instead, sections "
+                             f"{', '.join(STACK_SECTIONS)} (its own 10-minute command)")
+    parser.add_argument("--only", choices=ALL_SECTIONS, action="append",
                         help="run only these sections (repeatable; default all, in the order "
-                             f"{', '.join(SECTIONS)})")
+                             f"{', '.join(SECTIONS)}, or with --stack {', '.join(STACK_SECTIONS)})")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--sections", help=argparse.SUPPRESS)
     parser.add_argument("--ends", help=argparse.SUPPRESS)
@@ -222,7 +234,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined
         # The fused path's graphs without Inductor's code generation (minutes on a CPU).
         os.environ.setdefault(BACKEND_VARIABLE, "aot_eager")
-    plan = make_plan(args.dry_run, args.data, quick=args.quick)
+    plan = make_plan(args.dry_run, args.data, quick=args.quick, stack=args.stack)
     if args.worker:
         return work(plan, args.sections.split(","), json.loads(args.ends), args.worker)
     if args.out is None:
@@ -231,7 +243,7 @@ def main(argv=None) -> int:
         print(f"error: --data {plan.data}: no prepared dataset there (make gpu-bundle builds "
               "one into .gpu-bundle/)", file=sys.stderr)
         return 2
-    report = check(plan, args.out, [name for name in SECTIONS
+    report = check(plan, args.out, [name for name in plan.report_sections
                                     if name in (args.only or plan.sections)])
     print(f"gpu_check: wrote {args.out}/gpu-report.md ({report['verdict']})")
     return 0

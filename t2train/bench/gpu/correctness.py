@@ -18,6 +18,7 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Optional
 
 from t2train.bench.gpu.plan import Plan, correctness_variants, make_plan
 
@@ -127,29 +128,70 @@ def _verbose_items(output) -> list[dict]:
              "outcome": outcomes[word], "message": ""} for test, word in found]
 
 
-def gpu_tests(section, plan: Plan, scratch: Path) -> None:
-    """``pytest -m gpu`` over the suite (the dry run: the kernel tests); on CPU they skip."""
-    junit = scratch / "junit.xml"
-    timeout = max(section.left() * PYTEST_SHARE, 1.0)
+# One GPU: every test that needs CUDA but not several devices; several: tests/test_multi_gpu.py.
+ONE_GPU, MULTI_GPU = "gpu and not multi_gpu", "multi_gpu"
+SELECTED = re.compile(r"collected (\d+) items?(?: / (\d+) deselected)?(?: / (\d+) selected)?")
+
+
+def selected_count(output: str) -> Optional[int]:
+    """How many tests pytest was going to run, from its 'collected ...' line."""
+    found = SELECTED.search(output or "")
+    if not found:
+        return None
+    collected, deselected, selected = (int(n) if n else None for n in found.groups())
+    return selected if selected is not None else collected - (deselected or 0)
+
+
+def gpu_tests(section, plan: Plan, scratch: Path, share: float = PYTEST_SHARE,
+              marker: str = ONE_GPU, key: str = "gpu_tests") -> None:
+    """``pytest -m MARKER`` over the suite (the dry run: the kernel tests); on CPU they skip.
+    Within ``share`` of the section's time left; the report counts what ran, what skipped and
+    what was not reached."""
+    junit = scratch / f"{key}.xml"
+    timeout = max(section.left() * share, 1.0)
     started = time.monotonic()
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-v", "-m", "gpu", *plan.gpu_tests,
+            [sys.executable, "-m", "pytest", "-v", "-m", marker, *plan.gpu_tests,
              "-p", "no:cacheprovider",
              "--continue-on-collection-errors", f"--junitxml={junit}"],
             env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
         summary = (proc.stdout.strip().splitlines() or [""])[-1]
+        output = proc.stdout
         tests = _junit_items(junit) if junit.exists() else []
     except subprocess.TimeoutExpired as stopped:  # no junit file: read the verbose lines
-        tests = _verbose_items(stopped.stdout or "")
+        output = stopped.stdout.decode(errors="replace") if isinstance(
+            stopped.stdout, bytes) else (stopped.stdout or "")
+        tests = _verbose_items(output)
         summary = (f"stopped after {timeout:.0f}s (its share of the section's budget); "
                    f"{len(tests)} results read from its output")
     counts = {outcome: sum(t["outcome"] == outcome for t in tests)
               for outcome in ("passed", "failed", "error", "skipped")}
-    section.data["gpu_tests"] = {"paths": plan.gpu_tests, "summary": summary, "counts": counts,
-                                 "seconds": time.monotonic() - started,
-                                 "not_passed": [t for t in tests if t["outcome"] != "passed"]}
+    selected = selected_count(output)
+    counts["not reached"] = max(selected - len(tests), 0) if selected is not None else None
+    section.data[key] = {"paths": plan.gpu_tests, "marker": marker, "summary": summary,
+                         "counts": counts, "selected": selected,
+                         "seconds": time.monotonic() - started,
+                         "not_passed": [t for t in tests if t["outcome"] != "passed"]}
     section.save()
+
+
+def all_gpu_tests(section, plan: Plan) -> None:
+    """The --stack section: every one-GPU test, with all of the section's time."""
+    gpu_tests(section, plan, section.scratch, share=1.0)
+
+
+def multi_gpu_tests(section, plan: Plan) -> Optional[str]:
+    """The --stack section that runs tests/test_multi_gpu.py where there are 2 or more GPUs
+    (``make gpu-check-multi`` runs the same tests); elsewhere the reason it did not run."""
+    import torch
+
+    count = torch.cuda.device_count()
+    if count < 2:
+        return (f"{count} CUDA device(s) here: the multi-GPU tests (TP, PP, DP and ZeRO across "
+                "2 GPUs, `make gpu-check-multi`) need 2 or more")
+    gpu_tests(section, plan, section.scratch, share=1.0, marker=MULTI_GPU, key="gpu_tests")
+    return None
 
 
 def _reference_ready(path: Path, reference: subprocess.Popen, section, reserve: float) -> bool:

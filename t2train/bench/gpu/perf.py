@@ -21,7 +21,7 @@ def variant_config(plan: Plan, preset: str, overrides: tuple, variant: str):
     return config_of(preset, None, [f"data.path={plan.data}", *overrides], variant)
 
 
-def _timing_item(name: str, timing, **extra) -> dict:
+def timing_item(name: str, timing, **extra) -> dict:
     return dict(extra, name=name, params=timing.params, step_ms=timing.step_seconds * 1e3,
                 tokens_per_s=timing.tokens_per_sec, memory_gib=timing.memory_gib,
                 warmup_s=timing.warmup_seconds)
@@ -34,7 +34,7 @@ def _timed(section, name: str, measure, estimate: float, **extra) -> None:
         return
     started = time.monotonic()
     try:
-        item = dict(_timing_item(name, measure(), **extra), status="ok")
+        item = dict(timing_item(name, measure(), **extra), status="ok")
     except Exception as err:  # noqa: BLE001 - reported; the other variants still run
         item = dict(extra, name=name, **section.error(err))
     section.add(dict(item, seconds=time.monotonic() - started))
@@ -52,6 +52,7 @@ def _references(section, config, vocab: int, batches: list, warmup: int) -> None
 
 
 def step_cost(section, plan: Plan) -> None:
+    from t2train.bench.gpu.memory import plan_gib
     from t2train.bench.step import model_vocab_size, real_batches, time_design
     from t2train.residual import registered
 
@@ -68,7 +69,8 @@ def step_cost(section, plan: Plan) -> None:
         _timed(section, name,
                lambda: time_design(config, vocab, batches, plan.step_warmup, name),
                section.last_item_seconds(default=30.0),
-               max_ratio=plan.settings.step_targets.get(name))
+               max_ratio=plan.settings.step_targets.get(name),
+               plan_gib=plan_gib(config, vocab))  # the planner's estimate beside the peak
 
     for name in step_variants(plan.settings, designs, plan.quick):
         time_variant(name)

@@ -17,6 +17,11 @@ SECTIONS = ("env", "correctness", "step_cost", "mfu", "kernels", "profile")  # t
 # --quick: what iterating on the hot path needs, in about 3.5 minutes: the baseline and the
 # targeted variants against both plain-PyTorch loops, MFU, and where the baseline's time goes.
 QUICK_SECTIONS = ("env", "step_cost", "mfu", "profile")
+# --stack: what users do after pressing train, in its own 10-minute command (docs/gpu/README.md):
+# every GPU-marked test with the time it needs, resume, DeepSpeed, the planner's memory against
+# the measured peak, TensorBoard and export, and the multi-GPU tests where there are GPUs.
+STACK_SECTIONS = ("env", "gpu_tests", "resume", "deepspeed", "memory", "outputs", "multi_gpu")
+ALL_SECTIONS = SECTIONS + tuple(name for name in STACK_SECTIONS if name not in SECTIONS)
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,7 @@ class Settings:
     reference_max_memory: float  # baseline peak memory / the compiled loop's
     dry_run_overrides: tuple[str, ...]
     dry_run_kernel_options: dict
+    stack: dict  # the --stack sections' variants, steps and tolerances
     cost: dict = field(default_factory=dict)  # step_time, max_time_over_flops, peak_memory
 
 
@@ -47,7 +53,8 @@ def load_settings(path: Path = SETTINGS_FILE) -> Settings:
         reference_min_speed=float(raw["reference"]["min_speed"]),
         reference_max_memory=float(raw["reference"]["max_memory"]),
         dry_run_overrides=tuple(raw["dry_run"]["overrides"]),
-        dry_run_kernel_options=raw["dry_run"]["kernel_options"], cost=raw.get("cost") or {})
+        dry_run_kernel_options=raw["dry_run"]["kernel_options"], stack=raw["stack"],
+        cost=raw.get("cost") or {})
 
 
 def baseline() -> str:
@@ -107,11 +114,25 @@ class Plan:
     profile_steps: int
     settings: Settings = field(default_factory=load_settings)
     quick: bool = False  # QUICK_SECTIONS by default, the baseline and targeted variants only
+    stack: bool = False  # STACK_SECTIONS: the rest of the stack, a command of its own
 
     @property
     def sections(self) -> tuple[str, ...]:
         """The sections a run without --only runs, in order."""
-        return QUICK_SECTIONS if self.quick else SECTIONS
+        return STACK_SECTIONS if self.stack else QUICK_SECTIONS if self.quick else SECTIONS
+
+    @property
+    def report_sections(self) -> tuple[str, ...]:
+        """The sections this run's report lists (those not asked for say so)."""
+        return STACK_SECTIONS if self.stack else SECTIONS
+
+    def stack_run(self, name: str) -> tuple[str, tuple[str, ...]]:
+        """(preset, overrides) of the --stack section ``name``: its preset and shape on the
+        GPU, the dry run's tiny ones on the CPU; then its run overrides."""
+        raw = self.settings.stack[name]
+        if self.dry_run:
+            return "tiny", (*self.settings.dry_run_overrides, *raw["overrides"])
+        return raw["preset"], (*raw["shape"], *raw["overrides"])
 
     @property
     def step_preset(self) -> str:
@@ -138,14 +159,25 @@ GPU_STEP = ("train.global_batch_size=32", "model.vocab_size=32000")
 GPU_MFU = ("train.global_batch_size=8", "model.vocab_size=32000")
 
 
-def make_plan(dry_run: bool, data: str, quick: bool = False) -> Plan:
+# The --stack sections on one GPU: 440 s in all, so that the command (install and start-up
+# included, about 30 s) fits 10 minutes with time to spare. Not yet measured on a GPU: guesses
+# from the check's sections (the GPU-marked tests took 59 s of pytest on an H100; a process
+# start with CUDA and a compiled 20m model, about 20 s).
+STACK_BUDGETS = {"env": 20, "gpu_tests": 100, "resume": 120, "deepspeed": 70, "memory": 60,
+                 "outputs": 50, "multi_gpu": 20}
+# The dry run: tiny shapes on the CPU, each section well inside its time.
+DRY_RUN_STACK_BUDGETS = {"env": 60, "gpu_tests": 120, "resume": 180, "deepspeed": 180,
+                         "memory": 60, "outputs": 60, "multi_gpu": 30}
+
+
+def make_plan(dry_run: bool, data: str, quick: bool = False, stack: bool = False) -> Plan:
     settings = load_settings()
     if dry_run:
         tiny = settings.dry_run_overrides
         return Plan(
-            dry_run=True, data=data, settings=settings, quick=quick,
+            dry_run=True, data=data, settings=settings, quick=quick, stack=stack,
             budgets={"env": 60, "correctness": 240, "step_cost": 120, "mfu": 60, "kernels": 120,
-                     "profile": 60},
+                     "profile": 60, **DRY_RUN_STACK_BUDGETS},
             matmul_size=256, gpu_tests=("tests/kernels/test_ddl_kernel.py",),
             train_preset="tiny", train_overrides=tiny + ("train.warmup_steps=1",),
             train_steps=2, loss_rtol=0.01,
@@ -157,7 +189,7 @@ def make_plan(dry_run: bool, data: str, quick: bool = False) -> Plan:
             mfu_overrides=tiny + ("model.fusions=all",), mfu_warmup=1, mfu_steps=1,
             profile_warmup=1, profile_steps=1)
     return Plan(
-        dry_run=False, data=data, settings=settings, quick=quick,
+        dry_run=False, data=data, settings=settings, quick=quick, stack=stack,
         # 580 s in all (quick: 210 s). Eager, on an H100 the sections took 17, 108-119,
         # 113-118, 45, 85 and 64 s, and on an H200 338 s for the first four; with the
         # bundle's install and the start-up the first run (470 s planned) took 390 s of its
@@ -168,7 +200,8 @@ def make_plan(dry_run: bool, data: str, quick: bool = False) -> Plan:
         budgets=({"env": 15, "correctness": 0, "step_cost": 90, "mfu": 75, "kernels": 0,
                   "profile": 30} if quick else
                  {"env": 20, "correctness": 170, "step_cost": 160, "mfu": 80, "kernels": 100,
-                  "profile": 50}),
+                  "profile": 50}) | {name: STACK_BUDGETS[name] for name in STACK_SECTIONS
+                                     if name != "env"},
         matmul_size=8192, gpu_tests=("tests",), train_preset="tiny",
         train_overrides=CORRECTNESS_RUN, train_steps=20, loss_rtol=0.01,
         kernel_presets=(("125m", "125m", ()), ("1b", "1b", ())),

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from t2train.bench.gpu.plan import SECTIONS, Plan, baseline
+from t2train.bench.gpu import stack_report
+from t2train.bench.gpu.plan import Plan, baseline
 from t2train.bench.table import markdown_table
 
 DRY_RUN_STAMP = ("**CPU dry run**: the whole plan at tiny shapes on the CPU (kernels under the "
@@ -15,7 +16,8 @@ DRY_RUN_STAMP = ("**CPU dry run**: the whole plan at tiny shapes on the CPU (ker
                  "timings and target verdicts mean nothing.")
 NOT_ASKED = "not asked for (--only, --quick)"  # the reason of a section this run leaves out
 TITLES = {"env": "Environment", "correctness": "Correctness", "step_cost": "Step cost",
-          "mfu": "MFU", "kernels": "Kernels", "profile": "Where the step time goes"}
+          "mfu": "MFU", "kernels": "Kernels", "profile": "Where the step time goes",
+          **stack_report.TITLES}
 
 
 def _table(headers: list[str], rows: list[list]) -> str:
@@ -87,6 +89,8 @@ def mfu_numbers(section: Optional[dict], env: Optional[dict]) -> list[dict]:
 
 
 def evaluate_targets(plan: Plan, sections: dict) -> list[dict]:
+    if plan.stack:
+        return stack_report.stack_targets(plan, sections)
     settings, base = plan.settings, baseline()
     ratios = step_ratios(sections.get("step_cost"), base)
     judged = []
@@ -98,6 +102,7 @@ def evaluate_targets(plan: Plan, sections: dict) -> list[dict]:
                        "verdict": _judge(ratio, limit, at_most=True)})
     judged += _reference_targets(plan, sections.get("step_cost"), plan.step_preset)
     judged += _reference_targets(plan, sections.get("mfu"), plan.mfu_preset)
+    judged.append(stack_report.planner_target(plan, {"step_cost": sections.get("step_cost")}))
     triton = [row for row in kernel_rows(sections.get("kernels")) if row["impl"] == "triton"]
     rows = [row for row in triton if row["vs_best_peer"] is not None]
     failed = [row for row in triton if row["ms"] is None]
@@ -210,7 +215,7 @@ def _correctness_md(section: dict) -> list[str]:
     data, lines = section.get("data", {}), []
     tests = data.get("gpu_tests")
     if tests:
-        counts = ", ".join(f"{v} {k}" for k, v in tests["counts"].items())
+        counts = ", ".join(f"{'?' if v is None else v} {k}" for k, v in tests["counts"].items())
         lines += [f"GPU-marked tests (`pytest -m gpu {' '.join(tests['paths'])}`): {counts} "
                   f"({tests['seconds']:.0f}s); pytest: {tests['summary']}", ""]
         lines += [f"- {t['outcome']}: `{t['test']}` {t['message']}" for t in tests["not_passed"]
@@ -260,6 +265,10 @@ def _step_md(section: dict, base: str) -> list[str]:
              "compilation included", "",
              _table(["variant", "params (M)", "step (ms)", "vs " + base, "target (at most)",
                      "tokens/s", "memory (GiB)", "warm-up (s)"], rows)]
+    planned = [item for item in items if item.get("plan_gib")]
+    if planned:
+        lines += ["", "`t2train plan`'s per-GPU memory estimate beside the measured peak:", "",
+                  *stack_report.planner_md(planned, _table)]
     return lines + _overhead_md(items, base) + _skipped_md(section)
 
 
@@ -328,11 +337,15 @@ def render_markdown(plan: Plan, sections: dict, targets: list[dict], report: dic
                   [name, (sections.get(name) or {}).get("status", "missing"),
                    _fmt((sections.get(name) or {}).get("seconds"), ".0f"),
                    str(plan.budgets[name]), (sections.get(name) or {}).get("reason", "")[:300]]
-                  for name in SECTIONS])]
+                  for name in plan.report_sections])]
     renderers = {"env": _env_md, "correctness": _correctness_md, "kernels": _kernels_md,
                  "step_cost": lambda s: _step_md(s, baseline()),
-                 "mfu": lambda s: _mfu_md(s, env), "profile": lambda s: _profile_md(s, baseline())}
-    for name in ("env", "correctness", "kernels", "step_cost", "mfu", "profile"):
+                 "mfu": lambda s: _mfu_md(s, env), "profile": lambda s: _profile_md(s, baseline()),
+                 **{name: lambda s, render=render: render(s, _table)
+                    for name, render in stack_report.RENDERERS.items()}}
+    order = (plan.report_sections if plan.stack else
+             ("env", "correctness", "kernels", "step_cost", "mfu", "profile"))
+    for name in order:
         section = sections.get(name)
         lines += ["", f"## {TITLES[name]}", ""]
         if not section or section.get("status") in ("skipped", "missing"):
@@ -345,19 +358,22 @@ def render_markdown(plan: Plan, sections: dict, targets: list[dict], report: dic
 
 
 def verdict(sections: dict, targets: list[dict]) -> str:
-    asked = [name for name in SECTIONS
+    asked = [name for name in sections
              if (sections.get(name) or {}).get("reason") != NOT_ASKED]
     statuses = [(sections.get(name) or {}).get("status", "missing") for name in asked]
     complete = sum(status == "ok" for status in statuses)
+    not_here = sum(status == "skipped" for status in statuses)  # does not apply (one GPU)
     failing = [item["variant"] for item in (sections.get("correctness") or {}).get("items", [])
                if item.get("status") in ("fail", "error")]
-    tests = ((sections.get("correctness") or {}).get("data", {}).get("gpu_tests") or {})
+    tested = sections.get("correctness") or sections.get("gpu_tests") or {}
+    tests = tested.get("data", {}).get("gpu_tests") or {}
     failed_tests = sum(tests.get("counts", {}).get(k, 0) for k in ("failed", "error"))
     met = sum(t["verdict"] == "met" for t in targets)
-    return (f"{complete}/{len(asked)} sections complete; correctness: "
-            f"{failed_tests} GPU test(s) failed, bf16 training "
-            f"{'off for ' + ', '.join(failing) if failing else 'within tolerance where run'}; "
-            f"targets: {met}/{len(targets)} met")
+    training = ("" if "correctness" not in sections else ", bf16 training " + (
+        f"off for {', '.join(failing)}" if failing else "within tolerance where run"))
+    return (f"{complete}/{len(asked)} sections complete"
+            f"{f' ({not_here} not applicable here)' if not_here else ''}; "
+            f"{failed_tests} GPU test(s) failed{training}; targets: {met}/{len(targets)} met")
 
 
 def write_report(plan: Plan, sections: dict, out: Path, seconds: float) -> dict:
