@@ -268,7 +268,8 @@ def test_stack_dry_run_reports_its_sections(shakespeare, tmp_path):
         for kind in ("same device", "device -> cpu", "cpu -> device")]
     assert all(i["status"] == "pass" and i["bitwise"] for i in resume)  # all on the CPU
     same = [i for i in resume if i["kind"] == "same device"]
-    assert all(i["checkpoint_mib"] > 0 and i["load_seconds"] > 0 and
+    # load_seconds comes from the run's "loaded in 0.0s" line: a small checkpoint may load in 0.0
+    assert all(i["checkpoint_mib"] > 0 and i["load_seconds"] >= 0 and
                set(i["saves"]) == {"1", "2"} for i in same)
 
     engines = sections["deepspeed"]["items"]

@@ -52,7 +52,7 @@ def _references(section, config, vocab: int, batches: list, warmup: int) -> None
 
 
 def step_cost(section, plan: Plan) -> None:
-    from t2train.bench.gpu.memory import plan_gib
+    from t2train.bench.gpu.memory import judged, plan_gib
     from t2train.bench.step import model_vocab_size, real_batches, time_design
     from t2train.residual import registered
 
@@ -64,13 +64,17 @@ def step_cost(section, plan: Plan) -> None:
                         tokens_per_step=first.train.global_batch_size * first.model.seq_length)
     batches = real_batches(first, plan.step_warmup + plan.step_steps)
 
+    max_error = float(plan.settings.stack["memory"]["max_error"])
+
     def time_variant(name: str) -> None:
         config = variant_config(plan, plan.step_preset, plan.step_overrides, name)
         _timed(section, name,
                lambda: time_design(config, vocab, batches, plan.step_warmup, name),
                section.last_item_seconds(default=30.0),
-               max_ratio=plan.settings.step_targets.get(name),
-               plan_gib=plan_gib(config, vocab))  # the planner's estimate beside the peak
+               max_ratio=plan.settings.step_targets.get(name))
+        item = section.result["items"][-1]
+        if item.get("status") == "ok":  # the planner's estimate beside the measured peak
+            item.update(judged(item["memory_gib"], plan_gib(config, vocab), max_error))
 
     for name in step_variants(plan.settings, designs, plan.quick):
         time_variant(name)
