@@ -1,5 +1,6 @@
 """t2train: distributed pretraining of decoder Transformers with pluggable residual streams."""
 
-from t2train.compat import library_noise
+from t2train.compat import deferred_import, library_noise
 
 library_noise.silence()
+deferred_import.defer()

@@ -277,7 +277,9 @@ def test_every_design_exports_to_transformers(trained, shakespeare, megatron_wor
     run_ids = load_tokenizer(shakespeare / "tokenizer.json").encode(text).ids
     for variant, run in trained.items():
         out = tmp_path / variant
-        export = export_hf(run["checkpoint"], out, max_shard_size="96KB")
+        stages = []
+        export = export_hf(run["checkpoint"], out, max_shard_size="96KB", progress=stages.append)
+        assert [stage.split(" ")[0] for stage in stages] == ["loading", "writing"], stages
         llama = variant == "standard"
         assert export.architecture == ("LlamaForCausalLM" if llama else "T2TrainForCausalLM")
         assert (out / "modeling_t2train.py").exists() != llama
@@ -367,6 +369,13 @@ def test_a_tokenizer_of_another_hash_is_refused(tmp_path):
                                   tokenizer_sha256="c" * 64)
     with pytest.raises(DataError, match="but the run was trained with tokenizer cccccccccccc"):
         run_tokenizer(open_checkpoint(checkpoint))
+
+
+def test_conversions_report_each_stage_on_stderr(capsys):
+    from t2train.export.cli import StageLine
+
+    StageLine("export hf")("writing 2.56M parameters to out.tmp")
+    assert capsys.readouterr().err == "export hf [0:00]: writing 2.56M parameters to out.tmp\n"
 
 
 def test_eval_reports_progress_on_stderr(capsys):

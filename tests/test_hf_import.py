@@ -46,7 +46,9 @@ def test_a_llama_round_trips_through_import_training_and_export(megatron_world, 
     llama.save_pretrained(folder)
     shutil.copy(shakespeare / "tokenizer.json", folder)  # a tokenizer from a local folder
     assert main(["import", "hf", str(folder), str(out)]) == 0
-    printed = capsys.readouterr().out
+    printed, stages = capsys.readouterr()
+    assert stages.startswith(f"import hf [0:00]: reading the weights of {folder}\n")
+    assert "import hf [0:" in stages.splitlines()[-1] and "saving them as the checkpoint" in stages
     assert f"t2train train --config {out / 't2train.yaml'} data.path=DATA" in printed
 
     tokens = torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(1))

@@ -27,7 +27,7 @@ def _cmd_export_hf(args) -> int:
 
     done = export_hf(args.checkpoint, args.out, tokenizer=args.tokenizer,
                      max_shard_size=args.max_shard_size, dtype=args.dtype,
-                     overwrite=args.overwrite)
+                     overwrite=args.overwrite, progress=StageLine("export hf"))
     remote = ", trust_remote_code=True" if done.architecture != "LlamaForCausalLM" else ""
     print(f"exported {done.parameters / 1e6:.2f}M parameters as {done.architecture} to "
           f"{done.out} ({', '.join(done.files)})\n"
@@ -40,7 +40,8 @@ def _cmd_import_hf(args) -> int:
     from t2train.export.hf_import import import_hf
     from t2train.residual import BASELINE
 
-    done = import_hf(args.folder, args.out, seq_length=args.seq_length, overwrite=args.overwrite)
+    done = import_hf(args.folder, args.out, seq_length=args.seq_length, overwrite=args.overwrite,
+                     progress=StageLine("import hf"))
     seq = "--seq-length N" if args.seq_length is None else f"--seq-length {args.seq_length}"
     print(f"imported {done.parameters / 1e6:.2f}M parameters of {args.folder} as the "
           f"{BASELINE} design: checkpoint {done.checkpoint}, tokenizer "
@@ -117,6 +118,24 @@ class ProgressLine:
         eta = elapsed / done * max(self.total - done, 0)
         print(f"{self.what}: {done:,}/{self.total:,} batches, {_clock(elapsed)} elapsed, eta "
               f"{_clock(eta)}", file=sys.stderr, flush=True)
+
+
+class StageLine:
+    """``what [0:42]: stage`` on stderr as each stage of a command starts: the conversions
+    read and write whole checkpoints (minutes at billions of parameters) and cannot count
+    batches."""
+
+    def __init__(self, what: str):
+        import time
+
+        self.what, self.started = what, time.monotonic()
+
+    def __call__(self, stage: str) -> None:
+        import sys
+        import time
+
+        print(f"{self.what} [{_clock(time.monotonic() - self.started)}]: {stage}",
+              file=sys.stderr, flush=True)
 
 
 def _clock(seconds: float) -> str:

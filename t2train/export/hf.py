@@ -18,7 +18,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -48,7 +48,9 @@ class Export:
 
 def export_hf(given: str | Path, out: str | Path, tokenizer: Optional[str | Path] = None,
               max_shard_size: str | int = "5GB", dtype: Optional[str] = None,
-              overwrite: bool = False) -> Export:
+              overwrite: bool = False,
+              progress: Callable[[str], None] = lambda stage: None) -> Export:
+    """OUT from the checkpoint ``given`` leads to; ``progress`` hears each stage start."""
     out = Path(out)
     _check_out(out, overwrite)
     checkpoint = open_checkpoint(given)
@@ -61,6 +63,7 @@ def export_hf(given: str | Path, out: str | Path, tokenizer: Optional[str | Path
                              + ", ".join(sorted(residual_hf.modeling_designs())) + ")")
     run_tok = run_tokenizer(checkpoint, tokenizer)
     _require_transformers()
+    progress(f"loading the weights of {checkpoint.path}")
     loaded = load_model(checkpoint, device="cpu", dtype=DTYPES[dtype] if dtype else None)
     state = hf_state_dict(loaded.model.state_dict(), model_config)
     config = hf_config(model_config, loaded.vocab_size, run_tok.eos_id,
@@ -71,6 +74,8 @@ def export_hf(given: str | Path, out: str | Path, tokenizer: Optional[str | Path
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     try:
+        progress(f"writing {sum(t.numel() for t in state.values()) / 1e6:.2f}M parameters to "
+                 f"{staging}")
         _write_weights(state, staging, max_shard_size)
         config.save_pretrained(staging)
         _generation_config(run_tok).save_pretrained(staging)

@@ -18,7 +18,7 @@ import json
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import yaml
@@ -84,7 +84,8 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def import_hf(given: str | Path, out: str | Path, seq_length: Optional[int] = None,
-              overwrite: bool = False) -> Imported:
+              overwrite: bool = False,
+              progress: Callable[[str], None] = lambda stage: None) -> Imported:
     from megatron.core import dist_checkpointing
 
     from t2train.checkpoint.paths import INCOMPLETE, step_dir_name
@@ -105,6 +106,7 @@ def import_hf(given: str | Path, out: str | Path, seq_length: Optional[int] = No
     config = config_from_dict({"model": section})
     tokenizer = load_tokenizer(folder)
     _check_out(out, overwrite)
+    progress(f"reading the weights of {folder}")
     hf_weights = read_safetensors(folder)
     if config.model.tie_embeddings:  # Megatron's output layer reads the embedding itself
         hf_weights.pop("lm_head.weight", None)
@@ -134,6 +136,7 @@ def import_hf(given: str | Path, out: str | Path, seq_length: Optional[int] = No
     staging = root / (final.name + INCOMPLETE)
     staging.mkdir(parents=True, exist_ok=True)
     sha = save_tokenizer(tokenizer, out)
+    progress(f"saving them as the checkpoint {final}")
     train_state = {"step": 0, "layout": current_layout(), "has_optimizer": False,
                    "config": asdict(config), "config_format": CONFIG_FORMAT,
                    "code_version": code_version(), "tokenizer_sha256": sha,
