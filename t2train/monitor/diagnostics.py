@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from t2train.monitor import plots
 from t2train.nn import probe
 from t2train.residual import components
 
@@ -91,7 +90,7 @@ class Diagnostics:
 
     def heatmap(self, step: int, tag: str, matrix, rows: list, columns: list, title: str,
                 xlabel: str, ylabel: str) -> None:
-        self.monitor.image(step, tag, plots.heatmap(matrix, rows, columns, title, xlabel,
+        self.monitor.image(step, tag, _plots().heatmap(matrix, rows, columns, title, xlabel,
                                                     ylabel))
 
     def _write_rms(self, step: int, rms: dict) -> None:
@@ -99,8 +98,16 @@ class Diagnostics:
         values = [float(rms[key]) for key in sorted(rms)]
         self.monitor.scalars(step, {f"diagnostics/residual_rms/{label}": value
                                     for label, value in zip(labels, values)})
-        self.monitor.image(step, "diagnostics/residual_rms", plots.line_plot(
+        self.monitor.image(step, "diagnostics/residual_rms", _plots().line_plot(
             labels, values, f"residual-stream RMS by depth, step {step}", "RMS"))
+
+
+def _plots():
+    """t2train.monitor.plots, imported at the first picture: matplotlib is 0.55 s of every
+    trainer's start, and most processes draw none."""
+    from t2train.monitor import plots
+
+    return plots
 
 
 def _rms_hook(key: int):

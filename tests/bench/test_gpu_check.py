@@ -263,8 +263,8 @@ def test_stack_dry_run_reports_its_sections(shakespeare, tmp_path):
 
     resume = sections["resume"]["items"]
     settings = load_settings().stack
-    assert [(i["variant"], i["kind"]) for i in resume] == [
-        (variant, kind) for variant in settings["resume"]["variants"]
+    assert [(i["variant"], i["kind"]) for i in resume] == [  # the dry run: the last variant
+        (settings["resume"]["variants"][-1], kind)
         for kind in ("same device", "device -> cpu", "cpu -> device")]
     assert all(i["status"] == "pass" and i["bitwise"] for i in resume)  # all on the CPU
     same = [i for i in resume if i["kind"] == "same device"]
@@ -273,7 +273,7 @@ def test_stack_dry_run_reports_its_sections(shakespeare, tmp_path):
                set(i["saves"]) == {"1", "2"} for i in same)
 
     engines = sections["deepspeed"]["items"]
-    assert [i["engine"] for i in engines] == ["megatron", "zero1", "zero2", "zero3"]
+    assert [i["engine"] for i in engines] == ["megatron", "zero3"]  # the dry run: last stage
     assert all(i["status"] == "pass" for i in engines[1:]) and all(
         i["step_ms"] > 0 and i["memory_gib"] > 0 for i in engines)
 
