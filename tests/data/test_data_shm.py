@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,11 @@ def test_files_of_a_killed_run_are_removed_and_live_ones_kept(dataset, tmp_path,
                               start_new_session=True)
     try:
         assert reader.stdout.readline() == "reading\n"
+        # streaming's prepare thread makes the cache lock file at its first sample, which may
+        # come after the first batch was read: wait for it (the test failed once without)
+        deadline = time.monotonic() + 60
+        while len(list(locks.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         # Its lock files name its prefix; it also maps segments of the live datasets of
         # earlier tests in this process (streaming attaches them while choosing a prefix).
         (dead_prefix,) = {prefix(p) for p in locks.iterdir()}
