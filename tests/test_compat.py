@@ -86,4 +86,3 @@ def test_attention_offloading_context_is_a_nullcontext_when_off():
         FineGrainedActivationOffloadingInterface
     assert attention.off_interface.group_commit is \
         FineGrainedActivationOffloadingInterface.group_commit
-

@@ -91,7 +91,7 @@ class Diagnostics:
     def heatmap(self, step: int, tag: str, matrix, rows: list, columns: list, title: str,
                 xlabel: str, ylabel: str) -> None:
         self.monitor.image(step, tag, _plots().heatmap(matrix, rows, columns, title, xlabel,
-                                                    ylabel))
+                                                       ylabel))
 
     def _write_rms(self, step: int, rms: dict) -> None:
         labels = [_layer(key) if key <= self.num_layers else "final" for key in sorted(rms)]
