@@ -232,8 +232,43 @@ def test_a_damaged_newest_checkpoint_is_skipped_or_refused(megatron_world, tmp_p
         verified(_config("checkpoint.on_damaged=stop"), tmp_path / "run", newest)
     assert str(refused.value).startswith(f"{newest} is damaged: {shard}: ")
     assert f"checkpoint.resume={good}" in str(refused.value) and why in str(refused.value)
-    with pytest.raises(CheckpointError, match=f"checkpoint.resume={newest}: damaged: {shard}"):
+    with pytest.raises(CheckpointError, match=f"checkpoint.resume={newest}: {newest} is "
+                                              f"damaged: {shard}"):
         verified(_config(f"checkpoint.resume={newest}"), tmp_path / "run", newest)
+
+
+def test_a_damaged_checkpoint_is_verified_and_refused_outside_training(megatron_world,
+                                                                       tmp_path: Path, capsys):
+    """``t2train ckpt verify`` and the loads of export, generate and eval (``load_model``) see a
+    shard overwritten in place at its own size, which would otherwise load without an error
+    (``checkpoint.init_from``: tests/test_hf_import.py)."""
+    from t2train.checkpoint.errors import CheckpointError
+    from t2train.cli import main
+    from t2train.engine.megatron.checkpoint import save_checkpoint
+    from t2train.export.load import load_model, open_checkpoint
+
+    config = _config("model.residual=ddl")
+    path = save_checkpoint(tmp_path, 1, _objects(seed=1, config=config),
+                           {"config": asdict(config), "config_format": CONFIG_FORMAT})
+    assert main(["ckpt", "verify", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    files = len(list(path.iterdir())) - 1  # all but the checksums file itself
+    assert f"its newest complete checkpoint is {path}" in out
+    assert f"{path}: intact, {files} files (" in out and "match the xxh3_64 checksums" in out
+    assert load_model(open_checkpoint(path), device="cpu").model is not None
+
+    shard = max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    _damage(shard, "overwritten")
+    assert main(["ckpt", "verify", str(path)]) == 1
+    assert capsys.readouterr().out.strip() == (
+        f"{path} is damaged: {shard}: content differs from the xxh3_64 checksum recorded when "
+        "it was saved (overwritten or corrupted in place)")
+    with pytest.raises(CheckpointError, match=f"^{path} is damaged: {shard}: content differs"):
+        load_model(open_checkpoint(path), device="cpu")
+
+    (path / "t2train_checksums.json").unlink()  # as an older t2train saved it
+    assert main(["ckpt", "verify", str(path)]) == 0
+    assert "no checksums recorded (saved by an older t2train)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("where", ["parameter", "optimizer moment"])

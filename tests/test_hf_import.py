@@ -69,6 +69,20 @@ def test_a_llama_round_trips_through_import_training_and_export(megatron_world, 
     assert printed.splitlines()[-1] == (  # what to do with a finished run
         f"next: t2train generate {run} --prompt TEXT | t2train eval {run} --data {shakespeare} | "
         f"t2train export hf {run} OUT | tensorboard --logdir {tmp_path}")
+    # A damaged starting point is refused before the run writes anything.
+    shard = max((out / "checkpoints" / "step_00000000").glob("*.distcp"),
+                key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[::-1])
+    assert main(["train", "--config", str(out / "t2train.yaml"), f"data.path={shakespeare}",
+                 f"log.run_dir={tmp_path / 'run2'}"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: checkpoint.init_from={out}: "
+        f"{out / 'checkpoints' / 'step_00000000'} is damaged: {shard}: content differs from the "
+        "xxh3_64 checksum recorded when it was saved (overwritten or corrupted in place); "
+        "restore a copy, or use an earlier checkpoint of its run (`t2train ckpt verify` checks "
+        "one)")
+    assert not (tmp_path / "run2").exists()
+
     umask = os.umask(0o022)
     try:
         export_hf(run, tmp_path / "back")

@@ -1,4 +1,5 @@
-"""``t2train ckpt inspect PATH``: what a checkpoint holds, without loading its tensors.
+"""``t2train ckpt inspect PATH``: what a checkpoint holds, without loading its tensors;
+``t2train ckpt verify PATH``: whether its files are those written at save.
 
 PATH is a checkpoint directory, or a run directory, its ``checkpoints`` directory or its
 ``latest`` file, which stand for the newest complete checkpoint there.
@@ -11,7 +12,8 @@ import json
 from pathlib import Path
 
 from t2train.checkpoint.errors import CheckpointError
-from t2train.checkpoint.paths import ENGINE_FILE, LATEST, checkpoint_engine, is_complete
+from t2train.checkpoint.paths import (CHECKSUMS, ENGINE_FILE, LATEST, checkpoint_engine,
+                                      is_complete)
 from t2train.residual import resolve_aliases, variant_label
 
 
@@ -92,6 +94,37 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
+def _cmd_verify(args) -> int:
+    """Exit 0 when every file matches the checksum recorded at save, 1 naming the first that
+    does not."""
+    import time
+
+    from t2train.checkpoint.compatibility import check_shard_files
+    from t2train.checkpoint.integrity import ALGORITHM, verify_checksums
+
+    given = Path(args.path)
+    path = resolve_checkpoint(given)
+    if path != given:
+        print(f"{given}: its newest complete checkpoint is {path}")
+    if not (path / CHECKSUMS).is_file():
+        if checkpoint_engine(path) == "megatron":
+            check_shard_files(path)
+        print(f"{path}: no checksums recorded (saved by an older t2train): its content cannot "
+              "be checked" + (", its shard files are all there at their indexed sizes"
+                              if checkpoint_engine(path) == "megatron" else ""))
+        return 0
+    started = time.monotonic()
+    damage = verify_checksums(path)
+    if damage is not None:
+        print(f"{path} is damaged: {damage}")
+        return 1
+    files = json.loads((path / CHECKSUMS).read_text())["files"]
+    size = sum(entry["bytes"] for entry in files.values())
+    print(f"{path}: intact, {len(files)} files ({size / 2**20:.2f} MiB) match the {ALGORITHM} "
+          f"checksums recorded at save ({time.monotonic() - started:.1f}s)")
+    return 0
+
+
 def register(commands) -> None:
     ckpt = commands.add_parser("ckpt", help="checkpoint tools")
     tools = ckpt.add_subparsers(dest="ckpt_command", required=True)
@@ -102,3 +135,9 @@ def register(commands) -> None:
                                       "step_00000100), or a run directory, its checkpoints "
                                       "directory or its latest file (the newest there)")
     inspect.set_defaults(handler=_cmd_inspect)
+    verify = tools.add_parser(
+        "verify", help="check every file against the checksums recorded when it was saved "
+                       "(exit 1 naming the first that differs)")
+    verify.add_argument("path", help="a checkpoint, or what leads to the newest one (as for "
+                                     "inspect)")
+    verify.set_defaults(handler=_cmd_verify)

@@ -124,6 +124,16 @@ def verify_checksums(directory: Path) -> Optional[str]:
     return damaged[min(damaged)] if damaged else None
 
 
+def require_intact(directory: Path, setting: str = "") -> None:
+    """Collective: raise ``CheckpointError`` naming the first damaged file of checkpoint
+    ``directory`` (and the ``setting`` that named it, if any) unless its checksums verify."""
+    damage = verify_checksums(directory)
+    if damage is not None:
+        raise CheckpointError((f"{setting}: " if setting else "")
+                              + f"{directory} is damaged: {damage}; restore a copy, or use an "
+                              "earlier checkpoint of its run (`t2train ckpt verify` checks one)")
+
+
 def resume_candidates(root: Path) -> list[Path]:
     """Complete checkpoints under ``root``, the one ``latest`` names first, then newest first."""
     named = []

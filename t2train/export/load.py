@@ -21,6 +21,7 @@ import torch
 
 from t2train.checkpoint.errors import CheckpointError
 from t2train.checkpoint.inspect import read_train_state, resolve_checkpoint
+from t2train.checkpoint.integrity import require_intact
 from t2train.checkpoint.paths import checkpoint_engine
 from t2train.config.schema import Config, ParallelConfig
 from t2train.errors import UserInputError
@@ -70,10 +71,12 @@ def open_checkpoint(given: str | Path) -> Checkpoint:
 def load_model(checkpoint: Checkpoint, device: Optional[str] = None,
                dtype: Optional[torch.dtype] = None) -> LoadedModel:
     """The checkpoint's weights in a TP = PP = 1 model on ``device`` (default: CUDA if
-    available) in ``dtype`` (default: the checkpoint's)."""
+    available) in ``dtype`` (default: the checkpoint's). A checkpoint whose files differ from
+    the checksums recorded at save is refused before anything is built."""
     if device == "cuda" and not torch.cuda.is_available():
         raise UserInputError("--device cuda: no CUDA device is available here; use --device cpu")
     single_process_world()
+    require_intact(checkpoint.path)
     if checkpoint_engine(checkpoint.path) == "deepspeed":
         shards = _deepspeed_weights(checkpoint)
         if EMBEDDING not in shards[0]:

@@ -18,10 +18,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from t2train.checkpoint.errors import CheckpointError
 from t2train.checkpoint.inspect import resolve_checkpoint
-from t2train.checkpoint.integrity import (choose_verified, resume_candidates, say,
-                                          verify_checksums)
+from t2train.checkpoint.integrity import (choose_verified, require_intact, resume_candidates,
+                                          say)
 from t2train.checkpoint.manager import Checkpointer
 from t2train.checkpoint.store import find_latest
 from t2train.config.loader import dump_config
@@ -63,10 +62,7 @@ def verified(config: Config, run_dir: Path, resume_from: Path) -> tuple[Path, st
     verifies unless ``checkpoint.on_damaged=stop``; a checkpoint named explicitly is used or
     refused."""
     if config.checkpoint.resume != "auto":
-        damage = verify_checksums(resume_from)
-        if damage is not None:
-            raise CheckpointError(f"checkpoint.resume={config.checkpoint.resume}: damaged: "
-                                  f"{damage}")
+        require_intact(resume_from, f"checkpoint.resume={config.checkpoint.resume}")
         return resume_from, ""
     chosen, skipped = choose_verified(resume_candidates(run_dir / "checkpoints"),
                                       fall_back=config.checkpoint.on_damaged == "fall_back")
@@ -157,6 +153,7 @@ class Trainer:
                                  f"{schedule_in_force(self.config, self.engine.scheduler)}")
         if self.config.checkpoint.init_from:
             weights = resolve_checkpoint(Path(self.config.checkpoint.init_from))
+            require_intact(weights, f"checkpoint.init_from={self.config.checkpoint.init_from}")
             self.engine.load_weights(weights, self.facts["tokenizer_sha256"])
             return {}, f"fresh start from the weights of {weights}"
         return {}, "fresh start"
