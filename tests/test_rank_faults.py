@@ -12,10 +12,13 @@ A killed rank restarted by ``t2train launch --max-restarts``: tests/launch.
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 from torchrun_helper import REPO, child_env
 
@@ -28,21 +31,52 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads
         "train.steps=7", "checkpoint.interval=3"]
 
 
+def _kill_the_frozen_rank_once_asked_to_stop(launcher_pid: int) -> int:
+    """Once its peer has failed, torchrun sends every worker SIGTERM and waits 30 s (a fixed
+    grace, not ``--shutdown-timeout``) before SIGKILL; the SIGSTOPped rank cannot act on it.
+    The test kills it as soon as the SIGTERM is pending, sparing the suite that wait. Returns
+    how many it killed."""
+    try:
+        workers = psutil.Process(launcher_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0
+    killed = 0
+    for worker in workers:
+        try:
+            status = Path(f"/proc/{worker.pid}/status").read_text()
+        except OSError:
+            continue
+        pending = [int(line.split()[1], 16) for line in status.splitlines()
+                   if line.startswith(("SigPnd:", "ShdPnd:"))]
+        if "State:\tT" in status and any(mask >> (signal.SIGTERM - 1) & 1 for mask in pending):
+            worker.kill()
+            killed += 1
+    return killed
+
+
 def test_a_hung_rank_times_out_naming_the_collective_and_rank(shakespeare, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node=2", str(REPO / "tests" / "workers" / "faulty_train.py"), "hang",
            "2", "--", *TINY, f"data.path={shakespeare}", f"log.run_dir={tmp_path / 'run'}",
            "parallel.collective_timeout_mins=0.1"]
-    started = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True,
-                          timeout=600)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode != 0, output[-4000:]
+    started, killed = time.monotonic(), 0
+    with open(tmp_path / "out", "w+") as out:
+        launcher = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=out,
+                                    stderr=subprocess.STDOUT, text=True)
+        while launcher.poll() is None and time.monotonic() - started < 600:
+            killed += _kill_the_frozen_rank_once_asked_to_stop(launcher.pid)
+            time.sleep(0.2)
+        launcher.kill()  # no-op unless the deadline passed
+        returncode = launcher.wait()
+        out.seek(0)
+        output = out.read()
+    assert returncode != 0, output[-4000:]
     assert ("rank 0: no progress for 6s in training step 2, blocked in torch.distributed "
             "_coalescing_manager from distributed/param_and_grad_buffer.py") in output, \
         output[-6000:]  # Megatron DDP's gradient all-reduce, waiting for the hung rank
     assert "(parallel.collective_timeout_mins=0.1)" in output
     assert "exitcode  : 124" in output
+    assert killed == 1  # the frozen rank, after torchrun's SIGTERM
     assert time.monotonic() - started < 300
 
 
