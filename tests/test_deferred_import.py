@@ -1,5 +1,6 @@
-"""The deferred import of optional packages megatron-core imports but t2train's runs do not
-use (t2train/compat/deferred_import.py): still deferred after a megatron-core upgrade."""
+"""The deferred imports of t2train/compat/deferred_import.py: what megatron-core and
+mosaicml-streaming load at import but t2train's runs do not use (W&B, streaming's datasets,
+Inductor), still deferred after an upgrade, and still working once used."""
 
 import subprocess
 import sys
@@ -28,5 +29,45 @@ def test_megatron_core_imports_wandb_without_loading_it():
     of every process's start; deferred, W&B loads at its first real use."""
     pytest.importorskip("wandb", reason="wandb is an optional extra: pip install 't2train[wandb]'")
     proc = subprocess.run([sys.executable, "-c", DEFERRED_WANDB], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+DEFERRED_AT_START = """
+import sys
+import t2train.train.trainer  # megatron.core and streaming, as every rank imports them
+import streaming
+from megatron.core import jit
+from megatron.core.fusions import fused_bias_geglu
+from t2train.compat.deferred_import import DeferredModule, compile_at_first_call
+for name in ("streaming.multimodal", "streaming.text", "streaming.vision"):
+    assert isinstance(sys.modules[name], DeferredModule), (name, sys.modules[name])
+loaded = [name for name in ("torch._inductor.compile_fx", "torchvision") if name in sys.modules]
+assert not loaded, f"importing the trainer loaded {loaded}: re-check deferred_import.py"
+assert jit.jit_fuser is compile_at_first_call, jit.jit_fuser
+assert streaming.vision.StreamingCIFAR10.__module__ == "streaming.vision.cifar10"  # loads on use
+import torch
+y = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+a, b = y.chunk(2, -1)
+formula = a * 0.5 * (1 + torch.tanh(0.79788456 * a * (1 + 0.044715 * a * a))) * b
+# Inside a compiled caller it is traced into the caller's graph (fullgraph: no break) ...
+traced = torch.compile(lambda t: fused_bias_geglu.geglu(t) * 2, fullgraph=True,
+                       backend="aot_eager")(y)
+torch.testing.assert_close(traced, 2 * formula)
+assert "torch._inductor.compile_fx" not in sys.modules
+# ... and called alone it is given to torch.compile at its first call, once.
+compiled = []
+torch.compile = lambda fn, **options: compiled.append(fn) or fn  # records, compiles nothing
+for _ in range(2):
+    torch.testing.assert_close(fused_bias_geglu.geglu(y), formula)
+assert compiled == [fused_bias_geglu.geglu.__wrapped__], compiled
+"""
+
+
+def test_streaming_datasets_and_megatron_fusions_compile_at_first_use():
+    """streaming's text, vision and multimodal datasets (torchvision) and megatron-core's
+    ``torch.compile``-decorated fusions (Inductor) cost about 1 s of every process's start;
+    deferred, they load at first use and compute the same."""
+    proc = subprocess.run([sys.executable, "-c", DEFERRED_AT_START], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

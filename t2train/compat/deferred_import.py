@@ -9,17 +9,28 @@ megatron's checks and imports the package when an attribute it lacks is first re
 (``wandb.init`` in ``t2train/monitor/wandb_sink.py``). It carries ``__file__``, ``__spec__``
 and ``__path__`` itself because ``inspect.getmodule`` reads ``__file__`` of every module in
 ``sys.modules`` (torch does, at import): ``importlib.util.LazyLoader`` loads on any attribute.
+The same holds for mosaicml-streaming's ``__init__``, which imports its text, vision and
+multimodal datasets (transformers and torchvision, 0.6 s) where t2train uses ``streaming.base``.
+
+megatron-core's ``jit_fuser`` is ``torch.compile``, applied as a decorator to its fusions
+when ``megatron.core`` is imported: that imports Inductor (0.8 s of every start) for functions
+compiled at their first call anyway. ``megatron.core.jit`` is therefore loaded with a
+``jit_fuser`` that calls ``torch.compile`` at that first call instead.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
 import threading
 import types
 
-DEFERRED = ("wandb",)
+DEFERRED = ("wandb", "streaming.multimodal", "streaming.text", "streaming.vision")
+MEGATRON_JIT = "megatron.core.jit"
 _LOCK = threading.Lock()
 # Attributes that tools probe on every module they meet (inspect.unwrap, warnings): absent,
 # not a reason to load the package.
@@ -50,12 +61,72 @@ class DeferredModule(types.ModuleType):
         return real
 
 
+def _spec_unimported(name: str):
+    """``name``'s spec, or None if not installed, without importing its parent package
+    (``importlib.util.find_spec`` would run the parent's ``__init__``)."""
+    parent, _, _ = name.rpartition(".")
+    if not parent:
+        return importlib.util.find_spec(name)
+    parent_spec = _spec_unimported(parent)
+    if parent_spec is None or parent_spec.submodule_search_locations is None:
+        return None
+    return importlib.machinery.PathFinder.find_spec(name, parent_spec.submodule_search_locations)
+
+
+def compile_at_first_call(fn=None, **options):
+    """``torch.compile`` as a decorator that imports and compiles at the first call (as
+    ``torch.compile`` compiles then), inlined when the caller is itself being compiled."""
+    if fn is None:
+        return functools.partial(compile_at_first_call, **options)
+    import torch
+
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal compiled
+        if torch.compiler.is_compiling():  # dynamo traces fn into the caller's graph
+            return fn(*args, **kwargs)
+        if compiled is None:
+            compiled = torch.compile(fn, **options)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+class _MegatronJitFinder(importlib.abc.MetaPathFinder):
+    """Loads ``megatron.core.jit`` as it is, then swaps its ``jit_fuser`` if it is
+    ``torch.compile`` (before any fusion module imports it)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != MEGATRON_JIT:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None:
+            return None
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            import torch
+
+            run(module)
+            if module.jit_fuser is torch.compile:
+                module.jit_fuser = compile_at_first_call
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 def defer() -> None:
     """Put a DeferredModule in ``sys.modules`` for each installed, not yet imported package of
-    DEFERRED (idempotent; call before megatron.core is imported)."""
+    DEFERRED, and load megatron-core's ``jit_fuser`` deferred (idempotent; call before
+    megatron.core and streaming are imported)."""
     for name in DEFERRED:
-        if name in sys.modules:
+        if name in sys.modules or name.partition(".")[0] in sys.modules:
             continue
-        spec = importlib.util.find_spec(name)
+        spec = _spec_unimported(name)
         if spec is not None:
             sys.modules[name] = DeferredModule(spec)
+    if MEGATRON_JIT not in sys.modules and not any(
+            isinstance(finder, _MegatronJitFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _MegatronJitFinder())
