@@ -10,7 +10,7 @@ megatron's checks and imports the package when an attribute it lacks is first re
 and ``__path__`` itself because ``inspect.getmodule`` reads ``__file__`` of every module in
 ``sys.modules`` (torch does, at import): ``importlib.util.LazyLoader`` loads on any attribute.
 The same holds for mosaicml-streaming's ``__init__``, which imports its text, vision and
-multimodal datasets (transformers and torchvision, 0.6 s) where t2train uses ``streaming.base``.
+multimodal datasets (torchvision among them) where t2train uses ``streaming.base``.
 
 megatron-core's ``jit_fuser`` is ``torch.compile``, applied as a decorator to its fusions
 when ``megatron.core`` is imported: that imports Inductor (0.8 s of every start) for functions
