@@ -2,8 +2,8 @@
 
 Encoding is most of the work of preparing a dataset, so it can fan out over processes. The
 results are taken back in submission order, so the dataset is byte-identical for any number
-of workers, and at most ``2 * workers`` batches are in flight, so memory stays bounded
-however large the input is (``Pool.imap`` would read the whole input ahead).
+of workers, and one batch per worker is in flight, so memory stays bounded however large the
+input is (``Pool.imap`` would read the whole input ahead).
 
 Workers are spawned, not forked: the parent has usually run the tokenizers library's own
 thread pool already (training the BPE), which a forked child cannot use safely. Each worker
@@ -18,16 +18,13 @@ import os
 import signal
 import threading
 from collections import deque
-from typing import Iterable, Iterator, Optional, TypeVar
+from typing import Iterable, Iterator, TypeVar
 
 import numpy as np
 from tokenizers import Tokenizer
 
 Batch = list[tuple[str, bool]]  # (text, ends_document): EOS follows a piece that ends one
 Tag = TypeVar("Tag")
-
-_worker: Optional[tuple[Tokenizer, int, str]] = None  # a worker's (tokenizer, eos, dtype)
-
 
 def encode_batches(tokenizer: Tokenizer, eos: int, dtype: str,
                    batches: Iterable[tuple[Tag, Batch]],
@@ -43,34 +40,99 @@ def encode_batches(tokenizer: Tokenizer, eos: int, dtype: str,
         for tag, batch in batches:
             yield tag, encode(tokenizer, batch, eos, dtype)
         return
-    context = multiprocessing.get_context("spawn")
-    with _ignoring_ctrl_c():  # inherited: Ctrl-C interrupts this process alone, which ends them
-        pool = context.Pool(workers, initializer=_start_worker,
-                            initargs=(tokenizer.to_str(), eos, dtype))
-    with pool:
-        pending: deque = deque()
+    with _Workers(workers, tokenizer.to_str(), eos, dtype) as pool:
+        yield from pool.encode_in_order(batches)
+
+
+class _Workers:
+    """Spawned worker processes, each fed through its own pipe by the calling thread alone:
+    one batch in flight per worker (so neither side can block sending while the other
+    does), results taken in submission order. Without ``multiprocessing.Pool``'s handler
+    threads an interrupt or an error ends the workers at once: ``Pool.terminate`` hangs
+    when its task thread is blocked sending a batch larger than the pipe's buffer."""
+
+    def __init__(self, count: int, tokenizer_json: str, eos: int, dtype: str):
+        context = multiprocessing.get_context("spawn")
+        self.processes: list = []
+        self.connections: list = []
+        try:
+            for _ in range(count):
+                ours, theirs = context.Pipe()
+                process = context.Process(target=_serve, args=(theirs,), daemon=True,
+                                          name="t2train-tokenize")
+                with _ctrl_c_held():
+                    process.start()
+                theirs.close()
+                self.processes.append(process)
+                self.connections.append(ours)
+            for connection in self.connections:
+                connection.send((tokenizer_json, eos, dtype))
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "_Workers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(finished=exc[0] is None)
+
+    def encode_in_order(self, batches: Iterable[tuple[Tag, Batch]]
+                        ) -> Iterator[tuple[Tag, np.ndarray]]:
+        idle = deque(range(len(self.connections)))
+        pending: deque = deque()  # (tag, worker) in submission order
         for tag, batch in batches:
-            pending.append((tag, pool.apply_async(_encode_in_worker, (batch,))))
-            if len(pending) >= 2 * workers:
-                tag, result = pending.popleft()
-                yield tag, result.get()
+            if not idle:
+                yield self._result(*pending.popleft(), idle)
+            worker = idle.popleft()
+            self.connections[worker].send(batch)
+            pending.append((tag, worker))
         while pending:
-            tag, result = pending.popleft()
-            yield tag, result.get()
+            yield self._result(*pending.popleft(), idle)
+
+    def _result(self, tag: Tag, worker: int, idle: deque) -> tuple[Tag, np.ndarray]:
+        try:
+            ok, value = self.connections[worker].recv()
+        except EOFError:
+            process = self.processes[worker]
+            process.join(timeout=5)
+            raise RuntimeError(f"tokenizing worker {process.pid} exited with code "
+                               f"{process.exitcode} before returning its batch") from None
+        if not ok:
+            raise value
+        idle.append(worker)
+        return tag, value
+
+    def close(self, finished: bool = False) -> None:
+        """Stop the workers: asked to exit once every batch is done, else terminated."""
+        for process, connection in zip(self.processes, self.connections):
+            if finished:
+                with contextlib.suppress(OSError):
+                    connection.send(None)
+            process.join(timeout=10 if finished else 0)
+            if process.is_alive():
+                process.terminate()
+                process.join()
+            connection.close()
 
 
 @contextlib.contextmanager
-def _ignoring_ctrl_c() -> Iterator[None]:
-    """SIGINT ignored while worker processes start (they keep it ignored: a spawned Python
-    leaves an inherited SIG_IGN in place), so Ctrl-C does not print a traceback per worker."""
+def _ctrl_c_held() -> Iterator[None]:
+    """While a worker starts: SIGINT ignored, which the spawned worker keeps for its life
+    (Ctrl-C reaches the whole process group; this process alone ends, ending the workers,
+    with one line rather than a traceback per worker), and blocked in this thread, so that a
+    Ctrl-C meanwhile stays pending (Linux never discards a blocked signal) and reaches this
+    process's own handler once it is back, rather than being lost."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    saved = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, saved)
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def encode(tokenizer: Tokenizer, batch: Batch, eos: int, dtype: str) -> np.ndarray:
@@ -84,12 +146,20 @@ def encode(tokenizer: Tokenizer, batch: Batch, eos: int, dtype: str) -> np.ndarr
     return np.concatenate(parts)
 
 
-def _start_worker(tokenizer_json: str, eos: int, dtype: str) -> None:
-    global _worker
+def _serve(connection) -> None:
+    """A worker: the tokenizer first, then batches until None (or the parent is gone)."""
+    tokenizer_json, eos, dtype = connection.recv()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
-    _worker = (Tokenizer.from_str(tokenizer_json), eos, dtype)
-
-
-def _encode_in_worker(batch: Batch) -> np.ndarray:
-    tokenizer, eos, dtype = _worker
-    return encode(tokenizer, batch, eos, dtype)
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    while True:
+        try:
+            batch = connection.recv()
+        except EOFError:
+            return
+        if batch is None:
+            return
+        try:
+            result = (True, encode(tokenizer, batch, eos, dtype))
+        except Exception as err:  # noqa: BLE001 - raised again in the parent
+            result = (False, err)
+        connection.send(result)

@@ -341,7 +341,7 @@ def test_a_broken_checkpoint_or_a_failed_write_leaves_no_out(trained, megatron_w
     shard = sorted(broken.glob("*.distcp"))[0]
     shard.unlink()
     out = tmp_path / "out"
-    with pytest.raises(CheckpointError, match=f"{shard}: shard file missing"):
+    with pytest.raises(CheckpointError, match=f"{broken} is damaged: {shard}: missing"):
         exporter.export_hf(broken, out)
     assert not out.exists()
 
