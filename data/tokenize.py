@@ -121,8 +121,9 @@ def _ctrl_c_held() -> Iterator[None]:
     """While a worker starts: SIGINT ignored, which the spawned worker keeps for its life
     (Ctrl-C reaches the whole process group; this process alone ends, ending the workers,
     with one line rather than a traceback per worker), and blocked in this thread, so that a
-    Ctrl-C meanwhile stays pending (Linux never discards a blocked signal) and reaches this
-    process's own handler once it is back, rather than being lost."""
+    Ctrl-C meanwhile stays pending (Linux does not discard a blocked signal) and reaches this
+    process's own handler once it is back. Only another thread of this process that does not
+    block SIGINT can still take it, and drop it, within those few milliseconds."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
