@@ -418,3 +418,31 @@ def test_vocabulary_too_large_for_the_token_column(text_files, tmp_path):
                                         r"ids above 4294967295 do not fit the uint32 token column"):
         prepare_dataset(text_files, tmp_path / "ds", seq_length=16, vocab_size=2 ** 32 + 1)
     assert not (tmp_path / "ds").exists()
+
+
+def test_tokenizing_workers_keep_order_and_raise_a_workers_error_here():
+    """Two worker processes give each batch's ids in submission order, equal to encoding in
+    this process; a batch a worker cannot encode raises its error here, and no worker is left
+    running either way (data/tokenize.py)."""
+    import multiprocessing
+
+    from tokenizers import models, pre_tokenizers
+
+    from t2train.data.tokenize import encode, encode_batches
+
+    tokenizer = Tokenizer(models.WordLevel({"to": 0, "be": 1, "or": 2, "not": 3, "[UNK]": 4},
+                                           unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    others = set(multiprocessing.active_children())
+    batches = [(index, [("to be " * index, False), ("or not", True)]) for index in range(7)]
+    got = list(encode_batches(tokenizer, 9, "uint16", batches, workers=2))
+    assert [tag for tag, _ in got] == list(range(7))
+    for (_, ids), (_, batch) in zip(got, batches):
+        assert ids.tolist() == encode(tokenizer, batch, 9, "uint16").tolist()
+    assert got[2][1].tolist() == [0, 1, 0, 1, 2, 3, 9]
+    assert set(multiprocessing.active_children()) == others
+
+    with pytest.raises(TypeError):
+        list(encode_batches(tokenizer, 9, "uint16", [(0, [("to be", True)]), (1, [(7, True)])],
+                            workers=2))
+    assert set(multiprocessing.active_children()) == others
