@@ -16,10 +16,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
+from proc_signals import has, signal_masks
 from torchrun_helper import REPO, child_env
 
 pytestmark = pytest.mark.slow
@@ -43,12 +43,11 @@ def _kill_the_frozen_rank_once_asked_to_stop(launcher_pid: int) -> int:
     killed = 0
     for worker in workers:
         try:
-            status = Path(f"/proc/{worker.pid}/status").read_text()
-        except OSError:
+            stopped = worker.status() == psutil.STATUS_STOPPED
+            masks = signal_masks(worker.pid)
+        except (psutil.NoSuchProcess, FileNotFoundError):
             continue
-        pending = [int(line.split()[1], 16) for line in status.splitlines()
-                   if line.startswith(("SigPnd:", "ShdPnd:"))]
-        if "State:\tT" in status and any(mask >> (signal.SIGTERM - 1) & 1 for mask in pending):
+        if stopped and has(masks["SigPnd"] | masks["ShdPnd"], signal.SIGTERM):
             worker.kill()
             killed += 1
     return killed

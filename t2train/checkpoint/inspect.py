@@ -107,11 +107,12 @@ def _cmd_verify(args) -> int:
     if path != given:
         print(f"{given}: its newest complete checkpoint is {path}")
     if not (path / CHECKSUMS).is_file():
-        if checkpoint_engine(path) == "megatron":
+        indexed = checkpoint_engine(path) == "megatron"  # torch DCP's index names the shards
+        if indexed:
             check_shard_files(path)
         print(f"{path}: no checksums recorded (saved by an older t2train): its content cannot "
               "be checked" + (", its shard files are all there at their indexed sizes"
-                              if checkpoint_engine(path) == "megatron" else ""))
+                              if indexed else ""))
         return 0
     started = time.monotonic()
     damage = verify_checksums(path)

@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from proc_signals import has, signal_masks
 from tiny_run import TINY_MODEL
 
 from t2train.launch.plan import LaunchError, plan_standalone, processes_per_node
@@ -202,16 +203,11 @@ def test_a_node_that_outlives_the_rendezvous_host_exits_with_its_workers_code(sh
 def killed_by_sigterm(pid: int) -> bool:
     """Whether SIGTERM would end process ``pid``: neither ignored nor handled by it, and
     unblocked in one of its threads (a signal blocked in every thread stays pending)."""
-    term = 1 << (signal.SIGTERM - 1)
-
-    def mask(status: str, field: str) -> int:
-        return int(status.split(f"{field}:\t")[1].split()[0], 16)
-
     try:
-        status = Path(f"/proc/{pid}/status").read_text()
-        if (mask(status, "SigIgn") | mask(status, "SigCgt")) & term:
+        masks = signal_masks(pid)
+        if has(masks["SigIgn"] | masks["SigCgt"], signal.SIGTERM):
             return False
-        return any(not mask(Path(task, "status").read_text(), "SigBlk") & term
+        return any(not has(signal_masks(pid, int(task.name))["SigBlk"], signal.SIGTERM)
                    for task in Path(f"/proc/{pid}/task").iterdir())
     except FileNotFoundError:  # it ended meanwhile (a writer of a save that finished)
         return False
