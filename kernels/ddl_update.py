@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from t2train.kernels.ops import kernel_op, tracing
+
 
 @triton.jit
 def _load_row(X_RAW, K_RAW, BETA, VLOG, row, rows, hidden, dv, eps2, v_scale,
@@ -81,34 +83,47 @@ def _launch(hidden: int, dv: int) -> dict:
                 num_warps=min(16, max(4, block_h * block_v // 1024)))
 
 
-class DeltaWrite(torch.autograd.Function):
+@kernel_op("delta_write")
+def _delta_write(state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor, k_eps: float,
+                 v_scale: float) -> Tensor:
     """state [s, b, h] or [d_v, s, b, h]; out [s, b, h]; beta_logit [s, b, 1];
     v_logit [s, b, d_v]."""
-
-    @staticmethod
-    def forward(ctx, state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor,
-                k_eps: float, v_scale: float) -> Tensor:
-        state, out, beta_logit, v_logit = (t.contiguous()
-                                           for t in (state, out, beta_logit, v_logit))
-        hidden, dv = out.shape[-1], v_logit.shape[-1]
-        rows = out.numel() // hidden
-        y = torch.empty_like(state)
-        _fwd_kernel[(rows,)](state, out, beta_logit, v_logit, y, rows, hidden, dv,
-                             k_eps * k_eps, v_scale, **_launch(hidden, dv))
-        ctx.save_for_backward(state, out, beta_logit, v_logit)
-        ctx.k_eps, ctx.v_scale = k_eps, v_scale
+    state, out, beta_logit, v_logit = (t.contiguous() for t in (state, out, beta_logit, v_logit))
+    hidden, dv = out.shape[-1], v_logit.shape[-1]
+    rows = out.numel() // hidden
+    y = torch.empty_like(state)
+    if tracing(state):
         return y
+    _fwd_kernel[(rows,)](state, out, beta_logit, v_logit, y, rows, hidden, dv, k_eps * k_eps,
+                         v_scale, **_launch(hidden, dv))
+    return y
 
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        state, out, beta_logit, v_logit = ctx.saved_tensors
-        hidden, dv = out.shape[-1], v_logit.shape[-1]
-        rows = out.numel() // hidden
-        grads = [torch.empty_like(t) for t in (state, out, beta_logit, v_logit)]
-        _bwd_kernel[(rows,)](state, out, beta_logit, v_logit, grad.contiguous(), *grads, rows,
-                             hidden, dv, ctx.k_eps * ctx.k_eps, ctx.v_scale,
-                             **_launch(hidden, dv))
-        return (*grads, None, None)
+
+@kernel_op("delta_write_backward")
+def _delta_write_backward(state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor,
+                          grad: Tensor, k_eps: float, v_scale: float) -> list[Tensor]:
+    state, out, beta_logit, v_logit, grad = (
+        t.contiguous() for t in (state, out, beta_logit, v_logit, grad))
+    hidden, dv = out.shape[-1], v_logit.shape[-1]
+    rows = out.numel() // hidden
+    grads = [torch.empty_like(t) for t in (state, out, beta_logit, v_logit)]
+    if tracing(state):
+        return grads
+    _bwd_kernel[(rows,)](state, out, beta_logit, v_logit, grad, *grads, rows, hidden, dv,
+                         k_eps * k_eps, v_scale, **_launch(hidden, dv))
+    return grads
+
+
+def _save_inputs(ctx, inputs: tuple, output: Tensor) -> None:
+    *tensors, ctx.k_eps, ctx.v_scale = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _backward(ctx, grad: Tensor) -> tuple:
+    return (*_delta_write_backward(*ctx.saved_tensors, grad, ctx.k_eps, ctx.v_scale), None, None)
+
+
+_delta_write.register_autograd(_backward, setup_context=_save_inputs)
 
 
 def delta_write(state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor,
@@ -118,4 +133,4 @@ def delta_write(state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor,
     if state.shape != expected or beta_logit.shape[-1] != 1:
         raise ValueError(f"state {tuple(state.shape)}, out {tuple(out.shape)}, beta_logit "
                          f"{tuple(beta_logit.shape)}, v_logit {tuple(v_logit.shape)} disagree")
-    return DeltaWrite.apply(state, out, beta_logit, v_logit, k_eps, v_scale)
+    return _delta_write(state, out, beta_logit, v_logit, k_eps, v_scale)

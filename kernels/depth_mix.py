@@ -31,6 +31,7 @@ import triton.language as tl
 from torch import Tensor
 
 from t2train.kernels.common import interpreting
+from t2train.kernels.ops import kernel_op, tracing
 
 
 @triton.jit
@@ -224,7 +225,7 @@ def _phase2_blocks(hidden: int) -> dict:
     return dict(BLOCK_H=block_h, ROWS=ROWS, num_warps=min(16, max(4, block_h // 512)))
 
 
-def _address_table(sources: tuple) -> tuple[Tensor, dict]:
+def _address_table(sources: list[Tensor]) -> tuple[Tensor, dict]:
     """The sources' data pointers as an int64 tensor on their device (the kernels' table),
     and whether all are 16-byte aligned (a fresh tensor is; a view may not be)."""
     addresses = [t.data_ptr() for t in sources]
@@ -232,93 +233,128 @@ def _address_table(sources: tuple) -> tuple[Tensor, dict]:
     return table, {"ALIGNED": all(address % 16 == 0 for address in addresses)}
 
 
-class Phase1(torch.autograd.Function):
+
+
+@kernel_op("block_phase_1")
+def _phase_1(queries: Tensor, sources: list[Tensor], eps: float) -> tuple[Tensor, Tensor]:
     """queries [S, h], the N sources (each [..., h]) -> O [S, ..., h] and LSE [S, ...], both
     fp32. The kernels read each source where it is (a table of their addresses): no stacked
     copy is made, and none is saved for the backward (the sources are the stream's, alive
-    anyway); the sources' gradients are one [N, ..., h] buffer, returned as N views."""
-
-    @staticmethod
-    def forward(ctx, queries: Tensor, eps: float, *sources: Tensor):
-        queries = queries.contiguous()
-        sources = tuple(t.contiguous() for t in sources)
-        if len({(t.shape, t.dtype, t.device) for t in sources}) != 1:
-            raise ValueError("phase 1: the sources must share one shape, dtype and device, got "
-                             f"{[(tuple(t.shape), t.dtype) for t in sources]}")
-        n_src, hidden, n_q = len(sources), sources[0].shape[-1], queries.shape[0]
-        rows = sources[0].numel() // hidden
-        out = torch.empty((n_q, *sources[0].shape), device=queries.device, dtype=torch.float32)
-        lse = torch.empty(out.shape[:-1], device=queries.device, dtype=torch.float32)
-        table, aligned = _address_table(sources)
-        _phase1_fwd_kernel[(rows,)](table, sources[0], queries, out, lse, rows, hidden, n_src,
-                                    n_q, eps, **_phase1_blocks(n_src, n_q, hidden), **aligned)
-        ctx.save_for_backward(queries, lse, *sources)
-        ctx.eps = eps
+    anyway)."""
+    queries = queries.contiguous()
+    sources = [t.contiguous() for t in sources]
+    first = sources[0]
+    if any((t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device)
+           for t in sources):
+        raise ValueError("phase 1: the sources must share one shape, dtype and device, got "
+                         f"{[(tuple(t.shape), t.dtype) for t in sources]}")
+    out = torch.empty((queries.shape[0], *first.shape), device=queries.device,
+                      dtype=torch.float32)
+    lse = torch.empty(out.shape[:-1], device=queries.device, dtype=torch.float32)
+    if tracing(queries):
         return out, lse
-
-    @staticmethod
-    def backward(ctx, d_out: Tensor | None, d_lse: Tensor | None):
-        queries, lse, *sources = ctx.saved_tensors
-        n_src, hidden, n_q = len(sources), sources[0].shape[-1], queries.shape[0]
-        rows = sources[0].numel() // hidden
-        d_out = lse.new_zeros(*lse.shape, hidden) if d_out is None else d_out.float().contiguous()
-        d_lse = torch.zeros_like(lse) if d_lse is None else d_lse.float().contiguous()
-        w = torch.empty(rows, n_src, n_q, device=lse.device, dtype=torch.float32)
-        dzr, coef = torch.empty_like(w), torch.empty(rows, n_src, device=lse.device)
-        blocks = _phase1_blocks(n_src, n_q, hidden)
-        table, aligned = _address_table(sources)
-        _phase1_bwd_scores_kernel[(rows,)](table, sources[0], queries, lse, d_out, d_lse, w, dzr,
-                                           coef, rows, hidden, n_src, n_q, ctx.eps, **blocks,
-                                           **aligned)
-        d_sources = torch.empty((n_src, *sources[0].shape), device=lse.device,
-                                dtype=sources[0].dtype)
-        grid = (triton.cdiv(hidden, blocks["BLOCK_H"]), triton.cdiv(rows, ROWS))
-        dq_part = torch.empty(grid[1], n_q, hidden, device=lse.device, dtype=torch.float32)
-        _phase1_bwd_grads_kernel[grid](table, sources[0], queries, d_out, w, dzr, coef,
-                                       d_sources, dq_part, rows, hidden, n_src, n_q, ROWS=ROWS,
-                                       **blocks, **aligned)
-        return dq_part.sum(0).to(queries.dtype), None, *d_sources.unbind(0)
+    n_src, hidden, n_q = len(sources), first.shape[-1], queries.shape[0]
+    rows = first.numel() // hidden
+    table, aligned = _address_table(sources)
+    _phase1_fwd_kernel[(rows,)](table, first, queries, out, lse, rows, hidden, n_src, n_q, eps,
+                                **_phase1_blocks(n_src, n_q, hidden), **aligned)
+    return out, lse
 
 
-class Phase2(torch.autograd.Function):
+@kernel_op("block_phase_1_backward")
+def _phase_1_backward(queries: Tensor, sources: list[Tensor], lse: Tensor, d_out: Tensor,
+                      d_lse: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """dQ [S, h] and the sources' gradients as one [N, ..., h] buffer."""
+    queries = queries.contiguous()
+    sources = [t.contiguous() for t in sources]
+    first = sources[0]
+    d_sources = torch.empty((len(sources), *first.shape), device=lse.device, dtype=first.dtype)
+    if tracing(queries):
+        return torch.empty_like(queries), d_sources
+    n_src, hidden, n_q = len(sources), first.shape[-1], queries.shape[0]
+    rows = first.numel() // hidden
+    d_out, d_lse = d_out.float().contiguous(), d_lse.float().contiguous()
+    w = torch.empty(rows, n_src, n_q, device=lse.device, dtype=torch.float32)
+    dzr, coef = torch.empty_like(w), torch.empty(rows, n_src, device=lse.device)
+    blocks = _phase1_blocks(n_src, n_q, hidden)
+    table, aligned = _address_table(sources)
+    _phase1_bwd_scores_kernel[(rows,)](table, first, queries, lse, d_out, d_lse, w, dzr, coef,
+                                       rows, hidden, n_src, n_q, eps, **blocks, **aligned)
+    grid = (triton.cdiv(hidden, blocks["BLOCK_H"]), triton.cdiv(rows, ROWS))
+    dq_part = torch.empty(grid[1], n_q, hidden, device=lse.device, dtype=torch.float32)
+    _phase1_bwd_grads_kernel[grid](table, first, queries, d_out, w, dzr, coef, d_sources,
+                                   dq_part, rows, hidden, n_src, n_q, ROWS=ROWS, **blocks,
+                                   **aligned)
+    return dq_part.sum(0).to(queries.dtype), d_sources
+
+
+def _save_phase_1(ctx, inputs: tuple, output: tuple) -> None:
+    queries, sources, ctx.eps = inputs
+    ctx.sources = len(sources)
+    ctx.save_for_backward(queries, output[1], *sources)
+
+
+def _phase_1_grads(ctx, d_out: Tensor, d_lse: Tensor) -> tuple:
+    """The sources' gradients are handed to autograd as views of one buffer."""
+    queries, lse, *sources = ctx.saved_tensors
+    d_queries, d_sources = _phase_1_backward(queries, sources, lse, d_out, d_lse, ctx.eps)
+    return d_queries, list(d_sources.unbind(0)), None
+
+
+_phase_1.register_autograd(_phase_1_grads, setup_context=_save_phase_1)
+
+
+@kernel_op("block_phase_2")
+def _phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float) -> Tensor:
     """partial [..., h], query [h], O [..., h] and LSE [...] of phase 1 -> merged [..., h]."""
-
-    @staticmethod
-    def forward(ctx, partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float):
-        partial, query, out, lse = (t.contiguous() for t in (partial, query, out, lse))
-        hidden = partial.shape[-1]
-        rows = partial.numel() // hidden
-        merged = torch.empty_like(partial)
-        _phase2_fwd_kernel[(triton.cdiv(rows, ROWS),)](
-            partial, query, out, lse, merged, rows, hidden, eps,
-            **_phase2_blocks(hidden))
-        ctx.save_for_backward(partial, query, out, lse)
-        ctx.eps = eps
+    partial, query, out, lse = (t.contiguous() for t in (partial, query, out, lse))
+    hidden = partial.shape[-1]
+    rows = partial.numel() // hidden
+    merged = torch.empty_like(partial)
+    if tracing(partial):
         return merged
+    _phase2_fwd_kernel[(triton.cdiv(rows, ROWS),)](partial, query, out, lse, merged, rows, hidden,
+                                                   eps, **_phase2_blocks(hidden))
+    return merged
 
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        partial, query, out, lse = ctx.saved_tensors
-        hidden = partial.shape[-1]
-        rows = partial.numel() // hidden
-        d_partial, d_out, d_lse = (torch.empty_like(t) for t in (partial, out, lse))
-        blocks = triton.cdiv(rows, ROWS)
-        dq_part = torch.empty(blocks, hidden, device=out.device, dtype=torch.float32)
-        _phase2_bwd_kernel[(blocks,)](partial, query, out, lse, grad.contiguous(), d_partial,
-                                      d_out, d_lse, dq_part, rows, hidden, ctx.eps,
-                                      **_phase2_blocks(hidden))
-        return d_partial, dq_part.sum(0).to(query.dtype), d_out, d_lse, None
+
+@kernel_op("block_phase_2_backward")
+def _phase_2_backward(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, grad: Tensor,
+                      eps: float) -> list[Tensor]:
+    partial, query, out, lse, grad = (t.contiguous() for t in (partial, query, out, lse, grad))
+    hidden = partial.shape[-1]
+    rows = partial.numel() // hidden
+    d_partial, d_out, d_lse = (torch.empty_like(t) for t in (partial, out, lse))
+    if tracing(partial):
+        return [d_partial, torch.empty_like(query), d_out, d_lse]
+    blocks = triton.cdiv(rows, ROWS)
+    dq_part = torch.empty(blocks, hidden, device=out.device, dtype=torch.float32)
+    _phase2_bwd_kernel[(blocks,)](partial, query, out, lse, grad, d_partial, d_out, d_lse,
+                                  dq_part, rows, hidden, eps, **_phase2_blocks(hidden))
+    return [d_partial, dq_part.sum(0).to(query.dtype), d_out, d_lse]
+
+
+def _save_phase_2(ctx, inputs: tuple, output: Tensor) -> None:
+    *tensors, ctx.eps = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _phase_2_grads(ctx, grad: Tensor) -> tuple:
+    return (*_phase_2_backward(*ctx.saved_tensors, grad, ctx.eps), None)
+
+
+_phase_2.register_autograd(_phase_2_grads, setup_context=_save_phase_2)
 
 
 def phase_1(queries: Tensor, sources, eps: float) -> tuple[Tensor, Tensor]:
     """O [S, ..., h] and LSE [S, ...] (fp32) of S pseudo-queries over the N sources (a list
     of [..., h] tensors, or one stacked [N, ..., h] tensor)."""
-    return Phase1.apply(queries, eps, *sources)
+    return _phase_1(queries, list(sources), eps)
 
 
 def phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float) -> Tensor:
     """Merge one query's phase-1 result with the partial sum, in the partial's dtype."""
-    return Phase2.apply(partial, query, out, lse, eps)
+    return _phase_2(partial, query, out, lse, eps)
 
 
 def depth_mix(query: Tensor, sources: list[Tensor], partial: Tensor | None,

@@ -11,8 +11,13 @@ Triton implementation is, and the reference, which takes the same arguments. The
 package lists them all (``t2train.residual.kernel_table()``, which the tests and the
 benchmark read), so this module, below the designs, never names one. A caller asks
 ``route(kernel, *tensors)`` which of the two to call. ``launches`` counts the calls routed to
-each kernel, so a caller (the tests) can tell that the kernels ran rather than the references:
-``reset_launches()``, run, read ``launches``.
+each kernel outside compiled code, so a caller (the tests) can tell that the kernels ran
+rather than the references: ``reset_launches()``, run, read ``launches``.
+
+The Triton functions call the kernels as custom operators (``t2train/kernels/ops.py``), so a
+compiled layer traces through them without a graph break. Their modules (which register the
+operators) are imported once, outside traced code: by ``load_kernels`` before a model is
+compiled, or at the first eager call.
 """
 
 from __future__ import annotations
@@ -37,11 +42,29 @@ class Kernel:
     reference: Callable
 
     def triton_function(self) -> Callable:
-        module, _, function = self.triton.partition(":")
-        return getattr(importlib.import_module(module), function)
+        function = _loaded.get(self.name)
+        if function is None:
+            module, _, attribute = self.triton.partition(":")
+            function = _loaded[self.name] = getattr(importlib.import_module(module), attribute)
+        return function
 
 
 launches: Counter = Counter()  # kernel name -> calls routed to the Triton kernel
+_loaded: dict[str, Callable] = {}  # kernel name -> its Triton function, imported
+
+
+def kernels_wanted() -> bool:
+    """Whether a model built now may route to the kernels: forced, or CUDA with ``auto``."""
+    choice = os.environ.get("T2_KERNELS", "auto")
+    return choice == "triton" or (choice == "auto" and torch.cuda.is_available())
+
+
+def load_kernels(kernels) -> None:
+    """Import the Triton functions of ``kernels`` (and register their operators) now, so that
+    compiled code finds them loaded; nothing when the kernels cannot be routed to."""
+    if kernels_wanted():
+        for kernel in kernels:
+            kernel.triton_function()
 
 
 def reset_launches() -> None:
@@ -65,15 +88,14 @@ def use_triton(*tensors: Tensor) -> bool:
 def route(kernel: Kernel, *tensors: Tensor) -> Callable:
     """``kernel``'s Triton function when ``use_triton(*tensors)`` (counted), else its reference.
 
-    Inside a compiled layer (``model.fusions``) the Triton function runs eagerly, one graph
-    break per call: dynamo does not trace into the kernels' autograd functions and launch
-    code."""
+    Inside a compiled layer (``model.fusions``) the Triton function is traced like the
+    reference: its kernels are custom operators in the layer's graph."""
     if not use_triton(*tensors):
         return kernel.reference
     return functools.partial(_launch, kernel)
 
 
-@torch.compiler.disable
 def _launch(kernel: Kernel, *args, **kwargs):
-    launches[kernel.name] += 1
+    if not torch.compiler.is_compiling():
+        launches[kernel.name] += 1
     return kernel.triton_function()(*args, **kwargs)

@@ -27,6 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from t2train.kernels.common import dot, fp32_dot, interpreting
+from t2train.kernels.ops import kernel_op, tracing
 
 MAX_OUTPUTS = 16  # wider projections are ordinary GEMMs: the reference's cuBLAS call
 
@@ -99,28 +100,11 @@ def _blocks(n_out: int) -> dict:
                 num_warps=4)
 
 
-class Fp32Linear(torch.autograd.Function):
-    """x [..., h], weight [n, h], bias [n] or None -> fp32 [..., n]."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        x, weight = x.contiguous(), weight.contiguous()
-        y = torch.empty(*x.shape[:-1], weight.shape[0], device=x.device, dtype=torch.float32)
-        _forward(x, weight, bias, y, None)
-        ctx.save_for_backward(x, weight)
-        ctx.with_bias = bias is not None
-        return y
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, weight = ctx.saved_tensors
-        dx, d_weight, d_bias = _backward(x, weight, grad, None, ctx.with_bias)
-        return dx, d_weight, d_bias
-
-
-def _forward(x: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor,
-             sumsq: Tensor | None) -> None:
+def _launch_forward(x: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor,
+                    sumsq: Tensor | None) -> None:
     """y = x W^T + b into ``y`` (fp32), and each row's sum of squares into ``sumsq``."""
+    if tracing(x):
+        return
     hidden, n_out = x.shape[-1], weight.shape[0]
     rows = x.numel() // hidden
     blocks = _blocks(n_out)
@@ -128,56 +112,74 @@ def _forward(x: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor,
     exact = fp32_dot(x.dtype) or x.dtype != weight.dtype
     _fwd_kernel[(triton.cdiv(rows, blocks["BLOCK_R"]),)](
         x, weight, weight if bias is None else bias, y, y if sumsq is None else sumsq, rows,
-        hidden, n_out, HAS_BIAS=bias is not None, FP32_DOT=exact,
-        WITH_SUMSQ=sumsq is not None, **blocks)
+        hidden, n_out, HAS_BIAS=bias is not None, FP32_DOT=exact, WITH_SUMSQ=sumsq is not None,
+        **blocks)
 
 
-def _backward(x: Tensor, weight: Tensor, grad: Tensor, coef: Tensor | None,
-              with_bias: bool) -> tuple:
-    """dx = g W (+ coef x), dW = g^T x, db = sum g, for the incoming fp32 g."""
+def _outputs(x: Tensor, weight: Tensor) -> Tensor:
+    return torch.empty(*x.shape[:-1], weight.shape[0], device=x.device, dtype=torch.float32)
+
+
+@kernel_op("fp32_linear")
+def _fp32_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x [..., h], weight [n, h], bias [n] or None -> fp32 [..., n]."""
+    x, weight = x.contiguous(), weight.contiguous()
+    y = _outputs(x, weight)
+    _launch_forward(x, weight, bias, y, None)
+    return y
+
+
+@kernel_op("fp32_linear_sumsq")
+def _fp32_linear_sumsq(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """x [..., h], weight [n, h] -> fp32 x W^T [..., n] and each row's sum of squares [...],
+    from one read of x."""
+    x, weight = x.contiguous(), weight.contiguous()
+    u = _outputs(x, weight)
+    sumsq = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
+    _launch_forward(x, weight, None, u, sumsq)
+    return u, sumsq
+
+
+@kernel_op("fp32_linear_backward")
+def _fp32_linear_backward(x: Tensor, weight: Tensor, grad: Tensor,
+                          coef: Tensor | None) -> list[Tensor]:
+    """dx = g W (+ coef x per row), dW = g^T x, db = sum g, for the incoming g (in fp32)."""
+    x, weight = x.contiguous(), weight.contiguous()
+    dx = torch.empty_like(x)
+    if tracing(x):
+        return [dx, torch.empty_like(weight), weight.new_empty(weight.shape[0])]
     hidden, n_out = x.shape[-1], weight.shape[0]
     rows = x.numel() // hidden
     blocks = _blocks(n_out)
     programs = triton.cdiv(rows, blocks["BLOCK_R"])
-    dx = torch.empty_like(x)
     dw_part = torch.empty(programs, n_out, hidden, device=x.device, dtype=torch.float32)
     db_part = torch.empty(programs, n_out, device=x.device, dtype=torch.float32)
     grad = grad.float().contiguous()
     _bwd_kernel[(programs,)](x, weight, grad, grad if coef is None else coef.contiguous(), dx,
-                             dw_part, db_part, rows, hidden, n_out, WITH_COEF=coef is not None,
-                             **blocks)
-    d_bias = db_part.sum(0).to(weight.dtype) if with_bias else None
-    return dx, dw_part.sum(0).to(weight.dtype), d_bias
+                             dw_part, db_part, rows, hidden, n_out,
+                             WITH_COEF=coef is not None, **blocks)
+    return [dx, dw_part.sum(0).to(weight.dtype), db_part.sum(0).to(weight.dtype)]
 
 
-class RmsFp32Linear(torch.autograd.Function):
-    """x [..., h], weight [n, h], bias [n] or None -> fp32 RMSNorm(x) W^T + b [..., n], the
-    RMSNorm weight-free: y = r (x W^T) + b with r = rsqrt(mean(x^2) + eps) per row, the sum
-    of squares from the same read of x. Saves x as it came, u = x W^T and r (per row).
-    Backward: du = g r, dx = du W - x r^3 sum_k(g_k u_k) / h, dW = du^T x."""
+def _save_x_and_weight(ctx, inputs: tuple, output) -> None:
+    x, weight, *rest = inputs
+    ctx.with_bias = bool(rest) and rest[0] is not None
+    ctx.save_for_backward(x, weight)
 
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
-        x, weight = x.contiguous(), weight.contiguous()
-        hidden = x.shape[-1]
-        u = torch.empty(*x.shape[:-1], weight.shape[0], device=x.device, dtype=torch.float32)
-        sumsq = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
-        _forward(x, weight, None, u, sumsq)
-        r = torch.rsqrt(sumsq / hidden + eps)
-        ctx.save_for_backward(x, weight, u, r)
-        ctx.with_bias = bias is not None
-        y = u * r[..., None]
-        return y if bias is None else y + bias.float()
 
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, weight, u, r = ctx.saved_tensors
-        grad = grad.float()
-        coef = -(grad * u).sum(-1) * r.pow(3) / x.shape[-1]
-        dx, d_weight, _ = _backward(x, weight, grad * r[..., None], coef, False)
-        d_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(weight.dtype) \
-            if ctx.with_bias else None
-        return dx, d_weight, d_bias, None
+def _linear_backward(ctx, grad: Tensor) -> tuple:
+    dx, d_weight, d_bias = _fp32_linear_backward(*ctx.saved_tensors, grad, None)
+    return dx, d_weight, d_bias if ctx.with_bias else None
+
+
+def _sumsq_backward(ctx, d_u: Tensor, d_sumsq: Tensor) -> tuple:
+    """The sum of squares' share of dx, 2 d_sumsq x per row, is added in the same pass."""
+    dx, d_weight, _ = _fp32_linear_backward(*ctx.saved_tensors, d_u, 2 * d_sumsq)
+    return dx, d_weight
+
+
+_fp32_linear.register_autograd(_linear_backward, setup_context=_save_x_and_weight)
+_fp32_linear_sumsq.register_autograd(_sumsq_backward, setup_context=_save_x_and_weight)
 
 
 def fp32_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -185,7 +187,7 @@ def fp32_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if weight.shape[0] > MAX_OUTPUTS or weight.shape[-1] != x.shape[-1]:
         raise ValueError(f"weight {tuple(weight.shape)} for x {tuple(x.shape)}: the kernel "
                          f"takes [n <= {MAX_OUTPUTS}, {x.shape[-1]}]")
-    return Fp32Linear.apply(x, weight, bias)
+    return _fp32_linear(x, weight, bias)
 
 
 def rms_fp32_linear(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
@@ -194,4 +196,6 @@ def rms_fp32_linear(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) 
     if weight.shape[0] > MAX_OUTPUTS or weight.shape[-1] != x.shape[-1]:
         raise ValueError(f"weight {tuple(weight.shape)} for x {tuple(x.shape)}: the kernel "
                          f"takes [n <= {MAX_OUTPUTS}, {x.shape[-1]}]")
-    return RmsFp32Linear.apply(x, weight, bias, eps)
+    u, sumsq = _fp32_linear_sumsq(x, weight)
+    y = u * torch.rsqrt(sumsq / x.shape[-1] + eps)[..., None]
+    return y if bias is None else y + bias.float()

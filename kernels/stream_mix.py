@@ -38,6 +38,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from t2train.kernels.ops import kernel_op, tracing
+
 
 @triton.jit
 def _normalise_rows(m, n_ok):
@@ -270,68 +272,99 @@ def _check(state: Tensor, **others: tuple) -> None:
                              f"(expected {expected})")
 
 
-class StreamRead(torch.autograd.Function):
+# The public functions below hand the operators contiguous logits: a copy made outside the
+# operator is saved for the backward (not made again there), and a compiled layer can fuse it
+# into the projection that produced them. The state is made contiguous inside (only the first
+# layer's, a broadcast embedding, is not), so the broadcast is what is saved.
+@kernel_op("stream_read")
+def _stream_read(state: Tensor, pre_logit: Tensor, raw: bool) -> Tensor:
     """state [n, s, b, h]; pre_logit [s, b, n] (raw: the weights themselves) -> [s, b, h]."""
-
-    @staticmethod
-    def forward(ctx, state: Tensor, pre_logit: Tensor, raw: bool) -> Tensor:
-        state, pre_logit = state.contiguous(), pre_logit.contiguous()
-        n, hidden = state.shape[0], state.shape[-1]
-        tokens = state[0].numel() // hidden
-        y = torch.empty(state.shape[1:], dtype=state.dtype, device=state.device)
-        _read_fwd[_grid(tokens)](state, pre_logit, y, tokens, hidden, n, RAW=raw,
-                                 **_launch(n, hidden))
-        ctx.save_for_backward(state, pre_logit)
-        ctx.raw = raw
+    state, pre_logit = state.contiguous(), pre_logit.contiguous()
+    n, hidden = state.shape[0], state.shape[-1]
+    tokens = state[0].numel() // hidden
+    y = torch.empty(state.shape[1:], dtype=state.dtype, device=state.device)
+    if tracing(state):
         return y
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        state, pre_logit = ctx.saved_tensors
-        n, hidden = state.shape[0], state.shape[-1]
-        tokens = state[0].numel() // hidden
-        d_state, d_pre = torch.empty_like(state), torch.empty_like(pre_logit)
-        _read_bwd[_grid(tokens)](state, pre_logit, grad.contiguous(), d_state, d_pre, tokens,
-                                 hidden, n, RAW=ctx.raw, **_launch(n, hidden))
-        return d_state, d_pre, None
+    _read_fwd[_grid(tokens)](state, pre_logit, y, tokens, hidden, n, RAW=raw,
+                             **_launch(n, hidden))
+    return y
 
 
-class StreamWrite(torch.autograd.Function):
+@kernel_op("stream_read_backward")
+def _stream_read_backward(state: Tensor, pre_logit: Tensor, grad: Tensor,
+                          raw: bool) -> list[Tensor]:
+    state, pre_logit, grad = state.contiguous(), pre_logit.contiguous(), grad.contiguous()
+    n, hidden = state.shape[0], state.shape[-1]
+    tokens = state[0].numel() // hidden
+    d_state, d_pre = torch.empty_like(state), torch.empty_like(pre_logit)
+    if tracing(state):
+        return [d_state, d_pre]
+    _read_bwd[_grid(tokens)](state, pre_logit, grad, d_state, d_pre, tokens, hidden, n, RAW=raw,
+                             **_launch(n, hidden))
+    return [d_state, d_pre]
+
+
+def _save_read(ctx, inputs: tuple, output: Tensor) -> None:
+    *tensors, ctx.raw = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _read_grads(ctx, grad: Tensor) -> tuple:
+    return (*_stream_read_backward(*ctx.saved_tensors, grad, ctx.raw), None)
+
+
+_stream_read.register_autograd(_read_grads, setup_context=_save_read)
+
+
+@kernel_op("stream_write")
+def _stream_write(state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor,
+                  iterations: int, raw: bool) -> Tensor:
     """state [n, s, b, h]; out [s, b, h]; post_logit [s, b, n]; res_logit [s, b, n, n]; raw:
     P and the mixing matrix as given (no sigmoid, no Sinkhorn)."""
-
-    @staticmethod
-    def forward(ctx, state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor,
-                iterations: int, raw: bool) -> Tensor:
-        inputs = [t.contiguous() for t in (state, out, post_logit, res_logit)]
-        n, hidden = state.shape[0], state.shape[-1]
-        tokens = out.numel() // hidden
-        y = torch.empty_like(inputs[0])
-        _write_fwd[_grid(tokens)](*inputs, y, tokens, hidden, n, iterations, RAW=raw,
-                                  **_launch(n, hidden))
-        ctx.save_for_backward(*inputs)
-        ctx.iterations, ctx.raw = iterations, raw
+    inputs = [t.contiguous() for t in (state, out, post_logit, res_logit)]
+    n, hidden = state.shape[0], state.shape[-1]
+    tokens = out.numel() // hidden
+    y = torch.empty_like(inputs[0])
+    if tracing(state):
         return y
+    _write_fwd[_grid(tokens)](*inputs, y, tokens, hidden, n, iterations, RAW=raw,
+                              **_launch(n, hidden))
+    return y
 
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        inputs = ctx.saved_tensors
-        state = inputs[0]
-        n, hidden = state.shape[0], state.shape[-1]
-        tokens = state[0].numel() // hidden
-        grads = [torch.empty_like(t) for t in inputs]
-        _write_bwd[_grid(tokens)](*inputs, grad.contiguous(), *grads, tokens, hidden, n,
-                                  ctx.iterations,
-                                  BLOCK_I=triton.next_power_of_2(max(ctx.iterations, 1)),
-                                  RAW=ctx.raw, **_launch(n, hidden))
-        return (*grads, None, None)
+
+@kernel_op("stream_write_backward")
+def _stream_write_backward(state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor,
+                           grad: Tensor, iterations: int, raw: bool) -> list[Tensor]:
+    inputs = [t.contiguous() for t in (state, out, post_logit, res_logit)]
+    n, hidden = state.shape[0], state.shape[-1]
+    tokens = state[0].numel() // hidden
+    grads = [torch.empty_like(t) for t in inputs]
+    if tracing(state):
+        return grads
+    _write_bwd[_grid(tokens)](*inputs, grad.contiguous(), *grads, tokens, hidden, n, iterations,
+                              BLOCK_I=triton.next_power_of_2(max(iterations, 1)), RAW=raw,
+                              **_launch(n, hidden))
+    return grads
+
+
+def _save_write(ctx, inputs: tuple, output: Tensor) -> None:
+    *tensors, ctx.iterations, ctx.raw = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _write_grads(ctx, grad: Tensor) -> tuple:
+    return (*_stream_write_backward(*ctx.saved_tensors, grad, ctx.iterations, ctx.raw), None,
+            None)
+
+
+_stream_write.register_autograd(_write_grads, setup_context=_save_write)
 
 
 def stream_read(state: Tensor, pre_logit: Tensor) -> Tensor:
     """Triton ``t2train.residual.mhc.stream_read`` (same arguments, same result)."""
     n, s, b, _ = state.shape
     _check(state, pre_logit=(pre_logit, (s, b, n)))
-    return StreamRead.apply(state, pre_logit, False)
+    return _stream_read(state, pre_logit.contiguous(), False)
 
 
 def stream_write(state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor,
@@ -340,7 +373,8 @@ def stream_write(state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tens
     n, s, b, h = state.shape
     _check(state, out=(out, (s, b, h)), post_logit=(post_logit, (s, b, n)),
            res_logit=(res_logit, (s, b, n, n)))
-    return StreamWrite.apply(state, out, post_logit, res_logit, iterations, False)
+    return _stream_write(state, out, post_logit.contiguous(), res_logit.contiguous(),
+                         iterations, False)
 
 
 def width_read(state: Tensor, weights: Tensor) -> Tensor:
@@ -348,7 +382,7 @@ def width_read(state: Tensor, weights: Tensor) -> Tensor:
     given (HC's read)."""
     n, s, b, _ = state.shape
     _check(state, weights=(weights, (s, b, n)))
-    return StreamRead.apply(state, weights, True)
+    return _stream_read(state, weights.contiguous(), True)
 
 
 def depth_write(state: Tensor, residual: Tensor, beta: Tensor, out: Tensor) -> Tensor:
@@ -357,4 +391,5 @@ def depth_write(state: Tensor, residual: Tensor, beta: Tensor, out: Tensor) -> T
     n, s, b, h = state.shape
     _check(state, out=(out, (s, b, h)), beta=(beta, (s, b, n)),
            residual=(residual, (s, b, n, n)))
-    return StreamWrite.apply(state, out, beta, residual.transpose(-1, -2), 0, True)
+    return _stream_write(state, out, beta.contiguous(),
+                         residual.transpose(-1, -2).contiguous(), 0, True)

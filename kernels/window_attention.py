@@ -32,6 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from t2train.kernels.common import dot, fp32_dot, interpreting
+from t2train.kernels.ops import kernel_op, tracing
 
 LOG2E = math.log2(math.e)
 
@@ -313,50 +314,57 @@ def _strides(t: Tensor) -> tuple:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-class WindowAttention(torch.autograd.Function):
-    """Autograd wrapper: q [b, h, q_len, d], k/v [b, kv_heads, k_len, d] -> [b, h, q_len, d]."""
+@kernel_op("window_attention")
+def _window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float,
+                      one_query: bool) -> tuple[Tensor, Tensor]:
+    """q [b, h, q_len, d], k/v [b, kv_heads, k_len, d] -> O [b, h, q_len, d] (q's layout) and
+    its log-sum-exp (base 2, fp32) for the backward; ``one_query``: q_len = 1, by the
+    one-query kernels."""
+    q, k, v = (_unit_last(t) for t in (q, k, v))
+    if one_query:
+        return _one_query_forward(q, k, v, window, scale)
+    batch, heads, q_len, head_dim = q.shape
+    k_len = k.shape[2]
+    o = torch.empty_like(q)  # keeps q's (possibly permuted) layout
+    lse = torch.empty(batch, heads, q_len, device=q.device, dtype=torch.float32)
+    if tracing(q):
+        return o, lse
+    tiles = _tiles(q_len, head_dim)
+    grid = _grids(batch, heads, k.shape[1], q_len, k_len, tiles)["rows"]
+    _fwd_kernel[grid](q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+                      heads, heads // k.shape[1], q_len, k_len, window, head_dim,
+                      scale * LOG2E, FP32_DOT=fp32_dot(q.dtype), **tiles)
+    return o, lse
 
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, window: int, scale: float) -> Tensor:
-        q, k, v = (_unit_last(t) for t in (q, k, v))
-        batch, heads, q_len, head_dim = q.shape
-        k_len = k.shape[2]
-        o = torch.empty_like(q)  # keeps q's (possibly permuted) layout
-        lse = torch.empty(batch, heads, q_len, device=q.device, dtype=torch.float32)
-        tiles = _tiles(q_len, head_dim)
-        grid = _grids(batch, heads, k.shape[1], q_len, k_len, tiles)["rows"]
-        _fwd_kernel[grid](q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v),
-                          *_strides(o), heads, heads // k.shape[1], q_len, k_len, window,
-                          head_dim, scale * LOG2E, FP32_DOT=fp32_dot(q.dtype), **tiles)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.window, ctx.scale = window, scale
-        return o
 
-    @staticmethod
-    def backward(ctx, do: Tensor):
-        q, k, v, o, lse = ctx.saved_tensors
-        do = _unit_last(do)
-        batch, heads, q_len, head_dim = q.shape
-        kv_heads, k_len = k.shape[1], k.shape[2]
-        tiles = _tiles(q_len, head_dim)
-        delta = torch.empty_like(lse)
-        grids = _grids(batch, heads, kv_heads, q_len, k_len, tiles)
-        rows = grids["rows"]
-        _delta_kernel[rows](o, do, delta, *_strides(o), *_strides(do), heads, q_len, head_dim,
-                            BLOCK_M=tiles["BLOCK_M"], BLOCK_D=tiles["BLOCK_D"])
-        # The gradients in their inputs' layouts (the model's [s, b, heads, d] memory seen as
-        # [b, heads, s, d]): what flows back (RoPE's backward, the QKV split's) then reads
-        # and writes one layout, not a transposed one.
-        dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-        inputs = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
-        sizes = (heads, heads // kv_heads, q_len, k_len, ctx.window, head_dim, ctx.scale,
-                 ctx.scale * LOG2E)
-        flags = dict(FP32_DOT=fp32_dot(q.dtype), **tiles)
-        _dkdv_kernel[grids["keys"]](
-            q, k, v, do, lse, delta, dk, dv, *inputs, *_strides(dk), *_strides(dv), *sizes,
-            **flags)
-        _dq_kernel[rows](q, k, v, do, lse, delta, dq, *inputs, *_strides(dq), *sizes, **flags)
-        return dq, dk, dv, None, None
+@kernel_op("window_attention_backward")
+def _window_attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                               do: Tensor, window: int, scale: float,
+                               one_query: bool) -> list[Tensor]:
+    q, k, v, do = (_unit_last(t) for t in (q, k, v, do))
+    if one_query:
+        return _one_query_backward(q, k, v, o, lse, do, window, scale)
+    # The gradients in their inputs' layouts (the model's [s, b, heads, d] memory seen as
+    # [b, heads, s, d]): what flows back (RoPE's backward, the QKV split's) then reads
+    # and writes one layout, not a transposed one.
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    if tracing(q):
+        return [dq, dk, dv]
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads, k_len = k.shape[1], k.shape[2]
+    tiles = _tiles(q_len, head_dim)
+    delta = torch.empty_like(lse)
+    grids = _grids(batch, heads, kv_heads, q_len, k_len, tiles)
+    rows = grids["rows"]
+    _delta_kernel[rows](o, do, delta, *_strides(o), *_strides(do), heads, q_len, head_dim,
+                        BLOCK_M=tiles["BLOCK_M"], BLOCK_D=tiles["BLOCK_D"])
+    inputs = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
+    sizes = (heads, heads // kv_heads, q_len, k_len, window, head_dim, scale, scale * LOG2E)
+    flags = dict(FP32_DOT=fp32_dot(q.dtype), **tiles)
+    _dkdv_kernel[grids["keys"]](q, k, v, do, lse, delta, dk, dv, *inputs, *_strides(dk),
+                                *_strides(dv), *sizes, **flags)
+    _dq_kernel[rows](q, k, v, do, lse, delta, dq, *inputs, *_strides(dq), *sizes, **flags)
+    return [dq, dk, dv]
 
 
 def _one_query_blocks(k_len: int, window: int, head_dim: int) -> dict:
@@ -367,47 +375,70 @@ def _one_query_blocks(k_len: int, window: int, head_dim: int) -> dict:
     return dict(BLOCK_B=max(2, 2048 // (block_n * block_d)), BLOCK_N=block_n, BLOCK_D=block_d)
 
 
-class OneQueryAttention(torch.autograd.Function):
-    """``WindowAttention`` for q_len = 1: q [b, h, 1, d], k/v [b, kv_heads, k_len, d]."""
+def _one_query_forward(q: Tensor, k: Tensor, v: Tensor, window: int,
+                       scale: float) -> tuple[Tensor, Tensor]:
+    """The forward for q_len = 1: q [b, h, 1, d], k/v [b, kv_heads, k_len, d]."""
+    batch, heads, _, head_dim = q.shape
+    k_len = k.shape[2]
+    o = torch.empty_like(q)
+    lse = torch.empty(batch, heads, device=q.device, dtype=torch.float32)
+    if tracing(q):
+        return o, lse
+    blocks = _one_query_blocks(k_len, window, head_dim)
+    _one_query_fwd_kernel[(triton.cdiv(batch, blocks["BLOCK_B"]), heads)](
+        q, k, v, o, lse, q.stride(0), q.stride(1), *_strides(k), *_strides(v), o.stride(0),
+        o.stride(1), heads, heads // k.shape[1], batch, k_len, window, head_dim,
+        scale * LOG2E, **blocks)
+    return o, lse
 
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, window: int, scale: float) -> Tensor:
-        q, k, v = (_unit_last(t) for t in (q, k, v))
-        batch, heads, _, head_dim = q.shape
-        k_len = k.shape[2]
-        o = torch.empty_like(q)
-        lse = torch.empty(batch, heads, device=q.device, dtype=torch.float32)
-        blocks = _one_query_blocks(k_len, window, head_dim)
-        _one_query_fwd_kernel[(triton.cdiv(batch, blocks["BLOCK_B"]), heads)](
-            q, k, v, o, lse, q.stride(0), q.stride(1), *_strides(k), *_strides(v), o.stride(0),
-            o.stride(1), heads, heads // k.shape[1], batch, k_len, window, head_dim,
-            scale * LOG2E, **blocks)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.window, ctx.scale = window, scale
-        return o
 
-    @staticmethod
-    def backward(ctx, do: Tensor):
-        q, k, v, o, lse = ctx.saved_tensors
-        do = _unit_last(do)
-        batch, heads, _, head_dim = q.shape
-        kv_heads, k_len = k.shape[1], k.shape[2]
-        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        # keys before the window get no gradient: zero them when there are any
-        make = torch.zeros if k_len > ctx.window else torch.empty
-        dk, dv = (make(t.shape, device=t.device, dtype=t.dtype) for t in (k, v))
-        blocks = _one_query_blocks(k_len, ctx.window, head_dim)
-        _one_query_bwd_kernel[(triton.cdiv(batch, blocks["BLOCK_B"]), kv_heads)](
-            q, k, v, o, do, lse, dq, dk, dv, q.stride(0), q.stride(1), *_strides(k),
-            *_strides(v), o.stride(0), o.stride(1), do.stride(0), do.stride(1), heads,
-            heads // kv_heads, batch, k_len, ctx.window, head_dim, ctx.scale,
-            ctx.scale * LOG2E, **blocks)
-        return dq, dk, dv, None, None
+def _one_query_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                        window: int, scale: float) -> list[Tensor]:
+    batch, heads, _, head_dim = q.shape
+    kv_heads, k_len = k.shape[1], k.shape[2]
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    # keys before the window get no gradient: zero them when there are any
+    make = torch.zeros if k_len > window else torch.empty
+    dk, dv = (make(t.shape, device=t.device, dtype=t.dtype) for t in (k, v))
+    if tracing(q):
+        return [dq, dk, dv]
+    blocks = _one_query_blocks(k_len, window, head_dim)
+    _one_query_bwd_kernel[(triton.cdiv(batch, blocks["BLOCK_B"]), kv_heads)](
+        q, k, v, o, do, lse, dq, dk, dv, q.stride(0), q.stride(1), *_strides(k), *_strides(v),
+        o.stride(0), o.stride(1), do.stride(0), do.stride(1), heads, heads // kv_heads, batch,
+        k_len, window, head_dim, scale, scale * LOG2E, **blocks)
+    return [dq, dk, dv]
+
+
+def _save_for_backward(ctx, inputs: tuple, output: tuple) -> None:
+    q, k, v, ctx.window, ctx.scale, ctx.one_query = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.set_materialize_grads(False)  # the log-sum-exp has no gradient: no zeros to make
+
+
+def _backward(ctx, do: Tensor, _d_lse: None) -> tuple:
+    return (*_window_attention_backward(*ctx.saved_tensors, do, ctx.window, ctx.scale,
+                                        ctx.one_query), None, None, None)
+
+
+_window_attention.register_autograd(_backward, setup_context=_save_for_backward)
 
 
 def window_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
                      scale: float | None = None) -> Tensor:
     """Triton ``short_window_attention`` (same arguments, same result)."""
+    return _checked(q, k, v, window, scale, one_query=q.shape[2] == 1)
+
+
+def tiled_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
+                           scale: float | None = None) -> Tensor:
+    """``window_attention`` by the tiled kernels whatever q_len (the benchmark's peer of the
+    one-query kernels)."""
+    return _checked(q, k, v, window, scale, one_query=False)
+
+
+def _checked(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None,
+             one_query: bool) -> Tensor:
     if window < 1:
         raise ValueError(f"window={window}: must be >= 1")
     if q.shape[2] > k.shape[2]:
@@ -416,6 +447,4 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]}")
     if scale is None:
         scale = 1 / math.sqrt(q.shape[-1])
-    if q.shape[2] == 1:
-        return OneQueryAttention.apply(q, k, v, window, scale)
-    return WindowAttention.apply(q, k, v, window, scale)
+    return _window_attention(q, k, v, window, scale, one_query)[0]

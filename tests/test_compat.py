@@ -62,27 +62,3 @@ def test_tensor_semantics_are_scoped():
     assert inside(torch.zeros(1)) == ("torch.cuda.FloatTensor", True)
     assert torch.Tensor.type is original_type and torch.Tensor.cuda is original_cuda
     assert torch.zeros(1).type() == "torch.FloatTensor"
-
-
-def test_attention_offloading_context_is_a_nullcontext_when_off():
-    """What the fused path needs of Megatron's attention (t2train/compat/megatron_compile.py):
-    with offloading off, a context dynamo can break a graph inside; with it on, Megatron's."""
-    import contextlib
-
-    from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
-        FineGrainedActivationOffloadingInterface,
-    )
-    from megatron.core.transformer import attention
-
-    from t2train.compat import megatron_compile
-
-    megatron_compile.apply()
-    tensor = torch.ones(2)
-    off = attention.off_interface(False, tensor, "core_attn")
-    assert isinstance(off, contextlib.nullcontext)
-    with off as inside:
-        assert inside is tensor
-    assert type(attention.off_interface(True, tensor, "core_attn")) is \
-        FineGrainedActivationOffloadingInterface
-    assert attention.off_interface.group_commit is \
-        FineGrainedActivationOffloadingInterface.group_commit

@@ -14,6 +14,7 @@ import torch
 
 from t2train.config.loader import load_config
 from t2train.nn.compiling import BACKEND_VARIABLE
+from t2train.residual import registered
 
 TINY = ["data.path=unused", "model.num_layers=2", "model.hidden_size=32",
         "model.num_attention_heads=2", "model.num_query_groups=1", "model.seq_length=16",
@@ -111,26 +112,97 @@ def test_fusions_default_to_all_with_cuda_only(monkeypatch, fusions, cuda, expec
     assert tf_config.t2_fused_loss is expected and tf_config.bias_activation_fusion is expected
 
 
-def test_with_the_triton_kernels_a_layer_breaks_only_at_each_kernel(megatron_world, monkeypatch):
-    """On CUDA the designs' Triton kernels run eagerly between compiled graphs: the only graph
-    breaks are their launches (here under the Triton interpreter), also inside Megatron's
-    attention (the mixer's window-attention kernel; t2train/compat/megatron_compile.py)."""
+# Every variant: each design alone and with the local mixer.
+ALL_VARIANTS = [design + mixer for design in registered() for mixer in ("", "+shortswa")]
+# Depth reads whose inputs (the earlier states) grow with the layer: one graph per layer
+# (depth_attn: until its window is full). Every other design compiles the same graphs at
+# any depth: one, or two for hc and mhc (the first layer's stream is the embedding
+# broadcast to n streams, a stride-0 view).
+DEPTH_READS = {"depth_attn", "attnres", "block_attnres"}
+KERNEL_SHAPE = ["data.path=unused", "model.hidden_size=32", "model.num_attention_heads=2",
+                "model.num_query_groups=1", "model.seq_length=8", "model.attnres.block_size=3",
+                "model.depth_attn.window=4", "model.mhc.sinkhorn_iterations=3"]
+
+
+def layer_graphs(variant: str, layers: int) -> int:
+    """Distinct graphs a ``layers``-layer decoder of ``variant`` compiles."""
+    design = variant.partition("+")[0]
+    if design in DEPTH_READS:
+        return layers
+    return 2 if design in ("hc", "mhc") else 1
+
+
+def _decoder_with_kernels(variant: str, layers: int):
     from t2train.model.build import build_model_chunks, transformer_config
-    from t2train.nn.compiling import trace_megatron_modules
+
+    design, _, mixer = variant.partition("+")
+    config = load_config(overrides=KERNEL_SHAPE + [
+        f"model.num_layers={layers}", f"model.residual={design}",
+        f"model.shortswa.window={4 if mixer else 0}", "model.fusions=none"])
+    torch.manual_seed(0)
+    [model] = build_model_chunks(config, transformer_config(config), VOCAB)
+    with torch.no_grad():  # zero-initialised parts (pseudo-queries, out projections) count too
+        for param in model.decoder.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    return model.decoder, model.rotary_pos_emb(8)
+
+
+def _compile_with_kernels(decoder, monkeypatch):
+    """``decoder``'s layers compiled as the fused path compiles them, the kernels forced."""
+    from torch._dynamo.utils import counters
+
+    from t2train.kernels.dispatch import load_kernels
+    from t2train.nn.compiling import compile_modules
+    from t2train.residual import kernel_table
 
     monkeypatch.setenv("T2_KERNELS", "triton")
-    config = load_config(overrides=TINY + ["model.shortswa.window=4", "model.fusions=none"])
-    [model] = build_model_chunks(config, transformer_config(config), VOCAB)
-    trace_megatron_modules()
     torch._dynamo.reset()
-    hidden = torch.randn(16, 2, 32)
-    explained = torch._dynamo.explain(model.decoder.layers[0])(hidden, None,
-                                                               model.rotary_pos_emb(16))
-    # One kernel call (the mixer's window attention); dynamo reports its break once per
-    # frame it resumes (the layer, its sublayer, the attention), without Megatron's
-    # offloading context at most the attention's own frame fell back to eager.
-    reasons = [reason.reason for reason in explained.break_reasons]
-    assert reasons and all("_launch" in reason for reason in reasons), reasons
+    counters.clear()
+    load_kernels(kernel_table().values())
+    compile_modules(decoder.layers)
+    return counters
+
+
+def _forward_backward(decoder, rotary, hidden):
+    hidden = hidden.detach().requires_grad_()
+    decoder.zero_grad(set_to_none=True)
+    out = decoder(hidden, None, rotary_pos_emb=rotary)
+    out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+    return out.detach(), [hidden.grad] + [p.grad for p in decoder.parameters()]
+
+
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+def test_with_the_kernels_every_layer_is_one_graph(megatron_world, monkeypatch, variant):
+    """The Triton kernels (under the interpreter) are operators inside the compiled layer:
+    no graph break anywhere, also inside Megatron's attention (the mixer's window
+    attention), the graphs ``layer_graphs`` says, and the output and every gradient those of
+    the same layers run eagerly with the kernels (tests/kernels/test_kernel_training.py
+    compares the kernels with the references)."""
+    decoder, rotary = _decoder_with_kernels(variant, layers=3)
+    hidden = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setenv("T2_KERNELS", "triton")
+    eager, eager_grads = _forward_backward(decoder, rotary, hidden)
+    counters = _compile_with_kernels(decoder, monkeypatch)
+    compiled, compiled_grads = _forward_backward(decoder, rotary, hidden)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == layer_graphs(variant, 3)
+    for ours, theirs in zip([compiled] + compiled_grads, [eager] + eager_grads):
+        # fp32 rounding: the compiled graph may order a sum of gradients differently (AttnRes'
+        # pseudo-queries: 1.4e-6 of the largest entry)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max())
+
+
+@pytest.mark.parametrize("variant", [v for v in ALL_VARIANTS
+                                     if v.partition("+")[0] not in DEPTH_READS])
+def test_the_graphs_do_not_multiply_with_depth(megatron_world, monkeypatch, variant):
+    """At 12 layers a design compiles the graphs it compiles at 3 (forward: the count of
+    graphs is dynamo's, and each has one backward)."""
+    decoder, rotary = _decoder_with_kernels(variant, layers=12)
+    counters = _compile_with_kernels(decoder, monkeypatch)
+    with torch.no_grad():
+        decoder(torch.randn(8, 2, 32), None, rotary_pos_emb=rotary)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == layer_graphs(variant, 12)
 
 
 def test_diagnostics_reach_a_compiled_layer(megatron_world):

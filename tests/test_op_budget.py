@@ -17,16 +17,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from t2train.config.loader import load_config
 
-# Operators dispatched by one layer's forward + backward from no gradients, views excluded
-# (they launch nothing): 12 matmuls, the RoPE of q and k (Megatron recomputes cos and sin
-# and rotates with cat + neg: 8 cats), two RMSNorms, SwiGLU, SDPA, the residual adds, and
-# their backward.
-EAGER_OPS = 101
-# Kernels Inductor generates for the compiled layer (forward + backward), besides the 12
-# matmuls and the two attention calls it leaves to the libraries. On this CPU they are C++
-# loops (Triton kernels on a GPU fuse the same graph differently, so this guards against
-# growth, it does not predict the GPU's count).
-COMPILED_KERNELS = 36
+# Operators dispatched by one bf16 layer's forward + backward from no gradients, views
+# excluded (they launch nothing): 12 matmuls, the RoPE of q and k (Megatron recomputes cos
+# and sin and rotates with cat + neg: 8 cats), two RMSNorms (their statistics in fp32: 14
+# casts), SwiGLU, SDPA, the residual adds, and their backward. (In fp32 it was 101.)
+EAGER_OPS = 115
+# Kernels Inductor generates for the compiled bf16 layer (forward + backward), besides the
+# 12 matmuls and the two attention calls it leaves to the libraries, with Inductor's caches
+# off (a cache hit generates nothing: the count would depend on earlier runs). On this CPU
+# they are C++ loops (Triton kernels on a GPU fuse the same graph differently, so this
+# guards against growth, it does not predict the GPU's count).
+COMPILED_KERNELS = 39
 
 
 class _CountOps(TorchDispatchMode):
@@ -41,6 +42,8 @@ class _CountOps(TorchDispatchMode):
 
 
 def _layer_and_inputs(megatron_world):
+    """A one-layer `standard` model in bf16, as on the GPU: in fp32 a stray ``.float()`` is
+    free, and so invisible."""
     from t2train.model.build import build_model_chunks, transformer_config
     from t2train.parallel.init import set_seed
 
@@ -48,10 +51,11 @@ def _layer_and_inputs(megatron_world):
     config = load_config(overrides=[
         "data.path=unused", "model.num_layers=1", "model.hidden_size=32",
         "model.num_attention_heads=2", "model.num_query_groups=1", "model.seq_length=16",
-        "model.fusions=none"])
+        "model.fusions=none", "train.precision=bf16"])
     [model] = build_model_chunks(config, transformer_config(config), vocab_size=128)
     hidden = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(0))
-    return model.decoder.layers[0], hidden.requires_grad_(), model.rotary_pos_emb(16)
+    return (model.decoder.layers[0], hidden.to(torch.bfloat16).requires_grad_(),
+            model.rotary_pos_emb(16))
 
 
 def _forward_backward(layer, hidden, rotary):
@@ -90,6 +94,17 @@ def test_the_count_sees_one_extra_operator(megatron_world, monkeypatch):
     assert sum(_count(layer, hidden, rotary).values()) == before + 2  # two sublayers
 
 
+def test_the_budget_sees_an_fp32_round_trip(megatron_world, monkeypatch):
+    """A residual write that goes through fp32 and back, free in an fp32 model, costs six
+    casts per sublayer in bf16 (three forward, three backward) and breaks the budget."""
+    from t2train.residual.standard import AdditiveResidual
+
+    monkeypatch.setattr(AdditiveResidual, "write", lambda self, state, x, normed, out: (
+        state.float() + out.float()).to(state.dtype))
+    ops = _count(*_layer_and_inputs(megatron_world))
+    assert sum(ops.values()) == EAGER_OPS + 12 > EAGER_OPS
+
+
 def test_the_compiled_layer_generates_its_kernel_budget(megatron_world):
     """The fused path's layer through Inductor: the same output and gradients as eager, in
     at most ``COMPILED_KERNELS`` generated kernels."""
@@ -102,9 +117,11 @@ def test_the_compiled_layer_generates_its_kernel_budget(megatron_world):
     grads = [hidden.grad] + [p.grad for p in layer.parameters()]
     torch._dynamo.reset()
     metrics.reset()
-    compile_modules([layer], backend="inductor")
-    fused = _forward_backward(layer, hidden, rotary)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        compile_modules([layer], backend="inductor")
+        fused = _forward_backward(layer, hidden, rotary)
     assert 0 < metrics.generated_kernel_count <= COMPILED_KERNELS, metrics.generated_kernel_count
-    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-6)
+    # bf16: Inductor keeps fused intermediates in fp32, so results differ by bf16 roundings
+    torch.testing.assert_close(fused, eager, rtol=2e-2, atol=2e-2)
     for ours, theirs in zip([hidden.grad] + [p.grad for p in layer.parameters()], grads):
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2 * theirs.abs().max())

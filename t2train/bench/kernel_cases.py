@@ -165,7 +165,7 @@ def depth_read_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
     """depth_attn's read: one query per token and head over its last ``depth_window`` layer
     states (the model's heads, no grouping), against the FlashAttention-style kernel that
     served it before the one-query kernels (16 query rows per tile, 15 of them padding)."""
-    from t2train.kernels.window_attention import WindowAttention
+    from t2train.kernels.window_attention import tiled_window_attention
 
     kernel = kernel_table()["window_attention"]
     window_attention, short_window_attention = kernel.triton_function(), kernel.reference
@@ -176,7 +176,7 @@ def depth_read_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
     scale = d ** -0.5
     compiled = rt.compile(short_window_attention)
     impls = [Impl("triton", lambda: window_attention(q, k, v, n, scale), [q, k, v]),
-             Impl("triton, 16-query tiles", lambda: WindowAttention.apply(q, k, v, n, scale),
+             Impl("triton, 16-query tiles", lambda: tiled_window_attention(q, k, v, n, scale),
                   [q, k, v]),
              Impl("eager", lambda: short_window_attention(q, k, v, n, scale), [q, k, v]),
              Impl("torch.compile", lambda: compiled(q, k, v, n, scale), [q, k, v])]

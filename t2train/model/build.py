@@ -100,8 +100,10 @@ def build_model_chunks(config: Config, tf_config: T2TransformerConfig, vocab_siz
     """This rank's model chunks: one per virtual pipeline stage (one without interleaving),
     each sending and receiving its hops as ``hops`` says (the run's plan; made here when the
     caller has none)."""
+    from t2train.kernels.dispatch import load_kernels
     from t2train.model.gpt import T2GPTModel
     from t2train.nn.compiling import compile_modules
+    from t2train.residual import kernel_table
 
     hops = hops or plan_hops(tf_config)
     virtual = config.parallel.virtual_pipeline
@@ -121,5 +123,6 @@ def build_model_chunks(config: Config, tf_config: T2TransformerConfig, vocab_siz
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)
     if fusions_on(config):  # all chunks' layers share the layer's code, and its recompile limit
+        load_kernels(kernel_table().values())  # imported here, not inside the traced layers
         compile_modules([layer for chunk in chunks for layer in chunk.decoder.layers])
     return chunks

@@ -7,11 +7,11 @@ SwiGLU, dropout, the residual design's read and write). ``Module.compile`` compi
 so parameter names, state dicts and checkpoints are those of the eager model.
 
 What dynamo makes of a layer (torch 2.14, megatron-core 0.16.1; ``tests/test_fusions.py``
-checks the counts): one graph per layer without a graph break for every design's PyTorch
-path, once megatron-core's deprecation warning is ignored (below); with the Triton kernels
-(CUDA), one graph break per kernel call (``t2train/kernels/dispatch.py`` runs them eagerly).
-A design whose layers differ in structure (a depth read over a growing list of earlier
-states) compiles once per layer, so the recompile limit grows with the layer count.
+checks the counts): one graph per layer without a graph break for every design, with the
+PyTorch references and with the Triton kernels (custom operators, ``t2train/kernels/ops.py``),
+once megatron-core's deprecation warning is ignored (below). A design whose layers differ in
+structure (a depth read over a growing list of earlier states) compiles once per layer, so
+the recompile limit grows with the layer count.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ import warnings
 from typing import Callable, Iterable
 
 import torch
-
-from t2train.compat import megatron_compile
 
 BACKEND_VARIABLE = "T2_COMPILE_BACKEND"
 # Variants one layer may compile to: training, evaluation, a diagnostics pass, the two halves
@@ -41,12 +39,10 @@ def trace_megatron_modules() -> None:
     """megatron-core 0.16.1's ``RowParallelLinear`` passes ``tp_group=None`` on purpose and
     so calls ``warnings.warn`` (a deprecation) on every forward on rank 0: dynamo cannot trace
     the call with its keyword arguments and breaks the graph there, twice per layer. Inside
-    compiled code it is dropped (eager code still warns). Its attention's offloading contexts
-    become ones dynamo can break a graph inside (``t2train/compat/megatron_compile.py``)."""
+    compiled code it is dropped (eager code still warns)."""
     ignored = getattr(torch._dynamo.config, "ignore_logging_functions", None)  # torch >= 2.11
     if ignored is not None:
         ignored.add(warnings.warn)
-    megatron_compile.apply()
 
 
 def compile_modules(modules: Iterable[torch.nn.Module], backend: str | None = None) -> None:

@@ -12,14 +12,16 @@ from t2train.kernels import dispatch
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# kernel name in the dispatch counter -> the autograd nodes its forward leaves in the graph
-BACKWARD_NODES = {"window_attention": {"WindowAttentionBackward", "OneQueryAttentionBackward"},
-                  "delta_write": {"DeltaWriteBackward"}, "fp32_linear": {"Fp32LinearBackward"},
-                  "rms_fp32_linear": {"RmsFp32LinearBackward"},
-                  "depth_mix": {"Phase1Backward", "Phase2Backward"},
-                  "block_phase_1": {"Phase1Backward"}, "block_phase_2": {"Phase2Backward"},
-                  "stream_read": {"StreamReadBackward"}, "stream_write": {"StreamWriteBackward"},
-                  "hc_read": {"StreamReadBackward"}, "hc_write": {"StreamWriteBackward"}}
+# kernel name in the dispatch counter -> the custom operators (torch.ops.t2train.*) whose
+# backward nodes its forward leaves in the graph
+KERNEL_OPS = {"window_attention": {"window_attention"}, "delta_write": {"delta_write"},
+              "fp32_linear": {"fp32_linear"}, "rms_fp32_linear": {"fp32_linear_sumsq"},
+              "depth_mix": {"block_phase_1", "block_phase_2"},
+              "block_phase_1": {"block_phase_1"}, "block_phase_2": {"block_phase_2"},
+              "stream_read": {"stream_read"}, "stream_write": {"stream_write"},
+              "hc_read": {"stream_read"}, "hc_write": {"stream_write"}}
+BACKWARD_NODES = {kernel: {f"GeneratedBackwardFor_t2train_{op}_defaultBackward" for op in ops}
+                  for kernel, ops in KERNEL_OPS.items()}
 
 
 def leaves(*tensors):
