@@ -62,3 +62,22 @@ def test_tensor_semantics_are_scoped():
     assert inside(torch.zeros(1)) == ("torch.cuda.FloatTensor", True)
     assert torch.Tensor.type is original_type and torch.Tensor.cuda is original_cuda
     assert torch.zeros(1).type() == "torch.FloatTensor"
+
+
+def test_the_optimizer_patch_names_what_moved(monkeypatch):
+    """t2train/compat/megatron_optimizer.py replaces megatron-core's norm, clipping and copy
+    (tests/test_host_syncs.py sees whether megatron-core still calls them); a name that is
+    gone is an error naming the shim."""
+    import importlib
+
+    from t2train.compat import megatron_optimizer
+
+    megatron_optimizer.apply()
+    for module, name in megatron_optimizer.PATCHED:
+        assert getattr(importlib.import_module(module), name).__module__ == \
+            megatron_optimizer.__name__
+    monkeypatch.delattr(importlib.import_module(megatron_optimizer.MODULE),
+                        "clip_grad_by_total_norm_fp32")
+    with pytest.raises(RuntimeError, match="clip_grad_by_total_norm_fp32 is gone: update "
+                                           "t2train/compat/megatron_optimizer.py"):
+        megatron_optimizer.apply()

@@ -50,7 +50,7 @@ def run(section, plan: Plan) -> None:
         shapes = preset_shapes(label, preset, overrides, plan.kernel_options)
         section.data["shapes"][label] = vars(shapes) | {"ddl_widths": list(shapes.ddl_widths)}
         for case in bench.cases(shapes, rt):
-            estimate = section.last_item_seconds(default=30.0)
+            estimate = section.next_item_seconds(default=30.0)
             if not section.fits(estimate):
                 section.add({"kernel": case.kernel, "preset": label, "shape": case.shape,
                              "status": "skipped", "reason": section.no_time(estimate)})

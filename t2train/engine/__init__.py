@@ -11,6 +11,7 @@ and logging; they differ in how gradients, optimizer state and checkpoints are h
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Protocol
@@ -22,12 +23,25 @@ MicroBatch = dict  # {"tokens": LongTensor[b, s], "labels": LongTensor[b, s]}
 
 @dataclass
 class StepResult:
+    """One optimizer step. ``grad_norm`` and ``traffic`` are read when first asked for (the
+    trainer asks on logging steps, on every rank alike): on a GPU reading the norm waits for
+    the device, and the traffic is summed over ranks by a collective, so a step that logs
+    nothing pays for neither."""
+
     loss: float
-    grad_norm: float
     lr: float
     skipped: bool
-    traffic: dict  # pipeline bytes and hops of this step, summed over ranks
+    read_grad_norm: Callable[[], float]
+    read_traffic: Callable[[], dict]  # pipeline bytes and hops of this step, over all ranks
     skip_reason: str = ""  # why the update was skipped (t2train/engine/megatron/numerics.py)
+
+    @functools.cached_property
+    def grad_norm(self) -> float:
+        return self.read_grad_norm()
+
+    @functools.cached_property
+    def traffic(self) -> dict:
+        return self.read_traffic()
 
 
 class Engine(Protocol):

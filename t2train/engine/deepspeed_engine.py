@@ -99,20 +99,20 @@ class DeepSpeedEngine:
             loss = model_loss(self.ds, batch).float().mean()
             self.ds.backward(loss)  # scaled by 1 / gradient_accumulation_steps
             self.ds.step()
-            losses.append(float(loss.detach()))
+            losses.append(loss.detach())
         # ZeRO skips an update whose gradient norm is not finite (fp32; bf16 with
         # check_grad_overflow, which the generated config sets).
         updated = self.ds.was_step_applied()
         if updated:
             self.scheduler.step(increment=1)
-        total = data_parallel_sum(losses)
-        loss = float(total[0] / total[1])
+        loss_sum, count = data_parallel_sum(losses).tolist()
+        loss = loss_sum / count
         reason = "" if updated else (f"non-finite loss ({loss})" if not math.isfinite(loss)
                                      else "non-finite gradients")
         grad_norm = self.ds.get_global_grad_norm()
-        return StepResult(loss=loss, grad_norm=float(grad_norm or 0.0),
+        return StepResult(loss=loss, read_grad_norm=lambda: float(grad_norm or 0.0),
                           lr=self.ds.optimizer.param_groups[0]["lr"], skipped=not updated,
-                          traffic=collect_traffic(self.model), skip_reason=reason)
+                          read_traffic=collect_traffic(self.model), skip_reason=reason)
 
     @torch.no_grad()
     def evaluate(self, batches: list[list[MicroBatch]]) -> float:

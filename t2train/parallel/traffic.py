@@ -9,6 +9,7 @@ direction carries the gradient of each hop tensor, the same shape as the forward
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -50,18 +51,23 @@ def _bytes(hop: torch.Tensor, data_units: int, wire_units: int) -> tuple[int, in
     return wire // wire_units * data_units, wire
 
 
-def collect_traffic(chunks) -> dict[str, float]:
-    """Sum every rank's counters (collective) and reset them; the same dict on all ranks.
+def collect_traffic(chunks) -> Callable[[], dict[str, float]]:
+    """Take this rank's counters (and reset them); the returned function sums them over all
+    ranks (a collective: every rank calls it, in the same order) into the same dict on all.
 
     Keys ``pipeline/<field>``: forward and backward data and wire bytes, forward hops.
     """
     names = [field.name for field in fields(HopTraffic)]
-    totals = torch.zeros(len(names), dtype=torch.float64)
+    counts = [0] * len(names)
     for chunk in chunks:
         traffic = chunk.module.decoder.traffic
-        totals += torch.tensor([getattr(traffic, name) for name in names], dtype=torch.float64)
+        counts = [count + getattr(traffic, name) for count, name in zip(counts, names)]
         traffic.reset()
-    if torch.cuda.is_available():
-        totals = totals.cuda()
-    dist.all_reduce(totals)
-    return {f"pipeline/{name}": float(total) for name, total in zip(names, totals)}
+
+    def sum_over_ranks() -> dict[str, float]:
+        totals = torch.tensor(counts, dtype=torch.float64,
+                              device="cuda" if torch.cuda.is_available() else "cpu")
+        dist.all_reduce(totals)
+        return {f"pipeline/{name}": total for name, total in zip(names, totals.tolist())}
+
+    return sum_over_ranks

@@ -221,7 +221,7 @@ def run(section, plan: Plan) -> None:
 
 def _compare_variant(section, plan: Plan, variant: str, reference: subprocess.Popen) -> None:
     expected = section.scratch / f"{variant}.json"
-    estimate = section.last_item_seconds(default=10.0)
+    estimate = section.next_item_seconds(default=10.0)
     if not _reference_ready(expected, reference, section, estimate):
         log = (section.scratch / "reference.log").read_text().strip().splitlines() or [""]
         why = (section.no_time(estimate) + " (the fp32 reference was not ready)"

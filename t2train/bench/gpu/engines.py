@@ -59,7 +59,7 @@ def run(section, plan: Plan) -> None:
     for variant in variants:
         reference = None
         for engine, choice in engines(stages).items():
-            estimate = section.last_item_seconds(default=20.0)
+            estimate = section.next_item_seconds(default=20.0)
             if not section.fits(estimate):
                 section.add({"variant": variant, "engine": engine, "status": "skipped",
                              "reason": section.no_time(estimate)})

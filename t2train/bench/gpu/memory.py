@@ -51,7 +51,7 @@ def run(section, plan: Plan) -> None:
     for at, extra, name in shapes:
         config = variant_config(plan, at, extra, name)
         vocab = model_vocab_size(config)
-        estimate = section.last_item_seconds(default=40.0)
+        estimate = section.next_item_seconds(default=40.0)
         if not section.fits(estimate):
             section.add({"name": name, "preset": at, "status": "skipped",
                          "reason": section.no_time(estimate)})

@@ -75,8 +75,8 @@ def _unique(names) -> list[str]:
 
 def step_variants(settings: Settings, designs: tuple[str, ...], quick: bool = False) -> list[str]:
     """The baseline, the targeted variants, the other designs (not in a quick run); then with
-    the mixer (after the plain-PyTorch loops, so they are the first to go when time runs
-    out)."""
+    the mixer (``mixer_variants``, the first to go when time runs out). The step-cost section
+    times the plain-PyTorch loops right after the baseline."""
     return _unique([baseline(), *settings.step_targets, *(() if quick else designs)])
 
 
@@ -183,9 +183,10 @@ def make_plan(dry_run: bool, data: str, quick: bool = False, stack: bool = False
             train_steps=2, loss_rtol=0.01,
             kernel_presets=(("tiny", "tiny", tiny + ("model.seq_length=8",
                                                      "train.micro_batch_size=1")),),
-            step_overrides=tiny, step_warmup=1, step_steps=1,
-            # The fused path once (compiled with aot_eager, see check.py): the MFU section's
-            # baseline; the rest keep the CPU's default, eager.
+            # The fused path where the GPU runs it (compiled with aot_eager, the kernels under
+            # the interpreter: check.py), so that a section whose compiles would not fit shows
+            # here; the other sections keep the CPU's default, eager.
+            step_overrides=tiny + ("model.fusions=all",), step_warmup=1, step_steps=1,
             mfu_overrides=tiny + ("model.fusions=all",), mfu_warmup=1, mfu_steps=1,
             profile_warmup=1, profile_steps=1)
     return Plan(

@@ -98,7 +98,7 @@ def run(section, plan: Plan) -> None:
                         warmup=plan.profile_warmup, steps=plan.profile_steps)
     batches = real_batches(first, plan.profile_warmup + plan.profile_steps)
     for name in step_variants(plan.settings, registered(), plan.quick):  # not the mixer ones
-        estimate = section.last_item_seconds(default=15.0)
+        estimate = section.next_item_seconds(default=15.0)
         if not section.fits(estimate):
             section.add({"name": name, "status": "skipped", "reason": section.no_time(estimate)})
             continue

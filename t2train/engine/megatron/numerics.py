@@ -33,16 +33,17 @@ class UpdateGuard:
         return None
 
 
-def grads_finite(chunks) -> bool:
-    """Collective over all ranks: every gradient of the DDP chunks' buffers is finite.
+def grads_not_finite(chunks) -> torch.Tensor:
+    """Collective over all ranks: 1 (a one-element tensor on the device) if some gradient of
+    the DDP chunks' buffers is not finite, else 0; not read back here.
 
     With the distributed optimizer a rank's buffer holds reduced gradients only for its own
     shard; a non-finite value anywhere still leaves some rank's buffer non-finite.
     """
-    bad = torch.zeros((), dtype=torch.int32,
+    bad = torch.zeros(1, dtype=torch.int32,
                       device="cuda" if torch.cuda.is_available() else "cpu")
     for chunk in chunks:
         for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
             bad |= (~torch.isfinite(buffer.grad_data).all()).to(torch.int32)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    return not bool(bad)
+    return bad

@@ -13,6 +13,7 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from t2train.compat import megatron_optimizer
 from t2train.config.schema import Config
 from t2train.model.build import (
     T2TransformerConfig,
@@ -47,7 +48,9 @@ def build_training_objects(config: Config, vocab_size: int) -> TrainingObjects:
         DistributedDataParallel(tf_config, ddp_config, chunk, disable_bucketing=index > 0)
         for index, chunk in enumerate(chunks)
     ]
+    megatron_optimizer.apply()
     optimizer = get_megatron_optimizer(optimizer_config(config), model)
+    fuse_adam(optimizer)
     scheduler = lr_scheduler(optimizer, config)
     _wire_schedule_hooks(tf_config, model, optimizer)
     return TrainingObjects(config, tf_config, model, optimizer, scheduler, vocab_size, hops)
@@ -61,6 +64,18 @@ def optimizer_config(config: Config) -> OptimizerConfig:
         clip_grad=train.clip_grad, bf16=compute_dtype(config) == torch.bfloat16,
         params_dtype=compute_dtype(config),
         use_distributed_optimizer=config.parallel.distributed_optimizer)
+
+
+def fuse_adam(optimizer) -> None:
+    """The torch AdamW inside Megatron's optimizer (without Apex or TransformerEngine) as one
+    fused kernel per step: megatron-core builds it with torch's default, a loop of foreach
+    kernels that reads each parameter's step count back from the host. Fused also on the
+    CPU, so the tests run the GPU's update."""
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = chained.optimizer
+        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            for group in inner.param_groups:
+                group.update(fused=True, foreach=False)
 
 
 def lr_scheduler(optimizer, config: Config) -> OptimizerParamScheduler:

@@ -11,7 +11,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from t2train.engine import MicroBatch, StepResult
-from t2train.engine.megatron.numerics import UpdateGuard, grads_finite
+from t2train.engine.megatron.numerics import UpdateGuard, grads_not_finite
 from t2train.engine.megatron.setup import TrainingObjects
 from t2train.parallel.hops import planned_shape_arguments
 from t2train.parallel.traffic import collect_traffic
@@ -60,15 +60,22 @@ def _run_schedule(objs: TrainingObjects, micro_batches: list[MicroBatch], forwar
     )
 
 
-def _mean_loss(losses_reduced: list[dict]) -> float:
-    """Average over micro-batches and data-parallel replicas, known on every rank."""
+def _loss_total(losses_reduced: list[dict]) -> torch.Tensor:
+    """(sum, count) of the micro-batch losses over data-parallel replicas, on the device of
+    every rank (nothing is read back here)."""
     total = torch.zeros(2, dtype=torch.float64, device=_device())
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        total[:] = data_parallel_sum([float(item["lm loss"]) for item in losses_reduced])
+        total[:] = data_parallel_sum([item["lm loss"] for item in losses_reduced])
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(total, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                        group=parallel_state.get_pipeline_model_parallel_group())
-    return float(total[0] / total[1])
+    return total
+
+
+def _mean_loss(losses_reduced: list[dict]) -> float:
+    """Average over micro-batches and data-parallel replicas, known on every rank."""
+    loss_sum, count = _loss_total(losses_reduced).tolist()
+    return loss_sum / count
 
 
 def _device() -> torch.device:
@@ -76,9 +83,14 @@ def _device() -> torch.device:
         else torch.device("cpu")
 
 
-def data_parallel_sum(losses: list[float]) -> torch.Tensor:
-    """(sum, count) of these micro-batch losses over all data-parallel replicas."""
-    total = torch.tensor([sum(losses), len(losses)], dtype=torch.float64, device=_device())
+def data_parallel_sum(losses: list) -> torch.Tensor:
+    """(sum, count) of these micro-batch losses (floats or 0-dim tensors) over all
+    data-parallel replicas."""
+    total = torch.zeros(2, dtype=torch.float64, device=_device())
+    if losses:
+        total[0] = torch.stack([torch.as_tensor(loss, dtype=torch.float64, device=_device())
+                                for loss in losses]).sum()
+        total[1] = len(losses)
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
     return total
 
@@ -91,17 +103,30 @@ def train_step(objs: TrainingObjects, micro_batches: list[MicroBatch],
         chunk.zero_grad_buffer()
         chunk.module.decoder.traffic.reset()
     objs.optimizer.zero_grad()
-    loss = _mean_loss(_run_schedule(objs, micro_batches, forward_only=False))
-    reason = guard.skip_reason(loss, grads_finite(objs.model)) if guard else None
-    updated, grad_norm = False, float("nan")
+    total = _loss_total(_run_schedule(objs, micro_batches, forward_only=False))
+    # The step's one read from the device: the loss, and whether every gradient is finite
+    # (all ranks) when the guard asks.
+    read = torch.cat([total, grads_not_finite(objs.model).to(total)]) if guard else total
+    loss_sum, count, *not_finite = read.tolist()
+    loss = loss_sum / count
+    reason = guard.skip_reason(loss, not not_finite[0]) if guard else None
+    updated, grad_norm = False, None
     if reason is None:
         updated, grad_norm, _ = objs.optimizer.step()
         reason = "" if updated else "the optimizer found non-finite gradients"
     if updated:
         objs.scheduler.step(increment=1)
-    return StepResult(loss=loss, grad_norm=float(grad_norm or 0.0),
+    return StepResult(loss=loss, read_grad_norm=lambda: _as_float(grad_norm),
                       lr=objs.optimizer.param_groups[0]["lr"], skipped=not updated,
-                      traffic=collect_traffic(objs.model), skip_reason=reason)
+                      read_traffic=collect_traffic(objs.model), skip_reason=reason)
+
+
+def _as_float(grad_norm) -> float:
+    """Megatron's norm (a device tensor, ``t2train/compat/megatron_optimizer.py``, or a
+    float), NaN when no update ran, 0.0 without clipping."""
+    if grad_norm is None:
+        return float("nan")
+    return float(grad_norm)
 
 
 @torch.no_grad()
