@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from t2train.launch.plan import RESTART_TIMEOUT
+
 LAUNCH_EPILOG = """\
 examples:
   t2train launch --nproc-per-node=2 --preset tiny data.path=DIR parallel.tensor=2
@@ -34,7 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="when a worker fails (crash, kill, collective timeout), restart "
                              "the node's workers up to N times; each restart resumes from the "
-                             "newest checkpoint (checkpoint.resume=auto). Default 0")
+                             "newest checkpoint (checkpoint.resume=auto). Every node restarts "
+                             "(each node's launcher needs it). Default 0")
+    parser.add_argument("--restart-timeout", type=float, default=RESTART_TIMEOUT,
+                        metavar="SECONDS",
+                        help="how long a restart waits for every node to restart too; then "
+                             f"the node exits with its workers' code (default "
+                             f"{RESTART_TIMEOUT:.0f})")
     parser.add_argument("--exit-duration", type=float, metavar="MINUTES",
                         help="save and stop (exit 75) after this many minutes of training; "
                              "sets train.exit_duration_mins")
@@ -74,5 +82,7 @@ def launch(args: argparse.Namespace) -> int:
     print(plan.describe(), flush=True)
     if args.max_restarts < 0:
         raise plans.LaunchError(f"--max-restarts={args.max_restarts}: must be >= 0")
+    if args.restart_timeout <= 0:
+        raise plans.LaunchError(f"--restart-timeout={args.restart_timeout}: must be > 0")
     return torchrun.run(plan, train_argv(args), parse_signals(config.train.exit_signals),
-                        args.max_restarts)
+                        args.max_restarts, args.restart_timeout)

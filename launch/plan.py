@@ -17,6 +17,8 @@ from t2train.launch.slurm_env import SlurmStep, node_address
 # SLURM jobs derive their rendezvous port from the job id (every node must agree on it
 # without talking first); below Linux's ephemeral range so clients rarely hold it.
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 10000
+# How long a restart waits for every node's launcher to restart too (--restart-timeout).
+RESTART_TIMEOUT = 180.0
 
 
 class LaunchError(UserInputError):

@@ -14,7 +14,7 @@ import threading
 from typing import Iterable
 
 from t2train.launch import rendezvous
-from t2train.launch.plan import LaunchPlan
+from t2train.launch.plan import RESTART_TIMEOUT, LaunchPlan
 from t2train.processes import LAUNCHER_PID, become_subreaper, end_descendants
 from t2train.signals import REQUEUE_EXIT_CODE, block
 
@@ -23,13 +23,23 @@ TORCH_HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
 def torchrun_argv(plan: LaunchPlan, train_argv: list[str],
-                  agent_signals: Iterable[str] = TORCH_HANDLED_SIGNALS) -> list[str]:
+                  agent_signals: Iterable[str] = TORCH_HANDLED_SIGNALS, attempt: int = 0,
+                  join_timeout: float | None = None) -> list[str]:
+    """torchrun's arguments for ``attempt`` (0: the first start, n: the n-th restart).
+
+    Each attempt is a rendezvous of its own (``rdzv_id``-restartN), which every node derives
+    from its own restart count: a node that restarts first waits in the new one while the
+    others still end the old one, which the first node to fail has closed (joining the closed
+    round was ``RendezvousClosedError``)."""
+    rdzv_id = plan.rdzv_id if attempt == 0 else f"{plan.rdzv_id}-restart{attempt}"
+    conf = f"is_host={'true' if plan.is_rdzv_host else 'false'}"
+    if join_timeout is not None:
+        conf += f",join_timeout={max(1, round(join_timeout))}"
     return [f"--nnodes={plan.nnodes}", f"--nproc-per-node={plan.nproc_per_node}",
             f"--signals-to-handle={','.join(agent_signals)}",
             f"--rdzv-backend={rendezvous.BACKEND}",
             f"--rdzv-endpoint={plan.rdzv_host}:{plan.rdzv_port}",
-            f"--rdzv-id={plan.rdzv_id}",
-            f"--rdzv-conf=is_host={'true' if plan.is_rdzv_host else 'false'}",
+            f"--rdzv-id={rdzv_id}", f"--rdzv-conf={conf}",
             "--max-restarts=0", "--module", "t2train.cli", "train", *train_argv]
 
 
@@ -82,17 +92,20 @@ def _hand_signals_to_workers(signals: list[signal.Signals]) -> list[str]:
 
 
 def run(plan: LaunchPlan, train_argv: list[str], exit_signals: list[signal.Signals],
-        max_restarts: int = 0) -> int:
+        max_restarts: int = 0, restart_timeout: float = RESTART_TIMEOUT) -> int:
     """Start the node's workers and wait for them; returns the node's exit code.
 
     Restarts are this loop's, not torchrun's ``--max-restarts``: torchrun would also restart
     workers that stopped on purpose to be requeued (REQUEUE_EXIT_CODE), and they would then
-    train on until the allocation ends without saving.
+    train on until the allocation ends without saving. A restart waits ``restart_timeout``
+    seconds for every node's launcher to restart too; if one does not (its workers ended
+    otherwise, or it is gone), this node ends with its failed workers' code.
     """
     agent_signals = (_hand_signals_to_workers(exit_signals) if exit_signals
                      else TORCH_HANDLED_SIGNALS)
     become_subreaper()  # the orphans of a killed worker become ours, not pid 1's
     os.environ[LAUNCHER_PID] = str(os.getpid())  # workers die with this launcher
+    store = _rendezvous_store(plan) if max_restarts else None
     try:
         code, workers_failed = _run_once(plan, train_argv, agent_signals)
         for restart in range(1, max_restarts + 1):
@@ -102,10 +115,27 @@ def run(plan: LaunchPlan, train_argv: list[str], exit_signals: list[signal.Signa
             print(f"t2train launch: workers failed (exit code {code}); restart {restart} of "
                   f"{max_restarts}, resuming from the newest checkpoint", flush=True)
             code, workers_failed = _run_once(plan, [*train_argv, "checkpoint.resume=auto"],
-                                             agent_signals)
+                                             agent_signals, restart, restart_timeout, code)
     finally:
         _end_leftovers()
+        del store
     return code
+
+
+def _rendezvous_store(plan: LaunchPlan):
+    """On the rendezvous host, the c10d store's server, kept for every attempt of the run.
+
+    Each attempt's torchrun agent opens the store on the same port in this process, which
+    shares this server (``multi_tenant``) instead of starting its own: a server that ended
+    with an attempt would drop the other nodes, which may already wait in the next one."""
+    if not plan.is_rdzv_host:
+        return None
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(plan.rdzv_host, plan.rdzv_port, is_master=True, multi_tenant=True,
+                    wait_for_workers=False, timeout=timedelta(seconds=60))
 
 
 def _end_leftovers() -> None:
@@ -125,17 +155,28 @@ def _how_it_ended(exitcode: int) -> str:
             else f"was killed by {signal.Signals(-exitcode).name}")
 
 
-def _run_once(plan: LaunchPlan, train_argv: list[str],
-              agent_signals: list[str]) -> tuple[int, bool]:
+def _run_once(plan: LaunchPlan, train_argv: list[str], agent_signals: list[str],
+              attempt: int = 0, join_timeout: float | None = None,
+              failed_code: int = 1) -> tuple[int, bool]:
     """(exit code, whether workers failed): not for success, a requeue stop, or a signal to
-    this launcher."""
+    this launcher. A restart (``attempt`` > 0) that does not assemble every node ends with
+    ``failed_code``, the failed workers' code of the attempt before."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import parse_args, run as torchrun
 
     rendezvous.register()
     try:
-        torchrun(parse_args(torchrun_argv(plan, train_argv, agent_signals)))
+        torchrun(parse_args(torchrun_argv(plan, train_argv, agent_signals, attempt,
+                                          join_timeout)))
+    except RendezvousError as err:
+        if not attempt:
+            raise
+        print(f"t2train launch: restart {attempt}: not every node restarted within "
+              f"{join_timeout:.0f} s ({type(err).__name__}); exit code {failed_code}",
+              file=sys.stderr, flush=True)
+        return failed_code, False
     except ChildFailedError as err:
         code = exit_code(failure.exitcode for failure in err.failures.values())
         if code == REQUEUE_EXIT_CODE:

@@ -200,13 +200,14 @@ def _damage(shard: Path, how: str) -> None:
         shard.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("how", ["truncated", "overwritten"])
+@pytest.mark.parametrize("how", ["truncated", "overwritten", "manifest deleted"])
 def test_a_damaged_newest_checkpoint_is_skipped_or_refused(megatron_world, tmp_path: Path,
                                                            capsys, how):
     """The newest checkpoint's shard truncated, or overwritten in place at its own size (which
-    loads without an error): ``checkpoint.resume=auto`` resumes from the step before, saying
-    which checkpoint it skipped and why; ``checkpoint.on_damaged=stop`` refuses, naming the
-    checkpoint that verifies; a damaged checkpoint named explicitly is refused."""
+    loads without an error), or its checksum manifest deleted (its train state says it had
+    one): ``checkpoint.resume=auto`` resumes from the step before, saying which checkpoint it
+    skipped and why; ``checkpoint.on_damaged=stop`` refuses, naming the checkpoint that
+    verifies; a damaged checkpoint named explicitly is refused, naming it too."""
     from t2train.checkpoint.errors import CheckpointError
     from t2train.engine.megatron.checkpoint import save_checkpoint
     from t2train.train.trainer import verified
@@ -218,9 +219,14 @@ def test_a_damaged_newest_checkpoint_is_skipped_or_refused(megatron_world, tmp_p
     _steps(objs, 1, seed=1)
     newest = save_checkpoint(root, 2, objs, {})
     assert (newest / "t2train_checksums.json").is_file()
-    shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
-    _damage(shard, how)
-    why = ("bytes, " if how == "truncated" else "content differs from the xxh3_64 checksum")
+    if how == "manifest deleted":
+        shard = newest / "t2train_checksums.json"
+        shard.unlink()
+        why = "missing (the checkpoint was saved with xxh3_64 checksums"
+    else:
+        shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+        _damage(shard, how)
+        why = ("bytes, " if how == "truncated" else "content differs from the xxh3_64 checksum")
 
     chosen, note = verified(_config(), tmp_path / "run", newest)
     assert chosen == good and note == " | skipped damaged step_00000002"
@@ -232,9 +238,12 @@ def test_a_damaged_newest_checkpoint_is_skipped_or_refused(megatron_world, tmp_p
         verified(_config("checkpoint.on_damaged=stop"), tmp_path / "run", newest)
     assert str(refused.value).startswith(f"{newest} is damaged: {shard}: ")
     assert f"checkpoint.resume={good}" in str(refused.value) and why in str(refused.value)
-    with pytest.raises(CheckpointError, match=f"checkpoint.resume={newest}: {newest} is "
-                                              f"damaged: {shard}"):
+    with pytest.raises(CheckpointError) as refused:
         verified(_config(f"checkpoint.resume={newest}"), tmp_path / "run", newest)
+    assert str(refused.value).startswith(f"checkpoint.resume={newest}: {newest} is damaged: "
+                                         f"{shard}: "), str(refused.value)
+    assert str(refused.value).endswith(f"the newest checkpoint beside it that verifies is "
+                                       f"{good}: resume it with checkpoint.resume={good}")
 
 
 def test_a_damaged_checkpoint_is_verified_and_refused_outside_training(megatron_world,
@@ -266,9 +275,23 @@ def test_a_damaged_checkpoint_is_verified_and_refused_outside_training(megatron_
     with pytest.raises(CheckpointError, match=f"^{path} is damaged: {shard}: content differs"):
         load_model(open_checkpoint(path), device="cpu")
 
-    (path / "t2train_checksums.json").unlink()  # as an older t2train saved it
-    assert main(["ckpt", "verify", str(path)]) == 0
+    (path / "t2train_checksums.json").unlink()  # lost: its train state says it had one
+    assert main(["ckpt", "verify", str(path)]) == 1
+    assert capsys.readouterr().out.strip() == (
+        f"{path} is damaged: {path / 't2train_checksums.json'}: missing (the checkpoint was "
+        "saved with xxh3_64 checksums: the manifest was deleted or lost)")
+
+    from t2train.checkpoint import store
+    from t2train.engine.megatron import checkpoint
+
+    with pytest.MonkeyPatch.context() as older:  # as a t2train before checksums saved it
+        older.setattr(checkpoint, "recorded_checksums", dict)
+        older.setattr(store, "record_checksums", lambda directory: None)
+        old = save_checkpoint(tmp_path / "old", 1, _objects(seed=1, config=config),
+                              {"config": asdict(config), "config_format": CONFIG_FORMAT})
+    assert main(["ckpt", "verify", str(old)]) == 0
     assert "no checksums recorded (saved by an older t2train)" in capsys.readouterr().out
+    assert load_model(open_checkpoint(old), device="cpu").model is not None
 
 
 @pytest.mark.parametrize("where", ["parameter", "optimizer moment"])

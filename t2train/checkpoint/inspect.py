@@ -106,7 +106,7 @@ def _cmd_verify(args) -> int:
     path = resolve_checkpoint(given)
     if path != given:
         print(f"{given}: its newest complete checkpoint is {path}")
-    if not (path / CHECKSUMS).is_file():
+    if not (path / CHECKSUMS).is_file() and "checksums" not in read_train_state(path):
         indexed = checkpoint_engine(path) == "megatron"  # torch DCP's index names the shards
         if indexed:
             check_shard_files(path)

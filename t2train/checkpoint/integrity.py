@@ -7,8 +7,11 @@ turn the parameters into NaN one update later. Every file of a checkpoint theref
 xxh3_64 checksum (several GB/s on one core) and its size in ``CHECKSUMS`` when it is published;
 the files are shared round robin over the ranks, so each reads back only its share of what was
 just written (usually still in the page cache), and the same share is checked before a load.
-A checkpoint written before checksums were recorded is loaded unverified (its shard sizes are
-still checked, ``compatibility.check_shard_files``).
+Every checkpoint saved since records in its train state (which every load reads) that its
+publication writes checksums (``recorded_checksums``): without the manifest it is damaged,
+so losing the manifest cannot switch verification off. A checkpoint written before checksums
+were recorded is loaded unverified (its shard sizes are still checked,
+``compatibility.check_shard_files``).
 
 Every function here is a collective when torch.distributed is initialized: all ranks get the
 same answer, so none goes on alone.
@@ -85,6 +88,27 @@ def record_checksums(directory: Path) -> None:
             {"algorithm": ALGORITHM, "files": dict(sorted(files.items()))}, indent=1))
 
 
+def recorded_checksums() -> dict:
+    """What an engine puts into a checkpoint's train state: that it is published with
+    checksums (``publish_checkpoint`` writes them)."""
+    return {"checksums": ALGORITHM}
+
+
+def _missing_manifest(directory: Path) -> Optional[str]:
+    """Why a checkpoint without ``CHECKSUMS`` is damaged, or None if it was saved before
+    checksums were recorded."""
+    from t2train.checkpoint.inspect import read_train_state
+
+    try:
+        algorithm = read_train_state(directory).get("checksums")
+    except CheckpointError as err:
+        return f"{directory / CHECKSUMS}: missing, and {err}"
+    if algorithm is None:
+        return None
+    return (f"{directory / CHECKSUMS}: missing (the checkpoint was saved with {algorithm} "
+            "checksums: the manifest was deleted or lost)")
+
+
 def _damage(directory: Path, name: str, recorded: dict) -> Optional[str]:
     path = directory / name
     if not path.is_file():
@@ -101,7 +125,7 @@ def _damage(directory: Path, name: str, recorded: dict) -> Optional[str]:
 
 def verify_checksums(directory: Path) -> Optional[str]:
     """Collective: what is damaged in checkpoint ``directory`` (the first file, by name), or
-    None when every recorded file is intact or no checksums were recorded."""
+    None when every recorded file is intact or, saved before checksums, none were recorded."""
     rank, _ = _world()
     manifest = None
     if rank == 0:
@@ -109,7 +133,7 @@ def verify_checksums(directory: Path) -> Optional[str]:
             manifest = json.loads((directory / CHECKSUMS).read_text())
             manifest = {"files": dict(manifest["files"]), "algorithm": manifest["algorithm"]}
         except FileNotFoundError:
-            manifest = None
+            manifest = _missing_manifest(directory)
         except (OSError, ValueError, KeyError, TypeError) as err:
             manifest = f"{directory / CHECKSUMS}: unreadable ({type(err).__name__}: {err})"
     manifest = _from_rank_zero(manifest)

@@ -22,7 +22,7 @@ from megatron.core import parallel_state as ps
 
 from t2train.checkpoint.compatibility import check_same_model
 from t2train.checkpoint.errors import CheckpointError
-from t2train.checkpoint.integrity import check_finite, optimizer_tensors
+from t2train.checkpoint.integrity import check_finite, optimizer_tensors, recorded_checksums
 from t2train.checkpoint.paths import ENGINE_FILE, INCOMPLETE, step_dir_name
 from t2train.checkpoint.store import (capture_rng, check_engine, current_layout,
                                       publish_checkpoint, restore_rng)
@@ -151,7 +151,7 @@ class DeepSpeedEngine:
             if staging.exists():
                 shutil.rmtree(staging)
         dist.barrier()
-        state = dict(train_state, step=step, layout=self._layout())
+        state = dict(train_state, step=step, layout=self._layout(), **recorded_checksums())
         self.ds.save_checkpoint(str(root), tag=staging.name, save_latest=False, client_state={
             "train_state": state, "scheduler": self.scheduler.state_dict(),
             "rng_state": capture_rng()})
@@ -160,7 +160,7 @@ class DeepSpeedEngine:
             # What `t2train ckpt inspect` and the resume checks read, without unpickling.
             summary = {key: state.get(key) for key in ("step", "tokens", "layout", "config",
                                                         "config_format", "code_version",
-                                                        "tokenizer_sha256")}
+                                                        "tokenizer_sha256", "checksums")}
             (staging / ENGINE_FILE).write_text(json.dumps(
                 dict(summary, engine="deepspeed", has_optimizer=True), indent=1))
         publish_checkpoint(root, staging, final, on_published)

@@ -19,8 +19,9 @@ from typing import Optional
 import torch.distributed as dist
 
 from t2train.checkpoint.inspect import resolve_checkpoint
+from t2train.checkpoint.errors import CheckpointError
 from t2train.checkpoint.integrity import (choose_verified, require_intact, resume_candidates,
-                                          say)
+                                          say, verify_checksums)
 from t2train.checkpoint.manager import Checkpointer
 from t2train.checkpoint.store import find_latest
 from t2train.config.loader import dump_config
@@ -38,6 +39,7 @@ from t2train.train.batches import GlobalBatchFeeder
 from t2train.train.data import open_streams
 from t2train.train.inputs import dataset_facts, resume_target
 from t2train.train.preemption import StopGuard
+from t2train.train.run_lock import RunDirectoryInUse, RunLock
 from t2train.train.summary import RunSummary
 from t2train.train.watchdog import Watchdog
 
@@ -62,7 +64,16 @@ def verified(config: Config, run_dir: Path, resume_from: Path) -> tuple[Path, st
     verifies unless ``checkpoint.on_damaged=stop``; a checkpoint named explicitly is used or
     refused."""
     if config.checkpoint.resume != "auto":
-        require_intact(resume_from, f"checkpoint.resume={config.checkpoint.resume}")
+        damage = verify_checksums(resume_from)
+        if damage is not None:
+            others = [path for path in resume_candidates(resume_from.parent)
+                      if path != resume_from]
+            usable = next((path for path in others if verify_checksums(path) is None), None)
+            raise CheckpointError(
+                f"checkpoint.resume={config.checkpoint.resume}: {resume_from} is damaged: "
+                f"{damage}; " + (f"the newest checkpoint beside it that verifies is {usable}: "
+                                 f"resume it with checkpoint.resume={usable}" if usable else
+                                 "no checkpoint beside it verifies: restore a copy"))
         return resume_from, ""
     chosen, skipped = choose_verified(resume_candidates(run_dir / "checkpoints"),
                                       fall_back=config.checkpoint.on_damaged == "fall_back")
@@ -117,6 +128,7 @@ class Trainer:
         config = self.config
         self.run_dir = Path(config.run_dir)
         self.facts, resume_from, self.dp_size, self.topology = start_ranks(config)
+        self._lock_run_directory()
         skipped = ""
         if resume_from is not None:
             resume_from, skipped = verified(config, self.run_dir, resume_from)
@@ -142,6 +154,20 @@ class Trainer:
         # which peers that failed would never join.
         self.resources.push(lambda kind, *_: self.checkpointer.close(abandon=kind is not None))
         self.skipped_in_a_row = 0
+
+    def _lock_run_directory(self) -> None:
+        """Collective: rank 0 takes the run directory's lock (held until the run closes), or
+        every rank stops with the holder named, before anything is written (run_lock.py)."""
+        refusal = None
+        if self.topology.rank == 0:
+            try:
+                self.resources.callback(RunLock(self.run_dir).release)
+            except RunDirectoryInUse as err:
+                refusal = str(err)
+        box = [refusal]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            raise RunDirectoryInUse(box[0])
 
     def _load(self, resume_from: Optional[Path], skipped: str) -> tuple[dict, str]:
         """The train state to continue (empty for a fresh start) and how the run starts."""

@@ -43,12 +43,13 @@ def test_dry_run_reports_every_section(shakespeare, tmp_path):
 
     steps = sections["step_cost"]["items"]
     settings = load_settings()
-    timed = [*step_variants(settings, registered()), REFERENCE, COMPILED_REFERENCE,
+    base, *others = step_variants(settings, registered())
+    timed = [base, COMPILED_REFERENCE, REFERENCE, *others,
              *mixer_variants(settings, registered())]
-    assert [item["name"] for item in steps] == timed
+    assert [item["name"] for item in steps] == timed  # the headline's rows first
     assert all(item["step_ms"] > 0 and item["warmup_s"] > 0 for item in steps)
     mfu = sections["mfu"]["items"]  # the baseline on the fused path, and both loops
-    assert [item["name"] for item in mfu] == [BASELINE, REFERENCE, COMPILED_REFERENCE]
+    assert [item["name"] for item in mfu] == [BASELINE, COMPILED_REFERENCE, REFERENCE]
     assert "the tokens/s and" in markdown and "warm-up (s)" in markdown
 
     rows = [row for item in sections["kernels"]["items"] for row in item["rows"]]
@@ -70,6 +71,28 @@ def test_dry_run_reports_every_section(shakespeare, tmp_path):
     assert len(report["targets"]) == 10 and set(verdicts.values()) <= {"met", "missed"} | {
         "not measured"}
     assert report["targets"][-1]["verdict"] == "not measured"  # no data-sheet peak on a CPU
+
+
+@pytest.mark.slow
+def test_quick_dry_run_compiles_the_headline_items_first(shakespeare, tmp_path):
+    """``--quick``'s dry run: the step-cost and MFU sections on the fused path as the GPU runs
+    them (each layer compiled, with aot_eager here, and the Triton kernels, under the
+    interpreter), the baseline and the block-compiled plain loop first, every item measured
+    with its compile in the warm-up column."""
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "-m", "t2train.bench.gpu.check", "--dry-run",
+                           "--quick", "--only", "step_cost", "--only", "mfu", "--out", str(out),
+                           "--data", str(shakespeare)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sections = json.loads((out / "gpu-report.json").read_text())["sections"]
+    assert (sections["step_cost"]["status"], sections["mfu"]["status"]) == ("ok", "ok")
+    steps = sections["step_cost"]["items"]
+    assert [item["name"] for item in steps] == [
+        BASELINE, COMPILED_REFERENCE, REFERENCE, *load_settings().step_targets]
+    assert all(item["status"] == "ok" and item["warmup_s"] > 0 for item in steps), steps
+    assert [item["name"] for item in sections["mfu"]["items"]] == [
+        BASELINE, COMPILED_REFERENCE, REFERENCE]
 
 
 def _step(name, step_ms, reference=False, memory=10.0):

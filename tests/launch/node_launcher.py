@@ -1,8 +1,9 @@
 """One node of a two-node ``t2train launch`` on this host, for tests without SLURM: the
 launcher's torchrun run with the plan SLURM would give node ``NODE_RANK`` (world = 2 nodes x
-1 process, c10d rendezvous on 127.0.0.1:PORT hosted by node 0).
+1 process, c10d rendezvous on 127.0.0.1:PORT hosted by node 0), restarting its workers up to
+MAX_RESTARTS times (each restart waiting RESTART_TIMEOUT seconds for the other node).
 
-    python node_launcher.py NODE_RANK PORT [t2train train arguments ...]
+    python node_launcher.py NODE_RANK PORT MAX_RESTARTS RESTART_TIMEOUT [t2train train args]
 """
 
 import sys
@@ -13,8 +14,9 @@ from t2train.launch.plan import LaunchPlan
 from t2train.signals import parse_signals
 
 if __name__ == "__main__":
-    node_rank, port, *train_argv = sys.argv[1:]
+    node_rank, port, max_restarts, restart_timeout, *train_argv = sys.argv[1:]
     plan = LaunchPlan(mode="slurm", nodes=("node0", "node1"), node_rank=int(node_rank),
                       nproc_per_node=1, rdzv_host="127.0.0.1", rdzv_port=int(port),
                       rdzv_id="two-nodes")
-    sys.exit(torchrun.run(plan, train_argv, parse_signals(TrainConfig().exit_signals)))
+    sys.exit(torchrun.run(plan, train_argv, parse_signals(TrainConfig().exit_signals),
+                          int(max_restarts), float(restart_timeout)))

@@ -138,8 +138,10 @@ def test_standalone_launch_trains_and_restarts_a_killed_rank(shakespeare, tmp_pa
         launcher = subprocess.Popen(
             _launch_cmd("--nproc-per-node=2", "--max-restarts=1", *_train_args(
                 shakespeare, run_dir, *steps,
-                # the survivor, blocked in a collective with the dead rank, ends soon
-                "parallel.collective_timeout_mins=0.25")),
+                # the survivor, blocked in a collective with the dead rank, ends when gloo
+                # sees the peer's socket close; the timeout only bounds a hang (a save under
+                # load takes seconds)
+                "parallel.collective_timeout_mins=1")),
             stdout=out, stderr=subprocess.STDOUT, env=dict(_env(), **{RUN_TAG: str(run_dir)}),
             cwd=REPO)
     deadline = time.monotonic() + 300
@@ -156,6 +158,23 @@ def test_standalone_launch_trains_and_restarts_a_killed_rank(shakespeare, tmp_pa
     assert _losses(run_dir) == _losses(tmp_path / "run")
 
 
+def _start_nodes(tmp_path: Path, run_dir: Path, train: list[str], restarts=(0, 0),
+                 restart_timeout: float = 60.0) -> tuple[list[subprocess.Popen], list[Path]]:
+    """Two node launchers of one run on this host (tests/launch/node_launcher.py), each in
+    its own session, their output in ``tmp_path/node<N>.log``; node N restarts its workers
+    up to ``restarts[N]`` times."""
+    port, nodes, logs = plan_standalone(1, None).rdzv_port, [], []
+    for node in (0, 1):
+        logs.append(tmp_path / f"node{node}.log")
+        with logs[-1].open("w") as out:
+            nodes.append(subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("node_launcher.py")), str(node),
+                 str(port), str(restarts[node]), str(restart_timeout), *train], stdout=out,
+                stderr=subprocess.STDOUT, cwd=REPO, env=dict(_env(), **{RUN_TAG: str(run_dir)}),
+                start_new_session=True))
+    return nodes, logs
+
+
 @pytest.mark.slow
 def test_a_node_that_outlives_the_rendezvous_host_exits_with_its_workers_code(shakespeare,
                                                                               tmp_path):
@@ -168,14 +187,7 @@ def test_a_node_that_outlives_the_rendezvous_host_exits_with_its_workers_code(sh
     train = _train_args(shakespeare, run_dir, "parallel.tensor=2", "train.steps=400",
                         "train.eval_interval=400", "checkpoint.interval=400",
                         "log.diagnostics_interval=0", "parallel.collective_timeout_mins=0.25")
-    port, nodes, logs = plan_standalone(1, None).rdzv_port, [], []
-    for node in (0, 1):
-        logs.append(tmp_path / f"node{node}.log")
-        with logs[-1].open("w") as out:
-            nodes.append(subprocess.Popen(
-                [sys.executable, str(Path(__file__).with_name("node_launcher.py")), str(node),
-                 str(port), *train], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                env=dict(_env(), **{RUN_TAG: str(run_dir)}), start_new_session=True))
+    nodes, logs = _start_nodes(tmp_path, run_dir, train)
     paused = None
     try:
         _wait_for_step(nodes[0], run_dir, logs[0], 1)
@@ -197,6 +209,90 @@ def test_a_node_that_outlives_the_rendezvous_host_exits_with_its_workers_code(sh
     last = [line for line in output.splitlines() if line.startswith("t2train launch:")][-1]
     assert re.fullmatch(rf"t2train launch: workers failed \(rank 1 exited with code {code}\); "
                         rf"exit code {code}", last), (last, code)
+    wait_until_none_left(str(run_dir))
+
+
+TWO_NODE_RUN = ["parallel.tensor=2", "train.steps=7", "train.eval_interval=7",
+                "checkpoint.interval=3", "log.diagnostics_interval=0",
+                # a survivor whose peer died mid-collective: gloo fails it at once; a save
+                # under load takes seconds, so this only bounds a hang
+                "parallel.collective_timeout_mins=1"]
+
+
+@pytest.fixture(scope="module")
+def two_node_reference(shakespeare, tmp_path_factory) -> dict[int, float]:
+    """The losses of an uninterrupted two-node run."""
+    tmp_path = tmp_path_factory.mktemp("two-nodes")
+    run_dir = tmp_path / "run"
+    nodes, logs = _start_nodes(tmp_path, run_dir,
+                               _train_args(shakespeare, run_dir, *TWO_NODE_RUN))
+    codes = [node.wait(timeout=600) for node in nodes]
+    assert codes == [0, 0], [log.read_text()[-3000:] for log in logs]
+    return _losses(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed_node", [0, 1], ids=["rendezvous-host", "other-node"])
+def test_a_restart_budget_restarts_every_node_when_a_rank_dies_on_either(
+        shakespeare, tmp_path, two_node_reference, killed_node):
+    """Two node launchers with ``max_restarts=1``; after step 4 (step 3 saved) the worker of
+    one node is SIGKILLed: the node that hosts the rendezvous, or the other. Both nodes
+    restart into a fresh rendezvous round, resume from step 3 and finish with every step's
+    loss bitwise the uninterrupted run's; nothing of the run outlives it. (Before, the first
+    node to restart joined the round the other had closed, RendezvousClosedError, and the
+    host then waited alone for ten minutes.)"""
+    run_dir = tmp_path / "run"
+    nodes, logs = _start_nodes(tmp_path, run_dir,
+                               _train_args(shakespeare, run_dir, *TWO_NODE_RUN),
+                               restarts=(1, 1), restart_timeout=120)
+    try:
+        deadline = time.monotonic() + 300
+        while max(_losses(run_dir), default=0) < 4:
+            assert all(node.poll() is None for node in nodes) and time.monotonic() < deadline, \
+                [log.read_text()[-3000:] for log in logs]
+            time.sleep(0.1)
+        _worker(nodes[killed_node], rank=killed_node).send_signal(signal.SIGKILL)
+        codes = [node.wait(timeout=600) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    texts = [log.read_text() for log in logs]
+    assert codes == [0, 0], [text[-4000:] for text in texts]
+    for text in texts:
+        assert "restart 1 of 1, resuming from the newest checkpoint" in text, text[-4000:]
+        assert "RendezvousClosedError" not in text, text[-4000:]
+    assert f"resumed from {run_dir / 'checkpoints'}/step_00000003" in texts[0], texts[0][-4000:]
+    assert _losses(run_dir) == two_node_reference
+    wait_until_none_left(str(run_dir))
+
+
+@pytest.mark.slow
+def test_a_restart_that_the_other_node_never_joins_ends_in_one_line(shakespeare, tmp_path):
+    """Node 0 restarts after its worker is killed, but node 1 has no restart budget (its
+    worker fails too, and it exits): node 0 waits its ``restart_timeout`` for node 1, then
+    exits with its failed workers' code and one line, not torch's ten minutes."""
+    run_dir = tmp_path / "run"
+    nodes, logs = _start_nodes(tmp_path, run_dir,
+                               _train_args(shakespeare, run_dir, *TWO_NODE_RUN),
+                               restarts=(1, 0), restart_timeout=5)
+    try:
+        _wait_for_step(nodes[0], run_dir, logs[0], 2)
+        _worker(nodes[0], rank=0).send_signal(signal.SIGKILL)
+        started = time.monotonic()
+        code = nodes[0].wait(timeout=300)
+        waited = time.monotonic() - started
+        nodes[1].wait(timeout=120)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    text = logs[0].read_text()
+    assert code == 128 + signal.SIGKILL, text[-4000:]
+    assert waited < 120, text[-4000:]
+    assert re.search(r"t2train launch: restart 1: not every node restarted within 5 s "
+                     rf"\(RendezvousTimeoutError\); exit code {code}\n", text), text[-4000:]
+    assert "Traceback" not in text.split("restart 1 of 1")[-1], text[-4000:]
     wait_until_none_left(str(run_dir))
 
 

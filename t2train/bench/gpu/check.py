@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,17 +60,17 @@ class Section:
 
     def next_item_seconds(self, default: float) -> float:
         """The cost estimate of the next item: the previous one's time less its warm-up (the
-        steady state), plus the smallest warm-up so far (a first, cold compile is not the
-        next item's: compiles get cheaper as Inductor's caches fill)."""
+        steady state), plus the median warm-up so far (neither a first, cold compile nor an
+        eager item's warm-up is the next item's compile)."""
         timed = [item for item in self.result["items"] if "seconds" in item]
         if not timed:
             return default
         warmups = [item.get("warmup_s") or 0.0 for item in timed]
-        return timed[-1]["seconds"] - warmups[-1] + min(warmups)
+        return timed[-1]["seconds"] - warmups[-1] + statistics.median(warmups)
 
     def no_time(self, estimate: float) -> str:
         return (f"would overrun the section's time: needs about {estimate:.0f}s (the previous "
-                f"item's time less its warm-up plus the smallest warm-up, or a prior), "
+                f"item's time less its warm-up plus the median warm-up, or a prior), "
                 f"{max(self.left(), 0):.0f}s left")
 
     @staticmethod
@@ -238,10 +239,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined
-        # The fused path's graphs without Inductor's code generation (minutes on a CPU), with
-        # the kernels as the GPU runs them (as custom operators, under the interpreter).
+        # The fused path's graphs without Inductor's code generation (minutes on a CPU); in
+        # the quick dry run with the kernels as the GPU runs them (custom operators, under
+        # the interpreter: plan.py says what it compiles).
         os.environ.setdefault(BACKEND_VARIABLE, "aot_eager")
-        os.environ.setdefault("T2_KERNELS", "triton")
+        if args.quick:
+            os.environ.setdefault("T2_KERNELS", "triton")
     plan = make_plan(args.dry_run, args.data, quick=args.quick, stack=args.stack)
     if args.worker:
         return work(plan, args.sections.split(","), json.loads(args.ends), args.worker)

@@ -22,7 +22,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from t2train.checkpoint.compatibility import check_same_model, check_shard_files
 from t2train.checkpoint.errors import CheckpointError
-from t2train.checkpoint.integrity import check_finite, optimizer_tensors
+from t2train.checkpoint.integrity import check_finite, optimizer_tensors, recorded_checksums
 from t2train.checkpoint.paths import INCOMPLETE, step_dir_name
 from t2train.checkpoint.store import (capture_rng, check_engine, current_layout, publish_checkpoint,
                                       read_checkpoint, restore_rng)
@@ -98,7 +98,7 @@ def save_checkpoint(root: Path, step: int, objs: TrainingObjects, train_state: d
                                                                metadata=_OPTIMIZER_METADATA)
     state["scheduler"] = objs.scheduler.state_dict()
     state["train_state"] = dict(train_state, step=step, layout=current_layout(),
-                                has_optimizer=has_optimizer)
+                                has_optimizer=has_optimizer, **recorded_checksums())
     state["rng_state"] = rng_sharded_object(capture_rng())
 
     def publish() -> None:

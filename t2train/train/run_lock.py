@@ -1,0 +1,130 @@
+"""One writer per run directory: a lock rank 0 holds on ``<run_dir>/t2train.lock`` for the
+whole run.
+
+Two runs on one run directory (a job resubmitted while the first still runs, a command with
+the same ``name``) corrupt each other: the second drops what the first logged since its
+checkpoint, and both publish checkpoints and move ``latest`` back and forth. So before a run
+writes anything, rank 0 takes the lock, and a second run is refused in one line naming the
+holder. The lock is
+
+* an OS lock (``fcntl.flock``) on the file, released by the kernel when the process ends,
+  so a killed run leaves no stale lock behind;
+* the holder (host, pid, SLURM job, start) written into the file, and a heartbeat: the
+  file's modification time, touched every ``HEARTBEAT`` seconds by a thread. Some shared
+  filesystems do not carry ``flock`` from node to node (Lustre mounted with ``localflock``,
+  NFS without its lock manager), so a lock that is free while its recorded holder looks
+  alive is refused too: on this host, when the holder's process is alive; on another, when
+  its heartbeat is younger than ``STALE`` seconds. An earlier attempt of the same SLURM job
+  (a requeue, an in-job restart) is never alive, so its lock is taken over.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from t2train.errors import UserInputError
+
+LOCK_FILE = "t2train.lock"
+HEARTBEAT = 30.0  # seconds between touches of the lock file
+STALE = 3 * HEARTBEAT  # a holder on another host with an older heartbeat is gone
+
+
+class RunDirectoryInUse(UserInputError):
+    """Another run holds the run directory."""
+
+
+def _holder() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(),
+            "job": os.environ.get("SLURM_JOB_ID", ""), "started": time.time()}
+
+
+def _describe(holder: dict) -> str:
+    job = f", SLURM job {holder['job']}" if holder.get("job") else ""
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
+    return f"host {holder.get('host')}, pid {holder.get('pid')}{job}, started {started}"
+
+
+def _alive_elsewhere(holder: dict, heartbeat_age: float) -> Optional[str]:
+    """Why the holder recorded in a lock file that ``flock`` let us take may still run, or
+    None if it has ended."""
+    if not holder or (holder.get("job") and holder["job"] == os.environ.get("SLURM_JOB_ID")):
+        return None  # no holder, or an earlier attempt of this very job
+    if holder.get("host") == socket.gethostname():
+        try:
+            os.kill(int(holder["pid"]), 0)
+        except ProcessLookupError:
+            return None
+        except (PermissionError, KeyError, ValueError, TypeError):
+            pass  # another user's live process, or a malformed record: assume alive
+        return "its process is alive on this host"
+    if heartbeat_age < STALE:
+        return (f"its heartbeat is {heartbeat_age:.0f} s old (a run touches it every "
+                f"{HEARTBEAT:.0f} s; one older than {STALE:.0f} s has ended)")
+    return None
+
+
+class RunLock:
+    """The run directory's lock, held until ``release``."""
+
+    def __init__(self, run_dir: Path):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / LOCK_FILE
+        self._file = open(self.path, "a+")
+        try:
+            self._take()
+        except BaseException:
+            self._file.close()
+            raise
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, daemon=True,
+                                      name="t2train-run-lock")
+        self._beat.start()
+
+    def _take(self) -> None:
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunDirectoryInUse(self._refusal(self._recorded(), "it holds its lock"))
+        holder = self._recorded()
+        why = _alive_elsewhere(holder, time.time() - os.fstat(self._file.fileno()).st_mtime)
+        if why is not None:
+            raise RunDirectoryInUse(self._refusal(holder, why))
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(json.dumps(_holder()) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def _recorded(self) -> dict:
+        self._file.seek(0)
+        try:
+            return json.loads(self._file.read() or "{}")
+        except ValueError:
+            return {}
+
+    def _refusal(self, holder: dict, why: str) -> str:
+        return (f"run directory {self.path.parent} is in use by another run ({_describe(holder)};"
+                f" {why}): wait for it to end, or give this run another name. Nothing was "
+                f"written. (If that run is gone, delete {self.path}.)")
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT):
+            try:
+                os.utime(self.path)
+            except OSError:  # the directory moved or vanished: nothing to keep alive
+                return
+
+    def release(self) -> None:
+        self._stop.set()
+        self._beat.join()
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+        finally:
+            self._file.close()
