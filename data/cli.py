@@ -72,9 +72,15 @@ def register(subparsers) -> None:
     prepare.add_argument("--vocab-size", type=int, default=8192,
                          help="size of the byte-level BPE trained on the input; default "
                               "%(default)s (ignored with --tokenizer)")
-    prepare.add_argument("--tokenizer", metavar="TOKENIZER_JSON",
-                         help="use this Hugging Face tokenizer.json instead of training one; "
-                              "it must define the <|endoftext|> token")
+    prepare.add_argument("--tokenizer", metavar="TOKENIZER",
+                         help="use this Hugging Face tokenizer.json, or tokenizer folder (one "
+                              "with only a SentencePiece tokenizer.model is converted), instead "
+                              "of training one; it must define an end-of-document token "
+                              "(<|endoftext|>, <|end_of_text|>, </s> or <eos>)")
+    prepare.add_argument("--bos", default="auto",
+                         help="start each document with the begin token: auto (default) where "
+                              "the tokenizer puts one before every text (Llama's <s>), always, "
+                              "or never")
     prepare.add_argument("--text-field", default="text",
                          help="the JSON field (.jsonl) or column (.parquet) holding each "
                               "document's text; default %(default)s")
@@ -157,7 +163,7 @@ def _prepare(args) -> int:
                             compression=None if args.compression == "none" else args.compression,
                             progress=bars, progress_every=0 if bars else args.progress_every,
                             encoding=args.encoding, skip_binary=args.skip_binary,
-                            patterns=args.pattern or PATTERNS)
+                            patterns=args.pattern or PATTERNS, bos=args.bos)
     elapsed = time.monotonic() - start
     total = index["total_tokens"]
     tok = index["tokenizer"]

@@ -37,8 +37,8 @@ from t2train.data.inputs import (PATTERNS, InputFile, check_encoding, encoding_n
                                  resolve_inputs)
 from t2train.data.progress import progress_meter
 from t2train.data.tokenize import Batch, encode_batches
-from t2train.data.tokenizer import (TOKENIZER_FILE, eos_id, load_tokenizer, save_tokenizer,
-                                    token_dtype, train_tokenizer)
+from t2train.data.tokenizer import (TOKENIZER_FILE, document_bos, eos_id, load_tokenizer,
+                                    save_tokenizer, token_dtype, train_tokenizer)
 
 __all__ = ["DataError", "prepare_dataset", "read_index", "resolve_inputs"]
 
@@ -57,7 +57,8 @@ def prepare_dataset(inputs: Sequence[str], out_dir: str | Path, seq_length: int,
                     seed: int = 0, text_field: str = "text", overwrite: bool = False,
                     workers: int = 1, progress: bool = False, progress_every: float = 0.0,
                     encoding: str = "utf-8", skip_binary: bool = False,
-                    patterns: Sequence[str] = PATTERNS, val_files: Sequence[str] = ()) -> dict:
+                    patterns: Sequence[str] = PATTERNS, val_files: Sequence[str] = (),
+                    bos: str = "auto") -> dict:
     """Tokenize ``inputs`` (files, globs or directories; ``.txt``, ``.jsonl``, ``.parquet``)
     into ``out_dir``.
 
@@ -74,7 +75,10 @@ def prepare_dataset(inputs: Sequence[str], out_dir: str | Path, seq_length: int,
     (glob patterns matched against each input's file name, or its whole path) the matching
     inputs are the ``val`` split and the others ``train``, each cut into samples on its own,
     and a trained BPE learns from the ``train`` files only (``val_fraction`` is not used).
-    Returns the index written to ``out_dir/index.json``.
+    ``bos``: ``auto`` starts each document with the begin token where the tokenizer puts one
+    before every text (Llama's ``<s>``), ``always`` with its begin token regardless, ``never``
+    not at all; the index records it (``bos_id``). Returns the index written to
+    ``out_dir/index.json``.
     """
     _check_settings(seq_length, val_fraction, compression, text_field, workers)
     if tokenizer is None:
@@ -95,12 +99,14 @@ def prepare_dataset(inputs: Sequence[str], out_dir: str | Path, seq_length: int,
             (text for _, text, _ in _read(learned_from, "reading for BPE", meter)), vocab_size)
     vocab = tok.get_vocab_size()
     dtype = token_dtype(vocab)
+    bos_id = document_bos(tok, bos, tokenizer or "the trained tokenizer")
 
     tmp = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex[:8]}.incomplete")
     tmp.mkdir(parents=True)
     try:
         index = {"format": FORMAT, "version": VERSION, "seq_length": seq_length,
-                 "vocab_size": vocab, "eos_id": eos_id(tok), "token_dtype": dtype,
+                 "vocab_size": vocab, "eos_id": eos_id(tok), "bos_id": bos_id,
+                 "token_dtype": dtype,
                  "tokenizer": {"file": TOKENIZER_FILE, "sha256": save_tokenizer(tok, tmp),
                                "source": str(tokenizer) if tokenizer else "trained",
                                "requested_vocab_size": None if tokenizer else vocab_size,
@@ -239,6 +245,7 @@ def _write_splits(files: list[InputFile], tok, index: dict, out: Path, workers: 
     """Stream tokens into train/val shards, by sample or by held-out file; returns the index
     fields that describe them."""
     dtype, eos, length = index["token_dtype"], index["eos_id"], index["seq_length"] + 1
+    bos = index["bos_id"]
     columns = {"tokens": f"ndarray:{dtype}"}
     rng = np.random.default_rng(index["seed"])
     counts = dict.fromkeys(SPLITS, 0)
@@ -257,7 +264,7 @@ def _write_splits(files: list[InputFile], tok, index: dict, out: Path, workers: 
         def stream(members: list[int], what: str) -> Iterator[np.ndarray]:
             """The token ids of ``files[i]`` for ``i`` in ``members``, in order."""
             batches = _batches(_read([files[i] for i in members], what, meter))
-            for local_index, ids in encode_batches(tok, eos, dtype, batches, workers):
+            for local_index, ids in encode_batches(tok, eos, dtype, batches, workers, bos):
                 tokens[members[local_index]] += len(ids)
                 yield ids
 
@@ -319,16 +326,19 @@ def _read(files: list[InputFile], what: str, meter) -> Iterator[tuple[int, str, 
 
 
 def _batches(pieces: Iterator[tuple[int, str, bool]]) -> Iterator[tuple[int, Batch]]:
-    """About ``_BATCH_CHARS`` of text per batch, each batch from one file (tagged with it)."""
+    """About ``_BATCH_CHARS`` of text per batch, each batch from one file (tagged with it);
+    a piece starts a document when it is a file's first or follows one that ended one."""
     batch: Batch = []
-    size, current = 0, None
+    size, current, starts = 0, None, True
     for file_index, text, ends in pieces:
+        starts = starts or file_index != current
         if batch and (file_index != current or size >= _BATCH_CHARS):
             yield current, batch
             batch, size = [], 0
         current = file_index
-        batch.append((text, ends))
+        batch.append((text, starts, ends))
         size += len(text)
+        starts = ends
     if batch:
         yield current, batch
 

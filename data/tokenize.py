@@ -18,17 +18,19 @@ import os
 import signal
 import threading
 from collections import deque
-from typing import Iterable, Iterator, TypeVar
+from typing import Iterable, Iterator, Optional, TypeVar
 
 import numpy as np
 from tokenizers import Tokenizer
 
-Batch = list[tuple[str, bool]]  # (text, ends_document): EOS follows a piece that ends one
+# (text, starts_document, ends_document): BOS (if any) goes before a piece that starts one,
+# EOS after a piece that ends one
+Batch = list[tuple[str, bool, bool]]
 Tag = TypeVar("Tag")
 
 def encode_batches(tokenizer: Tokenizer, eos: int, dtype: str,
-                   batches: Iterable[tuple[Tag, Batch]],
-                   workers: int = 1) -> Iterator[tuple[Tag, np.ndarray]]:
+                   batches: Iterable[tuple[Tag, Batch]], workers: int = 1,
+                   bos: Optional[int] = None) -> Iterator[tuple[Tag, np.ndarray]]:
     """``(tag, ids)`` for each ``(tag, batch)``, in order; the tag passes through untouched.
 
     ``workers=1`` encodes in this process (the tokenizers library may still use several
@@ -38,9 +40,9 @@ def encode_batches(tokenizer: Tokenizer, eos: int, dtype: str,
         raise ValueError(f"workers={workers}: must be >= 1")
     if workers == 1:
         for tag, batch in batches:
-            yield tag, encode(tokenizer, batch, eos, dtype)
+            yield tag, encode(tokenizer, batch, eos, dtype, bos)
         return
-    with _Workers(workers, tokenizer.to_str(), eos, dtype) as pool:
+    with _Workers(workers, tokenizer.to_str(), eos, dtype, bos) as pool:
         yield from pool.encode_in_order(batches)
 
 
@@ -51,7 +53,8 @@ class _Workers:
     threads an interrupt or an error ends the workers at once: ``Pool.terminate`` hangs
     when its task thread is blocked sending a batch larger than the pipe's buffer."""
 
-    def __init__(self, count: int, tokenizer_json: str, eos: int, dtype: str):
+    def __init__(self, count: int, tokenizer_json: str, eos: int, dtype: str,
+                 bos: Optional[int]):
         context = multiprocessing.get_context("spawn")
         self.processes: list = []
         self.connections: list = []
@@ -66,7 +69,7 @@ class _Workers:
                 self.processes.append(process)
                 self.connections.append(ours)
             for connection in self.connections:
-                connection.send((tokenizer_json, eos, dtype))
+                connection.send((tokenizer_json, eos, dtype, bos))
         except BaseException:
             self.close()
             raise
@@ -136,11 +139,16 @@ def _ctrl_c_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
-def encode(tokenizer: Tokenizer, batch: Batch, eos: int, dtype: str) -> np.ndarray:
-    """The ids of a batch's pieces, concatenated, with EOS after each document's last piece."""
-    encodings = tokenizer.encode_batch_fast([text for text, _ in batch], add_special_tokens=False)
+def encode(tokenizer: Tokenizer, batch: Batch, eos: int, dtype: str,
+           bos: Optional[int] = None) -> np.ndarray:
+    """The ids of a batch's pieces, concatenated, with EOS after each document's last piece
+    and ``bos`` (if not None) before its first."""
+    encodings = tokenizer.encode_batch_fast([text for text, _, _ in batch],
+                                            add_special_tokens=False)
     parts = []
-    for encoding, (_, ends) in zip(encodings, batch, strict=True):
+    for encoding, (_, starts, ends) in zip(encodings, batch, strict=True):
+        if starts and bos is not None:
+            parts.append(np.array([bos], dtype=dtype))
         parts.append(np.asarray(encoding.ids, dtype=dtype))
         if ends:
             parts.append(np.array([eos], dtype=dtype))
@@ -149,7 +157,7 @@ def encode(tokenizer: Tokenizer, batch: Batch, eos: int, dtype: str) -> np.ndarr
 
 def _serve(connection) -> None:
     """A worker: the tokenizer first, then batches until None (or the parent is gone)."""
-    tokenizer_json, eos, dtype = connection.recv()
+    tokenizer_json, eos, dtype, bos = connection.recv()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
     tokenizer = Tokenizer.from_str(tokenizer_json)
     while True:
@@ -160,7 +168,7 @@ def _serve(connection) -> None:
         if batch is None:
             return
         try:
-            result = (True, encode(tokenizer, batch, eos, dtype))
+            result = (True, encode(tokenizer, batch, eos, dtype, bos))
         except Exception as err:  # noqa: BLE001 - raised again in the parent
             result = (False, err)
         connection.send(result)

@@ -1,14 +1,21 @@
 """The tokenizer of a prepared dataset: trained here (byte-level BPE) or brought by the user.
 
 Either way it is saved as ``tokenizer.json`` next to the shards and identified by its sha256,
-so a model is never trained or evaluated with token ids from a different vocabulary.
+so a model is never trained or evaluated with token ids from a different vocabulary. A
+brought tokenizer is a ``tokenizer.json`` or a Hugging Face tokenizer folder; a folder with
+only a SentencePiece ``tokenizer.model`` (Llama 2, Mistral, Gemma) is converted once, by
+transformers, to the same fast tokenizer that ``AutoTokenizer`` gives.
+
+Documents are joined with the end-of-document token (EOS); a tokenizer that starts every
+text with a begin token (its post-processor adds one: Llama, Mistral, Gemma) gets it at the
+start of each document too (``bos_id``), as its models were trained.
 """
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -19,7 +26,11 @@ EOS = "<|endoftext|>"  # separates documents in the token stream
 # A brought tokenizer's end-of-document token: the first of these it defines (GPT-2 and
 # t2train's own BPE, Llama 3, Llama 2 / Mistral, Gemma).
 EOS_TOKENS = (EOS, "<|end_of_text|>", "</s>", "<eos>")
+# Its begin-of-document token, for ``bos="always"``: the first of these it defines.
+BOS_TOKENS = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
+BOS_CHOICES = ("auto", "always", "never")
 TOKENIZER_FILE = "tokenizer.json"
+SENTENCEPIECE_FILE = "tokenizer.model"
 MIN_VOCAB = 257  # the 256 byte tokens plus EOS
 
 
@@ -43,19 +54,74 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """A user's ``tokenizer.json``, or the one in a Hugging Face model folder; it must define
-    an end-of-document token (``EOS_TOKENS``)."""
+    """A user's ``tokenizer.json``, or a Hugging Face tokenizer folder's (a SentencePiece
+    ``tokenizer.model`` converted); it must define an end-of-document token (``EOS_TOKENS``)."""
     path = Path(path)
     if path.is_dir():
+        if not (path / TOKENIZER_FILE).is_file() and (path / SENTENCEPIECE_FILE).is_file():
+            tokenizer = _converted(path)
+            eos_id(tokenizer, path)
+            return tokenizer
         path = path / TOKENIZER_FILE
     if not path.is_file():
-        raise DataError(f"tokenizer {path}: no such file (expected a Hugging Face tokenizer.json)")
+        raise DataError(f"tokenizer {path}: no such file (expected a Hugging Face tokenizer.json, "
+                        f"or a folder with one or with a SentencePiece {SENTENCEPIECE_FILE})")
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception on bad JSON
         raise DataError(f"tokenizer {path}: not a valid tokenizer.json ({err})") from None
     eos_id(tokenizer, path)
     return tokenizer
+
+
+def _converted(folder: Path) -> Tokenizer:
+    """The fast tokenizer transformers makes of a folder's SentencePiece model (its
+    ``tokenizer_config.json`` says which class; offline)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise DataError(f"tokenizer {folder}: only a SentencePiece {SENTENCEPIECE_FILE}; "
+                        "converting it needs transformers: pip install 't2train[hf]'") from None
+    try:
+        converted = AutoTokenizer.from_pretrained(str(folder), use_fast=True,
+                                                  local_files_only=True)
+    except Exception as err:  # transformers raises many types for a folder it cannot read
+        raise DataError(f"tokenizer {folder}: transformers cannot load its "
+                        f"{SENTENCEPIECE_FILE} ({type(err).__name__}: "
+                        f"{str(err).strip().splitlines()[0] if str(err).strip() else ''})"
+                        ) from None
+    if not converted.is_fast:
+        raise DataError(f"tokenizer {folder}: transformers could not convert its "
+                        f"{SENTENCEPIECE_FILE} to a fast tokenizer (it needs sentencepiece "
+                        "and protobuf: pip install 't2train[hf]')")
+    return converted.backend_tokenizer
+
+
+def default_bos_id(tokenizer: Tokenizer) -> Optional[int]:
+    """The begin token the tokenizer puts before every text by default (its post-processor),
+    or None: what encoding a text with and without its special tokens adds in front."""
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    special = tokenizer.encode("a", add_special_tokens=True).ids
+    front = next((k for k in range(len(special) - len(plain) + 1)
+                  if special[k:k + len(plain)] == plain), 0)
+    return special[0] if front else None
+
+
+def document_bos(tokenizer: Tokenizer, choice: str,
+                 source: str | Path = "tokenizer") -> Optional[int]:
+    """The token each document starts with: ``auto``, the tokenizer's default begin token
+    (``default_bos_id``, or none); ``always``, its begin token even if it adds none by
+    default; ``never``, none."""
+    if choice not in BOS_CHOICES:
+        raise DataError(f"bos={choice!r}: choose one of {', '.join(BOS_CHOICES)}")
+    default = None if choice == "never" else default_bos_id(tokenizer)
+    if choice != "always" or default is not None:
+        return default
+    for token in BOS_TOKENS:
+        if tokenizer.token_to_id(token) is not None:
+            return tokenizer.token_to_id(token)
+    raise DataError(f"bos=always: {source} has none of the begin tokens "
+                    f"{', '.join(map(repr, BOS_TOKENS))}")
 
 
 def eos_token(tokenizer: Tokenizer, source: str | Path = "tokenizer") -> str:

@@ -63,11 +63,14 @@ def train_argv(args: argparse.Namespace) -> list[str]:
 
 
 def launch(args: argparse.Namespace) -> int:
+    from t2train.launch import torchrun
+
+    torchrun.quiet_libtorch_warnings()
     import torch
 
     from t2train.config.loader import load_config
     from t2train.launch import plan as plans
-    from t2train.launch import slurm_env, torchrun
+    from t2train.launch import slurm_env
     from t2train.signals import parse_signals
 
     config = load_config(args.preset, args.config, overrides(args))

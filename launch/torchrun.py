@@ -43,6 +43,13 @@ def torchrun_argv(plan: LaunchPlan, train_argv: list[str],
             "--max-restarts=0", "--module", "t2train.cli", "train", *train_argv]
 
 
+def quiet_libtorch_warnings() -> None:
+    """libtorch's warnings carry a C++ stack each: when a node ends, every store client of the
+    other nodes (agents, workers) printed ~20 lines per failed call. Read when torch is
+    imported, so call this first; ``TORCH_CPP_LOG_LEVEL=WARNING`` shows them again."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 def exit_code(codes: Iterable[int]) -> int:
     """One exit code for the node from its workers' (negative: killed by that signal).
 
@@ -103,6 +110,7 @@ def run(plan: LaunchPlan, train_argv: list[str], exit_signals: list[signal.Signa
     """
     agent_signals = (_hand_signals_to_workers(exit_signals) if exit_signals
                      else TORCH_HANDLED_SIGNALS)
+    quiet_libtorch_warnings()  # the workers' (this process may have imported torch already)
     become_subreaper()  # the orphans of a killed worker become ours, not pid 1's
     os.environ[LAUNCHER_PID] = str(os.getpid())  # workers die with this launcher
     store = _rendezvous_store(plan) if max_restarts else None

@@ -85,8 +85,10 @@ def _dry_run(config) -> int:
         return 0
     parallel, steps = config.parallel, config.train.steps
     epochs = steps * config.train.global_batch_size / checked.samples["train"]
-    start = (f"resume from {checked.resume_from} (not loaded now)" if checked.resume_from
-             else "fresh start")
+    start = (f"resume from {checked.resume_from}{checked.skipped} (verified, not loaded now)"
+             if checked.resume_from else
+             f"fresh start from the weights of {checked.init_from} (verified, not loaded now)"
+             if checked.init_from else "fresh start")
     print(f"dry run of {config.run_dir}: {variant_label(config.model)} residual, "
           f"{checked.parameters / 1e6:.2f}M parameters on rank 0 | world {checked.world_size} = "
           f"TP {parallel.tensor} x PP {parallel.pipeline} x DP {checked.data_parallel} | "

@@ -13,7 +13,7 @@ the tracker itself first (the tracker ignores both signals) and sets the mask af
 from __future__ import annotations
 
 import signal
-from typing import Iterable
+from typing import Iterable, Optional
 
 from t2train.errors import ConfigError
 
@@ -46,3 +46,14 @@ def block(signals: Iterable[signal.Signals]) -> set:
     resource_tracker.ensure_running()
     signal.pthread_sigmask(signal.SIG_SETMASK, before | set(signals))
     return before
+
+
+def take_pending(signals: list[signal.Signals], timeout: float) -> Optional[signal.Signals]:
+    """One of ``signals`` pending (blocked) for this thread, waiting up to ``timeout`` seconds,
+    or None. A job suspended and resumed (SIGSTOP, SIGCONT: SLURM's suspend, a debugger)
+    interrupts the wait, and CPython's ``sigtimedwait`` then returns a siginfo of signal 0:
+    that is no signal (a trainer took it for Ctrl-C and stopped)."""
+    info = signal.sigtimedwait(signals, timeout)
+    if info is None or info.si_signo not in signals:
+        return None
+    return signal.Signals(info.si_signo)

@@ -117,6 +117,7 @@ def _load(overrides: list[str], config_file: str | None = None):
 @example([("model.num_layers", True, 0)])
 @example([("model.attention_backend", 1, 0)])
 @example([("model.recompute", ["full"], 0)])
+@example([("model.residual", [], 0)])  # a list is no design name (nor an old spelling)
 @example([("model", {1: 2, "a": 3}, 0)])
 @example([("data.mix", "a=nan", 2)])
 @example([("train.exit_signals", 5, 0)])

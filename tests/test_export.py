@@ -386,3 +386,22 @@ def test_eval_reports_progress_on_stderr(capsys):
     line = capsys.readouterr().err
     assert line.startswith("eval val: 10/40 batches, 0:00 elapsed, eta 0:0")
     assert line.count("\n") == 1
+
+
+def test_a_prompt_starts_as_the_runs_documents_did(tmp_path):
+    """``t2train generate`` encodes the prompt without the tokenizer's own special tokens and
+    puts the begin token the run's dataset started documents with (its checkpoint's bos_id)
+    in front, or none."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from t2train.export.tokenizer import RunTokenizer
+
+    tokenizer = Tokenizer(models.WordLevel({"<s>": 0, "a": 1, "b": 2, "[UNK]": 3},
+                                           unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                             special_tokens=[("<s>", 0)])
+    run = RunTokenizer(tmp_path, "0" * 64, tokenizer, eos_id=3)
+    assert run.encode_prompt("a b") == [1, 2]  # bos=never: not the tokenizer's default <s>
+    assert RunTokenizer(tmp_path, "0" * 64, tokenizer, eos_id=3, bos_id=0).encode_prompt(
+        "a b") == [0, 1, 2]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -53,6 +54,14 @@ def test_a_lock_held_by_a_live_process_is_refused_naming_it(tmp_path):
     lock.release()
 
 
+def test_a_run_that_made_the_directory_and_wrote_nothing_leaves_none(tmp_path):
+    RunLock(tmp_path / "new").release()
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "used").mkdir()
+    RunLock(tmp_path / "used").release()
+    assert (tmp_path / "used").is_dir()
+
+
 @pytest.mark.parametrize("holder, age, taken", [
     ({}, 5.0, False),  # another host, fresh heartbeat: flock may not reach it
     ({}, run_lock.STALE + 5, True),  # another host, stale heartbeat: it has ended
@@ -68,8 +77,10 @@ def test_a_free_lock_whose_holder_looks_alive_is_refused(tmp_path, monkeypatch, 
     path = _record(tmp_path / "run", age, **holder)
     before = path.read_text()
     if taken:
-        RunLock(tmp_path / "run").release()
+        lock = RunLock(tmp_path / "run")
         assert json.loads(path.read_text())["pid"] == os.getpid()
+        lock.release()
+        assert not path.exists()  # a run that ends leaves no lock behind
     else:
         with pytest.raises(RunDirectoryInUse, match="is in use by another run"):
             RunLock(tmp_path / "run")
@@ -89,8 +100,10 @@ def test_the_heartbeat_touches_the_lock(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_a_second_run_on_a_live_run_directory_is_refused_and_touches_nothing(shakespeare,
                                                                              tmp_path):
-    """A run trains; the same command started again (same name) exits 2 in one line naming
-    the live run, and the live run ends with every step logged and its checkpoints intact."""
+    """A run trains (paused by SIGSTOP once its first checkpoint is out, so it is surely
+    alive); the same command started again (same name) exits 2 in one line naming the live
+    run, and the live run, continued, ends with every step logged and its checkpoints
+    intact."""
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "t2train.cli", "train", "--preset", "tiny",
             f"data.path={shakespeare}", f"log.run_dir={run_dir}", "model.num_layers=1",
@@ -105,9 +118,11 @@ def test_a_second_run_on_a_live_run_directory_is_refused_and_touches_nothing(sha
         while not (run_dir / "checkpoints" / "latest").is_file():
             assert live.poll() is None and time.monotonic() < deadline, live.stdout.read()
             time.sleep(0.1)
+        live.send_signal(signal.SIGSTOP)
         metrics = (run_dir / "metrics.jsonl").read_text()
         second = subprocess.run(args, capture_output=True, text=True, cwd=REPO, env=env,
                                 timeout=300)
+        live.send_signal(signal.SIGCONT)
         assert second.returncode == 2, second.stdout + second.stderr
         errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and f"is in use by another run (host {socket.gethostname()}, " \
@@ -117,6 +132,7 @@ def test_a_second_run_on_a_live_run_directory_is_refused_and_touches_nothing(sha
         output, _ = live.communicate(timeout=600)
     finally:
         if live.poll() is None:
+            live.send_signal(signal.SIGCONT)
             live.kill()
             live.wait()
     assert live.returncode == 0, output[-3000:]

@@ -22,11 +22,12 @@ from t2train.residual import get_design, mixer, resolve_aliases
 # continues too).
 _ARCHITECTURE = ("residual", "num_layers", "hidden_size", "num_attention_heads",
                  "num_query_groups", "ffn_hidden_size", "vocab_size", "tie_embeddings",
-                 "norm_epsilon", "rotary_base")
+                 "norm_epsilon", "rotary_base", "rope_scaling_factor", "qkv_bias")
 
 
 def _architecture(model: dict, with_design: bool) -> dict:
-    fields = {name: model.get(name) for name in _ARCHITECTURE}
+    # a field a checkpoint predates has its default (the model it wrote had no such option)
+    fields = {name: model.get(name, getattr(ModelConfig, name, None)) for name in _ARCHITECTURE}
     fields["ffn_hidden_size"] = ModelConfig(
         hidden_size=model["hidden_size"],
         ffn_hidden_size=model.get("ffn_hidden_size")).resolved_ffn_hidden_size()

@@ -6,7 +6,9 @@ dotted field, the value and what is allowed (``ConfigError``).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import os
 from dataclasses import dataclass, field, make_dataclass
 from typing import Literal, Optional
 
@@ -30,6 +32,14 @@ class ModelShape:
     make_vocab_size_divisible_by: int = 128
     tie_embeddings: bool = True
     rotary_base: int = 10000
+    # Llama 3.1's RoPE frequency scaling by this factor (rope_type llama3: low_freq_factor 1,
+    # high_freq_factor 4, original context 8192, Megatron's); 0 = none.
+    rope_scaling_factor: float = 0.0
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2's)
+    # The Hugging Face class `t2train export hf` writes a `standard` model as: the one it was
+    # imported from ("" = LlamaForCausalLM); not part of the model's math.
+    hf_architecture: Literal["", "LlamaForCausalLM", "MistralForCausalLM",
+                             "Qwen2ForCausalLM"] = ""
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
@@ -77,6 +87,9 @@ class ModelShape:
         if self.vocab_size is not None:
             require(self.vocab_size >= 2, "model.vocab_size", self.vocab_size, "must be >= 2")
         require(self.norm_epsilon > 0, "model.norm_epsilon", self.norm_epsilon, "must be > 0")
+        require(self.rope_scaling_factor == 0 or self.rope_scaling_factor >= 1,
+                "model.rope_scaling_factor", self.rope_scaling_factor,
+                "must be 0 (no scaling) or >= 1")
         require(self.init_method_std > 0, "model.init_method_std", self.init_method_std,
                 "must be > 0")
         require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
@@ -348,9 +361,43 @@ class LogConfig:
     # offline into <run_dir>/wandb (wandb sync uploads it later); needs t2train[wandb].
     wandb: Literal["off", "online", "offline"] = "off"
     wandb_project: str = "t2train"
+    # A torch.profiler trace of these training steps ("N" or "FIRST-LAST"), written to
+    # <run_dir>/profile/ (t2train/monitor/profiler.py); "" = off.
+    profile_steps: str = ""
+    profile_ranks: str = "0"  # global ranks that profile: "all", or e.g. "0,8"
+    # On CUDA, the allocator's history over the profiled steps as a memory snapshot.
+    memory_snapshot: bool = False
+
+    def profile_window(self) -> Optional[tuple[int, int]]:
+        """``profile_steps`` as (first, last), None when off; checks its syntax."""
+        if not self.profile_steps:
+            return None
+        first, _, last = self.profile_steps.partition("-")
+        try:
+            window = (int(first), int(last or first))
+        except ValueError:
+            window = (0, -1)
+        require(1 <= window[0] <= window[1], "log.profile_steps", self.profile_steps,
+                "must be a step N or a range FIRST-LAST of steps >= 1")
+        return window
+
+    def profiles_rank(self, rank: int) -> bool:
+        if self.profile_ranks == "all":
+            return True
+        try:
+            ranks = {int(part) for part in self.profile_ranks.split(",")}
+        except ValueError:
+            ranks = set()
+        require(bool(ranks), "log.profile_ranks", self.profile_ranks,
+                "must be 'all' or global ranks separated by commas, e.g. 0,8")
+        return rank in ranks
 
     def validate(self) -> None:
         require(bool(self.run_dir), "log.run_dir", self.run_dir, "must be a directory path")
+        self.profile_window()
+        self.profiles_rank(0)
+        require(not self.memory_snapshot or bool(self.profile_steps), "log.memory_snapshot",
+                True, "needs log.profile_steps (the snapshot covers the profiled steps)")
         require(self.wandb == "off" or importlib.util.find_spec("wandb") is not None,
                 "log.wandb", self.wandb, "needs the wandb package: pip install 't2train[wandb]'")
         require(self.diagnostics_interval >= 0, "log.diagnostics_interval",
@@ -436,3 +483,21 @@ class Config:
     @property
     def run_dir(self) -> str:
         return self.log.run_dir.format(name=self.name)
+
+    def with_absolute_paths(self) -> "Config":
+        """This config with its dataset and checkpoint paths made absolute (against the
+        working directory), as a run records them: its checkpoints' config and its
+        ``config.yaml`` then work from any directory (export, generate, eval, resume)."""
+        def absolute(path: str) -> str:
+            return os.path.abspath(path) if path else path
+
+        data, checkpoint = self.data, self.checkpoint
+        entries = (entry.strip().rpartition("=") for entry in data.mix.split(",") if data.mix)
+        mix = ",".join(f"{absolute(path)}={weight}" for path, _, weight in entries)
+        resume = (checkpoint.resume if checkpoint.resume in ("auto", "none")
+                  else absolute(checkpoint.resume))
+        return dataclasses.replace(
+            self, data=dataclasses.replace(data, path=absolute(data.path), mix=mix,
+                                           cache_dir=absolute(data.cache_dir)),
+            checkpoint=dataclasses.replace(checkpoint, resume=resume,
+                                           init_from=absolute(checkpoint.init_from)))

@@ -160,7 +160,8 @@ class DeepSpeedEngine:
             # What `t2train ckpt inspect` and the resume checks read, without unpickling.
             summary = {key: state.get(key) for key in ("step", "tokens", "layout", "config",
                                                         "config_format", "code_version",
-                                                        "tokenizer_sha256", "checksums")}
+                                                        "tokenizer_sha256", "bos_id",
+                                                        "checksums")}
             (staging / ENGINE_FILE).write_text(json.dumps(
                 dict(summary, engine="deepspeed", has_optimizer=True), indent=1))
         publish_checkpoint(root, staging, final, on_published)

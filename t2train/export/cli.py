@@ -65,7 +65,7 @@ def _cmd_generate(args) -> int:
     top_p = 1.0 if args.top_p is None and args.temperature is not None else args.top_p
     checkpoint = open_checkpoint(args.checkpoint)
     tok = run_tokenizer(checkpoint, args.tokenizer)
-    prompt = tok.tokenizer.encode(args.prompt).ids
+    prompt = tok.encode_prompt(args.prompt)
     if not prompt:
         raise _usage("--prompt: encodes to no tokens; give some text")
     loaded = load_model(checkpoint, device=args.device)

@@ -67,7 +67,7 @@ def export_hf(given: str | Path, out: str | Path, tokenizer: Optional[str | Path
     loaded = load_model(checkpoint, device="cpu", dtype=DTYPES[dtype] if dtype else None)
     state = hf_state_dict(loaded.model.state_dict(), model_config)
     config = hf_config(model_config, loaded.vocab_size, run_tok.eos_id,
-                       next(iter(state.values())).dtype)
+                       next(iter(state.values())).dtype, run_tok.bos_id)
 
     staging = out.with_name(out.name + ".tmp")
     if staging.exists():  # left by an interrupted export
@@ -140,11 +140,12 @@ def _hf_tensors(key: str, tensor, heads: int, groups: int, head_dim: int) -> dic
         return {"model." + ".".join(parts[1:]): tensor}  # the stream's own parameters
     index, slot, rest = parts[2], parts[3], ".".join(parts[4:])
     prefix = f"model.layers.{index}.{_LAYER_SLOTS.get(slot, slot)}"
-    if slot in _ATTENTION_SLOTS and rest == "linear_qkv.weight":
-        per_group = tensor.view(groups, heads // groups + 2, head_dim, tensor.shape[-1])
-        return {f"{prefix}.q_proj.weight": per_group[:, :-2].reshape(-1, tensor.shape[-1]),
-                f"{prefix}.k_proj.weight": per_group[:, -2].reshape(-1, tensor.shape[-1]),
-                f"{prefix}.v_proj.weight": per_group[:, -1].reshape(-1, tensor.shape[-1])}
+    if slot in _ATTENTION_SLOTS and rest in ("linear_qkv.weight", "linear_qkv.bias"):
+        kind, width = rest.split(".")[1], tensor.shape[1:]  # a bias has no input width
+        per_group = tensor.view(groups, heads // groups + 2, head_dim, *width)
+        return {f"{prefix}.q_proj.{kind}": per_group[:, :-2].reshape(-1, *width),
+                f"{prefix}.k_proj.{kind}": per_group[:, -2].reshape(-1, *width),
+                f"{prefix}.v_proj.{kind}": per_group[:, -1].reshape(-1, *width)}
     if slot in _ATTENTION_SLOTS and rest == "linear_proj.weight":
         return {f"{prefix}.o_proj.weight": tensor}
     if slot == "mlp" and rest == "linear_fc1.weight":
@@ -156,8 +157,9 @@ def _hf_tensors(key: str, tensor, heads: int, groups: int, head_dim: int) -> dic
 
 
 def megatron_state_dict(hf: dict, model) -> dict[str, torch.Tensor]:
-    """``hf_state_dict`` inverted for a Llama (``standard``): Hugging Face names and split
-    q/k/v and gate/up tensors to Megatron's TP = 1 state dict. ``model`` is the ``ModelConfig``."""
+    """``hf_state_dict`` inverted for a Llama-family model (``standard``): Hugging Face names
+    and split q/k/v (weights and, Qwen2's, biases) and gate/up tensors to Megatron's TP = 1
+    state dict. ``model`` is the ``ModelConfig``."""
     heads = model.num_attention_heads
     groups = model.num_query_groups or heads
     head_dim = model.hidden_size // heads
@@ -176,21 +178,22 @@ def megatron_state_dict(hf: dict, model) -> dict[str, torch.Tensor]:
         prefix = f"decoder.layers.{parts[2]}.{megatron_slot[parts[3]]}"
         rest = ".".join(parts[4:])
         if rest in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
-                    "up_proj.weight"):
-            fused.setdefault(prefix, {})[rest.split("_")[0]] = tensor
+                    "up_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias"):
+            part, kind = rest.split("_")[0], rest.split(".")[1]
+            fused.setdefault((prefix, kind), {})[part] = tensor
         elif rest in ("o_proj.weight", "down_proj.weight"):
             state[f"{prefix}.{'linear_proj' if rest[0] == 'o' else 'linear_fc2'}.weight"] = tensor
         else:
             state[f"{prefix}.{rest}"] = tensor
-    for prefix, parts in fused.items():
+    for (prefix, kind), parts in fused.items():
         if prefix.endswith(".mlp"):
             state[f"{prefix}.linear_fc1.weight"] = torch.cat([parts["gate"], parts["up"]])
             continue
-        width = parts["q"].shape[-1]
-        per_group = torch.cat([parts["q"].view(groups, heads // groups, head_dim, width),
-                               parts["k"].view(groups, 1, head_dim, width),
-                               parts["v"].view(groups, 1, head_dim, width)], dim=1)
-        state[f"{prefix}.linear_qkv.weight"] = per_group.reshape(-1, width)
+        width = parts["q"].shape[1:]  # a bias has no input width
+        per_group = torch.cat([parts["q"].view(groups, heads // groups, head_dim, *width),
+                               parts["k"].view(groups, 1, head_dim, *width),
+                               parts["v"].view(groups, 1, head_dim, *width)], dim=1)
+        state[f"{prefix}.linear_qkv.{kind}"] = per_group.reshape(-1, *width)
     return state
 
 
@@ -211,9 +214,11 @@ def _write_weights(state: dict, folder: Path, max_shard_size: str | int) -> None
 
 # --- config, generation config, tokenizer ----------------------------------------------------
 
-def hf_config(model, vocab_rows: int, eos_id: int, dtype: torch.dtype):
-    """The transformers config of a ``ModelConfig``: ``LlamaConfig`` for a plain pre-norm
-    Transformer, else the modeling file's ``T2TrainConfig`` (with its ``auto_map``)."""
+def hf_config(model, vocab_rows: int, eos_id: int, dtype: torch.dtype,
+              bos_id: Optional[int] = None):
+    """The transformers config of a ``ModelConfig``: for a plain pre-norm Transformer, that
+    of its family (``model.hf_architecture``: Llama, Mistral without a sliding window, Qwen2),
+    else the modeling file's ``T2TrainConfig`` (with its ``auto_map``)."""
     shape = dict(vocab_size=vocab_rows, hidden_size=model.hidden_size,
                  intermediate_size=model.resolved_ffn_hidden_size(),
                  num_hidden_layers=model.num_layers,
@@ -222,32 +227,62 @@ def hf_config(model, vocab_rows: int, eos_id: int, dtype: torch.dtype):
                  rms_norm_eps=model.norm_epsilon, rope_theta=float(model.rotary_base),
                  max_position_embeddings=model.seq_length,
                  initializer_range=model.init_method_std,
-                 tie_word_embeddings=model.tie_embeddings, bos_token_id=eos_id,
+                 tie_word_embeddings=model.tie_embeddings,
+                 bos_token_id=eos_id if bos_id is None else bos_id,
                  eos_token_id=eos_id, dtype=str(dtype).removeprefix("torch."))
     if residual_hf.is_llama(model):
-        from transformers import LlamaConfig
-
-        return LlamaConfig(**shape, head_dim=model.hidden_size // model.num_attention_heads,
-                           hidden_act="silu", attention_bias=False, mlp_bias=False,
-                           architectures=["LlamaForCausalLM"])
+        return _family_config(model, shape)
+    if model.qkv_bias or model.rope_scaling_factor:
+        raise UserInputError(f"model.residual={model.residual!r} with model.qkv_bias or "
+                             "model.rope_scaling_factor: the modeling file implements neither "
+                             "(a plain pre-norm Transformer, without the mixer, exports as its "
+                             "Llama-family class)")
     return residual_hf.modeling_module().T2TrainConfig(**shape, **residual_hf.config_fields(model),
                          architectures=["T2TrainForCausalLM"],
                          auto_map={"AutoConfig": f"{MODELING_NAME}.T2TrainConfig",
                                    "AutoModelForCausalLM": f"{MODELING_NAME}.T2TrainForCausalLM"})
 
 
+def _family_config(model, shape: dict):
+    """``LlamaConfig`` (Llama 3.1's RoPE scaling if set), ``MistralConfig`` or ``Qwen2Config``."""
+    import transformers
+
+    family = model.hf_architecture or "LlamaForCausalLM"
+    head_dim = model.hidden_size // model.num_attention_heads
+    if model.qkv_bias != (family == "Qwen2ForCausalLM"):
+        raise UserInputError(f"model.qkv_bias={model.qkv_bias} cannot be exported as {family} "
+                             "(Qwen2ForCausalLM has q, k and v biases, Llama and Mistral none)")
+    if model.rope_scaling_factor and family != "LlamaForCausalLM":
+        raise UserInputError(f"model.rope_scaling_factor={model.rope_scaling_factor} cannot be "
+                             f"exported as {family} (Llama 3.1's RoPE scaling is Llama's)")
+    extra = {"LlamaForCausalLM": dict(attention_bias=False, mlp_bias=False),
+             "MistralForCausalLM": dict(sliding_window=None),
+             "Qwen2ForCausalLM": dict(use_sliding_window=False)}[family]
+    if model.rope_scaling_factor:
+        extra["rope_scaling"] = {"rope_type": "llama3", "factor": model.rope_scaling_factor,
+                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192}
+    config_class = getattr(transformers, family.replace("ForCausalLM", "Config"))
+    config = config_class(**shape, hidden_act="silu", architectures=[family], **extra)
+    config.head_dim = head_dim  # Qwen2's config derives it; the others take it as given
+    return config
+
+
 def _generation_config(run_tok: RunTokenizer):
     from transformers import GenerationConfig
 
-    return GenerationConfig(bos_token_id=run_tok.eos_id, eos_token_id=run_tok.eos_id,
+    bos = run_tok.eos_id if run_tok.bos_id is None else run_tok.bos_id
+    return GenerationConfig(bos_token_id=bos, eos_token_id=run_tok.eos_id,
                             pad_token_id=run_tok.eos_id)
 
 
 def _tokenizer(run_tok: RunTokenizer, seq_length: int):
     from transformers import PreTrainedTokenizerFast
 
+    bos = (run_tok.eos_token if run_tok.bos_id is None
+           else run_tok.tokenizer.id_to_token(run_tok.bos_id))
     return PreTrainedTokenizerFast(tokenizer_file=str(run_tok.path), eos_token=run_tok.eos_token,
-                                   bos_token=run_tok.eos_token, model_max_length=seq_length,
+                                   bos_token=bos, model_max_length=seq_length,
                                    clean_up_tokenization_spaces=False,
                                    model_input_names=["input_ids", "attention_mask"])
 

@@ -1,13 +1,20 @@
-"""``t2train import hf FOLDER OUT``: a Hugging Face ``LlamaForCausalLM`` as a t2train checkpoint.
+"""``t2train import hf FOLDER OUT``: a Hugging Face Llama-family model as a t2train checkpoint.
 
 Continued pretraining usually starts from someone's Llama. A Llama is the ``standard`` design
 (pre-norm, RMSNorm, RoPE, SwiGLU, no biases), so its weights map onto Megatron's names exactly
-(``hf.megatron_state_dict``, the export's mapping inverted). OUT becomes a run-like folder:
+(``hf.megatron_state_dict``, the export's mapping inverted). So do the families that differ
+from it only where Megatron has the option: ``LlamaForCausalLM`` with Llama 3.1's RoPE scaling
+(``model.rope_scaling_factor``), ``MistralForCausalLM`` without a sliding window, and
+``Qwen2ForCausalLM`` (biases on q, k and v: ``model.qkv_bias``). Anything else in a config
+(another RoPE scaling, other biases, a sliding window, another activation) is refused in one
+line naming the field; ``model.hf_architecture`` remembers the family, which the export writes
+back. OUT becomes a run-like folder:
 
 * ``checkpoints/step_00000000/``: the weights at TP = PP = 1 (torch_dist; they reshard into any
   layout), the model config and the tokenizer's hash, no optimizer state;
 * ``tokenizer.json``: the folder's tokenizer as t2train saves it (its hash is the one recorded);
-* ``t2train.yaml``: the ``model`` section and ``checkpoint.init_from: OUT``, for ``--config``.
+* ``t2train.yaml``: the ``model`` section and ``checkpoint.init_from``: OUT as an absolute path
+  (the file works from any directory), for ``--config``.
 
 ``t2train export hf``, ``generate`` and ``eval`` read OUT like any checkpoint.
 """
@@ -26,9 +33,16 @@ import yaml
 from t2train.errors import UserInputError
 from t2train.residual import BASELINE
 
-# Llama options the `standard` design does not implement: refused by name.
-_UNSUPPORTED = {"rope_scaling": None, "attention_bias": False, "mlp_bias": False,
-                "hidden_act": "silu"}
+# The families that map onto the `standard` design, and the value each must have of the
+# config fields the design does not implement otherwise (refused by name).
+FAMILIES = {
+    "LlamaForCausalLM": {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu"},
+    "MistralForCausalLM": {"sliding_window": None, "hidden_act": "silu"},
+    "Qwen2ForCausalLM": {"use_sliding_window": False, "hidden_act": "silu"},
+}
+# Llama 3.1's RoPE scaling: the fields Megatron's implementation fixes, and their values.
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
 
 
 @dataclass
@@ -39,17 +53,19 @@ class Imported:
     config_file: Path
 
 
-def llama_model_section(hf: dict, source: Path, seq_length: Optional[int]) -> dict:
-    """The ``model`` config section of a Llama's ``config.json``."""
-    if "LlamaForCausalLM" not in (hf.get("architectures") or []):
+def hf_model_section(hf: dict, source: Path, seq_length: Optional[int]) -> dict:
+    """The ``model`` config section of a Llama-family model's ``config.json``."""
+    family = next((name for name in hf.get("architectures") or [] if name in FAMILIES), None)
+    if family is None:
         raise UserInputError(f"{source}: architectures={hf.get('architectures')!r}; only "
-                             "LlamaForCausalLM checkpoints can be imported")
-    for name, supported in _UNSUPPORTED.items():
+                             f"{', '.join(FAMILIES)} checkpoints can be imported")
+    for name, supported in FAMILIES[family].items():
         if hf.get(name, supported) != supported:
             raise UserInputError(f"{source}: {name}={hf[name]!r} is not supported (the "
                                  f"{BASELINE} design has {name}={supported!r})")
+    rope_scaling_factor = _rope_scaling_factor(hf.get("rope_scaling"), source)
     heads = hf["num_attention_heads"]
-    if hf.get("head_dim", hf["hidden_size"] // heads) * heads != hf["hidden_size"]:
+    if (hf.get("head_dim") or hf["hidden_size"] // heads) * heads != hf["hidden_size"]:
         raise UserInputError(f"{source}: head_dim={hf['head_dim']} x num_attention_heads="
                              f"{heads} != hidden_size={hf['hidden_size']}")
     kv_heads = hf.get("num_key_value_heads") or heads
@@ -60,8 +76,22 @@ def llama_model_section(hf: dict, source: Path, seq_length: Optional[int]) -> di
             "seq_length": seq_length or hf["max_position_embeddings"],
             "vocab_size": hf["vocab_size"], "tie_embeddings": bool(hf.get("tie_word_embeddings")),
             "rotary_base": int(hf.get("rope_theta", 10000)),
+            "rope_scaling_factor": rope_scaling_factor,
+            "qkv_bias": family == "Qwen2ForCausalLM", "hf_architecture": family,
             "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
             "init_method_std": float(hf.get("initializer_range", 0.02))}
+
+
+def _rope_scaling_factor(scaling: Optional[dict], source: Path) -> float:
+    """``rope_scaling`` as Megatron's Llama 3.1 scaling factor (0.0 without scaling)."""
+    if scaling is None:
+        return 0.0
+    kind = scaling.get("rope_type", scaling.get("type"))
+    fixed = {name: float(scaling.get(name, -1)) for name in LLAMA3_ROPE}
+    if kind != "llama3" or fixed != LLAMA3_ROPE or "factor" not in scaling:
+        raise UserInputError(f"{source}: rope_scaling={scaling!r} is not supported (Llama 3.1's "
+                             f"rope_type 'llama3' with {LLAMA3_ROPE} and a factor is)")
+    return float(scaling["factor"])
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -88,11 +118,12 @@ def import_hf(given: str | Path, out: str | Path, seq_length: Optional[int] = No
               progress: Callable[[str], None] = lambda stage: None) -> Imported:
     from megatron.core import dist_checkpointing
 
+    from t2train.checkpoint.integrity import recorded_checksums
     from t2train.checkpoint.paths import INCOMPLETE, step_dir_name
     from t2train.checkpoint.store import current_layout, publish_checkpoint
     from t2train.config.loader import config_from_dict
     from t2train.config.schema import CONFIG_FORMAT
-    from t2train.data.tokenizer import load_tokenizer, save_tokenizer
+    from t2train.data.tokenizer import default_bos_id, load_tokenizer, save_tokenizer
     from t2train.export.hf import _check_out, megatron_state_dict
     from t2train.export.load import build_model, single_process_world
     from t2train.model.build import padded_vocab_size
@@ -101,8 +132,8 @@ def import_hf(given: str | Path, out: str | Path, seq_length: Optional[int] = No
     folder, out = Path(given), Path(out)
     if not (folder / "config.json").is_file():
         raise UserInputError(f"{folder}: no config.json (expected a Hugging Face model folder)")
-    section = llama_model_section(json.loads((folder / "config.json").read_text()),
-                                  folder / "config.json", seq_length)
+    section = hf_model_section(json.loads((folder / "config.json").read_text()),
+                               folder / "config.json", seq_length)
     config = config_from_dict({"model": section})
     tokenizer = load_tokenizer(folder)
     _check_out(out, overwrite)
@@ -124,8 +155,9 @@ def import_hf(given: str | Path, out: str | Path, seq_length: Optional[int] = No
     missing = sorted(set(own) - set(state) - {k for k in own if k.endswith("_extra_state")})
     extra = sorted(set(state) - set(own))
     if missing or extra:
-        raise UserInputError(f"{folder}: the weights do not fit a Llama of its config.json "
-                             f"(missing {missing[:3]}, unexpected {extra[:3]})")
+        raise UserInputError(f"{folder}: the weights do not fit a {section['hf_architecture']} "
+                             f"of its config.json (missing {missing[:3]}, unexpected "
+                             f"{extra[:3]})")
     model.load_state_dict(state, strict=False)
 
     if out.exists():  # empty, or --overwrite: replaced
@@ -140,11 +172,12 @@ def import_hf(given: str | Path, out: str | Path, seq_length: Optional[int] = No
     train_state = {"step": 0, "layout": current_layout(), "has_optimizer": False,
                    "config": asdict(config), "config_format": CONFIG_FORMAT,
                    "code_version": code_version(), "tokenizer_sha256": sha,
-                   "imported_from": str(folder.resolve())}
+                   "bos_id": default_bos_id(tokenizer),
+                   "imported_from": str(folder.resolve()), **recorded_checksums()}
     dist_checkpointing.save({"model": model.sharded_state_dict(), "train_state": train_state},
                             str(staging))
     publish_checkpoint(root, staging, final, None)
     config_file = out / "t2train.yaml"
     config_file.write_text(yaml.safe_dump(
-        {"model": section, "checkpoint": {"init_from": str(out)}}, sort_keys=False))
+        {"model": section, "checkpoint": {"init_from": str(out.resolve())}}, sort_keys=False))
     return Imported(out, final, sum(t.numel() for t in hf_weights.values()), config_file)

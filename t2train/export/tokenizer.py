@@ -23,6 +23,12 @@ class RunTokenizer:
     tokenizer: object  # tokenizers.Tokenizer
     eos_id: int
     eos_token: str = EOS
+    bos_id: Optional[int] = None  # the token each training document started with
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """``text``'s ids as a document of the run's training data began."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return ids if self.bos_id is None else [self.bos_id, *ids]
 
 
 def run_tokenizer_hash(checkpoint: Checkpoint) -> Optional[str]:
@@ -57,4 +63,5 @@ def run_tokenizer(checkpoint: Checkpoint, given: Optional[str | Path] = None) ->
     if expected is not None and sha != expected:
         raise DataError(f"tokenizer {path}: sha256 {sha[:12]}, but the run was trained with "
                         f"tokenizer {expected[:12]}")
-    return RunTokenizer(path, sha, tokenizer, eos_id(tokenizer, path), eos_token(tokenizer, path))
+    return RunTokenizer(path, sha, tokenizer, eos_id(tokenizer, path), eos_token(tokenizer, path),
+                        checkpoint.train_state.get("bos_id"))

@@ -66,6 +66,7 @@ def transformer_config(config: Config) -> T2TransformerConfig:
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
+        add_qkv_bias=model.qkv_bias,
         hidden_dropout=model.dropout,
         attention_dropout=model.dropout,
         init_method_std=model.init_method_std,

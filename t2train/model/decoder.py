@@ -82,7 +82,8 @@ class ResidualDecoder(TransformerBlock):
                 state = self._recomputed_layers(state, attention_mask, rotary_pos_emb)
             else:
                 for layer in self.layers:
-                    state = layer(state, attention_mask, rotary_pos_emb)
+                    with torch.profiler.record_function(f"t2train layer {layer.layer_number}"):
+                        state = layer(state, attention_mask, rotary_pos_emb)
 
         if self.post_process:
             output = self.final_layernorm(self.stream.exit(state))

@@ -43,8 +43,10 @@ class T2GPTModel(LanguageModule):
             self.embedding = LanguageModelEmbedding(
                 config=config, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
                 position_embedding_type="rope", tp_group=pg_collection.tp)
+        scaling = config.t2_model.rope_scaling_factor
         self.rotary_pos_emb = RotaryEmbedding(
             kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=rotary_base,
+            rope_scaling=scaling > 0, rope_scaling_factor=scaling or 8.0,
             use_cpu_initialization=config.use_cpu_initialization, cp_group=pg_collection.cp)
         self.decoder = ResidualDecoder(
             config, pre_process=pre_process, post_process=post_process,

@@ -130,7 +130,7 @@ def resolve_aliases(model: dict, config_format: int) -> dict:
     if not isinstance(section, dict):  # malformed: left for the config loader to name
         return model
     section = dict(section)
-    if model.get("residual") in _ALIASES:
+    if isinstance(model.get("residual"), str) and model["residual"] in _ALIASES:
         design, window = _ALIASES[model["residual"]]
         section["window"] = section.get("window") or window
         return dict(model, residual=design, **{mixer().section: section})

@@ -24,6 +24,8 @@ import threading
 import time
 from typing import Callable, Optional
 
+from t2train.signals import take_pending
+
 REPEAT_AFTER_S = 1.0
 FIRST_PRESS = ("Ctrl-C: saving a checkpoint after this step, then stopping (exit code {code}); "
                "press Ctrl-C again to stop at once without saving")
@@ -58,7 +60,7 @@ class CtrlC:
 
     def _wait(self) -> None:
         while not self._done.is_set():
-            if signal.sigtimedwait([signal.SIGINT], 0.1) is not None:
+            if take_pending([signal.SIGINT], 0.1) is not None:
                 self.pressed()
                 if self.stop_now:
                     _thread.interrupt_main()  # runs _handle in the main thread

@@ -1,9 +1,10 @@
 """``t2train train --dry-run``: everything a run sets up, then no training.
 
-The same checks and objects as a run's start (``loop.py``): the dataset, the resume target,
-the process groups against the world size, the engine with its model and optimizer, and one
-step's micro-batches read through the loaders. Nothing is written to the run directory and no
-checkpoint is loaded (the target is named).
+The same checks and objects as a run's start (``loop.py``): the dataset, the resume target
+or the ``checkpoint.init_from`` weights (each verified against its checksums, as the run
+would), the process groups against the world size, the engine with its model and optimizer,
+and one step's micro-batches read through the loaders. Nothing is written to the run
+directory and no checkpoint is loaded (the one that would be is named).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ class DryRun:
     world_size: int
     data_parallel: int
     resume_from: Optional[Path]
+    skipped: str  # damaged checkpoints resume=auto would skip
+    init_from: Optional[Path]  # the weights a fresh start would load (checkpoint.init_from)
     samples: dict  # split -> samples in data.path
     tokens_per_step: int
 
@@ -34,9 +37,18 @@ def dry_run(config: Config) -> DryRun:
     from t2train.model.build import padded_vocab_size
     from t2train.train.batches import GlobalBatchFeeder
     from t2train.train.data import open_streams
-    from t2train.train.trainer import start_ranks
+    from t2train.checkpoint.inspect import resolve_checkpoint
+    from t2train.checkpoint.integrity import require_intact
+    from t2train.train.trainer import start_ranks, verified
 
+    config = config.with_absolute_paths()  # as train() runs it
     facts, resume_from, dp_size, topology = start_ranks(config)
+    skipped, init_from = "", None
+    if resume_from is not None:
+        resume_from, skipped = verified(config, Path(config.run_dir), resume_from)
+    elif config.checkpoint.init_from:
+        init_from = resolve_checkpoint(Path(config.checkpoint.init_from))
+        require_intact(init_from, f"checkpoint.init_from={config.checkpoint.init_from}")
     engine = build_engine(config, padded_vocab_size(facts["vocab_size"], config))
     streams = open_streams(config, topology, dp_size, None)
     try:
@@ -46,5 +58,6 @@ def dry_run(config: Config) -> DryRun:
         streams.close()
     splits = read_index(config.data.path)["splits"]
     return DryRun(facts["vocab_size"], engine.num_parameters(), dist.get_world_size(), dp_size,
-                  resume_from, {split: facts["samples"] for split, facts in splits.items()},
+                  resume_from, skipped, init_from,
+                  {split: facts["samples"] for split, facts in splits.items()},
                   config.train.global_batch_size * config.model.seq_length)

@@ -13,7 +13,8 @@ from t2train.data.prepare import read_index
 
 
 def dataset_facts(config: Config) -> dict:
-    """The vocabulary the model is built for and the tokenizer's hash, from ``data.path``."""
+    """The vocabulary the model is built for, the tokenizer's hash and the token that starts
+    each document (None: none), from ``data.path``."""
     if not config.data.path:
         raise ConfigError("data.path='': must name a prepared dataset directory (see "
                           "`t2train data prepare`)")
@@ -25,7 +26,8 @@ def dataset_facts(config: Config) -> dict:
     if vocab < index["vocab_size"]:
         raise ConfigError(f"model.vocab_size={vocab}: smaller than the tokenizer's vocabulary "
                           f"({index['vocab_size']}) of {config.data.path}")
-    return {"vocab_size": vocab, "tokenizer_sha256": index["tokenizer"]["sha256"]}
+    return {"vocab_size": vocab, "tokenizer_sha256": index["tokenizer"]["sha256"],
+            "bos_id": index.get("bos_id")}
 
 
 def resume_target(config: Config, run_dir: Path) -> Optional[Path]:

@@ -17,6 +17,7 @@ from t2train.train.summary import RunSummary
 
 def train(config: Config) -> RunSummary:
     """Run to ``train.steps``, or stop early with a checkpoint (``RunSummary.stopped``)."""
+    config = config.with_absolute_paths()  # as the run records them: usable from anywhere
     die_with_launcher()
     quiet_other_ranks(config.log.all_ranks)
     # Deferred until the other ranks are quiet: the trainer imports the data and export

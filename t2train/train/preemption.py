@@ -27,7 +27,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from t2train.signals import REQUEUE_EXIT_CODE, block
+from t2train.signals import REQUEUE_EXIT_CODE, block, take_pending
 from t2train.train.ctrl_c import CtrlC, announces
 
 
@@ -62,7 +62,7 @@ class StopGuard:
         if self._ctrl_c is not None:
             self._ctrl_c.__exit__(*exc)
         # A signal still pending would fire under the restored handler: consume it.
-        while self.signals and signal.sigtimedwait(self.signals, 0) is not None:
+        while self.signals and take_pending(self.signals, 0) is not None:
             pass
         for sig, handler in self._saved_handlers.items():
             signal.signal(sig, handler)
@@ -73,9 +73,9 @@ class StopGuard:
 
     def _local_request(self) -> int:
         """0: carry on; 1: out of time; 2 + i: received ``self.signals[i]``."""
-        delivered = signal.sigtimedwait(self._polled, 0) if self._polled else None
+        delivered = take_pending(self._polled, 0) if self._polled else None
         if delivered is not None:
-            self._received = signal.Signals(delivered.si_signo)
+            self._received = delivered
         if self._received is not None:
             return 2 + self.signals.index(self._received)
         if self.exit_duration_s and time.monotonic() - self.started >= self.exit_duration_s:

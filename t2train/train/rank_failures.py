@@ -15,14 +15,18 @@ failing rank exits at once too, without the interpreter's teardown: torchrun sto
 workers of one that has exited, and a rank still tearing down would be killed by it and
 report SIGTERM instead of the error's exit code. For the same reason a rank whose collective
 breaks because a peer has already exited (gloo: "Connection closed by peer") ends with the
-announced error when the exception leaves the run, before the stop guard unblocks SIGTERM.
+announced error when the exception leaves the run, before the stop guard unblocks SIGTERM;
+without an announcement (the peer was killed) it ends with one line saying that a peer
+ended, not a traceback through the collective (``T2_TRACEBACK=1`` prints it too).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
+import traceback
 from typing import Optional
 
 import torch.distributed as dist
@@ -32,6 +36,10 @@ from t2train.train.hard_exit import exit_now
 
 _FAILED = "t2train/rank_failure"
 _READ = "t2train/rank_failure_read"
+# What a collective raises on this rank when a peer process has gone (gloo, NCCL).
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer",
+             "remote process exited or there was a network error",
+             "NCCL communicator was aborted")
 
 
 class RankFailures:
@@ -48,12 +56,19 @@ class RankFailures:
         self._thread.start()
         return self
 
-    def __exit__(self, exc_type, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         self._stop.set()
         if exc_type is not None and not self._announced:
             message = _announced_by_peer()
             if message is not None:  # a peer's exit broke this rank's collective first
                 _exit(message, acknowledge=True)
+            if any(gone in str(exc) for gone in PEER_GONE):
+                if os.environ.get("T2_TRACEBACK") == "1":
+                    traceback.print_exception(exc_type, exc, tb)
+                cause = next(line for line in str(exc).splitlines() if line.strip())
+                _exit(f"rank {dist.get_rank()}: another rank has ended, breaking a collective "
+                      f"({cause[:200]}); its output says why (T2_TRACEBACK=1 prints this "
+                      "rank's traceback)")
 
     def end_all(self, message: str) -> None:
         """This rank failed alone: every rank ends with ``message``, this one included. Returns
@@ -71,17 +86,26 @@ class RankFailures:
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_seconds):
-            message = None if self._announced else _announced_by_peer()
+            if self._announced:
+                continue
+            try:
+                message = _peer_message()
+            except Exception:  # the store ended with its host: nothing more to hear
+                return
             if message is not None:
                 _exit(message, acknowledge=True)  # the main thread is blocked in a collective
 
 
-def _announced_by_peer() -> Optional[str]:
+def _peer_message() -> Optional[str]:
     store = _store()
     if store is None:
         return None
+    return store.get(_FAILED).decode() if store.check([_FAILED]) else None
+
+
+def _announced_by_peer() -> Optional[str]:
     try:
-        return store.get(_FAILED).decode() if store.check([_FAILED]) else None
+        return _peer_message()
     except Exception:  # the store ended with its host; the collective timeout remains
         return None
 

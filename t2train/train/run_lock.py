@@ -16,6 +16,10 @@ holder. The lock is
   alive is refused too: on this host, when the holder's process is alive; on another, when
   its heartbeat is younger than ``STALE`` seconds. An earlier attempt of the same SLURM job
   (a requeue, an in-job restart) is never alive, so its lock is taken over.
+
+A run that ends removes the lock file (and the run directory, if the lock made it and
+nothing else was written: a run refused early leaves nothing behind); a run killed leaves the
+file with a dead holder, which the next run takes.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ def _alive_elsewhere(holder: dict, heartbeat_age: float) -> Optional[str]:
     None if it has ended."""
     if not holder or (holder.get("job") and holder["job"] == os.environ.get("SLURM_JOB_ID")):
         return None  # no holder, or an earlier attempt of this very job
+    if holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
+        return None  # an earlier run of this process, which was killed by nothing
     if holder.get("host") == socket.gethostname():
         try:
             os.kill(int(holder["pid"]), 0)
@@ -74,24 +80,43 @@ class RunLock:
     """The run directory's lock, held until ``release``."""
 
     def __init__(self, run_dir: Path):
+        self.made_dir = not run_dir.exists()
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / LOCK_FILE
-        self._file = open(self.path, "a+")
+        self._file = None
         try:
+            self._open_locked()
             self._take()
         except BaseException:
-            self._file.close()
+            if self._file is not None:
+                self._file.close()
+            self._remove_dir()
             raise
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, daemon=True,
                                       name="t2train-run-lock")
         self._beat.start()
 
+    def _open_locked(self) -> None:
+        """Open and flock the lock file; again if the holder removed it meanwhile (the lock
+        would be on a file nobody else opens)."""
+        while True:
+            self._file = open(self.path, "a+")
+            try:
+                fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = self._recorded()
+                self._file.close()
+                self._file = None
+                raise RunDirectoryInUse(self._refusal(holder, "it holds its lock"))
+            try:
+                if os.stat(self.path).st_ino == os.fstat(self._file.fileno()).st_ino:
+                    return
+            except FileNotFoundError:
+                pass
+            self._file.close()
+
     def _take(self) -> None:
-        try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RunDirectoryInUse(self._refusal(self._recorded(), "it holds its lock"))
         holder = self._recorded()
         why = _alive_elsewhere(holder, time.time() - os.fstat(self._file.fileno()).st_mtime)
         if why is not None:
@@ -122,9 +147,19 @@ class RunLock:
                 return
 
     def release(self) -> None:
+        """Remove the lock file (still holding it) and the run directory if the lock made it
+        and it is empty, then let go."""
         self._stop.set()
         self._beat.join()
         try:
-            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self.path.unlink(missing_ok=True)
+            self._remove_dir()
         finally:
-            self._file.close()
+            self._file.close()  # closing releases the flock
+
+    def _remove_dir(self) -> None:
+        if self.made_dir:
+            try:
+                self.path.parent.rmdir()
+            except OSError:  # not empty: the run wrote into it
+                pass

@@ -31,6 +31,7 @@ from t2train.errors import TrainingHalted
 from t2train.model.build import padded_vocab_size
 from t2train.monitor.diagnostics import Diagnostics, diagnostic_micro_batches
 from t2train.monitor.metrics import Monitor
+from t2train.monitor.profiler import StepProfiler
 from t2train.monitor.step_metrics import loss_scalars, step_meter
 from t2train.monitor.wandb_sink import wandb_settings
 from t2train.parallel.init import Topology, init_distributed, init_model_parallel, set_seed
@@ -147,6 +148,8 @@ class Trainer:
                                        and self.topology.dp_rank == 0)
         self.summary = RunSummary(run_dir=self.run_dir, start_step=self.start_step,
                                   final_step=self.start_step)
+        self.profiler = StepProfiler(config.log, self.run_dir, self.topology.rank)
+        self.resources.callback(self.profiler.close)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", config, self.engine,
                                          self._report_save, monitor=self.monitor,
                                          counters=train_state)
@@ -157,7 +160,10 @@ class Trainer:
 
     def _lock_run_directory(self) -> None:
         """Collective: rank 0 takes the run directory's lock (held until the run closes), or
-        every rank stops with the holder named, before anything is written (run_lock.py)."""
+        every rank stops with the holder named, before anything is written (run_lock.py).
+        Only once every rank has looked at the directory (``resume_target``): a second run in
+        the same process group starts without a rendezvous that would wait for that."""
+        dist.barrier()
         refusal = None
         if self.topology.rank == 0:
             try:
@@ -244,8 +250,13 @@ class Trainer:
         with self.watchdog.phase(f"training step {step}"):
             micro_batches = self.feeder.next_step()
             fed = time.monotonic()
+            self.profiler.begin(step)
             result = self.engine.train_step(micro_batches)
+            self.profiler.end(step)
         self.meter.record(time.monotonic() - started, fed - started, result.skipped)
+        for written in self.profiler.written:
+            self.monitor.print(f"step {step:>6} | profile written: {written}")
+        self.profiler.written.clear()
         self.summary.losses[step] = result.loss
         self._count_skipped(step, result)
         if step % train_cfg.log_interval == 0 or step == train_cfg.steps:
@@ -292,8 +303,10 @@ class Trainer:
         with self.watchdog.phase(f"the checkpoint save of step {step}"):
             self.summary.checkpoint = self.checkpointer.save(
                 step, {"data_state": self.streams.shared_state_dict(), **self.meter.counters(),
-                       # which tokenizer the ids mean (eval refuses a dataset of another)
-                       "tokenizer_sha256": self.facts["tokenizer_sha256"]})
+                       # which tokenizer the ids mean (eval refuses a dataset of another),
+                       # and the token documents start with (generate starts prompts so)
+                       "tokenizer_sha256": self.facts["tokenizer_sha256"],
+                       "bos_id": self.facts["bos_id"]})
 
     def stop(self, step: int, saved: bool) -> bool:
         """Collective: whether every rank stops after ``step`` (a signal, the time limit),

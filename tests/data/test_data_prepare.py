@@ -325,6 +325,55 @@ def test_a_tokenizer_folder_with_a_llama_eos(text_files, tmp_path):
     assert index["eos_id"] == json.loads(text)["model"]["vocab"]["</s>"]
 
 
+def _sentencepiece_folder(text_files, folder: Path) -> Path:
+    """A Llama tokenizer folder as people have them for Llama 2 or Mistral: a SentencePiece
+    tokenizer.model (trained here on the corpus) and its tokenizer_config.json, no
+    tokenizer.json."""
+    import sentencepiece
+    from transformers import LlamaTokenizer
+
+    sentencepiece.SentencePieceTrainer.train(
+        input=",".join(map(str, text_files)), model_prefix=str(folder.parent / "sp"),
+        vocab_size=300, model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        minloglevel=2)
+    LlamaTokenizer(vocab_file=str(folder.parent / "sp.model")).save_pretrained(folder)
+    assert (folder / "tokenizer.model").is_file() and not (folder / "tokenizer.json").exists()
+    return folder
+
+
+def test_a_sentencepiece_folder_is_converted_and_its_bos_starts_each_document(text_files,
+                                                                             tmp_path):
+    """A folder with only tokenizer.model prepares data with the fast tokenizer transformers
+    makes of it; the Llama tokenizer puts <s> before every text, so each document starts with
+    it (index bos_id) and ends with </s>: the train split's stream equals, id for id,
+    <s> + AutoTokenizer's ids + </s> per document (here doc0 and doc1; doc2 is val).
+    ``bos="never"`` leaves it out; the trained BPE adds none by default."""
+    from transformers import AutoTokenizer
+
+    folder = _sentencepiece_folder(text_files, tmp_path / "llama")
+    index = prepare_dataset(text_files, tmp_path / "ds", seq_length=16, tokenizer=folder,
+                            val_files=["doc2.txt"])
+    assert (index["bos_id"], index["eos_id"]) == (1, 2)
+    assert Tokenizer.from_file(str(tmp_path / "ds" / "tokenizer.json")).id_to_token(1) == "<s>"
+    reference = AutoTokenizer.from_pretrained(str(folder))
+    expected = []
+    for path in text_files[:2]:
+        expected += [1, *reference(path.read_text(), add_special_tokens=False)["input_ids"], 2]
+    stream = np.concatenate(all_samples(tmp_path / "ds", "train", 16)).tolist()
+    assert 0 < len(stream) and stream == expected[:len(stream)]
+    assert stream.count(1) == 2  # one per document
+
+    index = prepare_dataset(text_files, tmp_path / "never", seq_length=16, tokenizer=folder,
+                            val_files=["doc2.txt"], bos="never")
+    assert index["bos_id"] is None
+    assert 1 not in np.concatenate(all_samples(tmp_path / "never", "train", 16)).tolist()
+    assert prepare_dataset(text_files, tmp_path / "bpe", seq_length=16,
+                           vocab_size=300)["bos_id"] is None
+    with pytest.raises(DataError, match="bos=always: .* has none of the begin tokens"):
+        prepare_dataset(text_files, tmp_path / "always", seq_length=16, vocab_size=300,
+                        bos="always")
+
+
 def test_read_index_errors(tmp_path):
     with pytest.raises(DataError, match=rf"dataset {tmp_path}/nope: no such directory"):
         read_index(tmp_path / "nope")
@@ -434,15 +483,17 @@ def test_tokenizing_workers_keep_order_and_raise_a_workers_error_here():
                                            unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     others = set(multiprocessing.active_children())
-    batches = [(index, [("to be " * index, False), ("or not", True)]) for index in range(7)]
-    got = list(encode_batches(tokenizer, 9, "uint16", batches, workers=2))
+    batches = [(index, [("to be " * index, True, False), ("or not", False, True)])
+               for index in range(7)]
+    got = list(encode_batches(tokenizer, 9, "uint16", batches, workers=2, bos=8))
     assert [tag for tag, _ in got] == list(range(7))
     for (_, ids), (_, batch) in zip(got, batches):
-        assert ids.tolist() == encode(tokenizer, batch, 9, "uint16").tolist()
-    assert got[2][1].tolist() == [0, 1, 0, 1, 2, 3, 9]
+        assert ids.tolist() == encode(tokenizer, batch, 9, "uint16", bos=8).tolist()
+    assert got[2][1].tolist() == [8, 0, 1, 0, 1, 2, 3, 9]  # BOS before a document, EOS after
+    assert encode(tokenizer, batches[2][1], 9, "uint16").tolist() == [0, 1, 0, 1, 2, 3, 9]
     assert set(multiprocessing.active_children()) == others
 
     with pytest.raises(TypeError):
-        list(encode_batches(tokenizer, 9, "uint16", [(0, [("to be", True)]), (1, [(7, True)])],
-                            workers=2))
+        list(encode_batches(tokenizer, 9, "uint16",
+                            [(0, [("to be", True, True)]), (1, [(7, True, True)])], workers=2))
     assert set(multiprocessing.active_children()) == others

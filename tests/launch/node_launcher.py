@@ -8,10 +8,13 @@ MAX_RESTARTS times (each restart waiting RESTART_TIMEOUT seconds for the other n
 
 import sys
 
-from t2train.config.schema import TrainConfig
 from t2train.launch import torchrun
-from t2train.launch.plan import LaunchPlan
-from t2train.signals import parse_signals
+
+torchrun.quiet_libtorch_warnings()  # before torch is imported, as `t2train launch` does
+
+from t2train.config.schema import TrainConfig  # noqa: E402 (imports torch)
+from t2train.launch.plan import LaunchPlan  # noqa: E402
+from t2train.signals import parse_signals  # noqa: E402
 
 if __name__ == "__main__":
     node_rank, port, max_restarts, restart_timeout, *train_argv = sys.argv[1:]

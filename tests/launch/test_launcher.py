@@ -159,13 +159,14 @@ def test_standalone_launch_trains_and_restarts_a_killed_rank(shakespeare, tmp_pa
 
 
 def _start_nodes(tmp_path: Path, run_dir: Path, train: list[str], restarts=(0, 0),
-                 restart_timeout: float = 60.0) -> tuple[list[subprocess.Popen], list[Path]]:
+                 restart_timeout: float = 60.0,
+                 label: str = "") -> tuple[list[subprocess.Popen], list[Path]]:
     """Two node launchers of one run on this host (tests/launch/node_launcher.py), each in
-    its own session, their output in ``tmp_path/node<N>.log``; node N restarts its workers
-    up to ``restarts[N]`` times."""
+    its own session, their output in ``tmp_path/<label>node<N>.log``; node N restarts its
+    workers up to ``restarts[N]`` times."""
     port, nodes, logs = plan_standalone(1, None).rdzv_port, [], []
     for node in (0, 1):
-        logs.append(tmp_path / f"node{node}.log")
+        logs.append(tmp_path / f"{label}node{node}.log")
         with logs[-1].open("w") as out:
             nodes.append(subprocess.Popen(
                 [sys.executable, str(Path(__file__).with_name("node_launcher.py")), str(node),
@@ -206,6 +207,8 @@ def test_a_node_that_outlives_the_rendezvous_host_exits_with_its_workers_code(sh
                 os.killpg(node.pid, signal.SIGKILL)
     output = logs[1].read_text()
     assert "rendezvous.api.RendezvousConnectionError:" not in output, output[-6000:]
+    # libtorch's store warnings, a C++ stack each, are off (TORCH_CPP_LOG_LEVEL=ERROR)
+    assert "Exception raised from" not in output, output[-6000:]
     last = [line for line in output.splitlines() if line.startswith("t2train launch:")][-1]
     assert re.fullmatch(rf"t2train launch: workers failed \(rank 1 exited with code {code}\); "
                         rf"exit code {code}", last), (last, code)
@@ -238,9 +241,10 @@ def test_a_restart_budget_restarts_every_node_when_a_rank_dies_on_either(
     """Two node launchers with ``max_restarts=1``; after step 4 (step 3 saved) the worker of
     one node is SIGKILLed: the node that hosts the rendezvous, or the other. Both nodes
     restart into a fresh rendezvous round, resume from step 3 and finish with every step's
-    loss bitwise the uninterrupted run's; nothing of the run outlives it. (Before, the first
-    node to restart joined the round the other had closed, RendezvousClosedError, and the
-    host then waited alone for ten minutes.)"""
+    loss bitwise the uninterrupted run's; nothing of the run outlives it. The surviving rank
+    says in one line that a peer ended (it printed the collective's traceback). (Before, the
+    first node to restart joined the round the other had closed, RendezvousClosedError, and
+    the host then waited alone for ten minutes.)"""
     run_dir = tmp_path / "run"
     nodes, logs = _start_nodes(tmp_path, run_dir,
                                _train_args(shakespeare, run_dir, *TWO_NODE_RUN),
@@ -261,7 +265,11 @@ def test_a_restart_budget_restarts_every_node_when_a_rank_dies_on_either(
     assert codes == [0, 0], [text[-4000:] for text in texts]
     for text in texts:
         assert "restart 1 of 1, resuming from the newest checkpoint" in text, text[-4000:]
-        assert "RendezvousClosedError" not in text, text[-4000:]
+        assert "RendezvousClosedError" not in text and "Traceback" not in text, text[-4000:]
+        assert "Exception raised from" not in text, text[-4000:]
+    survivor = 1 - killed_node
+    assert re.search(rf"error: rank {survivor}: another rank has ended, breaking a collective "
+                     r"\(.*\); its output says why", texts[survivor]), texts[survivor][-4000:]
     assert f"resumed from {run_dir / 'checkpoints'}/step_00000003" in texts[0], texts[0][-4000:]
     assert _losses(run_dir) == two_node_reference
     wait_until_none_left(str(run_dir))

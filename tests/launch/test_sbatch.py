@@ -25,11 +25,13 @@ def _launch_argv(tmp_path: Path, **env: str) -> list[str]:
 
 
 def test_max_restarts_reaches_the_launchers(tmp_path):
-    argv = _launch_argv(tmp_path, MAX_RESTARTS="2")
+    argv = _launch_argv(tmp_path, MAX_RESTARTS="2", RESTART_TIMEOUT="90")
     assert argv[argv.index("--max-restarts") + 1] == "2", argv
+    assert argv[argv.index("--restart-timeout") + 1] == "90", argv
     assert "model.num_layers=2" in argv
 
 
 def test_without_max_restarts_a_dead_rank_fails_the_job(tmp_path):
     argv = _launch_argv(tmp_path)
     assert argv[argv.index("--max-restarts") + 1] == "0", argv
+    assert "--restart-timeout" not in argv  # the launcher's default

@@ -108,3 +108,76 @@ def test_a_run_preempted_at_random_steps_ends_as_if_never_interrupted(shakespear
         _shard_digests(reference_dir / "checkpoints" / final), f"{about} {history}"
     assert _losses(run_dir) == _losses(reference_dir), f"{about} {history}"
     wait_until_none_left(str(run_dir))
+
+
+TWO_NODES = [*TRAIN, "parallel.tensor=2"]  # one process on each of two nodes
+BOTH_LAUNCHERS = ("SIGUSR1", "SIGTERM")  # as SLURM signals every task of the step
+KILL_LAUNCHER, KILL_RANK = "kill -9 of a launcher", "kill -9 of a rank"
+
+
+def test_a_two_node_run_preempted_and_killed_at_random_ends_as_if_never_interrupted(
+        shakespeare, tmp_path):
+    """Two node launchers (tests/launch/node_launcher.py) per attempt, stopped at random
+    steps, in a random order, by: SIGUSR1 and SIGTERM to both launchers (both save the step
+    and exit 75), SIGKILL of one node's launcher (its worker dies with it, the other node's
+    fails: the next attempt resumes from the last periodic checkpoint) and SIGKILL of one
+    rank without a restart budget (the same). The last attempt has a restart budget and one
+    of its ranks is killed: both nodes restart within it. The node, as the steps, is drawn.
+    The final checkpoint's shards equal, byte for byte, those of an uninterrupted two-node run,
+    every step's loss is equal, and nothing of any attempt outlives it."""
+    from test_launcher import _start_nodes, _worker
+
+    seed = int(os.environ.get("T2TRAIN_SOAK_SEED", random.randrange(10**6)))
+    rng = random.Random(seed)
+    stops = [*rng.sample([*BOTH_LAUNCHERS, KILL_LAUNCHER, KILL_RANK], 4), KILL_RANK]
+    about = f"seed {seed}: {stops}"
+    reference_dir, run_dir = tmp_path / "reference", tmp_path / "run"
+    reference, _ = _start_nodes(tmp_path, reference_dir,
+                                [*TWO_NODES, f"data.path={shakespeare}",
+                                 f"log.run_dir={reference_dir}"], label="reference")
+    latest, history, started = run_dir / "checkpoints" / "latest", [], time.monotonic()
+    train = [*TWO_NODES, f"data.path={shakespeare}", f"log.run_dir={run_dir}"]
+    nodes = []
+    try:
+        for attempt, stop in enumerate(stops):
+            last = attempt == len(stops) - 1
+            resumed = int(latest.read_text().split("_")[1]) if latest.is_file() else 0
+            nodes, logs = _start_nodes(tmp_path, run_dir, train, restarts=(int(last),) * 2,
+                                       label=f"attempt{attempt}")
+            target = min(resumed + rng.randint(1, 3), STEPS - 2)
+            node = rng.randrange(2)
+            deadline = time.monotonic() + 300
+            while _progress(logs[0]) < target:
+                assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, \
+                    f"{about}\n{logs[0].read_text()[-3000:]}"
+                time.sleep(0.05)
+            if stop in BOTH_LAUNCHERS:
+                for launcher in nodes:
+                    launcher.send_signal(getattr(signal, stop))
+            elif stop == KILL_LAUNCHER:
+                nodes[node].send_signal(signal.SIGKILL)
+            else:
+                _worker(nodes[node], rank=node).send_signal(signal.SIGKILL)
+            codes = [launcher.wait(timeout=300) for launcher in nodes]
+            history.append((stop, node, resumed, _progress(logs[0]), codes,
+                            round(time.monotonic() - started)))
+            if last:
+                assert codes == [0, 0], f"{about} {history}\n{logs[0].read_text()[-3000:]}"
+            elif stop in BOTH_LAUNCHERS:
+                assert codes == [REQUEUE_EXIT_CODE] * 2, f"{about} {history}"
+                assert latest.read_text().strip() == f"step_{_progress(logs[0]):08d}", history
+            else:  # the run failed; a resubmission resumes it
+                assert all(code != 0 for code in codes), f"{about} {history}"
+            wait_until_none_left(str(run_dir))
+        assert [launcher.wait(timeout=300) for launcher in reference] == [0, 0]
+    finally:
+        for process in [*reference, *nodes]:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    print(f"two-node soak {about}: (stop, node, resumed at, stopped at, exit codes, second) "
+          f"{history}")
+    final = f"step_{STEPS:08d}"
+    assert latest.read_text().strip() == final
+    assert _shard_digests(run_dir / "checkpoints" / final) == \
+        _shard_digests(reference_dir / "checkpoints" / final), f"{about} {history}"
+    assert _losses(run_dir) == _losses(reference_dir), f"{about} {history}"

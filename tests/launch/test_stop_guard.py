@@ -69,3 +69,47 @@ def test_bad_stop_settings_name_the_field(override, cause):
 def test_signal_names_parse_with_or_without_the_prefix():
     assert parse_signals("usr1, SIGTERM") == [signal.SIGUSR1, signal.SIGTERM]
     assert parse_signals("") == []
+
+
+def test_a_suspended_and_resumed_process_is_not_asked_to_stop(tmp_path):
+    """SIGSTOP then SIGCONT (SLURM suspending and resuming a job, a debugger) interrupt the
+    Ctrl-C waiter's ``sigtimedwait``, which CPython then answers with a siginfo of signal 0: it
+    was taken for Ctrl-C, and the run saved and stopped. Now nothing is asked; a real SIGINT
+    after it still is."""
+    import subprocess
+    import sys
+
+    from t2train.signals import take_pending
+
+    guarded = subprocess.Popen(
+        [sys.executable, "-c", "import signal, sys, time\n"
+         "from t2train.parallel.init import init_distributed\n"
+         "from t2train.train.preemption import StopGuard\n"
+         "init_distributed()  # a world of one: should_stop is a collective\n"
+         "with StopGuard([signal.SIGTERM, signal.SIGINT], exit_duration_mins=0) as guard:\n"
+         "    print('guarded', flush=True)\n"
+         "    sys.stdin.readline()\n"
+         "    time.sleep(0.5)\n"
+         "    print('after resume:', guard.should_stop(), flush=True)\n"
+         "    sys.stdin.readline()\n"
+         "    time.sleep(0.5)\n"
+         "    print('after SIGINT:', guard.should_stop(), flush=True)\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_PORT")},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert guarded.stdout.readline() == "guarded\n"
+        for stop in (signal.SIGSTOP, signal.SIGCONT) * 3:
+            guarded.send_signal(stop)
+            time.sleep(0.3)
+        guarded.stdin.write("\n")
+        guarded.stdin.flush()
+        assert guarded.stdout.readline() == "after resume: None\n"
+        guarded.send_signal(signal.SIGINT)
+        guarded.stdin.write("\n")
+        guarded.stdin.flush()
+        assert guarded.stdout.readline() == "after SIGINT: received SIGINT\n"
+    finally:
+        guarded.kill()
+        guarded.communicate()
+    assert take_pending([signal.SIGUSR2], 0) is None  # nothing pending here
