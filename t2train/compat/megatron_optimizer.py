@@ -1,7 +1,7 @@
 """megatron-core 0.16.1's optimizer step without host syncs or per-tensor Python loops.
 
-Without Apex and TransformerEngine (neither reaches t2train's GPU machines) megatron-core
-falls back, in ``megatron.core.optimizer.optimizer``, to:
+Without Apex and TransformerEngine (neither installs from a plain PyPI environment)
+megatron-core falls back, in ``megatron.core.optimizer.optimizer``, to:
 
 * ``get_grad_norm_fp32``: one ``torch.norm`` per gradient, gathered by ``torch.tensor(list)``
   (a device-to-host copy per gradient tensor on a GPU, ~74 per 125m step) and read back

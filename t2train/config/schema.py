@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 from dataclasses import dataclass, field, make_dataclass
 from typing import Literal, Optional
 
@@ -247,6 +248,9 @@ class DataConfig:
     # "DIR=WEIGHT,DIR=WEIGHT", e.g. "data/web=3,data/code=1" (75% / 25% of every epoch's
     # samples). They must share data.path's tokenizer; data.remote applies to data.path if listed.
     mix: str = ""
+    # Also evaluate on these prepared datasets' val splits, each logged as val/<LABEL>/loss:
+    # "LABEL=DIR,LABEL=DIR", e.g. "web=data/web,code=data/code" (data.path's tokenizer).
+    eval_sets: str = ""
     # Fixes the sample order independently of the number of nodes (mosaicml-streaming); it must
     # divide, or be a multiple of, the node count a run starts on (1 fits any). A resumed run
     # keeps the value of its checkpoint, on any node count that divides or is a multiple of it.
@@ -261,6 +265,25 @@ class DataConfig:
         require(not (self.cache_dir and self.remote), "data.cache_dir", self.cache_dir,
                 "cannot be combined with data.remote (data.path is then the cache)")
         self.mix_weights()
+        self.labelled_eval_sets()
+
+    def labelled_eval_sets(self) -> list[tuple[str, str]]:
+        """``eval_sets`` as (label, dataset directory) pairs, [] when unset; checks its
+        syntax."""
+        if not self.eval_sets:
+            return []
+        pairs = []
+        for entry in self.eval_sets.split(","):
+            label, _, path = entry.strip().partition("=")
+            require(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", label)) and bool(path),
+                    "data.eval_sets", self.eval_sets, f"entry {entry.strip()!r} must be "
+                    "LABEL=DIR with a label of letters, digits, '_', '.' or '-', entries "
+                    "separated by commas")
+            pairs.append((label, path))
+        labels = [label for label, _ in pairs]
+        require(len(set(labels)) == len(labels), "data.eval_sets", self.eval_sets,
+                "must use each label once")
+        return pairs
 
     def mix_weights(self) -> list[tuple[str, float]]:
         """``mix`` as (dataset directory, weight) pairs, [] when unset; checks its syntax."""
@@ -494,10 +517,13 @@ class Config:
         data, checkpoint = self.data, self.checkpoint
         entries = (entry.strip().rpartition("=") for entry in data.mix.split(",") if data.mix)
         mix = ",".join(f"{absolute(path)}={weight}" for path, _, weight in entries)
+        eval_sets = ",".join(f"{label}={absolute(path)}"
+                             for label, path in data.labelled_eval_sets())
         resume = (checkpoint.resume if checkpoint.resume in ("auto", "none")
                   else absolute(checkpoint.resume))
         return dataclasses.replace(
             self, data=dataclasses.replace(data, path=absolute(data.path), mix=mix,
+                                           eval_sets=eval_sets,
                                            cache_dir=absolute(data.cache_dir)),
             checkpoint=dataclasses.replace(checkpoint, resume=resume,
                                            init_from=absolute(checkpoint.init_from)))

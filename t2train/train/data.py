@@ -1,4 +1,5 @@
-"""Open the dataset's train and validation streams for this rank (readers only)."""
+"""Open the dataset's train and validation streams, and the labelled validation sets
+(``data.eval_sets``), for this rank (readers only)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from t2train.train.batches import is_reader
 class Streams:
     train: Optional[object]  # TokenBatches on the replica's reading rank, else None
     val: Optional[object]
+    labelled: dict  # data.eval_sets: label -> TokenBatches of its val split (or None)
 
     def close(self) -> None:
-        for stream in (self.train, self.val):
+        for stream in (self.train, self.val, *self.labelled.values()):
             if stream is not None:
                 stream.close()
 
@@ -33,10 +35,11 @@ class Streams:
         return state[0]
 
 
-def train_and_val_streams(data: DataConfig) -> tuple[list, list]:
+def train_and_val_streams(data: DataConfig) -> tuple[list, list, dict]:
     """The datasets (``DataStream``s) to train and evaluate on: train on ``data.mix`` if set,
-    else on ``data.path``; evaluate on ``data.path``'s val split. With ``data.cache_dir`` each
-    local dataset is read through a cache there (its shards unpacked there)."""
+    else on ``data.path``; evaluate on ``data.path``'s val split, and on each labelled set's
+    (label -> its stream). With ``data.cache_dir`` each local dataset is read through a cache
+    there (its shards unpacked there)."""
     from t2train.data.streams import DataStream, unpacked_elsewhere
 
     def stream(path: str, weight=None) -> DataStream:
@@ -46,7 +49,8 @@ def train_and_val_streams(data: DataConfig) -> tuple[list, list]:
 
     main = stream(data.path)
     mixed = [stream(path, weight) for path, weight in data.mix_weights()]
-    return mixed or [main], [main]
+    labelled = {label: stream(path) for label, path in data.labelled_eval_sets()}
+    return mixed or [main], [main], labelled
 
 
 def open_streams(config: Config, topology: Topology, dp_size: int,
@@ -56,8 +60,9 @@ def open_streams(config: Config, topology: Topology, dp_size: int,
     reading = is_reader()
     world = reader_world(reading, topology.dp_rank, dp_size)
     if not reading:
-        return Streams(None, None)
-    train_streams, val_streams = train_and_val_streams(config.data)
+        return Streams(None, None, dict.fromkeys(
+            label for label, _ in config.data.labelled_eval_sets()))
+    train_streams, val_streams, labelled = train_and_val_streams(config.data)
     common = dict(micro_batch_size=config.train.micro_batch_size,
                   seq_length=config.model.seq_length, world=world, seed=config.train.seed,
                   num_workers=config.data.num_workers,
@@ -67,4 +72,5 @@ def open_streams(config: Config, topology: Topology, dp_size: int,
     if data_state is not None:
         train.load_state_dict(data_state)
     val = TokenBatches(val_streams, "val", shuffle=False, **common)
-    return Streams(train, val)
+    return Streams(train, val, {label: TokenBatches([labelled[label]], "val", shuffle=False,
+                                                    **common) for label in labelled})

@@ -26,6 +26,13 @@ def dataset_facts(config: Config) -> dict:
     if vocab < index["vocab_size"]:
         raise ConfigError(f"model.vocab_size={vocab}: smaller than the tokenizer's vocabulary "
                           f"({index['vocab_size']}) of {config.data.path}")
+    for label, path in config.data.labelled_eval_sets():
+        other = read_index(path)["tokenizer"]["sha256"]
+        if other != index["tokenizer"]["sha256"]:
+            raise ConfigError(f"data.eval_sets: {label}={path} was prepared with another "
+                              f"tokenizer (sha256 {other[:12]}) than data.path "
+                              f"({index['tokenizer']['sha256'][:12]}); prepare it with "
+                              f"--tokenizer {config.data.path}/tokenizer.json")
     return {"vocab_size": vocab, "tokenizer_sha256": index["tokenizer"]["sha256"],
             "bos_id": index.get("bos_id")}
 

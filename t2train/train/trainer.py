@@ -198,9 +198,15 @@ class Trainer:
         num_micro = config.micro_batches_per_step(self.dp_size)
         self.feeder = GlobalBatchFeeder(self.streams.train, num_micro,
                                         train_cfg.micro_batch_size, config.model.seq_length)
-        val_feeder = GlobalBatchFeeder(self.streams.val, num_micro, train_cfg.micro_batch_size,
+
+        def fixed_batches(stream) -> list:
+            feeder = GlobalBatchFeeder(stream, num_micro, train_cfg.micro_batch_size,
                                        config.model.seq_length)
-        self.val_batches = [val_feeder.next_step() for _ in range(train_cfg.eval_batches)]
+            return [feeder.next_step() for _ in range(train_cfg.eval_batches)]
+
+        self.val_batches = fixed_batches(self.streams.val)
+        self.labelled_val_batches = {label: fixed_batches(stream)
+                                     for label, stream in self.streams.labelled.items()}
 
     def _open_monitor(self, start: str) -> None:
         config, topology, run_dir = self.config, self.topology, self.run_dir
@@ -292,11 +298,18 @@ class Trainer:
                 f"without saving. Last checkpoint: {last or 'none'}")
 
     def evaluate(self, step: int) -> None:
-        """The validation loss on the run's fixed held-out batches."""
+        """The validation loss on the run's fixed held-out batches, and on each labelled
+        validation set's (``data.eval_sets``: ``val/<label>/loss``)."""
         with self.watchdog.phase(f"the evaluation at step {step}"):
             loss = self.summary.val_losses[step] = self.engine.evaluate(self.val_batches)
-        self.monitor.scalars(step, loss_scalars("val", loss))
-        self.monitor.print(f"step {step:>6} | val loss {loss:.4f}")
+            labelled = {label: self.engine.evaluate(batches)
+                        for label, batches in self.labelled_val_batches.items()}
+        scalars = loss_scalars("val", loss)
+        for label, value in labelled.items():
+            scalars.update(loss_scalars(f"val/{label}", value))
+        self.monitor.scalars(step, scalars)
+        self.monitor.print(f"step {step:>6} | val loss {loss:.4f}" + "".join(
+            f" | {label} {value:.4f}" for label, value in labelled.items()))
 
     def save(self, step: int) -> None:
         """A checkpoint of step ``step``: model, optimizer, data position, counters."""

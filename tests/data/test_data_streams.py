@@ -100,14 +100,17 @@ def test_datasets_that_cannot_be_mixed(dataset, mix_datasets, tmp_path):
 def test_trainer_mixes_train_streams_and_evaluates_data_path(dataset, mix_datasets):
     big, small = mix_datasets
     config = load_config("tiny", overrides=[f"data.path={big}", "data.remote=s3://bucket/big",
-                                            f"data.mix={big}=3,{small}=1"])
-    train, val = train_and_val_streams(config.data)
+                                            f"data.mix={big}=3,{small}=1",
+                                            f"data.eval_sets=big={big},small={small}"])
+    train, val, labelled = train_and_val_streams(config.data)
     assert train == [DataStream(str(big), "s3://bucket/big", 3.0), DataStream(str(small), None,
                                                                              1.0)]
     assert val == [DataStream(str(big), "s3://bucket/big")]
+    assert labelled == {"big": DataStream(str(big), "s3://bucket/big"),
+                        "small": DataStream(str(small))}
 
     plain = load_config("tiny", overrides=[f"data.path={dataset}"])
-    assert train_and_val_streams(plain.data) == ([DataStream(str(dataset))],) * 2
+    assert train_and_val_streams(plain.data) == ([DataStream(str(dataset))],) * 2 + ({},)
 
 
 def test_cache_dir_keeps_unpacked_shards_out_of_the_dataset(dataset, tmp_path):
@@ -119,7 +122,7 @@ def test_cache_dir_keeps_unpacked_shards_out_of_the_dataset(dataset, tmp_path):
     before = sorted(p.relative_to(source) for p in source.rglob("*"))
     config = load_config("tiny", overrides=[f"data.path={source}",
                                             f"data.cache_dir={tmp_path / 'scratch'}"])
-    train, val = train_and_val_streams(config.data)
+    train, val, _ = train_and_val_streams(config.data)
     read = [torch.cat([b["tokens"] for b in TokenBatches(streams, split, 16, 32, ONE, seed=0,
                                                          shuffle=False, finite=True)])
             for streams, split in ((train, "train"), (val, "val"))]

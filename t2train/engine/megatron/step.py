@@ -110,7 +110,7 @@ def train_step(objs: TrainingObjects, micro_batches: list[MicroBatch],
     loss_sum, count, *not_finite = read.tolist()
     loss = loss_sum / count
     reason = guard.skip_reason(loss, not not_finite[0]) if guard else None
-    updated, grad_norm = False, None
+    updated, grad_norm = False, float("nan")  # the norm of an update that did not run
     if reason is None:
         updated, grad_norm, _ = objs.optimizer.step()
         reason = "" if updated else "the optimizer found non-finite gradients"
@@ -122,11 +122,9 @@ def train_step(objs: TrainingObjects, micro_batches: list[MicroBatch],
 
 
 def _as_float(grad_norm) -> float:
-    """Megatron's norm (a device tensor, ``t2train/compat/megatron_optimizer.py``, or a
-    float), NaN when no update ran, 0.0 without clipping."""
-    if grad_norm is None:
-        return float("nan")
-    return float(grad_norm)
+    """Megatron's norm: a device tensor (``t2train/compat/megatron_optimizer.py``), a float,
+    or None (no clipping: 0.0, as Megatron reports it)."""
+    return 0.0 if grad_norm is None else float(grad_norm)
 
 
 @torch.no_grad()
