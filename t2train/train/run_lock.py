@@ -61,7 +61,7 @@ def _alive_elsewhere(holder: dict, heartbeat_age: float) -> Optional[str]:
     if not holder or (holder.get("job") and holder["job"] == os.environ.get("SLURM_JOB_ID")):
         return None  # no holder, or an earlier attempt of this very job
     if holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
-        return None  # an earlier run of this process, which was killed by nothing
+        return None  # this very process: an earlier run in it that did not release the lock
     if holder.get("host") == socket.gethostname():
         try:
             os.kill(int(holder["pid"]), 0)
