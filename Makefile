@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml setup.py $(LOCK)
 	$(PIP) install --upgrade pip
 	$(PIP) install -c $(LOCK) torch torchvision
 	DS_BUILD_OPS=0 $(PIP) install -c $(LOCK) --no-build-isolation deepspeed
-	$(PIP) install -c $(LOCK) -e '.[test,hf,wandb]'
+	$(PIP) install -c $(LOCK) -e '.[test,hf,eval,wandb]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -330,6 +330,102 @@ def test_generate_and_eval_commands(trained, shakespeare, megatron_world, capsys
     assert abs(perplexity - math.exp(loss)) < 1e-3 * perplexity
 
 
+def _lm_eval_task(folder: Path, name: str, docs: list[dict], **fields) -> None:
+    """A task in lm-eval's own YAML format over a local JSON-lines file (no network)."""
+    import yaml
+
+    (folder / f"{name}.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in docs))
+    metrics = [{"metric": metric, "aggregation": "mean", "higher_is_better": True}
+               for metric in fields.pop("metrics")]
+    task = {"task": name, "dataset_path": "json", "test_split": "test", "metric_list": metrics,
+            "dataset_kwargs": {"data_files": {"test": str(folder / f"{name}.jsonl")}}, **fields}
+    (folder / f"{name}.yaml").write_text(yaml.safe_dump(task))
+
+
+@pytest.mark.slow
+def test_lm_eval_tasks_score_as_computed_by_hand(trained, megatron_world, tmp_path, capsys,
+                                                 monkeypatch):
+    """`eval --tasks` on a ddl + ShortSWA checkpoint: a multiple-choice task's acc and
+    acc_norm, and a generation task's exact_match, equal the same scores computed here from the
+    model's logits with the formulas written out (log-likelihood of " " + choice after the
+    question, divided by the choice's characters for acc_norm; greedy tokens until a
+    newline)."""
+    from types import SimpleNamespace
+
+    from t2train.export.harness import RunModel
+    from t2train.export.load import load_model, open_checkpoint
+    from t2train.export.tokenizer import run_tokenizer
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
+    run_dir = Path(trained["ddl+shortswa"]["checkpoint"]).parents[1]
+    checkpoint = open_checkpoint(run_dir)
+    tok = run_tokenizer(checkpoint)
+    model = load_model(checkpoint, device="cpu").model
+    vocab = tok.tokenizer.get_vocab_size()
+
+    def encode(text: str) -> list[int]:
+        return tok.encode_prompt(text)
+
+    @torch.no_grad()
+    def log_probs(ids: list[int]) -> torch.Tensor:
+        logits = model(torch.tensor([ids]), torch.arange(len(ids))[None], None)[0, :, :vocab]
+        return torch.log_softmax(logits.double(), dim=-1)
+
+    def loglikelihood(context: str, continuation: str) -> float:
+        whole, prefix = encode(context + continuation), encode(context)
+        scores = log_probs(whole)
+        return sum(float(scores[i - 1, whole[i]]) for i in range(len(prefix), len(whole)))
+
+    questions = [("To be, or not to be, that is the", ["question", "king", "lord"], 0),
+                 ("My lord, I", ["will", "horse", "the"], 0), ("What is", ["he", "the"], 1),
+                 ("Good my lord,", ["give", "what", "sword", "I"], 3),
+                 ("The king is", ["dead", "come", "not"], 2)]
+    acc = acc_norm = 0.0
+    for question, choices, answer in questions:
+        scores = [loglikelihood(question, " " + choice) for choice in choices]
+        per_char = [score / len(choice) for score, choice in zip(scores, choices)]  # lm-eval's
+        acc += (max(range(len(choices)), key=scores.__getitem__) == answer) / len(questions)
+        acc_norm += (max(range(len(choices)), key=per_char.__getitem__) == answer) / len(questions)
+        # the adapter's own log-likelihoods, request by request (batched, padded on the right)
+        requests = [SimpleNamespace(args=(question, " " + choice)) for choice in choices]
+        adapter = RunModel(SimpleNamespace(model=model, checkpoint=checkpoint), tok, 2)
+        for (theirs, _), ours in zip(adapter.loglikelihood(requests, disable_tqdm=True), scores):
+            assert abs(theirs - ours) < 1e-4, (question, theirs, ours)
+
+    prompts = ["To be, or not to be", "My lord,", "O, what a"]
+    greedy = []
+    for prompt in prompts:
+        ids = encode(prompt)
+        for _ in range(5):
+            ids.append(int(log_probs(ids)[-1].argmax()))
+        greedy.append(tok.tokenizer.decode(ids[len(encode(prompt)):]).split("\n")[0])
+    targets = [greedy[0], greedy[1] + " and more", greedy[2]]  # 2 of 3 match
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    _lm_eval_task(tasks, "t2_choice", [{"question": q, "choices": c, "answer": a}
+                                       for q, c, a in questions],
+                  output_type="multiple_choice", doc_to_text="{{question}}",
+                  doc_to_choice="{{choices}}", doc_to_target="{{answer}}",
+                  metrics=["acc", "acc_norm"])
+    _lm_eval_task(tasks, "t2_continue", [{"prompt": p, "target": t}
+                                         for p, t in zip(prompts, targets)],
+                  output_type="generate_until", doc_to_text="{{prompt}}",
+                  doc_to_target="{{target}}", metrics=["exact_match"],
+                  generation_kwargs={"until": ["\n"], "max_gen_toks": 5, "do_sample": False})
+    out = tmp_path / "scores.json"
+    assert main(["eval", str(run_dir), "--tasks", "t2_choice,t2_continue", "--include-path",
+                 str(tasks), "--device", "cpu", "--batch-size", "3", "--output", str(out)]) == 0
+    assert "t2_choice" in capsys.readouterr().out
+    scores = json.loads(out.read_text())["results"]
+    assert scores["t2_choice"]["acc,none"] == pytest.approx(acc)
+    assert scores["t2_choice"]["acc_norm,none"] == pytest.approx(acc_norm)
+    assert scores["t2_continue"]["exact_match,none"] == pytest.approx(2 / 3)
+
+    err = _one_line_error(capsys, ["eval", str(run_dir), "--tasks", "no_such_task",
+                                   "--include-path", str(tasks), "--device", "cpu"])
+    assert "no_such_task" in err and "--tasks" in err
+
+
 @pytest.mark.slow
 def test_a_broken_checkpoint_or_a_failed_write_leaves_no_out(trained, megatron_world, tmp_path,
                                                            monkeypatch):

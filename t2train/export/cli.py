@@ -77,6 +77,13 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_eval(args) -> int:
+    if (args.data is None) == (args.tasks is None):
+        raise _usage("eval: give --data DIR (loss and perplexity on a prepared split) or "
+                     "--tasks NAMES (lm-eval-harness tasks), not both")
+    return _eval_tasks(args) if args.tasks is not None else _eval_loss(args)
+
+
+def _eval_loss(args) -> int:
     from pathlib import Path
 
     from t2train.export.evaluate import check_same_tokenizer, evaluate
@@ -94,6 +101,35 @@ def _cmd_eval(args) -> int:
     print(f"{checkpoint.path} ({_label(checkpoint)}) on {args.data}/{args.split}: "
           f"loss {result.loss:.4f}, perplexity {result.perplexity:.2f} over {result.tokens:,} "
           f"tokens ({result.batches} batches of up to {args.batch_size} x {seq})")
+    return 0
+
+
+def _eval_tasks(args) -> int:
+    from pathlib import Path
+
+    from t2train.export.load import load_model, open_checkpoint
+    from t2train.export.tokenizer import run_tokenizer
+
+    try:
+        from t2train.export.harness import RunModel, run_tasks, task_manager, write_results
+    except ImportError as err:
+        raise _usage(f"--tasks needs lm-eval-harness ({err.name} is missing): pip install "
+                     "'t2train[eval]'") from None
+    tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
+    if not tasks:
+        raise _usage("--tasks: give one or more task names, comma-separated")
+    manager = task_manager(tasks, args.include_path)
+    checkpoint = open_checkpoint(args.checkpoint)
+    tok = run_tokenizer(checkpoint, args.tokenizer)
+    loaded = load_model(checkpoint, device=args.device)
+    results = run_tasks(RunModel(loaded, tok, args.batch_size), tasks, manager,
+                        args.num_fewshot, args.limit)
+    from lm_eval.utils import make_table
+
+    print(f"{checkpoint.path} ({_label(checkpoint)}):\n{make_table(results)}")
+    if args.output:
+        write_results(results, Path(args.output))
+        print(f"scores written to {args.output}")
     return 0
 
 
@@ -237,15 +273,27 @@ def register(commands) -> None:
     gen.set_defaults(handler=_cmd_generate)
 
     ev = commands.add_parser(
-        "eval", help="loss and perplexity of a checkpoint on a prepared dataset split",
-        description="Mean next-token loss, perplexity and tokens evaluated over a split of a "
-                    "dataset prepared with the run's tokenizer (refused otherwise, naming "
-                    "both tokenizer hashes), at the run's sequence length.")
+        "eval", help="a checkpoint's loss on a prepared split, or its lm-eval-harness scores",
+        description="--data: mean next-token loss, perplexity and tokens evaluated over a "
+                    "split of a dataset prepared with the run's tokenizer (refused otherwise, "
+                    "naming both tokenizer hashes), at the run's sequence length. --tasks: "
+                    "lm-eval-harness tasks (pip install 't2train[eval]'), answered by the "
+                    "trained model itself for any residual design; contexts longer than "
+                    "model.seq_length keep their newest tokens.")
     ev.add_argument("checkpoint", help=CHECKPOINT_HELP)
-    ev.add_argument("--data", required=True, help="a prepared dataset directory")
+    ev.add_argument("--data", help="a prepared dataset directory")
     ev.add_argument("--split", default="val", help="the split to read (default val)")
-    ev.add_argument("--batch-size", type=_positive, default=8)
     ev.add_argument("--max-batches", type=_positive, default=None,
                     help="stop after this many batches (default: the whole split)")
+    ev.add_argument("--tasks", help="lm-eval task or group names, comma-separated")
+    ev.add_argument("--include-path", help="a folder (or YAML file) of your own lm-eval task "
+                                           "definitions")
+    ev.add_argument("--num-fewshot", type=int, default=None,
+                    help="examples put before each question (default: the task's)")
+    ev.add_argument("--limit", type=float, default=None,
+                    help="documents per task (a number), or a fraction of each below 1")
+    ev.add_argument("--output", help="write the scores to this JSON file")
+    ev.add_argument("--tokenizer", help=TOKENIZER_HELP)
+    ev.add_argument("--batch-size", type=_positive, default=8)
     _device_argument(ev)
     ev.set_defaults(handler=_cmd_eval)

@@ -8,7 +8,7 @@ enough for the models a quick look is for.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -31,9 +31,11 @@ def next_token(logits: Tensor, top_p: Optional[float], temperature: float,
 @torch.no_grad()
 def generate(model, prompt_ids: list[int], max_new_tokens: int, vocab: int, context: int,
              eos_id: Optional[int] = None, top_p: Optional[float] = None,
-             temperature: float = 1.0, seed: int = 0) -> list[int]:
-    """New token ids after ``prompt_ids`` (stops after ``eos_id``). ``vocab``: the tokenizer's
-    size (the embedding's padding rows are never sampled); ``context``: tokens the model sees."""
+             temperature: float = 1.0, seed: int = 0,
+             stop: Optional[Callable[[list[int]], bool]] = None) -> list[int]:
+    """New token ids after ``prompt_ids`` (stops after ``eos_id``, or once ``stop(new ids)``).
+    ``vocab``: the tokenizer's size (the embedding's padding rows are never sampled);
+    ``context``: tokens the model sees."""
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens")
     device = next(model.parameters()).device
@@ -47,6 +49,6 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, vocab: int, cont
         token = next_token(logits, top_p, temperature, generator)
         ids.append(token)
         new.append(token)
-        if token == eos_id:
+        if token == eos_id or (stop is not None and stop(new)):
             break
     return new
