@@ -46,9 +46,9 @@ def test_a_batch_completed_over_two_windows_and_merged(shakespeare, tmp_path):
     # Window 2, on a fresh machine: the committed record stands for the finished run.
     second = _window(tmp_path / "out2", records, shakespeare, budget_min=30)
     assert second.returncode == 0, second.stderr[-4000:]
-    assert "1 run(s) finished in earlier windows" in second.stdout
+    assert "1 run(s) finished in earlier jobs" in second.stdout
     assert "finished earlier, read its validation losses" in second.stdout
-    assert "this window finished 1 run(s): ddl-seed1234" in second.stdout
+    assert "this job finished 1 run(s): ddl-seed1234" in second.stdout
 
     merged = subprocess.run([sys.executable, "-m", "t2train.bench.gpu.compare", "--merge",
                              str(tmp_path / "out2" / "records"), "--records", str(records),

@@ -1,9 +1,9 @@
 """``python3 -m t2train.bench.gpu.compare OUT``: the next share of the GPU comparison, in one
-GPU window.
+GPU job.
 
 The comparison at GPU scale (docs/benchmarks.md) trains the batch of ``comparison.yaml`` (ten
 variants x three seeds of the ``20m`` preset) on the bundle's held-out split. One H100/H200 needs longer than one 10-minute
-command for all of it, so it is completed over several windows, and only the runs' records
+job for all of it, so it can be completed over several short jobs, and only the runs' records
 travel between them (a few kB each), never checkpoints:
 
 1. install ``.gpu-bundle/`` (as the GPU check does);
@@ -14,7 +14,7 @@ travel between them (a few kB each), never checkpoints:
 4. copy every run finished now (records only) and the batch's ``compare.md`` and figures into
    ``OUT/records``; checkpoints and TensorBoard events stay in the scratch directory.
 
-Back here: ``python -m t2train.bench.gpu.compare --merge OUT/records`` adds the new records to
+Back in the checkout: ``python -m t2train.bench.gpu.compare --merge OUT/records`` adds the new records to
 ``docs/compare-gpu/`` and writes its ``compare.md`` and figures over every finished run
 (``--report-only``: nothing is trained; the report lists the runs still missing).
 
@@ -79,8 +79,8 @@ def run_compare(args: list[str]) -> int:
     return subprocess.call([sys.executable, "-m", "t2train.cli", *args])
 
 
-def window(out: Path, records: Path, budget_min: float, data: str, dry_run: bool) -> int:
-    """One GPU window's share: the batch resumed from ``records``, new records into OUT."""
+def run_share(out: Path, records: Path, budget_min: float, data: str, dry_run: bool) -> int:
+    """One GPU job's share: the batch resumed from ``records``, new records into OUT."""
     if not dry_run:
         subprocess.run([sys.executable, "-m", "t2train.bench.gpu.install", "--bundle", BUNDLE],
                        check=True)
@@ -90,18 +90,18 @@ def window(out: Path, records: Path, budget_min: float, data: str, dry_run: bool
     with tempfile.TemporaryDirectory(prefix="t2-compare-") as scratch:
         batch = Path(scratch)
         earlier = copy_finished(records, batch, steps) if records.is_dir() else []
-        print(f"{len(earlier)} run(s) finished in earlier windows ({records})", flush=True)
+        print(f"{len(earlier)} run(s) finished in earlier jobs ({records})", flush=True)
         code = run_compare([*compare_args(data, dry_run), "--out", str(batch),
                             "--time-budget-min", f"{budget_min:g}"])
         new = [name for name in copy_finished(batch, kept, steps) if name not in earlier]
         copy_report(batch, kept)
-    print(f"this window finished {len(new)} run(s): {', '.join(new) or 'none'}; their records "
-          f"are in {kept}; here: python -m t2train.bench.gpu.compare --merge {kept}")
+    print(f"this job finished {len(new)} run(s): {', '.join(new) or 'none'}; their records "
+          f"are in {kept}; in the checkout: python -m t2train.bench.gpu.compare --merge {kept}")
     return code
 
 
 def merge(new_records: Path, records: Path, data: str, dry_run: bool) -> int:
-    """Add a window's records to ``records`` and report over every finished run."""
+    """Add a job's records to ``records`` and report over every finished run."""
     steps = batch_spec(dry_run)["steps"]
     records.mkdir(parents=True, exist_ok=True)
     added = copy_finished(new_records, records, steps)
@@ -112,25 +112,27 @@ def merge(new_records: Path, records: Path, data: str, dry_run: bool) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", type=Path,
-                        help="(on the GPU) where this window's records go (OUT/records)")
+                        help="(on the GPU) where this job's records go (OUT/records)")
     parser.add_argument("--merge", type=Path, metavar="NEW_RECORDS",
-                        help="(here) add a window's records to --records and write the report")
+                        help="(in the checkout) add a job's records to --records and write "
+                             "the report")
     parser.add_argument("--records", type=Path, default=RECORDS,
                         help=f"the batch's finished runs so far (default {RECORDS})")
     parser.add_argument("--budget-min", type=float, default=8.5,
                         help="start no run that would end later than this (default 8.5, "
-                             "inside a 10-minute command)")
+                             "inside a 10-minute job)")
     parser.add_argument("--data", default=DATA, help=f"the held-out dataset (default {DATA})")
     parser.add_argument("--dry-run", action="store_true",
                         help="the same procedure on the CPU at tiny shapes")
     args = parser.parse_args(argv)
     if (args.out is None) == (args.merge is None):
-        parser.error("give OUT (a GPU window) or --merge NEW_RECORDS (here), not both")
+        parser.error("give OUT (a GPU job) or --merge NEW_RECORDS (in the checkout), not "
+                     "both")
     if not Path(args.data, "index.json").is_file():
         parser.error(f"--data {args.data}: no prepared dataset there (make gpu-bundle builds it)")
     if args.merge is not None:
         return merge(args.merge, args.records, args.data, args.dry_run)
-    return window(args.out, args.records, args.budget_min, args.data, args.dry_run)
+    return run_share(args.out, args.records, args.budget_min, args.data, args.dry_run)
 
 
 if __name__ == "__main__":
