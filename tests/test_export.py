@@ -141,6 +141,36 @@ def test_modeling_file_matches_t2train(megatron_world, variant):
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("variant", RANDOM_VARIANTS)
+def test_a_kv_cache_gives_the_logits_of_the_whole_sequence(megatron_world, variant):
+    """A prefix, then 3 tokens, then one at a time through a ``KVCache`` give every position
+    the logits of one forward over the whole sequence (fp32, 1e-5); greedy generation with the
+    cache equals generation without it, past ``seq_length`` (the window slides) too."""
+    from t2train.export.generate import generate
+    from t2train.model.kv_cache import KVCache
+
+    config, model = _t2train_model(RANDOM_VARIANTS[variant])
+    tokens = _tokens(batch=2, seq=12)
+
+    def at(start: int, end: int) -> torch.Tensor:
+        return torch.arange(start, end).expand(2, end - start)
+
+    with torch.no_grad():
+        whole = model(tokens, at(0, 12), None)
+        cache = KVCache(2, config.model.seq_length)
+        parts = [model(tokens[:, :5], at(0, 5), None, kv_cache=cache),
+                 model(tokens[:, 5:8], at(5, 8), None, kv_cache=cache)]
+        parts += [model(tokens[:, i:i + 1], at(i, i + 1), None, kv_cache=cache)
+                  for i in range(8, 12)]
+    assert cache.length == 12
+    torch.testing.assert_close(torch.cat(parts, dim=1), whole, atol=1e-5, rtol=1e-5)
+
+    prompt = tokens[0, :10].tolist()
+    cached = generate(model, prompt, 9, 128, config.model.seq_length)
+    assert cached == generate(model, prompt, 9, 128, config.model.seq_length, cache=False)
+    assert len(cached) == 9
+
+
 def test_a_wrong_mapping_is_seen(megatron_world):
     """Swapping SwiGLU's gate and up halves, or two query heads, changes the logits."""
     from t2train.export.hf import hf_state_dict

@@ -10,8 +10,8 @@ that trained it, not by an export. It answers lm-eval's three request types:
   design is causal along the sequence, and the depth reads mix layers at one position);
 - rolling log-likelihood (perplexity tasks): lm-eval's disjoint windows of ``seq_length``;
 - generation up to the task's stop strings (greedy, or sampled when the task asks), one
-  request at a time without a KV cache: each new token runs the window again, which is exact
-  for every design (a cache would also have to hold each depth design's per-layer states).
+  request at a time, each new token fed alone against a KV cache of the earlier ones
+  (``t2train/model/kv_cache.py``, exact for every design).
 
 The run's BOS convention (``bos_id`` of its dataset) starts every context, as it started
 every training document.

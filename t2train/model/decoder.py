@@ -69,9 +69,9 @@ class ResidualDecoder(TransformerBlock):
         self.micro_batch = 0
 
     def forward(self, hidden_states: Optional[Tensor], attention_mask: Optional[Tensor],
-                rotary_pos_emb: Optional[Tensor] = None) -> Tensor:
+                rotary_pos_emb: Optional[Tensor] = None, kv_cache=None) -> Tensor:
         if self.pre_process:
-            state = self.stream.enter(hidden_states)
+            state = self._enter(hidden_states, kv_cache)
         else:
             state = self._receive_hop(self.input_tensor)
 
@@ -83,7 +83,7 @@ class ResidualDecoder(TransformerBlock):
             else:
                 for layer in self.layers:
                     with torch.profiler.record_function(f"t2train layer {layer.layer_number}"):
-                        state = layer(state, attention_mask, rotary_pos_emb)
+                        state = layer(state, attention_mask, rotary_pos_emb, kv_cache)
 
         if self.post_process:
             output = self.final_layernorm(self.stream.exit(state))
@@ -93,6 +93,18 @@ class ResidualDecoder(TransformerBlock):
             self.depth_cache.drop(self.micro_batch)
         self.micro_batch += 1
         return output
+
+    def _enter(self, embedding: Tensor, kv_cache) -> State:
+        """The stream's state of the new tokens; with a cache, a stream entry that reads
+        earlier tokens gets their embeddings too (and only the new tokens' state is kept)."""
+        context = self.stream.entry_context
+        if kv_cache is None or context == 0:
+            return self.stream.enter(embedding)
+        earlier = kv_cache.embeddings
+        joined = embedding if earlier is None else torch.cat([earlier, embedding])
+        kv_cache.embeddings = joined[-context:]
+        units = self.stream.to_units(self.stream.enter(joined))
+        return self.stream.from_units([unit[-embedding.shape[0]:] for unit in units], 0)
 
     def _receive_hop(self, hop: Tensor) -> State:
         """Rebuild the state from the hop's units and, when cached, the units kept here."""

@@ -21,6 +21,7 @@ from megatron.core.transformer.enums import ModelType
 from torch import Tensor
 
 from t2train.model.decoder import ResidualDecoder
+from t2train.model.kv_cache import KVCache
 from t2train.nn.cross_entropy import vocab_parallel_cross_entropy
 
 
@@ -70,16 +71,23 @@ class T2GPTModel(LanguageModule):
 
     def forward(self, input_ids: Optional[Tensor], position_ids: Optional[Tensor],
                 attention_mask: Optional[Tensor] = None,
-                labels: Optional[Tensor] = None) -> Tensor:
+                labels: Optional[Tensor] = None, kv_cache: Optional[KVCache] = None) -> Tensor:
         """Per-token loss [b, s] when ``labels`` are given, else logits [b, s, vocab/tp].
 
         On a chunk without the head, returns the packed stream state for the next stage.
+        With ``kv_cache`` (inference, one chunk), ``input_ids`` are the tokens after the cached
+        ones, at the positions that follow; the cache then holds them too.
         """
         embedding = self.embedding(input_ids=input_ids, position_ids=position_ids) \
             if self.pre_process else None
         # Every stage gets the tokens; a packed pipeline hop is longer than the sequence.
-        rotary = self.rotary_pos_emb(input_ids.shape[1])
-        hidden = self.decoder(embedding, attention_mask, rotary_pos_emb=rotary)
+        # With a cache, Megatron's attention takes the rows of the new positions itself.
+        rotary = self.rotary_pos_emb(input_ids.shape[1] if kv_cache is None
+                                     else kv_cache.max_length)
+        hidden = self.decoder(embedding, attention_mask, rotary_pos_emb=rotary,
+                              kv_cache=kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(input_ids.shape[1])
         if not self.post_process:
             return hidden
         weight = self.shared_embedding_or_output_weight() \

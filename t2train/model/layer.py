@@ -74,17 +74,20 @@ class ResidualTransformerLayer(TransformerLayer):
                               F.dropout(out, p=self.hidden_dropout, training=self.training))
 
     def forward(self, state: State, attention_mask: Optional[Tensor] = None,
-                rotary_pos_emb: Optional[Tensor] = None) -> State:
+                rotary_pos_emb: Optional[Tensor] = None, kv_cache=None) -> State:
+        """``kv_cache``: a ``KVCache`` when generating (``t2train/model/kv_cache.py``)."""
         if self.layer_entry is not None:
             state = self.layer_entry.begin(state)
 
-        def attend(module):
+        def attend(module, inference_context):
             return lambda normed: module(normed, attention_mask=attention_mask,
-                                         rotary_pos_emb=rotary_pos_emb)
+                                         rotary_pos_emb=rotary_pos_emb,
+                                         inference_context=inference_context)
 
         if self.pre_attention is not None:
-            state = self._sublayer(state, self.pre_attention_residual,
-                                   self.pre_attention_layernorm, attend(self.pre_attention))
+            state = self._sublayer(
+                state, self.pre_attention_residual, self.pre_attention_layernorm,
+                attend(self.pre_attention, kv_cache and kv_cache.mixer))
         state = self._sublayer(state, self.attn_residual, self.input_layernorm,
-                               attend(self.self_attention))
+                               attend(self.self_attention, kv_cache and kv_cache.attention))
         return self._sublayer(state, self.mlp_residual, self.pre_mlp_layernorm, self.mlp)

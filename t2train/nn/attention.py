@@ -79,6 +79,16 @@ class CausalCoreAttention(MegatronModule):
             return out.transpose(0, 1)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout, is_causal=True, scale=self.softmax_scale,
+            q, k, v, attn_mask=_after_cached_keys(q.shape[2], k.shape[2], q.device),
+            dropout_p=dropout, is_causal=q.shape[2] == k.shape[2], scale=self.softmax_scale,
             enable_gqa=q.shape[1] != k.shape[1])
         return out.permute(2, 0, 1, 3)
+
+
+def _after_cached_keys(queries: int, keys: int, device) -> Optional[Tensor]:
+    """With a KV cache the queries are the last ``queries`` of ``keys`` positions: each sees
+    the keys up to its own (SDPA's ``is_causal`` would align them to the first keys). None
+    when there is no cache (``is_causal``) or one query (it sees every key)."""
+    if queries in (keys, 1):
+        return None
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)

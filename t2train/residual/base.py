@@ -59,6 +59,10 @@ class ResidualStream(MegatronModule):
     knows which depth states exist when its input arrives.
     """
 
+    # Earlier tokens' embeddings that ``enter`` reads for each token (a causal convolution
+    # over tokens); 0: each token's state starts from its own embedding alone.
+    entry_context: int = 0
+
     def __init__(self, config, pre_process: bool, post_process: bool, first_layer: int):
         super().__init__(config=config)
         self.pre_process = pre_process

@@ -175,6 +175,7 @@ class DeltaStream(ResidualStream):
         self.expander = self.final_read = None
         if self.dv > 1 and pre_process:
             kernel = options.embed_conv_kernel
+            self.entry_context = kernel - 1
             self.expander = torch.nn.Conv1d(h, h * self.dv, kernel, groups=h, bias=False,
                                             padding=0, dtype=config.params_dtype)
             with torch.no_grad():  # identity: every d_v column starts as the embedding
