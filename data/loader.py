@@ -8,9 +8,10 @@ How mosaicml-streaming 0.13 learns its world, and how this module overrides it:
 
 * It reads the environment variables RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE, not
   torch.distributed, and not only at construction: ``StreamingDataset()`` reads them
-  (``World.detect``), and ``StreamingDataLoader.state_dict()`` reads them again (it multiplies this rank's sample count
-  by WORLD_SIZE). ``streaming_env`` sets them to the readers' world for every call into
-  streaming and restores them afterwards, so the trainer's own environment stays untouched.
+  (``World.detect``), and ``StreamingDataLoader.state_dict()`` reads them again (it
+  multiplies this rank's sample count by WORLD_SIZE). ``streaming_env`` sets them to the
+  readers' world for every call into streaming and restores them afterwards, so the trainer's
+  own environment stays untouched.
 * It calls ``torch.distributed.barrier()`` on the *default* group while constructing a dataset
   (three times). When only some ranks read, the others
   never enter those barriers and the readers hang. ``streaming_env`` routes those barriers to
@@ -26,16 +27,20 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from streaming import StreamingDataLoader, StreamingDataset
+from streaming.base.dataset import _ShardState
+from streaming.base.hashing import get_hash, is_hash
 
+from t2train.compat.streaming_prefix import (
+    prefix_probes_closed_when_dropped,
+    prefix_registration_serialised,
+)
 from t2train.data.errors import DataError
-from t2train.compat.streaming_prefix import (prefix_probes_closed_when_dropped,
-                                             prefix_registration_serialised)
 from t2train.data.shm import clean_stale_streaming_files, release_shared_memory
 from t2train.data.streams import DataStream, split_streams
 
@@ -60,19 +65,27 @@ class StreamingWorld:
     group: Optional[Any] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        if not (0 <= self.rank < self.world_size and 0 <= self.local_rank < self.local_world_size
-                and self.world_size % self.local_world_size == 0):
-            raise ValueError(f"inconsistent {self}: need 0 <= rank < world_size, 0 <= local_rank "
-                             "< local_world_size, and world_size a multiple of local_world_size")
+        if not (
+            0 <= self.rank < self.world_size
+            and 0 <= self.local_rank < self.local_world_size
+            and self.world_size % self.local_world_size == 0
+        ):
+            raise ValueError(
+                f"inconsistent {self}: need 0 <= rank < world_size, 0 <= local_rank "
+                "< local_world_size, and world_size a multiple of local_world_size"
+            )
 
 
 @contextmanager
 def streaming_env(world: StreamingWorld) -> Iterator[None]:
     """Make mosaicml-streaming see ``world`` (env vars and barriers) inside the block."""
     saved = {key: os.environ.get(key) for key in _ENV}
-    os.environ.update(RANK=str(world.rank), WORLD_SIZE=str(world.world_size),
-                      LOCAL_RANK=str(world.local_rank),
-                      LOCAL_WORLD_SIZE=str(world.local_world_size))
+    os.environ.update(
+        RANK=str(world.rank),
+        WORLD_SIZE=str(world.world_size),
+        LOCAL_RANK=str(world.local_rank),
+        LOCAL_WORLD_SIZE=str(world.local_world_size),
+    )
     barrier = dist.barrier
     if world.group is not None:
         dist.barrier = functools.partial(barrier, group=world.group)
@@ -96,27 +109,36 @@ def reader_world(is_reader: bool, dp_rank: int, dp_size: int) -> Optional[Stream
     """
     if not dist.is_initialized():
         if dp_size != 1:
-            raise ValueError(f"dp_size={dp_size} but torch.distributed is not initialized; "
-                             "expected dp_size=1 in a single process")
+            raise ValueError(
+                f"dp_size={dp_size} but torch.distributed is not initialized; "
+                "expected dp_size=1 in a single process"
+            )
         return StreamingWorld(0, 1, 0, 1) if is_reader else None
     entries: list = [None] * dist.get_world_size()
-    dist.all_gather_object(entries, (socket.gethostname(), bool(is_reader), dp_rank,
-                                     dist.get_rank()))
+    dist.all_gather_object(
+        entries, (socket.gethostname(), bool(is_reader), dp_rank, dist.get_rank())
+    )
     readers = sorted((e for e in entries if e[1]), key=lambda e: e[2])
     if [e[2] for e in readers] != list(range(dp_size)):
-        raise ValueError(f"expected one data reader per data-parallel rank 0..{dp_size - 1}, "
-                         f"got readers at data-parallel ranks {[e[2] for e in readers]}")
+        raise ValueError(
+            f"expected one data reader per data-parallel rank 0..{dp_size - 1}, "
+            f"got readers at data-parallel ranks {[e[2] for e in readers]}"
+        )
     hosts: dict[str, list[int]] = {}
     for host, _, rank, _ in readers:
         hosts.setdefault(host, []).append(rank)
     for host, ranks in hosts.items():
         if ranks != list(range(ranks[0], ranks[0] + len(ranks))):
-            raise ValueError(f"data readers on host {host} have data-parallel ranks {ranks}; "
-                             "mosaicml-streaming needs each host's readers to be consecutive")
+            raise ValueError(
+                f"data readers on host {host} have data-parallel ranks {ranks}; "
+                "mosaicml-streaming needs each host's readers to be consecutive"
+            )
     if len({len(ranks) for ranks in hosts.values()}) != 1:
-        raise ValueError("hosts have different numbers of data readers "
-                         f"{ {h: len(r) for h, r in hosts.items()} }; mosaicml-streaming needs "
-                         "the same number on every host")
+        raise ValueError(
+            "hosts have different numbers of data readers "
+            f"{ {h: len(r) for h, r in hosts.items()} }; mosaicml-streaming needs "
+            "the same number on every host"
+        )
     readers_group = None
     if len(readers) != dist.get_world_size():  # every rank, so that all count groups alike
         readers_group = dist.new_group([e[3] for e in readers])
@@ -168,29 +190,43 @@ class TokenBatches:
     A resume that cannot continue the sequence exactly is refused, naming both layouts.
     """
 
-    def __init__(self, path: str | Path | Sequence[DataStream], split: str,
-                 micro_batch_size: int, seq_length: int, world: StreamingWorld, seed: int,
-                 shuffle: bool = True, remote: Optional[str] = None, num_workers: int = 0,
-                 finite: bool = False, num_canonical_nodes: int = 1,
-                 step_samples: Optional[int] = None):
+    def __init__(
+        self,
+        path: str | Path | Sequence[DataStream],
+        split: str,
+        micro_batch_size: int,
+        seq_length: int,
+        world: StreamingWorld,
+        seed: int,
+        shuffle: bool = True,
+        remote: Optional[str] = None,
+        num_workers: int = 0,
+        finite: bool = False,
+        num_canonical_nodes: int = 1,
+        step_samples: Optional[int] = None,
+    ):
         if isinstance(path, (str, Path)):
-            path = [DataStream(path, remote)]
+            sources = [DataStream(path, remote)]
         elif remote is not None:
             raise ValueError("remote: give each DataStream its own remote when mixing datasets")
+        else:
+            sources = list(path)
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={micro_batch_size}: must be >= 1")
         if num_canonical_nodes < 1:
             raise ValueError(f"num_canonical_nodes={num_canonical_nodes}: must be >= 1")
         per_load = micro_batch_size * world.world_size  # samples of one batch on every reader
         if step_samples is not None and (step_samples < 1 or step_samples % per_load):
-            raise ValueError(f"step_samples={step_samples}: must be a multiple of micro_batch_size"
-                             f" * readers = {per_load}")
-        self.where = " + ".join(f"{stream.path}/{split}" for stream in path)
+            raise ValueError(
+                f"step_samples={step_samples}: must be a multiple of micro_batch_size"
+                f" * readers = {per_load}"
+            )
+        self.where = " + ".join(f"{stream.path}/{split}" for stream in sources)
         self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
         self.world, self.finite, self.step_samples = world, finite, step_samples
         self.canonical_nodes = num_canonical_nodes  # a loaded state's value replaces it
         self._nodes_checked = False  # at the first batch, or when a state is loaded
-        streams = split_streams(path, split, seq_length)
+        streams = split_streams(sources, split, seq_length)
         with streaming_env(world):
             if world.local_rank == 0:
                 _clean_stale_files()
@@ -198,20 +234,30 @@ class TokenBatches:
                 dist.barrier()
             with prefix_probes_closed_when_dropped(), prefix_registration_serialised():
                 self.dataset = _NumberedDataset(
-                    streams=streams, shuffle=shuffle, shuffle_seed=seed,
-                    num_canonical_nodes=num_canonical_nodes, batch_size=micro_batch_size)
-            self.loader = _StoppableLoader(self.dataset, batch_size=micro_batch_size,
-                                            num_workers=num_workers, drop_last=not finite,
-                                            collate_fn=_collate)
+                    streams=streams,
+                    shuffle=shuffle,
+                    shuffle_seed=seed,
+                    num_canonical_nodes=num_canonical_nodes,
+                    batch_size=micro_batch_size,
+                )
+            self.loader = _StoppableLoader(
+                self.dataset,
+                batch_size=micro_batch_size,
+                num_workers=num_workers,
+                drop_last=not finite,
+                collate_fn=_collate,
+            )
         self._batches: Optional[Iterator[dict]] = None  # the current pass (epoch)
         self._left: Optional[int] = None  # batches this reader still takes from the pass
         self._epoch_samples = self.dataset.epoch_size  # what one step-cut epoch uses
         if step_samples is not None:
             self._epoch_samples -= self._epoch_samples % step_samples
             if not self._epoch_samples:
-                raise DataError(f"{self.where}: {self.dataset.epoch_size} samples give no full "
-                                f"training step of {step_samples} samples (the global batch); "
-                                "lower the batch size or add data")
+                raise DataError(
+                    f"{self.where}: {self.dataset.epoch_size} samples give no full "
+                    f"training step of {step_samples} samples (the global batch); "
+                    "lower the batch size or add data"
+                )
 
     def __iter__(self) -> "TokenBatches":
         return self
@@ -235,9 +281,11 @@ class TokenBatches:
                 self._batches = None  # the pass ended, or its last whole step did
                 if self.finite:
                     raise StopIteration
-        raise DataError(f"{self.where}: {self.dataset.epoch_size} samples give no full "
-                        f"micro-batch of {self.micro_batch_size} per data-parallel reader ("
-                        f"{self.world.world_size} readers); lower the micro-batch size or add data")
+        raise DataError(
+            f"{self.where}: {self.dataset.epoch_size} samples give no full "
+            f"micro-batch of {self.micro_batch_size} per data-parallel reader ("
+            f"{self.world.world_size} readers); lower the micro-batch size or add data"
+        )
 
     def close(self) -> None:
         """Stop this stream's DataLoader workers and reading threads now, and release its
@@ -257,7 +305,7 @@ class TokenBatches:
         """The position in the stream (global: the same on every reader) and the layout that
         saved it. At the end of an epoch's whole steps it is the start of the next epoch."""
         with streaming_env(self.world):
-            state = self.loader.state_dict()
+            state = cast(dict, self.loader.state_dict())
         if self.step_samples is not None and state["sample_in_epoch"] >= self._epoch_samples:
             state.update(epoch=state["epoch"] + 1, sample_in_epoch=0)
         return dict(state, layout=self._layout())
@@ -268,12 +316,15 @@ class TokenBatches:
         state = dict(state)
         saved = state.pop("layout", None)
         saved = saved or {}  # {}: a state saved without its layout
-        if self.step_samples is not None \
-                and saved.get("step_samples") not in (None, self.step_samples):
+        if self.step_samples is not None and saved.get("step_samples") not in (
+            None,
+            self.step_samples,
+        ):
             raise DataError(
                 f"the data position was saved by a run of {_describe(saved)}; this run has "
                 f"{_describe(self._layout())}: the sample sequence continues exactly only with "
-                "the same number of samples per step (the global batch size)")
+                "the same number of samples per step (the global batch size)"
+            )
         self.canonical_nodes = state["num_canonical_nodes"]
         check_node_count(self.canonical_nodes, self._layout(), saved)
         self._nodes_checked = True
@@ -285,7 +336,7 @@ class TokenBatches:
         """The pass's next batch, or None at its end; a ``DataError`` raised in a DataLoader
         worker is re-raised as the worker's one-line message."""
         try:
-            return next(self._batches, None)
+            return next(self._batches, None) if self._batches is not None else None
         except DataError as err:  # from a DataLoader worker: the traceback in the text
             lines = str(err).strip().splitlines()
             if len(lines) > 1:
@@ -303,20 +354,25 @@ class TokenBatches:
         if self.step_samples is None:
             return sys.maxsize
         with streaming_env(self.world):
-            position = self.loader.state_dict()["sample_in_epoch"]  # after this batch
-        return (self._epoch_samples - position) // (self.micro_batch_size
-                                                   * self.world.world_size)
+            position = cast(dict, self.loader.state_dict())["sample_in_epoch"]  # after it
+        return (self._epoch_samples - position) // (self.micro_batch_size * self.world.world_size)
 
     def _layout(self) -> dict:
         nodes = self.world.world_size // self.world.local_world_size
-        return {"readers": self.world.world_size, "nodes": nodes,
-                "micro_batch_size": self.micro_batch_size, "step_samples": self.step_samples}
+        return {
+            "readers": self.world.world_size,
+            "nodes": nodes,
+            "micro_batch_size": self.micro_batch_size,
+            "step_samples": self.step_samples,
+        }
 
     def _shift(self, batch: dict) -> dict[str, torch.Tensor]:
         samples = batch["tokens"].to(torch.int64)  # stored as uint16/uint32
-        return {"tokens": samples[:, :self.seq_length].contiguous(),
-                "labels": samples[:, 1:self.seq_length + 1].contiguous(),
-                "sample_ids": batch["sample_ids"]}
+        return {
+            "tokens": samples[:, : self.seq_length].contiguous(),
+            "labels": samples[:, 1 : self.seq_length + 1].contiguous(),
+            "sample_ids": batch["sample_ids"],
+        }
 
 
 def check_node_count(canonical_nodes: int, layout: dict, saved: Optional[dict]) -> None:
@@ -332,7 +388,8 @@ def check_node_count(canonical_nodes: int, layout: dict, saved: Optional[dict]) 
         f"num_canonical_nodes={canonical_nodes}{' (from the saved data position)' * resumed} "
         f"and this run's data readers on {nodes} nodes ({_describe(layout)}): one must divide "
         "the other to keep the sample order"
-        + (f"; the position was saved by a run of {_describe(saved)}" if resumed else ""))
+        + (f"; the position was saved by a run of {_describe(saved or {})}" if resumed else "")
+    )
 
 
 class _NumberedDataset(StreamingDataset):
@@ -358,7 +415,8 @@ class _NumberedDataset(StreamingDataset):
         except Exception as err:  # a shard streaming cannot read: IndexError, RuntimeError...
             self._stop_threads()
             raise getattr(self, "_shard_failure", None) or _shard_error(
-                self.shards[shard_id], "cannot read it", err) from None
+                self.shards[shard_id], "cannot read it", err
+            ) from None
         verified = self.__dict__.setdefault("_verified_shards", set())
         if shard_id not in verified:
             try:
@@ -395,7 +453,6 @@ class _NumberedDataset(StreamingDataset):
         for it (other DataLoader workers, other readers on this host) stop waiting, read it,
         and meet the failure themselves (streaming prepares a shard again when its file is
         missing) instead of waiting forever for a shard left "preparing"."""
-        from streaming.base.dataset import _ShardState
 
         with self._cache_filelock:
             self._shard_states[shard_id] = _ShardState.LOCAL
@@ -431,9 +488,10 @@ def _describe(layout: dict) -> str:
     if not layout:
         return "an unrecorded layout"
     step = layout.get("step_samples")
-    return (f"{layout['readers']} data-parallel reader(s) on {layout['nodes']} node(s), "
-            f"micro-batch {layout['micro_batch_size']}"
-            + (f", {step} samples per step" if step else ""))
+    return (
+        f"{layout['readers']} data-parallel reader(s) on {layout['nodes']} node(s), "
+        f"micro-batch {layout['micro_batch_size']}" + (f", {step} samples per step" if step else "")
+    )
 
 
 def _shard_files(shard) -> list[tuple[str, Any]]:
@@ -449,14 +507,15 @@ def _shard_files(shard) -> list[tuple[str, Any]]:
 def _shard_error(shard, what: str, err: Exception) -> DataError:
     names = " / ".join(path for path, _ in _shard_files(shard))
     cause = str(err).strip().splitlines()
-    return DataError(f"shard file {names}: {what} ({type(err).__name__}: "
-                     f"{cause[-1] if cause else ''}); the file is missing or corrupt: prepare "
-                     "the dataset again (or delete it from a remote dataset's cache)")
+    return DataError(
+        f"shard file {names}: {what} ({type(err).__name__}: "
+        f"{cause[-1] if cause else ''}); the file is missing or corrupt: prepare "
+        "the dataset again (or delete it from a remote dataset's cache)"
+    )
 
 
 def _verify_hashes(shard) -> None:
     """Check the shard's present files against the hashes the index records."""
-    from streaming.base.hashing import get_hash, is_hash
 
     for path, info in _shard_files(shard):
         algorithms = sorted(algo for algo in (info.hashes or {}) if is_hash(algo))
@@ -465,18 +524,21 @@ def _verify_hashes(shard) -> None:
         with open(path, "rb") as file:
             digest = get_hash(algorithms[0], file.read())
         if digest != info.hashes[algorithms[0]]:
-            raise DataError(f"shard file {path}: its {algorithms[0]} hash {digest} differs from "
-                            f"the index's {info.hashes[algorithms[0]]} (corrupt); prepare the "
-                            "dataset again (or delete the file: an extracted .mds is extracted "
-                            "again, a remote dataset's file downloaded again)")
+            raise DataError(
+                f"shard file {path}: its {algorithms[0]} hash {digest} differs from "
+                f"the index's {info.hashes[algorithms[0]]} (corrupt); prepare the "
+                "dataset again (or delete the file: an extracted .mds is extracted "
+                "again, a remote dataset's file downloaded again)"
+            )
 
 
 def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:
     """One ``[batch, sample_length]`` tensor (a writable copy of streaming's read-only arrays)
     and the samples' ids."""
-    return {"tokens": torch.from_numpy(np.stack([sample["tokens"] for sample in samples])),
-            "sample_ids": torch.tensor([sample["sample_id"] for sample in samples],
-                                       dtype=torch.int64)}
+    return {
+        "tokens": torch.from_numpy(np.stack([sample["tokens"] for sample in samples])),
+        "sample_ids": torch.tensor([sample["sample_id"] for sample in samples], dtype=torch.int64),
+    }
 
 
 def _clean_stale_files() -> None:

@@ -33,12 +33,18 @@ from streaming import MDSWriter
 from streaming.base.compression import get_compressions, is_compression
 
 from t2train.data.errors import DataError
-from t2train.data.inputs import (PATTERNS, InputFile, check_encoding, encoding_name,
-                                 resolve_inputs)
+from t2train.data.inputs import PATTERNS, InputFile, check_encoding, encoding_name, resolve_inputs
 from t2train.data.progress import progress_meter
 from t2train.data.tokenize import Batch, encode_batches
-from t2train.data.tokenizer import (TOKENIZER_FILE, document_bos, eos_id, load_tokenizer,
-                                    save_tokenizer, token_dtype, train_tokenizer)
+from t2train.data.tokenizer import (
+    TOKENIZER_FILE,
+    document_bos,
+    eos_id,
+    load_tokenizer,
+    save_tokenizer,
+    token_dtype,
+    train_tokenizer,
+)
 
 __all__ = ["DataError", "prepare_dataset", "read_index", "resolve_inputs"]
 
@@ -51,14 +57,26 @@ SHARD_HASH = "xxh64"  # recorded per shard file by MDSWriter (fast; streaming sh
 _BATCH_CHARS = 1 << 22  # text handed to the tokenizer per (parallel) batch
 
 
-def prepare_dataset(inputs: Sequence[str], out_dir: str | Path, seq_length: int,
-                    vocab_size: int = 8192, tokenizer: Optional[str | Path] = None,
-                    val_fraction: float = DEFAULT_VAL_FRACTION, compression: Optional[str] = "zstd",
-                    seed: int = 0, text_field: str = "text", overwrite: bool = False,
-                    workers: int = 1, progress: bool = False, progress_every: float = 0.0,
-                    encoding: str = "utf-8", skip_binary: bool = False,
-                    patterns: Sequence[str] = PATTERNS, val_files: Sequence[str] = (),
-                    bos: str = "auto") -> dict:
+def prepare_dataset(
+    inputs: Sequence[str],
+    out_dir: str | Path,
+    seq_length: int,
+    vocab_size: int = 8192,
+    tokenizer: Optional[str | Path] = None,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    compression: Optional[str] = "zstd",
+    seed: int = 0,
+    text_field: str = "text",
+    overwrite: bool = False,
+    workers: int = 1,
+    progress: bool = False,
+    progress_every: float = 0.0,
+    encoding: str = "utf-8",
+    skip_binary: bool = False,
+    patterns: Sequence[str] = PATTERNS,
+    val_files: Sequence[str] = (),
+    bos: str = "auto",
+) -> dict:
     """Tokenize ``inputs`` (files, globs or directories; ``.txt``, ``.jsonl``, ``.parquet``)
     into ``out_dir``.
 
@@ -85,8 +103,7 @@ def prepare_dataset(inputs: Sequence[str], out_dir: str | Path, seq_length: int,
         token_dtype(vocab_size)  # refuse a vocabulary too large to store before training it
     paths = resolve_inputs(inputs, patterns)
     check_encoding(encoding, paths)
-    files, not_text = _text_files([InputFile(p, text_field, encoding) for p in paths],
-                                  skip_binary)
+    files, not_text = _text_files([InputFile(p, text_field, encoding) for p in paths], skip_binary)
     held_out = _held_out(files, val_files)
     meter = functools.partial(progress_meter, bar=progress, every=progress_every)
     out_dir = Path(out_dir)
@@ -96,7 +113,8 @@ def prepare_dataset(inputs: Sequence[str], out_dir: str | Path, seq_length: int,
     else:  # a first pass over the (training) inputs, before anything is written
         learned_from = [file for i, file in enumerate(files) if i not in held_out]
         tok = train_tokenizer(
-            (text for _, text, _ in _read(learned_from, "reading for BPE", meter)), vocab_size)
+            (text for _, text, _ in _read(learned_from, "reading for BPE", meter)), vocab_size
+        )
     vocab = tok.get_vocab_size()
     dtype = token_dtype(vocab)
     bos_id = document_bos(tok, bos, tokenizer or "the trained tokenizer")
@@ -104,18 +122,29 @@ def prepare_dataset(inputs: Sequence[str], out_dir: str | Path, seq_length: int,
     tmp = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex[:8]}.incomplete")
     tmp.mkdir(parents=True)
     try:
-        index = {"format": FORMAT, "version": VERSION, "seq_length": seq_length,
-                 "vocab_size": vocab, "eos_id": eos_id(tok), "bos_id": bos_id,
-                 "token_dtype": dtype,
-                 "tokenizer": {"file": TOKENIZER_FILE, "sha256": save_tokenizer(tok, tmp),
-                               "source": str(tokenizer) if tokenizer else "trained",
-                               "requested_vocab_size": None if tokenizer else vocab_size,
-                               "trained_on": None if tokenizer else
-                               "training files" if held_out else "all inputs"},
-                 "text_field": text_field, "encoding": encoding,
-                 "val_fraction": None if held_out else val_fraction,
-                 "val_split": _val_split_facts(files, held_out, val_files, val_fraction, seed),
-                 "seed": seed, "compression": compression, "skipped_binary_files": not_text}
+        index = {
+            "format": FORMAT,
+            "version": VERSION,
+            "seq_length": seq_length,
+            "vocab_size": vocab,
+            "eos_id": eos_id(tok),
+            "bos_id": bos_id,
+            "token_dtype": dtype,
+            "tokenizer": {
+                "file": TOKENIZER_FILE,
+                "sha256": save_tokenizer(tok, tmp),
+                "source": str(tokenizer) if tokenizer else "trained",
+                "requested_vocab_size": None if tokenizer else vocab_size,
+                "trained_on": None if tokenizer else "training files" if held_out else "all inputs",
+            },
+            "text_field": text_field,
+            "encoding": encoding,
+            "val_fraction": None if held_out else val_fraction,
+            "val_split": _val_split_facts(files, held_out, val_files, val_fraction, seed),
+            "seed": seed,
+            "compression": compression,
+            "skipped_binary_files": not_text,
+        }
         index.update(_write_splits(files, tok, index, tmp, workers, meter, held_out))
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         _move_into_place(tmp, out_dir)
@@ -124,9 +153,12 @@ def prepare_dataset(inputs: Sequence[str], out_dir: str | Path, seq_length: int,
         raise
     for src in index["sources"]:
         if src["replaced_chars"]:
-            warnings.warn(f"{src['path']}: {src['replaced_chars']} invalid "
-                          f"{encoding_name(encoding)} sequence(s) replaced with U+FFFD (text in "
-                          "another encoding? give it with --encoding)", stacklevel=2)
+            warnings.warn(
+                f"{src['path']}: {src['replaced_chars']} invalid "
+                f"{encoding_name(encoding)} sequence(s) replaced with U+FFFD (text in "
+                "another encoding? give it with --encoding)",
+                stacklevel=2,
+            )
     return index
 
 
@@ -137,8 +169,9 @@ def read_index(path: str | Path) -> dict:
         raise DataError(f"dataset {path}: no such directory")
     file = path / INDEX_FILE
     if not file.is_file():
-        raise DataError(f"{path}: not a prepared dataset (no {INDEX_FILE}); "
-                        "run `t2train data prepare`")
+        raise DataError(
+            f"{path}: not a prepared dataset (no {INDEX_FILE}); run `t2train data prepare`"
+        )
     try:
         index = json.loads(file.read_text())
     except (ValueError, UnicodeDecodeError) as err:
@@ -146,14 +179,18 @@ def read_index(path: str | Path) -> dict:
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise DataError(f"{file}: malformed (expected a {FORMAT!r} index)")
     if index.get("version") != VERSION:
-        raise DataError(f"{file}: format version {index.get('version')!r}, expected {VERSION}; "
-                        "prepare the dataset again")
+        raise DataError(
+            f"{file}: format version {index.get('version')!r}, expected {VERSION}; "
+            "prepare the dataset again"
+        )
     for field in ("seq_length", "vocab_size", "eos_id"):
         if not isinstance(index.get(field), int) or index[field] < 0:
-            raise DataError(f"{file}: malformed ({field}={index.get(field)!r}, expected an "
-                            "integer >= 0)")
+            raise DataError(
+                f"{file}: malformed ({field}={index.get(field)!r}, expected an integer >= 0)"
+            )
     if index.get("token_dtype") not in ("uint16", "uint32") or not isinstance(
-            index.get("splits"), dict):
+        index.get("splits"), dict
+    ):
         raise DataError(f"{file}: malformed (token_dtype or splits missing or invalid)")
     return index
 
@@ -165,9 +202,11 @@ def _text_files(files: list[InputFile], skip_binary: bool) -> tuple[list[InputFi
     if not_text and not skip_binary:
         file, reason = not_text[0]
         others = f" (and {len(not_text) - 1} more such file(s))" if len(not_text) > 1 else ""
-        raise DataError(f"input {file.path}: does not look like {encoding_name(file.encoding)} "
-                        f"text ({reason}){others}; skip such files with --skip-binary, or give "
-                        "the encoding with --encoding if it is text in another one")
+        raise DataError(
+            f"input {file.path}: does not look like {encoding_name(file.encoding)} "
+            f"text ({reason}){others}; skip such files with --skip-binary, or give "
+            "the encoding with --encoding if it is text in another one"
+        )
     skipped = {file.path for file, _ in not_text}
     text = [file for file in files if file.path not in skipped]
     if not text:
@@ -178,48 +217,71 @@ def _text_files(files: list[InputFile], skip_binary: bool) -> tuple[list[InputFi
 def _held_out(files: list[InputFile], val_files: Sequence[str]) -> set[int]:
     """The indexes of the inputs matching a ``val_files`` pattern; every pattern must match
     one, and at least one input must stay for training."""
+
     def matches(file: InputFile, pattern: str) -> bool:
-        return (fnmatch.fnmatchcase(file.path.name, pattern)
-                or fnmatch.fnmatchcase(str(file.path), pattern))
+        return fnmatch.fnmatchcase(file.path.name, pattern) or fnmatch.fnmatchcase(
+            str(file.path), pattern
+        )
 
     held = set()
     for pattern in val_files:
         found = {i for i, file in enumerate(files) if matches(file, pattern)}
         if not found:
-            raise DataError(f"val_files {pattern!r}: matches none of the {len(files)} input "
-                            "file(s) (patterns match a file's name or its whole path)")
+            raise DataError(
+                f"val_files {pattern!r}: matches none of the {len(files)} input "
+                "file(s) (patterns match a file's name or its whole path)"
+            )
         held |= found
     if held and len(held) == len(files):
-        raise DataError(f"val_files {', '.join(map(repr, val_files))}: match all "
-                        f"{len(files)} input file(s); leave some for training")
+        raise DataError(
+            f"val_files {', '.join(map(repr, val_files))}: match all "
+            f"{len(files)} input file(s); leave some for training"
+        )
     return held
 
 
-def _val_split_facts(files: list[InputFile], held_out: set[int], val_files: Sequence[str],
-                     val_fraction: float, seed: int) -> dict:
+def _val_split_facts(
+    files: list[InputFile],
+    held_out: set[int],
+    val_files: Sequence[str],
+    val_fraction: float,
+    seed: int,
+) -> dict:
     """How the validation split was made, for ``index.json``."""
     if not held_out:
-        return {"by": "sample", "fraction": val_fraction, "seed": seed,
-                "note": "each sample of the joined token stream goes to val with probability "
-                        "`fraction`: val text comes from the same files as train"}
-    return {"by": "file", "patterns": list(val_files),
-            "files": [str(files[i].path.resolve()) for i in sorted(held_out)],
-            "note": "whole input files held out: no val text is in train, and a trained "
-                    "tokenizer learned from the train files only"}
+        return {
+            "by": "sample",
+            "fraction": val_fraction,
+            "seed": seed,
+            "note": "each sample of the joined token stream goes to val with probability "
+            "`fraction`: val text comes from the same files as train",
+        }
+    return {
+        "by": "file",
+        "patterns": list(val_files),
+        "files": [str(files[i].path.resolve()) for i in sorted(held_out)],
+        "note": "whole input files held out: no val text is in train, and a trained "
+        "tokenizer learned from the train files only",
+    }
 
 
 def _check_settings(seq_length, val_fraction, compression, text_field, workers) -> None:
     if not isinstance(seq_length, int) or seq_length < 1:
         raise DataError(f"seq_length={seq_length!r}: must be an integer >= 1")
     if not 0 < val_fraction < 1:
-        raise DataError(f"val_fraction={val_fraction}: must be > 0 and < 1 (training evaluates "
-                        "on the val split)")
+        raise DataError(
+            f"val_fraction={val_fraction}: must be > 0 and < 1 (training evaluates "
+            "on the val split)"
+        )
     if compression and not is_compression(compression):
-        raise DataError(f"compression={compression!r}: expected one of "
-                        f"{', '.join(sorted(get_compressions()))} or none")
+        raise DataError(
+            f"compression={compression!r}: expected one of "
+            f"{', '.join(sorted(get_compressions()))} or none"
+        )
     if not text_field:
-        raise DataError("text_field='': must name the JSON field or Parquet column holding "
-                        "each document's text")
+        raise DataError(
+            "text_field='': must name the JSON field or Parquet column holding each document's text"
+        )
     if not isinstance(workers, int) or workers < 1:
         raise DataError(f"workers={workers!r}: must be an integer >= 1")
 
@@ -233,15 +295,20 @@ def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
     if not any(out_dir.iterdir()):
         return
     if not overwrite:
-        raise DataError(f"output directory {out_dir} is not empty; choose another output "
-                        "directory or pass --overwrite to replace the dataset in it")
+        raise DataError(
+            f"output directory {out_dir} is not empty; choose another output "
+            "directory or pass --overwrite to replace the dataset in it"
+        )
     if not (out_dir / INDEX_FILE).is_file():
-        raise DataError(f"output directory {out_dir} is not empty and holds no prepared "
-                        f"dataset ({INDEX_FILE}); refusing to delete it, even with --overwrite")
+        raise DataError(
+            f"output directory {out_dir} is not empty and holds no prepared "
+            f"dataset ({INDEX_FILE}); refusing to delete it, even with --overwrite"
+        )
 
 
-def _write_splits(files: list[InputFile], tok, index: dict, out: Path, workers: int,
-                  meter, held_out: set[int]) -> dict:
+def _write_splits(
+    files: list[InputFile], tok, index: dict, out: Path, workers: int, meter, held_out: set[int]
+) -> dict:
     """Stream tokens into train/val shards, by sample or by held-out file; returns the index
     fields that describe them."""
     dtype, eos, length = index["token_dtype"], index["eos_id"], index["seq_length"] + 1
@@ -253,8 +320,10 @@ def _write_splits(files: list[InputFile], tok, index: dict, out: Path, workers: 
     # Each shard file's hash goes into streaming's index: the loader checks it before using a
     # shard (data/streams.py, loader.py), so a corrupt file stops the run by name.
     settings = dict(columns=columns, compression=index["compression"], hashes=[SHARD_HASH])
-    with MDSWriter(out=str(out / "train"), **settings) as train, \
-            MDSWriter(out=str(out / "val"), **settings) as val:
+    with (
+        MDSWriter(out=str(out / "train"), **settings) as train,
+        MDSWriter(out=str(out / "val"), **settings) as val,
+    ):
         writers = {"train": train, "val": val}
 
         def write(sample: np.ndarray, split: str) -> None:
@@ -269,32 +338,56 @@ def _write_splits(files: list[InputFile], tok, index: dict, out: Path, workers: 
                 yield ids
 
         if held_out:
-            for split, members in (("train", [i for i in range(len(files)) if i not in held_out]),
-                                   ("val", sorted(held_out))):
+            for split, members in (
+                ("train", [i for i in range(len(files)) if i not in held_out]),
+                ("val", sorted(held_out)),
+            ):
                 for sample in _samples(stream(members, f"tokenizing {split} files"), length):
                     write(sample, split)
                 if not counts[split]:
-                    raise DataError(f"the {split} files give {sum(tokens[i] for i in members)} "
-                                    f"tokens, fewer than one sample of seq_length+1={length}: "
-                                    "add text to them or lower the sequence length")
+                    raise DataError(
+                        f"the {split} files give {sum(tokens[i] for i in members)} "
+                        f"tokens, fewer than one sample of seq_length+1={length}: "
+                        "add text to them or lower the sequence length"
+                    )
             total = sum(tokens)
         else:
-            total = _write_random_split(stream(list(range(len(files))), "tokenizing"), length,
-                                        rng, index["val_fraction"], counts, write, tokens)
-    splits = {split: {"samples": counts[split], "tokens": counts[split] * length,
-                      "shards": len(json.loads((out / split / "index.json").read_text())
-                                    ["shards"])}
-              for split in SPLITS}
+            total = _write_random_split(
+                stream(list(range(len(files))), "tokenizing"),
+                length,
+                rng,
+                index["val_fraction"],
+                counts,
+                write,
+                tokens,
+            )
+    splits = {
+        split: {
+            "samples": counts[split],
+            "tokens": counts[split] * length,
+            "shards": len(json.loads((out / split / "index.json").read_text())["shards"]),
+        }
+        for split in SPLITS
+    }
     stats = [dict(file.stats(), tokens=count) for file, count in zip(files, tokens, strict=True)]
-    return {"sources": [s for s in stats if s["tokens"]],
-            "skipped_empty_files": [s["path"] for s in stats if not s["tokens"]],
-            "total_tokens": total,
-            "dropped_tokens": total - sum(s["tokens"] for s in splits.values()),
-            "splits": splits}
+    return {
+        "sources": [s for s in stats if s["tokens"]],
+        "skipped_empty_files": [s["path"] for s in stats if not s["tokens"]],
+        "total_tokens": total,
+        "dropped_tokens": total - sum(s["tokens"] for s in splits.values()),
+        "splits": splits,
+    }
 
 
-def _write_random_split(chunks: Iterator[np.ndarray], length: int, rng, val_fraction: float,
-                        counts: dict, write, tokens: list[int]) -> int:
+def _write_random_split(
+    chunks: Iterator[np.ndarray],
+    length: int,
+    rng,
+    val_fraction: float,
+    counts: dict,
+    write,
+    tokens: list[int],
+) -> int:
     """Each sample to ``val`` with probability ``val_fraction``, both splits at least one;
     returns the tokens read."""
     pending = None  # written one sample late, so the last one can fill an empty split
@@ -304,9 +397,11 @@ def _write_random_split(chunks: Iterator[np.ndarray], length: int, rng, val_frac
         pending = (sample, "val" if rng.random() < val_fraction else "train")
     total = sum(tokens)
     if pending is None or counts["train"] + counts["val"] == 0:
-        raise DataError(f"the inputs give {total} tokens, fewer than 2 samples of "
-                        f"seq_length+1={length}; need one for train and one for val: add "
-                        "text or lower the sequence length")
+        raise DataError(
+            f"the inputs give {total} tokens, fewer than 2 samples of "
+            f"seq_length+1={length}; need one for train and one for val: add "
+            "text or lower the sequence length"
+        )
     sample, split = pending
     write(sample, "train" if not counts["train"] else "val" if not counts["val"] else split)
     return total
@@ -329,7 +424,7 @@ def _batches(pieces: Iterator[tuple[int, str, bool]]) -> Iterator[tuple[int, Bat
     """About ``_BATCH_CHARS`` of text per batch, each batch from one file (tagged with it);
     a piece starts a document when it is a file's first or follows one that ended one."""
     batch: Batch = []
-    size, current, starts = 0, None, True
+    size, current, starts = 0, -1, True  # -1: no file yet
     for file_index, text, ends in pieces:
         starts = starts or file_index != current
         if batch and (file_index != current or size >= _BATCH_CHARS):

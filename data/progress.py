@@ -16,8 +16,9 @@ from tqdm import tqdm
 
 
 @contextmanager
-def progress_meter(what: str, total: int, bar: bool = False, every: float = 0.0,
-                   out: Optional[TextIO] = None) -> Iterator[Callable[[int], None]]:
+def progress_meter(
+    what: str, total: int, bar: bool = False, every: float = 0.0, out: Optional[TextIO] = None
+) -> Iterator[Callable[[int], None]]:
     """Yields ``update(done)``, ``done`` being the bytes of ``total`` processed so far: a bar
     on stderr with ``bar``, else a line on ``out`` (stdout) at most every ``every`` seconds
     (0: silent)."""
@@ -42,8 +43,12 @@ class _Lines:
         self.last, elapsed = now, now - self.start
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = f"{(self.total - done) / rate:.0f}s" if rate > 0 else "?"
-        print(f"{self.what}: {100 * done / self.total:3.0f}% ({_mb(done)} of {_mb(self.total)}),"
-              f" {_mb(rate)}/s, {elapsed:.0f}s elapsed, eta {eta}", file=self.out, flush=True)
+        print(
+            f"{self.what}: {100 * done / self.total:3.0f}% ({_mb(done)} of {_mb(self.total)}),"
+            f" {_mb(rate)}/s, {elapsed:.0f}s elapsed, eta {eta}",
+            file=self.out,
+            flush=True,
+        )
 
 
 def _mb(count: float) -> str:

@@ -38,8 +38,9 @@ class DataStream:
     proportion: Optional[float] = None
 
 
-def unpacked_elsewhere(dataset: str | Path, cache_dir: str | Path,
-                       proportion: Optional[float] = None) -> DataStream:
+def unpacked_elsewhere(
+    dataset: str | Path, cache_dir: str | Path, proportion: Optional[float] = None
+) -> DataStream:
     """A local prepared dataset read through a cache: its shards are copied and unpacked into
     ``cache_dir`` (for example node-local scratch) instead of beside themselves, and the
     dataset directory is only read. Each version of a dataset gets its own subfolder, named
@@ -49,8 +50,9 @@ def unpacked_elsewhere(dataset: str | Path, cache_dir: str | Path,
     read_index(dataset)  # a clear error for a directory that is not a prepared dataset
     version = hashlib.sha256(index.read_bytes()).hexdigest()[:12]
     name = Path(dataset).resolve().name
-    return DataStream(Path(cache_dir) / f"{name}-{version}", str(Path(dataset).resolve()),
-                      proportion)
+    return DataStream(
+        Path(cache_dir) / f"{name}-{version}", str(Path(dataset).resolve()), proportion
+    )
 
 
 def split_streams(streams: Sequence[DataStream], split: str, seq_length: int) -> list[Stream]:
@@ -59,12 +61,16 @@ def split_streams(streams: Sequence[DataStream], split: str, seq_length: int) ->
         raise ValueError("no datasets: give at least one DataStream")
     weighted = [s.proportion is not None for s in streams]
     if any(weighted) and not all(weighted):
-        raise DataError(f"proportions {[s.proportion for s in streams]}: give every mixed "
-                        "dataset a proportion, or none")
+        raise DataError(
+            f"proportions {[s.proportion for s in streams]}: give every mixed "
+            "dataset a proportion, or none"
+        )
     locals_ = [Path(s.path).resolve() for s in streams]
     if len(set(locals_)) != len(locals_):
-        raise DataError(f"datasets {[str(s.path) for s in streams]}: each dataset (or remote "
-                        "cache) directory may appear only once")
+        raise DataError(
+            f"datasets {[str(s.path) for s in streams]}: each dataset (or remote "
+            "cache) directory may appear only once"
+        )
     first = None
     result = []
     for stream in streams:
@@ -74,19 +80,24 @@ def split_streams(streams: Sequence[DataStream], split: str, seq_length: int) ->
         _check_split(stream.path, index, split, seq_length)
         first = first or (stream.path, index)
         if index["tokenizer"]["sha256"] != first[1]["tokenizer"]["sha256"]:
-            raise DataError(f"dataset {stream.path}: its tokenizer (sha256 "
-                            f"{index['tokenizer']['sha256'][:12]}) differs from that of "
-                            f"{first[0]} ({first[1]['tokenizer']['sha256'][:12]}); mixed datasets "
-                            "must be prepared with the same tokenizer.json (--tokenizer)")
+            raise DataError(
+                f"dataset {stream.path}: its tokenizer (sha256 "
+                f"{index['tokenizer']['sha256'][:12]}) differs from that of "
+                f"{first[0]} ({first[1]['tokenizer']['sha256'][:12]}); mixed datasets "
+                "must be prepared with the same tokenizer.json (--tokenizer)"
+            )
         if stream.remote and Path(stream.remote).is_dir():  # a source on this filesystem
             check_shard_files(DataStream(stream.remote), split)
         hashed = check_shard_files(stream, split)
-        result.append(Stream(local=str(Path(stream.path) / split),
-                             remote=f"{stream.remote.rstrip('/')}/{split}" if stream.remote
-                             else None,
-                             proportion=stream.proportion,
-                             # streaming checks each file it downloads or decompresses
-                             validate_hash=hashed))
+        result.append(
+            Stream(
+                local=str(Path(stream.path) / split),
+                remote=f"{stream.remote.rstrip('/')}/{split}" if stream.remote else None,
+                proportion=stream.proportion,
+                # streaming checks each file it downloads or decompresses
+                validate_hash=hashed,
+            )
+        )
     return result
 
 
@@ -105,21 +116,29 @@ def check_shard_files(stream: DataStream, split: str) -> Optional[str]:
     if stream.remote:  # what streaming would fetch first anyway
         _fetch(f"{stream.remote.rstrip('/')}/{split}/index.json", index_file)
     if not index_file.is_file():
-        raise DataError(f"dataset {stream.path}: shard index {index_file} is missing; prepare "
-                        "the dataset again (`t2train data prepare`)")
+        raise DataError(
+            f"dataset {stream.path}: shard index {index_file} is missing; prepare "
+            "the dataset again (`t2train data prepare`)"
+        )
     try:
         shards = json.loads(index_file.read_text())["shards"]
         pairs = [(shard["raw_data"], shard.get("zip_data")) for shard in shards]
         for raw, zipped in pairs:
             for info in (raw, zipped):
-                if info is not None and not (isinstance(info["basename"], str)
-                                             and isinstance(info["bytes"], int)):
+                if info is not None and not (
+                    isinstance(info["basename"], str) and isinstance(info["bytes"], int)
+                ):
                     raise TypeError("basename or bytes of wrong type")
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as err:
-        raise DataError(f"shard index {index_file}: malformed ({type(err).__name__}: {err}); "
-                        "prepare the dataset again (`t2train data prepare`)") from None
-    fix = ("delete it from the cache to download it again" if stream.remote else
-           "prepare the dataset again (`t2train data prepare`)")
+        raise DataError(
+            f"shard index {index_file}: malformed ({type(err).__name__}: {err}); "
+            "prepare the dataset again (`t2train data prepare`)"
+        ) from None
+    fix = (
+        "delete it from the cache to download it again"
+        if stream.remote
+        else "prepare the dataset again (`t2train data prepare`)"
+    )
     algorithms = []
     for raw, zipped in pairs:
         for info in (zipped, raw):
@@ -132,12 +151,16 @@ def check_shard_files(stream: DataStream, split: str) -> Optional[str]:
                 raise DataError(
                     f"shard file {file}: {file.stat().st_size} bytes, but {index_file} records "
                     f"{info['bytes']} (truncated or corrupt); "
-                    + (f"delete it to extract it again from {zipped['basename']}"
-                       if extracted and not stream.remote else fix))
+                    + (
+                        f"delete it to extract it again from {zipped['basename']}"
+                        if extracted and not stream.remote
+                        else fix
+                    )
+                )
         source = split_dir / (zipped or raw)["basename"]
         if not stream.remote and not source.is_file():
             raise DataError(f"shard file {source}: missing (listed in {index_file}); {fix}")
-    from streaming.base.hashing import is_hash
+    from streaming.base.hashing import is_hash  # noqa: PLC0415 - mosaicml-streaming: only when shards are checked
 
     common = set.intersection(*algorithms) if algorithms else set()
     usable = sorted(algo for algo in common if is_hash(algo))
@@ -148,9 +171,11 @@ def _check_split(path, index: dict, split: str, seq_length: int) -> None:
     if split not in index["splits"]:
         raise DataError(f"dataset {path}: no split {split!r} (has {', '.join(index['splits'])})")
     if seq_length > index["seq_length"]:
-        raise DataError(f"seq_length={seq_length}: needs samples of {seq_length + 1} tokens, "
-                        f"but the samples of {path} have {index['seq_length'] + 1} tokens "
-                        f"(prepared with seq_length={index['seq_length']})")
+        raise DataError(
+            f"seq_length={seq_length}: needs samples of {seq_length + 1} tokens, "
+            f"but the samples of {path} have {index['seq_length'] + 1} tokens "
+            f"(prepared with seq_length={index['seq_length']})"
+        )
 
 
 def _index(stream: DataStream) -> dict:
@@ -169,6 +194,8 @@ def _fetch(remote: str, local: Path) -> None:
         CloudDownloader.direct_download(remote, str(partial))
     except Exception as err:  # each storage client raises its own errors
         partial.unlink(missing_ok=True)
-        raise DataError(f"remote dataset file {remote}: could not download it into the cache "
-                        f"{local.parent} ({type(err).__name__}: {err})") from None
+        raise DataError(
+            f"remote dataset file {remote}: could not download it into the cache "
+            f"{local.parent} ({type(err).__name__}: {err})"
+        ) from None
     os.replace(partial, local)

@@ -28,9 +28,15 @@ from tokenizers import Tokenizer
 Batch = list[tuple[str, bool, bool]]
 Tag = TypeVar("Tag")
 
-def encode_batches(tokenizer: Tokenizer, eos: int, dtype: str,
-                   batches: Iterable[tuple[Tag, Batch]], workers: int = 1,
-                   bos: Optional[int] = None) -> Iterator[tuple[Tag, np.ndarray]]:
+
+def encode_batches(
+    tokenizer: Tokenizer,
+    eos: int,
+    dtype: str,
+    batches: Iterable[tuple[Tag, Batch]],
+    workers: int = 1,
+    bos: Optional[int] = None,
+) -> Iterator[tuple[Tag, np.ndarray]]:
     """``(tag, ids)`` for each ``(tag, batch)``, in order; the tag passes through untouched.
 
     ``workers=1`` encodes in this process (the tokenizers library may still use several
@@ -53,16 +59,16 @@ class _Workers:
     threads an interrupt or an error ends the workers at once: ``Pool.terminate`` hangs
     when its task thread is blocked sending a batch larger than the pipe's buffer."""
 
-    def __init__(self, count: int, tokenizer_json: str, eos: int, dtype: str,
-                 bos: Optional[int]):
+    def __init__(self, count: int, tokenizer_json: str, eos: int, dtype: str, bos: Optional[int]):
         context = multiprocessing.get_context("spawn")
         self.processes: list = []
         self.connections: list = []
         try:
             for _ in range(count):
                 ours, theirs = context.Pipe()
-                process = context.Process(target=_serve, args=(theirs,), daemon=True,
-                                          name="t2train-tokenize")
+                process = context.Process(
+                    target=_serve, args=(theirs,), daemon=True, name="t2train-tokenize"
+                )
                 with _ctrl_c_held():
                     process.start()
                 theirs.close()
@@ -80,10 +86,11 @@ class _Workers:
     def __exit__(self, *exc) -> None:
         self.close(finished=exc[0] is None)
 
-    def encode_in_order(self, batches: Iterable[tuple[Tag, Batch]]
-                        ) -> Iterator[tuple[Tag, np.ndarray]]:
+    def encode_in_order(
+        self, batches: Iterable[tuple[Tag, Batch]]
+    ) -> Iterator[tuple[Tag, np.ndarray]]:
         idle = deque(range(len(self.connections)))
-        pending: deque = deque()  # (tag, worker) in submission order
+        pending: deque[tuple[Tag, int]] = deque()  # (tag, worker) in submission order
         for tag, batch in batches:
             if not idle:
                 yield self._result(*pending.popleft(), idle)
@@ -99,8 +106,10 @@ class _Workers:
         except EOFError:
             process = self.processes[worker]
             process.join(timeout=5)
-            raise RuntimeError(f"tokenizing worker {process.pid} exited with code "
-                               f"{process.exitcode} before returning its batch") from None
+            raise RuntimeError(
+                f"tokenizing worker {process.pid} exited with code "
+                f"{process.exitcode} before returning its batch"
+            ) from None
         if not ok:
             raise value
         idle.append(worker)
@@ -139,12 +148,14 @@ def _ctrl_c_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
-def encode(tokenizer: Tokenizer, batch: Batch, eos: int, dtype: str,
-           bos: Optional[int] = None) -> np.ndarray:
+def encode(
+    tokenizer: Tokenizer, batch: Batch, eos: int, dtype: str, bos: Optional[int] = None
+) -> np.ndarray:
     """The ids of a batch's pieces, concatenated, with EOS after each document's last piece
     and ``bos`` (if not None) before its first."""
-    encodings = tokenizer.encode_batch_fast([text for text, _, _ in batch],
-                                            add_special_tokens=False)
+    encodings = tokenizer.encode_batch_fast(
+        [text for text, _, _ in batch], add_special_tokens=False
+    )
     parts = []
     for encoding, (_, starts, ends) in zip(encodings, batch, strict=True):
         if starts and bos is not None:
@@ -168,7 +179,7 @@ def _serve(connection) -> None:
         if batch is None:
             return
         try:
-            result = (True, encode(tokenizer, batch, eos, dtype, bos))
+            result: tuple[bool, object] = (True, encode(tokenizer, batch, eos, dtype, bos))
         except Exception as err:  # noqa: BLE001 - raised again in the parent
             result = (False, err)
         connection.send(result)

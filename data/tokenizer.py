@@ -41,14 +41,19 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     ``tokenizer.get_vocab_size()``.
     """
     if vocab_size < MIN_VOCAB:
-        raise DataError(f"vocab_size={vocab_size}: must be >= {MIN_VOCAB} "
-                        "(256 byte tokens plus the end-of-text token)")
+        raise DataError(
+            f"vocab_size={vocab_size}: must be >= {MIN_VOCAB} "
+            "(256 byte tokens plus the end-of-text token)"
+        )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
 
@@ -64,8 +69,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             return tokenizer
         path = path / TOKENIZER_FILE
     if not path.is_file():
-        raise DataError(f"tokenizer {path}: no such file (expected a Hugging Face tokenizer.json, "
-                        f"or a folder with one or with a SentencePiece {SENTENCEPIECE_FILE})")
+        raise DataError(
+            f"tokenizer {path}: no such file (expected a Hugging Face tokenizer.json, "
+            f"or a folder with one or with a SentencePiece {SENTENCEPIECE_FILE})"
+        )
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception on bad JSON
@@ -78,22 +85,26 @@ def _converted(folder: Path) -> Tokenizer:
     """The fast tokenizer transformers makes of a folder's SentencePiece model (its
     ``tokenizer_config.json`` says which class; offline)."""
     try:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # noqa: PLC0415 - transformers (the hf extra): a SentencePiece folder only
     except ImportError:
-        raise DataError(f"tokenizer {folder}: only a SentencePiece {SENTENCEPIECE_FILE}; "
-                        "converting it needs transformers: pip install 't2train[hf]'") from None
+        raise DataError(
+            f"tokenizer {folder}: only a SentencePiece {SENTENCEPIECE_FILE}; "
+            "converting it needs transformers: pip install 't2train[hf]'"
+        ) from None
     try:
-        converted = AutoTokenizer.from_pretrained(str(folder), use_fast=True,
-                                                  local_files_only=True)
+        converted = AutoTokenizer.from_pretrained(str(folder), use_fast=True, local_files_only=True)
     except Exception as err:  # transformers raises many types for a folder it cannot read
-        raise DataError(f"tokenizer {folder}: transformers cannot load its "
-                        f"{SENTENCEPIECE_FILE} ({type(err).__name__}: "
-                        f"{str(err).strip().splitlines()[0] if str(err).strip() else ''})"
-                        ) from None
+        raise DataError(
+            f"tokenizer {folder}: transformers cannot load its "
+            f"{SENTENCEPIECE_FILE} ({type(err).__name__}: "
+            f"{str(err).strip().splitlines()[0] if str(err).strip() else ''})"
+        ) from None
     if not converted.is_fast:
-        raise DataError(f"tokenizer {folder}: transformers could not convert its "
-                        f"{SENTENCEPIECE_FILE} to a fast tokenizer (it needs sentencepiece "
-                        "and protobuf: pip install 't2train[hf]')")
+        raise DataError(
+            f"tokenizer {folder}: transformers could not convert its "
+            f"{SENTENCEPIECE_FILE} to a fast tokenizer (it needs sentencepiece "
+            "and protobuf: pip install 't2train[hf]')"
+        )
     return converted.backend_tokenizer
 
 
@@ -102,13 +113,15 @@ def default_bos_id(tokenizer: Tokenizer) -> Optional[int]:
     or None: what encoding a text with and without its special tokens adds in front."""
     plain = tokenizer.encode("a", add_special_tokens=False).ids
     special = tokenizer.encode("a", add_special_tokens=True).ids
-    front = next((k for k in range(len(special) - len(plain) + 1)
-                  if special[k:k + len(plain)] == plain), 0)
+    front = next(
+        (k for k in range(len(special) - len(plain) + 1) if special[k : k + len(plain)] == plain), 0
+    )
     return special[0] if front else None
 
 
-def document_bos(tokenizer: Tokenizer, choice: str,
-                 source: str | Path = "tokenizer") -> Optional[int]:
+def document_bos(
+    tokenizer: Tokenizer, choice: str, source: str | Path = "tokenizer"
+) -> Optional[int]:
     """The token each document starts with: ``auto``, the tokenizer's default begin token
     (``default_bos_id``, or none); ``always``, its begin token even if it adds none by
     default; ``never``, none."""
@@ -120,8 +133,9 @@ def document_bos(tokenizer: Tokenizer, choice: str,
     for token in BOS_TOKENS:
         if tokenizer.token_to_id(token) is not None:
             return tokenizer.token_to_id(token)
-    raise DataError(f"bos=always: {source} has none of the begin tokens "
-                    f"{', '.join(map(repr, BOS_TOKENS))}")
+    raise DataError(
+        f"bos=always: {source} has none of the begin tokens {', '.join(map(repr, BOS_TOKENS))}"
+    )
 
 
 def eos_token(tokenizer: Tokenizer, source: str | Path = "tokenizer") -> str:
@@ -129,8 +143,10 @@ def eos_token(tokenizer: Tokenizer, source: str | Path = "tokenizer") -> str:
     for token in EOS_TOKENS:
         if tokenizer.token_to_id(token) is not None:
             return token
-    raise DataError(f"{source}: has none of the tokens {', '.join(map(repr, EOS_TOKENS))}; "
-                    "expected one as the end-of-document (EOS) token that separates documents")
+    raise DataError(
+        f"{source}: has none of the tokens {', '.join(map(repr, EOS_TOKENS))}; "
+        "expected one as the end-of-document (EOS) token that separates documents"
+    )
 
 
 def eos_id(tokenizer: Tokenizer, source: str | Path = "tokenizer") -> int:
@@ -154,8 +170,10 @@ def token_dtype(vocab_size: int) -> str:
     for dtype in ("uint16", "uint32"):
         if vocab_size - 1 <= np.iinfo(dtype).max:
             return dtype
-    raise DataError(f"tokenizer vocabulary of {vocab_size} tokens: too large, ids above "
-                    f"{np.iinfo(np.uint32).max} do not fit the uint32 token column")
+    raise DataError(
+        f"tokenizer vocabulary of {vocab_size} tokens: too large, ids above "
+        f"{np.iinfo(np.uint32).max} do not fit the uint32 token column"
+    )
 
 
 def file_sha256(path: Path) -> str:

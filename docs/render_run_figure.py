@@ -38,8 +38,12 @@ def render(event_dir: str, out: str) -> None:
         axes = figure.add_subplot(grid[index // 2, index % 2])
         for tag in panel_tags:
             points = events.Scalars(tag)
-            axes.plot([p.step for p in points], [p.value for p in points], label=tag,
-                      marker="." if len(points) < 30 else None)
+            axes.plot(
+                [p.step for p in points],
+                [p.value for p in points],
+                label=tag,
+                marker="." if len(points) < 30 else None,
+            )
         axes.set_title(title, fontsize=10)
         axes.set_xlabel("step", fontsize=8)
         axes.legend(fontsize=8)

@@ -26,8 +26,20 @@ from t2train.kernels.ops import kernel_op, tracing
 
 
 @triton.jit
-def _load_row(X_RAW, K_RAW, BETA, VLOG, row, rows, hidden, dv, eps2, v_scale,
-              BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr):
+def _load_row(
+    X_RAW,
+    K_RAW,
+    BETA,
+    VLOG,
+    row,
+    rows,
+    hidden,
+    dv,
+    eps2,
+    v_scale,
+    BLOCK_H: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     """State columns x [BLOCK_V, BLOCK_H], k~, r, k, beta, sigma(b), v and e for one token."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_j = tl.arange(0, BLOCK_V)
@@ -39,32 +51,64 @@ def _load_row(X_RAW, K_RAW, BETA, VLOG, row, rows, hidden, dv, eps2, v_scale,
     r = 1.0 / tl.sqrt(tl.sum(k_raw * k_raw, 0) + eps2)
     k = k_raw * r
     beta = 2.0 * tl.sigmoid(tl.load(BETA + row).to(tl.float32))
-    sig_v = tl.sigmoid(tl.load(VLOG + row * dv + offs_j, mask=offs_j < dv, other=0.0)
-                       .to(tl.float32))
+    sig_v = tl.sigmoid(
+        tl.load(VLOG + row * dv + offs_j, mask=offs_j < dv, other=0.0).to(tl.float32)
+    )
     err = v_scale * sig_v - tl.sum(x * k[None, :], 1)
     return x, tile, tile_ok, k, r, beta, sig_v, err
 
 
 @triton.jit
-def _fwd_kernel(X, K_RAW, BETA, VLOG, Y, rows, hidden, dv, eps2, v_scale,
-                BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr):
+def _fwd_kernel(
+    X,
+    K_RAW,
+    BETA,
+    VLOG,
+    Y,
+    rows,
+    hidden,
+    dv,
+    eps2,
+    v_scale,
+    BLOCK_H: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)  # 64-bit offsets: states can pass 2^31 elements
     x, tile, tile_ok, k, r, beta, sig_v, err = _load_row(
-        X, K_RAW, BETA, VLOG, row, rows, hidden, dv, eps2, v_scale, BLOCK_H, BLOCK_V)
+        X, K_RAW, BETA, VLOG, row, rows, hidden, dv, eps2, v_scale, BLOCK_H, BLOCK_V
+    )
     y = x + (beta * err)[:, None] * k[None, :]
     tl.store(Y + tile, y.to(Y.dtype.element_ty), mask=tile_ok)
 
 
 @triton.jit
-def _bwd_kernel(X, K_RAW, BETA, VLOG, G, DX, DK, DBETA, DVLOG, rows, hidden, dv, eps2,
-                v_scale, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr):
+def _bwd_kernel(
+    X,
+    K_RAW,
+    BETA,
+    VLOG,
+    G,
+    DX,
+    DK,
+    DBETA,
+    DVLOG,
+    rows,
+    hidden,
+    dv,
+    eps2,
+    v_scale,
+    BLOCK_H: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     x, tile, tile_ok, k, r, beta, sig_v, err = _load_row(
-        X, K_RAW, BETA, VLOG, row, rows, hidden, dv, eps2, v_scale, BLOCK_H, BLOCK_V)
+        X, K_RAW, BETA, VLOG, row, rows, hidden, dv, eps2, v_scale, BLOCK_H, BLOCK_V
+    )
     g = tl.load(G + tile, mask=tile_ok, other=0.0).to(tl.float32)
     c = tl.sum(g * k[None, :], 1)
-    tl.store(DX + tile, (g - (beta * c)[:, None] * k[None, :]).to(DX.dtype.element_ty),
-             mask=tile_ok)
+    tl.store(
+        DX + tile, (g - (beta * c)[:, None] * k[None, :]).to(DX.dtype.element_ty), mask=tile_ok
+    )
     dk = beta * tl.sum(err[:, None] * g - c[:, None] * x, 0)
     dk_raw = r * (dk - tl.sum(k * dk, 0) * k)
     offs_h = tl.arange(0, BLOCK_H)
@@ -79,13 +123,15 @@ def _bwd_kernel(X, K_RAW, BETA, VLOG, G, DX, DK, DBETA, DVLOG, rows, hidden, dv,
 def _launch(hidden: int, dv: int) -> dict:
     block_h = triton.next_power_of_2(hidden)
     block_v = triton.next_power_of_2(dv)
-    return dict(BLOCK_H=block_h, BLOCK_V=block_v,
-                num_warps=min(16, max(4, block_h * block_v // 1024)))
+    return dict(
+        BLOCK_H=block_h, BLOCK_V=block_v, num_warps=min(16, max(4, block_h * block_v // 1024))
+    )
 
 
 @kernel_op("delta_write")
-def _delta_write(state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor, k_eps: float,
-                 v_scale: float) -> Tensor:
+def _delta_write(
+    state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor, k_eps: float, v_scale: float
+) -> Tensor:
     """state [s, b, h] or [d_v, s, b, h]; out [s, b, h]; beta_logit [s, b, 1];
     v_logit [s, b, d_v]."""
     state, out, beta_logit, v_logit = (t.contiguous() for t in (state, out, beta_logit, v_logit))
@@ -94,23 +140,54 @@ def _delta_write(state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor
     y = torch.empty_like(state)
     if tracing(state):
         return y
-    _fwd_kernel[(rows,)](state, out, beta_logit, v_logit, y, rows, hidden, dv, k_eps * k_eps,
-                         v_scale, **_launch(hidden, dv))
+    _fwd_kernel[(rows,)](
+        state,
+        out,
+        beta_logit,
+        v_logit,
+        y,
+        rows,
+        hidden,
+        dv,
+        k_eps * k_eps,
+        v_scale,
+        **_launch(hidden, dv),
+    )
     return y
 
 
 @kernel_op("delta_write_backward")
-def _delta_write_backward(state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor,
-                          grad: Tensor, k_eps: float, v_scale: float) -> list[Tensor]:
+def _delta_write_backward(
+    state: Tensor,
+    out: Tensor,
+    beta_logit: Tensor,
+    v_logit: Tensor,
+    grad: Tensor,
+    k_eps: float,
+    v_scale: float,
+) -> list[Tensor]:
     state, out, beta_logit, v_logit, grad = (
-        t.contiguous() for t in (state, out, beta_logit, v_logit, grad))
+        t.contiguous() for t in (state, out, beta_logit, v_logit, grad)
+    )
     hidden, dv = out.shape[-1], v_logit.shape[-1]
     rows = out.numel() // hidden
     grads = [torch.empty_like(t) for t in (state, out, beta_logit, v_logit)]
     if tracing(state):
         return grads
-    _bwd_kernel[(rows,)](state, out, beta_logit, v_logit, grad, *grads, rows, hidden, dv,
-                         k_eps * k_eps, v_scale, **_launch(hidden, dv))
+    _bwd_kernel[(rows,)](
+        state,
+        out,
+        beta_logit,
+        v_logit,
+        grad,
+        *grads,
+        rows,
+        hidden,
+        dv,
+        k_eps * k_eps,
+        v_scale,
+        **_launch(hidden, dv),
+    )
     return grads
 
 
@@ -126,11 +203,14 @@ def _backward(ctx, grad: Tensor) -> tuple:
 _delta_write.register_autograd(_backward, setup_context=_save_inputs)
 
 
-def delta_write(state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor,
-                k_eps: float, v_scale: float) -> Tensor:
+def delta_write(
+    state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor, k_eps: float, v_scale: float
+) -> Tensor:
     """Triton ``t2train.residual.ddl.delta_write`` (same arguments, same result)."""
     expected = (v_logit.shape[-1], *out.shape) if state.dim() == out.dim() + 1 else out.shape
     if state.shape != expected or beta_logit.shape[-1] != 1:
-        raise ValueError(f"state {tuple(state.shape)}, out {tuple(out.shape)}, beta_logit "
-                         f"{tuple(beta_logit.shape)}, v_logit {tuple(v_logit.shape)} disagree")
+        raise ValueError(
+            f"state {tuple(state.shape)}, out {tuple(out.shape)}, beta_logit "
+            f"{tuple(beta_logit.shape)}, v_logit {tuple(v_logit.shape)} disagree"
+        )
     return _delta_write(state, out, beta_logit, v_logit, k_eps, v_scale)

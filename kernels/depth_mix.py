@@ -50,9 +50,23 @@ def _source_rows(SOURCES, V, n_src, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr
 
 
 @triton.jit
-def _phase1_logits(SOURCES, V, Q, DO, row, rows, hidden, n_src, n_q, eps,
-                   BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
-                   WITH_DO: tl.constexpr, ALIGNED: tl.constexpr):
+def _phase1_logits(
+    SOURCES,
+    V,
+    Q,
+    DO,
+    row,
+    rows,
+    hidden,
+    n_src,
+    n_q,
+    eps,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    WITH_DO: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
     """r [BLOCK_N], z [BLOCK_N, BLOCK_S] and (WITH_DO) dO . v [BLOCK_N, BLOCK_S] for one token."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
@@ -63,30 +77,67 @@ def _phase1_logits(SOURCES, V, Q, DO, row, rows, hidden, n_src, n_q, eps,
     for h0 in range(0, hidden, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         h_ok = offs_h[None, :] < hidden
-        v = tl.load(bases[:, None] + row * hidden + offs_h[None, :],
-                    mask=(offs_n[:, None] < n_src) & h_ok, other=0.0).to(tl.float32)
-        q = tl.load(Q + offs_s[:, None] * hidden + offs_h[None, :],
-                    mask=(offs_s[:, None] < n_q) & h_ok, other=0.0).to(tl.float32)
+        v = tl.load(
+            bases[:, None] + row * hidden + offs_h[None, :],
+            mask=(offs_n[:, None] < n_src) & h_ok,
+            other=0.0,
+        ).to(tl.float32)
+        q = tl.load(
+            Q + offs_s[:, None] * hidden + offs_h[None, :],
+            mask=(offs_s[:, None] < n_q) & h_ok,
+            other=0.0,
+        ).to(tl.float32)
         sumsq += tl.sum(v * v, 1)
         dots += tl.sum(v[:, None, :] * q[None, :, :], 2)
         if WITH_DO:
-            do = tl.load(DO + (offs_s[:, None] * rows + row) * hidden + offs_h[None, :],
-                         mask=(offs_s[:, None] < n_q) & h_ok, other=0.0)
+            do = tl.load(
+                DO + (offs_s[:, None] * rows + row) * hidden + offs_h[None, :],
+                mask=(offs_s[:, None] < n_q) & h_ok,
+                other=0.0,
+            )
             dov += tl.sum(v[:, None, :] * do[None, :, :], 2)
     r = 1.0 / tl.sqrt(sumsq / hidden + eps)
     return r, dots * r[:, None], dov
 
 
 @triton.jit
-def _phase1_fwd_kernel(SOURCES, V, Q, O, LSE, rows, hidden, n_src, n_q, eps,
-                       BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
-                       ALIGNED: tl.constexpr):
+def _phase1_fwd_kernel(
+    SOURCES,
+    V,
+    Q,
+    O,
+    LSE,
+    rows,
+    hidden,
+    n_src,
+    n_q,
+    eps,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)  # 64-bit offsets: S outputs can pass 2^31 elements
     offs_n = tl.arange(0, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
     bases = _source_rows(SOURCES, V, n_src, BLOCK_N, ALIGNED)
-    r, z, _ = _phase1_logits(SOURCES, V, Q, V, row, rows, hidden, n_src, n_q, eps,
-                             BLOCK_N, BLOCK_S, BLOCK_H, False, ALIGNED)
+    r, z, _ = _phase1_logits(
+        SOURCES,
+        V,
+        Q,
+        V,
+        row,
+        rows,
+        hidden,
+        n_src,
+        n_q,
+        eps,
+        BLOCK_N,
+        BLOCK_S,
+        BLOCK_H,
+        False,
+        ALIGNED,
+    )
     z = tl.where(offs_n[:, None] < n_src, z, float("-inf"))
     m = tl.max(z, 0)
     p = tl.exp(z - m[None, :])
@@ -96,24 +147,62 @@ def _phase1_fwd_kernel(SOURCES, V, Q, O, LSE, rows, hidden, n_src, n_q, eps,
     for h0 in range(0, hidden, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         h_ok = offs_h[None, :] < hidden
-        v = tl.load(bases[:, None] + row * hidden + offs_h[None, :],
-                    mask=(offs_n[:, None] < n_src) & h_ok, other=0.0).to(tl.float32)
+        v = tl.load(
+            bases[:, None] + row * hidden + offs_h[None, :],
+            mask=(offs_n[:, None] < n_src) & h_ok,
+            other=0.0,
+        ).to(tl.float32)
         o = tl.sum(w[:, :, None] * v[:, None, :], 0)
-        tl.store(O + (offs_s[:, None] * rows + row) * hidden + offs_h[None, :], o,
-                 mask=(offs_s[:, None] < n_q) & h_ok)
+        tl.store(
+            O + (offs_s[:, None] * rows + row) * hidden + offs_h[None, :],
+            o,
+            mask=(offs_s[:, None] < n_q) & h_ok,
+        )
 
 
 @triton.jit
-def _phase1_bwd_scores_kernel(SOURCES, V, Q, LSE, DO, DLSE, W, DZR, COEF, rows, hidden, n_src,
-                              n_q, eps, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-                              BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr):
+def _phase1_bwd_scores_kernel(
+    SOURCES,
+    V,
+    Q,
+    LSE,
+    DO,
+    DLSE,
+    W,
+    DZR,
+    COEF,
+    rows,
+    hidden,
+    n_src,
+    n_q,
+    eps,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
     """Per token: w, dz r and (r^2 / h) sum_s dz z, the coefficients of dv and dw."""
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
     ok = (offs_n[:, None] < n_src) & (offs_s[None, :] < n_q)
-    r, z, dov = _phase1_logits(SOURCES, V, Q, DO, row, rows, hidden, n_src, n_q, eps,
-                               BLOCK_N, BLOCK_S, BLOCK_H, True, ALIGNED)
+    r, z, dov = _phase1_logits(
+        SOURCES,
+        V,
+        Q,
+        DO,
+        row,
+        rows,
+        hidden,
+        n_src,
+        n_q,
+        eps,
+        BLOCK_N,
+        BLOCK_S,
+        BLOCK_H,
+        True,
+        ALIGNED,
+    )
     lse = tl.load(LSE + offs_s * rows + row, mask=offs_s < n_q, other=0.0)
     dlse = tl.load(DLSE + offs_s * rows + row, mask=offs_s < n_q, other=0.0)
     w = tl.where(ok, tl.exp(z - lse[None, :]), 0.0)
@@ -122,15 +211,30 @@ def _phase1_bwd_scores_kernel(SOURCES, V, Q, LSE, DO, DLSE, W, DZR, COEF, rows, 
     scores = row * n_src * n_q + offs_n[:, None] * n_q + offs_s[None, :]
     tl.store(W + scores, w, mask=ok)
     tl.store(DZR + scores, dz * r[:, None], mask=ok)
-    tl.store(COEF + row * n_src + offs_n, r * r / hidden * tl.sum(dz * z, 1),
-             mask=offs_n < n_src)
+    tl.store(COEF + row * n_src + offs_n, r * r / hidden * tl.sum(dz * z, 1), mask=offs_n < n_src)
 
 
 @triton.jit
-def _phase1_bwd_grads_kernel(SOURCES, V, Q, DO, W, DZR, COEF, DV, DQ_PART, rows, hidden, n_src,
-                             n_q, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-                             BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
-                             ALIGNED: tl.constexpr):
+def _phase1_bwd_grads_kernel(
+    SOURCES,
+    V,
+    Q,
+    DO,
+    W,
+    DZR,
+    COEF,
+    DV,
+    DQ_PART,
+    rows,
+    hidden,
+    n_src,
+    n_q,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
     """dv for ROWS tokens on one slice of h (into one [N, tokens, h] buffer), and their
     partial query gradient."""
     pid_h, block = tl.program_id(0), tl.program_id(1).to(tl.int64)
@@ -140,29 +244,42 @@ def _phase1_bwd_grads_kernel(SOURCES, V, Q, DO, W, DZR, COEF, DV, DQ_PART, rows,
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h[None, :] < hidden
     n_ok, s_ok = offs_n < n_src, offs_s < n_q
-    q = tl.load(Q + offs_s[:, None] * hidden + offs_h[None, :], mask=s_ok[:, None] & h_ok,
-                other=0.0).to(tl.float32)
+    q = tl.load(
+        Q + offs_s[:, None] * hidden + offs_h[None, :], mask=s_ok[:, None] & h_ok, other=0.0
+    ).to(tl.float32)
     dq = tl.zeros([BLOCK_S, BLOCK_H], tl.float32)
     for i in range(ROWS):
         row = block * ROWS + i
         row_ok = row < rows
         v_mask = n_ok[:, None] & h_ok & row_ok
-        v = tl.load(bases[:, None] + row * hidden + offs_h[None, :], mask=v_mask,
-                    other=0.0).to(tl.float32)
-        do = tl.load(DO + (offs_s[:, None] * rows + row) * hidden + offs_h[None, :],
-                     mask=s_ok[:, None] & h_ok & row_ok, other=0.0)
+        v = tl.load(bases[:, None] + row * hidden + offs_h[None, :], mask=v_mask, other=0.0).to(
+            tl.float32
+        )
+        do = tl.load(
+            DO + (offs_s[:, None] * rows + row) * hidden + offs_h[None, :],
+            mask=s_ok[:, None] & h_ok & row_ok,
+            other=0.0,
+        )
         scores = row * n_src * n_q + offs_n[:, None] * n_q + offs_s[None, :]
         score_ok = n_ok[:, None] & s_ok[None, :] & row_ok
         w = tl.load(W + scores, mask=score_ok, other=0.0)
         dzr = tl.load(DZR + scores, mask=score_ok, other=0.0)
         coef = tl.load(COEF + row * n_src + offs_n, mask=n_ok & row_ok, other=0.0)
-        dv = (tl.sum(w[:, :, None] * do[None, :, :] + dzr[:, :, None] * q[None, :, :], 1)
-              - coef[:, None] * v)
-        tl.store(DV + (offs_n[:, None] * rows + row) * hidden + offs_h[None, :],
-                 dv.to(DV.dtype.element_ty), mask=v_mask)
+        dv = (
+            tl.sum(w[:, :, None] * do[None, :, :] + dzr[:, :, None] * q[None, :, :], 1)
+            - coef[:, None] * v
+        )
+        tl.store(
+            DV + (offs_n[:, None] * rows + row) * hidden + offs_h[None, :],
+            dv.to(DV.dtype.element_ty),
+            mask=v_mask,
+        )
         dq += tl.sum(dzr[:, :, None] * v[:, None, :], 0)
-    tl.store(DQ_PART + (block * n_q + offs_s[:, None]) * hidden + offs_h[None, :], dq,
-             mask=s_ok[:, None] & h_ok)
+    tl.store(
+        DQ_PART + (block * n_q + offs_s[:, None]) * hidden + offs_h[None, :],
+        dq,
+        mask=s_ok[:, None] & h_ok,
+    )
 
 
 @triton.jit
@@ -180,26 +297,43 @@ def _phase2_row(P, Q, O, LSE, row, hidden, eps, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def _phase2_fwd_kernel(P, Q, O, LSE, Y, rows, hidden, eps, BLOCK_H: tl.constexpr,
-                       ROWS: tl.constexpr):
+def _phase2_fwd_kernel(
+    P, Q, O, LSE, Y, rows, hidden, eps, BLOCK_H: tl.constexpr, ROWS: tl.constexpr
+):
     for i in range(ROWS):
         row = tl.program_id(0).to(tl.int64) * ROWS + i
         if row < rows:
-            offs_h, h_ok, p, q, o, r, z, gamma, y = _phase2_row(P, Q, O, LSE, row, hidden, eps,
-                                                                BLOCK_H)
+            offs_h, h_ok, p, q, o, r, z, gamma, y = _phase2_row(
+                P, Q, O, LSE, row, hidden, eps, BLOCK_H
+            )
             tl.store(Y + row * hidden + offs_h, y.to(Y.dtype.element_ty), mask=h_ok)
 
 
 @triton.jit
-def _phase2_bwd_kernel(P, Q, O, LSE, G, DP, DO, DLSE, DQ_PART, rows, hidden, eps,
-                       BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
+def _phase2_bwd_kernel(
+    P,
+    Q,
+    O,
+    LSE,
+    G,
+    DP,
+    DO,
+    DLSE,
+    DQ_PART,
+    rows,
+    hidden,
+    eps,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     block = tl.program_id(0).to(tl.int64)
     dq = tl.zeros([BLOCK_H], tl.float32)
     for i in range(ROWS):
         row = block * ROWS + i
         if row < rows:
-            offs_h, h_ok, p, q, o, r, z, gamma, y = _phase2_row(P, Q, O, LSE, row, hidden,
-                                                                eps, BLOCK_H)
+            offs_h, h_ok, p, q, o, r, z, gamma, y = _phase2_row(
+                P, Q, O, LSE, row, hidden, eps, BLOCK_H
+            )
             g = tl.load(G + row * hidden + offs_h, mask=h_ok, other=0.0).to(tl.float32)
             dz = gamma * tl.sum(g * (p - y), 0)  # and dLSE = -dz
             dp = gamma * g + dz * r * (q - z * r / hidden * p)
@@ -233,8 +367,6 @@ def _address_table(sources: list[Tensor]) -> tuple[Tensor, dict]:
     return table, {"ALIGNED": all(address % 16 == 0 for address in addresses)}
 
 
-
-
 @kernel_op("block_phase_1")
 def _phase_1(queries: Tensor, sources: list[Tensor], eps: float) -> tuple[Tensor, Tensor]:
     """queries [S, h], the N sources (each [..., h]) -> O [S, ..., h] and LSE [S, ...], both
@@ -244,26 +376,41 @@ def _phase_1(queries: Tensor, sources: list[Tensor], eps: float) -> tuple[Tensor
     queries = queries.contiguous()
     sources = [t.contiguous() for t in sources]
     first = sources[0]
-    if any((t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device)
-           for t in sources):
-        raise ValueError("phase 1: the sources must share one shape, dtype and device, got "
-                         f"{[(tuple(t.shape), t.dtype) for t in sources]}")
-    out = torch.empty((queries.shape[0], *first.shape), device=queries.device,
-                      dtype=torch.float32)
+    if any(
+        (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device) for t in sources
+    ):
+        raise ValueError(
+            "phase 1: the sources must share one shape, dtype and device, got "
+            f"{[(tuple(t.shape), t.dtype) for t in sources]}"
+        )
+    out = torch.empty((queries.shape[0], *first.shape), device=queries.device, dtype=torch.float32)
     lse = torch.empty(out.shape[:-1], device=queries.device, dtype=torch.float32)
     if tracing(queries):
         return out, lse
     n_src, hidden, n_q = len(sources), first.shape[-1], queries.shape[0]
     rows = first.numel() // hidden
     table, aligned = _address_table(sources)
-    _phase1_fwd_kernel[(rows,)](table, first, queries, out, lse, rows, hidden, n_src, n_q, eps,
-                                **_phase1_blocks(n_src, n_q, hidden), **aligned)
+    _phase1_fwd_kernel[(rows,)](
+        table,
+        first,
+        queries,
+        out,
+        lse,
+        rows,
+        hidden,
+        n_src,
+        n_q,
+        eps,
+        **_phase1_blocks(n_src, n_q, hidden),
+        **aligned,
+    )
     return out, lse
 
 
 @kernel_op("block_phase_1_backward")
-def _phase_1_backward(queries: Tensor, sources: list[Tensor], lse: Tensor, d_out: Tensor,
-                      d_lse: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _phase_1_backward(
+    queries: Tensor, sources: list[Tensor], lse: Tensor, d_out: Tensor, d_lse: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
     """dQ [S, h] and the sources' gradients as one [N, ..., h] buffer."""
     queries = queries.contiguous()
     sources = [t.contiguous() for t in sources]
@@ -278,13 +425,44 @@ def _phase_1_backward(queries: Tensor, sources: list[Tensor], lse: Tensor, d_out
     dzr, coef = torch.empty_like(w), torch.empty(rows, n_src, device=lse.device)
     blocks = _phase1_blocks(n_src, n_q, hidden)
     table, aligned = _address_table(sources)
-    _phase1_bwd_scores_kernel[(rows,)](table, first, queries, lse, d_out, d_lse, w, dzr, coef,
-                                       rows, hidden, n_src, n_q, eps, **blocks, **aligned)
+    _phase1_bwd_scores_kernel[(rows,)](
+        table,
+        first,
+        queries,
+        lse,
+        d_out,
+        d_lse,
+        w,
+        dzr,
+        coef,
+        rows,
+        hidden,
+        n_src,
+        n_q,
+        eps,
+        **blocks,
+        **aligned,
+    )
     grid = (triton.cdiv(hidden, blocks["BLOCK_H"]), triton.cdiv(rows, ROWS))
     dq_part = torch.empty(grid[1], n_q, hidden, device=lse.device, dtype=torch.float32)
-    _phase1_bwd_grads_kernel[grid](table, first, queries, d_out, w, dzr, coef, d_sources,
-                                   dq_part, rows, hidden, n_src, n_q, ROWS=ROWS, **blocks,
-                                   **aligned)
+    _phase1_bwd_grads_kernel[grid](
+        table,
+        first,
+        queries,
+        d_out,
+        w,
+        dzr,
+        coef,
+        d_sources,
+        dq_part,
+        rows,
+        hidden,
+        n_src,
+        n_q,
+        ROWS=ROWS,
+        **blocks,
+        **aligned,
+    )
     return dq_part.sum(0).to(queries.dtype), d_sources
 
 
@@ -313,14 +491,16 @@ def _phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: floa
     merged = torch.empty_like(partial)
     if tracing(partial):
         return merged
-    _phase2_fwd_kernel[(triton.cdiv(rows, ROWS),)](partial, query, out, lse, merged, rows, hidden,
-                                                   eps, **_phase2_blocks(hidden))
+    _phase2_fwd_kernel[(triton.cdiv(rows, ROWS),)](
+        partial, query, out, lse, merged, rows, hidden, eps, **_phase2_blocks(hidden)
+    )
     return merged
 
 
 @kernel_op("block_phase_2_backward")
-def _phase_2_backward(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, grad: Tensor,
-                      eps: float) -> list[Tensor]:
+def _phase_2_backward(
+    partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, grad: Tensor, eps: float
+) -> list[Tensor]:
     partial, query, out, lse, grad = (t.contiguous() for t in (partial, query, out, lse, grad))
     hidden = partial.shape[-1]
     rows = partial.numel() // hidden
@@ -329,8 +509,21 @@ def _phase_2_backward(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, 
         return [d_partial, torch.empty_like(query), d_out, d_lse]
     blocks = triton.cdiv(rows, ROWS)
     dq_part = torch.empty(blocks, hidden, device=out.device, dtype=torch.float32)
-    _phase2_bwd_kernel[(blocks,)](partial, query, out, lse, grad, d_partial, d_out, d_lse,
-                                  dq_part, rows, hidden, eps, **_phase2_blocks(hidden))
+    _phase2_bwd_kernel[(blocks,)](
+        partial,
+        query,
+        out,
+        lse,
+        grad,
+        d_partial,
+        d_out,
+        d_lse,
+        dq_part,
+        rows,
+        hidden,
+        eps,
+        **_phase2_blocks(hidden),
+    )
     return [d_partial, dq_part.sum(0).to(query.dtype), d_out, d_lse]
 
 
@@ -357,8 +550,7 @@ def phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float
     return _phase_2(partial, query, out, lse, eps)
 
 
-def depth_mix(query: Tensor, sources: list[Tensor], partial: Tensor | None,
-              eps: float) -> Tensor:
+def depth_mix(query: Tensor, sources: list[Tensor], partial: Tensor | None, eps: float) -> Tensor:
     """``t2train.residual.attnres.depth_mix(query, sources + [partial], eps)`` in two phases.
 
     Both phases read one fp32 copy of the query, so its two gradients are summed in fp32 and

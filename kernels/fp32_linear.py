@@ -33,9 +33,22 @@ MAX_OUTPUTS = 16  # wider projections are ordinary GEMMs: the reference's cuBLAS
 
 
 @triton.jit
-def _fwd_kernel(X, W, B, Y, SUMSQ, rows, hidden, n_out, HAS_BIAS: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr,
-                FP32_DOT: tl.constexpr, WITH_SUMSQ: tl.constexpr):
+def _fwd_kernel(
+    X,
+    W,
+    B,
+    Y,
+    SUMSQ,
+    rows,
+    hidden,
+    n_out,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    WITH_SUMSQ: tl.constexpr,
+):
     offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_j = tl.arange(0, BLOCK_J)
     r_ok, j_ok = offs_r < rows, offs_j < n_out
@@ -44,10 +57,12 @@ def _fwd_kernel(X, W, B, Y, SUMSQ, rows, hidden, n_out, HAS_BIAS: tl.constexpr,
     for h0 in range(0, hidden, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         h_ok = offs_h[None, :] < hidden
-        x = tl.load(X + offs_r[:, None] * hidden + offs_h[None, :], mask=r_ok[:, None] & h_ok,
-                    other=0.0)
-        w = tl.load(W + offs_j[:, None] * hidden + offs_h[None, :], mask=j_ok[:, None] & h_ok,
-                    other=0.0)
+        x = tl.load(
+            X + offs_r[:, None] * hidden + offs_h[None, :], mask=r_ok[:, None] & h_ok, other=0.0
+        )
+        w = tl.load(
+            W + offs_j[:, None] * hidden + offs_h[None, :], mask=j_ok[:, None] & h_ok, other=0.0
+        )
         acc += dot(x, tl.trans(w), FP32_DOT)
         if WITH_SUMSQ:  # the row's sum of squares, for an RMS, from the same read of x
             sumsq += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
@@ -55,21 +70,34 @@ def _fwd_kernel(X, W, B, Y, SUMSQ, rows, hidden, n_out, HAS_BIAS: tl.constexpr,
         tl.store(SUMSQ + offs_r, sumsq, mask=r_ok)
     if HAS_BIAS:
         acc += tl.load(B + offs_j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs_r[:, None] * n_out + offs_j[None, :], acc,
-             mask=r_ok[:, None] & j_ok[None, :])
+    tl.store(Y + offs_r[:, None] * n_out + offs_j[None, :], acc, mask=r_ok[:, None] & j_ok[None, :])
 
 
 @triton.jit
-def _bwd_kernel(X, W, G, COEF, DX, DW_PART, DB_PART, rows, hidden, n_out,
-                BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr,
-                WITH_COEF: tl.constexpr):
+def _bwd_kernel(
+    X,
+    W,
+    G,
+    COEF,
+    DX,
+    DW_PART,
+    DB_PART,
+    rows,
+    hidden,
+    n_out,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    WITH_COEF: tl.constexpr,
+):
     """dx = g W (+ coef x per row: the RMS's share, ``WITH_COEF``), partial dW = g^T x."""
     block = tl.program_id(0).to(tl.int64)
     offs_r = block * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_j = tl.arange(0, BLOCK_J)
     r_ok, j_ok = offs_r < rows, offs_j < n_out
-    g = tl.load(G + offs_r[:, None] * n_out + offs_j[None, :],
-                mask=r_ok[:, None] & j_ok[None, :], other=0.0)  # fp32 [R, J]
+    g = tl.load(
+        G + offs_r[:, None] * n_out + offs_j[None, :], mask=r_ok[:, None] & j_ok[None, :], other=0.0
+    )  # fp32 [R, J]
     coef = tl.zeros([BLOCK_R], tl.float32)
     if WITH_COEF:
         coef = tl.load(COEF + offs_r, mask=r_ok, other=0.0)
@@ -79,8 +107,9 @@ def _bwd_kernel(X, W, G, COEF, DX, DW_PART, DB_PART, rows, hidden, n_out,
         h_ok = offs_h[None, :] < hidden
         x_at = offs_r[:, None] * hidden + offs_h[None, :]
         x = tl.load(X + x_at, mask=r_ok[:, None] & h_ok, other=0.0)
-        w = tl.load(W + offs_j[:, None] * hidden + offs_h[None, :], mask=j_ok[:, None] & h_ok,
-                    other=0.0)
+        w = tl.load(
+            W + offs_j[:, None] * hidden + offs_h[None, :], mask=j_ok[:, None] & h_ok, other=0.0
+        )
         # g is fp32: these products are IEEE fp32 (a literal True reaches ``dot`` as a runtime
         # value once compiled, so the casts are written out)
         dx = tl.dot(g, w.to(tl.float32), input_precision="ieee")
@@ -88,20 +117,25 @@ def _bwd_kernel(X, W, G, COEF, DX, DW_PART, DB_PART, rows, hidden, n_out,
             dx += coef[:, None] * x.to(tl.float32)
         tl.store(DX + x_at, dx.to(DX.dtype.element_ty), mask=r_ok[:, None] & h_ok)
         dw = tl.dot(tl.trans(g), x.to(tl.float32), input_precision="ieee")
-        tl.store(DW_PART + (block * n_out + offs_j[:, None]) * hidden + offs_h[None, :], dw,
-                 mask=j_ok[:, None] & h_ok)
+        tl.store(
+            DW_PART + (block * n_out + offs_j[:, None]) * hidden + offs_h[None, :],
+            dw,
+            mask=j_ok[:, None] & h_ok,
+        )
 
 
 def _blocks(n_out: int) -> dict:
     """tl.dot needs >= 16 on every side: the outputs are padded to 16 (masked)."""
     if interpreting():
         return dict(BLOCK_R=16, BLOCK_H=16, BLOCK_J=16)
-    return dict(BLOCK_R=64, BLOCK_H=128, BLOCK_J=max(16, triton.next_power_of_2(n_out)),
-                num_warps=4)
+    return dict(
+        BLOCK_R=64, BLOCK_H=128, BLOCK_J=max(16, triton.next_power_of_2(n_out)), num_warps=4
+    )
 
 
-def _launch_forward(x: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor,
-                    sumsq: Tensor | None) -> None:
+def _launch_forward(
+    x: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor, sumsq: Tensor | None
+) -> None:
     """y = x W^T + b into ``y`` (fp32), and each row's sum of squares into ``sumsq``."""
     if tracing(x):
         return
@@ -111,9 +145,19 @@ def _launch_forward(x: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor,
     # Mixed dtypes (fp32 weights under autocast) multiply in fp32, as the reference does.
     exact = fp32_dot(x.dtype) or x.dtype != weight.dtype
     _fwd_kernel[(triton.cdiv(rows, blocks["BLOCK_R"]),)](
-        x, weight, weight if bias is None else bias, y, y if sumsq is None else sumsq, rows,
-        hidden, n_out, HAS_BIAS=bias is not None, FP32_DOT=exact, WITH_SUMSQ=sumsq is not None,
-        **blocks)
+        x,
+        weight,
+        weight if bias is None else bias,
+        y,
+        y if sumsq is None else sumsq,
+        rows,
+        hidden,
+        n_out,
+        HAS_BIAS=bias is not None,
+        FP32_DOT=exact,
+        WITH_SUMSQ=sumsq is not None,
+        **blocks,
+    )
 
 
 def _outputs(x: Tensor, weight: Tensor) -> Tensor:
@@ -141,8 +185,9 @@ def _fp32_linear_sumsq(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @kernel_op("fp32_linear_backward")
-def _fp32_linear_backward(x: Tensor, weight: Tensor, grad: Tensor,
-                          coef: Tensor | None) -> list[Tensor]:
+def _fp32_linear_backward(
+    x: Tensor, weight: Tensor, grad: Tensor, coef: Tensor | None
+) -> list[Tensor]:
     """dx = g W (+ coef x per row), dW = g^T x, db = sum g, for the incoming g (in fp32)."""
     x, weight = x.contiguous(), weight.contiguous()
     dx = torch.empty_like(x)
@@ -155,9 +200,20 @@ def _fp32_linear_backward(x: Tensor, weight: Tensor, grad: Tensor,
     dw_part = torch.empty(programs, n_out, hidden, device=x.device, dtype=torch.float32)
     db_part = torch.empty(programs, n_out, device=x.device, dtype=torch.float32)
     grad = grad.float().contiguous()
-    _bwd_kernel[(programs,)](x, weight, grad, grad if coef is None else coef.contiguous(), dx,
-                             dw_part, db_part, rows, hidden, n_out,
-                             WITH_COEF=coef is not None, **blocks)
+    _bwd_kernel[(programs,)](
+        x,
+        weight,
+        grad,
+        grad if coef is None else coef.contiguous(),
+        dx,
+        dw_part,
+        db_part,
+        rows,
+        hidden,
+        n_out,
+        WITH_COEF=coef is not None,
+        **blocks,
+    )
     return [dx, dw_part.sum(0).to(weight.dtype), db_part.sum(0).to(weight.dtype)]
 
 
@@ -185,8 +241,10 @@ _fp32_linear_sumsq.register_autograd(_sumsq_backward, setup_context=_save_x_and_
 def fp32_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """Triton ``t2train.nn.precision`` fp32 linear (same arguments, same result)."""
     if weight.shape[0] > MAX_OUTPUTS or weight.shape[-1] != x.shape[-1]:
-        raise ValueError(f"weight {tuple(weight.shape)} for x {tuple(x.shape)}: the kernel "
-                         f"takes [n <= {MAX_OUTPUTS}, {x.shape[-1]}]")
+        raise ValueError(
+            f"weight {tuple(weight.shape)} for x {tuple(x.shape)}: the kernel "
+            f"takes [n <= {MAX_OUTPUTS}, {x.shape[-1]}]"
+        )
     return _fp32_linear(x, weight, bias)
 
 
@@ -194,8 +252,10 @@ def rms_fp32_linear(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) 
     """Triton ``t2train.nn.precision`` RMS-normalised fp32 linear (same arguments, same
     result)."""
     if weight.shape[0] > MAX_OUTPUTS or weight.shape[-1] != x.shape[-1]:
-        raise ValueError(f"weight {tuple(weight.shape)} for x {tuple(x.shape)}: the kernel "
-                         f"takes [n <= {MAX_OUTPUTS}, {x.shape[-1]}]")
+        raise ValueError(
+            f"weight {tuple(weight.shape)} for x {tuple(x.shape)}: the kernel "
+            f"takes [n <= {MAX_OUTPUTS}, {x.shape[-1]}]"
+        )
     u, sumsq = _fp32_linear_sumsq(x, weight)
     y = u * torch.rsqrt(sumsq / x.shape[-1] + eps)[..., None]
     return y if bias is None else y + bias.float()

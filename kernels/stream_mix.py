@@ -64,8 +64,9 @@ def _sinkhorn(m0, n_ok, iterations):
 
 
 @triton.jit
-def _sinkhorn_recorded(m0, n_ok, iterations, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_I: tl.constexpr):
+def _sinkhorn_recorded(
+    m0, n_ok, iterations, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr
+):
     """``_sinkhorn``, also returning each iteration's column sums c_t and row sums r_t
     ([tokens, iteration, n] tiles)."""
     steps = tl.arange(0, BLOCK_I)[None, :, None]
@@ -76,14 +77,12 @@ def _sinkhorn_recorded(m0, n_ok, iterations, BLOCK_T: tl.constexpr, BLOCK_N: tl.
         m, c = _normalise_columns(m, n_ok)
         m, r = _normalise_rows(m, n_ok)
         row_sums = tl.where(steps == t, tl.where(n_ok[None, :], r, 1.0)[:, None, :], row_sums)
-        column_sums = tl.where(steps == t, tl.where(n_ok[None, :], c, 1.0)[:, None, :],
-                               column_sums)
+        column_sums = tl.where(steps == t, tl.where(n_ok[None, :], c, 1.0)[:, None, :], column_sums)
     return m, row_sums, column_sums
 
 
 @triton.jit
-def _sinkhorn_backward(m0, mixing, row_sums, column_sums, iterations, grad,
-                       BLOCK_I: tl.constexpr):
+def _sinkhorn_backward(m0, mixing, row_sums, column_sums, iterations, grad, BLOCK_I: tl.constexpr):
     """dL from dR through the unrolled iterations, last first. Each iteration's matrices are
     rebuilt from its output and recorded sums: A_t = B_t r_t, B_{t-1} = M_in(t) = A_t c_t."""
     steps = tl.arange(0, BLOCK_I)[None, :, None]
@@ -137,8 +136,18 @@ def _read_weights(PRE, toks, t_ok, streams, n_ok, n, RAW: tl.constexpr):
 
 
 @triton.jit
-def _read_fwd(X, PRE, Y, tokens, hidden, n, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_H: tl.constexpr, RAW: tl.constexpr):
+def _read_fwd(
+    X,
+    PRE,
+    Y,
+    tokens,
+    hidden,
+    n,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    RAW: tl.constexpr,
+):
     toks, t_ok, streams, n_ok, plane = _block(tokens, hidden, n, BLOCK_T, BLOCK_N)
     w = _read_weights(PRE, toks, t_ok, streams, n_ok, n, RAW)
     for start in range(0, hidden, BLOCK_H):
@@ -155,8 +164,20 @@ def _read_fwd(X, PRE, Y, tokens, hidden, n, BLOCK_T: tl.constexpr, BLOCK_N: tl.c
 
 
 @triton.jit
-def _read_bwd(X, PRE, G, DX, DPRE, tokens, hidden, n, BLOCK_T: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, RAW: tl.constexpr):
+def _read_bwd(
+    X,
+    PRE,
+    G,
+    DX,
+    DPRE,
+    tokens,
+    hidden,
+    n,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    RAW: tl.constexpr,
+):
     toks, t_ok, streams, n_ok, plane = _block(tokens, hidden, n, BLOCK_T, BLOCK_N)
     w = _read_weights(PRE, toks, t_ok, streams, n_ok, n, RAW)
     dw = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
@@ -168,13 +189,17 @@ def _read_bwd(X, PRE, G, DX, DPRE, tokens, hidden, n, BLOCK_T: tl.constexpr,
         row_j = row
         for j in range(0, n):
             x_j = tl.load(X + row_j, mask=ok, other=0.0).to(tl.float32)
-            tl.store(DX + row_j, (_entry(w, streams, j)[:, None] * g).to(DX.dtype.element_ty),
-                     mask=ok)
+            tl.store(
+                DX + row_j, (_entry(w, streams, j)[:, None] * g).to(DX.dtype.element_ty), mask=ok
+            )
             dw += tl.where(streams[None, :] == j, tl.sum(x_j * g, 1)[:, None], 0.0)
             row_j += plane
     d_pre = dw if RAW else dw * w * (1.0 - w)
-    tl.store(DPRE + toks[:, None] * n + streams[None, :], d_pre.to(DPRE.dtype.element_ty),
-             mask=t_ok[:, None] & n_ok[None, :])
+    tl.store(
+        DPRE + toks[:, None] * n + streams[None, :],
+        d_pre.to(DPRE.dtype.element_ty),
+        mask=t_ok[:, None] & n_ok[None, :],
+    )
 
 
 @triton.jit
@@ -193,8 +218,21 @@ def _write_inputs(POST, RES, toks, t_ok, streams, n_ok, n, RAW: tl.constexpr):
 
 
 @triton.jit
-def _write_fwd(X, OUT, POST, RES, Y, tokens, hidden, n, iterations, BLOCK_T: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, RAW: tl.constexpr):
+def _write_fwd(
+    X,
+    OUT,
+    POST,
+    RES,
+    Y,
+    tokens,
+    hidden,
+    n,
+    iterations,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    RAW: tl.constexpr,
+):
     toks, t_ok, streams, n_ok, plane = _block(tokens, hidden, n, BLOCK_T, BLOCK_N)
     m0, post = _write_inputs(POST, RES, toks, t_ok, streams, n_ok, n, RAW)
     mixing = _sinkhorn(m0, n_ok, iterations)  # RAW: no iterations
@@ -214,13 +252,31 @@ def _write_fwd(X, OUT, POST, RES, Y, tokens, hidden, n, iterations, BLOCK_T: tl.
 
 
 @triton.jit
-def _write_bwd(X, OUT, POST, RES, G, DX, DOUT, DPOST, DRES, tokens, hidden, n, iterations,
-               BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-               BLOCK_I: tl.constexpr, RAW: tl.constexpr):
+def _write_bwd(
+    X,
+    OUT,
+    POST,
+    RES,
+    G,
+    DX,
+    DOUT,
+    DPOST,
+    DRES,
+    tokens,
+    hidden,
+    n,
+    iterations,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    RAW: tl.constexpr,
+):
     toks, t_ok, streams, n_ok, plane = _block(tokens, hidden, n, BLOCK_T, BLOCK_N)
     m0, post = _write_inputs(POST, RES, toks, t_ok, streams, n_ok, n, RAW)
-    mixing, row_sums, column_sums = _sinkhorn_recorded(m0, n_ok, iterations, BLOCK_T, BLOCK_N,
-                                                       BLOCK_I)
+    mixing, row_sums, column_sums = _sinkhorn_recorded(
+        m0, n_ok, iterations, BLOCK_T, BLOCK_N, BLOCK_I
+    )
     d_mixing = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_N], dtype=tl.float32)
     d_post = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     for start in range(0, hidden, BLOCK_H):
@@ -237,18 +293,26 @@ def _write_bwd(X, OUT, POST, RES, G, DX, DOUT, DPOST, DRES, tokens, hidden, n, i
             x_j = tl.load(X + row_j, mask=ok, other=0.0).to(tl.float32)
             dx_j = tl.sum(_column(mixing, streams, j)[:, :, None] * g, 1)
             tl.store(DX + row_j, dx_j.to(DX.dtype.element_ty), mask=ok)
-            d_mixing += tl.where(streams[None, None, :] == j,
-                                 tl.sum(g * x_j[:, None, :], 2)[:, :, None], 0.0)
+            d_mixing += tl.where(
+                streams[None, None, :] == j, tl.sum(g * x_j[:, None, :], 2)[:, :, None], 0.0
+            )
             row_j += plane
     if not RAW:  # through P = 2 sigma(q) and the Sinkhorn iterations
         d_post = d_post * post * (1.0 - 0.5 * post)
-        d_mixing = _sinkhorn_backward(m0, mixing, row_sums, column_sums, iterations, d_mixing,
-                                      BLOCK_I)
-    tl.store(DPOST + toks[:, None] * n + streams[None, :], d_post.to(DPOST.dtype.element_ty),
-             mask=t_ok[:, None] & n_ok[None, :])
+        d_mixing = _sinkhorn_backward(
+            m0, mixing, row_sums, column_sums, iterations, d_mixing, BLOCK_I
+        )
+    tl.store(
+        DPOST + toks[:, None] * n + streams[None, :],
+        d_post.to(DPOST.dtype.element_ty),
+        mask=t_ok[:, None] & n_ok[None, :],
+    )
     offsets = toks[:, None, None] * n * n + streams[None, :, None] * n + streams[None, None, :]
-    tl.store(DRES + offsets, d_mixing.to(DRES.dtype.element_ty),
-             mask=t_ok[:, None, None] & n_ok[None, :, None] & n_ok[None, None, :])
+    tl.store(
+        DRES + offsets,
+        d_mixing.to(DRES.dtype.element_ty),
+        mask=t_ok[:, None, None] & n_ok[None, :, None] & n_ok[None, None, :],
+    )
 
 
 BLOCK_T = 8  # tokens per program
@@ -268,8 +332,10 @@ def _check(state: Tensor, **others: tuple) -> None:
     """Each named (tensor, expected shape) against the state [n, s, b, h]."""
     for name, (t, expected) in others.items():
         if tuple(t.shape) != expected:
-            raise ValueError(f"state {tuple(state.shape)} and {name} {tuple(t.shape)} disagree "
-                             f"(expected {expected})")
+            raise ValueError(
+                f"state {tuple(state.shape)} and {name} {tuple(t.shape)} disagree "
+                f"(expected {expected})"
+            )
 
 
 # The public functions below hand the operators contiguous logits: a copy made outside the
@@ -285,22 +351,23 @@ def _stream_read(state: Tensor, pre_logit: Tensor, raw: bool) -> Tensor:
     y = torch.empty(state.shape[1:], dtype=state.dtype, device=state.device)
     if tracing(state):
         return y
-    _read_fwd[_grid(tokens)](state, pre_logit, y, tokens, hidden, n, RAW=raw,
-                             **_launch(n, hidden))
+    _read_fwd[_grid(tokens)](state, pre_logit, y, tokens, hidden, n, RAW=raw, **_launch(n, hidden))
     return y
 
 
 @kernel_op("stream_read_backward")
-def _stream_read_backward(state: Tensor, pre_logit: Tensor, grad: Tensor,
-                          raw: bool) -> list[Tensor]:
+def _stream_read_backward(
+    state: Tensor, pre_logit: Tensor, grad: Tensor, raw: bool
+) -> list[Tensor]:
     state, pre_logit, grad = state.contiguous(), pre_logit.contiguous(), grad.contiguous()
     n, hidden = state.shape[0], state.shape[-1]
     tokens = state[0].numel() // hidden
     d_state, d_pre = torch.empty_like(state), torch.empty_like(pre_logit)
     if tracing(state):
         return [d_state, d_pre]
-    _read_bwd[_grid(tokens)](state, pre_logit, grad, d_state, d_pre, tokens, hidden, n, RAW=raw,
-                             **_launch(n, hidden))
+    _read_bwd[_grid(tokens)](
+        state, pre_logit, grad, d_state, d_pre, tokens, hidden, n, RAW=raw, **_launch(n, hidden)
+    )
     return [d_state, d_pre]
 
 
@@ -317,8 +384,9 @@ _stream_read.register_autograd(_read_grads, setup_context=_save_read)
 
 
 @kernel_op("stream_write")
-def _stream_write(state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor,
-                  iterations: int, raw: bool) -> Tensor:
+def _stream_write(
+    state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor, iterations: int, raw: bool
+) -> Tensor:
     """state [n, s, b, h]; out [s, b, h]; post_logit [s, b, n]; res_logit [s, b, n, n]; raw:
     P and the mixing matrix as given (no sigmoid, no Sinkhorn)."""
     inputs = [t.contiguous() for t in (state, out, post_logit, res_logit)]
@@ -327,23 +395,40 @@ def _stream_write(state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Ten
     y = torch.empty_like(inputs[0])
     if tracing(state):
         return y
-    _write_fwd[_grid(tokens)](*inputs, y, tokens, hidden, n, iterations, RAW=raw,
-                              **_launch(n, hidden))
+    _write_fwd[_grid(tokens)](
+        *inputs, y, tokens, hidden, n, iterations, RAW=raw, **_launch(n, hidden)
+    )
     return y
 
 
 @kernel_op("stream_write_backward")
-def _stream_write_backward(state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor,
-                           grad: Tensor, iterations: int, raw: bool) -> list[Tensor]:
+def _stream_write_backward(
+    state: Tensor,
+    out: Tensor,
+    post_logit: Tensor,
+    res_logit: Tensor,
+    grad: Tensor,
+    iterations: int,
+    raw: bool,
+) -> list[Tensor]:
     inputs = [t.contiguous() for t in (state, out, post_logit, res_logit)]
     n, hidden = state.shape[0], state.shape[-1]
     tokens = state[0].numel() // hidden
     grads = [torch.empty_like(t) for t in inputs]
     if tracing(state):
         return grads
-    _write_bwd[_grid(tokens)](*inputs, grad.contiguous(), *grads, tokens, hidden, n, iterations,
-                              BLOCK_I=triton.next_power_of_2(max(iterations, 1)), RAW=raw,
-                              **_launch(n, hidden))
+    _write_bwd[_grid(tokens)](
+        *inputs,
+        grad.contiguous(),
+        *grads,
+        tokens,
+        hidden,
+        n,
+        iterations,
+        BLOCK_I=triton.next_power_of_2(max(iterations, 1)),
+        RAW=raw,
+        **_launch(n, hidden),
+    )
     return grads
 
 
@@ -353,8 +438,7 @@ def _save_write(ctx, inputs: tuple, output: Tensor) -> None:
 
 
 def _write_grads(ctx, grad: Tensor) -> tuple:
-    return (*_stream_write_backward(*ctx.saved_tensors, grad, ctx.iterations, ctx.raw), None,
-            None)
+    return (*_stream_write_backward(*ctx.saved_tensors, grad, ctx.iterations, ctx.raw), None, None)
 
 
 _stream_write.register_autograd(_write_grads, setup_context=_save_write)
@@ -367,14 +451,20 @@ def stream_read(state: Tensor, pre_logit: Tensor) -> Tensor:
     return _stream_read(state, pre_logit.contiguous(), False)
 
 
-def stream_write(state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor,
-                 iterations: int) -> Tensor:
+def stream_write(
+    state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor, iterations: int
+) -> Tensor:
     """Triton ``t2train.residual.mhc.stream_write`` (same arguments, same result)."""
     n, s, b, h = state.shape
-    _check(state, out=(out, (s, b, h)), post_logit=(post_logit, (s, b, n)),
-           res_logit=(res_logit, (s, b, n, n)))
-    return _stream_write(state, out, post_logit.contiguous(), res_logit.contiguous(),
-                         iterations, False)
+    _check(
+        state,
+        out=(out, (s, b, h)),
+        post_logit=(post_logit, (s, b, n)),
+        res_logit=(res_logit, (s, b, n, n)),
+    )
+    return _stream_write(
+        state, out, post_logit.contiguous(), res_logit.contiguous(), iterations, False
+    )
 
 
 def width_read(state: Tensor, weights: Tensor) -> Tensor:
@@ -389,7 +479,7 @@ def depth_write(state: Tensor, residual: Tensor, beta: Tensor, out: Tensor) -> T
     """Triton ``t2train.residual.hc.depth_write``: h'_j = sum_i residual[..., i, j] h_i +
     beta[..., j] out (HC's write: stream j takes column j, the transpose of mHC's row)."""
     n, s, b, h = state.shape
-    _check(state, out=(out, (s, b, h)), beta=(beta, (s, b, n)),
-           residual=(residual, (s, b, n, n)))
-    return _stream_write(state, out, beta.contiguous(),
-                         residual.transpose(-1, -2).contiguous(), 0, True)
+    _check(state, out=(out, (s, b, h)), beta=(beta, (s, b, n)), residual=(residual, (s, b, n, n)))
+    return _stream_write(
+        state, out, beta.contiguous(), residual.transpose(-1, -2).contiguous(), 0, True
+    )

@@ -50,18 +50,42 @@ def _key_tiles(pid_m, q_len, k_len, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
 def _load_kv(K, V, k_base, v_base, skn, svn, offs_n, offs_d, k_len, d_ok):
     """One key tile and its value tile, zero past k_len and head_dim."""
     n_ok = offs_n[:, None] < k_len
-    k = tl.load(K + k_base + offs_n[:, None] * skn + offs_d[None, :], mask=n_ok & d_ok,
-                other=0.0)
-    v = tl.load(V + v_base + offs_n[:, None] * svn + offs_d[None, :], mask=n_ok & d_ok,
-                other=0.0)
+    k = tl.load(K + k_base + offs_n[:, None] * skn + offs_d[None, :], mask=n_ok & d_ok, other=0.0)
+    v = tl.load(V + v_base + offs_n[:, None] * svn + offs_d[None, :], mask=n_ok & d_ok, other=0.0)
     return k, v
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
-                heads, group, q_len, k_len, window, head_dim, qk_scale,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                FP32_DOT: tl.constexpr):
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    sqb,
+    sqh,
+    sqm,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    sob,
+    soh,
+    som,
+    heads,
+    group,
+    q_len,
+    k_len,
+    window,
+    head_dim,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
     bh, pid_m = tl.program_id(0).to(tl.int64), tl.program_id(1)  # 64-bit base offsets
     b, h = bh // heads, bh % heads
     hk = h // group
@@ -69,18 +93,25 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, so
     offs_d = tl.arange(0, BLOCK_D)
     pos = offs_m + k_len - q_len
     d_ok = offs_d[None, :] < head_dim
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
-                mask=(offs_m[:, None] < q_len) & d_ok, other=0.0)
+    q = tl.load(
+        Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
+        mask=(offs_m[:, None] < q_len) & d_ok,
+        other=0.0,
+    )
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, hi = _key_tiles(pid_m, q_len, k_len, window, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = _load_kv(K, V, b * skb + hk * skh, b * svb + hk * svh, skn, svn, offs_n,
-                        offs_d, k_len, d_ok)
-        keep = ((offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] > pos[:, None] - window)
-                & (offs_n[None, :] < k_len))
+        k, v = _load_kv(
+            K, V, b * skb + hk * skh, b * svb + hk * svh, skn, svn, offs_n, offs_d, k_len, d_ok
+        )
+        keep = (
+            (offs_n[None, :] <= pos[:, None])
+            & (offs_n[None, :] > pos[:, None] - window)
+            & (offs_n[None, :] < k_len)
+        )
         s = tl.where(keep, dot(q, tl.trans(k), FP32_DOT) * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -90,35 +121,91 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, so
         m_i = m_new
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only rows past q_len see no key
     m_ok = offs_m < q_len
-    tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :],
-             (acc / l_i[:, None]).to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok)
+    tl.store(
+        O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :],
+        (acc / l_i[:, None]).to(O.dtype.element_ty),
+        mask=m_ok[:, None] & d_ok,
+    )
     tl.store(LSE + bh * q_len + offs_m, m_i + tl.log2(l_i), mask=m_ok)
 
 
 @triton.jit
-def _delta_kernel(O, DO, DELTA, sob, soh, som, sdb, sdh, sdm, heads, q_len, head_dim,
-                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _delta_kernel(
+    O,
+    DO,
+    DELTA,
+    sob,
+    soh,
+    som,
+    sdb,
+    sdh,
+    sdm,
+    heads,
+    q_len,
+    head_dim,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """D = rowsum(dO * O) in fp32."""
     bh, pid_m = tl.program_id(0).to(tl.int64), tl.program_id(1)  # 64-bit base offsets
     b, h = bh // heads, bh % heads
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim)
-    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :], mask=mask,
-                other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :], mask=mask,
-                 other=0.0)
-    tl.store(DELTA + bh * q_len + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1),
-             mask=offs_m < q_len)
+    o = tl.load(
+        O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :], mask=mask, other=0.0
+    )
+    do = tl.load(
+        DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :], mask=mask, other=0.0
+    )
+    tl.store(
+        DELTA + bh * q_len + offs_m,
+        tl.sum(o.to(tl.float32) * do.to(tl.float32), 1),
+        mask=offs_m < q_len,
+    )
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
-                 sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm,
-                 sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
-                 heads, group, q_len, k_len, window, head_dim, scale, qk_scale,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 FP32_DOT: tl.constexpr):
+def _dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    sqb,
+    sqh,
+    sqm,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    sdb,
+    sdh,
+    sdm,
+    sdkb,
+    sdkh,
+    sdkn,
+    sdvb,
+    sdvh,
+    sdvn,
+    heads,
+    group,
+    q_len,
+    k_len,
+    window,
+    head_dim,
+    scale,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
     bhk, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     kv_heads = heads // group
     b, hk = bhk // kv_heads, bhk % kv_heads
@@ -126,10 +213,16 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < head_dim
     n_ok = offs_n[:, None] < k_len
-    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :],
-                mask=n_ok & d_ok, other=0.0)
-    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :],
-                mask=n_ok & d_ok, other=0.0)
+    k = tl.load(
+        K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :],
+        mask=n_ok & d_ok,
+        other=0.0,
+    )
+    v = tl.load(
+        V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :],
+        mask=n_ok & d_ok,
+        other=0.0,
+    )
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     shift = k_len - q_len  # query i sits at position i + shift
@@ -140,33 +233,79 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             m_ok = offs_m < q_len
-            q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
-                        mask=m_ok[:, None] & d_ok, other=0.0)
-            do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :],
-                         mask=m_ok[:, None] & d_ok, other=0.0)
+            q = tl.load(
+                Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
+                mask=m_ok[:, None] & d_ok,
+                other=0.0,
+            )
+            do = tl.load(
+                DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :],
+                mask=m_ok[:, None] & d_ok,
+                other=0.0,
+            )
             lse = tl.load(LSE + row + offs_m, mask=m_ok, other=0.0)
             delta = tl.load(DELTA + row + offs_m, mask=m_ok, other=0.0)
             pos = offs_m + shift
-            keep = ((offs_n[:, None] <= pos[None, :]) & (offs_n[:, None] > pos[None, :] - window)
-                    & m_ok[None, :])
+            keep = (
+                (offs_n[:, None] <= pos[None, :])
+                & (offs_n[:, None] > pos[None, :] - window)
+                & m_ok[None, :]
+            )
             s_t = dot(k, tl.trans(q), FP32_DOT) * qk_scale
             p_t = tl.where(keep, tl.exp2(s_t - lse[None, :]), 0.0)
             dv += dot(p_t.to(do.dtype), do, FP32_DOT)
             dp_t = dot(v, tl.trans(do), FP32_DOT)
             ds_t = p_t * (dp_t - delta[None, :])
             dk += dot(ds_t.to(q.dtype), q, FP32_DOT)
-    tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :],
-             (dk * scale).to(DK.dtype.element_ty), mask=n_ok & d_ok)
-    tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvn + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=n_ok & d_ok)
+    tl.store(
+        DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :],
+        (dk * scale).to(DK.dtype.element_ty),
+        mask=n_ok & d_ok,
+    )
+    tl.store(
+        DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvn + offs_d[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=n_ok & d_ok,
+    )
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
-               sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, sdqb, sdqh, sdqm,
-               heads, group, q_len, k_len, window, head_dim, scale, qk_scale,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               FP32_DOT: tl.constexpr):
+def _dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    sqb,
+    sqh,
+    sqm,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    sdb,
+    sdh,
+    sdm,
+    sdqb,
+    sdqh,
+    sdqm,
+    heads,
+    group,
+    q_len,
+    k_len,
+    window,
+    head_dim,
+    scale,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
     bh, pid_m = tl.program_id(0).to(tl.int64), tl.program_id(1)  # 64-bit base offsets
     b, h = bh // heads, bh % heads
     hk = h // group
@@ -174,10 +313,16 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < head_dim
     m_ok = offs_m < q_len
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
-                mask=m_ok[:, None] & d_ok, other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :],
-                 mask=m_ok[:, None] & d_ok, other=0.0)
+    q = tl.load(
+        Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
+        mask=m_ok[:, None] & d_ok,
+        other=0.0,
+    )
+    do = tl.load(
+        DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :],
+        mask=m_ok[:, None] & d_ok,
+        other=0.0,
+    )
     lse = tl.load(LSE + bh * q_len + offs_m, mask=m_ok, other=0.0)
     delta = tl.load(DELTA + bh * q_len + offs_m, mask=m_ok, other=0.0)
     pos = offs_m + k_len - q_len
@@ -185,27 +330,55 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     lo, hi = _key_tiles(pid_m, q_len, k_len, window, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = _load_kv(K, V, b * skb + hk * skh, b * svb + hk * svh, skn, svn, offs_n,
-                        offs_d, k_len, d_ok)
-        keep = ((offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] > pos[:, None] - window)
-                & m_ok[:, None])
+        k, v = _load_kv(
+            K, V, b * skb + hk * skh, b * svb + hk * svh, skn, svn, offs_n, offs_d, k_len, d_ok
+        )
+        keep = (
+            (offs_n[None, :] <= pos[:, None])
+            & (offs_n[None, :] > pos[:, None] - window)
+            & m_ok[:, None]
+        )
         s = dot(q, tl.trans(k), FP32_DOT) * qk_scale
         p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
         ds = p * (dot(do, tl.trans(v), FP32_DOT) - delta[:, None])
         dq += dot(ds.to(k.dtype), k, FP32_DOT)
-    tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :],
-             (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok)
+    tl.store(
+        DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :],
+        (dq * scale).to(DQ.dtype.element_ty),
+        mask=m_ok[:, None] & d_ok,
+    )
 
 
 @triton.jit
-def _one_query_scores(Q, K, b, h, hk, offs_d, sqb, sqh, skb, skh, skn, batch, k_len, window,
-                      head_dim, qk_scale, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr):
+def _one_query_scores(
+    Q,
+    K,
+    b,
+    h,
+    hk,
+    offs_d,
+    sqb,
+    sqh,
+    skb,
+    skh,
+    skn,
+    batch,
+    k_len,
+    window,
+    head_dim,
+    qk_scale,
+    BLOCK_B: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """q [B, D], the keys' offsets and mask [B, N, D], and the scores [B, N] in base 2 (-inf
     off the window) of ``BLOCK_B`` batch rows of query head h."""
     offs_n = tl.maximum(k_len - window, 0) + tl.arange(0, BLOCK_N)
     b_ok, d_ok = b < batch, offs_d < head_dim
-    q = tl.load(Q + b[:, None] * sqb + h * sqh + offs_d[None, :],
-                mask=b_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    q = tl.load(
+        Q + b[:, None] * sqb + h * sqh + offs_d[None, :],
+        mask=b_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
     kv_ok = b_ok[:, None, None] & (offs_n < k_len)[None, :, None] & d_ok[None, None, :]
     k_at = b[:, None, None] * skb + hk * skh + offs_n[None, :, None] * skn + offs_d[None, None, :]
     k = tl.load(K + k_at, mask=kv_ok, other=0.0).to(tl.float32)
@@ -215,16 +388,57 @@ def _one_query_scores(Q, K, b, h, hk, offs_d, sqb, sqh, skb, skh, skn, batch, k_
 
 
 @triton.jit
-def _one_query_fwd_kernel(Q, K, V, O, LSE, sqb, sqh, skb, skh, skn, svb, svh, svn, sob, soh,
-                          heads, group, batch, k_len, window, head_dim, qk_scale,
-                          BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _one_query_fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    sqb,
+    sqh,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    sob,
+    soh,
+    heads,
+    group,
+    batch,
+    k_len,
+    window,
+    head_dim,
+    qk_scale,
+    BLOCK_B: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     h = tl.program_id(1)
     hk = h // group
     offs_d = tl.arange(0, BLOCK_D)
-    q, k, offs_n, kv_ok, s = _one_query_scores(Q, K, b, h, hk, offs_d, sqb, sqh, skb, skh,
-                                               skn, batch, k_len, window, head_dim, qk_scale,
-                                               BLOCK_B, BLOCK_N)
+    q, k, offs_n, kv_ok, s = _one_query_scores(
+        Q,
+        K,
+        b,
+        h,
+        hk,
+        offs_d,
+        sqb,
+        sqh,
+        skb,
+        skh,
+        skn,
+        batch,
+        k_len,
+        window,
+        head_dim,
+        qk_scale,
+        BLOCK_B,
+        BLOCK_N,
+    )
     m = tl.max(s, 1)
     p = tl.exp2(s - m[:, None])
     total = tl.sum(p, 1)
@@ -232,16 +446,49 @@ def _one_query_fwd_kernel(Q, K, V, O, LSE, sqb, sqh, skb, skh, skn, svb, svh, sv
     v = tl.load(V + v_at, mask=kv_ok, other=0.0).to(tl.float32)
     o = tl.sum(p[:, :, None] * v, 1) / total[:, None]
     b_ok = b < batch
-    tl.store(O + b[:, None] * sob + h * soh + offs_d[None, :], o.to(O.dtype.element_ty),
-             mask=b_ok[:, None] & (offs_d < head_dim)[None, :])
+    tl.store(
+        O + b[:, None] * sob + h * soh + offs_d[None, :],
+        o.to(O.dtype.element_ty),
+        mask=b_ok[:, None] & (offs_d < head_dim)[None, :],
+    )
     tl.store(LSE + b * heads + h, m + tl.log2(total), mask=b_ok)
 
 
 @triton.jit
-def _one_query_bwd_kernel(Q, K, V, O, DO, LSE, DQ, DK, DV, sqb, sqh, skb, skh, skn, svb, svh,
-                          svn, sob, soh, sdb, sdh, heads, group, batch, k_len, window, head_dim,
-                          scale, qk_scale, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
+def _one_query_bwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    DO,
+    LSE,
+    DQ,
+    DK,
+    DV,
+    sqb,
+    sqh,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    sob,
+    soh,
+    sdb,
+    sdh,
+    heads,
+    group,
+    batch,
+    k_len,
+    window,
+    head_dim,
+    scale,
+    qk_scale,
+    BLOCK_B: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """One program: ``BLOCK_B`` batch rows of one KV head and its group of query heads; dK
     and dV sum over the group in registers (no atomics)."""
     b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -256,26 +503,50 @@ def _one_query_bwd_kernel(Q, K, V, O, DO, LSE, DQ, DK, DV, sqb, sqh, skb, skh, s
     dk = tl.zeros([BLOCK_B, BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_B, BLOCK_N, BLOCK_D], tl.float32)
     for h in range(hk * group, hk * group + group):
-        q, k, _, _, s = _one_query_scores(Q, K, b, h, hk, offs_d, sqb, sqh, skb, skh, skn,
-                                          batch, k_len, window, head_dim, qk_scale, BLOCK_B,
-                                          BLOCK_N)
+        q, k, _, _, s = _one_query_scores(
+            Q,
+            K,
+            b,
+            h,
+            hk,
+            offs_d,
+            sqb,
+            sqh,
+            skb,
+            skh,
+            skn,
+            batch,
+            k_len,
+            window,
+            head_dim,
+            qk_scale,
+            BLOCK_B,
+            BLOCK_N,
+        )
         p = tl.exp2(s - tl.load(LSE + b * heads + h, mask=b_ok, other=0.0)[:, None])
-        v_at = (b[:, None, None] * svb + hk * svh + offs_n[None, :, None] * svn
-                + offs_d[None, None, :])
+        v_at = (
+            b[:, None, None] * svb + hk * svh + offs_n[None, :, None] * svn + offs_d[None, None, :]
+        )
         v = tl.load(V + v_at, mask=kv_ok, other=0.0).to(tl.float32)
-        do = tl.load(DO + b[:, None] * sdb + h * sdh + offs_d[None, :], mask=row_ok,
-                     other=0.0).to(tl.float32)
-        o = tl.load(O + b[:, None] * sob + h * soh + offs_d[None, :], mask=row_ok,
-                    other=0.0).to(tl.float32)
+        do = tl.load(DO + b[:, None] * sdb + h * sdh + offs_d[None, :], mask=row_ok, other=0.0).to(
+            tl.float32
+        )
+        o = tl.load(O + b[:, None] * sob + h * soh + offs_d[None, :], mask=row_ok, other=0.0).to(
+            tl.float32
+        )
         ds = p * (tl.sum(do[:, None, :] * v, 2) - tl.sum(do * o, 1)[:, None])
         dq = tl.sum(ds[:, :, None] * k, 1) * scale
-        tl.store(DQ + (b[:, None] * heads + h) * head_dim + offs_d[None, :],
-                 dq.to(DQ.dtype.element_ty), mask=row_ok)
+        tl.store(
+            DQ + (b[:, None] * heads + h) * head_dim + offs_d[None, :],
+            dq.to(DQ.dtype.element_ty),
+            mask=row_ok,
+        )
         dk += ds[:, :, None] * q[:, None, :]
         dv += p[:, :, None] * do[:, None, :]
     kv_heads = heads // group
-    out = ((b[:, None, None] * kv_heads + hk) * k_len + offs_n[None, :, None]) * head_dim \
-        + offs_d[None, None, :]
+    out = ((b[:, None, None] * kv_heads + hk) * k_len + offs_n[None, :, None]) * head_dim + offs_d[
+        None, None, :
+    ]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_ok)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_ok)
 
@@ -286,8 +557,7 @@ def _tiles(q_len: int, head_dim: int) -> dict:
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=block_d)
     block_m = min(64, max(16, triton.next_power_of_2(q_len)))
-    return dict(BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_D=block_d,
-                num_warps=4)
+    return dict(BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_D=block_d, num_warps=4)
 
 
 # CUDA allows 2^31 - 1 blocks on grid axis 0 but 65,535 on axes 1 and 2: the (batch, head)
@@ -301,8 +571,10 @@ def _grids(batch: int, heads: int, kv_heads: int, q_len: int, k_len: int, tiles:
     rows = (batch * heads, triton.cdiv(q_len, tiles["BLOCK_M"]))
     keys = (batch * kv_heads, triton.cdiv(k_len, tiles["BLOCK_N"]))
     if max(rows[1], keys[1]) > MAX_GRID_YZ:
-        raise ValueError(f"window attention over {max(q_len, k_len)} positions needs more "
-                         f"than {MAX_GRID_YZ} tiles on grid axis 1")
+        raise ValueError(
+            f"window attention over {max(q_len, k_len)} positions needs more "
+            f"than {MAX_GRID_YZ} tiles on grid axis 1"
+        )
     return {"rows": rows, "keys": keys}
 
 
@@ -315,8 +587,9 @@ def _strides(t: Tensor) -> tuple:
 
 
 @kernel_op("window_attention")
-def _window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float,
-                      one_query: bool) -> tuple[Tensor, Tensor]:
+def _window_attention(
+    q: Tensor, k: Tensor, v: Tensor, window: int, scale: float, one_query: bool
+) -> tuple[Tensor, Tensor]:
     """q [b, h, q_len, d], k/v [b, kv_heads, k_len, d] -> O [b, h, q_len, d] (q's layout) and
     its log-sum-exp (base 2, fp32) for the backward; ``one_query``: q_len = 1, by the
     one-query kernels."""
@@ -331,16 +604,41 @@ def _window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float
         return o, lse
     tiles = _tiles(q_len, head_dim)
     grid = _grids(batch, heads, k.shape[1], q_len, k_len, tiles)["rows"]
-    _fwd_kernel[grid](q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-                      heads, heads // k.shape[1], q_len, k_len, window, head_dim,
-                      scale * LOG2E, FP32_DOT=fp32_dot(q.dtype), **tiles)
+    _fwd_kernel[grid](
+        q,
+        k,
+        v,
+        o,
+        lse,
+        *_strides(q),
+        *_strides(k),
+        *_strides(v),
+        *_strides(o),
+        heads,
+        heads // k.shape[1],
+        q_len,
+        k_len,
+        window,
+        head_dim,
+        scale * LOG2E,
+        FP32_DOT=fp32_dot(q.dtype),
+        **tiles,
+    )
     return o, lse
 
 
 @kernel_op("window_attention_backward")
-def _window_attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-                               do: Tensor, window: int, scale: float,
-                               one_query: bool) -> list[Tensor]:
+def _window_attention_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    do: Tensor,
+    window: int,
+    scale: float,
+    one_query: bool,
+) -> list[Tensor]:
     q, k, v, do = (_unit_last(t) for t in (q, k, v, do))
     if one_query:
         return _one_query_backward(q, k, v, o, lse, do, window, scale)
@@ -356,13 +654,24 @@ def _window_attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     delta = torch.empty_like(lse)
     grids = _grids(batch, heads, kv_heads, q_len, k_len, tiles)
     rows = grids["rows"]
-    _delta_kernel[rows](o, do, delta, *_strides(o), *_strides(do), heads, q_len, head_dim,
-                        BLOCK_M=tiles["BLOCK_M"], BLOCK_D=tiles["BLOCK_D"])
+    _delta_kernel[rows](
+        o,
+        do,
+        delta,
+        *_strides(o),
+        *_strides(do),
+        heads,
+        q_len,
+        head_dim,
+        BLOCK_M=tiles["BLOCK_M"],
+        BLOCK_D=tiles["BLOCK_D"],
+    )
     inputs = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     sizes = (heads, heads // kv_heads, q_len, k_len, window, head_dim, scale, scale * LOG2E)
     flags = dict(FP32_DOT=fp32_dot(q.dtype), **tiles)
-    _dkdv_kernel[grids["keys"]](q, k, v, do, lse, delta, dk, dv, *inputs, *_strides(dk),
-                                *_strides(dv), *sizes, **flags)
+    _dkdv_kernel[grids["keys"]](
+        q, k, v, do, lse, delta, dk, dv, *inputs, *_strides(dk), *_strides(dv), *sizes, **flags
+    )
     _dq_kernel[rows](q, k, v, do, lse, delta, dq, *inputs, *_strides(dq), *sizes, **flags)
     return [dq, dk, dv]
 
@@ -375,8 +684,9 @@ def _one_query_blocks(k_len: int, window: int, head_dim: int) -> dict:
     return dict(BLOCK_B=max(2, 2048 // (block_n * block_d)), BLOCK_N=block_n, BLOCK_D=block_d)
 
 
-def _one_query_forward(q: Tensor, k: Tensor, v: Tensor, window: int,
-                       scale: float) -> tuple[Tensor, Tensor]:
+def _one_query_forward(
+    q: Tensor, k: Tensor, v: Tensor, window: int, scale: float
+) -> tuple[Tensor, Tensor]:
     """The forward for q_len = 1: q [b, h, 1, d], k/v [b, kv_heads, k_len, d]."""
     batch, heads, _, head_dim = q.shape
     k_len = k.shape[2]
@@ -386,14 +696,32 @@ def _one_query_forward(q: Tensor, k: Tensor, v: Tensor, window: int,
         return o, lse
     blocks = _one_query_blocks(k_len, window, head_dim)
     _one_query_fwd_kernel[(triton.cdiv(batch, blocks["BLOCK_B"]), heads)](
-        q, k, v, o, lse, q.stride(0), q.stride(1), *_strides(k), *_strides(v), o.stride(0),
-        o.stride(1), heads, heads // k.shape[1], batch, k_len, window, head_dim,
-        scale * LOG2E, **blocks)
+        q,
+        k,
+        v,
+        o,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        *_strides(k),
+        *_strides(v),
+        o.stride(0),
+        o.stride(1),
+        heads,
+        heads // k.shape[1],
+        batch,
+        k_len,
+        window,
+        head_dim,
+        scale * LOG2E,
+        **blocks,
+    )
     return o, lse
 
 
-def _one_query_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
-                        window: int, scale: float) -> list[Tensor]:
+def _one_query_backward(
+    q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window: int, scale: float
+) -> list[Tensor]:
     batch, heads, _, head_dim = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -404,9 +732,33 @@ def _one_query_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
         return [dq, dk, dv]
     blocks = _one_query_blocks(k_len, window, head_dim)
     _one_query_bwd_kernel[(triton.cdiv(batch, blocks["BLOCK_B"]), kv_heads)](
-        q, k, v, o, do, lse, dq, dk, dv, q.stride(0), q.stride(1), *_strides(k), *_strides(v),
-        o.stride(0), o.stride(1), do.stride(0), do.stride(1), heads, heads // kv_heads, batch,
-        k_len, window, head_dim, scale, scale * LOG2E, **blocks)
+        q,
+        k,
+        v,
+        o,
+        do,
+        lse,
+        dq,
+        dk,
+        dv,
+        q.stride(0),
+        q.stride(1),
+        *_strides(k),
+        *_strides(v),
+        o.stride(0),
+        o.stride(1),
+        do.stride(0),
+        do.stride(1),
+        heads,
+        heads // kv_heads,
+        batch,
+        k_len,
+        window,
+        head_dim,
+        scale,
+        scale * LOG2E,
+        **blocks,
+    )
     return [dq, dk, dv]
 
 
@@ -417,28 +769,35 @@ def _save_for_backward(ctx, inputs: tuple, output: tuple) -> None:
 
 
 def _backward(ctx, do: Tensor, _d_lse: None) -> tuple:
-    return (*_window_attention_backward(*ctx.saved_tensors, do, ctx.window, ctx.scale,
-                                        ctx.one_query), None, None, None)
+    return (
+        *_window_attention_backward(*ctx.saved_tensors, do, ctx.window, ctx.scale, ctx.one_query),
+        None,
+        None,
+        None,
+    )
 
 
 _window_attention.register_autograd(_backward, setup_context=_save_for_backward)
 
 
-def window_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
-                     scale: float | None = None) -> Tensor:
+def window_attention(
+    q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None = None
+) -> Tensor:
     """Triton ``short_window_attention`` (same arguments, same result)."""
     return _checked(q, k, v, window, scale, one_query=q.shape[2] == 1)
 
 
-def tiled_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
-                           scale: float | None = None) -> Tensor:
+def tiled_window_attention(
+    q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None = None
+) -> Tensor:
     """``window_attention`` by the tiled kernels whatever q_len (the benchmark's peer of the
     one-query kernels)."""
     return _checked(q, k, v, window, scale, one_query=False)
 
 
-def _checked(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None,
-             one_query: bool) -> Tensor:
+def _checked(
+    q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None, one_query: bool
+) -> Tensor:
     if window < 1:
         raise ValueError(f"window={window}: must be >= 1")
     if q.shape[2] > k.shape[2]:

@@ -26,32 +26,51 @@ exit code 74: the run ended but its last checkpoint could not be written
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc-per-node", type=int, metavar="N",
-                        help="processes per node (default: GPUs of the node; required on CPU)")
-    parser.add_argument("--port", type=int,
-                        help="c10d rendezvous port (default: free port; under SLURM derived "
-                             "from the job id)")
-    parser.add_argument("--standalone", action="store_true",
-                        help="one machine, even inside a SLURM allocation")
-    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                        help="when a worker fails (crash, kill, collective timeout), restart "
-                             "the node's workers up to N times; each restart resumes from the "
-                             "newest checkpoint (checkpoint.resume=auto). Every node restarts "
-                             "(each node's launcher needs it). Default 0")
-    parser.add_argument("--restart-timeout", type=float, default=RESTART_TIMEOUT,
-                        metavar="SECONDS",
-                        help="how long a restart waits for every node to restart too; then "
-                             f"the node exits with its workers' code (default "
-                             f"{RESTART_TIMEOUT:.0f})")
-    parser.add_argument("--exit-duration", type=float, metavar="MINUTES",
-                        help="save and stop (exit 75) after this many minutes of training; "
-                             "sets train.exit_duration_mins")
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        metavar="N",
+        help="processes per node (default: GPUs of the node; required on CPU)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        help="c10d rendezvous port (default: free port; under SLURM derived from the job id)",
+    )
+    parser.add_argument(
+        "--standalone", action="store_true", help="one machine, even inside a SLURM allocation"
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="when a worker fails (crash, kill, collective timeout), restart "
+        "the node's workers up to N times; each restart resumes from the "
+        "newest checkpoint (checkpoint.resume=auto). Every node restarts "
+        "(each node's launcher needs it). Default 0",
+    )
+    parser.add_argument(
+        "--restart-timeout",
+        type=float,
+        default=RESTART_TIMEOUT,
+        metavar="SECONDS",
+        help="how long a restart waits for every node to restart too; then "
+        f"the node exits with its workers' code (default "
+        f"{RESTART_TIMEOUT:.0f})",
+    )
+    parser.add_argument(
+        "--exit-duration",
+        type=float,
+        metavar="MINUTES",
+        help="save and stop (exit 75) after this many minutes of training; "
+        "sets train.exit_duration_mins",
+    )
 
 
 def overrides(args: argparse.Namespace) -> list[str]:
     """The dotted overrides, with ``--exit-duration`` as the config field it sets."""
-    extra = ([] if args.exit_duration is None
-             else [f"train.exit_duration_mins={args.exit_duration}"])
+    extra = [] if args.exit_duration is None else [f"train.exit_duration_mins={args.exit_duration}"]
     return [*args.overrides, *extra]
 
 
@@ -74,18 +93,28 @@ def launch(args: argparse.Namespace) -> int:
     from t2train.signals import parse_signals
 
     config = load_config(args.preset, args.config, overrides(args))
-    step = (None if args.standalone or not slurm_env.in_slurm_job(os.environ)
-            else slurm_env.read_step(os.environ))
+    step = (
+        None
+        if args.standalone or not slurm_env.in_slurm_job(os.environ)
+        else slurm_env.read_step(os.environ)
+    )
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    nproc = plans.processes_per_node(args.nproc_per_node, step and step.gpus_on_node,
-                                     cuda_devices)
-    plan = (plans.plan_slurm(step, nproc, args.port) if step
-            else plans.plan_standalone(nproc, args.port))
+    nproc = plans.processes_per_node(args.nproc_per_node, step and step.gpus_on_node, cuda_devices)
+    plan = (
+        plans.plan_slurm(step, nproc, args.port)
+        if step
+        else plans.plan_standalone(nproc, args.port)
+    )
     config.validate_world(plan.world_size)
     print(plan.describe(), flush=True)
     if args.max_restarts < 0:
         raise plans.LaunchError(f"--max-restarts={args.max_restarts}: must be >= 0")
     if args.restart_timeout <= 0:
         raise plans.LaunchError(f"--restart-timeout={args.restart_timeout}: must be > 0")
-    return torchrun.run(plan, train_argv(args), parse_signals(config.train.exit_signals),
-                        args.max_restarts, args.restart_timeout)
+    return torchrun.run(
+        plan,
+        train_argv(args),
+        parse_signals(config.train.exit_signals),
+        args.max_restarts,
+        args.restart_timeout,
+    )

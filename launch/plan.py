@@ -50,30 +50,40 @@ class LaunchPlan:
         return self.node_rank == 0
 
     def describe(self) -> str:
-        job = (f"SLURM job {self.rdzv_id} (restart {self.restart_count})"
-               if self.mode == "slurm" else "standalone")
-        return (f"t2train launch: {job} | {self.nnodes} node(s) {','.join(self.nodes)} | "
-                f"node rank {self.node_rank} on {self.nodes[self.node_rank]} | "
-                f"{self.nproc_per_node} process(es) per node | world size {self.world_size} | "
-                f"c10d rendezvous {self.rdzv_host}:{self.rdzv_port}")
+        job = (
+            f"SLURM job {self.rdzv_id} (restart {self.restart_count})"
+            if self.mode == "slurm"
+            else "standalone"
+        )
+        return (
+            f"t2train launch: {job} | {self.nnodes} node(s) {','.join(self.nodes)} | "
+            f"node rank {self.node_rank} on {self.nodes[self.node_rank]} | "
+            f"{self.nproc_per_node} process(es) per node | world size {self.world_size} | "
+            f"c10d rendezvous {self.rdzv_host}:{self.rdzv_port}"
+        )
 
 
-def processes_per_node(requested: Optional[int], slurm_gpus: Optional[int],
-                       cuda_devices: int) -> int:
+def processes_per_node(
+    requested: Optional[int], slurm_gpus: Optional[int], cuda_devices: int
+) -> int:
     """``--nproc-per-node``, else the node's allocated GPUs, else its CUDA devices.
 
     On CUDA, more processes than visible devices is refused (two ranks would share a GPU).
     """
     count = requested or slurm_gpus or cuda_devices
     if not count:
-        raise LaunchError("--nproc-per-node: not given and there is no GPU to count "
-                          "(SLURM_GPUS_ON_NODE unset, no CUDA device); pass the number of "
-                          "processes per node")
+        raise LaunchError(
+            "--nproc-per-node: not given and there is no GPU to count "
+            "(SLURM_GPUS_ON_NODE unset, no CUDA device); pass the number of "
+            "processes per node"
+        )
     if count < 1:
         raise LaunchError(f"--nproc-per-node={count}: expected >= 1")
     if cuda_devices and count > cuda_devices:
-        raise LaunchError(f"--nproc-per-node={count}: more processes than the {cuda_devices} "
-                          "CUDA device(s) visible on this node")
+        raise LaunchError(
+            f"--nproc-per-node={count}: more processes than the {cuda_devices} "
+            "CUDA device(s) visible on this node"
+        )
     return count
 
 
@@ -92,28 +102,43 @@ def check_port_free(port: int, what: str) -> None:
         except OSError as err:
             if err.errno != errno.EADDRINUSE:
                 raise
-            raise LaunchError(f"{what}: port {port} is already in use on this host; choose "
-                              "another with --port") from None
+            raise LaunchError(
+                f"{what}: port {port} is already in use on this host; choose another with --port"
+            ) from None
 
 
 def plan_standalone(nproc_per_node: int, port: Optional[int]) -> LaunchPlan:
     if port is not None:
         check_port_free(port, f"--port={port}")
-    return LaunchPlan(mode="standalone", nodes=(socket.gethostname(),), node_rank=0,
-                      nproc_per_node=nproc_per_node, rdzv_host="127.0.0.1",
-                      rdzv_port=port if port is not None else free_port(),
-                      rdzv_id="standalone")
+    return LaunchPlan(
+        mode="standalone",
+        nodes=(socket.gethostname(),),
+        node_rank=0,
+        nproc_per_node=nproc_per_node,
+        rdzv_host="127.0.0.1",
+        rdzv_port=port if port is not None else free_port(),
+        rdzv_id="standalone",
+    )
 
 
 def plan_slurm(step: SlurmStep, nproc_per_node: int, port: Optional[int]) -> LaunchPlan:
     """Rendezvous on the step's first node, at a port every node derives the same way."""
     derived = SLURM_PORT_BASE + int(step.job_id) % SLURM_PORT_SPAN
-    plan = LaunchPlan(mode="slurm", nodes=step.nodes, node_rank=step.node_rank,
-                      nproc_per_node=nproc_per_node, rdzv_host=node_address(step.nodes[0]),
-                      rdzv_port=port if port is not None else derived, rdzv_id=step.job_id,
-                      restart_count=step.restart_count)
+    plan = LaunchPlan(
+        mode="slurm",
+        nodes=step.nodes,
+        node_rank=step.node_rank,
+        nproc_per_node=nproc_per_node,
+        rdzv_host=node_address(step.nodes[0]),
+        rdzv_port=port if port is not None else derived,
+        rdzv_id=step.job_id,
+        restart_count=step.restart_count,
+    )
     if plan.is_rdzv_host:
-        what = (f"--port={port}" if port is not None
-                else f"rendezvous port derived from SLURM_JOB_ID={step.job_id}")
+        what = (
+            f"--port={port}"
+            if port is not None
+            else f"rendezvous port derived from SLURM_JOB_ID={step.job_id}"
+        )
         check_port_free(plan.rdzv_port, what)
     return plan

@@ -18,13 +18,16 @@ from t2train.launch.plan import RESTART_TIMEOUT, LaunchPlan
 from t2train.processes import LAUNCHER_PID, become_subreaper, end_descendants
 from t2train.signals import REQUEUE_EXIT_CODE, block
 
-
 TORCH_HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
-def torchrun_argv(plan: LaunchPlan, train_argv: list[str],
-                  agent_signals: Iterable[str] = TORCH_HANDLED_SIGNALS, attempt: int = 0,
-                  join_timeout: float | None = None) -> list[str]:
+def torchrun_argv(
+    plan: LaunchPlan,
+    train_argv: list[str],
+    agent_signals: Iterable[str] = TORCH_HANDLED_SIGNALS,
+    attempt: int = 0,
+    join_timeout: float | None = None,
+) -> list[str]:
     """torchrun's arguments for ``attempt`` (0: the first start, n: the n-th restart).
 
     Each attempt is a rendezvous of its own (``rdzv_id``-restartN), which every node derives
@@ -35,12 +38,20 @@ def torchrun_argv(plan: LaunchPlan, train_argv: list[str],
     conf = f"is_host={'true' if plan.is_rdzv_host else 'false'}"
     if join_timeout is not None:
         conf += f",join_timeout={max(1, round(join_timeout))}"
-    return [f"--nnodes={plan.nnodes}", f"--nproc-per-node={plan.nproc_per_node}",
-            f"--signals-to-handle={','.join(agent_signals)}",
-            f"--rdzv-backend={rendezvous.BACKEND}",
-            f"--rdzv-endpoint={plan.rdzv_host}:{plan.rdzv_port}",
-            f"--rdzv-id={rdzv_id}", f"--rdzv-conf={conf}",
-            "--max-restarts=0", "--module", "t2train.cli", "train", *train_argv]
+    return [
+        f"--nnodes={plan.nnodes}",
+        f"--nproc-per-node={plan.nproc_per_node}",
+        f"--signals-to-handle={','.join(agent_signals)}",
+        f"--rdzv-backend={rendezvous.BACKEND}",
+        f"--rdzv-endpoint={plan.rdzv_host}:{plan.rdzv_port}",
+        f"--rdzv-id={rdzv_id}",
+        f"--rdzv-conf={conf}",
+        "--max-restarts=0",
+        "--module",
+        "t2train.cli",
+        "train",
+        *train_argv,
+    ]
 
 
 def quiet_libtorch_warnings() -> None:
@@ -61,8 +72,7 @@ def exit_code(codes: Iterable[int]) -> int:
     codes = list(codes)
     if REQUEUE_EXIT_CODE in codes:
         return REQUEUE_EXIT_CODE
-    failed = ([code for code in codes if code > 0] or [code for code in codes if code != 0]
-              or [1])
+    failed = [code for code in codes if code > 0] or [code for code in codes if code != 0] or [1]
     return failed[0] if failed[0] > 0 else 128 - failed[0]
 
 
@@ -98,8 +108,13 @@ def _hand_signals_to_workers(signals: list[signal.Signals]) -> list[str]:
     return [name for name in TORCH_HANDLED_SIGNALS if name not in names]
 
 
-def run(plan: LaunchPlan, train_argv: list[str], exit_signals: list[signal.Signals],
-        max_restarts: int = 0, restart_timeout: float = RESTART_TIMEOUT) -> int:
+def run(
+    plan: LaunchPlan,
+    train_argv: list[str],
+    exit_signals: list[signal.Signals],
+    max_restarts: int = 0,
+    restart_timeout: float = RESTART_TIMEOUT,
+) -> int:
     """Start the node's workers and wait for them; returns the node's exit code.
 
     Restarts are this loop's, not torchrun's ``--max-restarts``: torchrun would also restart
@@ -108,8 +123,9 @@ def run(plan: LaunchPlan, train_argv: list[str], exit_signals: list[signal.Signa
     seconds for every node's launcher to restart too; if one does not (its workers ended
     otherwise, or it is gone), this node ends with its failed workers' code.
     """
-    agent_signals = (_hand_signals_to_workers(exit_signals) if exit_signals
-                     else TORCH_HANDLED_SIGNALS)
+    agent_signals = (
+        _hand_signals_to_workers(exit_signals) if exit_signals else TORCH_HANDLED_SIGNALS
+    )
     quiet_libtorch_warnings()  # the workers' (this process may have imported torch already)
     become_subreaper()  # the orphans of a killed worker become ours, not pid 1's
     os.environ[LAUNCHER_PID] = str(os.getpid())  # workers die with this launcher
@@ -120,10 +136,19 @@ def run(plan: LaunchPlan, train_argv: list[str], exit_signals: list[signal.Signa
             if not workers_failed:
                 break
             _end_leftovers()
-            print(f"t2train launch: workers failed (exit code {code}); restart {restart} of "
-                  f"{max_restarts}, resuming from the newest checkpoint", flush=True)
-            code, workers_failed = _run_once(plan, [*train_argv, "checkpoint.resume=auto"],
-                                             agent_signals, restart, restart_timeout, code)
+            print(
+                f"t2train launch: workers failed (exit code {code}); restart {restart} of "
+                f"{max_restarts}, resuming from the newest checkpoint",
+                flush=True,
+            )
+            code, workers_failed = _run_once(
+                plan,
+                [*train_argv, "checkpoint.resume=auto"],
+                agent_signals,
+                restart,
+                restart_timeout,
+                code,
+            )
     finally:
         _end_leftovers()
         del store
@@ -142,8 +167,14 @@ def _rendezvous_store(plan: LaunchPlan):
 
     from torch.distributed import TCPStore
 
-    return TCPStore(plan.rdzv_host, plan.rdzv_port, is_master=True, multi_tenant=True,
-                    wait_for_workers=False, timeout=timedelta(seconds=60))
+    return TCPStore(
+        plan.rdzv_host,
+        plan.rdzv_port,
+        is_master=True,
+        multi_tenant=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=60),
+    )
 
 
 def _end_leftovers() -> None:
@@ -154,48 +185,70 @@ def _end_leftovers() -> None:
     own_tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
     ended = end_descendants(spare=[own_tracker] if own_tracker else [])
     if ended:
-        print(f"t2train launch: ended {len(ended)} process(es) the workers left running: "
-              + "; ".join(command[:80] for command in ended), file=sys.stderr, flush=True)
+        print(
+            f"t2train launch: ended {len(ended)} process(es) the workers left running: "
+            + "; ".join(command[:80] for command in ended),
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _how_it_ended(exitcode: int) -> str:
-    return (f"exited with code {exitcode}" if exitcode >= 0
-            else f"was killed by {signal.Signals(-exitcode).name}")
+    return (
+        f"exited with code {exitcode}"
+        if exitcode >= 0
+        else f"was killed by {signal.Signals(-exitcode).name}"
+    )
 
 
-def _run_once(plan: LaunchPlan, train_argv: list[str], agent_signals: list[str],
-              attempt: int = 0, join_timeout: float | None = None,
-              failed_code: int = 1) -> tuple[int, bool]:
+def _run_once(
+    plan: LaunchPlan,
+    train_argv: list[str],
+    agent_signals: Iterable[str],
+    attempt: int = 0,
+    join_timeout: float | None = None,
+    failed_code: int = 1,
+) -> tuple[int, bool]:
     """(exit code, whether workers failed): not for success, a requeue stop, or a signal to
     this launcher. A restart (``attempt`` > 0) that does not assemble every node ends with
     ``failed_code``, the failed workers' code of the attempt before."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
-    from torch.distributed.run import parse_args, run as torchrun
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torchrun
 
     rendezvous.register()
     try:
-        torchrun(parse_args(torchrun_argv(plan, train_argv, agent_signals, attempt,
-                                          join_timeout)))
+        torchrun(parse_args(torchrun_argv(plan, train_argv, agent_signals, attempt, join_timeout)))
     except RendezvousError as err:
         if not attempt:
             raise
-        print(f"t2train launch: restart {attempt}: not every node restarted within "
-              f"{join_timeout:.0f} s ({type(err).__name__}); exit code {failed_code}",
-              file=sys.stderr, flush=True)
+        print(
+            f"t2train launch: restart {attempt}: not every node restarted within "
+            f"{join_timeout:.0f} s ({type(err).__name__}); exit code {failed_code}",
+            file=sys.stderr,
+            flush=True,
+        )
         return failed_code, False
     except ChildFailedError as err:
         code = exit_code(failure.exitcode for failure in err.failures.values())
         if code == REQUEUE_EXIT_CODE:
-            print(f"t2train launch: training saved a checkpoint and stopped early; exit code "
-                  f"{code} (run the same command again to resume)", flush=True)
+            print(
+                f"t2train launch: training saved a checkpoint and stopped early; exit code "
+                f"{code} (run the same command again to resume)",
+                flush=True,
+            )
             return code, False
         failed = "; ".join(
             f"rank {rank} {_how_it_ended(failure.exitcode)}"
-            for rank, failure in sorted(err.failures.items()))
-        print(f"t2train launch: workers failed ({failed}); exit code {code}", file=sys.stderr,
-              flush=True)
+            for rank, failure in sorted(err.failures.items())
+        )
+        print(
+            f"t2train launch: workers failed ({failed}); exit code {code}",
+            file=sys.stderr,
+            flush=True,
+        )
         return code, True
     except SignalException as err:
         print(f"t2train launch: stopped by {err.sigval.name}", file=sys.stderr, flush=True)

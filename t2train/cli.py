@@ -11,10 +11,10 @@ from t2train.residual import registered
 
 TRAIN_EPILOG = f"""\
 overrides are dotted config fields, e.g.:
-  model.residual={'|'.join(registered())} model.num_layers=4
+  model.residual={"|".join(registered())} model.num_layers=4
   train.steps=300 data.path=DIR parallel.tensor=2 parallel.pipeline=2
   name=RUN (outputs go to log.run_dir, runs/{{name}} by default) checkpoint.resume=auto|none|PATH
-config sections: {', '.join(CONFIG_SECTIONS)}
+config sections: {", ".join(CONFIG_SECTIONS)}
   (every field with its rule: t2train/config/schema.py; t2train config --preset P prints one)
 run under torchrun for several processes: t2train launch --nproc-per-node=2 ...
 """
@@ -40,10 +40,12 @@ def _cmd_train(args) -> int:
         from t2train.checkpoint.manager import SAVE_FAILED_EXIT_CODE
 
         if is_rank_zero():
-            print(f"error: the checkpoint of the last step {summary.final_step} was not saved "
-                  f"(see the warning above); the newest published checkpoint is "
-                  f"{summary.checkpoint or 'none'}; exit code {SAVE_FAILED_EXIT_CODE}",
-                  file=sys.stderr)
+            print(
+                f"error: the checkpoint of the last step {summary.final_step} was not saved "
+                f"(see the warning above); the newest published checkpoint is "
+                f"{summary.checkpoint or 'none'}; exit code {SAVE_FAILED_EXIT_CODE}",
+                file=sys.stderr,
+            )
         return SAVE_FAILED_EXIT_CODE
     if is_rank_zero():
         print(_outcome(summary, REQUEUE_EXIT_CODE))
@@ -58,9 +60,11 @@ def _cmd_train(args) -> int:
 def _outcome(summary, requeue_code: int) -> str:
     """The run's last line: stopped early (and how to go on), or done with its val losses."""
     if summary.stopped:
-        return (f"stopped early at step {summary.final_step} ({summary.stopped}): checkpoint "
-                f"{summary.checkpoint} saved; run the same command again to resume (exit code "
-                f"{requeue_code})")
+        return (
+            f"stopped early at step {summary.final_step} ({summary.stopped}): checkpoint "
+            f"{summary.checkpoint} saved; run the same command again to resume (exit code "
+            f"{requeue_code})"
+        )
     done = f"done: step {summary.final_step}"
     if summary.val_losses:
         steps = sorted(summary.val_losses)
@@ -85,28 +89,40 @@ def _dry_run(config) -> int:
         return 0
     parallel, steps = config.parallel, config.train.steps
     epochs = steps * config.train.global_batch_size / checked.samples["train"]
-    start = (f"resume from {checked.resume_from}{checked.skipped} (verified, not loaded now)"
-             if checked.resume_from else
-             f"fresh start from the weights of {checked.init_from} (verified, not loaded now)"
-             if checked.init_from else "fresh start")
-    print(f"dry run of {config.run_dir}: {variant_label(config.model)} residual, "
-          f"{checked.parameters / 1e6:.2f}M parameters on rank 0 | world {checked.world_size} = "
-          f"TP {parallel.tensor} x PP {parallel.pipeline} x DP {checked.data_parallel} | "
-          f"engine {config.train.engine} | {start}\n"
-          f"data {config.data.path}: {checked.samples['train']:,} training and "
-          f"{checked.samples['val']:,} validation samples; {steps:,} steps of "
-          f"{checked.tokens_per_step:,} tokens = {epochs:.2f} epochs; one step's batches read")
-    print(format_plan(config, plan_layout(config, checked.vocab_size, checked.world_size),
-                      "the dataset's tokenizer" if not config.model.vocab_size
-                      else "model.vocab_size", None))
+    start = (
+        f"resume from {checked.resume_from}{checked.skipped} (verified, not loaded now)"
+        if checked.resume_from
+        else f"fresh start from the weights of {checked.init_from} (verified, not loaded now)"
+        if checked.init_from
+        else "fresh start"
+    )
+    print(
+        f"dry run of {config.run_dir}: {variant_label(config.model)} residual, "
+        f"{checked.parameters / 1e6:.2f}M parameters on rank 0 | world {checked.world_size} = "
+        f"TP {parallel.tensor} x PP {parallel.pipeline} x DP {checked.data_parallel} | "
+        f"engine {config.train.engine} | {start}\n"
+        f"data {config.data.path}: {checked.samples['train']:,} training and "
+        f"{checked.samples['val']:,} validation samples; {steps:,} steps of "
+        f"{checked.tokens_per_step:,} tokens = {epochs:.2f} epochs; one step's batches read"
+    )
+    print(
+        format_plan(
+            config,
+            plan_layout(config, checked.vocab_size, checked.world_size),
+            "the dataset's tokenizer" if not config.model.vocab_size else "model.vocab_size",
+            None,
+        )
+    )
     print("nothing trained or written; to train, run the same command without --dry-run")
     return 0
 
 
 def _next_commands(run_dir, data: str) -> str:
     """What one does with a finished run."""
-    return (f"next: t2train generate {run_dir} --prompt TEXT | t2train eval {run_dir} --data "
-            f"{data} | t2train export hf {run_dir} OUT | tensorboard --logdir {run_dir.parent}")
+    return (
+        f"next: t2train generate {run_dir} --prompt TEXT | t2train eval {run_dir} --data "
+        f"{data} | t2train export hf {run_dir} OUT | tensorboard --logdir {run_dir.parent}"
+    )
 
 
 def _cmd_launch(args) -> int:
@@ -128,13 +144,26 @@ def _cmd_plan(args) -> int:
         vocab, source = config.model.vocab_size, "model.vocab_size"
     else:
         vocab = args.vocab_size
-        source = "--vocab-size" if args.vocab_size != VOCAB_DEFAULT else \
-            "--vocab-size default; training takes the dataset's"
+        source = (
+            "--vocab-size"
+            if args.vocab_size != VOCAB_DEFAULT
+            else "--vocab-size default; training takes the dataset's"
+        )
     world = args.world_size or config.parallel.tensor * config.parallel.pipeline
-    note = (" (train.precision=auto plans a GPU run; train.precision=fp32 plans fp32)"
-            if given.train.precision == "auto" else "")
-    print(format_plan(config, plan_layout(config, vocab, world), source,
-                      int(args.device_memory_gib * 2 ** 30), note))
+    note = (
+        " (train.precision=auto plans a GPU run; train.precision=fp32 plans fp32)"
+        if given.train.precision == "auto"
+        else ""
+    )
+    print(
+        format_plan(
+            config,
+            plan_layout(config, vocab, world),
+            source,
+            int(args.device_memory_gib * 2**30),
+            note,
+        )
+    )
     return 0
 
 
@@ -171,26 +200,37 @@ def build_parser() -> argparse.ArgumentParser:
     from t2train.checkpoint.inspect import register as register_ckpt
     from t2train.data.cli import register as register_data
     from t2train.export.cli import register as register_export
-    from t2train.launch.launcher import LAUNCH_EPILOG, add_arguments as add_launch_arguments
+    from t2train.launch.launcher import LAUNCH_EPILOG
+    from t2train.launch.launcher import add_arguments as add_launch_arguments
 
     parser = argparse.ArgumentParser(
         prog="t2train",
         description="Pretrain decoder Transformers with pluggable residual streams "
-                    "(Megatron-core TP/PP, mosaicml-streaming data, TensorBoard).")
-    parser.add_argument("--version", action=_VersionAction,
-                        help="print t2train's version (and commit) and its stack's, then exit")
+        "(Megatron-core TP/PP, mosaicml-streaming data, TensorBoard).",
+    )
+    parser.add_argument(
+        "--version",
+        action=_VersionAction,
+        help="print t2train's version (and commit) and its stack's, then exit",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser(
-        "train", help="train a model (single process, or one rank under torchrun)",
+        "train",
+        help="train a model (single process, or one rank under torchrun)",
         description="Train from a preset/YAML plus overrides; resumes from the newest "
-                    "checkpoint of the run directory by default.",
-        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "checkpoint of the run directory by default.",
+        epilog=TRAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_config_arguments(train)
-    train.add_argument("--dry-run", action="store_true",
-                       help="check the config, data and layout, build the model and read one "
-                            "step of data, print the plan, and stop: nothing is trained or "
-                            "written")
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the config, data and layout, build the model and read one "
+        "step of data, print the plan, and stop: nothing is trained or "
+        "written",
+    )
     train.set_defaults(handler=_cmd_train)
 
     show = commands.add_parser("config", help="print the resolved, validated config as YAML")
@@ -198,26 +238,40 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(handler=_cmd_config)
 
     plan = commands.add_parser(
-        "plan", help="per pipeline stage: parameters, memory, depth cache, bytes per hop",
+        "plan",
+        help="per pipeline stage: parameters, memory, depth cache, bytes per hop",
         description="Estimate what a layout puts on each pipeline stage (parameters, "
-                    "activation and depth-cache memory) and the exact bytes of each pipeline "
-                    "hop, naive vs cached, without running anything.",
-        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "activation and depth-cache memory) and the exact bytes of each pipeline "
+        "hop, naive vs cached, without running anything.",
+        epilog=TRAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_config_arguments(plan)
     plan.add_argument("--world-size", type=int, help="processes (default TP x PP, i.e. DP = 1)")
-    plan.add_argument("--vocab-size", type=int, default=VOCAB_DEFAULT,
-                      help=f"vocabulary when model.vocab_size is unset (default "
-                           f"{VOCAB_DEFAULT}; training takes the dataset's)")
-    plan.add_argument("--device-memory-gib", type=float, default=80.0,
-                      help="memory of one GPU, for the per-GPU totals (default 80, an H100)")
+    plan.add_argument(
+        "--vocab-size",
+        type=int,
+        default=VOCAB_DEFAULT,
+        help=f"vocabulary when model.vocab_size is unset (default "
+        f"{VOCAB_DEFAULT}; training takes the dataset's)",
+    )
+    plan.add_argument(
+        "--device-memory-gib",
+        type=float,
+        default=80.0,
+        help="memory of one GPU, for the per-GPU totals (default 80, an H100)",
+    )
     plan.set_defaults(handler=_cmd_plan)
 
     launch = commands.add_parser(
-        "launch", help="train under torchrun: one machine, or each node of a SLURM job step",
+        "launch",
+        help="train under torchrun: one machine, or each node of a SLURM job step",
         description="Run `t2train train` under torchrun. Inside a SLURM job step (srun, one "
-                    "task per node) the nodes, node rank and c10d rendezvous come from SLURM; "
-                    "otherwise it runs standalone on this machine. Prints the topology first.",
-        epilog=LAUNCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "task per node) the nodes, node rank and c10d rendezvous come from SLURM; "
+        "otherwise it runs standalone on this machine. Prints the topology first.",
+        epilog=LAUNCH_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_launch_arguments(launch)
     add_config_arguments(launch)
     launch.set_defaults(handler=_cmd_launch)
@@ -240,9 +294,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:  # Ctrl-C (in training, the second one: the first saves)
-        print(f"t2train {args.command}: interrupted by Ctrl-C"
-              f"{INTERRUPTED.get(args.command, '')} (exit code {INTERRUPTED_EXIT_CODE})",
-              file=sys.stderr)
+        print(
+            f"t2train {args.command}: interrupted by Ctrl-C"
+            f"{INTERRUPTED.get(args.command, '')} (exit code {INTERRUPTED_EXIT_CODE})",
+            file=sys.stderr,
+        )
         return INTERRUPTED_EXIT_CODE
 
 

@@ -28,5 +28,6 @@ def require(ok: bool, field_name: str, value, rule: str) -> None:
     """Raise ``ConfigError("<field>=<value>: <rule>")`` unless ``ok``."""
     if not ok:
         text = repr(value)
-        raise ConfigError(f"{field_name}={text if len(text) <= 200 else text[:197] + '...'}: "
-                          f"{rule}")
+        raise ConfigError(
+            f"{field_name}={text if len(text) <= 200 else text[:197] + '...'}: {rule}"
+        )

@@ -74,7 +74,7 @@ def end_descendants(spare: Iterable[int] = (), tracker_grace_s: float = 5.0) -> 
     Resource trackers are killed last, after ``tracker_grace_s`` to end by themselves: a
     tracker ends once its clients are gone, unlinking the shared memory they left.
     """
-    import psutil
+    import psutil  # noqa: PLC0415 - psutil: when a process tree is ended
 
     spare = set(spare)
     me = psutil.Process()

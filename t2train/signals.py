@@ -30,8 +30,10 @@ def parse_signals(spec: str, field_name: str = "train.exit_signals") -> list[sig
     for name in names:
         full = name if name.startswith("SIG") else "SIG" + name
         if full not in signal.Signals.__members__ or full in _UNCATCHABLE:
-            raise ConfigError(f"{field_name}={spec!r}: {name!r} is not a catchable signal "
-                              "name; expected a comma-separated list like SIGUSR1,SIGTERM")
+            raise ConfigError(
+                f"{field_name}={spec!r}: {name!r} is not a catchable signal "
+                "name; expected a comma-separated list like SIGUSR1,SIGTERM"
+            )
         signals.append(signal.Signals[full])
     return signals
 
@@ -40,7 +42,7 @@ def block(signals: Iterable[signal.Signals]) -> set:
     """Hold ``signals`` pending in this thread and every thread or process it starts; returns
     the mask before. Starts multiprocessing's resource tracker first (see the module's doc),
     restoring the mask its start changes."""
-    from multiprocessing import resource_tracker
+    from multiprocessing import resource_tracker  # noqa: PLC0415 - when signals are first held
 
     before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     resource_tracker.ensure_running()

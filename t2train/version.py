@@ -5,6 +5,7 @@ Imports nothing heavy: ``t2train --version`` and the checkpoints' ``code_version
 
 from __future__ import annotations
 
+import platform
 import subprocess
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -18,8 +19,12 @@ def code_version() -> str:
     release = _installed("t2train") or "unknown"
     repo = Path(__file__).resolve().parents[1]
     try:
-        commit = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty"],
-                                capture_output=True, text=True, timeout=10).stdout.strip()
+        commit = subprocess.run(
+            ["git", "-C", str(repo), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         commit = ""
     return f"{release}+{commit}" if commit else release
@@ -27,7 +32,6 @@ def code_version() -> str:
 
 def version_line() -> str:
     """``t2train 0.1.0+abc1234 (Python 3.11.7; torch 2.14.1, megatron-core 0.16.1, ...)``."""
-    import platform
 
     stack = ", ".join(f"{name} {_installed(name) or 'not installed'}" for name in STACK)
     return f"t2train {code_version()} (Python {platform.python_version()}; {stack})"

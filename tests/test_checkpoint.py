@@ -12,9 +12,17 @@ from t2train.config.schema import CONFIG_FORMAT
 
 
 def _config(*overrides: str):
-    return load_config("tiny", overrides=["data.path=unused", "model.num_layers=2",
-                                          "model.seq_length=16", "train.micro_batch_size=2",
-                                          "train.global_batch_size=4", *overrides])
+    return load_config(
+        "tiny",
+        overrides=[
+            "data.path=unused",
+            "model.num_layers=2",
+            "model.seq_length=16",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=4",
+            *overrides,
+        ],
+    )
 
 
 def _engine(seed: int, config=None):
@@ -23,8 +31,9 @@ def _engine(seed: int, config=None):
     from t2train.engine.megatron import MegatronEngine
     from t2train.parallel.init import Topology, set_seed
 
-    set_seed(seed, Topology(0, 1, 0, 0, parallel_state.get_pipeline_model_parallel_rank(),
-                            0, 1, 1, 1))
+    set_seed(
+        seed, Topology(0, 1, 0, 0, parallel_state.get_pipeline_model_parallel_rank(), 0, 1, 1, 1)
+    )
     return MegatronEngine(config or _config(), vocab_size=128)
 
 
@@ -61,8 +70,9 @@ def test_save_then_load_into_a_fresh_model(megatron_world, tmp_path: Path):
     assert (tmp_path / "latest").read_text().strip() == path.name
 
     fresh = _objects(seed=2)  # different initial weights
-    assert any(not torch.equal(a, b) for a, b in zip(_params(fresh).values(),
-                                                     _params(trained).values()))
+    assert any(
+        not torch.equal(a, b) for a, b in zip(_params(fresh).values(), _params(trained).values())
+    )
     state = load_checkpoint(path, fresh)
     assert state["step"] == 3 and state["tokens"] == 192
     for name, value in _params(trained).items():
@@ -98,7 +108,7 @@ def test_async_save_is_published_when_the_writer_is_done(megatron_world, tmp_pat
     assert not path.exists() and not reports  # published only when finalized
     saver.close()
     assert path.is_dir() and (tmp_path / "latest").read_text().strip() == path.name
-    (step, blocked, total, reported), = reports
+    ((step, blocked, total, reported),) = reports
     assert (step, reported) == (2, path) and 0 < blocked <= total
 
     fresh = _objects(seed=2, config=config)
@@ -122,23 +132,26 @@ def test_retention_keeps_the_newest_and_every_mth(megatron_world, tmp_path: Path
     for step in range(1, 6):
         saver.save(step, {})
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "latest", "step_00000003", "step_00000004", "step_00000005"]
+        "latest",
+        "step_00000003",
+        "step_00000004",
+        "step_00000005",
+    ]
 
 
-def test_a_checkpoint_of_another_model_is_refused_naming_the_fields(megatron_world,
-                                                                    tmp_path: Path):
+def test_a_checkpoint_of_another_model_is_refused_naming_the_fields(megatron_world, tmp_path: Path):
     from t2train.checkpoint.errors import CheckpointError
     from t2train.engine.megatron.checkpoint import load_checkpoint, save_checkpoint
 
     config = _config("model.residual=ddl", "model.ddl.dv=1")
-    path = save_checkpoint(tmp_path, 1, _objects(seed=1, config=config),
-                           {"config": asdict(config)})
+    path = save_checkpoint(tmp_path, 1, _objects(seed=1, config=config), {"config": asdict(config)})
     other = _config("model.residual=ddl", "model.ddl.dv=4")
     with pytest.raises(CheckpointError, match=r"model\.ddl\.dv: checkpoint 1, this run 4"):
         load_checkpoint(path, _objects(seed=1, config=other), other)
     standard = _config()
-    with pytest.raises(CheckpointError, match="model.residual: checkpoint 'ddl', this run "
-                                              "'standard'") as err:
+    with pytest.raises(
+        CheckpointError, match="model.residual: checkpoint 'ddl', this run 'standard'"
+    ) as err:
         load_checkpoint(path, _objects(seed=1, config=standard), standard)
     assert "ddl.dv" not in str(err.value)  # another design's settings are not compared
 
@@ -168,14 +181,27 @@ def test_inspect_prints_step_layout_design_and_shards(megatron_world, tmp_path: 
     from t2train.engine.megatron.checkpoint import save_checkpoint
 
     config = _config("model.residual=ddl", "model.shortswa.window=8")
-    path = save_checkpoint(tmp_path, 7, _objects(seed=1, config=config),
-                           {"config": asdict(config), "config_format": CONFIG_FORMAT,
-                            "tokens": 448, "code_version": "0.1+abc"})
+    path = save_checkpoint(
+        tmp_path,
+        7,
+        _objects(seed=1, config=config),
+        {
+            "config": asdict(config),
+            "config_format": CONFIG_FORMAT,
+            "tokens": 448,
+            "code_version": "0.1+abc",
+        },
+    )
     assert main(["ckpt", "inspect", str(path)]) == 0
     out = capsys.readouterr().out
-    for expected in ("step 7, tokens 448", "TP 1 x PP 1 x DP 1",
-                     "ddl+shortswa residual, 2 layers",
-                     "code 0.1+abc", "common.pt", ".distcp"):
+    for expected in (
+        "step 7, tokens 448",
+        "TP 1 x PP 1 x DP 1",
+        "ddl+shortswa residual, 2 layers",
+        "code 0.1+abc",
+        "common.pt",
+        ".distcp",
+    ):
         assert expected in out
     for leading_to_it in (tmp_path, tmp_path / "latest"):  # the checkpoints directory, latest
         assert main(["ckpt", "inspect", str(leading_to_it)]) == 0
@@ -194,15 +220,20 @@ def _damage(shard: Path, how: str) -> None:
     else:  # 4 KiB of random bytes in place, the size unchanged
         data = bytearray(shard.read_bytes())
         middle = len(data) // 2
-        data[middle:middle + 4096] = torch.randint(0, 256, (4096,),
-                                                   generator=torch.Generator().manual_seed(0),
-                                                   dtype=torch.uint8).numpy().tobytes()
+        data[middle : middle + 4096] = (
+            torch.randint(
+                0, 256, (4096,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8
+            )
+            .numpy()
+            .tobytes()
+        )
         shard.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("how", ["truncated", "overwritten", "manifest deleted"])
-def test_a_damaged_newest_checkpoint_is_skipped_or_refused(megatron_world, tmp_path: Path,
-                                                           capsys, how):
+def test_a_damaged_newest_checkpoint_is_skipped_or_refused(
+    megatron_world, tmp_path: Path, capsys, how
+):
     """The newest checkpoint's shard truncated, or overwritten in place at its own size (which
     loads without an error), or its checksum manifest deleted (its train state says it had
     one): ``checkpoint.resume=auto`` resumes from the step before, saying which checkpoint it
@@ -226,7 +257,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_or_refused(megatron_world, tmp_p
     else:
         shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
         _damage(shard, how)
-        why = ("bytes, " if how == "truncated" else "content differs from the xxh3_64 checksum")
+        why = "bytes, " if how == "truncated" else "content differs from the xxh3_64 checksum"
 
     chosen, note = verified(_config(), tmp_path / "run", newest)
     assert chosen == good and note == " | skipped damaged step_00000002"
@@ -240,14 +271,18 @@ def test_a_damaged_newest_checkpoint_is_skipped_or_refused(megatron_world, tmp_p
     assert f"checkpoint.resume={good}" in str(refused.value) and why in str(refused.value)
     with pytest.raises(CheckpointError) as refused:
         verified(_config(f"checkpoint.resume={newest}"), tmp_path / "run", newest)
-    assert str(refused.value).startswith(f"checkpoint.resume={newest}: {newest} is damaged: "
-                                         f"{shard}: "), str(refused.value)
-    assert str(refused.value).endswith(f"the newest checkpoint beside it that verifies is "
-                                       f"{good}: resume it with checkpoint.resume={good}")
+    assert str(refused.value).startswith(
+        f"checkpoint.resume={newest}: {newest} is damaged: {shard}: "
+    ), str(refused.value)
+    assert str(refused.value).endswith(
+        f"the newest checkpoint beside it that verifies is "
+        f"{good}: resume it with checkpoint.resume={good}"
+    )
 
 
-def test_a_damaged_checkpoint_is_verified_and_refused_outside_training(megatron_world,
-                                                                       tmp_path: Path, capsys):
+def test_a_damaged_checkpoint_is_verified_and_refused_outside_training(
+    megatron_world, tmp_path: Path, capsys
+):
     """``t2train ckpt verify`` and the loads of export, generate and eval (``load_model``) see a
     shard overwritten in place at its own size, which would otherwise load without an error
     (``checkpoint.init_from``: tests/test_hf_import.py)."""
@@ -257,8 +292,12 @@ def test_a_damaged_checkpoint_is_verified_and_refused_outside_training(megatron_
     from t2train.export.load import load_model, open_checkpoint
 
     config = _config("model.residual=ddl")
-    path = save_checkpoint(tmp_path, 1, _objects(seed=1, config=config),
-                           {"config": asdict(config), "config_format": CONFIG_FORMAT})
+    path = save_checkpoint(
+        tmp_path,
+        1,
+        _objects(seed=1, config=config),
+        {"config": asdict(config), "config_format": CONFIG_FORMAT},
+    )
     assert main(["ckpt", "verify", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     files = len(list(path.iterdir())) - 1  # all but the checksums file itself
@@ -271,7 +310,8 @@ def test_a_damaged_checkpoint_is_verified_and_refused_outside_training(megatron_
     assert main(["ckpt", "verify", str(path)]) == 1
     assert capsys.readouterr().out.strip() == (
         f"{path} is damaged: {shard}: content differs from the xxh3_64 checksum recorded when "
-        "it was saved (overwritten or corrupted in place)")
+        "it was saved (overwritten or corrupted in place)"
+    )
     with pytest.raises(CheckpointError, match=f"^{path} is damaged: {shard}: content differs"):
         load_model(open_checkpoint(path), device="cpu")
 
@@ -279,7 +319,8 @@ def test_a_damaged_checkpoint_is_verified_and_refused_outside_training(megatron_
     assert main(["ckpt", "verify", str(path)]) == 1
     assert capsys.readouterr().out.strip() == (
         f"{path} is damaged: {path / 't2train_checksums.json'}: missing (the checkpoint was "
-        "saved with xxh3_64 checksums: the manifest was deleted or lost)")
+        "saved with xxh3_64 checksums: the manifest was deleted or lost)"
+    )
 
     from t2train.checkpoint import store
     from t2train.engine.megatron import checkpoint
@@ -287,8 +328,12 @@ def test_a_damaged_checkpoint_is_verified_and_refused_outside_training(megatron_
     with pytest.MonkeyPatch.context() as older:  # as a t2train before checksums saved it
         older.setattr(checkpoint, "recorded_checksums", dict)
         older.setattr(store, "record_checksums", lambda directory: None)
-        old = save_checkpoint(tmp_path / "old", 1, _objects(seed=1, config=config),
-                              {"config": asdict(config), "config_format": CONFIG_FORMAT})
+        old = save_checkpoint(
+            tmp_path / "old",
+            1,
+            _objects(seed=1, config=config),
+            {"config": asdict(config), "config_format": CONFIG_FORMAT},
+        )
     assert main(["ckpt", "verify", str(old)]) == 0
     assert "no checksums recorded (saved by an older t2train)" in capsys.readouterr().out
     assert load_model(open_checkpoint(old), device="cpu").model is not None
@@ -311,11 +356,13 @@ def test_a_non_finite_state_is_never_published(megatron_world, tmp_path: Path, w
         poisoned = weight.data
     else:
         poisoned = engine.objs.optimizer.optimizer.state[
-            engine.objs.optimizer.optimizer.param_groups[0]["params"][0]]["exp_avg_sq"]
+            engine.objs.optimizer.optimizer.param_groups[0]["params"][0]
+        ]["exp_avg_sq"]
     poisoned.view(-1)[3] = float("nan")
     with pytest.raises(TrainingHalted) as err:
         saver.save(2, {})
-    assert "NonFiniteState: 1 tensor(s) of the parameters and optimizer state hold NaN" in \
-        str(err.value) and f"the last good checkpoint {first} is intact" in str(err.value)
+    assert "NonFiniteState: 1 tensor(s) of the parameters and optimizer state hold NaN" in str(
+        err.value
+    ) and f"the last good checkpoint {first} is intact" in str(err.value)
     assert (tmp_path / "latest").read_text().strip() == "step_00000001"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]

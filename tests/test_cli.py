@@ -8,8 +8,13 @@ import pytest
 
 
 def t2train(*args, cwd: Path):
-    return subprocess.run([sys.executable, "-m", "t2train.cli", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "t2train.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+    )
 
 
 def test_help_lists_subcommands(tmp_path):
@@ -22,20 +27,23 @@ def test_help_lists_subcommands(tmp_path):
 def test_help_and_version_import_nothing_heavy(tmp_path):
     """--help and --version stay fast: building every command's parser imports no torch,
     Megatron, numpy or DeepSpeed (each of which takes seconds on a busy machine)."""
-    check = ("import sys\n"
-             "from t2train.cli import build_parser, main\n"
-             "build_parser()\n"
-             "try:\n"
-             "    main(['--version'])\n"
-             "except SystemExit:\n"
-             "    pass\n"
-             "from t2train.compat.deferred_import import DeferredModule\n"
-             "heavy = {'torch', 'megatron', 'numpy', 'deepspeed', 'streaming', 'transformers'}\n"
-             "loaded = {name.split('.')[0] for name, module in sys.modules.items()\n"
-             "          if not isinstance(module, DeferredModule)}  # stand-ins load nothing\n"
-             "print(sorted(heavy & loaded))\n")
-    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=300)
+    check = (
+        "import sys\n"
+        "from t2train.cli import build_parser, main\n"
+        "build_parser()\n"
+        "try:\n"
+        "    main(['--version'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "from t2train.compat.deferred_import import DeferredModule\n"
+        "heavy = {'torch', 'megatron', 'numpy', 'deepspeed', 'streaming', 'transformers'}\n"
+        "loaded = {name.split('.')[0] for name, module in sys.modules.items()\n"
+        "          if not isinstance(module, DeferredModule)}  # stand-ins load nothing\n"
+        "print(sorted(heavy & loaded))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     version, imported = proc.stdout.splitlines()
     assert version.startswith("t2train 0.1.0") and "torch 2." in version, version
@@ -55,13 +63,18 @@ def test_train_help_explains_overrides_and_lists_every_section(tmp_path):
     assert f"config sections: {', '.join(sections)}" in proc.stdout
 
 
-@pytest.mark.parametrize("args, cause", [
-    (["--preset", "huge", "data.path=d"], "preset='huge': unknown preset"),
-    (["--preset", "tiny", "data.path=d", "model.num_layers=-1"], "model.num_layers=-1"),
-    (["--preset", "tiny", "data.path=d", "model.layers=2"],
-     "model.layers: unknown field; did you mean model.num_layers?"),
-    (["--preset", "tiny", "data.path=no/such/dir"], "no/such/dir"),
-])
+@pytest.mark.parametrize(
+    "args, cause",
+    [
+        (["--preset", "huge", "data.path=d"], "preset='huge': unknown preset"),
+        (["--preset", "tiny", "data.path=d", "model.num_layers=-1"], "model.num_layers=-1"),
+        (
+            ["--preset", "tiny", "data.path=d", "model.layers=2"],
+            "model.layers: unknown field; did you mean model.num_layers?",
+        ),
+        (["--preset", "tiny", "data.path=no/such/dir"], "no/such/dir"),
+    ],
+)
 def test_bad_input_fails_fast_before_any_output(tmp_path, args, cause):
     proc = t2train("train", *args, "log.run_dir=runs/x", cwd=tmp_path)
     assert proc.returncode == 2
@@ -79,9 +92,18 @@ def test_config_prints_resolved_yaml(tmp_path):
 
 
 def test_plan_prints_stages_and_hops(tmp_path):
-    proc = t2train("plan", "--preset", "tiny", "model.residual=attnres", "model.num_layers=8",
-                   "parallel.pipeline=4", "parallel.virtual_pipeline=2",
-                   "train.global_batch_size=32", "parallel.hop_shapes=padded", cwd=tmp_path)
+    proc = t2train(
+        "plan",
+        "--preset",
+        "tiny",
+        "model.residual=attnres",
+        "model.num_layers=8",
+        "parallel.pipeline=4",
+        "parallel.virtual_pipeline=2",
+        "train.global_batch_size=32",
+        "parallel.hop_shapes=padded",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "vocabulary 32,000 (--vocab-size default; training takes the dataset's)" in out
@@ -94,13 +116,28 @@ def test_plan_prints_stages_and_hops(tmp_path):
     # 4 micro-batches x 45 data units x 384 KiB; padded: 7 hops x 7 units
     assert "data 58.5 MiB, on the wire 73.5 MiB (each hop padded to 7 units" in out
     for stage in range(4):  # weights, grads, optimizer, activations, depth cache, total
-        assert len([line for line in out.splitlines()
-                    if line.startswith(f"    {stage}  ") and line.count("iB") == 6]) == 1
+        assert (
+            len(
+                [
+                    line
+                    for line in out.splitlines()
+                    if line.startswith(f"    {stage}  ") and line.count("iB") == 6
+                ]
+            )
+            == 1
+        )
 
 
 def test_plan_without_anything_to_cache_says_so(tmp_path):
-    proc = t2train("plan", "--preset", "tiny", "model.residual=ddl", "parallel.pipeline=2",
-                   "model.vocab_size=5000", cwd=tmp_path)
+    proc = t2train(
+        "plan",
+        "--preset",
+        "tiny",
+        "model.residual=ddl",
+        "parallel.pipeline=2",
+        "model.vocab_size=5000",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "vocabulary 5,000 (model.vocab_size), padded to 5,120" in proc.stdout
     assert "ddl's units all change every layer: nothing to cache" in proc.stdout
@@ -120,30 +157,55 @@ def test_the_last_line_says_what_happened():
     from t2train.cli import _outcome
     from t2train.train.loop import RunSummary
 
-    resumed = RunSummary(Path("runs/x"), start_step=320, final_step=400,
-                         val_losses={350: 4.95, 400: 4.9})
-    assert _outcome(resumed, 75) == ("done: step 400, val loss 4.9500 (step 350) -> 4.9000 "
-                                     "(step 400), this run resumed at step 320; run dir runs/x")
+    resumed = RunSummary(
+        Path("runs/x"), start_step=320, final_step=400, val_losses={350: 4.95, 400: 4.9}
+    )
+    assert _outcome(resumed, 75) == (
+        "done: step 400, val loss 4.9500 (step 350) -> 4.9000 "
+        "(step 400), this run resumed at step 320; run dir runs/x"
+    )
     once = RunSummary(Path("runs/x"), start_step=320, final_step=320, val_losses={320: 4.96})
-    assert _outcome(once, 75) == "done: step 320, val loss 4.9600 (step 320), this run " \
-                                 "resumed at step 320; run dir runs/x"
-    stopped = RunSummary(Path("runs/x"), start_step=0, final_step=34, val_losses={0: 8.34},
-                         checkpoint=Path("runs/x/checkpoints/step_00000034"),
-                         stopped="received SIGUSR1")
+    assert (
+        _outcome(once, 75) == "done: step 320, val loss 4.9600 (step 320), this run "
+        "resumed at step 320; run dir runs/x"
+    )
+    stopped = RunSummary(
+        Path("runs/x"),
+        start_step=0,
+        final_step=34,
+        val_losses={0: 8.34},
+        checkpoint=Path("runs/x/checkpoints/step_00000034"),
+        stopped="received SIGUSR1",
+    )
     assert _outcome(stopped, 75) == (
         "stopped early at step 34 (received SIGUSR1): checkpoint runs/x/checkpoints/step_00000034"
-        " saved; run the same command again to resume (exit code 75)")
+        " saved; run the same command again to resume (exit code 75)"
+    )
 
 
-@pytest.mark.parametrize("args, cause", [
-    (["config", "--preset", "tiny", "data.path=no/such/dir"], "dataset no/such/dir: no such"),
-    (["train", "--preset", "tiny", "data.path=d", "modle.residual=ddl"],
-     "modle: unknown field; did you mean model?"),
-    (["train", "--preset", "tiny", "data.path=d", "model.seq_length=16", "parallel.tensor=2",
-      "--dry-run"],
-     "must divide the world size 1; start 2 processes or more with `t2train launch "
-     "--nproc-per-node=2 ...` (same arguments)"),
-])
+@pytest.mark.parametrize(
+    "args, cause",
+    [
+        (["config", "--preset", "tiny", "data.path=no/such/dir"], "dataset no/such/dir: no such"),
+        (
+            ["train", "--preset", "tiny", "data.path=d", "modle.residual=ddl"],
+            "modle: unknown field; did you mean model?",
+        ),
+        (
+            [
+                "train",
+                "--preset",
+                "tiny",
+                "data.path=d",
+                "model.seq_length=16",
+                "parallel.tensor=2",
+                "--dry-run",
+            ],
+            "must divide the world size 1; start 2 processes or more with `t2train launch "
+            "--nproc-per-node=2 ...` (same arguments)",
+        ),
+    ],
+)
 def test_mistakes_say_what_to_do(megatron_world, tmp_path, monkeypatch, capsys, args, cause):
     from t2train.cli import main
 
@@ -152,26 +214,40 @@ def test_mistakes_say_what_to_do(megatron_world, tmp_path, monkeypatch, capsys, 
         from t2train.data.prepare import prepare_dataset
 
         (tmp_path / "doc.txt").write_text("to be or not to be " * 200)
-        prepare_dataset([str(tmp_path / "doc.txt")], tmp_path / "d", seq_length=16,
-                        vocab_size=300)
+        prepare_dataset([str(tmp_path / "doc.txt")], tmp_path / "d", seq_length=16, vocab_size=300)
     assert main(args) == 2
     assert cause in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
 
 
-def test_dry_run_builds_everything_and_writes_nothing(megatron_world, shakespeare, tmp_path,
-                                                      capsys):
+def test_dry_run_builds_everything_and_writes_nothing(
+    megatron_world, shakespeare, tmp_path, capsys
+):
     from t2train.cli import main
 
     run_dir = tmp_path / "run"
-    assert main(["train", "--preset", "tiny", f"data.path={shakespeare}", "model.seq_length=64",
-                 "train.steps=20", "train.warmup_steps=2", f"log.run_dir={run_dir}",
-                 "--dry-run"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--preset",
+                "tiny",
+                f"data.path={shakespeare}",
+                "model.seq_length=64",
+                "train.steps=20",
+                "train.warmup_steps=2",
+                f"log.run_dir={run_dir}",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"dry run of {run_dir}: standard residual, 1.97M parameters on rank 0" in out, out
     assert "world 1 = TP 1 x PP 1 x DP 1 | engine megatron | fresh start" in out
     assert "20 steps of 1,024 tokens" in out and "one step's batches read" in out
     assert "no pipeline hops (PP = 1)" in out
-    assert out.rstrip().endswith("nothing trained or written; to train, run the same command "
-                                 "without --dry-run")
+    assert out.rstrip().endswith(
+        "nothing trained or written; to train, run the same command without --dry-run"
+    )
     assert not run_dir.exists()

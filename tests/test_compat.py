@@ -32,7 +32,8 @@ def test_megatron_without_the_shim_fails_on_cpu():
     script = (
         "import torch\n"
         "from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding\n"
-        "RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)(16)\n")
+        "RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)(16)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode != 0, "megatron-core now runs on CPU unpatched: shrink the shim"
     assert "NVIDIA" in proc.stderr or "CUDA" in proc.stderr
@@ -74,10 +75,14 @@ def test_the_optimizer_patch_names_what_moved(monkeypatch):
 
     megatron_optimizer.apply()
     for module, name in megatron_optimizer.PATCHED:
-        assert getattr(importlib.import_module(module), name).__module__ == \
-            megatron_optimizer.__name__
-    monkeypatch.delattr(importlib.import_module(megatron_optimizer.MODULE),
-                        "clip_grad_by_total_norm_fp32")
-    with pytest.raises(RuntimeError, match="clip_grad_by_total_norm_fp32 is gone: update "
-                                           "t2train/compat/megatron_optimizer.py"):
+        assert (
+            getattr(importlib.import_module(module), name).__module__ == megatron_optimizer.__name__
+        )
+    monkeypatch.delattr(
+        importlib.import_module(megatron_optimizer.MODULE), "clip_grad_by_total_norm_fp32"
+    )
+    with pytest.raises(
+        RuntimeError,
+        match="clip_grad_by_total_norm_fp32 is gone: update t2train/compat/megatron_optimizer.py",
+    ):
         megatron_optimizer.apply()

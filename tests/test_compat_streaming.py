@@ -12,17 +12,23 @@ import pytest
 
 from t2train.compat import streaming_prefix
 
-PATCHES = {"SharedMemory": streaming_prefix.prefix_probes_closed_when_dropped,
-           "get_shm_prefix": streaming_prefix.prefix_registration_serialised}
+PATCHES = {
+    "SharedMemory": streaming_prefix.prefix_probes_closed_when_dropped,
+    "get_shm_prefix": streaming_prefix.prefix_registration_serialised,
+}
 
 
 @pytest.mark.parametrize("module,name", streaming_prefix.PATCHED)
 def test_each_patched_name_still_exists_with_the_arguments_used(module, name):
     target = getattr(importlib.import_module(module), name)
     parameters = list(inspect.signature(target).parameters)
-    expected = {"SharedMemory": ["name", "create", "size", "auto_cleanup"],
-                "get_shm_prefix": ["streams_local", "streams_remote", "world"]}[name]
-    assert parameters[:len(expected)] == expected, f"{module}.{name}{parameters}: revisit the patch"
+    expected = {
+        "SharedMemory": ["name", "create", "size", "auto_cleanup"],
+        "get_shm_prefix": ["streams_local", "streams_remote", "world"],
+    }[name]
+    assert parameters[: len(expected)] == expected, (
+        f"{module}.{name}{parameters}: revisit the patch"
+    )
 
 
 def test_the_prefix_search_still_attaches_through_the_patched_names():

@@ -23,27 +23,48 @@ from t2train.model.build import build_model_chunks, transformer_config
 from t2train.residual import sublayer_names, variant_label
 
 FIXTURE = Path(__file__).parent / "fixtures" / "old-shortswa-checkpoint"
-SHAPE = ["data.path=unused", "model.num_layers=2", "model.hidden_size=32",
-         "model.num_attention_heads=4", "model.ffn_hidden_size=64", "model.seq_length=16",
-         "model.vocab_size=128", "train.micro_batch_size=2", "train.global_batch_size=2"]
+SHAPE = [
+    "data.path=unused",
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.ffn_hidden_size=64",
+    "model.seq_length=16",
+    "model.vocab_size=128",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+]
 
 
 def test_the_old_design_name_is_standard_with_the_mixer():
     old = load_config(overrides=[*SHAPE, "model.residual=shortswa"]).model
     assert (old.residual, old.shortswa.window, variant_label(old)) == (
-        "standard", 128, "standard+shortswa")  # 128 was the design's default window
+        "standard",
+        128,
+        "standard+shortswa",
+    )  # 128 was the design's default window
     kept = load_config(overrides=[*SHAPE, "model.residual=shortswa", "model.shortswa.window=4"])
     assert kept.model.shortswa.window == 4
     alone = load_config(overrides=[*SHAPE, "model.residual=ddl"]).model
     assert (alone.shortswa.window, variant_label(alone), sublayer_names(alone)) == (
-        0, "ddl", ("attn", "mlp"))
+        0,
+        "ddl",
+        ("attn", "mlp"),
+    )
     mixed = load_config(overrides=[*SHAPE, "model.residual=ddl", "model.shortswa.window=8"])
     assert (variant_label(mixed.model), sublayer_names(mixed.model)) == (
-        "ddl+shortswa", ("shortswa", "attn", "mlp"))
+        "ddl+shortswa",
+        ("shortswa", "attn", "mlp"),
+    )
 
 
-@pytest.mark.parametrize("spelling", [["model.residual=shortswa", "model.shortswa.window=4"],
-                                      ["model.residual=standard", "model.shortswa.window=4"]])
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        ["model.residual=shortswa", "model.shortswa.window=4"],
+        ["model.residual=standard", "model.shortswa.window=4"],
+    ],
+)
 def test_a_checkpoint_of_the_former_design_loads_with_its_logits(megatron_world, spelling):
     from t2train.engine.megatron import MegatronEngine
     from t2train.engine.megatron.checkpoint import load_checkpoint
@@ -64,8 +85,7 @@ def test_a_mixer_window_of_a_format_1_checkpoint_meant_nothing_without_the_old_n
     ddl = load_config(overrides=[*SHAPE, "model.residual=ddl"]).model
     saved = dict(asdict(ddl), shortswa={"window": 128})
     check_same_model(Path("old"), {"config": {"model": saved}}, ddl)  # format 1: no mixer
-    with pytest.raises(CheckpointError, match="model.shortswa.window: checkpoint 128, this "
-                                              "run 0"):
+    with pytest.raises(CheckpointError, match="model.shortswa.window: checkpoint 128, this run 0"):
         check_same_model(Path("new"), {"config": {"model": saved}, "config_format": 2}, ddl)
 
 
@@ -78,15 +98,21 @@ def test_initial_values_may_change_on_resume_and_shapes_may_not():
     saved["shortswa"] = {"window": 4}  # written before zero_init_output existed
     check_same_model(Path("older"), {"config": {"model": saved}, "config_format": 2}, mhc)
     saved["mhc"]["expansion_rate"] = 3
-    with pytest.raises(CheckpointError, match="model.mhc.expansion_rate: checkpoint 3, this "
-                                              "run 4"):
+    with pytest.raises(CheckpointError, match="model.mhc.expansion_rate: checkpoint 3, this run 4"):
         check_same_model(Path("other"), {"config": {"model": saved}, "config_format": 2}, mhc)
 
 
 def _layer_and_inputs(design: str, *extra: str):
     """Layer 1 of a one-layer fp64 model, every parameter moved off its initial value."""
-    config = load_config(overrides=[*SHAPE, "model.num_layers=1", f"model.residual={design}",
-                                    "model.shortswa.window=3", *extra])
+    config = load_config(
+        overrides=[
+            *SHAPE,
+            "model.num_layers=1",
+            f"model.residual={design}",
+            "model.shortswa.window=3",
+            *extra,
+        ]
+    )
     torch.manual_seed(0)
     [model] = build_model_chunks(config, transformer_config(config), vocab_size=128)
     model = model.double()
@@ -111,20 +137,39 @@ def test_ddl_with_shortswa_writes_each_of_three_sublayers_through_its_own_delta(
     def delta(x, residual, norm, mixer):
         c = norm(x)
         f = mixer(c)
-        k = f / torch.sqrt((f * f).sum(-1, keepdim=True) + 1e-5 ** 2)
+        k = f / torch.sqrt((f * f).sum(-1, keepdim=True) + 1e-5**2)
         beta = 2 * torch.sigmoid(c @ residual.beta_proj.weight.T + residual.beta_proj.bias)
         v = 4 * torch.sigmoid(x @ residual.v_proj.weight.T + residual.v_proj.bias)
         return x + beta * k * (v - (k * x).sum(-1, keepdim=True))
 
-    x = delta(hidden, layer.pre_attention_residual, layer.pre_attention_layernorm,
-              lambda c: _sublayer(layer.pre_attention, c, rope))
-    x = delta(x, layer.attn_residual, layer.input_layernorm,
-              lambda c: _sublayer(layer.self_attention, c, rope))
-    x = delta(x, layer.mlp_residual, layer.pre_mlp_layernorm, lambda c: _sublayer(
-        lambda n, **_: layer.mlp(n), c, rope))
+    x = delta(
+        hidden,
+        layer.pre_attention_residual,
+        layer.pre_attention_layernorm,
+        lambda c: _sublayer(layer.pre_attention, c, rope),
+    )
+    x = delta(
+        x,
+        layer.attn_residual,
+        layer.input_layernorm,
+        lambda c: _sublayer(layer.self_attention, c, rope),
+    )
+    x = delta(
+        x,
+        layer.mlp_residual,
+        layer.pre_mlp_layernorm,
+        lambda c: _sublayer(lambda n, **_: layer.mlp(n), c, rope),
+    )
     torch.testing.assert_close(layer(hidden, None, rope), x, atol=1e-12, rtol=0)
-    assert len({id(r.beta_proj.weight) for r in (layer.pre_attention_residual,
-                                                 layer.attn_residual, layer.mlp_residual)}) == 3
+    assert (
+        len(
+            {
+                id(r.beta_proj.weight)
+                for r in (layer.pre_attention_residual, layer.attn_residual, layer.mlp_residual)
+            }
+        )
+        == 3
+    )
 
 
 def test_attnres_with_shortswa_makes_the_mixer_output_a_source(megatron_world):
@@ -141,18 +186,26 @@ def test_attnres_with_shortswa_makes_the_mixer_output_a_source(megatron_world):
 
     sources = [hidden]
     for residual, norm, run in (
-            (layer.pre_attention_residual, layer.pre_attention_layernorm,
-             lambda n: _sublayer(layer.pre_attention, n, rope)),
-            (layer.attn_residual, layer.input_layernorm,
-             lambda n: _sublayer(layer.self_attention, n, rope)),
-            (layer.mlp_residual, layer.pre_mlp_layernorm, lambda n: layer.mlp(n)[0])):
+        (
+            layer.pre_attention_residual,
+            layer.pre_attention_layernorm,
+            lambda n: _sublayer(layer.pre_attention, n, rope),
+        ),
+        (
+            layer.attn_residual,
+            layer.input_layernorm,
+            lambda n: _sublayer(layer.self_attention, n, rope),
+        ),
+        (layer.mlp_residual, layer.pre_mlp_layernorm, lambda n: layer.mlp(n)[0]),
+    ):
         sources.append(run(norm(mix(residual.query, sources))))
     state = layer(AttnResState((hidden,), None), None, rope)
     assert len(state.sources) == 4 and state.partial is None
     for got, want in zip(state.sources, sources):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
-    assert [r.index for r in (layer.pre_attention_residual, layer.attn_residual,
-                              layer.mlp_residual)] == [0, 1, 2]
+    assert [
+        r.index for r in (layer.pre_attention_residual, layer.attn_residual, layer.mlp_residual)
+    ] == [0, 1, 2]
 
 
 def test_block_sizes_count_the_mixer_sublayer():
@@ -160,6 +213,8 @@ def test_block_sizes_count_the_mixer_sublayer():
     load_config(overrides=[*SHAPE, *mixed, "model.attnres.block_size=3"])  # 9 sublayers
     with pytest.raises(ConfigError) as err:
         load_config(overrides=[*SHAPE, *mixed, "model.attnres.block_size=2"])
-    assert "model.attnres.block_size=2: must divide the number of sublayers 3 x " \
-           "model.num_layers = 9" in str(err.value)
+    assert (
+        "model.attnres.block_size=2: must divide the number of sublayers 3 x "
+        "model.num_layers = 9" in str(err.value)
+    )
     assert "model.shortswa.window=4 adds a sublayer per layer" in str(err.value)

@@ -20,8 +20,10 @@ def test_presets_include_cpu_and_gpu_sizes():
 
 
 def test_overrides_are_typed_and_win():
-    config = load_config("tiny", overrides=DATA + ["model.num_layers=2", "train.lr=1e-3",
-                                                    "model.tie_embeddings=false"])
+    config = load_config(
+        "tiny",
+        overrides=DATA + ["model.num_layers=2", "train.lr=1e-3", "model.tie_embeddings=false"],
+    )
     assert config.model.num_layers == 2
     assert config.train.lr == pytest.approx(1e-3)
     assert config.model.tie_embeddings is False
@@ -41,26 +43,35 @@ def test_dump_round_trips(tmp_path):
     assert load_config(config_file=str(file)) == config
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["model.num_layers=0"], "model.num_layers=0: must be >= 1"),
-    (["model.num_layers=two"], "model.num_layers='two': must be an integer"),
-    (["model.num_layerz=2"], "model.num_layerz: unknown field"),
-    (["model.hidden_size=190"], "model.hidden_size=190: must be divisible by"),
-    (["model.hidden_size=100"], "head dim hidden_size/num_attention_heads=25 must be even"),
-    (["model.residual=magic"], "model.residual='magic': must be one of"),
-    (["model.attention_backend=xformers"], "model.attention_backend='xformers': must be one of"),
-    (["parallel.tensor=3"], "parallel.tensor=3: must divide model.num_attention_heads=4"),
-    (["parallel.pipeline=3"], "model.num_layers=4: must be divisible by parallel.pipeline"),
-    (["parallel.virtual_pipeline=2"], "parallel.virtual_pipeline=2: needs parallel.pipeline > 1"),
-    (["train.global_batch_size=12"], "train.global_batch_size=12: must be a multiple of"),
-    (["train.min_lr=1.0"], "train.min_lr=1.0: must be in [0, train.lr="),
-    (["train.warmup_steps=1000"], "train.warmup_steps=1000: must be in [0, train.steps="),
-    (["model=3"], "model=3: must be a mapping"),
-    (["novel.field=1"], "novel: unknown field"),
-    (["model.num_layers"], "expected dotted.key=value"),
-    (["log.diagnostics_interval=-1"], "log.diagnostics_interval=-1: must be >= 0"),
-    (["log.peak_tflops=-5"], "log.peak_tflops=-5.0: must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.num_layers=0"], "model.num_layers=0: must be >= 1"),
+        (["model.num_layers=two"], "model.num_layers='two': must be an integer"),
+        (["model.num_layerz=2"], "model.num_layerz: unknown field"),
+        (["model.hidden_size=190"], "model.hidden_size=190: must be divisible by"),
+        (["model.hidden_size=100"], "head dim hidden_size/num_attention_heads=25 must be even"),
+        (["model.residual=magic"], "model.residual='magic': must be one of"),
+        (
+            ["model.attention_backend=xformers"],
+            "model.attention_backend='xformers': must be one of",
+        ),
+        (["parallel.tensor=3"], "parallel.tensor=3: must divide model.num_attention_heads=4"),
+        (["parallel.pipeline=3"], "model.num_layers=4: must be divisible by parallel.pipeline"),
+        (
+            ["parallel.virtual_pipeline=2"],
+            "parallel.virtual_pipeline=2: needs parallel.pipeline > 1",
+        ),
+        (["train.global_batch_size=12"], "train.global_batch_size=12: must be a multiple of"),
+        (["train.min_lr=1.0"], "train.min_lr=1.0: must be in [0, train.lr="),
+        (["train.warmup_steps=1000"], "train.warmup_steps=1000: must be in [0, train.steps="),
+        (["model=3"], "model=3: must be a mapping"),
+        (["novel.field=1"], "novel: unknown field"),
+        (["model.num_layers"], "expected dotted.key=value"),
+        (["log.diagnostics_interval=-1"], "log.diagnostics_interval=-1: must be >= 0"),
+        (["log.peak_tflops=-5"], "log.peak_tflops=-5.0: must be >= 0"),
+    ],
+)
 def test_bad_values_are_named(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config("tiny", overrides=DATA + overrides)
@@ -77,9 +88,12 @@ def test_a_preset_shows_without_a_dataset_but_training_needs_one():
 
 
 def test_a_run_shorter_than_the_warmup_is_told_the_fix():
-    with pytest.raises(ConfigError, match=r"train.warmup_steps=30: must be in \[0, "
-                                          r"train.steps=20\); for a run this short set "
-                                          r"train.warmup_steps=2"):
+    with pytest.raises(
+        ConfigError,
+        match=r"train.warmup_steps=30: must be in \[0, "
+        r"train.steps=20\); for a run this short set "
+        r"train.warmup_steps=2",
+    ):
         load_config("tiny", overrides=DATA + ["train.steps=20"])
 
 
@@ -103,8 +117,10 @@ def test_world_size_must_fit_layout():
 
 
 def test_interleaving_needs_micro_batches_divisible_by_pipeline():
-    config = load_config("tiny", overrides=DATA + ["parallel.pipeline=2",
-                                                    "parallel.virtual_pipeline=2",
-                                                    "train.global_batch_size=24"])
+    config = load_config(
+        "tiny",
+        overrides=DATA
+        + ["parallel.pipeline=2", "parallel.virtual_pipeline=2", "train.global_batch_size=24"],
+    )
     with pytest.raises(ConfigError, match="gives 3 micro-batches per step"):
         config.validate_world(2)

@@ -16,14 +16,19 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, example, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from t2train.config.loader import dump_config, load_config, load_yaml_file, parse_override
 from t2train.config.schema import Config, ConfigError
 from t2train.errors import UserInputError
 
-FUZZ = settings(max_examples=250, deadline=None, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=250,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def _leaves(cls: type, prefix: str = "") -> dict[str, typing.Any]:
@@ -43,23 +48,59 @@ FIELDS = _leaves(Config)
 SECTIONS = sorted({name.split(".")[0] for name in FIELDS if "." in name})
 
 scalars = st.one_of(
-    st.none(), st.booleans(),
+    st.none(),
+    st.booleans(),
     st.integers(min_value=-3, max_value=300),
-    st.integers(), st.sampled_from([2**31, 2**63, -2**63 - 1, 10**30, 10**400]),
+    st.integers(),
+    st.sampled_from([2**31, 2**63, -(2**63) - 1, 10**30, 10**400]),
     st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from([0.0, -0.0, 1e-300, 1e308, float("nan"), float("inf"), float("-inf")]),
     st.text(max_size=12),
-    st.sampled_from(["auto", "none", "full", "sdpa", "flash", "fp32", "bf16", "ddl",
-                     "block_attnres", "cached", "nan", "-inf", "1e400", "1e-3", "yes", "~",
-                     "SIGUSR1", "SIGKILL", "a=1,b=2", "x=nan", "2024-13-45", "0x10", "1_000"]),
+    st.sampled_from(
+        [
+            "auto",
+            "none",
+            "full",
+            "sdpa",
+            "flash",
+            "fp32",
+            "bf16",
+            "ddl",
+            "block_attnres",
+            "cached",
+            "nan",
+            "-inf",
+            "1e400",
+            "1e-3",
+            "yes",
+            "~",
+            "SIGUSR1",
+            "SIGKILL",
+            "a=1,b=2",
+            "x=nan",
+            "2024-13-45",
+            "0x10",
+            "1_000",
+        ]
+    ),
 )
-values = st.recursive(scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)),
-    max_leaves=6)
-keys = st.one_of(st.sampled_from(sorted(FIELDS)), st.sampled_from(SECTIONS),
-                 st.builds(lambda s, f: f"{s}.{f}", st.sampled_from(SECTIONS + ["nosuch"]),
-                           st.text("abcdefghijklmnopqrstuvwxyz_.", max_size=10)),
-                 st.text(max_size=15))
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+keys = st.one_of(
+    st.sampled_from(sorted(FIELDS)),
+    st.sampled_from(SECTIONS),
+    st.builds(
+        lambda s, f: f"{s}.{f}",
+        st.sampled_from(SECTIONS + ["nosuch"]),
+        st.text("abcdefghijklmnopqrstuvwxyz_.", max_size=10),
+    ),
+    st.text(max_size=15),
+)
 
 
 def _render(value, style: int) -> str:
@@ -87,7 +128,7 @@ def _check_accepted(config: Config) -> None:
         elif kind is float:
             assert type(value) is float and math.isfinite(value), (name, value)
         elif kind is int:
-            assert type(value) is int and -2**63 <= value < 2**63, (name, value)
+            assert type(value) is int and -(2**63) <= value < 2**63, (name, value)
         else:
             assert type(value) is kind, (name, value)
     again = yaml.safe_load(dump_config(config))
@@ -146,12 +187,23 @@ def test_parse_override_is_clean_on_any_text(text):
 
 
 yaml_docs = st.recursive(
-    scalars, lambda inner: st.one_of(
+    scalars,
+    lambda inner: st.one_of(
         st.lists(inner, max_size=3),
-        st.dictionaries(st.one_of(st.sampled_from(SECTIONS + sorted(FIELDS)), st.text(max_size=6),
-                                  st.integers(), st.none(), st.booleans()),
-                        inner, max_size=4)),
-    max_leaves=12)
+        st.dictionaries(
+            st.one_of(
+                st.sampled_from(SECTIONS + sorted(FIELDS)),
+                st.text(max_size=6),
+                st.integers(),
+                st.none(),
+                st.booleans(),
+            ),
+            inner,
+            max_size=4,
+        ),
+    ),
+    max_leaves=12,
+)
 
 
 def _mutate(text: str, cut: int, insert: str) -> str:
@@ -165,11 +217,34 @@ def scratch(tmp_path_factory) -> Path:
 
 
 @FUZZ
-@given(doc=yaml_docs, cut=st.integers(0, 10**4),
-       insert=st.sampled_from(["", ":", "- ", "\t", "&a", "*a", "!!python/name:os.system",
-                               "!!binary", "{", "]", "\x00", "'", "%YAML 1.1\n---\n", "<<: *a",
-                               "!!float", "!!int", "\n  ", "\ufeff", "\x85"]),
-       raw=st.one_of(st.none(), st.text(max_size=60), st.binary(max_size=40)))
+@given(
+    doc=yaml_docs,
+    cut=st.integers(0, 10**4),
+    insert=st.sampled_from(
+        [
+            "",
+            ":",
+            "- ",
+            "\t",
+            "&a",
+            "*a",
+            "!!python/name:os.system",
+            "!!binary",
+            "{",
+            "]",
+            "\x00",
+            "'",
+            "%YAML 1.1\n---\n",
+            "<<: *a",
+            "!!float",
+            "!!int",
+            "\n  ",
+            "\ufeff",
+            "\x85",
+        ]
+    ),
+    raw=st.one_of(st.none(), st.text(max_size=60), st.binary(max_size=40)),
+)
 @example(doc=None, cut=0, insert="", raw="!!python/object/apply:os.system ['true']\n")
 @example(doc=None, cut=0, insert="", raw="model: !!python/object/apply:os.system ['true']\n")
 @example(doc=None, cut=0, insert="", raw="train: {lr: .nan, steps: .inf}\n")
@@ -199,25 +274,38 @@ def test_random_yaml_files_give_a_config_or_a_config_error(scratch, doc, cut, in
 
 # --- the faults the fuzzing found, pinned with their messages -------------------------------
 
-@pytest.mark.parametrize("override, message", [
-    ("train.lr=.nan", "train.lr=nan: must be a finite number"),
-    ("train.lr=nan", "train.lr='nan': must be a finite number"),
-    ("train.clip_grad=.inf", "train.clip_grad=inf: must be a finite number"),
-    ("train.exit_duration_mins=1e400", "train.exit_duration_mins='1e400': must be a finite "
-                                       "number"),
-    ("model.norm_epsilon=" + "1" * 400, "model.norm_epsilon=1111111111"),
-    ("train.steps=" + "9" * 5000, "...: not a valid YAML value (ValueError: Exceeds the limit "
-                                  "(4300 digits)"),
-    ("train.seed=4294967296", "train.seed=4294967296: must be in [0, 2**31)"),
-    ("model.num_layers=true", "model.num_layers=True: must be an integer"),
-    ("model.num_layers=9223372036854775808", "model.num_layers=9223372036854775808: must be "
-                                              "an integer in [-2**63, 2**63)"),
-    ("model.attention_backend=1", "model.attention_backend=1: must be one of"),
-    ("model.recompute=[full]", "model.recompute=['full']: must be one of"),
-    ("train.lr=2024-13-45", "override 'train.lr=2024-13-45': not a valid YAML value"),
-    ("data.path=!!python/object/apply:os.system ['true']",
-     "override \"data.path=!!python/object/apply:os.system ['true']\": not a valid YAML value"),
-])
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.lr=.nan", "train.lr=nan: must be a finite number"),
+        ("train.lr=nan", "train.lr='nan': must be a finite number"),
+        ("train.clip_grad=.inf", "train.clip_grad=inf: must be a finite number"),
+        (
+            "train.exit_duration_mins=1e400",
+            "train.exit_duration_mins='1e400': must be a finite number",
+        ),
+        ("model.norm_epsilon=" + "1" * 400, "model.norm_epsilon=1111111111"),
+        (
+            "train.steps=" + "9" * 5000,
+            "...: not a valid YAML value (ValueError: Exceeds the limit (4300 digits)",
+        ),
+        ("train.seed=4294967296", "train.seed=4294967296: must be in [0, 2**31)"),
+        ("model.num_layers=true", "model.num_layers=True: must be an integer"),
+        (
+            "model.num_layers=9223372036854775808",
+            "model.num_layers=9223372036854775808: must be an integer in [-2**63, 2**63)",
+        ),
+        ("model.attention_backend=1", "model.attention_backend=1: must be one of"),
+        ("model.recompute=[full]", "model.recompute=['full']: must be one of"),
+        ("train.lr=2024-13-45", "override 'train.lr=2024-13-45': not a valid YAML value"),
+        (
+            "data.path=!!python/object/apply:os.system ['true']",
+            "override \"data.path=!!python/object/apply:os.system ['true']\": "
+            "not a valid YAML value",
+        ),
+    ],
+)
 def test_found_faults_are_clean_config_errors(override, message):
     with pytest.raises(ConfigError) as err:
         load_config("tiny", overrides=["data.path=/some/data", override])
@@ -225,13 +313,16 @@ def test_found_faults_are_clean_config_errors(override, message):
     assert len(str(err.value)) < 400
 
 
-@pytest.mark.parametrize("text, message", [
-    ("1: 2\nnull: 3\n", "1: unknown field"),
-    ("model: !!python/object/apply:os.system ['true']\n", "could not determine a constructor"),
-    ("x: !!python/name:os.system\n", "could not determine a constructor"),
-    ("when: 2024-13-45\n", "not valid YAML (ValueError: month must be in 1..12)"),
-    ("a: " + "[" * 3000 + "\n", "exceeded maximum nesting depth"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("1: 2\nnull: 3\n", "1: unknown field"),
+        ("model: !!python/object/apply:os.system ['true']\n", "could not determine a constructor"),
+        ("x: !!python/name:os.system\n", "could not determine a constructor"),
+        ("when: 2024-13-45\n", "not valid YAML (ValueError: month must be in 1..12)"),
+        ("a: " + "[" * 3000 + "\n", "exceeded maximum nesting depth"),
+    ],
+)
 def test_found_yaml_faults_are_clean_config_errors(tmp_path, text, message):
     file = tmp_path / "bad.yaml"
     file.write_text(text)

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrun_helper import run_torchrun
 
 from t2train.checkpoint.errors import CheckpointError
 from t2train.checkpoint.inspect import describe
@@ -23,6 +22,8 @@ from t2train.checkpoint.store import check_engine
 from t2train.config.loader import load_config
 from t2train.config.schema import ConfigError
 from t2train.engine.deepspeed_config import deepspeed_config
+
+from torchrun_helper import run_torchrun
 
 TOLERANCE = 1e-4
 SAVE_AT = 3
@@ -39,8 +40,13 @@ def _tags(run_dir: Path) -> set[str]:
 @pytest.mark.slow
 def test_zero_stages_match_megatron_and_resume_exactly(shakespeare, tmp_path):
     args = ["--data", str(shakespeare), "--root", str(tmp_path), "--designs", "standard,ddl"]
-    straight = run_torchrun("engine_equivalence.py", 2, [*args, "--phase", "straight"],
-                            tmp_path / "straight.json", timeout=900)
+    straight = run_torchrun(
+        "engine_equivalence.py",
+        2,
+        [*args, "--phase", "straight"],
+        tmp_path / "straight.json",
+        timeout=900,
+    )
     for design, runs in straight.items():
         megatron = runs.pop("megatron")
         assert len(megatron) == 5, design
@@ -55,17 +61,27 @@ def test_zero_stages_match_megatron_and_resume_exactly(shakespeare, tmp_path):
     with pytest.raises(CheckpointError, match="written by train.engine=deepspeed"):
         check_engine(checkpoint, "megatron")
 
-    resumed = run_torchrun("engine_equivalence.py", 2, [*args, "--phase", "resume"],
-                           tmp_path / "resumed.json", timeout=900)
+    resumed = run_torchrun(
+        "engine_equivalence.py",
+        2,
+        [*args, "--phase", "resume"],
+        tmp_path / "resumed.json",
+        timeout=900,
+    )
     assert "'zero_stage': 1}, this run is" in resumed.pop("refused")
     for run, losses in resumed["standard"].items():
-        tail = {step: loss for step, loss in straight["standard"][run].items()
-                if int(step) > SAVE_AT}
+        tail = {
+            step: loss for step, loss in straight["standard"][run].items() if int(step) > SAVE_AT
+        }
         assert losses == tail, run  # exact float equality
     for log in ("straight.log", "resumed.log"):  # DeepSpeed's known chatter stays silent
         text = (tmp_path / log).read_text()
-        for noise in ("all_gather_into_tensor` is deprecated", "reduce_scatter_tensor` is "
-                      "deprecated", "Setting accelerator to CPU", "built successfully"):
+        for noise in (
+            "all_gather_into_tensor` is deprecated",
+            "reduce_scatter_tensor` is deprecated",
+            "Setting accelerator to CPU",
+            "built successfully",
+        ):
             assert noise not in text, (log, noise, text[-3000:])
 
 
@@ -74,8 +90,12 @@ def _config(*overrides: str):
 
 
 def test_generated_config_follows_t2train_fields():
-    config = _config("train.micro_batch_size=2", "train.global_batch_size=16",
-                     "train.clip_grad=0.5", "deepspeed.zero_stage=3")
+    config = _config(
+        "train.micro_batch_size=2",
+        "train.global_batch_size=16",
+        "train.clip_grad=0.5",
+        "deepspeed.zero_stage=3",
+    )
     ds = deepspeed_config(config, dp_size=2)
     assert ds["train_batch_size"] == 16 and ds["train_micro_batch_size_per_gpu"] == 2
     assert ds["gradient_accumulation_steps"] == 4  # 16 / (2 * 2)
@@ -88,19 +108,32 @@ def test_generated_config_follows_t2train_fields():
 
 def test_user_json_adds_fields_and_conflicts_are_named(tmp_path):
     extra = tmp_path / "ds.json"
-    extra.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 1000},
-                                 "gradient_clipping": 1.0}))
+    extra.write_text(
+        json.dumps({"zero_optimization": {"reduce_bucket_size": 1000}, "gradient_clipping": 1.0})
+    )
     ds = deepspeed_config(_config(f"deepspeed.config_file={extra}"), dp_size=1)
     assert ds["zero_optimization"]["reduce_bucket_size"] == 1000
     assert ds["zero_optimization"]["stage"] == 1
 
-    extra.write_text(json.dumps({"gradient_clipping": 0.3, "zero_optimization": {"stage": 2},
-                                 "scheduler": {"type": "WarmupLR"}}))
+    extra.write_text(
+        json.dumps(
+            {
+                "gradient_clipping": 0.3,
+                "zero_optimization": {"stage": 2},
+                "scheduler": {"type": "WarmupLR"},
+            }
+        )
+    )
     with pytest.raises(ConfigError) as err:
         deepspeed_config(_config(f"deepspeed.config_file={extra}"), dp_size=1)
     message = str(err.value)
-    for named in ("gradient_clipping=0.3", "train.clip_grad", "zero_optimization.stage=2",
-                  "deepspeed.zero_stage", "scheduler"):
+    for named in (
+        "gradient_clipping=0.3",
+        "train.clip_grad",
+        "zero_optimization.stage=2",
+        "deepspeed.zero_stage",
+        "scheduler",
+    ):
         assert named in message, named
 
     extra.write_text("{not json")
@@ -108,16 +141,23 @@ def test_user_json_adds_fields_and_conflicts_are_named(tmp_path):
         deepspeed_config(_config(f"deepspeed.config_file={extra}"), dp_size=1)
 
 
-@pytest.mark.parametrize("overrides, named", [
-    (["parallel.pipeline=2", "model.num_layers=4"], "parallel.pipeline=2: must be 1 with "
-                                                    "train.engine=deepspeed"),
-    (["parallel.tensor=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
-    (["parallel.distributed_optimizer=true"], "parallel.distributed_optimizer"),
-    (["checkpoint.async_save=true"], "checkpoint.async_save"),
-    (["deepspeed.offload_params=true"], "deepspeed.offload_params=True: needs "
-                                        "deepspeed.zero_stage=3"),
-    (["deepspeed.zero_stage=0"], "deepspeed.zero_stage=0: must be 1, 2 or 3"),
-])
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (
+            ["parallel.pipeline=2", "model.num_layers=4"],
+            "parallel.pipeline=2: must be 1 with train.engine=deepspeed",
+        ),
+        (["parallel.tensor=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
+        (["parallel.distributed_optimizer=true"], "parallel.distributed_optimizer"),
+        (["checkpoint.async_save=true"], "checkpoint.async_save"),
+        (
+            ["deepspeed.offload_params=true"],
+            "deepspeed.offload_params=True: needs deepspeed.zero_stage=3",
+        ),
+        (["deepspeed.zero_stage=0"], "deepspeed.zero_stage=0: must be 1, 2 or 3"),
+    ],
+)
 def test_unsupported_layouts_are_refused(overrides, named):
     with pytest.raises(ConfigError) as err:
         _config(*overrides)

@@ -7,7 +7,6 @@ import sys
 
 import pytest
 
-
 DEFERRED_WANDB = """
 import sys
 import t2train
@@ -28,8 +27,9 @@ def test_megatron_core_imports_wandb_without_loading_it():
     """With t2train[wandb] installed megatron.core's module-level ``import wandb`` cost 2.8 s
     of every process's start; deferred, W&B loads at its first real use."""
     pytest.importorskip("wandb", reason="wandb is an optional extra: pip install 't2train[wandb]'")
-    proc = subprocess.run([sys.executable, "-c", DEFERRED_WANDB], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", DEFERRED_WANDB], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -68,6 +68,7 @@ def test_streaming_datasets_and_megatron_fusions_compile_at_first_use():
     """streaming's text, vision and multimodal datasets (torchvision) and megatron-core's
     ``torch.compile``-decorated fusions (Inductor) cost about 1 s of every process's start;
     deferred, they load at first use and compute the same."""
-    proc = subprocess.run([sys.executable, "-c", DEFERRED_AT_START], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", DEFERRED_AT_START], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -46,8 +46,11 @@ MINIMUM_DESIGNS = {  # name: overrides (8 layers: chunks of 1, 2 or 4 layers)
     "attnres+shortswa": ["model.residual=attnres", "model.shortswa.window=4"],
     "block_attnres S=2": ["model.residual=block_attnres", "model.attnres.block_size=2"],
     "block_attnres S=4": ["model.residual=block_attnres", "model.attnres.block_size=4"],
-    "block_attnres+shortswa S=4": ["model.residual=block_attnres", "model.attnres.block_size=4",
-                                   "model.shortswa.window=4"],
+    "block_attnres+shortswa S=4": [
+        "model.residual=block_attnres",
+        "model.attnres.block_size=4",
+        "model.shortswa.window=4",
+    ],
     "depth_attn K=2": ["model.residual=depth_attn", "model.depth_attn.window=2"],
     "depth_attn K=3": ["model.residual=depth_attn", "model.depth_attn.window=3"],
     "depth_attn K=L+1": ["model.residual=depth_attn", "model.depth_attn.window=9"],
@@ -61,13 +64,24 @@ def _hop_plans(overrides, pipeline, virtual):
     from t2train.config.loader import load_config
     from t2train.model.build import transformer_config
 
-    config = load_config(overrides=[
-        "data.path=unused", "model.num_layers=8", "model.hidden_size=32",
-        "model.num_attention_heads=4", "model.seq_length=8", f"parallel.pipeline={pipeline}",
-        f"parallel.virtual_pipeline={virtual}", *overrides])
+    config = load_config(
+        overrides=[
+            "data.path=unused",
+            "model.num_layers=8",
+            "model.hidden_size=32",
+            "model.num_attention_heads=4",
+            "model.seq_length=8",
+            f"parallel.pipeline={pipeline}",
+            f"parallel.virtual_pipeline={virtual}",
+            *overrides,
+        ]
+    )
     run = plan_hops(transformer_config(config))  # the run's plan, as the engine makes it
-    return config.model, {(cached, shapes): replace(run, cached=cached, shapes=shapes)
-                          for cached in (False, True) for shapes in ("exact", "padded")}
+    return config.model, {
+        (cached, shapes): replace(run, cached=cached, shapes=shapes)
+        for cached in (False, True)
+        for shapes in ("exact", "padded")
+    }
 
 
 @pytest.mark.parametrize("design", MINIMUM_DESIGNS)
@@ -91,8 +105,9 @@ def test_a_hop_unit_is_the_sequence_or_a_tensor_ranks_slice_of_it():
     from t2train.model.build import transformer_config
 
     def rows(*overrides):
-        config = load_config(overrides=["data.path=unused", "model.seq_length=8",
-                                        "parallel.tensor=2", *overrides])
+        config = load_config(
+            overrides=["data.path=unused", "model.seq_length=8", "parallel.tensor=2", *overrides]
+        )
         return plan_hops(transformer_config(config)).unit_rows
 
     assert rows() == 8

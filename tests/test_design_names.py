@@ -30,8 +30,11 @@ def _docstrings(tree: ast.AST) -> set[int]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             first = node.body[0] if node.body else None
-            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-                    and isinstance(first.value.value, str)):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 found.add(id(first.value))
     return found
 
@@ -55,8 +58,15 @@ def _code_tokens(path: Path):
 
 
 def _mentions(text: str, names: set[str]) -> set[str]:
-    words = set(text.strip("'\"fbr").replace(".", " ").replace("=", " ").replace("+", " ")
-                .replace("/", " ").replace(",", " ").split())
+    words = set(
+        text.strip("'\"fbr")
+        .replace(".", " ")
+        .replace("=", " ")
+        .replace("+", " ")
+        .replace("/", " ")
+        .replace(",", " ")
+        .split()
+    )
     return words & names
 
 
@@ -70,8 +80,12 @@ def _found(paths, names: set[str]) -> list[str]:
 
 
 def test_no_design_is_named_outside_the_residual_package():
-    paths = [path.relative_to(REPO) for folder in SCANNED
-             for path in sorted((REPO / folder).rglob("*.py")) if EXEMPT not in path.parents]
+    paths = [
+        path.relative_to(REPO)
+        for folder in SCANNED
+        for path in sorted((REPO / folder).rglob("*.py"))
+        if EXEMPT not in path.parents
+    ]
     found = _found([REPO / path for path in paths], _names())
     assert found == [], "\n".join(found)
 
@@ -104,6 +118,8 @@ def test_every_planted_name_is_found(tmp_path):
 
 def test_docstrings_and_comments_may_name_a_design(tmp_path):
     sample = tmp_path / "sample.py"
-    sample.write_text('"""ddl is described here."""\n\n\nclass A:\n    """ddl, again."""\n\n'
-                      '    def f(self):\n        """And ddl."""\n        return 1  # ddl\n')
+    sample.write_text(
+        '"""ddl is described here."""\n\n\nclass A:\n    """ddl, again."""\n\n'
+        '    def f(self):\n        """And ddl."""\n        return 1  # ddl\n'
+    )
     assert _found([sample], {"ddl"}) == []

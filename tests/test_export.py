@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrun_helper import run_torchrun
 
 from t2train.checkpoint.errors import CheckpointError
 from t2train.cli import main
@@ -34,24 +33,37 @@ from t2train.data.errors import DataError
 from t2train.errors import UserInputError
 from t2train.residual import registered
 
+from torchrun_helper import run_torchrun
+
 SEQ = 32
-BASE = ["data.path=unused", "model.num_layers=3", "model.hidden_size=64",
-        "model.num_attention_heads=4", "model.seq_length=16"]
+BASE = [
+    "data.path=unused",
+    "model.num_layers=3",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.seq_length=16",
+]
 MIXER = ["model.shortswa.window=4"]
 DESIGNS = {  # every registered design, with non-default options where they matter
-    "standard": ["model.residual=standard"], "ddl": ["model.residual=ddl"],
+    "standard": ["model.residual=standard"],
+    "ddl": ["model.residual=ddl"],
     "ddl_dv4": ["model.residual=ddl", "model.ddl.dv=4"],
     "depth_attn": ["model.residual=depth_attn", "model.depth_attn.window=2"],
     "attnres": ["model.residual=attnres"],
     "block_attnres": ["model.residual=block_attnres", "model.attnres.block_size=3"],
-    "hc": ["model.residual=hc"], "hc_static": ["model.residual=hc", "model.hc.dynamic=false"],
+    "hc": ["model.residual=hc"],
+    "hc_static": ["model.residual=hc", "model.hc.dynamic=false"],
     "mhc": ["model.residual=mhc", "model.mhc.expansion_rate=3", "model.mhc.sinkhorn_iterations=5"],
 }
 RANDOM_VARIANTS = {  # each alone and with the local mixer; GQA and untied embeddings
-    **DESIGNS, **{f"{name}+mixer": [*options, *MIXER] for name, options in DESIGNS.items()},
+    **DESIGNS,
+    **{f"{name}+mixer": [*options, *MIXER] for name, options in DESIGNS.items()},
     "standard_gqa_untied": ["model.num_query_groups=2", "model.tie_embeddings=false"],
-    "attnres_gqa_untied": ["model.residual=attnres", "model.num_query_groups=2",
-                           "model.tie_embeddings=false"],
+    "attnres_gqa_untied": [
+        "model.residual=attnres",
+        "model.num_query_groups=2",
+        "model.tie_embeddings=false",
+    ],
 }
 
 
@@ -69,10 +81,12 @@ def test_the_assembled_modeling_file_stands_alone(monkeypatch):
     from t2train.residual.hf import modeling_source
 
     source = modeling_source()
-    imported = {node.module if isinstance(node, ast.ImportFrom) else alias.name
-                for node in ast.walk(ast.parse(source))
-                if isinstance(node, (ast.Import, ast.ImportFrom))
-                for alias in node.names}
+    imported = {
+        node.module if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    }
     assert not {name for name in imported if name.startswith("t2train")}
     monkeypatch.setitem(sys.modules, "t2train", None)  # any t2train import now fails
     namespace = {"__name__": "modeling_t2train"}
@@ -85,14 +99,17 @@ def test_an_export_part_may_not_import_the_trainer(tmp_path, monkeypatch):
     from t2train.residual import hf
 
     part = tmp_path / "standard_hf.py"
-    part.write_text('"""A part."""\nfrom t2train.residual.standard import AdditiveResidual\n'
-                    'EXPORTED = {"standard": (AdditiveResidual, AdditiveResidual, None)}\n')
+    part.write_text(
+        '"""A part."""\nfrom t2train.residual.standard import AdditiveResidual\n'
+        'EXPORTED = {"standard": (AdditiveResidual, AdditiveResidual, None)}\n'
+    )
     monkeypatch.setattr(hf, "export_parts", lambda: [part])
     with pytest.raises(RuntimeError, match="t2train.residual.standard"):
         hf.modeling_source()
 
 
 # --- the math, with random weights (in-process, TP = 1) ---------------------------------------
+
 
 def _t2train_model(overrides: list[str], vocab: int = 128):
     from t2train.model.build import build_model_chunks, transformer_config
@@ -113,8 +130,11 @@ def _hf_model(model_config, state: dict, vocab: int = 128):
     from t2train.residual.hf import modeling_module
 
     config = hf_config(model_config, vocab, eos_id=0, dtype=torch.float32)
-    cls = LlamaForCausalLM if config.architectures == ["LlamaForCausalLM"] \
+    cls = (
+        LlamaForCausalLM
+        if config.architectures == ["LlamaForCausalLM"]
         else modeling_module().T2TrainForCausalLM
+    )
     model = cls(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert unexpected == []
@@ -158,10 +178,13 @@ def test_a_kv_cache_gives_the_logits_of_the_whole_sequence(megatron_world, varia
     with torch.no_grad():
         whole = model(tokens, at(0, 12), None)
         cache = KVCache(2, config.model.seq_length)
-        parts = [model(tokens[:, :5], at(0, 5), None, kv_cache=cache),
-                 model(tokens[:, 5:8], at(5, 8), None, kv_cache=cache)]
-        parts += [model(tokens[:, i:i + 1], at(i, i + 1), None, kv_cache=cache)
-                  for i in range(8, 12)]
+        parts = [
+            model(tokens[:, :5], at(0, 5), None, kv_cache=cache),
+            model(tokens[:, 5:8], at(5, 8), None, kv_cache=cache),
+        ]
+        parts += [
+            model(tokens[:, i : i + 1], at(i, i + 1), None, kv_cache=cache) for i in range(8, 12)
+        ]
     assert cache.length == 12
     torch.testing.assert_close(torch.cat(parts, dim=1), whole, atol=1e-5, rtol=1e-5)
 
@@ -192,6 +215,7 @@ def test_a_wrong_mapping_is_seen(megatron_world):
 
 # --- refusals that need no weights ------------------------------------------------------------
 
+
 def _fake_checkpoint(root: Path, overrides=(), residual=None, **state) -> Path:
     """A DeepSpeed-engine checkpoint directory holding only its summary file."""
     config = asdict(load_config(overrides=[*BASE, *overrides]))
@@ -199,9 +223,21 @@ def _fake_checkpoint(root: Path, overrides=(), residual=None, **state) -> Path:
         config["model"]["residual"] = residual
     path = root / "checkpoints" / "step_00000001"
     path.mkdir(parents=True)
-    (path / "t2train_engine.json").write_text(json.dumps(dict(
-        {"engine": "deepspeed", "step": 1, "layout": {"tp": 1, "pp": 1, "dp": 1},
-         "config": config, "config_format": 2, "has_optimizer": True}, **state)))
+    (path / "t2train_engine.json").write_text(
+        json.dumps(
+            dict(
+                {
+                    "engine": "deepspeed",
+                    "step": 1,
+                    "layout": {"tp": 1, "pp": 1, "dp": 1},
+                    "config": config,
+                    "config_format": 2,
+                    "has_optimizer": True,
+                },
+                **state,
+            )
+        )
+    )
     return path
 
 
@@ -219,7 +255,8 @@ def test_no_checkpoint_or_a_malformed_one_is_named(tmp_path, capsys):
     bad.mkdir()
     (bad / "metadata.json").write_text("{not json")
     assert "metadata.json: cannot read" in _one_line_error(
-        capsys, ["export", "hf", str(bad), str(tmp_path / "o")])
+        capsys, ["export", "hf", str(bad), str(tmp_path / "o")]
+    )
     assert not (tmp_path / "o").exists()
 
 
@@ -266,28 +303,53 @@ def test_eval_refuses_a_dataset_of_another_tokenizer(tmp_path, capsys):
     checkpoint = _fake_checkpoint(tmp_path / "run", tokenizer_sha256=ours)
     data = tmp_path / "other-data"
     data.mkdir()
-    (data / "index.json").write_text(json.dumps({
-        "format": FORMAT, "version": VERSION, "seq_length": 16, "vocab_size": 300, "eos_id": 0,
-        "token_dtype": "uint16", "splits": {"val": {}}, "tokenizer": {"sha256": theirs}}))
+    (data / "index.json").write_text(
+        json.dumps(
+            {
+                "format": FORMAT,
+                "version": VERSION,
+                "seq_length": 16,
+                "vocab_size": 300,
+                "eos_id": 0,
+                "token_dtype": "uint16",
+                "splits": {"val": {}},
+                "tokenizer": {"sha256": theirs},
+            }
+        )
+    )
     err = _one_line_error(capsys, ["eval", str(checkpoint), "--data", str(data)])
     assert f"tokenizer sha256 {theirs}" in err and f"tokenizer sha256 {ours}" in err
 
 
 # --- trained checkpoints of every design, saved at TP = 2 x PP = 2 -----------------------------
 
+
 @pytest.fixture(scope="module")
 def trained(shakespeare, tmp_path_factory):
     """{variant: {"checkpoint", "val_loss", "exported"}} from one 4-rank launch."""
     root = tmp_path_factory.mktemp("export-runs")
-    return run_torchrun("export_designs.py", 4, ["--data", str(shakespeare), "--root", str(root)],
-                        root / "result.json", timeout=900)
+    return run_torchrun(
+        "export_designs.py",
+        4,
+        ["--data", str(shakespeare), "--root", str(root)],
+        root / "result.json",
+        timeout=900,
+    )
 
 
 def _val_batch(data: Path, samples: int) -> torch.Tensor:
     from t2train.data.loader import StreamingWorld, TokenBatches
 
-    batches = TokenBatches(data, "val", micro_batch_size=samples, seq_length=SEQ,
-                           world=StreamingWorld(0, 1, 0, 1), seed=0, shuffle=False, finite=True)
+    batches = TokenBatches(
+        data,
+        "val",
+        micro_batch_size=samples,
+        seq_length=SEQ,
+        world=StreamingWorld(0, 1, 0, 1),
+        seed=0,
+        shuffle=False,
+        finite=True,
+    )
     return next(iter(batches))["tokens"]
 
 
@@ -300,8 +362,16 @@ def test_every_design_exports_to_transformers(trained, shakespeare, megatron_wor
     from t2train.export.hf import export_hf
     from t2train.export.load import load_model, open_checkpoint
 
-    assert set(trained) == {"standard", "ddl", "ddl_dv4", "depth_attn", "attnres",
-                            "block_attnres", "depth_attn-zero3", "ddl+shortswa"}
+    assert set(trained) == {
+        "standard",
+        "ddl",
+        "ddl_dv4",
+        "depth_attn",
+        "attnres",
+        "block_attnres",
+        "depth_attn-zero3",
+        "ddl+shortswa",
+    }
     tokens = _val_batch(shakespeare, 2)
     text = "To be, or not to be, that is the question:"
     run_ids = load_tokenizer(shakespeare / "tokenizer.json").encode(text).ids
@@ -314,8 +384,9 @@ def test_every_design_exports_to_transformers(trained, shakespeare, megatron_wor
         assert export.architecture == ("LlamaForCausalLM" if llama else "T2TrainForCausalLM")
         assert (out / "modeling_t2train.py").exists() != llama
         assert (out / "model.safetensors.index.json").exists()  # sharded above 96KB
-        hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=not llama,
-                                                  dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(
+            out, trust_remote_code=not llama, dtype=torch.float32
+        ).eval()
         tokenizer = AutoTokenizer.from_pretrained(out)
         assert tokenizer(text).input_ids == run_ids, variant
 
@@ -335,7 +406,8 @@ def test_every_design_exports_to_transformers(trained, shakespeare, megatron_wor
 
         if run["exported"] is not None:  # checkpoint.export_hf_on_finish
             finished = AutoModelForCausalLM.from_pretrained(
-                run["exported"], trust_remote_code=True, dtype=torch.float32).eval()
+                run["exported"], trust_remote_code=True, dtype=torch.float32
+            ).eval()
             with torch.no_grad():
                 torch.testing.assert_close(finished(tokens).logits, theirs, atol=0, rtol=0)
     assert sum(run["exported"] is not None for run in trained.values()) == 1
@@ -346,13 +418,42 @@ def test_generate_and_eval_commands(trained, shakespeare, megatron_world, capsys
     run_dir = Path(trained["ddl+shortswa"]["checkpoint"]).parents[1]
     texts = []
     for sampling in ([], ["--top-p", "0.9", "--seed", "3"], ["--temperature", "20", "--seed", "3"]):
-        assert main(["generate", str(run_dir), "--prompt", "To be, or not",
-                     "--max-new-tokens", "6", "--device", "cpu", *sampling]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    str(run_dir),
+                    "--prompt",
+                    "To be, or not",
+                    "--max-new-tokens",
+                    "6",
+                    "--device",
+                    "cpu",
+                    *sampling,
+                ]
+            )
+            == 0
+        )
         texts.append(capsys.readouterr().out)
         assert texts[-1].startswith("To be, or not")
     assert texts[2] != texts[0]  # --temperature alone samples (nearly uniformly, at 20)
-    assert main(["eval", str(run_dir), "--data", str(shakespeare), "--max-batches", "2",
-                 "--batch-size", "2", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(run_dir),
+                "--data",
+                str(shakespeare),
+                "--max-batches",
+                "2",
+                "--batch-size",
+                "2",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     line = capsys.readouterr().out.strip()
     assert f"over {2 * 2 * SEQ:,} tokens (2 batches of up to 2 x {SEQ})" in line
     loss = float(line.split("loss ")[1].split(",")[0])
@@ -365,16 +466,25 @@ def _lm_eval_task(folder: Path, name: str, docs: list[dict], **fields) -> None:
     import yaml
 
     (folder / f"{name}.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in docs))
-    metrics = [{"metric": metric, "aggregation": "mean", "higher_is_better": True}
-               for metric in fields.pop("metrics")]
-    task = {"task": name, "dataset_path": "json", "test_split": "test", "metric_list": metrics,
-            "dataset_kwargs": {"data_files": {"test": str(folder / f"{name}.jsonl")}}, **fields}
+    metrics = [
+        {"metric": metric, "aggregation": "mean", "higher_is_better": True}
+        for metric in fields.pop("metrics")
+    ]
+    task = {
+        "task": name,
+        "dataset_path": "json",
+        "test_split": "test",
+        "metric_list": metrics,
+        "dataset_kwargs": {"data_files": {"test": str(folder / f"{name}.jsonl")}},
+        **fields,
+    }
     (folder / f"{name}.yaml").write_text(yaml.safe_dump(task))
 
 
 @pytest.mark.slow
-def test_lm_eval_tasks_score_as_computed_by_hand(trained, megatron_world, tmp_path, capsys,
-                                                 monkeypatch):
+def test_lm_eval_tasks_score_as_computed_by_hand(
+    trained, megatron_world, tmp_path, capsys, monkeypatch
+):
     """`eval --tasks` on a ddl + ShortSWA checkpoint: a multiple-choice task's acc and
     acc_norm, and a generation task's exact_match, equal the same scores computed here from the
     model's logits with the formulas written out (log-likelihood of " " + choice after the
@@ -406,10 +516,13 @@ def test_lm_eval_tasks_score_as_computed_by_hand(trained, megatron_world, tmp_pa
         scores = log_probs(whole)
         return sum(float(scores[i - 1, whole[i]]) for i in range(len(prefix), len(whole)))
 
-    questions = [("To be, or not to be, that is the", ["question", "king", "lord"], 0),
-                 ("My lord, I", ["will", "horse", "the"], 0), ("What is", ["he", "the"], 1),
-                 ("Good my lord,", ["give", "what", "sword", "I"], 3),
-                 ("The king is", ["dead", "come", "not"], 2)]
+    questions = [
+        ("To be, or not to be, that is the", ["question", "king", "lord"], 0),
+        ("My lord, I", ["will", "horse", "the"], 0),
+        ("What is", ["he", "the"], 1),
+        ("Good my lord,", ["give", "what", "sword", "I"], 3),
+        ("The king is", ["dead", "come", "not"], 2),
+    ]
     acc = acc_norm = 0.0
     for question, choices, answer in questions:
         scores = [loglikelihood(question, " " + choice) for choice in choices]
@@ -428,37 +541,76 @@ def test_lm_eval_tasks_score_as_computed_by_hand(trained, megatron_world, tmp_pa
         ids = encode(prompt)
         for _ in range(5):
             ids.append(int(log_probs(ids)[-1].argmax()))
-        greedy.append(tok.tokenizer.decode(ids[len(encode(prompt)):]).split("\n")[0])
+        greedy.append(tok.tokenizer.decode(ids[len(encode(prompt)) :]).split("\n")[0])
     targets = [greedy[0], greedy[1] + " and more", greedy[2]]  # 2 of 3 match
     tasks = tmp_path / "tasks"
     tasks.mkdir()
-    _lm_eval_task(tasks, "t2_choice", [{"question": q, "choices": c, "answer": a}
-                                       for q, c, a in questions],
-                  output_type="multiple_choice", doc_to_text="{{question}}",
-                  doc_to_choice="{{choices}}", doc_to_target="{{answer}}",
-                  metrics=["acc", "acc_norm"])
-    _lm_eval_task(tasks, "t2_continue", [{"prompt": p, "target": t}
-                                         for p, t in zip(prompts, targets)],
-                  output_type="generate_until", doc_to_text="{{prompt}}",
-                  doc_to_target="{{target}}", metrics=["exact_match"],
-                  generation_kwargs={"until": ["\n"], "max_gen_toks": 5, "do_sample": False})
+    _lm_eval_task(
+        tasks,
+        "t2_choice",
+        [{"question": q, "choices": c, "answer": a} for q, c, a in questions],
+        output_type="multiple_choice",
+        doc_to_text="{{question}}",
+        doc_to_choice="{{choices}}",
+        doc_to_target="{{answer}}",
+        metrics=["acc", "acc_norm"],
+    )
+    _lm_eval_task(
+        tasks,
+        "t2_continue",
+        [{"prompt": p, "target": t} for p, t in zip(prompts, targets)],
+        output_type="generate_until",
+        doc_to_text="{{prompt}}",
+        doc_to_target="{{target}}",
+        metrics=["exact_match"],
+        generation_kwargs={"until": ["\n"], "max_gen_toks": 5, "do_sample": False},
+    )
     out = tmp_path / "scores.json"
-    assert main(["eval", str(run_dir), "--tasks", "t2_choice,t2_continue", "--include-path",
-                 str(tasks), "--device", "cpu", "--batch-size", "3", "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(run_dir),
+                "--tasks",
+                "t2_choice,t2_continue",
+                "--include-path",
+                str(tasks),
+                "--device",
+                "cpu",
+                "--batch-size",
+                "3",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "t2_choice" in capsys.readouterr().out
     scores = json.loads(out.read_text())["results"]
     assert scores["t2_choice"]["acc,none"] == pytest.approx(acc)
     assert scores["t2_choice"]["acc_norm,none"] == pytest.approx(acc_norm)
     assert scores["t2_continue"]["exact_match,none"] == pytest.approx(2 / 3)
 
-    err = _one_line_error(capsys, ["eval", str(run_dir), "--tasks", "no_such_task",
-                                   "--include-path", str(tasks), "--device", "cpu"])
+    err = _one_line_error(
+        capsys,
+        [
+            "eval",
+            str(run_dir),
+            "--tasks",
+            "no_such_task",
+            "--include-path",
+            str(tasks),
+            "--device",
+            "cpu",
+        ],
+    )
     assert "no_such_task" in err and "--tasks" in err
 
 
 @pytest.mark.slow
-def test_a_broken_checkpoint_or_a_failed_write_leaves_no_out(trained, megatron_world, tmp_path,
-                                                           monkeypatch):
+def test_a_broken_checkpoint_or_a_failed_write_leaves_no_out(
+    trained, megatron_world, tmp_path, monkeypatch
+):
     from t2train.export import hf as exporter
 
     original = Path(trained["ddl"]["checkpoint"])
@@ -491,8 +643,9 @@ def test_a_tokenizer_of_another_hash_is_refused(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     save_tokenizer(train_tokenizer(["to be or not to be"] * 4, 260), data)
-    checkpoint = _fake_checkpoint(tmp_path / "run", [f"data.path={data}"],
-                                  tokenizer_sha256="c" * 64)
+    checkpoint = _fake_checkpoint(
+        tmp_path / "run", [f"data.path={data}"], tokenizer_sha256="c" * 64
+    )
     with pytest.raises(DataError, match="but the run was trained with tokenizer cccccccccccc"):
         run_tokenizer(open_checkpoint(checkpoint))
 
@@ -522,12 +675,17 @@ def test_a_prompt_starts_as_the_runs_documents_did(tmp_path):
 
     from t2train.export.tokenizer import RunTokenizer
 
-    tokenizer = Tokenizer(models.WordLevel({"<s>": 0, "a": 1, "b": 2, "[UNK]": 3},
-                                           unk_token="[UNK]"))
+    tokenizer = Tokenizer(
+        models.WordLevel({"<s>": 0, "a": 1, "b": 2, "[UNK]": 3}, unk_token="[UNK]")
+    )
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A",
-                                                             special_tokens=[("<s>", 0)])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 0)]
+    )
     run = RunTokenizer(tmp_path, "0" * 64, tokenizer, eos_id=3)
     assert run.encode_prompt("a b") == [1, 2]  # bos=never: not the tokenizer's default <s>
-    assert RunTokenizer(tmp_path, "0" * 64, tokenizer, eos_id=3, bos_id=0).encode_prompt(
-        "a b") == [0, 1, 2]
+    assert RunTokenizer(tmp_path, "0" * 64, tokenizer, eos_id=3, bos_id=0).encode_prompt("a b") == [
+        0,
+        1,
+        2,
+    ]

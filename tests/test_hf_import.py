@@ -20,10 +20,20 @@ def _small_llama(vocab: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    llama = LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)).eval()
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        )
+    ).eval()
     with torch.no_grad():  # norms away from 1, so a misplaced norm weight shows
         for name, param in llama.named_parameters():
             if "norm" in name:
@@ -32,8 +42,9 @@ def _small_llama(vocab: int):
 
 
 @pytest.mark.slow
-def test_a_llama_round_trips_through_import_training_and_export(megatron_world, shakespeare,
-                                                                tmp_path, capsys):
+def test_a_llama_round_trips_through_import_training_and_export(
+    megatron_world, shakespeare, tmp_path, capsys
+):
     from safetensors.torch import load_file
     from tokenizers import Tokenizer
 
@@ -54,33 +65,63 @@ def test_a_llama_round_trips_through_import_training_and_export(megatron_world, 
     tokens = torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours = load_model(open_checkpoint(out), device="cpu").model(
-            tokens, torch.arange(48).unsqueeze(0), None)[..., :vocab]
+            tokens, torch.arange(48).unsqueeze(0), None
+        )[..., :vocab]
         theirs = llama(tokens).logits
     assert (ours - theirs).abs().max() < 1e-5
 
     # Continued pretraining: one step at a negligible learning rate leaves the weights.
     run = tmp_path / "run"
-    assert main(["train", "--config", str(out / "t2train.yaml"), f"data.path={shakespeare}",
-                 "train.steps=1", "train.lr=1e-12", "train.min_lr=0", "train.warmup_steps=0",
-                 "train.micro_batch_size=2", "train.global_batch_size=2", "train.eval_batches=1",
-                 "log.diagnostics_interval=0", f"log.run_dir={run}"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(out / "t2train.yaml"),
+                f"data.path={shakespeare}",
+                "train.steps=1",
+                "train.lr=1e-12",
+                "train.min_lr=0",
+                "train.warmup_steps=0",
+                "train.micro_batch_size=2",
+                "train.global_batch_size=2",
+                "train.eval_batches=1",
+                "log.diagnostics_interval=0",
+                f"log.run_dir={run}",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert f"fresh start from the weights of {out / 'checkpoints' / 'step_00000000'}" in printed
     assert printed.splitlines()[-1] == (  # what to do with a finished run
         f"next: t2train generate {run} --prompt TEXT | t2train eval {run} --data {shakespeare} | "
-        f"t2train export hf {run} OUT | tensorboard --logdir {tmp_path}")
+        f"t2train export hf {run} OUT | tensorboard --logdir {tmp_path}"
+    )
     # A damaged starting point is refused before the run writes anything.
-    shard = max((out / "checkpoints" / "step_00000000").glob("*.distcp"),
-                key=lambda p: p.stat().st_size)
+    shard = max(
+        (out / "checkpoints" / "step_00000000").glob("*.distcp"), key=lambda p: p.stat().st_size
+    )
     shard.write_bytes(shard.read_bytes()[::-1])
-    assert main(["train", "--config", str(out / "t2train.yaml"), f"data.path={shakespeare}",
-                 f"log.run_dir={tmp_path / 'run2'}"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(out / "t2train.yaml"),
+                f"data.path={shakespeare}",
+                f"log.run_dir={tmp_path / 'run2'}",
+            ]
+        )
+        == 2
+    )
     assert capsys.readouterr().err.strip() == (
         f"error: checkpoint.init_from={out}: "
         f"{out / 'checkpoints' / 'step_00000000'} is damaged: {shard}: content differs from the "
         "xxh3_64 checksum recorded when it was saved (overwritten or corrupted in place); "
         "restore a copy, or use an earlier checkpoint of its run (`t2train ckpt verify` checks "
-        "one)")
+        "one)"
+    )
     assert not (tmp_path / "run2").exists()
 
     umask = os.umask(0o022)
@@ -96,7 +137,8 @@ def test_a_llama_round_trips_through_import_training_and_export(megatron_world, 
 
 @pytest.mark.slow
 def test_the_import_train_export_sequence_works_from_other_directories(
-        megatron_world, shakespeare, tmp_path, monkeypatch, capsys):
+    megatron_world, shakespeare, tmp_path, monkeypatch, capsys
+):
     """The README's sequence with relative paths, each command in another directory: `import
     hf` into a relative OUT, `train --config OUT/t2train.yaml` from elsewhere with a relative
     data.path (its --dry-run names the weights it would start from, verified), then `export
@@ -113,15 +155,26 @@ def test_the_import_train_export_sequence_works_from_other_directories(
     assert main(["import", "hf", "../llama", "imported"]) == 0
     monkeypatch.chdir(tmp_path / "b")
     data = os.path.relpath(shakespeare, tmp_path / "b")
-    train = ["train", "--config", "../a/imported/t2train.yaml", f"data.path={data}",
-             "train.steps=1", "train.warmup_steps=0", "train.micro_batch_size=2",
-             "train.global_batch_size=2", "train.eval_batches=1", "log.diagnostics_interval=0",
-             "log.run_dir=run"]
+    train = [
+        "train",
+        "--config",
+        "../a/imported/t2train.yaml",
+        f"data.path={data}",
+        "train.steps=1",
+        "train.warmup_steps=0",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=2",
+        "train.eval_batches=1",
+        "log.diagnostics_interval=0",
+        "log.run_dir=run",
+    ]
     capsys.readouterr()
     assert main([*train, "--dry-run"]) == 0
     weights = tmp_path / "a" / "imported" / "checkpoints" / "step_00000000"
-    assert (f"fresh start from the weights of {weights} (verified, not loaded now)"
-            in capsys.readouterr().out)
+    assert (
+        f"fresh start from the weights of {weights} (verified, not loaded now)"
+        in capsys.readouterr().out
+    )
     assert main(train) == 0
     monkeypatch.chdir(tmp_path / "c" / "d")
     assert main(["export", "hf", "../../b/run", "hf"]) == 0
@@ -135,18 +188,35 @@ def _family_model(family: str, vocab: int):
     (q, k, v biases), norms and biases away from their initial values."""
     import transformers
 
-    shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                 rms_norm_eps=1e-5, tie_word_embeddings=False)
+    shape = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
     config = {
         "llama3": lambda: transformers.LlamaConfig(
-            **shape, rope_theta=500000.0, rope_scaling={
-                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-        "mistral": lambda: transformers.MistralConfig(**shape, sliding_window=None,
-                                                      rope_theta=10000.0),
-        "qwen2": lambda: transformers.Qwen2Config(**shape, rope_theta=10000.0,
-                                                  use_sliding_window=False),
+            **shape,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+        "mistral": lambda: transformers.MistralConfig(
+            **shape, sliding_window=None, rope_theta=10000.0
+        ),
+        "qwen2": lambda: transformers.Qwen2Config(
+            **shape, rope_theta=10000.0, use_sliding_window=False
+        ),
     }[family]()
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -166,12 +236,17 @@ def _greedy(logits_of, tokens: torch.Tensor, steps: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, architecture", [
-    ("llama3", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"),
-    ("qwen2", "Qwen2ForCausalLM")])
-def test_each_llama_family_imports_trains_and_exports_back(megatron_world, shakespeare,
-                                                           tmp_path, capsys, family,
-                                                           architecture):
+@pytest.mark.parametrize(
+    "family, architecture",
+    [
+        ("llama3", "LlamaForCausalLM"),
+        ("mistral", "MistralForCausalLM"),
+        ("qwen2", "Qwen2ForCausalLM"),
+    ],
+)
+def test_each_llama_family_imports_trains_and_exports_back(
+    megatron_world, shakespeare, tmp_path, capsys, family, architecture
+):
     """A transformers model of the family with random weights: after `import hf` the logits
     equal transformers' (fp32, 1e-5) and 12 greedy tokens are the same; a run from it trains
     5 steps and exports as the same class, whose logits equal the run's model's."""
@@ -189,29 +264,46 @@ def test_each_llama_family_imports_trains_and_exports_back(megatron_world, shake
     positions = torch.arange(64).unsqueeze(0)
 
     def logits(model):
-        return lambda ids: model(ids, positions[:, :ids.shape[1]], None)[..., :vocab]
+        return lambda ids: model(ids, positions[:, : ids.shape[1]], None)[..., :vocab]
 
     ours = load_model(open_checkpoint(tmp_path / "imported"), device="cpu").model
     with torch.no_grad():
-        torch.testing.assert_close(logits(ours)(tokens), theirs(tokens).logits,
-                                   rtol=1e-5, atol=1e-5)
-        assert _greedy(logits(ours), tokens[:1, :8], 12) == \
-            _greedy(lambda ids: theirs(ids).logits, tokens[:1, :8], 12)
+        torch.testing.assert_close(
+            logits(ours)(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5
+        )
+        assert _greedy(logits(ours), tokens[:1, :8], 12) == _greedy(
+            lambda ids: theirs(ids).logits, tokens[:1, :8], 12
+        )
 
     run = tmp_path / "run"
-    assert main(["train", "--config", str(tmp_path / "imported" / "t2train.yaml"),
-                 f"data.path={shakespeare}", "train.steps=5", "train.lr=1e-3",
-                 "train.warmup_steps=0", "train.micro_batch_size=2", "train.global_batch_size=2",
-                 "train.eval_batches=1", "log.diagnostics_interval=0",
-                 f"log.run_dir={run}"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(tmp_path / "imported" / "t2train.yaml"),
+                f"data.path={shakespeare}",
+                "train.steps=5",
+                "train.lr=1e-3",
+                "train.warmup_steps=0",
+                "train.micro_batch_size=2",
+                "train.global_batch_size=2",
+                "train.eval_batches=1",
+                "log.diagnostics_interval=0",
+                f"log.run_dir={run}",
+            ]
+        )
+        == 0
+    )
     assert main(["export", "hf", str(run), str(tmp_path / "back")]) == 0
     capsys.readouterr()
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     assert type(back).__name__ == architecture
     trained = load_model(open_checkpoint(run), device="cpu").model
     with torch.no_grad():
-        torch.testing.assert_close(back(tokens).logits, logits(trained)(tokens),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            back(tokens).logits, logits(trained)(tokens), rtol=1e-5, atol=1e-5
+        )
         assert not torch.allclose(back(tokens).logits, theirs(tokens).logits)  # it trained
 
 
@@ -220,22 +312,46 @@ def test_what_the_standard_design_cannot_run_is_refused(tmp_path):
 
     def refused(config: dict, match: str) -> None:
         with pytest.raises(UserInputError, match=match):
-            hf_model_section({"num_attention_heads": 4, "hidden_size": 64, **config},
-                             tmp_path / "config.json", None)
+            hf_model_section(
+                {"num_attention_heads": 4, "hidden_size": 64, **config},
+                tmp_path / "config.json",
+                None,
+            )
 
-    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    refused({"architectures": ["LlamaForCausalLM"], "rope_scaling": {**llama3,
-                                                                     "high_freq_factor": 2.0}},
-            "rope_scaling=.*is not supported \\(Llama 3.1's rope_type 'llama3'")
-    refused({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn",
-                                                                     "factor": 4.0}},
-            "rope_scaling=.*is not supported")
-    refused({"architectures": ["LlamaForCausalLM"], "attention_bias": True},
-            "attention_bias=True is not supported")
-    refused({"architectures": ["MistralForCausalLM"], "sliding_window": 4096},
-            "sliding_window=4096 is not supported")
-    refused({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True},
-            "use_sliding_window=True is not supported")
-    refused({"architectures": ["GPT2LMHeadModel"]},
-            "only LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM checkpoints")
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    refused(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "rope_scaling": {**llama3, "high_freq_factor": 2.0},
+        },
+        "rope_scaling=.*is not supported \\(Llama 3.1's rope_type 'llama3'",
+    )
+    refused(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+        },
+        "rope_scaling=.*is not supported",
+    )
+    refused(
+        {"architectures": ["LlamaForCausalLM"], "attention_bias": True},
+        "attention_bias=True is not supported",
+    )
+    refused(
+        {"architectures": ["MistralForCausalLM"], "sliding_window": 4096},
+        "sliding_window=4096 is not supported",
+    )
+    refused(
+        {"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True},
+        "use_sliding_window=True is not supported",
+    )
+    refused(
+        {"architectures": ["GPT2LMHeadModel"]},
+        "only LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM checkpoints",
+    )

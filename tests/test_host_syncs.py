@@ -28,12 +28,28 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from t2train.config.loader import load_config
 
 SYNCS_PER_STEP = 1
-READING_OPERATORS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2",
-                     "unique_consecutive", "unique_dim", "equal"}
-TINY = ["data.path=unused", "model.num_layers=2", "model.hidden_size=32",
-        "model.num_attention_heads=2", "model.num_query_groups=1", "model.seq_length=16",
-        "train.micro_batch_size=2", "train.global_batch_size=4", "train.warmup_steps=0",
-        "train.lr=1e-2", "train.clip_grad=0.05"]  # clipping: every step scales its gradients
+READING_OPERATORS = {
+    "_local_scalar_dense",
+    "nonzero",
+    "masked_select",
+    "_unique2",
+    "unique_consecutive",
+    "unique_dim",
+    "equal",
+}
+TINY = [
+    "data.path=unused",
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_attention_heads=2",
+    "model.num_query_groups=1",
+    "model.seq_length=16",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "train.warmup_steps=0",
+    "train.lr=1e-2",
+    "train.clip_grad=0.05",
+]  # clipping: every step scales its gradients
 
 
 class HostReads(TorchDispatchMode):
@@ -83,9 +99,11 @@ def _steps(megatron_world, overrides: list[str], steps: int, monkeypatch) -> Cou
     return counting.reads
 
 
-@pytest.mark.parametrize("overrides", [[], ["train.precision=bf16"],
-                                       ["parallel.distributed_optimizer=true"]],
-                         ids=["fp32", "bf16", "distributed-optimizer"])
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["train.precision=bf16"], ["parallel.distributed_optimizer=true"]],
+    ids=["fp32", "bf16", "distributed-optimizer"],
+)
 def test_a_step_reads_the_device_once(megatron_world, monkeypatch, overrides):
     reads = _steps(megatron_world, overrides, 3, monkeypatch)
     assert sum(reads.values()) <= 3 * SYNCS_PER_STEP, dict(reads)
@@ -122,8 +140,11 @@ def test_the_norm_and_traffic_are_read_when_asked(megatron_world, monkeypatch):
     real_step = objs.optimizer.step
 
     def step_seeing_the_gradients():  # the norm written out, before Megatron clips
-        grads = [p.main_grad if hasattr(p, "main_grad") else p.grad
-                 for chunk in objs.model for p in chunk.parameters()]
+        grads = [
+            p.main_grad if hasattr(p, "main_grad") else p.grad
+            for chunk in objs.model
+            for p in chunk.parameters()
+        ]
         norms.append(torch.sqrt(sum(g.double().pow(2).sum() for g in grads)))
         return real_step()
 

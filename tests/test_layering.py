@@ -19,8 +19,12 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE_ROOTS = {"t2train": "t2train", "t2train.data": "data", "t2train.kernels": "kernels",
-                "t2train.launch": "launch"}
+SOURCE_ROOTS = {
+    "t2train": "t2train",
+    "t2train.data": "data",
+    "t2train.kernels": "kernels",
+    "t2train.launch": "launch",
+}
 
 # High to low. A package may import from any package on a lower line; packages on one line are
 # independent siblings and may not import each other.
@@ -41,8 +45,7 @@ LAYERS = [
 # counts as importing what they reach).
 STANDALONE = {
     "t2train.data": {"t2train.errors", "t2train.compat"},
-    "t2train.launch": {"t2train.config", "t2train.errors", "t2train.signals",
-                       "t2train.processes"},
+    "t2train.launch": {"t2train.config", "t2train.errors", "t2train.signals", "t2train.processes"},
     "t2train.signals": {"t2train.errors"},
     "t2train.processes": set(),
     "t2train.errors": set(),
@@ -60,8 +63,9 @@ def _modules(repo: Path = REPO) -> dict[str, Path]:
     modules = {}
     for package, folder in SOURCE_ROOTS.items():
         for path in (repo / folder).rglob("*.py"):
-            parts = [p for p in path.relative_to(repo / folder).with_suffix("").parts
-                     if p != "__init__"]
+            parts = [
+                p for p in path.relative_to(repo / folder).with_suffix("").parts if p != "__init__"
+            ]
             modules[".".join([package, *parts])] = path
     return modules
 
@@ -76,7 +80,7 @@ def _absolute(node: ast.ImportFrom, module: str, path: Path) -> str:
     if node.level == 0:
         return node.module or ""
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-    base = package[:len(package) - (node.level - 1)]
+    base = package[: len(package) - (node.level - 1)]
     return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -109,12 +113,18 @@ def _imports(path: Path, module: str, known: set[str]) -> set[str]:
             source = _absolute(node, module, path)
             names.add(source)
             # ``from t2train import model`` imports the submodule t2train.model
-            names.update(f"{source}.{alias.name}" for alias in node.names
-                         if f"{source}.{alias.name}" in known)
+            names.update(
+                f"{source}.{alias.name}"
+                for alias in node.names
+                if f"{source}.{alias.name}" in known
+            )
         elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
-              and id(node) not in programs):
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in programs
+        ):
             named = _named_module(node.value, known)
             if named:
                 names.add(named)
@@ -175,8 +185,7 @@ def _violations(repo: Path = REPO) -> list[str]:
                 for beyond in sorted(_reach(graph, target) - {source, target}):
                     why = _violation(source, beyond)
                     if why:
-                        broken += [f"{line}: {why} ({beyond}) through {target}"
-                                   for line in lines]
+                        broken += [f"{line}: {why} ({beyond}) through {target}" for line in lines]
     return broken
 
 
@@ -223,16 +232,21 @@ _CLEAN_TREE = {
 PLANTED = {
     "relative": ("t2train/residual/design.py", "from ..model import gpt\n"),
     "relative, submodule": ("t2train/residual/design.py", "from .. import model\n"),
-    "submodule through its package": ("t2train/residual/design.py",
-                                      "from t2train import model\n"),
-    "string import": ("t2train/residual/design.py",
-                      "import importlib\n\ndef load():\n"
-                      "    return importlib.import_module('t2train.train.loop')\n"),
-    "registry table of module names": ("kernels/dispatch.py",
-                                       "TABLE = {'x': ('t2train.residual.design', 'DESIGN')}\n"),
+    "submodule through its package": ("t2train/residual/design.py", "from t2train import model\n"),
+    "string import": (
+        "t2train/residual/design.py",
+        "import importlib\n\ndef load():\n"
+        "    return importlib.import_module('t2train.train.loop')\n",
+    ),
+    "registry table of module names": (
+        "kernels/dispatch.py",
+        "TABLE = {'x': ('t2train.residual.design', 'DESIGN')}\n",
+    ),
     "module:attribute string": ("kernels/dispatch.py", "WHERE = 't2train.model.gpt:GPT'\n"),
-    "higher layer through launch": ("t2train/residual/design.py",
-                                    "from t2train.launch import plan\n"),
+    "higher layer through launch": (
+        "t2train/residual/design.py",
+        "from t2train.launch import plan\n",
+    ),
     "cli through launch": ("t2train/model/gpt.py", "import t2train.launch.plan\n"),
 }
 
@@ -251,14 +265,18 @@ def test_the_planted_tree_is_clean_without_a_violation(tmp_path):
 def test_every_planted_violation_is_caught(tmp_path):
     missed = []
     for form, (name, text) in PLANTED.items():
-        root = _tree(tmp_path / form.replace(" ", "_").replace(",", "").replace(":", "_"),
-                     _CLEAN_TREE | {name: text})
+        root = _tree(
+            tmp_path / form.replace(" ", "_").replace(",", "").replace(":", "_"),
+            _CLEAN_TREE | {name: text},
+        )
         if not _violations(root):
             missed.append(form)
     assert missed == []
 
 
 def test_a_docstring_or_a_child_process_is_not_an_import(tmp_path):
-    text = ('"""Read ``t2train.model.gpt`` for the model."""\nimport sys\n'
-            'COMMAND = [sys.executable, "-m", "t2train.cli", "export"]\n')
+    text = (
+        '"""Read ``t2train.model.gpt`` for the model."""\nimport sys\n'
+        'COMMAND = [sys.executable, "-m", "t2train.cli", "export"]\n'
+    )
     assert _violations(_tree(tmp_path, _CLEAN_TREE | {"kernels/dispatch.py": text})) == []

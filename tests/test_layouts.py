@@ -20,7 +20,7 @@ MODELS = {
     "ddl+shortswa": "model.residual=ddl,model.shortswa.window=4",
     "attnres+shortswa": "model.residual=attnres,model.shortswa.window=3",
     "block_attnres+shortswa": "model.residual=block_attnres,model.attnres.block_size=3,"
-                              "model.shortswa.window=4",
+    "model.shortswa.window=4",
     "depth_attn": "model.residual=depth_attn,model.depth_attn.window=3",
     "attnres": "model.residual=attnres",
     "block_attnres": "model.residual=block_attnres,model.attnres.block_size=4",
@@ -42,10 +42,17 @@ def scratch(tmp_path_factory):
 @pytest.fixture(scope="module")
 def losses(scratch):
     runs = ";".join(
-        f"{','.join(l for l in LAYOUTS if not (name in SEQUENCE_PARALLEL_REFUSED and 's' in l))}"
-        f"|{model}" for name, model in MODELS.items())
-    result = run_torchrun("layout_equivalence.py", 2, ["--scratch", str(scratch), "--runs", runs],
-                          scratch / "result.json", timeout=1200)
+        f"{','.join(x for x in LAYOUTS if not (name in SEQUENCE_PARALLEL_REFUSED and 's' in x))}"
+        f"|{model}"
+        for name, model in MODELS.items()
+    )
+    result = run_torchrun(
+        "layout_equivalence.py",
+        2,
+        ["--scratch", str(scratch), "--runs", runs],
+        scratch / "result.json",
+        timeout=1200,
+    )
     return {run.split("|")[1]: layouts for run, layouts in result["runs"].items()}
 
 

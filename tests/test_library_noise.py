@@ -12,8 +12,10 @@ def _warn_from(module: str, message: str) -> list:
     with warnings.catch_warnings(record=True) as caught:
         warnings.resetwarnings()
         library_noise.silence()
-        exec(compile(f"import warnings\nwarnings.warn({message!r}, UserWarning)", module, "exec"),
-             {"__name__": module})
+        exec(
+            compile(f"import warnings\nwarnings.warn({message!r}, UserWarning)", module, "exec"),
+            {"__name__": module},
+        )
     return [str(w.message) for w in caught]
 
 
@@ -51,8 +53,10 @@ def test_checkpoint_loads_and_zero_collectives_are_quiet_and_only_them():
     assert _warn("megatron.core.dist_checkpointing.strategies.torch", load, FutureWarning) == []
     sharded = "Please use DTensor instead and we are deprecating ShardedTensor."
     assert _warn("torch.distributed.checkpoint.planner_helpers", sharded, FutureWarning) == []
-    gather = ("`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
-              "`torch.distributed.all_gather_single` instead.")
+    gather = (
+        "`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
+        "`torch.distributed.all_gather_single` instead."
+    )
     assert _warn("torch.distributed.c10d_logger", gather, FutureWarning) == []
     assert _warn("some.library", gather, FutureWarning) == [gather]  # only torch's own
     other = "`torch.distributed.broadcast_object_list` is deprecated"
@@ -60,15 +64,18 @@ def test_checkpoint_loads_and_zero_collectives_are_quiet_and_only_them():
 
 
 def test_cuda_advice_is_dropped_only_without_cuda():
-    advice = ("When using sequence parallelism it is recommended to set the environment "
-              "variable CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup")
+    advice = (
+        "When using sequence parallelism it is recommended to set the environment "
+        "variable CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup"
+    )
     assert _warn("megatron.core.tensor_parallel.layers", advice, UserWarning) == [advice]
     with warnings.catch_warnings(record=True) as caught:
         warnings.resetwarnings()
         library_noise.silence_without_cuda()  # what the megatron-core CPU shim calls
         for message in (advice, advice.replace("sequence parallelism", "async grad allreduce")):
-            warnings.warn_explicit(message, UserWarning, "layers.py", 1,
-                                   module="megatron.core.tensor_parallel.layers")
+            warnings.warn_explicit(
+                message, UserWarning, "layers.py", 1, module="megatron.core.tensor_parallel.layers"
+            )
     assert caught == []
 
 
@@ -77,10 +84,12 @@ def test_launch_and_deepspeed_log_records_are_dropped(caplog):
     with caplog.at_level(logging.WARNING):
         logging.getLogger("torch.distributed.run").warning(
             "\n*****\nSetting OMP_NUM_THREADS environment variable for each process to be 1 in "
-            "default, to avoid your system being overloaded")
+            "default, to avoid your system being overloaded"
+        )
         logging.getLogger("DeepSpeed").warning(
             "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable "
-            "to detect it.")
+            "to detect it."
+        )
         logging.getLogger("DeepSpeed").warning("a new problem")
     assert [r.getMessage() for r in caplog.records] == ["a new problem"]
 
@@ -92,4 +101,5 @@ def test_known_prints_are_dropped_and_other_lines_pass(capsys):
         print(" line")
         print("DeepSpeed deepspeed.ops.comm.other built successfully, and more")
     assert capsys.readouterr().out == (
-        "kept line\nDeepSpeed deepspeed.ops.comm.other built successfully, and more\n")
+        "kept line\nDeepSpeed deepspeed.ops.comm.other built successfully, and more\n"
+    )

@@ -7,8 +7,13 @@ from t2train.config.loader import load_config
 from t2train.model.build import build_model_chunks, transformer_config
 from t2train.residual import registered
 
-TINY = ["data.path=unused", "model.num_layers=2", "model.hidden_size=64",
-        "model.num_attention_heads=4", "model.seq_length=16"]
+TINY = [
+    "data.path=unused",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.seq_length=16",
+]
 
 
 def _batch(vocab=128, b=2, s=16, seed=0):
@@ -17,8 +22,9 @@ def _batch(vocab=128, b=2, s=16, seed=0):
     return tokens[:, :-1], tokens[:, 1:], torch.arange(s).expand(b, s)
 
 
-@pytest.mark.parametrize("extra", [[], ["model.num_query_groups=2"],
-                                   ["model.tie_embeddings=false"]])
+@pytest.mark.parametrize(
+    "extra", [[], ["model.num_query_groups=2"], ["model.tie_embeddings=false"]]
+)
 def test_standard_matches_megatron_gptmodel(megatron_world, extra):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -26,9 +32,14 @@ def test_standard_matches_megatron_gptmodel(megatron_world, extra):
     config = load_config(overrides=TINY + extra)
     tf_config = transformer_config(config)
     [ours] = build_model_chunks(config, tf_config, vocab_size=128)
-    stock = GPTModel(tf_config, get_gpt_layer_local_spec(normalization="RMSNorm"),
-                     vocab_size=128, max_sequence_length=16, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=config.model.tie_embeddings)
+    stock = GPTModel(
+        tf_config,
+        get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=128,
+        max_sequence_length=16,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=config.model.tie_embeddings,
+    )
     stock.load_state_dict(ours.state_dict(), strict=True)
     tokens, labels, positions = _batch()
     ours_logits = ours(tokens, positions, None)
@@ -47,8 +58,9 @@ def test_parameter_count_of_standard(megatron_world):
     assert sum(p.numel() for p in model.parameters()) == expected
 
 
-@pytest.mark.parametrize("variant", [design + mixer for design in registered()
-                                     for mixer in ("", "+shortswa")])
+@pytest.mark.parametrize(
+    "variant", [design + mixer for design in registered() for mixer in ("", "+shortswa")]
+)
 def test_recompute_gives_identical_gradients(megatron_world, variant):
     """Full activation recompute, a checkpoint per layer: the stream is packed into one tensor
     at each layer boundary and rebuilt (``from_units``) before the next, also mid-block for
@@ -60,9 +72,16 @@ def test_recompute_gives_identical_gradients(megatron_world, variant):
     grads = []
     for recompute in ("none", "full"):
         torch.manual_seed(0)
-        config = load_config(overrides=TINY + [
-            "model.num_layers=4", f"model.residual={design}", "model.attnres.block_size=4",
-            f"model.shortswa.window={4 if mixer else 0}", f"model.recompute={recompute}"])
+        config = load_config(
+            overrides=TINY
+            + [
+                "model.num_layers=4",
+                f"model.residual={design}",
+                "model.attnres.block_size=4",
+                f"model.shortswa.window={4 if mixer else 0}",
+                f"model.recompute={recompute}",
+            ]
+        )
         [model] = build_model_chunks(config, transformer_config(config), vocab_size=128)
         with torch.no_grad():  # zero-initialised parts (pseudo-queries, depth reads) count too
             for param in model.parameters():

@@ -15,14 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from torchrun_helper import REPO, run_torchrun
 
-RUNS = ";".join([
-    # the stream crosses each hop as n units, the mixer's window attention inside
-    "1x1x1,2x1x1,2x1x1s,1x2x1|model.residual=mhc,model.shortswa.window=4",
-    # sources that never change: kept on the receiving rank, not resent (VPP = 2)
-    "1x1x1,1x2x2|model.residual=attnres,parallel.depth_cache=cached",
-])
+RUNS = ";".join(
+    [
+        # the stream crosses each hop as n units, the mixer's window attention inside
+        "1x1x1,2x1x1,2x1x1s,1x2x1|model.residual=mhc,model.shortswa.window=4",
+        # sources that never change: kept on the receiving rank, not resent (VPP = 2)
+        "1x1x1,1x2x2|model.residual=attnres,parallel.depth_cache=cached",
+    ]
+)
 DESIGN = "ddl"  # ZeRO: a non-standard design (the CPU suite's second one)
 # fp32 and eager on every device: the layouts then differ only in reduction order (GPU:
 # NCCL and cuBLAS, hence 1e-4 there; gloo: 1e-5, as tests/test_layouts.py).
@@ -31,9 +34,25 @@ BUNDLE_DATA = REPO / ".gpu-bundle" / "data" / "shakespeare-bpe4k-s4096"
 
 
 def _run(tmp_path: Path, data: Path, **env: str) -> dict:
-    return run_torchrun("multi_device.py", 2, [
-        "--scratch", str(tmp_path), "--runs", RUNS, "--data", str(data), "--design", DESIGN,
-        "--overrides", OVERRIDES], tmp_path / "result.json", timeout=900, **env)
+    return run_torchrun(
+        "multi_device.py",
+        2,
+        [
+            "--scratch",
+            str(tmp_path),
+            "--runs",
+            RUNS,
+            "--data",
+            str(data),
+            "--design",
+            DESIGN,
+            "--overrides",
+            OVERRIDES,
+        ],
+        tmp_path / "result.json",
+        timeout=900,
+        **env,
+    )
 
 
 def _check(result: dict, layout_tolerance: float, engine_tolerance: float) -> None:
@@ -54,9 +73,13 @@ def _check(result: dict, layout_tolerance: float, engine_tolerance: float) -> No
 
 @pytest.mark.gpu
 @pytest.mark.multi_gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=(
-    f"needs 2 or more CUDA devices ({torch.cuda.device_count()} here): run `make "
-    "gpu-check-multi` on a multi-GPU machine"))
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason=(
+        f"needs 2 or more CUDA devices ({torch.cuda.device_count()} here): run `make "
+        "gpu-check-multi` on a multi-GPU machine"
+    ),
+)
 def test_layouts_and_zero_on_two_gpus(tmp_path):
     if not (BUNDLE_DATA / "index.json").exists():
         pytest.skip(f"{BUNDLE_DATA}: no prepared dataset (make gpu-bundle, and carry it)")

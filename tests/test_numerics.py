@@ -10,16 +10,25 @@ import sys
 
 import pytest
 import torch
-from torchrun_helper import REPO, child_env
 
 from t2train.config.loader import load_config
 from t2train.engine.megatron.numerics import UpdateGuard
 
+from torchrun_helper import REPO, child_env
+
 
 def _config(*overrides: str):
-    return load_config("tiny", overrides=["data.path=unused", "model.num_layers=2",
-                                          "model.seq_length=16", "train.micro_batch_size=2",
-                                          "train.global_batch_size=4", *overrides])
+    return load_config(
+        "tiny",
+        overrides=[
+            "data.path=unused",
+            "model.num_layers=2",
+            "model.seq_length=16",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=4",
+            *overrides,
+        ],
+    )
 
 
 def _engine():
@@ -94,19 +103,38 @@ def test_loss_spike_guard():
 @pytest.mark.slow
 def test_repeated_skips_stop_the_run_with_the_last_checkpoint_intact(shakespeare, tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, str(REPO / "tests" / "workers" / "faulty_train.py"), "nan_gradient",
-           "4", "--", "--preset", "tiny", f"data.path={shakespeare}", f"log.run_dir={run_dir}",
-           "model.num_layers=2", "model.seq_length=64", "train.global_batch_size=8",
-           "train.micro_batch_size=4", "train.steps=10", "train.warmup_steps=1",
-           "train.eval_batches=1", "checkpoint.interval=3", "train.max_skipped_steps=2",
-           "log.tensorboard=false", "log.diagnostics_interval=0"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env=child_env())
+    cmd = [
+        sys.executable,
+        str(REPO / "tests" / "workers" / "faulty_train.py"),
+        "nan_gradient",
+        "4",
+        "--",
+        "--preset",
+        "tiny",
+        f"data.path={shakespeare}",
+        f"log.run_dir={run_dir}",
+        "model.num_layers=2",
+        "model.seq_length=64",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+        "train.steps=10",
+        "train.warmup_steps=1",
+        "train.eval_batches=1",
+        "checkpoint.interval=3",
+        "train.max_skipped_steps=2",
+        "log.tensorboard=false",
+        "log.diagnostics_interval=0",
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=child_env()
+    )
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step      4 | update skipped: non-finite gradients (1 in a row" in proc.stdout
     checkpoints = run_dir / "checkpoints"
-    assert (f"error: step 5: 2 updates skipped in a row (train.max_skipped_steps=2), the last "
-            f"for non-finite gradients; stopped without saving. Last checkpoint: "
-            f"{checkpoints / 'step_00000003'}") in proc.stderr
+    assert (
+        f"error: step 5: 2 updates skipped in a row (train.max_skipped_steps=2), the last "
+        f"for non-finite gradients; stopped without saving. Last checkpoint: "
+        f"{checkpoints / 'step_00000003'}"
+    ) in proc.stderr
     assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_00000003"]
     assert (checkpoints / "latest").read_text().strip() == "step_00000003"

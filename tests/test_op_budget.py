@@ -48,14 +48,25 @@ def _layer_and_inputs(megatron_world):
     from t2train.parallel.init import set_seed
 
     set_seed(1234, megatron_world)
-    config = load_config(overrides=[
-        "data.path=unused", "model.num_layers=1", "model.hidden_size=32",
-        "model.num_attention_heads=2", "model.num_query_groups=1", "model.seq_length=16",
-        "model.fusions=none", "train.precision=bf16"])
+    config = load_config(
+        overrides=[
+            "data.path=unused",
+            "model.num_layers=1",
+            "model.hidden_size=32",
+            "model.num_attention_heads=2",
+            "model.num_query_groups=1",
+            "model.seq_length=16",
+            "model.fusions=none",
+            "train.precision=bf16",
+        ]
+    )
     [model] = build_model_chunks(config, transformer_config(config), vocab_size=128)
     hidden = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(0))
-    return (model.decoder.layers[0], hidden.to(torch.bfloat16).requires_grad_(),
-            model.rotary_pos_emb(16))
+    return (
+        model.decoder.layers[0],
+        hidden.to(torch.bfloat16).requires_grad_(),
+        model.rotary_pos_emb(16),
+    )
 
 
 def _forward_backward(layer, hidden, rotary):
@@ -77,7 +88,8 @@ def test_a_standard_layer_runs_within_its_operator_budget(megatron_world):
     ops = _count(*_layer_and_inputs(megatron_world))
     assert sum(ops.values()) <= EAGER_OPS, (
         f"{sum(ops.values())} operators per layer forward + backward, budget {EAGER_OPS}: "
-        f"{dict(ops.most_common())}")
+        f"{dict(ops.most_common())}"
+    )
 
 
 def test_the_count_sees_one_extra_operator(megatron_world, monkeypatch):
@@ -88,9 +100,11 @@ def test_the_count_sees_one_extra_operator(megatron_world, monkeypatch):
     layer, hidden, rotary = _layer_and_inputs(megatron_world)
     before = sum(_count(layer, hidden, rotary).values())
     write = AdditiveResidual.write
-    monkeypatch.setattr(AdditiveResidual, "write",
-                        lambda self, state, x, normed, out: write(self, state, x, normed,
-                                                                  out.clone()))
+    monkeypatch.setattr(
+        AdditiveResidual,
+        "write",
+        lambda self, state, x, normed, out: write(self, state, x, normed, out.clone()),
+    )
     assert sum(_count(layer, hidden, rotary).values()) == before + 2  # two sublayers
 
 
@@ -99,8 +113,11 @@ def test_the_budget_sees_an_fp32_round_trip(megatron_world, monkeypatch):
     casts per sublayer in bf16 (three forward, three backward) and breaks the budget."""
     from t2train.residual.standard import AdditiveResidual
 
-    monkeypatch.setattr(AdditiveResidual, "write", lambda self, state, x, normed, out: (
-        state.float() + out.float()).to(state.dtype))
+    monkeypatch.setattr(
+        AdditiveResidual,
+        "write",
+        lambda self, state, x, normed, out: (state.float() + out.float()).to(state.dtype),
+    )
     ops = _count(*_layer_and_inputs(megatron_world))
     assert sum(ops.values()) == EAGER_OPS + 12 > EAGER_OPS
 

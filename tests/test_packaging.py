@@ -11,8 +11,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # Source folder -> its path inside the wheel (setup.py's SOURCE_ROOTS).
-INSTALLED_AS = {"t2train": "t2train", "data": "t2train/data", "kernels": "t2train/kernels",
-                "launch": "t2train/launch"}
+INSTALLED_AS = {
+    "t2train": "t2train",
+    "data": "t2train/data",
+    "kernels": "t2train/kernels",
+    "launch": "t2train/launch",
+}
 
 
 def _source_files() -> set[str]:
@@ -26,12 +30,24 @@ def _source_files() -> set[str]:
 
 @pytest.mark.slow
 def test_the_wheel_holds_every_module_and_preset(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "-w", str(tmp_path), str(REPO)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = tmp_path.glob("t2train-*.whl")
-    packed = {name for name in zipfile.ZipFile(wheel).namelist()
-              if name.endswith((".py", ".yaml"))}
+    packed = {name for name in zipfile.ZipFile(wheel).namelist() if name.endswith((".py", ".yaml"))}
     expected = _source_files()
     assert len(expected) > 80 and "t2train/config/presets/tiny.yaml" in expected
     assert expected - packed == set(), "missing from the wheel"

@@ -27,34 +27,57 @@ CACHED["attnres+shortswa"] = "model.residual=attnres,model.shortswa.window=4"  #
 LAYOUTS = {name: "1x1x1,1x4x2,2x2x2,1x2x4" for name in CACHED}  # (PP, VPP) = (4,2) (2,2) (2,4)
 LAYOUTS["attnres+shortswa"] = "1x1x1,1x4x2"
 CACHE = {
-    **{f"{name}_cached": (f"{LAYOUTS[name]}|{design},{DEEP},"
-                          f"parallel.depth_cache=cached{RECOMPUTE.get(name, '')}")
-       for name, design in CACHED.items()},
+    **{
+        f"{name}_cached": (
+            f"{LAYOUTS[name]}|{design},{DEEP},parallel.depth_cache=cached{RECOMPUTE.get(name, '')}"
+        )
+        for name, design in CACHED.items()
+    },
     # Naive resending with every hop padded to the largest: the fallback hop shapes.
-    **{f"{name}_naive": (f"1x1x1,1x4x2|{DESIGNS[name]},{DEEP},parallel.depth_cache=naive,"
-                         f"parallel.hop_shapes=padded{RECOMPUTE.get(name, '')}")
-       for name in ("attnres", "block_attnres", "depth_attn")},
+    **{
+        f"{name}_naive": (
+            f"1x1x1,1x4x2|{DESIGNS[name]},{DEEP},parallel.depth_cache=naive,"
+            f"parallel.hop_shapes=padded{RECOMPUTE.get(name, '')}"
+        )
+        for name in ("attnres", "block_attnres", "depth_attn")
+    },
 }
 DATA_PARALLEL = {
-    f"{name}_{optimizer}": (f"1x1x1,2x1x1,1x2x1|{DESIGNS[name]},"
-                            f"parallel.distributed_optimizer={optimizer == 'distopt'}")
-    for name in ("standard",) for optimizer in ("adam", "distopt")
+    f"{name}_{optimizer}": (
+        f"1x1x1,2x1x1,1x2x1|{DESIGNS[name]},parallel.distributed_optimizer={optimizer == 'distopt'}"
+    )
+    for name in ("standard",)
+    for optimizer in ("adam", "distopt")
 }
-RUNS = {**{name: f"1x1x1,2x2x1,1x4x1|{design}" for name, design in DESIGNS.items()},
-        **CACHE, **DATA_PARALLEL}
+RUNS = {
+    **{name: f"1x1x1,2x2x1,1x4x1|{design}" for name, design in DESIGNS.items()},
+    **CACHE,
+    **DATA_PARALLEL,
+}
 SEQ, MICRO, HIDDEN, GLOBAL, BYTES = 8, 1, 32, 4, 4
-WORKER_BASE = ["data.path=unused", "model.num_layers=4", "model.hidden_size=32",
-               "model.num_attention_heads=4", f"model.seq_length={SEQ}",
-               f"train.micro_batch_size={MICRO}", f"train.global_batch_size={GLOBAL}",
-               "train.warmup_steps=1", "train.steps=3"]  # as tests/workers/layout_equivalence.py
+WORKER_BASE = [
+    "data.path=unused",
+    "model.num_layers=4",
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    f"model.seq_length={SEQ}",
+    f"train.micro_batch_size={MICRO}",
+    f"train.global_batch_size={GLOBAL}",
+    "train.warmup_steps=1",
+    "train.steps=3",
+]  # as tests/workers/layout_equivalence.py
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     scratch = tmp_path_factory.mktemp("four")
-    result = run_torchrun("layout_equivalence.py", 4,
-                          ["--scratch", str(scratch), "--runs", ";".join(RUNS.values())],
-                          scratch / "result.json", timeout=1800)
+    result = run_torchrun(
+        "layout_equivalence.py",
+        4,
+        ["--scratch", str(scratch), "--runs", ";".join(RUNS.values())],
+        scratch / "result.json",
+        timeout=1800,
+    )
     return {name: result["runs"][spec] for name, spec in RUNS.items()}
 
 
@@ -85,14 +108,24 @@ def _config(name: str, layout: str):
 
     tp, pp, vpp = (int(n) for n in layout.split("x"))
     overrides = RUNS[name].split("|")[1].split(",")
-    return load_config(overrides=[*WORKER_BASE, f"parallel.tensor={tp}",
-                                  f"parallel.pipeline={pp}", f"parallel.virtual_pipeline={vpp}",
-                                  *overrides])
+    return load_config(
+        overrides=[
+            *WORKER_BASE,
+            f"parallel.tensor={tp}",
+            f"parallel.pipeline={pp}",
+            f"parallel.virtual_pipeline={vpp}",
+            *overrides,
+        ]
+    )
 
 
 def _pipelined():
-    return [(name, layout) for name, spec in RUNS.items()
-            for layout in spec.split("|")[0].split(",") if layout.split("x")[1] != "1"]
+    return [
+        (name, layout)
+        for name, spec in RUNS.items()
+        for layout in spec.split("|")[0].split(",")
+        if layout.split("x")[1] != "1"
+    ]
 
 
 @pytest.mark.parametrize("name, layout", _pipelined())
@@ -104,8 +137,12 @@ def test_what_is_sent_is_the_minimum(runs, name, layout):
 
     config = _config(name, layout)
     parallel = config.parallel
-    units = minimum_hop_units(config.model, parallel.pipeline, parallel.virtual_pipeline,
-                              cached=parallel.caches_depth_units())
+    units = minimum_hop_units(
+        config.model,
+        parallel.pipeline,
+        parallel.virtual_pipeline,
+        cached=parallel.caches_depth_units(),
+    )
     wire = units if parallel.hop_shapes == "exact" else [max(units)] * len(units)
     per_unit = SEQ * MICRO * HIDDEN * BYTES * (GLOBAL // MICRO) * parallel.tensor
     traffic = runs[name][layout]["traffic"]
@@ -119,9 +156,11 @@ def test_what_is_sent_is_the_minimum(runs, name, layout):
 def test_cached_sends_less_than_naive(runs, design):
     naive = runs[f"{design}_naive"]["1x4x2"]["traffic"]
     cached = runs[f"{design}_cached"]["1x4x2"]["traffic"]
-    print(f"{design}: forward bytes per step naive {naive['pipeline/forward_wire_bytes']:.0f} "
-          f"on the wire ({naive['pipeline/forward_data_bytes']:.0f} data), cached "
-          f"{cached['pipeline/forward_wire_bytes']:.0f}")
+    print(
+        f"{design}: forward bytes per step naive {naive['pipeline/forward_wire_bytes']:.0f} "
+        f"on the wire ({naive['pipeline/forward_data_bytes']:.0f} data), cached "
+        f"{cached['pipeline/forward_wire_bytes']:.0f}"
+    )
     assert cached["pipeline/forward_wire_bytes"] < naive["pipeline/forward_data_bytes"]
 
 

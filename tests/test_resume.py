@@ -22,26 +22,39 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrun_helper import REPO, child_env, run_torchrun
 
 from t2train.checkpoint.store import find_latest
+
+from torchrun_helper import REPO, child_env, run_torchrun
 
 pytestmark = pytest.mark.slow
 
 N = 2  # steps before the checkpoint; runs go to 2N (3N for the kill test)
-TINY = ["model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=4",
-        "model.seq_length=64", "train.micro_batch_size=2", "train.global_batch_size=8",
-        "train.lr=3e-3", "train.min_lr=3e-4", "train.warmup_steps=1", "train.eval_batches=1",
-        "train.eval_interval=1000", "train.log_interval=1", "log.tensorboard=false"]
+TINY = [
+    "model.num_layers=4",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.seq_length=64",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+    "train.lr=3e-3",
+    "train.min_lr=3e-4",
+    "train.warmup_steps=1",
+    "train.eval_batches=1",
+    "train.eval_interval=1000",
+    "train.log_interval=1",
+    "log.tensorboard=false",
+]
 
 
 def test_every_design_resumes_with_bitwise_identical_losses(shakespeare, tmp_path):
-    args = ["--data", str(shakespeare), "--root", str(tmp_path), "--steps-before-save",
-            str(N)]
-    straight = run_torchrun("resume_designs.py", 1, [*args, "--phase", "straight"],
-                            tmp_path / "straight.json")
-    resumed = run_torchrun("resume_designs.py", 1, [*args, "--phase", "resume"],
-                           tmp_path / "resumed.json")
+    args = ["--data", str(shakespeare), "--root", str(tmp_path), "--steps-before-save", str(N)]
+    straight = run_torchrun(
+        "resume_designs.py", 1, [*args, "--phase", "straight"], tmp_path / "straight.json"
+    )
+    resumed = run_torchrun(
+        "resume_designs.py", 1, [*args, "--phase", "resume"], tmp_path / "resumed.json"
+    )
     for design, run in straight.items():
         tail = {step: loss for step, loss in run["losses"].items() if int(step) > N}
         assert len(tail) == N
@@ -51,11 +64,22 @@ def test_every_design_resumes_with_bitwise_identical_losses(shakespeare, tmp_pat
 
 def _train(run_dir: Path, nproc: int, *overrides: str, timeout: int = 600) -> dict[int, float]:
     """``t2train train`` on ``nproc`` torchrun processes; returns its per-step losses."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "t2train.cli", "train", *TINY,
-           f"log.run_dir={run_dir}", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env=child_env())
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "t2train.cli",
+        "train",
+        *TINY,
+        f"log.run_dir={run_dir}",
+        *overrides,
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=child_env()
+    )
     assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return _losses(run_dir)
 
@@ -70,8 +94,11 @@ def _consolidated(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(str(checkpoint), str(out))
-    return {key: value for key, value in torch.load(out, weights_only=False).items()
-            if isinstance(value, torch.Tensor)}
+    return {
+        key: value
+        for key, value in torch.load(out, weights_only=False).items()
+        if isinstance(value, torch.Tensor)
+    }
 
 
 def _assert_same_tensors(saved: dict, reloaded: dict) -> None:
@@ -93,24 +120,36 @@ def test_layout_changes_resume_through_resharding(shakespeare, tmp_path):
     loading, which shows the loaded tensors exactly."""
     data = f"data.path={shakespeare}"
     tail = range(N + 1, 2 * N + 1)
-    reference = _train(tmp_path / "tp1pp1", 1, data, f"train.steps={2 * N}",
-                       f"checkpoint.interval={N}", "checkpoint.resume=none")
+    reference = _train(
+        tmp_path / "tp1pp1",
+        1,
+        data,
+        f"train.steps={2 * N}",
+        f"checkpoint.interval={N}",
+        "checkpoint.resume=none",
+    )
 
     def step_n(run: str) -> Path:
         return tmp_path / run / "checkpoints" / f"step_{N:08d}"
 
     def resume(run: str, nproc: int, source: Path, *layout: str) -> dict[str, torch.Tensor]:
         """Resume ``source`` at a layout: its next losses match, its step-N save is returned."""
-        losses = _train(tmp_path / run, nproc, data, f"train.steps={2 * N}",
-                        f"checkpoint.interval={N}", f"checkpoint.resume={source}",
-                        "checkpoint.save_on_resume=true", *layout)
+        losses = _train(
+            tmp_path / run,
+            nproc,
+            data,
+            f"train.steps={2 * N}",
+            f"checkpoint.interval={N}",
+            f"checkpoint.resume={source}",
+            "checkpoint.save_on_resume=true",
+            *layout,
+        )
         assert sorted(losses) == list(tail)
         _near(losses, reference, tail)
         return _consolidated(step_n(run), tmp_path / f"{run}.pt")
 
     reference_state = _consolidated(step_n("tp1pp1"), tmp_path / "tp1pp1.pt")
-    tp2pp2_state = resume("tp2pp2", 4, step_n("tp1pp1"), "parallel.tensor=2",
-                          "parallel.pipeline=2")
+    tp2pp2_state = resume("tp2pp2", 4, step_n("tp1pp1"), "parallel.tensor=2", "parallel.pipeline=2")
     _assert_same_tensors(reference_state, tp2pp2_state)  # (1, 1) -> (2, 2)
     _assert_same_tensors(tp2pp2_state, resume("tp1pp1-from-tp2pp2", 1, step_n("tp2pp2")))
 
@@ -130,8 +169,7 @@ def test_kill_9_during_a_save_resumes_from_the_previous_checkpoint(shakespeare, 
     with pytest.warns(UserWarning, match="incomplete checkpoint"):
         assert find_latest(checkpoints) == checkpoints / f"step_{N:08d}"
     resumed = _train(run_dir, 1, data, *steps, "checkpoint.resume=auto")
-    after_restart = {step: loss for step, loss in resumed.items()
-                     if step > N and step in reference}
+    after_restart = {step: loss for step, loss in resumed.items() if step > N and step in reference}
     assert sorted(after_restart) == list(range(N + 1, 3 * N + 1))
     assert all(after_restart[step] == reference[step] for step in after_restart)
 
@@ -139,13 +177,28 @@ def test_kill_9_during_a_save_resumes_from_the_previous_checkpoint(shakespeare, 
 def _kill_before_publishing(run_dir: Path, step: int, data: str, steps: list[str]) -> None:
     """Run the trainer until its ``step`` save has written every shard, then SIGKILL it."""
     marker = run_dir.parent / f"{run_dir.name}.hanging"
-    cmd = [sys.executable, str(REPO / "tests" / "workers" / "hang_before_publish.py"),
-           str(step), str(marker), "--", *TINY, data, *steps, f"log.run_dir={run_dir}",
-           "checkpoint.resume=none"]
+    cmd = [
+        sys.executable,
+        str(REPO / "tests" / "workers" / "hang_before_publish.py"),
+        str(step),
+        str(marker),
+        "--",
+        *TINY,
+        data,
+        *steps,
+        f"log.run_dir={run_dir}",
+        "checkpoint.resume=none",
+    ]
     log = run_dir.parent / f"{run_dir.name}.log"
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=child_env())
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=child_env(),
+        )
     deadline = time.monotonic() + 300
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -18,9 +18,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from test_checkpoint import _config, _engine, _steps
 
 from t2train.errors import TrainingHalted
-from test_checkpoint import _config, _engine, _steps
+
 from torchrun_helper import REPO, child_env
 
 
@@ -68,8 +69,9 @@ def _checkpointer(root: Path, on_save_error: str, monitor=None):
     engine = _engine(seed=1, config=config)
     _steps(engine.objs, 1, seed=0)
     saved = []
-    return Checkpointer(root, config, engine, lambda *args: saved.append(args),
-                        monitor=monitor), saved
+    return Checkpointer(
+        root, config, engine, lambda *args: saved.append(args), monitor=monitor
+    ), saved
 
 
 def _blocker(root: Path, step: int) -> Path:
@@ -81,8 +83,7 @@ def _blocker(root: Path, step: int) -> Path:
     return staging
 
 
-def test_stop_names_path_and_os_error_and_keeps_the_last_checkpoint(megatron_world,
-                                                                    tmp_path: Path):
+def test_stop_names_path_and_os_error_and_keeps_the_last_checkpoint(megatron_world, tmp_path: Path):
     root = tmp_path / "checkpoints"
     monitor = FakeMonitor()
     checkpointer, saved = _checkpointer(root, "stop", monitor)
@@ -98,7 +99,9 @@ def test_stop_names_path_and_os_error_and_keeps_the_last_checkpoint(megatron_wor
     assert "checkpoint.on_save_error=stop" in text and "\n" not in text
     assert (root / "latest").read_text().strip() == "step_00000001"
     assert (first / "metadata.json").is_file() and monitor.closed and len(saved) == 1
-    assert not (root / "step_00000002").exists() and not (root / "step_00000002.incomplete").exists()
+    assert (
+        not (root / "step_00000002").exists() and not (root / "step_00000002.incomplete").exists()
+    )
 
 
 def test_continue_warns_counts_and_saves_again_later(megatron_world, tmp_path: Path):
@@ -131,9 +134,11 @@ def test_a_write_that_fails_midway_is_caught_and_cleaned_up(megatron_world, tmp_
         assert checkpointer.save(2, {"tokens": 2}) == first
     warning = next(line for line in monitor.lines if "warning" in line)
     # torch's serializer reports the short write without the errno: a write is tried again
-    assert (f"failed: OSError: [Errno 27] File too large: '{root}/step_00000002.incomplete' "
-            "(a write there fails now; the writer reported rank 0: RuntimeError: Worker "
-            "failure") in warning and "unexpected pos" in warning, warning
+    assert (
+        f"failed: OSError: [Errno 27] File too large: '{root}/step_00000002.incomplete' "
+        "(a write there fails now; the writer reported rank 0: RuntimeError: Worker "
+        "failure"
+    ) in warning and "unexpected pos" in warning, warning
     assert f"{root}/step_00000002.incomplete (" in warning and "GiB free there" in warning
     assert (root / "latest").read_text().strip() == "step_00000001"
     assert not (root / "step_00000002.incomplete").exists()
@@ -141,8 +146,9 @@ def test_a_write_that_fails_midway_is_caught_and_cleaned_up(megatron_world, tmp_
 
 
 @pytest.mark.slow
-def test_two_ranks_agree_on_failed_saves_and_a_failed_last_save_is_a_failure(shakespeare,
-                                                                             tmp_path: Path):
+def test_two_ranks_agree_on_failed_saves_and_a_failed_last_save_is_a_failure(
+    shakespeare, tmp_path: Path
+):
     """`t2train train` on 2 data-parallel ranks with ``checkpoint.on_save_error=continue``:
     only rank 0 touches the directory and fails (steps 4 and 8); both ranks train on instead
     of one waiting for the other, step 6 is saved, and since the save of step 8, the last,
@@ -151,16 +157,42 @@ def test_two_ranks_agree_on_failed_saves_and_a_failed_last_save_is_a_failure(sha
     from t2train.checkpoint.manager import SAVE_FAILED_EXIT_CODE
 
     checkpoints = tmp_path / "runs" / "x" / "checkpoints"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "t2train.cli", "train", "--preset", "tiny", f"data.path={shakespeare}",
-           "log.run_dir=runs/x", "model.num_layers=2", "model.hidden_size=64",
-           "model.seq_length=32", "train.steps=8", "train.micro_batch_size=2",
-           "train.global_batch_size=4", "train.warmup_steps=0", "train.eval_batches=1",
-           "train.eval_interval=100", "log.diagnostics_interval=0", "log.tensorboard=false",
-           "checkpoint.interval=2", "checkpoint.on_save_error=continue"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "t2train.cli",
+        "train",
+        "--preset",
+        "tiny",
+        f"data.path={shakespeare}",
+        "log.run_dir=runs/x",
+        "model.num_layers=2",
+        "model.hidden_size=64",
+        "model.seq_length=32",
+        "train.steps=8",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=4",
+        "train.warmup_steps=0",
+        "train.eval_batches=1",
+        "train.eval_interval=100",
+        "log.diagnostics_interval=0",
+        "log.tensorboard=false",
+        "checkpoint.interval=2",
+        "checkpoint.on_save_error=continue",
+    ]
     with immutable(_blocker(checkpoints, 4)), immutable(_blocker(checkpoints, 8)):
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=400,
-                              env=child_env(PYTHONPATH=str(REPO)))
+        proc = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=400,
+            env=child_env(PYTHONPATH=str(REPO)),
+        )
     output = proc.stdout + proc.stderr
     # no trainer traceback (torchrun's agent prints its own when a worker exits non-zero)
     frames = re.findall(r'File "[^"]*/(?:t2train|data|launch)/[^"]*"', proc.stderr)
@@ -173,14 +205,19 @@ def test_two_ranks_agree_on_failed_saves_and_a_failed_last_save_is_a_failure(sha
     codes = re.findall(r"exitcode\s+: (\S+)", output)
     assert str(SAVE_FAILED_EXIT_CODE) in codes and set(codes) <= {"74", "-15"}, output[-4000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == ["error: the checkpoint of the last step 8 was not saved (see the warning "
-                      "above); the newest published checkpoint is "
-                      "runs/x/checkpoints/step_00000006; exit code 74"], output[-4000:]
+    assert errors == [
+        "error: the checkpoint of the last step 8 was not saved (see the warning "
+        "above); the newest published checkpoint is "
+        "runs/x/checkpoints/step_00000006; exit code 74"
+    ], output[-4000:]
     assert (checkpoints / "latest").read_text().strip() == "step_00000006"
-    metrics = [json.loads(line) for line in
-               (tmp_path / "runs" / "x" / "metrics.jsonl").read_text().splitlines()]
-    failed = {m["step"]: m["checkpoint/failed_saves"] for m in metrics
-              if "checkpoint/failed_saves" in m}
+    metrics = [
+        json.loads(line)
+        for line in (tmp_path / "runs" / "x" / "metrics.jsonl").read_text().splitlines()
+    ]
+    failed = {
+        m["step"]: m["checkpoint/failed_saves"] for m in metrics if "checkpoint/failed_saves" in m
+    }
     assert failed == {4: 1, 8: 2}, metrics
     assert (checkpoints / "step_00000002" / "metadata.json").is_file()
 
@@ -215,8 +252,11 @@ def test_a_failed_async_save_is_reported_when_it_is_finalized(megatron_world, tm
 def small_tmpfs(path: Path, size: str):
     """A tmpfs of ``size`` mounted at ``path``: writes past it fail with ENOSPC."""
     path.mkdir(parents=True)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip() or proc.returncode}")
     try:
@@ -237,7 +277,9 @@ def test_a_full_disk_is_named_with_the_os_error_and_the_file(megatron_world, tmp
             checkpointer.save(1, {"tokens": 1})
         text = str(err.value)
         assert "\n" not in text
-        assert (f"failed: OSError: [Errno 28] No space left on device: "
-                f"'{root}/step_00000001.incomplete' (a write there fails now; the writer "
-                "reported rank 0: RuntimeError: Worker failure") in text, text
+        assert (
+            f"failed: OSError: [Errno 28] No space left on device: "
+            f"'{root}/step_00000001.incomplete' (a write there fails now; the writer "
+            "reported rank 0: RuntimeError: Worker failure"
+        ) in text, text
         assert not (root / "step_00000001.incomplete").exists() and not saved

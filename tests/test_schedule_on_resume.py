@@ -16,11 +16,22 @@ from t2train.train.loop import train
 pytestmark = pytest.mark.slow
 
 LR, MIN_LR, WARMUP = 3e-3, 3e-4, 1
-RUN = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-       "model.seq_length=64", "train.micro_batch_size=4", "train.global_batch_size=8",
-       f"train.lr={LR}", f"train.min_lr={MIN_LR}", f"train.warmup_steps={WARMUP}",
-       "train.eval_batches=1", "train.eval_interval=100", "train.log_interval=1",
-       "log.diagnostics_interval=0", "log.tensorboard=false"]
+RUN = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.seq_length=64",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+    f"train.lr={LR}",
+    f"train.min_lr={MIN_LR}",
+    f"train.warmup_steps={WARMUP}",
+    "train.eval_batches=1",
+    "train.eval_interval=100",
+    "train.log_interval=1",
+    "log.diagnostics_interval=0",
+    "log.tensorboard=false",
+]
 
 
 def cosine_lr(step: int, horizon: int) -> float:
@@ -43,29 +54,39 @@ def _run(data, run_dir, monkeypatch, *overrides) -> tuple[dict, list]:
         return real_step(engine, micro_batches)
 
     monkeypatch.setattr(MegatronEngine, "train_step", train_step)
-    train(load_config(overrides=[*RUN, f"data.path={data}", f"log.run_dir={run_dir}",
-                                 *overrides]))
+    train(load_config(overrides=[*RUN, f"data.path={data}", f"log.run_dir={run_dir}", *overrides]))
     records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
     return {r["step"]: r["train/lr"] for r in records if "train/lr" in r}, used
 
 
-def test_the_schedule_on_resume_is_the_chosen_one(megatron_world, shakespeare, tmp_path,
-                                                  monkeypatch, capsys):
+def test_the_schedule_on_resume_is_the_chosen_one(
+    megatron_world, shakespeare, tmp_path, monkeypatch, capsys
+):
     logged, _ = _run(shakespeare, tmp_path / "first", monkeypatch, "train.steps=4")
     assert logged == pytest.approx({s: cosine_lr(s, 4) for s in range(1, 5)}, rel=1e-6)
     checkpoint = tmp_path / "first" / "checkpoints" / "step_00000004"
     capsys.readouterr()
 
     for choice, horizon in (("checkpoint", 4), ("config", 8)):
-        logged, used = _run(shakespeare, tmp_path / choice, monkeypatch, "train.steps=8",
-                            f"checkpoint.resume={checkpoint}",
-                            f"train.schedule_on_resume={choice}")
-        assert logged == pytest.approx({s: cosine_lr(s, horizon) for s in range(5, 9)},
-                                       rel=1e-6), choice
+        logged, used = _run(
+            shakespeare,
+            tmp_path / choice,
+            monkeypatch,
+            "train.steps=8",
+            f"checkpoint.resume={checkpoint}",
+            f"train.schedule_on_resume={choice}",
+        )
+        assert logged == pytest.approx({s: cosine_lr(s, horizon) for s in range(5, 9)}, rel=1e-6), (
+            choice
+        )
         assert used[0] == pytest.approx(cosine_lr(4, horizon), rel=1e-6)  # the first update
         banner = capsys.readouterr().out.splitlines()[0]
-        assert (f"LR schedule of the {choice} (train.schedule_on_resume={choice}): warm-up 1, "
-                f"cosine 3.00e-03 -> 3.00e-04 until step {horizon}") in banner, banner
-        assert ("this config's (warm-up 1, cosine 3.00e-03 -> 3.00e-04 until step 8) is not "
-                "used" in banner) == (choice == "checkpoint"), banner
+        assert (
+            f"LR schedule of the {choice} (train.schedule_on_resume={choice}): warm-up 1, "
+            f"cosine 3.00e-03 -> 3.00e-04 until step {horizon}"
+        ) in banner, banner
+        assert (
+            "this config's (warm-up 1, cosine 3.00e-03 -> 3.00e-04 until step 8) is not "
+            "used" in banner
+        ) == (choice == "checkpoint"), banner
     assert cosine_lr(5, 4) != pytest.approx(cosine_lr(5, 8))  # the choice is visible

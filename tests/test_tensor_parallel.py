@@ -9,9 +9,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("extra", ["", "model.num_query_groups=2"])
 def test_tp2_forward_backward_equals_tp1(tmp_path, extra):
-    result = run_torchrun("tp_equivalence.py", 2,
-                          ["--scratch", str(tmp_path / "ckpt"), "--extra", extra],
-                          tmp_path / "result.json")
+    result = run_torchrun(
+        "tp_equivalence.py",
+        2,
+        ["--scratch", str(tmp_path / "ckpt"), "--extra", extra],
+        tmp_path / "result.json",
+    )
     assert abs(result["loss_tp1"] - result["loss_tp2"]) < 1e-5
     assert result["grad_scale"] > 0
     worst = max(result["grad_diffs"].items(), key=lambda item: item[1])

@@ -15,17 +15,28 @@ from t2train.config.loader import load_config
 
 pytestmark = pytest.mark.slow
 
-TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-        "model.seq_length=64", "train.micro_batch_size=4", "train.global_batch_size=8",
-        "train.lr=3e-3", "train.min_lr=3e-4", "train.warmup_steps=5", "train.eval_batches=2",
-        "train.log_interval=5", "checkpoint.resume=none"]
+TINY = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.seq_length=64",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+    "train.lr=3e-3",
+    "train.min_lr=3e-4",
+    "train.warmup_steps=5",
+    "train.eval_batches=2",
+    "train.log_interval=5",
+    "checkpoint.resume=none",
+]
 
 
 def _train(data: Path, run_dir: Path, *overrides: str):
     from t2train.train.loop import train
 
-    config = load_config(overrides=[f"data.path={data}", f"log.run_dir={run_dir}", *TINY,
-                                    *overrides])
+    config = load_config(
+        overrides=[f"data.path={data}", f"log.run_dir={run_dir}", *TINY, *overrides]
+    )
     return train(config)
 
 
@@ -33,8 +44,9 @@ def test_loss_falls_and_outputs_are_written(megatron_world, shakespeare, tmp_pat
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = tmp_path / "run"
-    summary = _train(shakespeare, run_dir, "train.steps=60", "train.eval_interval=30",
-                     "checkpoint.interval=30")
+    summary = _train(
+        shakespeare, run_dir, "train.steps=60", "train.eval_interval=30", "checkpoint.interval=30"
+    )
     first, last = summary.val_losses[0], summary.val_losses[60]
     assert last < first - 1.0, f"val loss {first:.3f} -> {last:.3f}"
     assert summary.losses[60] < summary.losses[5]
@@ -42,8 +54,13 @@ def test_loss_falls_and_outputs_are_written(megatron_world, shakespeare, tmp_pat
     events = EventAccumulator(str(run_dir))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train/loss", "val/loss", "train/lr", "train/grad_norm",
-            "throughput/tokens_per_sec"} <= tags
+    assert {
+        "train/loss",
+        "val/loss",
+        "train/lr",
+        "train/grad_norm",
+        "throughput/tokens_per_sec",
+    } <= tags
     assert [e.step for e in events.Scalars("val/loss")] == [0, 30, 60]
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -52,13 +69,19 @@ def test_loss_falls_and_outputs_are_written(megatron_world, shakespeare, tmp_pat
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000060"
 
 
-def test_resume_auto_continues_from_the_latest_checkpoint(megatron_world, shakespeare,
-                                                         tmp_path):
+def test_resume_auto_continues_from_the_latest_checkpoint(megatron_world, shakespeare, tmp_path):
     run_dir = tmp_path / "run"
-    first = _train(shakespeare, run_dir, "train.steps=20", "train.eval_interval=10",
-                   "checkpoint.interval=10")
-    resumed = _train(shakespeare, run_dir, "train.steps=30", "train.eval_interval=10",
-                     "checkpoint.interval=10", "checkpoint.resume=auto")
+    first = _train(
+        shakespeare, run_dir, "train.steps=20", "train.eval_interval=10", "checkpoint.interval=10"
+    )
+    resumed = _train(
+        shakespeare,
+        run_dir,
+        "train.steps=30",
+        "train.eval_interval=10",
+        "checkpoint.interval=10",
+        "checkpoint.resume=auto",
+    )
     assert first.final_step == 20 and resumed.start_step == 20 and resumed.final_step == 30
     assert min(resumed.losses) == 21
 
@@ -74,15 +97,28 @@ def test_resume_none_refuses_a_used_run_directory(megatron_world, shakespeare, t
     assert sorted(p.name for p in run_dir.iterdir()) == before
 
 
-@pytest.mark.parametrize("design", [
-    "model.residual=ddl", "model.residual=ddl model.ddl.dv=4",
-    "model.residual=ddl model.shortswa.window=16",
-    "model.residual=depth_attn model.depth_attn.window=3", "model.residual=attnres",
-    "model.residual=block_attnres model.attnres.block_size=2", "model.residual=hc",
-    "model.residual=mhc"])
+@pytest.mark.parametrize(
+    "design",
+    [
+        "model.residual=ddl",
+        "model.residual=ddl model.ddl.dv=4",
+        "model.residual=ddl model.shortswa.window=16",
+        "model.residual=depth_attn model.depth_attn.window=3",
+        "model.residual=attnres",
+        "model.residual=block_attnres model.attnres.block_size=2",
+        "model.residual=hc",
+        "model.residual=mhc",
+    ],
+)
 def test_every_residual_design_learns(megatron_world, shakespeare, tmp_path, design):
-    summary = _train(shakespeare, tmp_path / "run", "train.steps=40", "train.eval_interval=40",
-                     "checkpoint.interval=40", *design.split())
+    summary = _train(
+        shakespeare,
+        tmp_path / "run",
+        "train.steps=40",
+        "train.eval_interval=40",
+        "checkpoint.interval=40",
+        *design.split(),
+    )
     assert summary.val_losses[40] < summary.val_losses[0] - 1.0, summary.val_losses
 
 

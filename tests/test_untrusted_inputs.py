@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_checkpoint import _objects, _steps
 
 from t2train.checkpoint.errors import CheckpointError
 from t2train.config.loader import load_config
 from t2train.config.schema import ConfigError
-from test_checkpoint import _objects, _steps
 
 
 class _Payload:
@@ -32,8 +32,10 @@ def test_a_yaml_config_with_a_python_tag_is_refused(tmp_path: Path):
     with pytest.raises(ConfigError, match="tags that build Python objects are refused"):
         load_config("tiny", str(config), ["data.path=d"])
     with pytest.raises(ConfigError, match="not a valid YAML value"):
-        load_config("tiny", overrides=["data.path=d",
-                                       f'name=!!python/object/apply:os.system ["touch {marker}"]'])
+        load_config(
+            "tiny",
+            overrides=["data.path=d", f'name=!!python/object/apply:os.system ["touch {marker}"]'],
+        )
     assert not marker.exists()
 
 

@@ -17,18 +17,28 @@ def child_env(**extra: str) -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
 
 
-def run_torchrun(worker: str, nproc: int, args: list[str], out: Path,
-                 timeout: int = 600, **env_extra: str) -> dict:
+def run_torchrun(
+    worker: str, nproc: int, args: list[str], out: Path, timeout: int = 600, **env_extra: str
+) -> dict:
     """Run ``tests/workers/<worker>`` on ``nproc`` ranks; it writes its result JSON to ``out``.
     The console output (stdout, then stderr) is kept in ``out`` with the suffix ``.log``.
     ``env_extra``: variables added to the ranks' environment."""
     env = child_env(**env_extra)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(WORKERS / worker), "--out", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=REPO)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(WORKERS / worker),
+        "--out",
+        str(out),
+        *args,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     out.with_suffix(".log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
-        raise AssertionError(f"{worker} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                             f"{proc.stderr[-8000:]}")
+        raise AssertionError(
+            f"{worker} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
     return json.loads(out.read_text())

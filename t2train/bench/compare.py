@@ -31,25 +31,49 @@ if TYPE_CHECKING:  # numpy: not imported to build the CLI's parser
     from t2train.bench.compare_report import VariantRuns
 
 
-def _run_config(preset: Optional[str], config_file: Optional[str], overrides: list[str],
-                variant: str, seed: int, steps: int, out: Path):
+def _run_config(
+    preset: Optional[str],
+    config_file: Optional[str],
+    overrides: list[str],
+    variant: str,
+    seed: int,
+    steps: int,
+    out: Path,
+):
     from t2train.bench.variants import variant_config
 
     return variant_config(
-        preset, config_file, [f"train.eval_interval={max(1, steps // 10)}", *overrides],
-        variant, f"train.seed={seed}", f"train.steps={steps}",
-        f"log.run_dir={out / f'{variant}-seed{seed}'}", "checkpoint.resume=auto")
+        preset,
+        config_file,
+        [f"train.eval_interval={max(1, steps // 10)}", *overrides],
+        variant,
+        f"train.seed={seed}",
+        f"train.steps={steps}",
+        f"log.run_dir={out / f'{variant}-seed{seed}'}",
+        "checkpoint.resume=auto",
+    )
 
 
 class Batch:
     """The runs of one ``compare`` command, trained, resumed or read in order."""
 
-    def __init__(self, preset: Optional[str], config_file: Optional[str], overrides: list[str],
-                 variants: list[str], seeds: list[int], steps: int, out: Path,
-                 train_missing: bool = True, budget_s: Optional[float] = None):
-        self.configs = {(variant, seed): _run_config(preset, config_file, overrides, variant,
-                                                     seed, steps, out)
-                        for variant in variants for seed in seeds}
+    def __init__(
+        self,
+        preset: Optional[str],
+        config_file: Optional[str],
+        overrides: list[str],
+        variants: list[str],
+        seeds: list[int],
+        steps: int,
+        out: Path,
+        train_missing: bool = True,
+        budget_s: Optional[float] = None,
+    ):
+        self.configs = {
+            (variant, seed): _run_config(preset, config_file, overrides, variant, seed, steps, out)
+            for variant in variants
+            for seed in seeds
+        }
         self.variants, self.seeds, self.steps = variants, seeds, steps
         self._check_equal_tokens()
         self.stopped: Optional[str] = None  # why a run stopped early, stopping the batch
@@ -61,11 +85,15 @@ class Batch:
     def _check_equal_tokens(self) -> None:
         from t2train.config.schema import ConfigError
 
-        per_step = {variant: _tokens_per_step(self.configs[variant, self.seeds[0]])
-                    for variant in self.variants}
+        per_step = {
+            variant: _tokens_per_step(self.configs[variant, self.seeds[0]])
+            for variant in self.variants
+        }
         if len(set(per_step.values())) > 1:
-            raise ConfigError(f"--designs: the variants train on different tokens per step "
-                              f"({per_step}); a comparison needs the same for every variant")
+            raise ConfigError(
+                f"--designs: the variants train on different tokens per step "
+                f"({per_step}); a comparison needs the same for every variant"
+            )
 
     def run(self) -> list[VariantRuns]:
         """Every run's validation curve, or fewer variants if a run stopped early."""
@@ -73,7 +101,7 @@ class Batch:
 
         for config in self.configs.values():  # before anything is trained
             check_same_run(config, Path(config.run_dir))
-        results = []
+        results: list = []
         for variant in self.variants:
             curves = []
             for seed in self.seeds:
@@ -83,8 +111,7 @@ class Batch:
                 if curve:
                     curves.append(curve)
             if curves:
-                results.append(_variant_runs(variant, curves,
-                                             self.configs[variant, self.seeds[0]]))
+                results.append(_variant_runs(variant, curves, self.configs[variant, self.seeds[0]]))
         return results
 
     def _curve(self, config) -> dict[int, float]:
@@ -107,10 +134,11 @@ class Batch:
         self.slowest_s = max(self.slowest_s, time.monotonic() - run_started)
         self.trained += 1
         if summary.stopped:
-            self.stopped = (f"{run_dir} stopped early at step {summary.final_step} "
-                            f"({summary.stopped}), checkpoint {summary.checkpoint}")
+            self.stopped = (
+                f"{run_dir} stopped early at step {summary.final_step} "
+                f"({summary.stopped}), checkpoint {summary.checkpoint}"
+            )
         return val_curve(run_dir)
-
 
     def _time_for_another_run(self) -> bool:
         """Whether a run as slow as the slowest so far still ends within the budget (every
@@ -122,8 +150,11 @@ class Batch:
 
         needed = time.monotonic() - self.started + self.slowest_s
         if dist.is_initialized():
-            device = (torch.device("cuda", torch.cuda.current_device())
-                      if torch.cuda.is_available() else torch.device("cpu"))
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cpu")
+            )
             agreed = torch.tensor([needed], dtype=torch.float64, device=device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             needed = float(agreed.item())
@@ -141,9 +172,13 @@ def _variant_runs(variant: str, curves: list[dict[int, float]], config) -> Varia
     from t2train.train.inputs import dataset_facts
 
     vocab_size = padded_vocab_size(dataset_facts(config)["vocab_size"], config)
-    return VariantRuns(variant, curves, _tokens_per_step(config),
-                       train_flops_per_token(config.model, vocab_size),
-                       parameters(config.model, vocab_size))
+    return VariantRuns(
+        variant,
+        curves,
+        _tokens_per_step(config),
+        train_flops_per_token(config.model, vocab_size),
+        parameters(config.model, vocab_size),
+    )
 
 
 def _context(batch: Batch, argv: list[str]) -> list[str]:
@@ -158,22 +193,30 @@ def _context(batch: Batch, argv: list[str]) -> list[str]:
         held = ", ".join(Path(path).name for path in split["files"])
         validation = f"whole files held out of training ({held})"
     else:
-        validation = ("samples drawn at random from the same files as the training text "
-                      "(not held-out text)")
+        validation = (
+            "samples drawn at random from the same files as the training text (not held-out text)"
+        )
     seeds = ", ".join(map(str, batch.seeds))
     dtype = str(compute_dtype(config)).removeprefix("torch.")
-    return [f"command: `{shlex.join(['t2train', *argv])}`",
-            f"dataset: `{config.data.path}`; validation split: {validation}",
-            f"each evaluation: the first {train_cfg.eval_batches} x "
-            f"{train_cfg.global_batch_size} x {config.model.seq_length} = "
-            f"{train_cfg.eval_batches * tokens} tokens of the validation split, every "
-            f"{train_cfg.eval_interval} steps",
-            f"each run: {batch.steps} steps x {train_cfg.global_batch_size} sequences x "
-            f"{config.model.seq_length} tokens = {batch.steps * tokens} tokens; "
-            f"seeds {seeds}; runs: {len(batch.configs)}; model: {config.model.num_layers} "
-            f"layers, hidden {config.model.hidden_size}, {dtype}"] + (
-        [f"not finished yet, so not in the tables: {len(batch.missing)} run(s) "
-         f"({', '.join(batch.missing)})"] if batch.missing else [])
+    return [
+        f"command: `{shlex.join(['t2train', *argv])}`",
+        f"dataset: `{config.data.path}`; validation split: {validation}",
+        f"each evaluation: the first {train_cfg.eval_batches} x "
+        f"{train_cfg.global_batch_size} x {config.model.seq_length} = "
+        f"{train_cfg.eval_batches * tokens} tokens of the validation split, every "
+        f"{train_cfg.eval_interval} steps",
+        f"each run: {batch.steps} steps x {train_cfg.global_batch_size} sequences x "
+        f"{config.model.seq_length} tokens = {batch.steps * tokens} tokens; "
+        f"seeds {seeds}; runs: {len(batch.configs)}; model: {config.model.num_layers} "
+        f"layers, hidden {config.model.hidden_size}, {dtype}",
+    ] + (
+        [
+            f"not finished yet, so not in the tables: {len(batch.missing)} run(s) "
+            f"({', '.join(batch.missing)})"
+        ]
+        if batch.missing
+        else []
+    )
 
 
 def _cmd_compare(args) -> int:
@@ -187,22 +230,37 @@ def _cmd_compare(args) -> int:
     seeds = [args.first_seed + index for index in range(args.seeds)]
     out = Path(args.out)
     budget_s = None if args.time_budget_min is None else 60 * args.time_budget_min
-    batch = Batch(args.preset, args.config, args.overrides, variant_names(args.designs), seeds,
-                  args.steps, out, train_missing=not args.report_only, budget_s=budget_s)
+    batch = Batch(
+        args.preset,
+        args.config,
+        args.overrides,
+        variant_names(args.designs),
+        seeds,
+        args.steps,
+        out,
+        train_missing=not args.report_only,
+        budget_s=budget_s,
+    )
     started = time.monotonic()
     results = batch.run()
     if not is_rank_zero():
         return REQUEUE_EXIT_CODE if batch.stopped else 0
-    done = (f"{batch.trained} run(s) trained or resumed, {batch.read} finished earlier, in "
-            f"{time.monotonic() - started:.0f}s")
+    done = (
+        f"{batch.trained} run(s) trained or resumed, {batch.read} finished earlier, in "
+        f"{time.monotonic() - started:.0f}s"
+    )
     if batch.stopped:
-        print(f"batch stopped: {batch.stopped}; {done}. Run the same command again to resume "
-              f"the batch (exit code {REQUEUE_EXIT_CODE})")
+        print(
+            f"batch stopped: {batch.stopped}; {done}. Run the same command again to resume "
+            f"the batch (exit code {REQUEUE_EXIT_CODE})"
+        )
         return REQUEUE_EXIT_CODE
     if batch.missing:
         why = "--report-only" if args.report_only else f"--time-budget-min={args.time_budget_min:g}"
-        print(f"not run ({why}): {len(batch.missing)} of {len(batch.configs)} run(s): "
-              f"{', '.join(batch.missing)}")
+        print(
+            f"not run ({why}): {len(batch.missing)} of {len(batch.configs)} run(s): "
+            f"{', '.join(batch.missing)}"
+        )
     if BASELINE not in [runs.variant for runs in results]:
         print(f"{done}; no report yet: the baseline `{BASELINE}` has no finished run in {out}")
         return 0
@@ -219,33 +277,44 @@ def register(commands) -> None:
     experiment = commands.add_parser("experiment", help="experiments across residual designs")
     tools = experiment.add_subparsers(dest="experiment_command", required=True)
     compare = tools.add_parser(
-        "compare", help="validation loss per variant at equal tokens and equal FLOPs, over "
-                        "seeds; resumable",
+        "compare",
+        help="validation loss per variant at equal tokens and equal FLOPs, over seeds; resumable",
         description="Train each variant for each seed on the same tokens, evaluating every "
-                    "train.eval_interval steps (default: steps/10), and write OUT/compare.md "
-                    "(validation loss at equal tokens and at equal training FLOPs: mean, "
-                    "std, min-max over seeds, difference from the baseline and the error of that "
-                    "difference) and two PNG figures beside it; TensorBoard runs under OUT. Run the "
-                    "same command again to resume an interrupted batch: finished runs are "
-                    "read, unfinished ones resume from their checkpoints.")
+        "train.eval_interval steps (default: steps/10), and write OUT/compare.md "
+        "(validation loss at equal tokens and at equal training FLOPs: mean, "
+        "std, min-max over seeds, difference from the baseline and the error of that "
+        "difference) and two PNG figures beside it; TensorBoard runs under OUT. Run the "
+        "same command again to resume an interrupted batch: finished runs are "
+        "read, unfinished ones resume from their checkpoints.",
+    )
     add_config_arguments(compare)
-    compare.add_argument("--designs", help="comma-separated variants: a design alone or with "
-                                           "the local mixer (<design>, <design>+<mixer>), "
-                                           "optionally with model options of its own after "
-                                           "colons (<design>:model.<section>.<option>=<value>); "
-                                           "default: every registered design alone")
+    compare.add_argument(
+        "--designs",
+        help="comma-separated variants: a design alone or with "
+        "the local mixer (<design>, <design>+<mixer>), "
+        "optionally with model options of its own after "
+        "colons (<design>:model.<section>.<option>=<value>); "
+        "default: every registered design alone",
+    )
     compare.add_argument("--seeds", type=int, default=3, help="seeds per design (default 3)")
-    compare.add_argument("--first-seed", type=int, default=1234,
-                         help="seeds are FIRST, FIRST+1, ... (default 1234)")
+    compare.add_argument(
+        "--first-seed", type=int, default=1234, help="seeds are FIRST, FIRST+1, ... (default 1234)"
+    )
     compare.add_argument("--steps", type=int, required=True, help="training steps per run")
-    compare.add_argument("--out", required=True, help="directory for the runs, compare.md and "
-                                                      "the figures")
-    compare.add_argument("--time-budget-min", type=float,
-                         help="start a run only while the slowest run so far still ends within "
-                              "this many minutes of the command's start (a batch completed "
-                              "over several short machine loans); the report covers the runs "
-                              "finished so far")
-    compare.add_argument("--report-only", action="store_true",
-                         help="train nothing: report the runs finished in OUT so far and list "
-                              "the missing ones")
+    compare.add_argument(
+        "--out", required=True, help="directory for the runs, compare.md and the figures"
+    )
+    compare.add_argument(
+        "--time-budget-min",
+        type=float,
+        help="start a run only while the slowest run so far still ends within "
+        "this many minutes of the command's start (a batch completed "
+        "over several short machine loans); the report covers the runs "
+        "finished so far",
+    )
+    compare.add_argument(
+        "--report-only",
+        action="store_true",
+        help="train nothing: report the runs finished in OUT so far and list the missing ones",
+    )
     compare.set_defaults(handler=_cmd_compare)

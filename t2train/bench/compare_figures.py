@@ -24,10 +24,16 @@ TOKENS_FIGURE, FLOPS_FIGURE = "val_loss_vs_tokens.png", "val_loss_vs_flops.png"
 def write_figures(results: list[VariantRuns], budget: float, out: Path) -> list[str]:
     """Both PNGs in ``out``; returns their file names. ``budget``: the equal-FLOPs budget,
     marked in the FLOPs figure."""
-    _figure(results, lambda r, s: s * r.tokens_per_step, "training tokens", None,
-            out / TOKENS_FIGURE)
-    _figure(results, lambda r, s: r.flops_at(s), "training FLOPs (forward + backward)", budget,
-            out / FLOPS_FIGURE)
+    _figure(
+        results, lambda r, s: s * r.tokens_per_step, "training tokens", None, out / TOKENS_FIGURE
+    )
+    _figure(
+        results,
+        lambda r, s: r.flops_at(s),
+        "training FLOPs (forward + backward)",
+        budget,
+        out / FLOPS_FIGURE,
+    )
     return [TOKENS_FIGURE, FLOPS_FIGURE]
 
 
@@ -44,8 +50,7 @@ def _figure(results: list[VariantRuns], x_of, xlabel: str, budget, path: Path) -
         second_half = np.array(steps) >= result.final_step() / 2
         for axes, keep in ((whole, slice(None)), (late, second_half)):
             axes.plot(x[keep], mean[keep], color=colour, label=result.variant, marker=".")
-            axes.fill_between(x[keep], low[keep], high[keep], color=colour, alpha=0.2,
-                              linewidth=0)
+            axes.fill_between(x[keep], low[keep], high[keep], color=colour, alpha=0.2, linewidth=0)
         late_losses += [low[second_half], high[second_half]]
     whole.set_xscale("log")
     whole.xaxis.set_minor_formatter(NullFormatter())  # labelled minor ticks overlap
@@ -58,8 +63,13 @@ def _figure(results: list[VariantRuns], x_of, xlabel: str, budget, path: Path) -
         late.set_ylim(values.min() - margin, values.max() + margin)
     for axes in (whole, late):
         if budget is not None:
-            axes.axvline(budget, color="0.3", linestyle="--", linewidth=1,
-                         label="equal-FLOPs budget" if axes is whole else None)
+            axes.axvline(
+                budget,
+                color="0.3",
+                linestyle="--",
+                linewidth=1,
+                label="equal-FLOPs budget" if axes is whole else None,
+            )
         axes.set_xlabel(xlabel)
         axes.set_ylabel("validation loss (mean over seeds, band: min-max)")
         axes.grid(alpha=0.3, which="both")

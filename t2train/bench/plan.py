@@ -49,8 +49,13 @@ class StagePlan:
 
     @property
     def total_bytes(self) -> int:
-        return (self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
-                + self.activation_bytes + self.depth_cache_bytes)
+        return (
+            self.parameter_bytes
+            + self.gradient_bytes
+            + self.optimizer_bytes
+            + self.activation_bytes
+            + self.depth_cache_bytes
+        )
 
 
 @dataclass
@@ -93,7 +98,8 @@ def _stream_units_per_layer(hops: HopPlan, num_layers: int, sublayers: int) -> f
     """[s, b, h] units a layer's residual stream keeps for backward beyond the one of a
     standard layer, averaged over layers: each sublayer's write makes its changing units (id
     None) anew, and a unit made once (an id not seen before) stays until backward."""
-    seen, extra = set(), 0
+    seen: set = set()
+    extra = 0
     for layer in range(1, num_layers + 1):
         ids = hops.unit_ids(layer)
         changing = sum(uid is None for uid in ids)
@@ -129,8 +135,11 @@ def plan_layout(config: Config, vocab_size: int, world_size: int) -> LayoutPlan:
     unit_shape = (run_hops.unit_rows, train.micro_batch_size, model.hidden_size)
     unit_bytes = run_hops.unit_rows * train.micro_batch_size * model.hidden_size * element
     per_chunk = run_hops.layers_per_chunk
-    cacheable = any(uid is not None for layers in range(model.num_layers + 1)
-                    for uid in run_hops.unit_ids(layers))
+    cacheable = any(
+        uid is not None
+        for layers in range(model.num_layers + 1)
+        for uid in run_hops.unit_ids(layers)
+    )
 
     vocab = padded_vocab_size(vocab_size, config)
     per_layer, _ = _layer_parameters(config, tp)
@@ -139,8 +148,11 @@ def plan_layout(config: Config, vocab_size: int, world_size: int) -> LayoutPlan:
     if mixer_on(model):  # one more attention sublayer per layer
         activation_units += (14 / tp) if parallel.sequence_parallel else (5 + 9 / tp)
     tokens = model.seq_length * train.micro_batch_size
-    per_layer_activation = tokens * h * element / 2 * activation_units + unit_bytes * \
-        _stream_units_per_layer(run_hops, model.num_layers, len(sublayer_names(model)))
+    per_layer_activation = (
+        tokens * h * element / 2 * activation_units
+        + unit_bytes
+        * _stream_units_per_layer(run_hops, model.num_layers, len(sublayer_names(model)))
+    )
     if model.recompute == "full":
         per_layer_activation = unit_bytes
     logits_bytes = 2 * tokens * padded_vocab_size(vocab_size, config) // tp * element
@@ -154,24 +166,45 @@ def plan_layout(config: Config, vocab_size: int, world_size: int) -> LayoutPlan:
         if rank == pp - 1:
             parameters += h + (vocab * h // tp if (not model.tie_embeddings or pp > 1) else 0)
         in_flight = _in_flight(rank, pp, vp, micro_batches)
-        held_units = max(len(hop_plans[parallel.depth_cache == "cached"].held(c))
-                         for c in chunk_ids)
-        gradients, optimizer = _state_bytes(parameters, element,
-                                            parallel.distributed_optimizer, dp)
-        stages.append(StagePlan(
-            rank=rank, layers=layers, parameters=parameters,
-            parameter_bytes=parameters * element, gradient_bytes=gradients,
-            optimizer_bytes=optimizer,
-            activation_bytes=int(per_layer_activation * per_chunk * in_flight
-                                 + (logits_bytes if rank == pp - 1 else 0)),
-            depth_cache_bytes=held_units * unit_bytes * min(in_flight, micro_batches)))
-    return LayoutPlan(tp, pp, vp, dp, micro_batches, unit_bytes, unit_shape, hop_plans[False],
-                      hop_plans[True], cacheable, vocab_size, vocab, stages)
+        held_units = max(
+            len(hop_plans[parallel.depth_cache == "cached"].held(c)) for c in chunk_ids
+        )
+        gradients, optimizer = _state_bytes(parameters, element, parallel.distributed_optimizer, dp)
+        stages.append(
+            StagePlan(
+                rank=rank,
+                layers=layers,
+                parameters=parameters,
+                parameter_bytes=parameters * element,
+                gradient_bytes=gradients,
+                optimizer_bytes=optimizer,
+                activation_bytes=int(
+                    per_layer_activation * per_chunk * in_flight
+                    + (logits_bytes if rank == pp - 1 else 0)
+                ),
+                depth_cache_bytes=held_units * unit_bytes * min(in_flight, micro_batches),
+            )
+        )
+    return LayoutPlan(
+        tp,
+        pp,
+        vp,
+        dp,
+        micro_batches,
+        unit_bytes,
+        unit_shape,
+        hop_plans[False],
+        hop_plans[True],
+        cacheable,
+        vocab_size,
+        vocab,
+        stages,
+    )
 
 
 def readable_bytes(value: float) -> str:
     """1,234 B, 12.3 KiB, ... up to TiB."""
-    for unit, scale in (("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if value >= scale:
             return f"{value / scale:,.1f} {unit}"
     return f"{value:,.0f} B"
@@ -183,8 +216,9 @@ def _units(counts: list[int]) -> str:
 
 def _hop_lines(config: Config, plan: LayoutPlan) -> list[str]:
     seq, micro, hidden = plan.unit_shape
-    hops_per_step = (plan.pipeline * plan.virtual - 1) * plan.micro_batches * plan.tensor * \
-        plan.data_parallel
+    hops_per_step = (
+        (plan.pipeline * plan.virtual - 1) * plan.micro_batches * plan.tensor * plan.data_parallel
+    )
     lines = [
         f"pipeline hops: {plan.pipeline * plan.virtual - 1} per micro-batch each way, "
         f"{hops_per_step:,} per step forward over all ranks (as many backward, carrying "
@@ -195,26 +229,38 @@ def _hop_lines(config: Config, plan: LayoutPlan) -> list[str]:
     ]
     modes = [("naive", "every unit the next stages read", False)]
     if plan.cacheable:
-        modes.append(("cached", "minus units the receiving rank kept from its previous "
-                                "chunk", True))
+        modes.append(
+            ("cached", "minus units the receiving rank kept from its previous chunk", True)
+        )
     else:
-        lines.append(f"  {config.model.residual}'s units all change every layer: nothing to "
-                     "cache, every hop is the same size")
+        lines.append(
+            f"  {config.model.residual}'s units all change every layer: nothing to "
+            "cache, every hop is the same size"
+        )
     chosen = config.parallel.caches_depth_units()
     for name, meaning, cached in modes:
         hops = plan.hops_in_use(cached)
         data, wire = plan.step_bytes(hops, wire=False), plan.step_bytes(hops, wire=True)
-        in_use = f"  <- in use (parallel.depth_cache={config.parallel.depth_cache})" \
-            if cached == chosen and plan.cacheable else ""
-        lines.append(f"  {name:>6} ({meaning}): units per hop {_units(hops.hop_units())}"
-                     f"{in_use}")
-        padding = "" if data == wire else (
-            f", on the wire {readable_bytes(wire)} (each hop padded to {hops.padded_units} "
-            "units, parallel.hop_shapes=padded)")
+        in_use = (
+            f"  <- in use (parallel.depth_cache={config.parallel.depth_cache})"
+            if cached == chosen and plan.cacheable
+            else ""
+        )
+        lines.append(f"  {name:>6} ({meaning}): units per hop {_units(hops.hop_units())}{in_use}")
+        padding = (
+            ""
+            if data == wire
+            else (
+                f", on the wire {readable_bytes(wire)} (each hop padded to {hops.padded_units} "
+                "units, parallel.hop_shapes=padded)"
+            )
+        )
         lines.append(f"         per step forward: data {readable_bytes(data)}{padding}")
     if plan.cacheable and plan.virtual == 1:
-        lines.append("  cached transfer needs virtual stages (parallel.virtual_pipeline > 1); "
-                     "without them it equals naive")
+        lines.append(
+            "  cached transfer needs virtual stages (parallel.virtual_pipeline > 1); "
+            "without them it equals naive"
+        )
     return lines
 
 
@@ -232,13 +278,21 @@ def planned_for_gpu(config: Config) -> Config:
     return replace(config, train=replace(config.train, precision="bf16"))
 
 
-def format_plan(config: Config, plan: LayoutPlan, vocab_source: str,
-                device_bytes: Optional[int], precision_note: str = "") -> str:
+def format_plan(
+    config: Config,
+    plan: LayoutPlan,
+    vocab_source: str,
+    device_bytes: Optional[int],
+    precision_note: str = "",
+) -> str:
     """The plan as text; each memory column is one GPU's: one tensor-parallel rank of a
     pipeline stage. Without ``device_bytes`` stages are not compared to a device."""
     model = config.model
-    device = ("" if device_bytes is None else
-              f"; device {readable_bytes(device_bytes)} (--device-memory-gib)")
+    device = (
+        ""
+        if device_bytes is None
+        else f"; device {readable_bytes(device_bytes)} (--device-memory-gib)"
+    )
     lines = [
         f"{variant_label(model)}: {model.num_layers} layers, hidden {model.hidden_size}, seq "
         f"{model.seq_length}, micro-batch {config.train.micro_batch_size} | TP {plan.tensor} x "
@@ -252,10 +306,14 @@ def format_plan(config: Config, plan: LayoutPlan, vocab_source: str,
         f"{'optimizer':>10} {'activations':>11} {'depth cache':>11} {'total':>10}",
     ]
     for stage in plan.stages:
-        span = ",".join(str(i) for i in stage.layers) if len(stage.layers) <= 4 else \
-            f"{len(stage.layers)} of {model.num_layers}"
-        fits = ("" if device_bytes is None or stage.total_bytes <= device_bytes
-                else "  > device memory")
+        span = (
+            ",".join(str(i) for i in stage.layers)
+            if len(stage.layers) <= 4
+            else f"{len(stage.layers)} of {model.num_layers}"
+        )
+        fits = (
+            "" if device_bytes is None or stage.total_bytes <= device_bytes else "  > device memory"
+        )
         lines.append(
             f"{stage.rank:>5}  {span:<12} {stage.parameters / 1e6:>10.1f}M "
             f"{readable_bytes(stage.parameter_bytes):>10} "
@@ -263,7 +321,8 @@ def format_plan(config: Config, plan: LayoutPlan, vocab_source: str,
             f"{readable_bytes(stage.optimizer_bytes):>10} "
             f"{readable_bytes(stage.activation_bytes):>11} "
             f"{readable_bytes(stage.depth_cache_bytes):>11} "
-            f"{readable_bytes(stage.total_bytes):>10}{fits}")
+            f"{readable_bytes(stage.total_bytes):>10}{fits}"
+        )
     if plan.pipeline == 1:
         lines.append("no pipeline hops (PP = 1)")
     else:

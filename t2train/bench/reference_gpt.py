@@ -49,12 +49,14 @@ class _Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         q, k, v = self.qkv(self.attn_norm(x)).split(
-            [h, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
+            [h, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
+        )
         q = _rope(q.view(b, s, self.heads, self.head_dim).transpose(1, 2), self.rotary_base)
         k = _rope(k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2), self.rotary_base)
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                  enable_gqa=self.kv_heads != self.heads)
+        attended = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads
+        )
         x = x + self.proj(attended.transpose(1, 2).reshape(b, s, h))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -67,8 +69,9 @@ class ReferenceGPT(nn.Module):
         self.embedding = nn.Embedding(vocab_size, model.hidden_size)
         self.blocks = nn.ModuleList(_Block(config) for _ in range(model.num_layers))
         self.final_norm = nn.RMSNorm(model.hidden_size, eps=model.norm_epsilon)
-        self.head = None if model.tie_embeddings else \
-            nn.Linear(model.hidden_size, vocab_size, bias=False)
+        self.head = (
+            None if model.tie_embeddings else nn.Linear(model.hidden_size, vocab_size, bias=False)
+        )
         for param in self.parameters():
             if param.dim() > 1:
                 nn.init.normal_(param, std=model.init_method_std)
@@ -87,9 +90,14 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def time_reference_steps(config: Config, vocab_size: int, steps: list[list[dict]],
-                         warmup: int, dtype: torch.dtype,
-                         backend: Optional[str] = None) -> list[float]:
+def time_reference_steps(
+    config: Config,
+    vocab_size: int,
+    steps: list[list[dict]],
+    warmup: int,
+    dtype: torch.dtype,
+    backend: Optional[str] = None,
+) -> list[float]:
     """Seconds of every step on ``steps``' micro-batches (the first ``warmup`` are the
     warm-up); with a ``torch.compile`` ``backend``, each block compiled with it."""
     device = steps[0][0]["tokens"].device
@@ -98,13 +106,17 @@ def time_reference_steps(config: Config, vocab_size: int, steps: list[list[dict]
         for block in model.blocks:
             block.compile(backend=backend)
     train = config.train
-    optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr,
-                                  betas=(train.adam_beta1, train.adam_beta2),
-                                  eps=train.adam_eps, weight_decay=train.weight_decay,
-                                  fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=train.lr,
+        betas=(train.adam_beta1, train.adam_beta2),
+        eps=train.adam_eps,
+        weight_decay=train.weight_decay,
+        fused=device.type == "cuda",
+    )
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     seconds = []
-    for index, micro_batches in enumerate(steps):
+    for micro_batches in steps:
         _synchronize(device)
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)

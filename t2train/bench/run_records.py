@@ -62,16 +62,23 @@ def check_same_run(config: "Config", run_dir: Path) -> None:
     saved = run_dir / CONFIG_FILE
     if not saved.is_file():
         return
-    then, now = flatten(config_to_dict(load_config(None, str(saved)))), flatten(
-        config_to_dict(config))
-    changed = [key for key in sorted(then.keys() | now.keys())
-               if not _run_control(key) and then.get(key) != now.get(key)]
+    then, now = (
+        flatten(config_to_dict(load_config(None, str(saved)))),
+        flatten(config_to_dict(config)),
+    )
+    changed = [
+        key
+        for key in sorted(then.keys() | now.keys())
+        if not _run_control(key) and then.get(key) != now.get(key)
+    ]
     if changed:
         key = changed[0]
         more = f" (and {len(changed) - 1} more field(s))" if len(changed) > 1 else ""
-        raise ConfigError(f"{run_dir}: holds a run with {key}={then.get(key)!r}, this batch "
-                          f"asks for {now.get(key)!r}{more}; give the batch another --out, or "
-                          "remove that run directory to train it again")
+        raise ConfigError(
+            f"{run_dir}: holds a run with {key}={then.get(key)!r}, this batch "
+            f"asks for {now.get(key)!r}{more}; give the batch another --out, or "
+            "remove that run directory to train it again"
+        )
 
 
 def _run_control(key: str) -> bool:

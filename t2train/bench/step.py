@@ -49,14 +49,19 @@ class DesignTiming:
 
     def pipeline_bytes(self, kind: str) -> float:
         """Forward + backward ``data`` or ``wire`` bytes across pipeline hops per step."""
-        return sum(self.traffic.get(f"pipeline/{direction}_{kind}_bytes", 0.0)
-                   for direction in ("forward", "backward"))
+        return sum(
+            self.traffic.get(f"pipeline/{direction}_{kind}_bytes", 0.0)
+            for direction in ("forward", "backward")
+        )
 
     def merged(self, later: "DesignTiming") -> "DesignTiming":
         """This timing and a later repetition's, as one."""
-        return replace(later, step_samples=self.step_samples + later.step_samples,
-                       memory_gib=max(self.memory_gib, later.memory_gib),
-                       warmup_seconds=max(self.warmup_seconds, later.warmup_seconds))
+        return replace(
+            later,
+            step_samples=self.step_samples + later.step_samples,
+            memory_gib=max(self.memory_gib, later.memory_gib),
+            warmup_seconds=max(self.warmup_seconds, later.warmup_seconds),
+        )
 
 
 def _synchronize() -> None:
@@ -87,13 +92,14 @@ def build_objects(config, vocab_size: int):
     torch._dynamo.reset()
     init_distributed()
     parallel = config.parallel
-    set_seed(config.train.seed, init_model_parallel(parallel.tensor, parallel.pipeline,
-                                                    parallel.virtual_pipeline))
+    set_seed(
+        config.train.seed,
+        init_model_parallel(parallel.tensor, parallel.pipeline, parallel.virtual_pipeline),
+    )
     return build_training_objects(config, vocab_size)
 
 
-def time_design(config, vocab_size: int, steps: list, warmup: int,
-                variant: str) -> DesignTiming:
+def time_design(config, vocab_size: int, steps: list, warmup: int, variant: str) -> DesignTiming:
     import torch
 
     from t2train.engine.megatron.step import train_step
@@ -110,9 +116,14 @@ def time_design(config, vocab_size: int, steps: list, warmup: int,
         _synchronize()
         seconds.append(time.perf_counter() - started)
     timing = DesignTiming(
-        design=variant, params=parameters(config.model, vocab_size),
-        step_samples=seconds[warmup:], tokens_per_step=_tokens_per_step(config),
-        memory_gib=_memory_gib(), traffic=result.traffic, warmup_seconds=sum(seconds[:warmup]))
+        design=variant,
+        params=parameters(config.model, vocab_size),
+        step_samples=seconds[warmup:],
+        tokens_per_step=_tokens_per_step(config),
+        memory_gib=_memory_gib(),
+        traffic=result.traffic,
+        warmup_seconds=sum(seconds[:warmup]),
+    )
     del objs
     gc.collect()
     if torch.cuda.is_available():
@@ -146,13 +157,18 @@ def real_batches(config, count: int) -> list:
     topology = init_model_parallel(parallel.tensor, parallel.pipeline, parallel.virtual_pipeline)
     train = config.train
     streams = open_streams(config, topology, dp_size, None)
-    feeder = GlobalBatchFeeder(streams.train, config.micro_batches_per_step(dp_size),
-                               train.micro_batch_size, config.model.seq_length)
+    feeder = GlobalBatchFeeder(
+        streams.train,
+        config.micro_batches_per_step(dp_size),
+        train.micro_batch_size,
+        config.model.seq_length,
+    )
     return [feeder.next_step() for _ in range(count)]
 
 
-def reference_timing(config, vocab_size: int, steps: list, warmup: int,
-                     compiled: bool = False) -> DesignTiming:
+def reference_timing(
+    config, vocab_size: int, steps: list, warmup: int, compiled: bool = False
+) -> DesignTiming:
     """The plain-PyTorch loop, eager or with each block compiled (the fused path's backend)."""
     import torch
 
@@ -165,17 +181,34 @@ def reference_timing(config, vocab_size: int, steps: list, warmup: int,
     torch.manual_seed(config.train.seed)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    seconds = time_reference_steps(config, vocab_size, steps, warmup, compute_dtype(config),
-                                   backend=compile_backend() if compiled else None)
-    return DesignTiming(COMPILED_REFERENCE if compiled else REFERENCE,
-                        standard_parameters(config.model, vocab_size), seconds[warmup:],
-                        _tokens_per_step(config), _memory_gib(), {},
-                        warmup_seconds=sum(seconds[:warmup]))
+    seconds = time_reference_steps(
+        config,
+        vocab_size,
+        steps,
+        warmup,
+        compute_dtype(config),
+        backend=compile_backend() if compiled else None,
+    )
+    return DesignTiming(
+        COMPILED_REFERENCE if compiled else REFERENCE,
+        standard_parameters(config.model, vocab_size),
+        seconds[warmup:],
+        _tokens_per_step(config),
+        _memory_gib(),
+        {},
+        warmup_seconds=sum(seconds[:warmup]),
+    )
 
 
-def run_step_bench(preset: Optional[str], config_file: Optional[str], overrides: list[str],
-                   designs: list[str], warmup: int, steps: int,
-                   repeats: int = 1) -> list[DesignTiming]:
+def run_step_bench(
+    preset: Optional[str],
+    config_file: Optional[str],
+    overrides: list[str],
+    designs: list[str],
+    warmup: int,
+    steps: int,
+    repeats: int = 1,
+) -> list[DesignTiming]:
     """One timing per design, plus the plain-PyTorch reference when the world is one rank
     (and its compiled twin when the fused path is on); ``repeats`` rounds in which every
     design takes its turn."""
@@ -188,17 +221,23 @@ def run_step_bench(preset: Optional[str], config_file: Optional[str], overrides:
     vocab_size = model_vocab_size(configs[0])
     batches = real_batches(configs[0], warmup + steps)
     reference = dist.get_world_size() == 1
-    timings = None
+    timings: list[DesignTiming] = []
     for _ in range(repeats):
-        round_ = [time_design(config, vocab_size, batches, warmup, design)
-                  for config, design in zip(configs, designs, strict=True)]
+        round_ = [
+            time_design(config, vocab_size, batches, warmup, design)
+            for config, design in zip(configs, designs, strict=True)
+        ]
         if reference:
             round_.append(reference_timing(configs[0], vocab_size, batches, warmup))
             if fusions_on(configs[0]):
-                round_.append(reference_timing(configs[0], vocab_size, batches, warmup,
-                                               compiled=True))
-        timings = round_ if timings is None else [
-            earlier.merged(later) for earlier, later in zip(timings, round_)]
+                round_.append(
+                    reference_timing(configs[0], vocab_size, batches, warmup, compiled=True)
+                )
+        timings = (
+            round_
+            if not timings
+            else [earlier.merged(later) for earlier, later in zip(timings, round_)]
+        )
     return timings
 
 
@@ -213,29 +252,52 @@ def format_step_table(timings: list[DesignTiming]) -> str:
     by_design = {timing.design: timing for timing in timings}
     baseline = by_design.get(BASELINE)
     memory = "peak CUDA memory (GiB)" if torch.cuda.is_available() else "process RSS (GiB)"
-    headers = ["design", "params (M)", "step time (ms, min)", "step time (ms, median)",
-               f"vs {BASELINE} (median)", "tokens/s (median)", memory,
-               "pipeline data bytes/step", "pipeline wire bytes/step", "warm-up (s)"]
-    rows = [[timing.design, f"{timing.params / 1e6:.2f}", f"{timing.step_seconds_min * 1e3:.1f}",
-             f"{timing.step_seconds * 1e3:.1f}",
-             f"{timing.step_seconds / baseline.step_seconds:.2f}" if baseline else "n/a",
-             f"{timing.tokens_per_sec:.0f}", f"{timing.memory_gib:.2f}",
-             f"{timing.pipeline_bytes('data'):.0f}", f"{timing.pipeline_bytes('wire'):.0f}",
-             f"{timing.warmup_seconds:.1f}"]
-            for timing in timings]
+    headers = [
+        "design",
+        "params (M)",
+        "step time (ms, min)",
+        "step time (ms, median)",
+        f"vs {BASELINE} (median)",
+        "tokens/s (median)",
+        memory,
+        "pipeline data bytes/step",
+        "pipeline wire bytes/step",
+        "warm-up (s)",
+    ]
+    rows = [
+        [
+            timing.design,
+            f"{timing.params / 1e6:.2f}",
+            f"{timing.step_seconds_min * 1e3:.1f}",
+            f"{timing.step_seconds * 1e3:.1f}",
+            f"{timing.step_seconds / baseline.step_seconds:.2f}" if baseline else "n/a",
+            f"{timing.tokens_per_sec:.0f}",
+            f"{timing.memory_gib:.2f}",
+            f"{timing.pipeline_bytes('data'):.0f}",
+            f"{timing.pipeline_bytes('wire'):.0f}",
+            f"{timing.warmup_seconds:.1f}",
+        ]
+        for timing in timings
+    ]
     table = markdown_table(headers, rows)
     samples = {len(timing.step_samples) for timing in timings}
-    table += (f"\n\n{'/'.join(str(n) for n in sorted(samples))} timed steps per design; "
-              "pipeline bytes: forward + backward of one step, summed over ranks (data: the "
-              "units each receiver lacked; wire: as sent, zero padding included); warm-up: the "
-              "untimed steps before them, compilation included (fused path)")
-    for name, loop in ((REFERENCE, "plain-PyTorch loop"),
-                       (COMPILED_REFERENCE, "plain-PyTorch loop with compiled blocks")):
+    table += (
+        f"\n\n{'/'.join(str(n) for n in sorted(samples))} timed steps per design; "
+        "pipeline bytes: forward + backward of one step, summed over ranks (data: the "
+        "units each receiver lacked; wire: as sent, zero padding included); warm-up: the "
+        "untimed steps before them, compilation included (fused path)"
+    )
+    for name, loop in (
+        (REFERENCE, "plain-PyTorch loop"),
+        (COMPILED_REFERENCE, "plain-PyTorch loop with compiled blocks"),
+    ):
         reference = by_design.get(name)
         if baseline and reference:
-            table += (f"\nstack overhead: t2train `{BASELINE}` runs at "
-                      f"{baseline.tokens_per_sec / reference.tokens_per_sec:.2f}x the tokens/s "
-                      f"of the {loop}")
+            table += (
+                f"\nstack overhead: t2train `{BASELINE}` runs at "
+                f"{baseline.tokens_per_sec / reference.tokens_per_sec:.2f}x the tokens/s "
+                f"of the {loop}"
+            )
     return table
 
 
@@ -245,8 +307,9 @@ def _cmd_step(args) -> int:
 
     designs = variant_names(args.designs)
     before = load_average()
-    timings = run_step_bench(args.preset, args.config, args.overrides, designs, args.warmup,
-                             args.steps, args.repeats)
+    timings = run_step_bench(
+        args.preset, args.config, args.overrides, designs, args.warmup, args.steps, args.repeats
+    )
     if is_rank_zero():
         print(format_step_table(timings))
         print(f"load average before: {before}; after: {load_average()}")
@@ -259,16 +322,25 @@ def register(commands) -> None:
     bench = commands.add_parser("bench", help="benchmarks")
     tools = bench.add_subparsers(dest="bench_command", required=True)
     step = tools.add_parser(
-        "step", help="step time, tokens/s, memory, pipeline bytes per residual design",
+        "step",
+        help="step time, tokens/s, memory, pipeline bytes per residual design",
         description="Time training steps of each residual design at the configured layout on "
-                    "real batches, against the baseline design and a plain-PyTorch loop.")
+        "real batches, against the baseline design and a plain-PyTorch loop.",
+    )
     add_config_arguments(step)
-    step.add_argument("--designs", help="comma-separated designs, each alone or with the "
-                                        "local mixer: <design> or <design>+<mixer> (default: "
-                                        "every registered design alone)")
+    step.add_argument(
+        "--designs",
+        help="comma-separated designs, each alone or with the "
+        "local mixer: <design> or <design>+<mixer> (default: "
+        "every registered design alone)",
+    )
     step.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     step.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
-    step.add_argument("--repeats", type=int, default=1,
-                      help="rounds of every design, taking turns (default 1); min and median "
-                           "are over all timed steps")
+    step.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of every design, taking turns (default 1); min and median "
+        "are over all timed steps",
+    )
     step.set_defaults(handler=_cmd_step)

@@ -25,18 +25,26 @@ def variant_names(designs: Optional[str]) -> list[str]:
 
 
 def split_variant(variant: str) -> tuple[str, list[str]]:
-    """``ddl+shortswa:model.a=1:model.b=2`` -> (``ddl+shortswa``, [``model.a=1``, ``model.b=2``])."""
+    """``ddl+shortswa:model.a=1:model.b=2`` ->
+    (``ddl+shortswa``, [``model.a=1``, ``model.b=2``])."""
     label, *overrides = variant.split(":")
     for item in overrides:
         if not item.startswith("model.") or "=" not in item:
-            raise ConfigError(f"--designs {variant!r}: {item!r} is not a model.key=value "
-                              "override (a variant may set model options only, so that every "
-                              "variant trains the same way)")
+            raise ConfigError(
+                f"--designs {variant!r}: {item!r} is not a model.key=value "
+                "override (a variant may set model options only, so that every "
+                "variant trains the same way)"
+            )
     return label, overrides
 
 
-def variant_config(preset: Optional[str], config_file: Optional[str], overrides: list[str],
-                   variant: str, *extra: str) -> Config:
+def variant_config(
+    preset: Optional[str],
+    config_file: Optional[str],
+    overrides: list[str],
+    variant: str,
+    *extra: str,
+) -> Config:
     """The config of one variant: the base config, the variant's choice and its own model
     overrides, then ``extra``."""
     label, own = split_variant(variant)
@@ -47,6 +55,8 @@ def variant_config(preset: Optional[str], config_file: Optional[str], overrides:
         raise ConfigError(f"--designs: {err.args[0]}") from None
     config = load_config(preset, config_file, [*overrides, *chosen, *own, *extra])
     if variant_label(config.model) != label:
-        raise ConfigError(f"--designs {variant!r}: its overrides make it "
-                          f"{variant_label(config.model)!r}; spell it as that")
+        raise ConfigError(
+            f"--designs {variant!r}: its overrides make it "
+            f"{variant_label(config.model)!r}; spell it as that"
+        )
     return config

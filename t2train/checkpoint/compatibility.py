@@ -20,25 +20,40 @@ from t2train.residual import get_design, mixer, resolve_aliases
 # local mixer's are compared too, but for the fields their options declare
 # ``not_architecture`` (initial values: a checkpoint written before such a field existed
 # continues too).
-_ARCHITECTURE = ("residual", "num_layers", "hidden_size", "num_attention_heads",
-                 "num_query_groups", "ffn_hidden_size", "vocab_size", "tie_embeddings",
-                 "norm_epsilon", "rotary_base", "rope_scaling_factor", "qkv_bias")
+_ARCHITECTURE = (
+    "residual",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "vocab_size",
+    "tie_embeddings",
+    "norm_epsilon",
+    "rotary_base",
+    "rope_scaling_factor",
+    "qkv_bias",
+)
 
 
 def _architecture(model: dict, with_design: bool) -> dict:
     # a field a checkpoint predates has its default (the model it wrote had no such option)
     fields = {name: model.get(name, getattr(ModelConfig, name, None)) for name in _ARCHITECTURE}
     fields["ffn_hidden_size"] = ModelConfig(
-        hidden_size=model["hidden_size"],
-        ffn_hidden_size=model.get("ffn_hidden_size")).resolved_ffn_hidden_size()
+        hidden_size=model["hidden_size"], ffn_hidden_size=model.get("ffn_hidden_size")
+    ).resolved_ffn_hidden_size()
     parts = [mixer()] + ([get_design(model["residual"])] if with_design else [])
     for part in parts:
         if part.section is None:
             continue
         free = getattr(part.options, "not_architecture", ())
-        fields.update({f"{part.section}.{key}": value
-                       for key, value in (model.get(part.section) or {}).items()
-                       if key not in free})
+        fields.update(
+            {
+                f"{part.section}.{key}": value
+                for key, value in (model.get(part.section) or {}).items()
+                if key not in free
+            }
+        )
     return fields
 
 
@@ -54,8 +69,11 @@ def check_same_model(path: Path, train_state: dict, model: ModelConfig) -> None:
     ours = _architecture(asdict(model), same_design)
     if saved.get("vocab_size") is None or model.vocab_size is None:  # taken from the data
         theirs.pop("vocab_size"), ours.pop("vocab_size")
-    differ = [f"model.{name}: checkpoint {theirs.get(name)!r}, this run {ours.get(name)!r}"
-              for name in sorted(theirs.keys() | ours.keys()) if theirs.get(name) != ours.get(name)]
+    differ = [
+        f"model.{name}: checkpoint {theirs.get(name)!r}, this run {ours.get(name)!r}"
+        for name in sorted(theirs.keys() | ours.keys())
+        if theirs.get(name) != ours.get(name)
+    ]
     if differ:
         raise CheckpointError(f"{path}: written by a different model; " + "; ".join(differ))
 
@@ -68,12 +86,15 @@ def check_shard_files(path: Path) -> None:
         raise CheckpointError(f"{path}/.metadata: cannot read the shard index ({err})") from err
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0),
-                                         info.offset + info.length)
+        needed[info.relative_path] = max(
+            needed.get(info.relative_path, 0), info.offset + info.length
+        )
     for name, size in sorted(needed.items()):
         shard = path / name
         if not shard.is_file():
             raise CheckpointError(f"{shard}: shard file missing from the checkpoint")
         if shard.stat().st_size < size:
-            raise CheckpointError(f"{shard}: shard file truncated ({shard.stat().st_size} bytes, "
-                                  f"the index needs {size})")
+            raise CheckpointError(
+                f"{shard}: shard file truncated ({shard.stat().st_size} bytes, "
+                f"the index needs {size})"
+            )

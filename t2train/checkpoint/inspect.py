@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 from t2train.checkpoint.errors import CheckpointError
-from t2train.checkpoint.paths import (CHECKSUMS, ENGINE_FILE, LATEST, checkpoint_engine,
-                                      is_complete)
+from t2train.checkpoint.paths import CHECKSUMS, ENGINE_FILE, LATEST, checkpoint_engine, is_complete
 from t2train.residual import resolve_aliases, variant_label
 
 
 def resolve_checkpoint(path: Path) -> Path:
     """``path`` if it is a complete checkpoint, else the newest one it leads to."""
-    from t2train.checkpoint.store import find_latest  # torch and Megatron: not for --help
+    from t2train.checkpoint.store import find_latest  # noqa: PLC0415 - torch and Megatron: not for `t2train ckpt --help`
 
     if path.name == LATEST and path.is_file():
         path = path.parent
@@ -29,8 +29,9 @@ def resolve_checkpoint(path: Path) -> Path:
         found = find_latest(root) if root.is_dir() else None
         if found is not None:
             return found
-    raise CheckpointError(f"{path}: not a complete t2train checkpoint, nor a run or checkpoints "
-                          "directory holding one")
+    raise CheckpointError(
+        f"{path}: not a complete t2train checkpoint, nor a run or checkpoints directory holding one"
+    )
 
 
 def _read_json(file: Path) -> dict:
@@ -43,7 +44,7 @@ def _read_json(file: Path) -> dict:
 def read_train_state(path: Path) -> dict:
     """The checkpoint's train state (step, tokens, layout, config, ...) from Megatron's
     common.pt, or the DeepSpeed engine's summary file."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # noqa: PLC0415 - megatron-core: not for `t2train ckpt --help`
 
     if not is_complete(path):
         raise CheckpointError(f"{path}: not a complete t2train checkpoint (no metadata.json)")
@@ -58,28 +59,35 @@ def read_train_state(path: Path) -> dict:
         # torch.load's weights_only refusal spans lines; the one naming the object says why
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         why = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "")
-        raise CheckpointError(f"{path}/common.pt: cannot read ({type(err).__name__}: {why}; "
-                              "checkpoints are loaded as data only)") from err
+        raise CheckpointError(
+            f"{path}/common.pt: cannot read ({type(err).__name__}: {why}; "
+            "checkpoints are loaded as data only)"
+        ) from err
 
 
 def describe(path: Path) -> str:
     state = read_train_state(path)
     model = state.get("config", {}).get("model", {})
-    design = (variant_label(resolve_aliases(model, state.get("config_format", 1)))
-              if "residual" in model else "?")
+    design = (
+        variant_label(resolve_aliases(model, state.get("config_format", 1)))
+        if "residual" in model
+        else "?"
+    )
     layout = state["layout"]
     files = sorted(p for p in path.iterdir() if p.is_file())
     total = sum(p.stat().st_size for p in files)
-    lines = [f"checkpoint {path}",
-             f"  step {state['step']}, tokens {state.get('tokens', 0):,}",
-             f"  layout TP {layout['tp']} x PP {layout['pp']} x DP {layout['dp']}"
-             + (f", DeepSpeed ZeRO-{layout['zero_stage']}" if "zero_stage" in layout else ""),
-             f"  model {design} residual, {model.get('num_layers', '?')} "
-             f"layers, hidden {model.get('hidden_size', '?')}",
-             "  optimizer state: " + ("yes" if state["has_optimizer"]
-                                      else "no (before the first update)"),
-             f"  code {state.get('code_version', 'unknown')}",
-             f"  files ({len(files)}, {total / 2**20:.2f} MiB):"]
+    lines = [
+        f"checkpoint {path}",
+        f"  step {state['step']}, tokens {state.get('tokens', 0):,}",
+        f"  layout TP {layout['tp']} x PP {layout['pp']} x DP {layout['dp']}"
+        + (f", DeepSpeed ZeRO-{layout['zero_stage']}" if "zero_stage" in layout else ""),
+        f"  model {design} residual, {model.get('num_layers', '?')} "
+        f"layers, hidden {model.get('hidden_size', '?')}",
+        "  optimizer state: "
+        + ("yes" if state["has_optimizer"] else "no (before the first update)"),
+        f"  code {state.get('code_version', 'unknown')}",
+        f"  files ({len(files)}, {total / 2**20:.2f} MiB):",
+    ]
     width = max(len(p.name) for p in files)
     lines += [f"    {p.name:<{width}}  {p.stat().st_size / 2**20:9.3f} MiB" for p in files]
     return "\n".join(lines)
@@ -97,10 +105,9 @@ def _cmd_inspect(args) -> int:
 def _cmd_verify(args) -> int:
     """Exit 0 when every file matches the checksum recorded at save, 1 naming the first that
     does not."""
-    import time
 
-    from t2train.checkpoint.compatibility import check_shard_files
-    from t2train.checkpoint.integrity import ALGORITHM, verify_checksums
+    from t2train.checkpoint.compatibility import check_shard_files  # noqa: PLC0415 - torch: not for `t2train ckpt --help`
+    from t2train.checkpoint.integrity import ALGORITHM, verify_checksums  # noqa: PLC0415 - torch: not for `t2train ckpt --help`
 
     given = Path(args.path)
     path = resolve_checkpoint(given)
@@ -110,9 +117,11 @@ def _cmd_verify(args) -> int:
         indexed = checkpoint_engine(path) == "megatron"  # torch DCP's index names the shards
         if indexed:
             check_shard_files(path)
-        print(f"{path}: no checksums recorded (saved by an older t2train): its content cannot "
-              "be checked" + (", its shard files are all there at their indexed sizes"
-                              if indexed else ""))
+        print(
+            f"{path}: no checksums recorded (saved by an older t2train): its content cannot "
+            "be checked"
+            + (", its shard files are all there at their indexed sizes" if indexed else "")
+        )
         return 0
     started = time.monotonic()
     damage = verify_checksums(path)
@@ -121,8 +130,10 @@ def _cmd_verify(args) -> int:
         return 1
     files = json.loads((path / CHECKSUMS).read_text())["files"]
     size = sum(entry["bytes"] for entry in files.values())
-    print(f"{path}: intact, {len(files)} files ({size / 2**20:.2f} MiB) match the {ALGORITHM} "
-          f"checksums recorded at save ({time.monotonic() - started:.1f}s)")
+    print(
+        f"{path}: intact, {len(files)} files ({size / 2**20:.2f} MiB) match the {ALGORITHM} "
+        f"checksums recorded at save ({time.monotonic() - started:.1f}s)"
+    )
     return 0
 
 
@@ -130,15 +141,23 @@ def register(commands) -> None:
     ckpt = commands.add_parser("ckpt", help="checkpoint tools")
     tools = ckpt.add_subparsers(dest="ckpt_command", required=True)
     inspect = tools.add_parser(
-        "inspect", help="print step, tokens, layout, residual design and size per shard file",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    inspect.add_argument("path", help="a checkpoint directory (runs/NAME/checkpoints/"
-                                      "step_00000100), or a run directory, its checkpoints "
-                                      "directory or its latest file (the newest there)")
+        "inspect",
+        help="print step, tokens, layout, residual design and size per shard file",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    inspect.add_argument(
+        "path",
+        help="a checkpoint directory (runs/NAME/checkpoints/"
+        "step_00000100), or a run directory, its checkpoints "
+        "directory or its latest file (the newest there)",
+    )
     inspect.set_defaults(handler=_cmd_inspect)
     verify = tools.add_parser(
-        "verify", help="check every file against the checksums recorded when it was saved "
-                       "(exit 1 naming the first that differs)")
-    verify.add_argument("path", help="a checkpoint, or what leads to the newest one (as for "
-                                     "inspect)")
+        "verify",
+        help="check every file against the checksums recorded when it was saved "
+        "(exit 1 naming the first that differs)",
+    )
+    verify.add_argument(
+        "path", help="a checkpoint, or what leads to the newest one (as for inspect)"
+    )
     verify.set_defaults(handler=_cmd_verify)

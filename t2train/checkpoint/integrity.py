@@ -26,6 +26,7 @@ from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
+import xxhash
 
 from t2train.checkpoint.errors import CheckpointError, NonFiniteState
 from t2train.checkpoint.paths import CHECKSUMS, LATEST, complete_steps, is_complete, step_dir_name
@@ -64,7 +65,6 @@ def _my_share(names: list[str]) -> list[str]:
 
 
 def file_digest(path: Path) -> str:
-    import xxhash
 
     digest = xxhash.xxh3_64()
     with open(path, "rb") as stream:
@@ -78,14 +78,27 @@ def record_checksums(directory: Path) -> None:
     with each file's size and checksum."""
     rank, _ = _world()
     names = _from_rank_zero(
-        sorted(str(path.relative_to(directory)) for path in directory.rglob("*")
-               if path.is_file() and path.name != CHECKSUMS) if rank == 0 else None)
-    files = _merged({name: {"bytes": (directory / name).stat().st_size,
-                            ALGORITHM: file_digest(directory / name)}
-                     for name in _my_share(names)})
+        sorted(
+            str(path.relative_to(directory))
+            for path in directory.rglob("*")
+            if path.is_file() and path.name != CHECKSUMS
+        )
+        if rank == 0
+        else None
+    )
+    files = _merged(
+        {
+            name: {
+                "bytes": (directory / name).stat().st_size,
+                ALGORITHM: file_digest(directory / name),
+            }
+            for name in _my_share(names)
+        }
+    )
     if rank == 0:
-        (directory / CHECKSUMS).write_text(json.dumps(
-            {"algorithm": ALGORITHM, "files": dict(sorted(files.items()))}, indent=1))
+        (directory / CHECKSUMS).write_text(
+            json.dumps({"algorithm": ALGORITHM, "files": dict(sorted(files.items()))}, indent=1)
+        )
 
 
 def recorded_checksums() -> dict:
@@ -97,7 +110,7 @@ def recorded_checksums() -> dict:
 def _missing_manifest(directory: Path) -> Optional[str]:
     """Why a checkpoint without ``CHECKSUMS`` is damaged, or None if it was saved before
     checksums were recorded."""
-    from t2train.checkpoint.inspect import read_train_state
+    from t2train.checkpoint.inspect import read_train_state  # noqa: PLC0415 - inspect imports this module
 
     try:
         algorithm = read_train_state(directory).get("checksums")
@@ -105,8 +118,10 @@ def _missing_manifest(directory: Path) -> Optional[str]:
         return f"{directory / CHECKSUMS}: missing, and {err}"
     if algorithm is None:
         return None
-    return (f"{directory / CHECKSUMS}: missing (the checkpoint was saved with {algorithm} "
-            "checksums: the manifest was deleted or lost)")
+    return (
+        f"{directory / CHECKSUMS}: missing (the checkpoint was saved with {algorithm} "
+        "checksums: the manifest was deleted or lost)"
+    )
 
 
 def _damage(directory: Path, name: str, recorded: dict) -> Optional[str]:
@@ -115,11 +130,14 @@ def _damage(directory: Path, name: str, recorded: dict) -> Optional[str]:
         return f"{path}: missing"
     size = path.stat().st_size
     if size != recorded["bytes"]:
-        return (f"{path}: {size} bytes, {recorded['bytes']} when it was saved (truncated or "
-                "replaced)")
+        return (
+            f"{path}: {size} bytes, {recorded['bytes']} when it was saved (truncated or replaced)"
+        )
     if file_digest(path) != recorded[ALGORITHM]:
-        return (f"{path}: content differs from the {ALGORITHM} checksum recorded when it was "
-                f"saved (overwritten or corrupted in place)")
+        return (
+            f"{path}: content differs from the {ALGORITHM} checksum recorded when it was "
+            f"saved (overwritten or corrupted in place)"
+        )
     return None
 
 
@@ -142,8 +160,11 @@ def verify_checksums(directory: Path) -> Optional[str]:
     if manifest["algorithm"] != ALGORITHM:
         return f"{directory / CHECKSUMS}: unknown checksum algorithm {manifest['algorithm']!r}"
     files = manifest["files"]
-    found = {name: why for name in _my_share(sorted(files))
-             if (why := _damage(directory, name, files[name])) is not None}
+    found = {
+        name: why
+        for name in _my_share(sorted(files))
+        if (why := _damage(directory, name, files[name])) is not None
+    }
     damaged = _merged(found)
     return damaged[min(damaged)] if damaged else None
 
@@ -153,9 +174,11 @@ def require_intact(directory: Path, setting: str = "") -> None:
     ``directory`` (and the ``setting`` that named it, if any) unless its checksums verify."""
     damage = verify_checksums(directory)
     if damage is not None:
-        raise CheckpointError((f"{setting}: " if setting else "")
-                              + f"{directory} is damaged: {damage}; restore a copy, or use an "
-                              "earlier checkpoint of its run (`t2train ckpt verify` checks one)")
+        raise CheckpointError(
+            (f"{setting}: " if setting else "")
+            + f"{directory} is damaged: {damage}; restore a copy, or use an "
+            "earlier checkpoint of its run (`t2train ckpt verify` checks one)"
+        )
 
 
 def resume_candidates(root: Path) -> list[Path]:
@@ -167,15 +190,18 @@ def resume_candidates(root: Path) -> list[Path]:
             named = [marked]
     except (OSError, ValueError):
         pass
-    return named + [root / step_dir_name(step) for step in reversed(complete_steps(root))
-                    if root / step_dir_name(step) not in named]
+    return named + [
+        root / step_dir_name(step)
+        for step in reversed(complete_steps(root))
+        if root / step_dir_name(step) not in named
+    ]
 
 
 def choose_verified(candidates: list[Path], fall_back: bool) -> tuple[Path, list[tuple[Path, str]]]:
     """Collective: the first of ``candidates`` whose checksums verify, and each one skipped
     before it with what is damaged. Without ``fall_back`` a damaged first candidate is refused,
     naming the checkpoint that would have been used."""
-    skipped = []
+    skipped: list[tuple[Path, str]] = []
     for path in candidates:
         damage = verify_checksums(path)
         if damage is None:
@@ -184,12 +210,16 @@ def choose_verified(candidates: list[Path], fall_back: bool) -> tuple[Path, list
                     f"{skipped[0][0]} is damaged: {skipped[0][1]}; refused "
                     f"(checkpoint.on_damaged=stop). The newest checkpoint that verifies is "
                     f"{path}: resume it with checkpoint.resume={path} or "
-                    "checkpoint.on_damaged=fall_back")
+                    "checkpoint.on_damaged=fall_back"
+                )
             return path, skipped
         skipped.append((path, damage))
-    raise CheckpointError(f"no checkpoint under {candidates[0].parent} verifies: "
-                          + "; ".join(why for _, why in skipped) + "; restore a copy, or start "
-                          "again with checkpoint.resume=none checkpoint.overwrite=true")
+    raise CheckpointError(
+        f"no checkpoint under {candidates[0].parent} verifies: "
+        + "; ".join(why for _, why in skipped)
+        + "; restore a copy, or start "
+        "again with checkpoint.resume=none checkpoint.overwrite=true"
+    )
 
 
 def say(message: str) -> None:
@@ -205,9 +235,11 @@ def optimizer_tensors(optimizer) -> list[tuple[str, torch.Tensor]]:
         for index, param in enumerate(group["params"]):
             where = f"optimizer group {group_index} parameter {index}"
             tensors.append((where, param))
-            tensors += [(f"{where} {key}", value)
-                        for key, value in optimizer.state.get(param, {}).items()
-                        if torch.is_tensor(value)]
+            tensors += [
+                (f"{where} {key}", value)
+                for key, value in optimizer.state.get(param, {}).items()
+                if torch.is_tensor(value)
+            ]
     return tensors
 
 
@@ -227,6 +259,8 @@ def check_finite(named_tensors: Iterable[tuple[str, torch.Tensor]], what: str) -
         count = sum(c for c, _ in counts)
         first = next((name for _, name in counts if name), None)
     if count:
-        raise NonFiniteState(f"{count} tensor(s) of the {what} hold NaN or inf (first: {first}); "
-                             "a checkpoint of it would poison every run resumed from it, so it "
-                             "is not published")
+        raise NonFiniteState(
+            f"{count} tensor(s) of the {what} hold NaN or inf (first: {first}); "
+            "a checkpoint of it would poison every run resumed from it, so it "
+            "is not published"
+        )

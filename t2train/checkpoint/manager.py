@@ -36,7 +36,7 @@ def describe_save_error(err: BaseException) -> str:
         rank, wrapped = sorted(failures.items())[0]
         inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
         return f"rank {rank}: {describe_save_error(inner)}"
-    seen = err
+    seen: Optional[BaseException] = err
     while seen is not None:  # the OS error names the file and the cause
         if isinstance(seen, OSError):
             break
@@ -71,8 +71,10 @@ def explain_save_error(err: BaseException, staging: Path) -> str:
     try:
         _write_probe(staging, 1 << 20)
     except OSError as probed:
-        return (f"{type(probed).__name__}: [Errno {probed.errno}] {probed.strerror}: "
-                f"'{staging}' (a write there fails now; the writer reported {described})")
+        return (
+            f"{type(probed).__name__}: [Errno {probed.errno}] {probed.strerror}: "
+            f"'{staging}' (a write there fails now; the writer reported {described})"
+        )
     return described
 
 
@@ -89,8 +91,8 @@ def _full_path(function, path, exc_info) -> None:
 # caught, agreed on and reported); others are bugs and propagate. CheckpointException is torch
 # DCP's wrapper of failed ranks' writes.
 def _save_errors() -> tuple:
-    from megatron.core.dist_checkpointing.core import CheckpointingException
-    from torch.distributed.checkpoint.api import CheckpointException
+    from megatron.core.dist_checkpointing.core import CheckpointingException  # noqa: PLC0415 - Megatron's checkpointing: when a save fails
+    from torch.distributed.checkpoint.api import CheckpointException  # noqa: PLC0415 - torch DCP: when a save fails
 
     return (OSError, CheckpointException, CheckpointingException, NonFiniteState)
 
@@ -100,10 +102,9 @@ def _seen_by_every_rank(err: BaseException) -> bool:
     together (``CheckpointException``), as the finiteness check does (``NonFiniteState``); any
     other error of a save is this rank's alone, and its peers may be waiting for it in one of
     the save's collectives."""
-    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.api import CheckpointException  # noqa: PLC0415 - torch DCP: when a save fails
 
-    return (isinstance(err, (CheckpointException, NonFiniteState))
-            or dist.get_world_size() == 1)
+    return isinstance(err, (CheckpointException, NonFiniteState)) or dist.get_world_size() == 1
 
 
 class Checkpointer:
@@ -123,16 +124,25 @@ class Checkpointer:
     collective, cannot agree with them: every rank stops (``RankFailure``), under either policy.
     """
 
-    def __init__(self, root: Path, config: Config, engine,
-                 report: Callable[[int, float, float, Path], None], monitor=None,
-                 counters: Optional[dict] = None):
+    def __init__(
+        self,
+        root: Path,
+        config: Config,
+        engine,
+        report: Callable[[int, float, float, Path], None],
+        monitor=None,
+        counters: Optional[dict] = None,
+    ):
         self.root, self.engine, self.report, self.monitor = root, engine, report, monitor
         self.settings = config.checkpoint
-        self.manifest = {"config": asdict(config), "config_format": CONFIG_FORMAT,
-                         "code_version": code_version()}
+        self.manifest = {
+            "config": asdict(config),
+            "config_format": CONFIG_FORMAT,
+            "code_version": code_version(),
+        }
         self.queue = None
         if self.settings.async_save:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: PLC0415 - checkpoint.async_save only
 
             self.queue = AsyncCallsQueue()
         self._pending: dict[Path, tuple[int, float, float]] = {}  # path -> step, start, blocked
@@ -152,9 +162,13 @@ class Checkpointer:
         error = self._agree(self._prepare_directory(step))
         if error is None:
             try:
-                path = self.engine.save(self.root, step, dict(
-                    train_state, failed_saves=self.failed_saves, **self.manifest),
-                    self.queue, self._published)
+                path = self.engine.save(
+                    self.root,
+                    step,
+                    dict(train_state, failed_saves=self.failed_saves, **self.manifest),
+                    self.queue,
+                    self._published,
+                )
             except _save_errors() as err:
                 error = explain_save_error(err, self.root / (step_dir_name(step) + INCOMPLETE))
                 if not _seen_by_every_rank(err):
@@ -187,8 +201,10 @@ class Checkpointer:
             self.queue.close()
         if self.failed_saves:
             last = self.last_published()
-            self._say(f"warning: {self.failed_saves} checkpoint save(s) failed in this run; the "
-                      f"newest published checkpoint is {last or 'none'}")
+            self._say(
+                f"warning: {self.failed_saves} checkpoint save(s) failed in this run; the "
+                f"newest published checkpoint is {last or 'none'}"
+            )
 
     def last_published(self) -> Optional[Path]:
         """The checkpoint ``latest`` names, if it is complete."""
@@ -221,21 +237,30 @@ class Checkpointer:
         """Collective: every rank learns whether any rank failed, and the first one's error."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return error
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if dist.get_backend() == "nccl" else torch.device("cpu"))
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if dist.get_backend() == "nccl"
+            else torch.device("cpu")
+        )
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not flag.item():
             return None
         errors: list = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)
-        return next((f"{e}" if e.startswith("rank ") else f"rank {rank}: {e}")
-                    for rank, e in enumerate(errors) if e is not None)
+        return next(
+            (f"{e}" if e.startswith("rank ") else f"rank {rank}: {e}")
+            for rank, e in enumerate(errors)
+            if e is not None
+        )
 
     def _cause(self, step: int, error: str, staging: Path) -> str:
         last = self.last_published()
-        kept = (f"the last good checkpoint {last} is intact and `latest` still names it"
-                if last is not None else "no earlier checkpoint exists")
+        kept = (
+            f"the last good checkpoint {last} is intact and `latest` still names it"
+            if last is not None
+            else "no earlier checkpoint exists"
+        )
         try:
             free = f" ({shutil.disk_usage(self.root).free / 2**30:.1f} GiB free there)"
         except OSError:
@@ -249,10 +274,12 @@ class Checkpointer:
         rank = dist.get_rank()
         if self.monitor is not None:
             self.monitor.close()
-        raise RankFailure(f"{self._cause(step, f'rank {rank}: {error}', staging)}. Every rank "
-                          f"stops: rank {rank} failed alone inside the save, where the others "
-                          "wait for it (checkpoint.on_save_error does not apply); free or fix "
-                          "the checkpoint directory and run again to resume")
+        raise RankFailure(
+            f"{self._cause(step, f'rank {rank}: {error}', staging)}. Every rank "
+            f"stops: rank {rank} failed alone inside the save, where the others "
+            "wait for it (checkpoint.on_save_error does not apply); free or fix "
+            "the checkpoint directory and run again to resume"
+        )
 
     def _failed(self, step: int, error: str, staging: Optional[Path] = None) -> None:
         """Every rank: clean up, then stop or warn and count, as configured."""
@@ -267,11 +294,15 @@ class Checkpointer:
                 self.queue.close()
             if self.monitor is not None:
                 self.monitor.close()
-            raise TrainingHalted(f"{cause}. Stopped (checkpoint.on_save_error=stop): free or fix "
-                                 "the checkpoint directory and run again to resume, or set "
-                                 "checkpoint.on_save_error=continue to train on")
-        self._say(f"step {step:>6} | warning: {cause}; training continues "
-                  f"(checkpoint.on_save_error=continue, {self.failed_saves} failed so far)")
+            raise TrainingHalted(
+                f"{cause}. Stopped (checkpoint.on_save_error=stop): free or fix "
+                "the checkpoint directory and run again to resume, or set "
+                "checkpoint.on_save_error=continue to train on"
+            )
+        self._say(
+            f"step {step:>6} | warning: {cause}; training continues "
+            f"(checkpoint.on_save_error=continue, {self.failed_saves} failed so far)"
+        )
         if self.monitor is not None:
             self.monitor.scalars(step, {"checkpoint/failed_saves": self.failed_saves})
 

@@ -11,8 +11,8 @@ written when it was published (``integrity.py``).
 
 from __future__ import annotations
 
-import re
 import json
+import re
 from pathlib import Path
 
 LATEST = "latest"
@@ -42,5 +42,8 @@ def complete_steps(root: Path) -> list[int]:
     """Steps of the complete (published) checkpoints under ``root``, ascending."""
     if not root.is_dir():
         return []
-    return sorted(int(match.group(1)) for path in root.iterdir()
-                  if (match := STEP_DIR.fullmatch(path.name)) and is_complete(path))
+    return sorted(
+        int(match.group(1))
+        for path in root.iterdir()
+        if (match := STEP_DIR.fullmatch(path.name)) and is_complete(path)
+    )

@@ -23,27 +23,41 @@ from megatron.core import parallel_state
 
 from t2train.checkpoint.errors import CheckpointError
 from t2train.checkpoint.integrity import record_checksums
-from t2train.checkpoint.paths import (ENGINE_FILE, INCOMPLETE, LATEST, checkpoint_engine,
-                                      complete_steps, is_complete, step_dir_name)
+from t2train.checkpoint.paths import (
+    ENGINE_FILE,
+    INCOMPLETE,
+    LATEST,
+    checkpoint_engine,
+    complete_steps,
+    is_complete,
+    step_dir_name,
+)
 
 
 def current_layout() -> dict:
-    return {"tp": parallel_state.get_tensor_model_parallel_world_size(),
-            "pp": parallel_state.get_pipeline_model_parallel_world_size(),
-            "dp": parallel_state.get_data_parallel_world_size()}
+    return {
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+        "dp": parallel_state.get_data_parallel_world_size(),
+    }
 
 
 def capture_rng() -> list:
-    from megatron.core import tensor_parallel
+    from megatron.core import tensor_parallel  # noqa: PLC0415 - megatron-core: not for `t2train config`, which reads find_latest
 
-    return [{"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state(),
-             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}]
+    return [
+        {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        }
+    ]
 
 
 def restore_rng(states: list) -> None:
-    from megatron.core import tensor_parallel
+    from megatron.core import tensor_parallel  # noqa: PLC0415 - megatron-core: not for `t2train config`, which reads find_latest
 
     state = states[0]
     random.setstate(state["python"])
@@ -54,8 +68,9 @@ def restore_rng(states: list) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def publish_checkpoint(root: Path, staging: Path, final: Path,
-             on_published: Optional[Callable[[Path], None]]) -> None:
+def publish_checkpoint(
+    root: Path, staging: Path, final: Path, on_published: Optional[Callable[[Path], None]]
+) -> None:
     """Collective: record the files' checksums, rename the finished staging directory and
     point ``latest`` at it."""
     dist.barrier()
@@ -79,13 +94,17 @@ def find_latest(root: Path) -> Optional[Path]:
     if not root.is_dir():
         return None
     for leftover in sorted(root.glob("*" + INCOMPLETE)):
-        warnings.warn(f"ignoring incomplete checkpoint {leftover} (a save was interrupted)")
+        warnings.warn(
+            f"ignoring incomplete checkpoint {leftover} (a save was interrupted)", stacklevel=2
+        )
     marker = root / LATEST
     if marker.is_file():
         named = root / marker.read_text().strip()
         if is_complete(named):
             return named
-        warnings.warn(f"{marker} names {named.name}, which is not a complete checkpoint")
+        warnings.warn(
+            f"{marker} names {named.name}, which is not a complete checkpoint", stacklevel=2
+        )
     steps = complete_steps(root)
     return root / step_dir_name(steps[-1]) if steps else None
 
@@ -93,12 +112,15 @@ def find_latest(root: Path) -> Optional[Path]:
 def check_engine(path: Path, engine: str) -> None:
     """Raise CheckpointError unless ``path`` is a complete checkpoint written by ``engine``."""
     if not is_complete(path):
-        raise CheckpointError(f"{path}: not a complete t2train checkpoint (no metadata.json "
-                              f"or {ENGINE_FILE})")
+        raise CheckpointError(
+            f"{path}: not a complete t2train checkpoint (no metadata.json or {ENGINE_FILE})"
+        )
     written_by = checkpoint_engine(path)
     if written_by != engine:
-        raise CheckpointError(f"{path}: written by train.engine={written_by}, this run uses "
-                              f"train.engine={engine}; resume it with train.engine={written_by}")
+        raise CheckpointError(
+            f"{path}: written by train.engine={written_by}, this run uses "
+            f"train.engine={engine}; resume it with train.engine={written_by}"
+        )
 
 
 def read_checkpoint(path: Path, load: Callable):
@@ -108,7 +130,9 @@ def read_checkpoint(path: Path, load: Callable):
     except CheckpointError:
         raise
     except Exception as err:  # torch DCP and Megatron raise many types for unreadable data
-        raise CheckpointError(f"{path}: cannot load the checkpoint ({type(err).__name__}: "
-                              f"{str(err).strip().splitlines()[-1] if str(err).strip() else ''}); "
-                              "it may be corrupt: resume from an earlier step_* "
-                              "(checkpoint.resume=PATH)") from err
+        raise CheckpointError(
+            f"{path}: cannot load the checkpoint ({type(err).__name__}: "
+            f"{str(err).strip().splitlines()[-1] if str(err).strip() else ''}); "
+            "it may be corrupt: resume from an earlier step_* "
+            "(checkpoint.resume=PATH)"
+        ) from err

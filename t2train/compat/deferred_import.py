@@ -78,7 +78,7 @@ def compile_at_first_call(fn=None, **options):
     ``torch.compile`` compiles then), inlined when the caller is itself being compiled."""
     if fn is None:
         return functools.partial(compile_at_first_call, **options)
-    import torch
+    import torch  # noqa: PLC0415 - runs before torch is imported: at the first call
 
     compiled = None
 
@@ -107,7 +107,7 @@ class _MegatronJitFinder(importlib.abc.MetaPathFinder):
         run = spec.loader.exec_module
 
         def exec_module(module):
-            import torch
+            import torch  # noqa: PLC0415 - runs before torch is imported: at the first call
 
             run(module)
             if module.jit_fuser is torch.compile:
@@ -128,5 +128,6 @@ def defer() -> None:
         if spec is not None:
             sys.modules[name] = DeferredModule(spec)
     if MEGATRON_JIT not in sys.modules and not any(
-            isinstance(finder, _MegatronJitFinder) for finder in sys.meta_path):
+        isinstance(finder, _MegatronJitFinder) for finder in sys.meta_path
+    ):
         sys.meta_path.insert(0, _MegatronJitFinder())

@@ -27,22 +27,34 @@ KNOWN_WARNINGS = (
     (r"full scope is deprecated", r"megatron\.core\.transformer", UserWarning),
     # Deprecations between megatron-core 0.16's dist-checkpointing and torch DCP, on every
     # checkpoint load: theirs to migrate, nothing a user can change.
-    (r"`load_state_dict` is deprecated and will be removed in future versions",
-     r"megatron\.core\.dist_checkpointing", FutureWarning),
-    (r"Please use DTensor instead and we are deprecating ShardedTensor",
-     r"torch\.distributed\.checkpoint", FutureWarning),
+    (
+        r"`load_state_dict` is deprecated and will be removed in future versions",
+        r"megatron\.core\.dist_checkpointing",
+        FutureWarning,
+    ),
+    (
+        r"Please use DTensor instead and we are deprecating ShardedTensor",
+        r"torch\.distributed\.checkpoint",
+        FutureWarning,
+    ),
     # DeepSpeed's ZeRO calls the torch collectives torch has deprecated (ZeRO-3: every step).
-    (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
-     r"torch\.distributed", FutureWarning),
+    (
+        r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        r"torch\.distributed",
+        FutureWarning,
+    ),
 )
 # Advice for CUDA runs, noise without CUDA: silenced by ``silence_without_cuda`` (the
 # megatron-core CPU shim calls it), so a GPU run still shows it.
 CUDA_ADVICE_WARNINGS = (
     # megatron-core with sequence parallelism or tensor-parallel gradient all-reduces, about
     # CUDA streams.
-    (r"When using (sequence parallelism|async grad allreduce) it is recommended to set the "
-     r"environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1",
-     r"megatron\.core\.tensor_parallel", UserWarning),
+    (
+        r"When using (sequence parallelism|async grad allreduce) it is recommended to set the "
+        r"environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1",
+        r"megatron\.core\.tensor_parallel",
+        UserWarning,
+    ),
 )
 # logger name -> message regex: library log records.
 KNOWN_LOG_RECORDS = {
@@ -79,7 +91,6 @@ def silence() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropKnown) for f in logger.filters):
             logger.addFilter(_DropKnown(pattern))
-
 
 
 def silence_without_cuda() -> None:

@@ -103,7 +103,9 @@ def _cpu_cuda_namespace() -> types.SimpleNamespace:
     ns.get_rng_state = lambda *a, **k: torch.get_rng_state()
     ns.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     ns.manual_seed = lambda seed: torch.manual_seed(seed)
-    ns.random = types.SimpleNamespace(get_rng_state=ns.get_rng_state, set_rng_state=ns.set_rng_state)
+    ns.random = types.SimpleNamespace(
+        get_rng_state=ns.get_rng_state, set_rng_state=ns.set_rng_state
+    )
     ns.nvtx = types.SimpleNamespace(range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None)
     return ns
 
@@ -111,10 +113,10 @@ def _cpu_cuda_namespace() -> types.SimpleNamespace:
 def _cpu_torch() -> types.ModuleType:
     """A ``torch`` look-alike: everything is torch's, except CUDA device use maps to the CPU."""
     proxy = types.ModuleType("torch")
-    proxy.__getattr__ = lambda name: getattr(torch, name)  # PEP 562 fallback for all else
+    setattr(proxy, "__getattr__", lambda name: getattr(torch, name))  # PEP 562: all else
     for name in _FACTORIES:
         setattr(proxy, name, _remap_factory(getattr(torch, name)))
-    proxy.cuda = _cpu_cuda_namespace()
+    setattr(proxy, "cuda", _cpu_cuda_namespace())
     return proxy
 
 
@@ -127,8 +129,8 @@ def _set_cpu_rng_functions() -> None:
     def set_state(new_state, device=-1, graph_safe=False):
         torch.set_rng_state(new_state)
 
-    random._get_cuda_rng_state = get_state
-    random._set_cuda_rng_state = set_state
+    setattr(random, "_get_cuda_rng_state", get_state)
+    setattr(random, "_set_cuda_rng_state", set_state)
 
 
 def _cpu_tensor_semantics(fn):
@@ -164,10 +166,13 @@ def _patch_tensor_method_users() -> None:
     distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
     clip = importlib.import_module("megatron.core.optimizer.clip_grads")
     language = importlib.import_module(
-        "megatron.core.models.common.language_module.language_module")
-    for owner, name in ((distrib.DistributedOptimizer, "__init__"),
-                        (optimizer.Float16OptimizerWithFloat16Params, "__init__"),
-                        (language.LanguageModule, "setup_embeddings_and_output_layer")):
+        "megatron.core.models.common.language_module.language_module"
+    )
+    for owner, name in (
+        (distrib.DistributedOptimizer, "__init__"),
+        (optimizer.Float16OptimizerWithFloat16Params, "__init__"),
+        (language.LanguageModule, "setup_embeddings_and_output_layer"),
+    ):
         setattr(owner, name, _cpu_tensor_semantics(getattr(owner, name)))
     for name in ("clip_grad_by_total_norm_fp32", "count_zeros_fp32"):
         checked = _cpu_tensor_semantics(getattr(clip, name))
@@ -182,7 +187,7 @@ def apply(force: bool = False) -> bool:
         return True
     if not (force or needed()):
         return False
-    import megatron.core
+    import megatron.core  # noqa: PLC0415 - megatron-core: only when the shim is applied
 
     version = megatron.core.__version__
     if not version.startswith(SUPPORTED_MEGATRON):
@@ -195,7 +200,7 @@ def apply(force: bool = False) -> bool:
         module = importlib.import_module(name)
         if getattr(module, "torch", None) is not torch:
             raise RuntimeError(f"megatron-core module {name} no longer imports torch as 'torch'")
-        module.torch = proxy
+        setattr(module, "torch", proxy)
     _set_cpu_rng_functions()
     _patch_tensor_method_users()
     library_noise.silence_without_cuda()

@@ -30,8 +30,11 @@ import torch
 import torch.distributed as dist
 
 MODULE = "megatron.core.optimizer.optimizer"
-PATCHED = ((MODULE, "get_grad_norm_fp32"), (MODULE, "clip_grad_by_total_norm_fp32"),
-           (MODULE, "_multi_tensor_copy_this_to_that"))
+PATCHED = (
+    (MODULE, "get_grad_norm_fp32"),
+    (MODULE, "clip_grad_by_total_norm_fp32"),
+    (MODULE, "_multi_tensor_copy_this_to_that"),
+)
 _ORIGINAL: dict = {}
 
 
@@ -52,10 +55,13 @@ def grad_norm_on_device(grads_for_norm, norm_type=2, grad_stats_parallel_group=N
 def clip_on_device(parameters, max_norm: float, total_norm, use_decoupled_grad: bool = False):
     """Scale the gradients of ``parameters`` by ``min(1, max_norm / (total_norm + 1e-6))``."""
     attribute = "decoupled_grad" if use_decoupled_grad else "grad"
-    grads = [getattr(p, attribute).detach() for p in parameters
-             if getattr(p, attribute, None) is not None]
+    grads = [
+        getattr(p, attribute).detach()
+        for p in parameters
+        if getattr(p, attribute, None) is not None
+    ]
     if grads:
-        factor = (max_norm / (torch.as_tensor(total_norm, device=grads[0].device) + 1.0e-6))
+        factor = max_norm / (torch.as_tensor(total_norm, device=grads[0].device) + 1.0e-6)
         torch._foreach_mul_(grads, factor.clamp(max=1.0))
 
 
@@ -70,20 +76,27 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 
 def _default_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
         else torch.device("cpu")
+    )
 
 
 def apply() -> None:
     """Put the functions above in place of megatron-core's (idempotent)."""
     module = importlib.import_module(MODULE)
-    replacements = {"get_grad_norm_fp32": grad_norm_on_device,
-                    "clip_grad_by_total_norm_fp32": clip_on_device,
-                    "_multi_tensor_copy_this_to_that": copy_all}
+    replacements = {
+        "get_grad_norm_fp32": grad_norm_on_device,
+        "clip_grad_by_total_norm_fp32": clip_on_device,
+        "_multi_tensor_copy_this_to_that": copy_all,
+    }
     for _, name in PATCHED:
         current = getattr(module, name, None)
         if current is None:
-            raise RuntimeError(f"{MODULE}.{name} is gone: update t2train/compat/"
-                               "megatron_optimizer.py for this megatron-core")
+            raise RuntimeError(
+                f"{MODULE}.{name} is gone: update t2train/compat/"
+                "megatron_optimizer.py for this megatron-core"
+            )
         _ORIGINAL.setdefault(name, current)  # megatron-core's, from the first application
         setattr(module, name, replacements[name])

@@ -17,6 +17,7 @@ or megatron-core stops using it.
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
 from multiprocessing.managers import SyncManager
@@ -30,11 +31,10 @@ def start_results_queue(initializer: Callable[[int], None]) -> None:
     """Unless megatron-core already has one: its result queue, served by a spawned process
     that first runs ``initializer(trainer_pid)``. Call it from the thread that saves (a
     parent-death signal follows the thread that started the process)."""
-    import importlib
 
     writer = importlib.import_module(MODULE)
-    if writer._results_queue is not None:
+    if getattr(writer, "_results_queue") is not None:
         return
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
     manager.start(initializer, (os.getpid(),))
-    writer._results_queue = manager.Queue()  # the proxy keeps its manager alive
+    setattr(writer, "_results_queue", manager.Queue())  # the proxy keeps its manager alive

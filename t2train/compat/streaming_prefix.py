@@ -28,8 +28,10 @@ from streaming.base import dataset as streaming_dataset
 from streaming.base.shared import prefix
 
 # (module, attribute) of streaming replaced while a dataset is made.
-PATCHED = (("streaming.base.shared.prefix", "SharedMemory"),
-           ("streaming.base.dataset", "get_shm_prefix"))
+PATCHED = (
+    ("streaming.base.shared.prefix", "SharedMemory"),
+    ("streaming.base.dataset", "get_shm_prefix"),
+)
 # Beside the segments it guards: every process that sees them sees it (TMPDIR may be per job).
 PREFIX_LOCK = Path("/dev/shm") / "t2train-streaming-prefix.lock"
 

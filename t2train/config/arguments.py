@@ -15,13 +15,14 @@ CONFIG_SECTIONS = ("model", "parallel", "train", "data", "checkpoint", "deepspee
 
 
 def preset_names() -> list[str]:
-    return sorted(p.name[:-5] for p in resources.files(PRESET_PACKAGE).iterdir()
-                  if p.name.endswith(".yaml"))
+    return sorted(
+        p.name[:-5] for p in resources.files(PRESET_PACKAGE).iterdir() if p.name.endswith(".yaml")
+    )
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", help=f"start from a preset: {', '.join(preset_names())}")
-    parser.add_argument("--config", help="a YAML file of config sections, applied after the "
-                                         "preset")
-    parser.add_argument("overrides", nargs="*", metavar="section.field=value",
-                        help="dotted overrides, applied last")
+    parser.add_argument("--config", help="a YAML file of config sections, applied after the preset")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="section.field=value", help="dotted overrides, applied last"
+    )

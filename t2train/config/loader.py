@@ -22,13 +22,14 @@ from t2train.config.arguments import PRESET_PACKAGE, preset_names
 from t2train.config.schema import CONFIG_FORMAT, Config, ConfigError
 from t2train.residual import resolve_aliases
 
+
 def short(value: Any, limit: int = 80) -> str:
     """``repr(value)``, cut to ``limit`` characters for one-line error messages."""
     try:
         text = repr(value)
     except (ValueError, RecursionError):  # an int past Python's digit limit; deep nesting
         text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _yaml_problem(err: BaseException) -> str:
@@ -36,8 +37,11 @@ def _yaml_problem(err: BaseException) -> str:
     if isinstance(err, RecursionError):
         return "too deeply nested"
     if isinstance(err, yaml.MarkedYAMLError) and err.problem:
-        where = (f" at line {err.problem_mark.line + 1}, column {err.problem_mark.column + 1}"
-                 if err.problem_mark is not None else "")
+        where = (
+            f" at line {err.problem_mark.line + 1}, column {err.problem_mark.column + 1}"
+            if err.problem_mark is not None
+            else ""
+        )
         cause = f"{err.problem}{where}"
         if "python/" in str(err.problem):
             cause += "; configs are data: tags that build Python objects are refused"
@@ -71,8 +75,9 @@ def _read_yaml(text: str, source: str) -> dict:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a mapping of config sections, got "
-                          f"{type(data).__name__}")
+        raise ConfigError(
+            f"{source}: expected a mapping of config sections, got {type(data).__name__}"
+        )
     return data
 
 
@@ -96,8 +101,10 @@ def load_yaml_file(path: str) -> dict:
     try:
         text = file.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
-        raise ConfigError(f"config file {path}: not UTF-8 text (byte {err.object[err.start]:#04x} "
-                          f"at offset {err.start})") from None
+        raise ConfigError(
+            f"config file {path}: not UTF-8 text (byte {err.object[err.start]:#04x} "
+            f"at offset {err.start})"
+        ) from None
     except OSError as err:
         raise ConfigError(f"config file {path}: cannot read it ({err.strerror or err})") from None
     return _read_yaml(text, f"config file {path}")
@@ -108,14 +115,20 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     collection, and text YAML cannot parse is taken as a plain string."""
     key, sep, raw = item.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {short(item)}: expected dotted.key=value, e.g. "
-                          "model.num_layers=4")
+        raise ConfigError(
+            f"override {short(item)}: expected dotted.key=value, e.g. model.num_layers=4"
+        )
     try:
         value = _safe_load(raw) if raw else ""
-    except (yaml.constructor.ConstructorError, ValueError, OverflowError,
-            RecursionError) as err:  # a tag, a bad date, too many digits, too deep
-        raise ConfigError(f"override {short(item)}: not a valid YAML value "
-                          f"({_yaml_problem(err)})") from None
+    except (
+        yaml.constructor.ConstructorError,
+        ValueError,
+        OverflowError,
+        RecursionError,
+    ) as err:  # a tag, a bad date, too many digits, too deep
+        raise ConfigError(
+            f"override {short(item)}: not a valid YAML value ({_yaml_problem(err)})"
+        ) from None
     except yaml.YAMLError:
         value = raw
     return key.split("."), value
@@ -156,8 +169,9 @@ def _coerce(value: Any, kind: Any, name: str) -> Any:
         raise ConfigError(errors[0] if errors else f"{name}={short(value)}: invalid")
     if origin is Literal:
         allowed = typing.get_args(kind)
-        if isinstance(value, bool) or not any(type(value) is type(option) and value == option
-                                              for option in allowed):
+        if isinstance(value, bool) or not any(
+            type(value) is type(option) and value == option for option in allowed
+        ):
             raise ConfigError(f"{name}={short(value)}: must be one of {list(allowed)}")
         return value
     if kind is bool:
@@ -167,7 +181,7 @@ def _coerce(value: Any, kind: Any, name: str) -> Any:
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{name}={short(value)}: must be an integer")
-        if not -2**63 <= value < 2**63:
+        if not -(2**63) <= value < 2**63:
             raise ConfigError(f"{name}={short(value)}: must be an integer in [-2**63, 2**63)")
         return value
     if kind is float:
@@ -209,20 +223,23 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
         shown = shown if shown.isprintable() else repr(shown)  # the error stays one line
         close = difflib.get_close_matches(str(unknown[0]), known, n=1)
         hint = f"did you mean {prefix}{close[0]}? " if close else ""
-        raise ConfigError(f"{prefix}{shown}: unknown field; {hint}known fields of "
-                          f"{prefix.rstrip('.') or 'the config'}: {sorted(known)}")
+        raise ConfigError(
+            f"{prefix}{shown}: unknown field; {hint}known fields of "
+            f"{prefix.rstrip('.') or 'the config'}: {sorted(known)}"
+        )
     kwargs = {}
     for name, value in data.items():
         kind = hints[name]
-        if dataclasses.is_dataclass(kind):
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
             kwargs[name] = _build(kind, value, f"{prefix}{name}.")
         else:
             kwargs[name] = _coerce(value, kind, f"{prefix}{name}")
     return cls(**kwargs)
 
 
-def load_config(preset: Optional[str] = None, config_file: Optional[str] = None,
-                overrides: Iterable[str] = ()) -> Config:
+def load_config(
+    preset: Optional[str] = None, config_file: Optional[str] = None, overrides: Iterable[str] = ()
+) -> Config:
     """Return a validated config or raise ``ConfigError`` naming the offending field."""
     data: dict = {}
     if preset is not None:

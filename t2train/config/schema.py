@@ -11,9 +11,11 @@ import importlib.util
 import os
 import re
 from dataclasses import dataclass, field, make_dataclass
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
-from t2train.errors import ConfigError, require  # ConfigError: the config's own error, re-exported
+# ConfigError: the config's own error, re-exported
+from t2train.errors import ConfigError as ConfigError
+from t2train.errors import require
 from t2train.residual import BASELINE, components, option_sections, registered
 from t2train.signals import parse_signals
 
@@ -39,8 +41,7 @@ class ModelShape:
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2's)
     # The Hugging Face class `t2train export hf` writes a `standard` model as: the one it was
     # imported from ("" = LlamaForCausalLM); not part of the model's math.
-    hf_architecture: Literal["", "LlamaForCausalLM", "MistralForCausalLM",
-                             "Qwen2ForCausalLM"] = ""
+    hf_architecture: Literal["", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"] = ""
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
@@ -66,33 +67,61 @@ class ModelShape:
         return 64 * -(-(8 * self.hidden_size // 3) // 64)
 
     def validate(self) -> None:
-        require(self.residual in registered(), "model.residual", self.residual,
-                f"must be one of {sorted(registered())}")
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                     "make_vocab_size_divisible_by", "rotary_base"):
+        require(
+            self.residual in registered(),
+            "model.residual",
+            self.residual,
+            f"must be one of {sorted(registered())}",
+        )
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "seq_length",
+            "make_vocab_size_divisible_by",
+            "rotary_base",
+        ):
             require(getattr(self, name) >= 1, f"model.{name}", getattr(self, name), "must be >= 1")
-        require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
-                self.hidden_size, f"must be divisible by model.num_attention_heads="
-                f"{self.num_attention_heads}")
+        require(
+            self.hidden_size % self.num_attention_heads == 0,
+            "model.hidden_size",
+            self.hidden_size,
+            f"must be divisible by model.num_attention_heads={self.num_attention_heads}",
+        )
         head_dim = self.hidden_size // self.num_attention_heads
-        require(head_dim % 2 == 0, "model.hidden_size", self.hidden_size,
-                f"head dim hidden_size/num_attention_heads={head_dim} must be even for RoPE")
+        require(
+            head_dim % 2 == 0,
+            "model.hidden_size",
+            self.hidden_size,
+            f"head dim hidden_size/num_attention_heads={head_dim} must be even for RoPE",
+        )
         if self.num_query_groups is not None:
-            require(self.num_query_groups >= 1
-                    and self.num_attention_heads % self.num_query_groups == 0,
-                    "model.num_query_groups", self.num_query_groups,
-                    f"must be >= 1 and divide model.num_attention_heads={self.num_attention_heads}")
+            require(
+                self.num_query_groups >= 1
+                and self.num_attention_heads % self.num_query_groups == 0,
+                "model.num_query_groups",
+                self.num_query_groups,
+                f"must be >= 1 and divide model.num_attention_heads={self.num_attention_heads}",
+            )
         if self.ffn_hidden_size is not None:
-            require(self.ffn_hidden_size >= 1, "model.ffn_hidden_size", self.ffn_hidden_size,
-                    "must be >= 1")
+            require(
+                self.ffn_hidden_size >= 1,
+                "model.ffn_hidden_size",
+                self.ffn_hidden_size,
+                "must be >= 1",
+            )
         if self.vocab_size is not None:
             require(self.vocab_size >= 2, "model.vocab_size", self.vocab_size, "must be >= 2")
         require(self.norm_epsilon > 0, "model.norm_epsilon", self.norm_epsilon, "must be > 0")
-        require(self.rope_scaling_factor == 0 or self.rope_scaling_factor >= 1,
-                "model.rope_scaling_factor", self.rope_scaling_factor,
-                "must be 0 (no scaling) or >= 1")
-        require(self.init_method_std > 0, "model.init_method_std", self.init_method_std,
-                "must be > 0")
+        require(
+            self.rope_scaling_factor == 0 or self.rope_scaling_factor >= 1,
+            "model.rope_scaling_factor",
+            self.rope_scaling_factor,
+            "must be 0 (no scaling) or >= 1",
+        )
+        require(
+            self.init_method_std > 0, "model.init_method_std", self.init_method_std, "must be > 0"
+        )
         require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
         for section in option_sections():
             getattr(self, section).validate(f"model.{section}")
@@ -100,13 +129,24 @@ class ModelShape:
 
 # The designs and the local mixer own their config sections (t2train/residual/): each is a
 # field of ModelConfig named after its section, e.g. ``model.ddl.dv``.
-ModelConfig = make_dataclass(
-    "ModelConfig",
-    [(section, options, field(default_factory=options))
-     for section, options in option_sections().items()],
-    bases=(ModelShape,))
-ModelConfig.__doc__ = ("Decoder shape, residual design and local mixer; one section per design "
-                       "option set (``t2train.residual.option_sections``).")
+if TYPE_CHECKING:  # a type checker sees the shape's fields and a section per design name
+
+    class ModelConfig(ModelShape):
+        def __getattr__(self, section: str) -> Any: ...
+
+else:
+    ModelConfig = make_dataclass(
+        "ModelConfig",
+        [
+            (section, options, field(default_factory=options))
+            for section, options in option_sections().items()
+        ],
+        bases=(ModelShape,),
+    )
+    ModelConfig.__doc__ = (
+        "Decoder shape, residual design and local mixer; one section per design "
+        "option set (``t2train.residual.option_sections``)."
+    )
 
 
 @dataclass
@@ -137,28 +177,57 @@ class ParallelConfig:
         return self.depth_cache == "cached" and self.virtual_pipeline > 1
 
     def validate(self, model: ModelConfig) -> None:
-        require(self.collective_timeout_mins > 0, "parallel.collective_timeout_mins",
-                self.collective_timeout_mins, "must be > 0")
+        require(
+            self.collective_timeout_mins > 0,
+            "parallel.collective_timeout_mins",
+            self.collective_timeout_mins,
+            "must be > 0",
+        )
         for name in ("tensor", "pipeline", "virtual_pipeline"):
-            require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name),
-                    "must be >= 1")
-        require(model.num_attention_heads % self.tensor == 0, "parallel.tensor", self.tensor,
-                f"must divide model.num_attention_heads={model.num_attention_heads}")
+            require(
+                getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name), "must be >= 1"
+            )
+        require(
+            model.num_attention_heads % self.tensor == 0,
+            "parallel.tensor",
+            self.tensor,
+            f"must divide model.num_attention_heads={model.num_attention_heads}",
+        )
         groups = model.num_query_groups or model.num_attention_heads
-        require(groups % self.tensor == 0, "parallel.tensor", self.tensor,
-                f"must divide the number of query groups ({groups})")
+        require(
+            groups % self.tensor == 0,
+            "parallel.tensor",
+            self.tensor,
+            f"must divide the number of query groups ({groups})",
+        )
         chunks = self.pipeline * self.virtual_pipeline
-        require(model.num_layers % chunks == 0, "model.num_layers", model.num_layers,
-                f"must be divisible by parallel.pipeline * parallel.virtual_pipeline = {chunks}")
-        require(self.virtual_pipeline == 1 or self.pipeline > 1, "parallel.virtual_pipeline",
-                self.virtual_pipeline, "needs parallel.pipeline > 1")
-        require(not self.sequence_parallel or self.tensor > 1, "parallel.sequence_parallel",
-                self.sequence_parallel, "needs parallel.tensor > 1; to run with "
-                f"parallel.tensor={self.tensor}, add the override "
-                "parallel.sequence_parallel=false")
+        require(
+            model.num_layers % chunks == 0,
+            "model.num_layers",
+            model.num_layers,
+            f"must be divisible by parallel.pipeline * parallel.virtual_pipeline = {chunks}",
+        )
+        require(
+            self.virtual_pipeline == 1 or self.pipeline > 1,
+            "parallel.virtual_pipeline",
+            self.virtual_pipeline,
+            "needs parallel.pipeline > 1",
+        )
+        require(
+            not self.sequence_parallel or self.tensor > 1,
+            "parallel.sequence_parallel",
+            self.sequence_parallel,
+            "needs parallel.tensor > 1; to run with "
+            f"parallel.tensor={self.tensor}, add the override "
+            "parallel.sequence_parallel=false",
+        )
         if self.sequence_parallel:
-            require(model.seq_length % self.tensor == 0, "model.seq_length", model.seq_length,
-                    f"must be divisible by parallel.tensor={self.tensor} with sequence_parallel")
+            require(
+                model.seq_length % self.tensor == 0,
+                "model.seq_length",
+                model.seq_length,
+                f"must be divisible by parallel.tensor={self.tensor} with sequence_parallel",
+            )
 
 
 @dataclass
@@ -202,37 +271,77 @@ class TrainConfig:
     loss_spike_window: int = 20
 
     def validate(self) -> None:
-        for name in ("steps", "micro_batch_size", "global_batch_size", "eval_interval",
-                     "eval_batches", "log_interval"):
-            require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name),
-                    "must be >= 1")
-        require(self.global_batch_size % self.micro_batch_size == 0, "train.global_batch_size",
-                self.global_batch_size,
-                f"must be a multiple of train.micro_batch_size={self.micro_batch_size}")
+        for name in (
+            "steps",
+            "micro_batch_size",
+            "global_batch_size",
+            "eval_interval",
+            "eval_batches",
+            "log_interval",
+        ):
+            require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name), "must be >= 1")
+        require(
+            self.global_batch_size % self.micro_batch_size == 0,
+            "train.global_batch_size",
+            self.global_batch_size,
+            f"must be a multiple of train.micro_batch_size={self.micro_batch_size}",
+        )
         require(self.lr > 0, "train.lr", self.lr, "must be > 0")
-        require(0 <= self.min_lr <= self.lr, "train.min_lr", self.min_lr,
-                f"must be in [0, train.lr={self.lr}]")
-        require(0 <= self.warmup_steps < self.steps, "train.warmup_steps", self.warmup_steps,
-                f"must be in [0, train.steps={self.steps}); for a run this short set "
-                f"train.warmup_steps={max(0, self.steps // 10)}")
+        require(
+            0 <= self.min_lr <= self.lr,
+            "train.min_lr",
+            self.min_lr,
+            f"must be in [0, train.lr={self.lr}]",
+        )
+        require(
+            0 <= self.warmup_steps < self.steps,
+            "train.warmup_steps",
+            self.warmup_steps,
+            f"must be in [0, train.steps={self.steps}); for a run this short set "
+            f"train.warmup_steps={max(0, self.steps // 10)}",
+        )
         require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0")
         for name in ("adam_beta1", "adam_beta2"):
-            require(0 <= getattr(self, name) < 1, f"train.{name}", getattr(self, name),
-                    "must be in [0, 1)")
+            require(
+                0 <= getattr(self, name) < 1,
+                f"train.{name}",
+                getattr(self, name),
+                "must be in [0, 1)",
+            )
         require(self.adam_eps > 0, "train.adam_eps", self.adam_eps, "must be > 0")
-        require(self.clip_grad >= 0, "train.clip_grad", self.clip_grad,
-                "must be >= 0 (0 disables clipping)")
+        require(
+            self.clip_grad >= 0,
+            "train.clip_grad",
+            self.clip_grad,
+            "must be >= 0 (0 disables clipping)",
+        )
         # numpy seeds must be < 2**32, and each pipeline stage adds 100 * its rank.
         require(0 <= self.seed < 2**31, "train.seed", self.seed, "must be in [0, 2**31)")
         parse_signals(self.exit_signals)
-        require(self.exit_duration_mins >= 0, "train.exit_duration_mins",
-                self.exit_duration_mins, "must be >= 0 (0 disables the time limit)")
-        require(self.max_skipped_steps >= 1, "train.max_skipped_steps", self.max_skipped_steps,
-                "must be >= 1")
-        require(self.loss_spike_factor == 0 or self.loss_spike_factor > 1,
-                "train.loss_spike_factor", self.loss_spike_factor, "must be 0 (off) or > 1")
-        require(self.loss_spike_window >= 1, "train.loss_spike_window", self.loss_spike_window,
-                "must be >= 1")
+        require(
+            self.exit_duration_mins >= 0,
+            "train.exit_duration_mins",
+            self.exit_duration_mins,
+            "must be >= 0 (0 disables the time limit)",
+        )
+        require(
+            self.max_skipped_steps >= 1,
+            "train.max_skipped_steps",
+            self.max_skipped_steps,
+            "must be >= 1",
+        )
+        require(
+            self.loss_spike_factor == 0 or self.loss_spike_factor > 1,
+            "train.loss_spike_factor",
+            self.loss_spike_factor,
+            "must be 0 (off) or > 1",
+        )
+        require(
+            self.loss_spike_window >= 1,
+            "train.loss_spike_window",
+            self.loss_spike_window,
+            "must be >= 1",
+        )
 
 
 @dataclass
@@ -260,10 +369,18 @@ class DataConfig:
 
     def validate(self) -> None:
         require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0")
-        require(self.num_canonical_nodes >= 1, "data.num_canonical_nodes",
-                self.num_canonical_nodes, "must be >= 1")
-        require(not (self.cache_dir and self.remote), "data.cache_dir", self.cache_dir,
-                "cannot be combined with data.remote (data.path is then the cache)")
+        require(
+            self.num_canonical_nodes >= 1,
+            "data.num_canonical_nodes",
+            self.num_canonical_nodes,
+            "must be >= 1",
+        )
+        require(
+            not (self.cache_dir and self.remote),
+            "data.cache_dir",
+            self.cache_dir,
+            "cannot be combined with data.remote (data.path is then the cache)",
+        )
         self.mix_weights()
         self.labelled_eval_sets()
 
@@ -275,34 +392,50 @@ class DataConfig:
         pairs = []
         for entry in self.eval_sets.split(","):
             label, _, path = entry.strip().partition("=")
-            require(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", label)) and bool(path),
-                    "data.eval_sets", self.eval_sets, f"entry {entry.strip()!r} must be "
-                    "LABEL=DIR with a label of letters, digits, '_', '.' or '-', entries "
-                    "separated by commas")
+            require(
+                bool(re.fullmatch(r"[A-Za-z0-9_.-]+", label)) and bool(path),
+                "data.eval_sets",
+                self.eval_sets,
+                f"entry {entry.strip()!r} must be "
+                "LABEL=DIR with a label of letters, digits, '_', '.' or '-', entries "
+                "separated by commas",
+            )
             pairs.append((label, path))
         labels = [label for label, _ in pairs]
-        require(len(set(labels)) == len(labels), "data.eval_sets", self.eval_sets,
-                "must use each label once")
+        require(
+            len(set(labels)) == len(labels),
+            "data.eval_sets",
+            self.eval_sets,
+            "must use each label once",
+        )
         return pairs
 
     def mix_weights(self) -> list[tuple[str, float]]:
         """``mix`` as (dataset directory, weight) pairs, [] when unset; checks its syntax."""
         if not self.mix:
             return []
-        pairs = []
+        pairs: list[tuple[str, float]] = []
         for entry in self.mix.split(","):
             path, _, weight = entry.strip().rpartition("=")
             try:
                 value = float(weight)
             except ValueError:
-                value = None
-            require(bool(path) and value is not None and 0 < value < float("inf"), "data.mix",
-                    self.mix, f"entry {entry.strip()!r} must be DIR=WEIGHT with a weight > 0, "
-                    "entries separated by commas")
+                value = float("nan")
+            require(
+                bool(path) and 0 < value < float("inf"),  # NaN: not a number
+                "data.mix",
+                self.mix,
+                f"entry {entry.strip()!r} must be DIR=WEIGHT with a weight > 0, "
+                "entries separated by commas",
+            )
             pairs.append((path, value))
         paths = [path for path, _ in pairs]
-        require(len(set(paths)) == len(paths), "data.mix", self.mix,
-                "must name each dataset directory once")
+        require(
+            len(set(paths)) == len(paths),
+            "data.mix",
+            self.mix,
+            "must name each dataset directory once",
+        )
         return pairs
 
 
@@ -341,12 +474,24 @@ class CheckpointConfig:
 
     def validate(self) -> None:
         require(self.interval >= 1, "checkpoint.interval", self.interval, "must be >= 1")
-        require(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last,
-                "must be >= 0 (0 keeps every checkpoint)")
-        require(self.keep_every >= 0, "checkpoint.keep_every", self.keep_every,
-                "must be >= 0 (0: no extra checkpoints kept)")
-        require(bool(self.resume), "checkpoint.resume", self.resume,
-                "must be 'auto', 'none' or a checkpoint directory")
+        require(
+            self.keep_last >= 0,
+            "checkpoint.keep_last",
+            self.keep_last,
+            "must be >= 0 (0 keeps every checkpoint)",
+        )
+        require(
+            self.keep_every >= 0,
+            "checkpoint.keep_every",
+            self.keep_every,
+            "must be >= 0 (0: no extra checkpoints kept)",
+        )
+        require(
+            bool(self.resume),
+            "checkpoint.resume",
+            self.resume,
+            "must be 'auto', 'none' or a checkpoint directory",
+        )
 
 
 @dataclass
@@ -364,10 +509,18 @@ class DeepSpeedConfig:
     config_file: str = ""
 
     def validate(self) -> None:
-        require(self.zero_stage in (1, 2, 3), "deepspeed.zero_stage", self.zero_stage,
-                "must be 1, 2 or 3 (plain data parallelism is train.engine=megatron)")
-        require(not self.offload_params or self.zero_stage == 3, "deepspeed.offload_params",
-                self.offload_params, "needs deepspeed.zero_stage=3")
+        require(
+            self.zero_stage in (1, 2, 3),
+            "deepspeed.zero_stage",
+            self.zero_stage,
+            "must be 1, 2 or 3 (plain data parallelism is train.engine=megatron)",
+        )
+        require(
+            not self.offload_params or self.zero_stage == 3,
+            "deepspeed.offload_params",
+            self.offload_params,
+            "needs deepspeed.zero_stage=3",
+        )
 
 
 @dataclass
@@ -400,8 +553,12 @@ class LogConfig:
             window = (int(first), int(last or first))
         except ValueError:
             window = (0, -1)
-        require(1 <= window[0] <= window[1], "log.profile_steps", self.profile_steps,
-                "must be a step N or a range FIRST-LAST of steps >= 1")
+        require(
+            1 <= window[0] <= window[1],
+            "log.profile_steps",
+            self.profile_steps,
+            "must be a step N or a range FIRST-LAST of steps >= 1",
+        )
         return window
 
     def profiles_rank(self, rank: int) -> bool:
@@ -411,22 +568,42 @@ class LogConfig:
             ranks = {int(part) for part in self.profile_ranks.split(",")}
         except ValueError:
             ranks = set()
-        require(bool(ranks), "log.profile_ranks", self.profile_ranks,
-                "must be 'all' or global ranks separated by commas, e.g. 0,8")
+        require(
+            bool(ranks),
+            "log.profile_ranks",
+            self.profile_ranks,
+            "must be 'all' or global ranks separated by commas, e.g. 0,8",
+        )
         return rank in ranks
 
     def validate(self) -> None:
         require(bool(self.run_dir), "log.run_dir", self.run_dir, "must be a directory path")
         self.profile_window()
         self.profiles_rank(0)
-        require(not self.memory_snapshot or bool(self.profile_steps), "log.memory_snapshot",
-                True, "needs log.profile_steps (the snapshot covers the profiled steps)")
-        require(self.wandb == "off" or importlib.util.find_spec("wandb") is not None,
-                "log.wandb", self.wandb, "needs the wandb package: pip install 't2train[wandb]'")
-        require(self.diagnostics_interval >= 0, "log.diagnostics_interval",
-                self.diagnostics_interval, "must be >= 0 (0 turns diagnostics off)")
-        require(self.peak_tflops >= 0, "log.peak_tflops", self.peak_tflops,
-                "must be >= 0 (0 looks the GPU up in the peak table)")
+        require(
+            not self.memory_snapshot or bool(self.profile_steps),
+            "log.memory_snapshot",
+            True,
+            "needs log.profile_steps (the snapshot covers the profiled steps)",
+        )
+        require(
+            self.wandb == "off" or importlib.util.find_spec("wandb") is not None,
+            "log.wandb",
+            self.wandb,
+            "needs the wandb package: pip install 't2train[wandb]'",
+        )
+        require(
+            self.diagnostics_interval >= 0,
+            "log.diagnostics_interval",
+            self.diagnostics_interval,
+            "must be >= 0 (0 turns diagnostics off)",
+        )
+        require(
+            self.peak_tflops >= 0,
+            "log.peak_tflops",
+            self.peak_tflops,
+            "must be >= 0 (0 looks the GPU up in the peak table)",
+        )
 
 
 # Recorded in checkpoints with the config. 2: the local mixer is an axis of its own
@@ -446,8 +623,12 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def validate(self) -> "Config":
-        require(bool(self.name) and "/" not in self.name, "name", self.name,
-                "must be a non-empty run name without '/'")
+        require(
+            bool(self.name) and "/" not in self.name,
+            "name",
+            self.name,
+            "must be a non-empty run name without '/'",
+        )
         self.model.validate()
         self.parallel.validate(self.model)
         for part in components(self.model):
@@ -464,39 +645,72 @@ class Config:
     def _validate_deepspeed_engine(self) -> None:
         """What DeepSpeed ZeRO replaces or cannot run: Megatron's pipeline and its optimizer."""
         why = "is not supported with train.engine=deepspeed"
-        require(self.parallel.pipeline == 1, "parallel.pipeline", self.parallel.pipeline,
-                "must be 1 with train.engine=deepspeed (pipeline stages need Megatron's "
-                "schedules: use train.engine=megatron)")
-        require(not self.parallel.sequence_parallel, "parallel.sequence_parallel", True,
-                f"{why} (its norm gradients need Megatron's tensor-parallel all-reduce)")
-        require(not self.parallel.distributed_optimizer, "parallel.distributed_optimizer", True,
-                f"{why}: ZeRO (deepspeed.zero_stage) shards the optimizer instead")
+        require(
+            self.parallel.pipeline == 1,
+            "parallel.pipeline",
+            self.parallel.pipeline,
+            "must be 1 with train.engine=deepspeed (pipeline stages need Megatron's "
+            "schedules: use train.engine=megatron)",
+        )
+        require(
+            not self.parallel.sequence_parallel,
+            "parallel.sequence_parallel",
+            True,
+            f"{why} (its norm gradients need Megatron's tensor-parallel all-reduce)",
+        )
+        require(
+            not self.parallel.distributed_optimizer,
+            "parallel.distributed_optimizer",
+            True,
+            f"{why}: ZeRO (deepspeed.zero_stage) shards the optimizer instead",
+        )
         require(not self.checkpoint.async_save, "checkpoint.async_save", True, why)
-        require(not self.checkpoint.init_from, "checkpoint.init_from", self.checkpoint.init_from,
-                f"{why} yet: start from the weights with train.engine=megatron")
-        require(self.train.loss_spike_factor == 0, "train.loss_spike_factor",
-                self.train.loss_spike_factor, f"{why} (DeepSpeed applies the update itself; "
-                "it skips non-finite gradients on its own)")
+        require(
+            not self.checkpoint.init_from,
+            "checkpoint.init_from",
+            self.checkpoint.init_from,
+            f"{why} yet: start from the weights with train.engine=megatron",
+        )
+        require(
+            self.train.loss_spike_factor == 0,
+            "train.loss_spike_factor",
+            self.train.loss_spike_factor,
+            f"{why} (DeepSpeed applies the update itself; "
+            "it skips non-finite gradients on its own)",
+        )
 
     def validate_world(self, world_size: int) -> int:
         """Check the layout against the launched world; returns the data-parallel size."""
         model_parallel = self.parallel.tensor * self.parallel.pipeline
-        launch = (f"; start {model_parallel} processes or more with `t2train launch "
-                  f"--nproc-per-node={model_parallel} ...` (same arguments)"
-                  if world_size < model_parallel else "")
-        require(world_size % model_parallel == 0, "parallel.tensor*parallel.pipeline",
-                model_parallel, f"must divide the world size {world_size}{launch}")
+        launch = (
+            f"; start {model_parallel} processes or more with `t2train launch "
+            f"--nproc-per-node={model_parallel} ...` (same arguments)"
+            if world_size < model_parallel
+            else ""
+        )
+        require(
+            world_size % model_parallel == 0,
+            "parallel.tensor*parallel.pipeline",
+            model_parallel,
+            f"must divide the world size {world_size}{launch}",
+        )
         dp = world_size // model_parallel
         per_step = self.train.micro_batch_size * dp
-        require(self.train.global_batch_size % per_step == 0, "train.global_batch_size",
-                self.train.global_batch_size,
-                f"must be a multiple of micro_batch_size * data_parallel = {per_step}")
+        require(
+            self.train.global_batch_size % per_step == 0,
+            "train.global_batch_size",
+            self.train.global_batch_size,
+            f"must be a multiple of micro_batch_size * data_parallel = {per_step}",
+        )
         if self.parallel.virtual_pipeline > 1:
             micro_batches = self.micro_batches_per_step(dp)
-            require(micro_batches % self.parallel.pipeline == 0, "train.global_batch_size",
-                    self.train.global_batch_size,
-                    f"gives {micro_batches} micro-batches per step; the interleaved schedule "
-                    f"needs a multiple of parallel.pipeline={self.parallel.pipeline}")
+            require(
+                micro_batches % self.parallel.pipeline == 0,
+                "train.global_batch_size",
+                self.train.global_batch_size,
+                f"gives {micro_batches} micro-batches per step; the interleaved schedule "
+                f"needs a multiple of parallel.pipeline={self.parallel.pipeline}",
+            )
         return dp
 
     def micro_batches_per_step(self, data_parallel: int) -> int:
@@ -511,19 +725,31 @@ class Config:
         """This config with its dataset and checkpoint paths made absolute (against the
         working directory), as a run records them: its checkpoints' config and its
         ``config.yaml`` then work from any directory (export, generate, eval, resume)."""
+
         def absolute(path: str) -> str:
             return os.path.abspath(path) if path else path
 
         data, checkpoint = self.data, self.checkpoint
         entries = (entry.strip().rpartition("=") for entry in data.mix.split(",") if data.mix)
         mix = ",".join(f"{absolute(path)}={weight}" for path, _, weight in entries)
-        eval_sets = ",".join(f"{label}={absolute(path)}"
-                             for label, path in data.labelled_eval_sets())
-        resume = (checkpoint.resume if checkpoint.resume in ("auto", "none")
-                  else absolute(checkpoint.resume))
+        eval_sets = ",".join(
+            f"{label}={absolute(path)}" for label, path in data.labelled_eval_sets()
+        )
+        resume = (
+            checkpoint.resume
+            if checkpoint.resume in ("auto", "none")
+            else absolute(checkpoint.resume)
+        )
         return dataclasses.replace(
-            self, data=dataclasses.replace(data, path=absolute(data.path), mix=mix,
-                                           eval_sets=eval_sets,
-                                           cache_dir=absolute(data.cache_dir)),
-            checkpoint=dataclasses.replace(checkpoint, resume=resume,
-                                           init_from=absolute(checkpoint.init_from)))
+            self,
+            data=dataclasses.replace(
+                data,
+                path=absolute(data.path),
+                mix=mix,
+                eval_sets=eval_sets,
+                cache_dir=absolute(data.cache_dir),
+            ),
+            checkpoint=dataclasses.replace(
+                checkpoint, resume=resume, init_from=absolute(checkpoint.init_from)
+            ),
+        )

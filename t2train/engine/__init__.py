@@ -54,8 +54,14 @@ class Engine(Protocol):
 
     def evaluate(self, batches: list[list[MicroBatch]]) -> float: ...
 
-    def save(self, root: Path, step: int, train_state: dict, async_queue=None,
-             on_published: Optional[Callable[[Path], None]] = None) -> Path: ...
+    def save(
+        self,
+        root: Path,
+        step: int,
+        train_state: dict,
+        async_queue=None,
+        on_published: Optional[Callable[[Path], None]] = None,
+    ) -> Path: ...
 
     def load(self, path: Path) -> dict: ...
 
@@ -69,9 +75,9 @@ class Engine(Protocol):
 def build_engine(config: Config, vocab_size: int) -> Engine:
     """Collective: every rank builds its part of the model and optimizer."""
     if config.train.engine == "deepspeed":
-        from t2train.engine.deepspeed_engine import DeepSpeedEngine
+        from t2train.engine.deepspeed_engine import DeepSpeedEngine  # noqa: PLC0415 - each engine's library loads when it is chosen
 
         return DeepSpeedEngine(config, vocab_size)
-    from t2train.engine.megatron import MegatronEngine
+    from t2train.engine.megatron import MegatronEngine  # noqa: PLC0415 - each engine's library loads when it is chosen
 
     return MegatronEngine(config, vocab_size)

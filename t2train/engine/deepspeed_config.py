@@ -20,7 +20,7 @@ from t2train.model.build import compute_dtype
 
 def _cuda_toolkit() -> bool:
     """Whether DeepSpeed can JIT-build its CUDA ops here (it needs nvcc under CUDA_HOME)."""
-    from torch.utils.cpp_extension import CUDA_HOME
+    from torch.utils.cpp_extension import CUDA_HOME  # noqa: PLC0415 - torch's extension builder: DeepSpeed runs only
 
     return CUDA_HOME is not None and (Path(CUDA_HOME) / "bin" / "nvcc").exists()
 
@@ -40,8 +40,10 @@ def _owned(config: Config, dp_size: int) -> dict[str, tuple[Any, str]]:
         "fp16.enabled": (False, "train.precision"),
         "optimizer.type": ("AdamW", "train.engine"),
         "optimizer.params.lr": (train.lr, "train.lr"),
-        "optimizer.params.betas": ([train.adam_beta1, train.adam_beta2],
-                                   "train.adam_beta1/adam_beta2"),
+        "optimizer.params.betas": (
+            [train.adam_beta1, train.adam_beta2],
+            "train.adam_beta1/adam_beta2",
+        ),
         "optimizer.params.eps": (train.adam_eps, "train.adam_eps"),
         "optimizer.params.weight_decay": (train.weight_decay, "train.weight_decay"),
         # torch's AdamW on the CPU, and on GPUs without the CUDA toolkit to JIT-build
@@ -52,18 +54,24 @@ def _owned(config: Config, dp_size: int) -> dict[str, tuple[Any, str]]:
         "wall_clock_breakdown": (False, "log"),
     }
     owned["zero_optimization.offload_optimizer.device"] = (
-        "cpu" if ds.offload_optimizer else "none", "deepspeed.offload_optimizer")
+        "cpu" if ds.offload_optimizer else "none",
+        "deepspeed.offload_optimizer",
+    )
     if bf16:  # skip updates with non-finite gradients, as ZeRO does in fp32
         owned["bf16.check_grad_overflow"] = (True, "train.max_skipped_steps")
     if ds.zero_stage == 3:
         owned["zero_optimization.offload_param.device"] = (
-            "cpu" if ds.offload_params else "none", "deepspeed.offload_params")
+            "cpu" if ds.offload_params else "none",
+            "deepspeed.offload_params",
+        )
     return owned
 
 
 # DeepSpeed sections t2train replaces: a user JSON must not bring them.
-_REPLACED = {"scheduler": "train.lr, train.min_lr and train.warmup_steps (t2train runs "
-                          "Megatron's cosine schedule)"}
+_REPLACED = {
+    "scheduler": "train.lr, train.min_lr and train.warmup_steps (t2train runs "
+    "Megatron's cosine schedule)"
+}
 
 
 def _nest(flat: dict[str, Any]) -> dict:
@@ -92,23 +100,34 @@ def read_user_config(path: str) -> dict:
 
 def deepspeed_config(config: Config, dp_size: int) -> dict:
     """The config passed to ``deepspeed.initialize`` (``dp_size``: data-parallel ranks)."""
-    if (config.deepspeed.offload_optimizer or config.deepspeed.offload_params) \
-            and not torch.cuda.is_available():
+    if (
+        config.deepspeed.offload_optimizer or config.deepspeed.offload_params
+    ) and not torch.cuda.is_available():
         field = "offload_optimizer" if config.deepspeed.offload_optimizer else "offload_params"
-        raise ConfigError(f"deepspeed.{field}=true: offloading moves state from GPU memory to "
-                          "the host; without CUDA everything is already on the host")
+        raise ConfigError(
+            f"deepspeed.{field}=true: offloading moves state from GPU memory to "
+            "the host; without CUDA everything is already on the host"
+        )
     owned = _owned(config, dp_size)
     merged = {key: value for key, (value, _) in owned.items()}
     if config.deepspeed.config_file:
         user = flatten(read_user_config(config.deepspeed.config_file))
-        conflicts = [f"{key}={user[key]!r} (t2train sets {value!r} from {source})"
-                     for key, (value, source) in owned.items()
-                     if key in user and user[key] != value]
-        conflicts += [f"{key} (replaced by {source})" for key, source in _REPLACED.items()
-                      if any(name == key or name.startswith(key + ".") for name in user)]
+        conflicts = [
+            f"{key}={user[key]!r} (t2train sets {value!r} from {source})"
+            for key, (value, source) in owned.items()
+            if key in user and user[key] != value
+        ]
+        conflicts += [
+            f"{key} (replaced by {source})"
+            for key, source in _REPLACED.items()
+            if any(name == key or name.startswith(key + ".") for name in user)
+        ]
         if conflicts:
-            raise ConfigError(f"deepspeed.config_file={config.deepspeed.config_file!r} conflicts "
-                              "with t2train's config: " + "; ".join(conflicts)
-                              + ". Set these in t2train's config, or drop them from the JSON")
+            raise ConfigError(
+                f"deepspeed.config_file={config.deepspeed.config_file!r} conflicts "
+                "with t2train's config: "
+                + "; ".join(conflicts)
+                + ". Set these in t2train's config, or drop them from the JSON"
+            )
         merged.update(user)
     return _nest(merged)

@@ -36,25 +36,43 @@ def check_same_tokenizer(checkpoint: Checkpoint, data: Path, run_hash: Optional[
     index = read_index(data)
     theirs = index["tokenizer"]["sha256"]
     if run_hash is None:
-        raise DataError(f"{checkpoint.path}: records no tokenizer hash and its dataset "
-                        f"{checkpoint.config.data.path!r} is not readable, so {data} cannot be "
-                        "checked against the run's tokenizer")
+        raise DataError(
+            f"{checkpoint.path}: records no tokenizer hash and its dataset "
+            f"{checkpoint.config.data.path!r} is not readable, so {data} cannot be "
+            "checked against the run's tokenizer"
+        )
     if theirs != run_hash:
-        raise DataError(f"dataset {data}: prepared with tokenizer sha256 {theirs}, but the "
-                        f"checkpoint was trained with tokenizer sha256 {run_hash}; prepare it "
-                        "with the run's tokenizer (t2train data prepare --tokenizer)")
+        raise DataError(
+            f"dataset {data}: prepared with tokenizer sha256 {theirs}, but the "
+            f"checkpoint was trained with tokenizer sha256 {run_hash}; prepare it "
+            "with the run's tokenizer (t2train data prepare --tokenizer)"
+        )
     return index
 
 
 @torch.no_grad()
-def evaluate(model, data: Path, split: str, seq_length: int, batch_size: int,
-             max_batches: Optional[int] = None,
-             progress: Optional[Callable[[int], None]] = None) -> Evaluation:
+def evaluate(
+    model,
+    data: Path,
+    split: str,
+    seq_length: int,
+    batch_size: int,
+    max_batches: Optional[int] = None,
+    progress: Optional[Callable[[int], None]] = None,
+) -> Evaluation:
     """``progress(batches done)`` is called after each batch."""
     from t2train.data.loader import StreamingWorld, TokenBatches
 
-    batches = TokenBatches(data, split, micro_batch_size=batch_size, seq_length=seq_length,
-                           world=StreamingWorld(0, 1, 0, 1), seed=0, shuffle=False, finite=True)
+    batches = TokenBatches(
+        data,
+        split,
+        micro_batch_size=batch_size,
+        seq_length=seq_length,
+        world=StreamingWorld(0, 1, 0, 1),
+        seed=0,
+        shuffle=False,
+        finite=True,
+    )
     device = next(model.parameters()).device
     try:
         total, tokens, count = 0.0, 0, 0

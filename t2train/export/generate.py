@@ -14,8 +14,9 @@ import torch
 from torch import Tensor
 
 
-def next_token(logits: Tensor, top_p: Optional[float], temperature: float,
-               generator: Optional[torch.Generator]) -> int:
+def next_token(
+    logits: Tensor, top_p: Optional[float], temperature: float, generator: Optional[torch.Generator]
+) -> int:
     """Greedy (``top_p`` None) or nucleus sampling from the last position's ``logits`` [vocab]:
     the smallest set of most likely tokens whose probability reaches ``top_p``."""
     if top_p is None:
@@ -29,11 +30,19 @@ def next_token(logits: Tensor, top_p: Optional[float], temperature: float,
 
 
 @torch.no_grad()
-def generate(model, prompt_ids: list[int], max_new_tokens: int, vocab: int, context: int,
-             eos_id: Optional[int] = None, top_p: Optional[float] = None,
-             temperature: float = 1.0, seed: int = 0,
-             stop: Optional[Callable[[list[int]], bool]] = None,
-             cache: bool = True) -> list[int]:
+def generate(
+    model,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    vocab: int,
+    context: int,
+    eos_id: Optional[int] = None,
+    top_p: Optional[float] = None,
+    temperature: float = 1.0,
+    seed: int = 0,
+    stop: Optional[Callable[[list[int]], bool]] = None,
+    cache: bool = True,
+) -> list[int]:
     """New token ids after ``prompt_ids`` (stops after ``eos_id``, or once ``stop(new ids)``).
     ``vocab``: the tokenizer's size (the embedding's padding rows are never sampled);
     ``context``: tokens the model sees. With ``cache``, each step feeds only the newest token
@@ -51,14 +60,15 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, vocab: int, cont
     kv_cache = None
     for _ in range(max_new_tokens):
         if kv_cache is not None and len(ids) <= context:
-            feed = ids[kv_cache.length:]
+            feed = ids[kv_cache.length :]
         else:  # the first step, no cache, or a slid window
             feed = ids[-context:]
             kv_cache = KVCache(1, context) if cache else None
         start = kv_cache.length if kv_cache is not None else 0
         positions = torch.arange(start, start + len(feed), device=device).unsqueeze(0)
-        logits = model(torch.tensor([feed], device=device), positions, None,
-                       kv_cache=kv_cache)[0, -1, :vocab].cpu()
+        logits = model(torch.tensor([feed], device=device), positions, None, kv_cache=kv_cache)[
+            0, -1, :vocab
+        ].cpu()
         token = next_token(logits, top_p, temperature, generator)
         ids.append(token)
         new.append(token)

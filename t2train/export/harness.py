@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -53,8 +53,9 @@ class RunModel(TemplateLM):
         """What an empty context is: the run's BOS, else its EOS (the previous document's end)."""
         return self.tok.eos_id if self.tok.bos_id is None else self.tok.bos_id
 
-    def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None,
-                   **kwargs) -> list[int]:
+    def tok_encode(
+        self, string: str, add_special_tokens: Optional[bool] = None, **kwargs
+    ) -> list[int]:
         if add_special_tokens is False:
             return self.tok.tokenizer.encode(string, add_special_tokens=False).ids
         return self.tok.encode_prompt(string)
@@ -68,31 +69,33 @@ class RunModel(TemplateLM):
         longest = max(len(row) for row in rows)
         ids = torch.full((len(rows), longest), self.tok.eos_id, dtype=torch.long)
         for i, row in enumerate(rows):
-            ids[i, :len(row)] = torch.tensor(row)
+            ids[i, : len(row)] = torch.tensor(row)
         ids = ids.to(self._device)
         positions = torch.arange(longest, device=self._device).expand_as(ids)
-        logits = self.model(ids, positions, None)[..., :self.vocab].float()
+        logits = self.model(ids, positions, None)[..., : self.vocab].float()
         log_probs = F.log_softmax(logits, dim=-1).cpu()
-        return [log_probs[i, :len(row)] for i, row in enumerate(rows)]
+        return [log_probs[i, : len(row)] for i, row in enumerate(rows)]
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
         """``(sum of log p(continuation | context), whether greedy decoding gives it)`` each."""
         inputs = []
         for _, context, continuation in requests:
             if not continuation:
-                raise UserInputError("lm-eval asked for the log-likelihood of an empty "
-                                     "continuation; the task's choices must not be empty")
-            whole = (context + continuation)[-(self.context + 1):]
-            scored = min(len(continuation), len(whole) - 1)  # the rest fell off the left
-            inputs.append((whole[:-1], continuation[len(continuation) - scored:]))
+                raise UserInputError(
+                    "lm-eval asked for the log-likelihood of an empty "
+                    "continuation; the task's choices must not be empty"
+                )
+            whole = (context + continuation)[-(self.context + 1) :]
+            kept = min(len(continuation), len(whole) - 1)  # the rest fell off the left
+            inputs.append((whole[:-1], continuation[len(continuation) - kept :]))
         order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i][0]))
         answers: list[Optional[tuple[float, bool]]] = [None] * len(inputs)
         for start in range(0, len(order), self.batch_size):
-            batch = order[start:start + self.batch_size]
+            batch = order[start : start + self.batch_size]
             rows = self._log_probs([inputs[i][0] for i in batch])
             for i, log_probs in zip(batch, rows):
                 continuation = torch.tensor(inputs[i][1])
-                scored = log_probs[-len(continuation):]
+                scored = log_probs[-len(continuation) :]
                 total = float(scored.gather(1, continuation[:, None]).sum())
                 greedy = bool((scored.argmax(-1) == continuation).all())
                 answers[i] = (total, greedy)
@@ -105,13 +108,23 @@ class RunModel(TemplateLM):
         totals = []
         for request in requests:
             (text,) = request.args
-            windows = [make_disjoint_window(window) for window in get_rolling_token_windows(
-                token_list=self.tok_encode(text, add_special_tokens=False),
-                prefix_token=self.prefix_token_id, max_seq_len=self.context, context_len=1)]
+            windows = [
+                make_disjoint_window(window)
+                for window in get_rolling_token_windows(
+                    token_list=self.tok_encode(text, add_special_tokens=False),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.context,
+                    context_len=1,
+                )
+            ]
             scored = self._loglikelihood_tokens([(None, *window) for window in windows])
             totals.append(sum(total for total, _ in scored))
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), totals[-1])
         return totals
+
+    def _stops_at(self, until: list[str]) -> Callable[[list[int]], bool]:
+        """Whether new ids decode to text holding one of ``until``."""
+        return lambda ids: any(stop in self.tok_decode(ids) for stop in until)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         texts = []
@@ -121,12 +134,17 @@ class RunModel(TemplateLM):
             until = [until] if isinstance(until, str) else list(until)
             sampled = bool(options.get("do_sample")) or options.get("temperature", 0) > 0
             new = generate(
-                self.model, self.tok_encode(context), int(options.get("max_gen_toks", 256)),
-                self.vocab, self.context, self.tok.eos_id,
+                self.model,
+                self.tok_encode(context),
+                int(options.get("max_gen_toks", 256)),
+                self.vocab,
+                self.context,
+                self.tok.eos_id,
                 top_p=float(options.get("top_p", 1.0)) if sampled else None,
                 temperature=float(options.get("temperature") or 1.0),
                 seed=int(options.get("seed", 0)),
-                stop=lambda ids: any(s in self.tok_decode(ids) for s in until))
+                stop=self._stops_at(until),
+            )
             text = self.tok.tokenizer.decode(new, skip_special_tokens=True)
             for stop in until:
                 text = text.split(stop)[0]
@@ -146,22 +164,32 @@ def task_manager(tasks: list[str], include_path: Optional[str]):
     unknown = [task for task in tasks if not manager.match_tasks([task])]
     if unknown:
         where = f" or in --include-path {include_path}" if include_path else ""
-        raise UserInputError(f"--tasks: {', '.join(unknown)} is not a task lm-eval knows{where} "
-                             "(lm-eval ls tasks lists them)")
+        raise UserInputError(
+            f"--tasks: {', '.join(unknown)} is not a task lm-eval knows{where} "
+            "(lm-eval ls tasks lists them)"
+        )
     return manager
 
 
-def run_tasks(model: RunModel, tasks: list[str], manager, num_fewshot: Optional[int],
-              limit: Optional[float]) -> dict:
+def run_tasks(
+    model: RunModel, tasks: list[str], manager, num_fewshot: Optional[int], limit: Optional[float]
+) -> dict:
     """lm-eval's results for ``tasks``, with its standard errors."""
     from lm_eval import simple_evaluate
 
-    return simple_evaluate(model=model, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-                           task_manager=manager, log_samples=False)
+    return simple_evaluate(
+        model=model,
+        tasks=tasks,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        task_manager=manager,
+        log_samples=False,
+    )
 
 
 def write_results(results: dict, out: Path) -> None:
     """The scores per task and the settings lm-eval records, as JSON."""
-    keep = {key: results[key] for key in ("results", "versions", "n-shot", "configs")
-            if key in results}
+    keep = {
+        key: results[key] for key in ("results", "versions", "n-shot", "configs") if key in results
+    }
     out.write_text(json.dumps(keep, indent=2, default=str) + "\n")

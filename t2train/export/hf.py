@@ -31,10 +31,15 @@ MODELING_NAME = "modeling_t2train"  # OUT/modeling_t2train.py, residual.hf.model
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # Megatron layer submodule -> its Hugging Face name (Llama's where Llama has one).
-_LAYER_SLOTS = {"input_layernorm": "input_layernorm", "self_attention": "self_attn",
-                "pre_mlp_layernorm": "post_attention_layernorm", "mlp": "mlp",
-                "pre_attention_layernorm": "local_attn_layernorm", "pre_attention": "local_attn",
-                "pre_attention_residual": "local_attn_residual"}
+_LAYER_SLOTS = {
+    "input_layernorm": "input_layernorm",
+    "self_attention": "self_attn",
+    "pre_mlp_layernorm": "post_attention_layernorm",
+    "mlp": "mlp",
+    "pre_attention_layernorm": "local_attn_layernorm",
+    "pre_attention": "local_attn",
+    "pre_attention_residual": "local_attn_residual",
+}
 _ATTENTION_SLOTS = ("self_attention", "pre_attention")  # Megatron SelfAttention modules
 
 
@@ -46,10 +51,15 @@ class Export:
     parameters: int
 
 
-def export_hf(given: str | Path, out: str | Path, tokenizer: Optional[str | Path] = None,
-              max_shard_size: str | int = "5GB", dtype: Optional[str] = None,
-              overwrite: bool = False,
-              progress: Callable[[str], None] = lambda stage: None) -> Export:
+def export_hf(
+    given: str | Path,
+    out: str | Path,
+    tokenizer: Optional[str | Path] = None,
+    max_shard_size: str | int = "5GB",
+    dtype: Optional[str] = None,
+    overwrite: bool = False,
+    progress: Callable[[str], None] = lambda stage: None,
+) -> Export:
     """OUT from the checkpoint ``given`` leads to; ``progress`` hears each stage start."""
     out = Path(out)
     _check_out(out, overwrite)
@@ -57,25 +67,34 @@ def export_hf(given: str | Path, out: str | Path, tokenizer: Optional[str | Path
     model_config = checkpoint.config.model
     llama = residual_hf.is_llama(model_config)
     if not llama and model_config.residual not in residual_hf.modeling_designs():
-        raise UserInputError(f"{checkpoint.path}: model.residual={model_config.residual!r} has "
-                             "no Hugging Face modeling code yet (no export part "
-                             "t2train/residual/<module>_hf.py; the modeling file implements "
-                             + ", ".join(sorted(residual_hf.modeling_designs())) + ")")
+        raise UserInputError(
+            f"{checkpoint.path}: model.residual={model_config.residual!r} has "
+            "no Hugging Face modeling code yet (no export part "
+            "t2train/residual/<module>_hf.py; the modeling file implements "
+            + ", ".join(sorted(residual_hf.modeling_designs()))
+            + ")"
+        )
     run_tok = run_tokenizer(checkpoint, tokenizer)
     _require_transformers()
     progress(f"loading the weights of {checkpoint.path}")
     loaded = load_model(checkpoint, device="cpu", dtype=DTYPES[dtype] if dtype else None)
     state = hf_state_dict(loaded.model.state_dict(), model_config)
-    config = hf_config(model_config, loaded.vocab_size, run_tok.eos_id,
-                       next(iter(state.values())).dtype, run_tok.bos_id)
+    config = hf_config(
+        model_config,
+        loaded.vocab_size,
+        run_tok.eos_id,
+        next(iter(state.values())).dtype,
+        run_tok.bos_id,
+    )
 
     staging = out.with_name(out.name + ".tmp")
     if staging.exists():  # left by an interrupted export
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     try:
-        progress(f"writing {sum(t.numel() for t in state.values()) / 1e6:.2f}M parameters to "
-                 f"{staging}")
+        progress(
+            f"writing {sum(t.numel() for t in state.values()) / 1e6:.2f}M parameters to {staging}"
+        )
         _write_weights(state, staging, max_shard_size)
         config.save_pretrained(staging)
         _generation_config(run_tok).save_pretrained(staging)
@@ -87,25 +106,33 @@ def export_hf(given: str | Path, out: str | Path, tokenizer: Optional[str | Path
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return Export(out, config.architectures[0], sorted(p.name for p in out.iterdir()),
-                  sum(t.numel() for t in state.values()))
+    return Export(
+        out,
+        config.architectures[0],
+        sorted(p.name for p in out.iterdir()),
+        sum(t.numel() for t in state.values()),
+    )
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise UserInputError(f"output {out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UserInputError(f"output directory {out} is not empty; choose another one or pass "
-                             "--overwrite to replace it")
+        raise UserInputError(
+            f"output directory {out} is not empty; choose another one or pass "
+            "--overwrite to replace it"
+        )
 
 
 def _require_transformers() -> None:
     if importlib.util.find_spec("transformers") is None:
-        raise UserInputError("the Hugging Face export needs transformers: "
-                             "pip install 't2train[hf]'")
+        raise UserInputError(
+            "the Hugging Face export needs transformers: pip install 't2train[hf]'"
+        )
 
 
 # --- weights -------------------------------------------------------------------------------
+
 
 def hf_state_dict(megatron: dict, model) -> dict[str, torch.Tensor]:
     """Megatron's TP = 1 state dict under the Hugging Face names, fused tensors split.
@@ -143,9 +170,11 @@ def _hf_tensors(key: str, tensor, heads: int, groups: int, head_dim: int) -> dic
     if slot in _ATTENTION_SLOTS and rest in ("linear_qkv.weight", "linear_qkv.bias"):
         kind, width = rest.split(".")[1], tensor.shape[1:]  # a bias has no input width
         per_group = tensor.view(groups, heads // groups + 2, head_dim, *width)
-        return {f"{prefix}.q_proj.{kind}": per_group[:, :-2].reshape(-1, *width),
-                f"{prefix}.k_proj.{kind}": per_group[:, -2].reshape(-1, *width),
-                f"{prefix}.v_proj.{kind}": per_group[:, -1].reshape(-1, *width)}
+        return {
+            f"{prefix}.q_proj.{kind}": per_group[:, :-2].reshape(-1, *width),
+            f"{prefix}.k_proj.{kind}": per_group[:, -2].reshape(-1, *width),
+            f"{prefix}.v_proj.{kind}": per_group[:, -1].reshape(-1, *width),
+        }
     if slot in _ATTENTION_SLOTS and rest == "linear_proj.weight":
         return {f"{prefix}.o_proj.weight": tensor}
     if slot == "mlp" and rest == "linear_fc1.weight":
@@ -164,10 +193,13 @@ def megatron_state_dict(hf: dict, model) -> dict[str, torch.Tensor]:
     groups = model.num_query_groups or heads
     head_dim = model.hidden_size // heads
     megatron_slot = {hf_slot: slot for slot, hf_slot in _LAYER_SLOTS.items()}
-    top = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
-           "lm_head.weight": "output_layer.weight",
-           "model.norm.weight": "decoder.final_layernorm.weight"}
-    state, fused = {}, {}
+    top = {
+        "model.embed_tokens.weight": "embedding.word_embeddings.weight",
+        "lm_head.weight": "output_layer.weight",
+        "model.norm.weight": "decoder.final_layernorm.weight",
+    }
+    state: dict[str, torch.Tensor] = {}
+    fused: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     for name, tensor in hf.items():
         if name in top:
             state[top[name]] = tensor
@@ -177,8 +209,16 @@ def megatron_state_dict(hf: dict, model) -> dict[str, torch.Tensor]:
             raise ValueError(f"{name}: a weight a Llama does not have")
         prefix = f"decoder.layers.{parts[2]}.{megatron_slot[parts[3]]}"
         rest = ".".join(parts[4:])
-        if rest in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
-                    "up_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias"):
+        if rest in (
+            "q_proj.weight",
+            "k_proj.weight",
+            "v_proj.weight",
+            "gate_proj.weight",
+            "up_proj.weight",
+            "q_proj.bias",
+            "k_proj.bias",
+            "v_proj.bias",
+        ):
             part, kind = rest.split("_")[0], rest.split(".")[1]
             fused.setdefault((prefix, kind), {})[part] = tensor
         elif rest in ("o_proj.weight", "down_proj.weight"):
@@ -190,9 +230,14 @@ def megatron_state_dict(hf: dict, model) -> dict[str, torch.Tensor]:
             state[f"{prefix}.linear_fc1.weight"] = torch.cat([parts["gate"], parts["up"]])
             continue
         width = parts["q"].shape[1:]  # a bias has no input width
-        per_group = torch.cat([parts["q"].view(groups, heads // groups, head_dim, *width),
-                               parts["k"].view(groups, 1, head_dim, *width),
-                               parts["v"].view(groups, 1, head_dim, *width)], dim=1)
+        per_group = torch.cat(
+            [
+                parts["q"].view(groups, heads // groups, head_dim, *width),
+                parts["k"].view(groups, 1, head_dim, *width),
+                parts["v"].view(groups, 1, head_dim, *width),
+            ],
+            dim=1,
+        )
         state[f"{prefix}.linear_qkv.{kind}"] = per_group.reshape(-1, *width)
     return state
 
@@ -203,44 +248,60 @@ def _write_weights(state: dict, folder: Path, max_shard_size: str | int) -> None
 
     split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
-        save_file({name: state[name] for name in names}, folder / filename,
-                  metadata={"format": "pt"})
+        save_file(
+            {name: state[name] for name in names}, folder / filename, metadata={"format": "pt"}
+        )
     if split.is_sharded:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
-                                                for t in state.values())},
-                 "weight_map": split.tensor_to_filename}
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+            "weight_map": split.tensor_to_filename,
+        }
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 # --- config, generation config, tokenizer ----------------------------------------------------
 
-def hf_config(model, vocab_rows: int, eos_id: int, dtype: torch.dtype,
-              bos_id: Optional[int] = None):
+
+def hf_config(
+    model, vocab_rows: int, eos_id: int, dtype: torch.dtype, bos_id: Optional[int] = None
+):
     """The transformers config of a ``ModelConfig``: for a plain pre-norm Transformer, that
     of its family (``model.hf_architecture``: Llama, Mistral without a sliding window, Qwen2),
     else the modeling file's ``T2TrainConfig`` (with its ``auto_map``)."""
-    shape = dict(vocab_size=vocab_rows, hidden_size=model.hidden_size,
-                 intermediate_size=model.resolved_ffn_hidden_size(),
-                 num_hidden_layers=model.num_layers,
-                 num_attention_heads=model.num_attention_heads,
-                 num_key_value_heads=model.num_query_groups or model.num_attention_heads,
-                 rms_norm_eps=model.norm_epsilon, rope_theta=float(model.rotary_base),
-                 max_position_embeddings=model.seq_length,
-                 initializer_range=model.init_method_std,
-                 tie_word_embeddings=model.tie_embeddings,
-                 bos_token_id=eos_id if bos_id is None else bos_id,
-                 eos_token_id=eos_id, dtype=str(dtype).removeprefix("torch."))
+    shape = dict(
+        vocab_size=vocab_rows,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.resolved_ffn_hidden_size(),
+        num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_query_groups or model.num_attention_heads,
+        rms_norm_eps=model.norm_epsilon,
+        rope_theta=float(model.rotary_base),
+        max_position_embeddings=model.seq_length,
+        initializer_range=model.init_method_std,
+        tie_word_embeddings=model.tie_embeddings,
+        bos_token_id=eos_id if bos_id is None else bos_id,
+        eos_token_id=eos_id,
+        dtype=str(dtype).removeprefix("torch."),
+    )
     if residual_hf.is_llama(model):
         return _family_config(model, shape)
     if model.qkv_bias or model.rope_scaling_factor:
-        raise UserInputError(f"model.residual={model.residual!r} with model.qkv_bias or "
-                             "model.rope_scaling_factor: the modeling file implements neither "
-                             "(a plain pre-norm Transformer, without the mixer, exports as its "
-                             "Llama-family class)")
-    return residual_hf.modeling_module().T2TrainConfig(**shape, **residual_hf.config_fields(model),
-                         architectures=["T2TrainForCausalLM"],
-                         auto_map={"AutoConfig": f"{MODELING_NAME}.T2TrainConfig",
-                                   "AutoModelForCausalLM": f"{MODELING_NAME}.T2TrainForCausalLM"})
+        raise UserInputError(
+            f"model.residual={model.residual!r} with model.qkv_bias or "
+            "model.rope_scaling_factor: the modeling file implements neither "
+            "(a plain pre-norm Transformer, without the mixer, exports as its "
+            "Llama-family class)"
+        )
+    return residual_hf.modeling_module().T2TrainConfig(
+        **shape,
+        **residual_hf.config_fields(model),
+        architectures=["T2TrainForCausalLM"],
+        auto_map={
+            "AutoConfig": f"{MODELING_NAME}.T2TrainConfig",
+            "AutoModelForCausalLM": f"{MODELING_NAME}.T2TrainForCausalLM",
+        },
+    )
 
 
 def _family_config(model, shape: dict):
@@ -250,18 +311,29 @@ def _family_config(model, shape: dict):
     family = model.hf_architecture or "LlamaForCausalLM"
     head_dim = model.hidden_size // model.num_attention_heads
     if model.qkv_bias != (family == "Qwen2ForCausalLM"):
-        raise UserInputError(f"model.qkv_bias={model.qkv_bias} cannot be exported as {family} "
-                             "(Qwen2ForCausalLM has q, k and v biases, Llama and Mistral none)")
+        raise UserInputError(
+            f"model.qkv_bias={model.qkv_bias} cannot be exported as {family} "
+            "(Qwen2ForCausalLM has q, k and v biases, Llama and Mistral none)"
+        )
     if model.rope_scaling_factor and family != "LlamaForCausalLM":
-        raise UserInputError(f"model.rope_scaling_factor={model.rope_scaling_factor} cannot be "
-                             f"exported as {family} (Llama 3.1's RoPE scaling is Llama's)")
-    extra = {"LlamaForCausalLM": dict(attention_bias=False, mlp_bias=False),
-             "MistralForCausalLM": dict(sliding_window=None),
-             "Qwen2ForCausalLM": dict(use_sliding_window=False)}[family]
+        raise UserInputError(
+            f"model.rope_scaling_factor={model.rope_scaling_factor} cannot be "
+            f"exported as {family} (Llama 3.1's RoPE scaling is Llama's)"
+        )
+    families: dict[str, dict[str, object]] = {
+        "LlamaForCausalLM": {"attention_bias": False, "mlp_bias": False},
+        "MistralForCausalLM": {"sliding_window": None},
+        "Qwen2ForCausalLM": {"use_sliding_window": False},
+    }
+    extra = families[family]
     if model.rope_scaling_factor:
-        extra["rope_scaling"] = {"rope_type": "llama3", "factor": model.rope_scaling_factor,
-                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                 "original_max_position_embeddings": 8192}
+        extra["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": model.rope_scaling_factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
     config_class = getattr(transformers, family.replace("ForCausalLM", "Config"))
     config = config_class(**shape, hidden_act="silu", architectures=[family], **extra)
     config.head_dim = head_dim  # Qwen2's config derives it; the others take it as given
@@ -272,19 +344,27 @@ def _generation_config(run_tok: RunTokenizer):
     from transformers import GenerationConfig
 
     bos = run_tok.eos_id if run_tok.bos_id is None else run_tok.bos_id
-    return GenerationConfig(bos_token_id=bos, eos_token_id=run_tok.eos_id,
-                            pad_token_id=run_tok.eos_id)
+    return GenerationConfig(
+        bos_token_id=bos, eos_token_id=run_tok.eos_id, pad_token_id=run_tok.eos_id
+    )
 
 
 def _tokenizer(run_tok: RunTokenizer, seq_length: int):
     from transformers import PreTrainedTokenizerFast
 
-    bos = (run_tok.eos_token if run_tok.bos_id is None
-           else run_tok.tokenizer.id_to_token(run_tok.bos_id))
-    return PreTrainedTokenizerFast(tokenizer_file=str(run_tok.path), eos_token=run_tok.eos_token,
-                                   bos_token=bos, model_max_length=seq_length,
-                                   clean_up_tokenization_spaces=False,
-                                   model_input_names=["input_ids", "attention_mask"])
+    bos = (
+        run_tok.eos_token
+        if run_tok.bos_id is None
+        else run_tok.tokenizer.id_to_token(run_tok.bos_id)
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(run_tok.path),
+        eos_token=run_tok.eos_token,
+        bos_token=bos,
+        model_max_length=seq_length,
+        clean_up_tokenization_spaces=False,
+        model_input_names=["input_ids", "attention_mask"],
+    )
 
 
 def _follow_umask(folder: Path) -> None:

@@ -35,14 +35,17 @@ from t2train.residual import BASELINE
 
 # The families that map onto the `standard` design, and the value each must have of the
 # config fields the design does not implement otherwise (refused by name).
-FAMILIES = {
+FAMILIES: dict[str, dict[str, object]] = {
     "LlamaForCausalLM": {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu"},
     "MistralForCausalLM": {"sliding_window": None, "hidden_act": "silu"},
     "Qwen2ForCausalLM": {"use_sliding_window": False, "hidden_act": "silu"},
 }
 # Llama 3.1's RoPE scaling: the fields Megatron's implementation fixes, and their values.
-LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 @dataclass
@@ -57,29 +60,41 @@ def hf_model_section(hf: dict, source: Path, seq_length: Optional[int]) -> dict:
     """The ``model`` config section of a Llama-family model's ``config.json``."""
     family = next((name for name in hf.get("architectures") or [] if name in FAMILIES), None)
     if family is None:
-        raise UserInputError(f"{source}: architectures={hf.get('architectures')!r}; only "
-                             f"{', '.join(FAMILIES)} checkpoints can be imported")
+        raise UserInputError(
+            f"{source}: architectures={hf.get('architectures')!r}; only "
+            f"{', '.join(FAMILIES)} checkpoints can be imported"
+        )
     for name, supported in FAMILIES[family].items():
         if hf.get(name, supported) != supported:
-            raise UserInputError(f"{source}: {name}={hf[name]!r} is not supported (the "
-                                 f"{BASELINE} design has {name}={supported!r})")
+            raise UserInputError(
+                f"{source}: {name}={hf[name]!r} is not supported (the "
+                f"{BASELINE} design has {name}={supported!r})"
+            )
     rope_scaling_factor = _rope_scaling_factor(hf.get("rope_scaling"), source)
     heads = hf["num_attention_heads"]
     if (hf.get("head_dim") or hf["hidden_size"] // heads) * heads != hf["hidden_size"]:
-        raise UserInputError(f"{source}: head_dim={hf['head_dim']} x num_attention_heads="
-                             f"{heads} != hidden_size={hf['hidden_size']}")
+        raise UserInputError(
+            f"{source}: head_dim={hf['head_dim']} x num_attention_heads="
+            f"{heads} != hidden_size={hf['hidden_size']}"
+        )
     kv_heads = hf.get("num_key_value_heads") or heads
-    return {"residual": BASELINE, "num_layers": hf["num_hidden_layers"],
-            "hidden_size": hf["hidden_size"], "num_attention_heads": heads,
-            "num_query_groups": None if kv_heads == heads else kv_heads,
-            "ffn_hidden_size": hf["intermediate_size"],
-            "seq_length": seq_length or hf["max_position_embeddings"],
-            "vocab_size": hf["vocab_size"], "tie_embeddings": bool(hf.get("tie_word_embeddings")),
-            "rotary_base": int(hf.get("rope_theta", 10000)),
-            "rope_scaling_factor": rope_scaling_factor,
-            "qkv_bias": family == "Qwen2ForCausalLM", "hf_architecture": family,
-            "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
-            "init_method_std": float(hf.get("initializer_range", 0.02))}
+    return {
+        "residual": BASELINE,
+        "num_layers": hf["num_hidden_layers"],
+        "hidden_size": hf["hidden_size"],
+        "num_attention_heads": heads,
+        "num_query_groups": None if kv_heads == heads else kv_heads,
+        "ffn_hidden_size": hf["intermediate_size"],
+        "seq_length": seq_length or hf["max_position_embeddings"],
+        "vocab_size": hf["vocab_size"],
+        "tie_embeddings": bool(hf.get("tie_word_embeddings")),
+        "rotary_base": int(hf.get("rope_theta", 10000)),
+        "rope_scaling_factor": rope_scaling_factor,
+        "qkv_bias": family == "Qwen2ForCausalLM",
+        "hf_architecture": family,
+        "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
+        "init_method_std": float(hf.get("initializer_range", 0.02)),
+    }
 
 
 def _rope_scaling_factor(scaling: Optional[dict], source: Path) -> float:
@@ -89,8 +104,10 @@ def _rope_scaling_factor(scaling: Optional[dict], source: Path) -> float:
     kind = scaling.get("rope_type", scaling.get("type"))
     fixed = {name: float(scaling.get(name, -1)) for name in LLAMA3_ROPE}
     if kind != "llama3" or fixed != LLAMA3_ROPE or "factor" not in scaling:
-        raise UserInputError(f"{source}: rope_scaling={scaling!r} is not supported (Llama 3.1's "
-                             f"rope_type 'llama3' with {LLAMA3_ROPE} and a factor is)")
+        raise UserInputError(
+            f"{source}: rope_scaling={scaling!r} is not supported (Llama 3.1's "
+            f"rope_type 'llama3' with {LLAMA3_ROPE} and a factor is)"
+        )
     return float(scaling["factor"])
 
 
@@ -104,18 +121,25 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     elif (folder / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise UserInputError(f"{folder}: no model.safetensors (nor an index of shards); save "
-                             "the model with save_pretrained(..., safe_serialization=True)")
+        raise UserInputError(
+            f"{folder}: no model.safetensors (nor an index of shards); save "
+            "the model with save_pretrained(..., safe_serialization=True)"
+        )
     weights = {}
     for name in files:
         weights.update(load_file(str(folder / name)))
-    return {name: tensor for name, tensor in weights.items()
-            if not name.endswith("rotary_emb.inv_freq")}  # a buffer older exports kept
+    return {
+        name: tensor for name, tensor in weights.items() if not name.endswith("rotary_emb.inv_freq")
+    }  # a buffer older exports kept
 
 
-def import_hf(given: str | Path, out: str | Path, seq_length: Optional[int] = None,
-              overwrite: bool = False,
-              progress: Callable[[str], None] = lambda stage: None) -> Imported:
+def import_hf(
+    given: str | Path,
+    out: str | Path,
+    seq_length: Optional[int] = None,
+    overwrite: bool = False,
+    progress: Callable[[str], None] = lambda stage: None,
+) -> Imported:
     from megatron.core import dist_checkpointing
 
     from t2train.checkpoint.integrity import recorded_checksums
@@ -132,8 +156,9 @@ def import_hf(given: str | Path, out: str | Path, seq_length: Optional[int] = No
     folder, out = Path(given), Path(out)
     if not (folder / "config.json").is_file():
         raise UserInputError(f"{folder}: no config.json (expected a Hugging Face model folder)")
-    section = hf_model_section(json.loads((folder / "config.json").read_text()),
-                               folder / "config.json", seq_length)
+    section = hf_model_section(
+        json.loads((folder / "config.json").read_text()), folder / "config.json", seq_length
+    )
     config = config_from_dict({"model": section})
     tokenizer = load_tokenizer(folder)
     _check_out(out, overwrite)
@@ -145,19 +170,22 @@ def import_hf(given: str | Path, out: str | Path, seq_length: Optional[int] = No
     state = megatron_state_dict(hf_weights, config.model)
 
     single_process_world()
-    model = build_model(config, padded_vocab_size(config.model.vocab_size, config), dtype)
+    vocab = config.model.vocab_size or 0  # the imported config always gives it
+    model = build_model(config, padded_vocab_size(vocab, config), dtype)
     own = model.state_dict()
     for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         if name in state:  # Megatron pads the vocabulary: the extra rows stay zero
             padded = torch.zeros_like(own[name])
-            padded[:state[name].shape[0]] = state[name]
+            padded[: state[name].shape[0]] = state[name]
             state[name] = padded
     missing = sorted(set(own) - set(state) - {k for k in own if k.endswith("_extra_state")})
     extra = sorted(set(state) - set(own))
     if missing or extra:
-        raise UserInputError(f"{folder}: the weights do not fit a {section['hf_architecture']} "
-                             f"of its config.json (missing {missing[:3]}, unexpected "
-                             f"{extra[:3]})")
+        raise UserInputError(
+            f"{folder}: the weights do not fit a {section['hf_architecture']} "
+            f"of its config.json (missing {missing[:3]}, unexpected "
+            f"{extra[:3]})"
+        )
     model.load_state_dict(state, strict=False)
 
     if out.exists():  # empty, or --overwrite: replaced
@@ -169,15 +197,26 @@ def import_hf(given: str | Path, out: str | Path, seq_length: Optional[int] = No
     staging.mkdir(parents=True, exist_ok=True)
     sha = save_tokenizer(tokenizer, out)
     progress(f"saving them as the checkpoint {final}")
-    train_state = {"step": 0, "layout": current_layout(), "has_optimizer": False,
-                   "config": asdict(config), "config_format": CONFIG_FORMAT,
-                   "code_version": code_version(), "tokenizer_sha256": sha,
-                   "bos_id": default_bos_id(tokenizer),
-                   "imported_from": str(folder.resolve()), **recorded_checksums()}
-    dist_checkpointing.save({"model": model.sharded_state_dict(), "train_state": train_state},
-                            str(staging))
+    train_state = {
+        "step": 0,
+        "layout": current_layout(),
+        "has_optimizer": False,
+        "config": asdict(config),
+        "config_format": CONFIG_FORMAT,
+        "code_version": code_version(),
+        "tokenizer_sha256": sha,
+        "bos_id": default_bos_id(tokenizer),
+        "imported_from": str(folder.resolve()),
+        **recorded_checksums(),
+    }
+    dist_checkpointing.save(
+        {"model": model.sharded_state_dict(), "train_state": train_state}, str(staging)
+    )
     publish_checkpoint(root, staging, final, None)
     config_file = out / "t2train.yaml"
-    config_file.write_text(yaml.safe_dump(
-        {"model": section, "checkpoint": {"init_from": str(out.resolve())}}, sort_keys=False))
+    config_file.write_text(
+        yaml.safe_dump(
+            {"model": section, "checkpoint": {"init_from": str(out.resolve())}}, sort_keys=False
+        )
+    )
     return Imported(out, final, sum(t.numel() for t in hf_weights.values()), config_file)

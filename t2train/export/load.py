@@ -15,7 +15,7 @@ import os
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
@@ -56,20 +56,26 @@ def open_checkpoint(given: str | Path) -> Checkpoint:
     path = resolve_checkpoint(Path(given))
     state = read_train_state(path)
     if not isinstance(state.get("config"), dict):
-        raise CheckpointError(f"{path}: records no run config (written by an older t2train); "
-                              "it cannot be rebuilt outside its run")
+        raise CheckpointError(
+            f"{path}: records no run config (written by an older t2train); "
+            "it cannot be rebuilt outside its run"
+        )
     try:
         config = config_from_dict(state["config"], state.get("config_format", 1))
     except UserInputError as err:
         raise CheckpointError(f"{path}: its recorded config is not usable here ({err})") from None
-    single = replace(config, parallel=ParallelConfig(),
-                     model=replace(config.model, recompute="none", attention_backend="sdpa"),
-                     train=replace(config.train, engine="megatron"))
+    single = replace(
+        config,
+        parallel=ParallelConfig(),
+        model=replace(config.model, recompute="none", attention_backend="sdpa"),
+        train=replace(config.train, engine="megatron"),
+    )
     return Checkpoint(path, state, single.validate())
 
 
-def load_model(checkpoint: Checkpoint, device: Optional[str] = None,
-               dtype: Optional[torch.dtype] = None) -> LoadedModel:
+def load_model(
+    checkpoint: Checkpoint, device: Optional[str] = None, dtype: Optional[torch.dtype] = None
+) -> LoadedModel:
     """The checkpoint's weights in a TP = PP = 1 model on ``device`` (default: CUDA if
     available) in ``dtype`` (default: the checkpoint's). A checkpoint whose files differ from
     the checksums recorded at save is refused before anything is built."""
@@ -80,8 +86,9 @@ def load_model(checkpoint: Checkpoint, device: Optional[str] = None,
     if checkpoint_engine(checkpoint.path) == "deepspeed":
         shards = _deepspeed_weights(checkpoint)
         if EMBEDDING not in shards[0]:
-            raise CheckpointError(f"{checkpoint.path}: holds no model weights ({EMBEDDING} is "
-                                  "missing)")
+            raise CheckpointError(
+                f"{checkpoint.path}: holds no model weights ({EMBEDDING} is missing)"
+            )
         stored = shards[0][EMBEDDING].dtype
         rows = sum(shard[EMBEDDING].shape[0] for shard in shards.values())
         model = build_model(checkpoint.config, rows, stored)
@@ -107,37 +114,43 @@ def single_process_world() -> None:
 
     init_distributed()
     if dist.get_world_size() != 1 or (
-            parallel_state.model_parallel_is_initialized()
-            and parallel_state.get_tensor_model_parallel_world_size()
-            * parallel_state.get_pipeline_model_parallel_world_size() != 1):
-        raise UserInputError("loading a checkpoint for export, generation or evaluation runs in "
-                             "one process: start it with python or t2train, not torchrun")
+        parallel_state.model_parallel_is_initialized()
+        and parallel_state.get_tensor_model_parallel_world_size()
+        * parallel_state.get_pipeline_model_parallel_world_size()
+        != 1
+    ):
+        raise UserInputError(
+            "loading a checkpoint for export, generation or evaluation runs in "
+            "one process: start it with python or t2train, not torchrun"
+        )
     set_seed(0, init_model_parallel(1, 1, 1))
 
 
 def build_model(config: Config, vocab_rows: int, dtype: torch.dtype):
     from t2train.model.build import build_model_chunks, transformer_config
 
-    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+    precision: Literal["bf16", "fp32"] = "bf16" if dtype == torch.bfloat16 else "fp32"
     if dtype not in (torch.bfloat16, torch.float32):
         raise CheckpointError(f"weights stored as {dtype}: expected float32 or bfloat16")
     config = replace(config, train=replace(config.train, precision=precision))
-    chunk, = build_model_chunks(config, transformer_config(config), vocab_rows)
+    (chunk,) = build_model_chunks(config, transformer_config(config), vocab_rows)
     return chunk
 
 
 # --- Megatron engine ---------------------------------------------------------------------------
 
+
 def _megatron_embedding(path: Path) -> tuple[int, torch.dtype]:
     """Rows and dtype of the saved embedding, from the shard index (nothing loaded)."""
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from t2train.checkpoint.compatibility import check_shard_files
 
     check_shard_files(path)  # names a missing or truncated shard (and an unreadable index)
     metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     entry = metadata.get(EMBEDDING)
-    if entry is None or not hasattr(entry, "size"):
+    if not isinstance(entry, TensorStorageMetadata):
         raise CheckpointError(f"{path}: holds no model weights ({EMBEDDING} is missing)")
     return entry.size[0], entry.properties.dtype
 
@@ -147,12 +160,14 @@ def _load_megatron(model, path: Path) -> None:
 
     from t2train.checkpoint.store import read_checkpoint
 
-    loaded = read_checkpoint(path, lambda: dist_checkpointing.load(
-        {"model": model.sharded_state_dict()}, str(path)))
+    loaded = read_checkpoint(
+        path, lambda: dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
+    )
     model.load_state_dict(loaded["model"])
 
 
 # --- DeepSpeed engine --------------------------------------------------------------------------
+
 
 def _deepspeed_weights(checkpoint: Checkpoint) -> dict[int, dict]:
     """{tensor-parallel rank: that rank's full (ZeRO-gathered) weights}, fp32 for ZeRO-3."""
@@ -169,8 +184,10 @@ def _zero_gathered(path: Path, tp_rank: int) -> dict:
 
     files = sorted(path.glob(f"*mp_rank_{tp_rank:02d}_*states.pt"))
     if not files:
-        raise CheckpointError(f"{path}: no DeepSpeed files of tensor-parallel rank {tp_rank} "
-                              f"(*mp_rank_{tp_rank:02d}_*states.pt)")
+        raise CheckpointError(
+            f"{path}: no DeepSpeed files of tensor-parallel rank {tp_rank} "
+            f"(*mp_rank_{tp_rank:02d}_*states.pt)"
+        )
     with tempfile.TemporaryDirectory(prefix="t2train-zero-") as scratch:
         folder = Path(scratch) / "rank"
         folder.mkdir()
@@ -182,9 +199,11 @@ def _zero_gathered(path: Path, tp_rank: int) -> dict:
                 return get_fp32_state_dict_from_zero_checkpoint(scratch, tag="rank")
         except Exception as err:  # DeepSpeed raises many types for unreadable files
             lines = str(err).strip().splitlines()
-            raise CheckpointError(f"{path}: cannot gather the DeepSpeed weights of tensor-parallel "
-                                  f"rank {tp_rank} ({type(err).__name__}: "
-                                  f"{lines[-1] if lines else ''})") from err
+            raise CheckpointError(
+                f"{path}: cannot gather the DeepSpeed weights of tensor-parallel "
+                f"rank {tp_rank} ({type(err).__name__}: "
+                f"{lines[-1] if lines else ''})"
+            ) from err
 
 
 def _join_tensor_parallel(model, shards: dict[int, dict]) -> dict:
@@ -197,8 +216,11 @@ def _join_tensor_parallel(model, shards: dict[int, dict]) -> dict:
 
     if len(shards) == 1:
         return shards[0]
-    gated = {f"{name}.linear_fc1.weight" for name, module in model.named_modules()
-             if isinstance(module, MLP) and module.config.gated_linear_unit}
+    gated = {
+        f"{name}.linear_fc1.weight"
+        for name, module in model.named_modules()
+        if isinstance(module, MLP) and module.config.gated_linear_unit
+    }
     parameters = dict(model.named_parameters())
     joined = {}
     for key, first in shards[0].items():
@@ -220,10 +242,14 @@ def _load_gathered(model, weights: dict, path: Path) -> None:
     expected = {key for key in model.state_dict() if not key.endswith("_extra_state")}
     missing = sorted(expected - weights.keys())
     if missing:
-        raise CheckpointError(f"{path}: the DeepSpeed weights lack {missing[0]}"
-                              f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}")
+        raise CheckpointError(
+            f"{path}: the DeepSpeed weights lack {missing[0]}"
+            f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}"
+        )
     try:
         model.load_state_dict({key: weights[key] for key in expected}, strict=False)
     except RuntimeError as err:
-        raise CheckpointError(f"{path}: the DeepSpeed weights do not fit the recorded model "
-                              f"({str(err).strip().splitlines()[-1]})") from None
+        raise CheckpointError(
+            f"{path}: the DeepSpeed weights do not fit the recorded model "
+            f"({str(err).strip().splitlines()[-1]})"
+        ) from None

@@ -8,19 +8,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from t2train.data.errors import DataError
-from t2train.data.tokenizer import (EOS, TOKENIZER_FILE, eos_id, eos_token, file_sha256,
-                                    load_tokenizer)
+from t2train.data.tokenizer import (
+    EOS,
+    TOKENIZER_FILE,
+    eos_id,
+    eos_token,
+    file_sha256,
+    load_tokenizer,
+)
 from t2train.export.load import Checkpoint
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 
 @dataclass
 class RunTokenizer:
     path: Path
     sha256: str
-    tokenizer: object  # tokenizers.Tokenizer
+    tokenizer: Tokenizer
     eos_id: int
     eos_token: str = EOS
     bos_id: Optional[int] = None  # the token each training document started with
@@ -55,13 +64,23 @@ def run_tokenizer(checkpoint: Checkpoint, given: Optional[str | Path] = None) ->
     else:
         path = Path(checkpoint.config.data.path) / TOKENIZER_FILE
         if not path.is_file():
-            raise DataError(f"tokenizer {path}: not found; the run's dataset (data.path="
-                            f"{checkpoint.config.data.path!r}) holds the tokenizer it was trained "
-                            "with: pass --tokenizer FILE if the dataset has moved")
+            raise DataError(
+                f"tokenizer {path}: not found; the run's dataset (data.path="
+                f"{checkpoint.config.data.path!r}) holds the tokenizer it was trained "
+                "with: pass --tokenizer FILE if the dataset has moved"
+            )
     tokenizer = load_tokenizer(path)
     sha = file_sha256(path)
     if expected is not None and sha != expected:
-        raise DataError(f"tokenizer {path}: sha256 {sha[:12]}, but the run was trained with "
-                        f"tokenizer {expected[:12]}")
-    return RunTokenizer(path, sha, tokenizer, eos_id(tokenizer, path), eos_token(tokenizer, path),
-                        checkpoint.train_state.get("bos_id"))
+        raise DataError(
+            f"tokenizer {path}: sha256 {sha[:12]}, but the run was trained with "
+            f"tokenizer {expected[:12]}"
+        )
+    return RunTokenizer(
+        path,
+        sha,
+        tokenizer,
+        eos_id(tokenizer, path),
+        eos_token(tokenizer, path),
+        checkpoint.train_state.get("bos_id"),
+    )

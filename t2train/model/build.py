@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +12,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from t2train.config.schema import Config, ModelConfig
 from t2train.parallel.depth_cache import DepthCache, HopPlan, plan_hops
+
+if TYPE_CHECKING:
+    from t2train.model.gpt import T2GPTModel  # noqa: PLC0415 - the model's modules: not for the config helpers `t2train plan` reads
 
 
 @dataclass
@@ -59,7 +62,8 @@ def transformer_config(config: Config) -> T2TransformerConfig:
         tensor_model_parallel_size=parallel.tensor,
         pipeline_model_parallel_size=parallel.pipeline,
         virtual_pipeline_model_parallel_size=(
-            parallel.virtual_pipeline if parallel.virtual_pipeline > 1 else None),
+            parallel.virtual_pipeline if parallel.virtual_pipeline > 1 else None
+        ),
         sequence_parallel=parallel.sequence_parallel,
         normalization="RMSNorm",
         layernorm_epsilon=model.norm_epsilon,
@@ -96,15 +100,16 @@ def transformer_config(config: Config) -> T2TransformerConfig:
     )
 
 
-def build_model_chunks(config: Config, tf_config: T2TransformerConfig, vocab_size: int,
-                       hops: Optional[HopPlan] = None) -> list[torch.nn.Module]:
+def build_model_chunks(
+    config: Config, tf_config: T2TransformerConfig, vocab_size: int, hops: Optional[HopPlan] = None
+) -> list[T2GPTModel]:
     """This rank's model chunks: one per virtual pipeline stage (one without interleaving),
     each sending and receiving its hops as ``hops`` says (the run's plan; made here when the
     caller has none)."""
-    from t2train.kernels.dispatch import load_kernels
-    from t2train.model.gpt import T2GPTModel
-    from t2train.nn.compiling import compile_modules
-    from t2train.residual import kernel_table
+    from t2train.kernels.dispatch import load_kernels  # noqa: PLC0415 - the model's modules: not for the config helpers `t2train plan` reads
+    from t2train.model.gpt import T2GPTModel  # noqa: PLC0415 - the model's modules: not for the config helpers `t2train plan` reads
+    from t2train.nn.compiling import compile_modules  # noqa: PLC0415 - the model's modules: not for the config helpers `t2train plan` reads
+    from t2train.residual import kernel_table  # noqa: PLC0415 - the model's modules: not for the config helpers `t2train plan` reads
 
     hops = hops or plan_hops(tf_config)
     virtual = config.parallel.virtual_pipeline
@@ -113,12 +118,16 @@ def build_model_chunks(config: Config, tf_config: T2TransformerConfig, vocab_siz
     for vp_stage in range(virtual):
         vp = vp_stage if virtual > 1 else None
         chunk = T2GPTModel(
-            tf_config, vocab_size=vocab_size,
+            tf_config,
+            vocab_size=vocab_size,
             max_sequence_length=config.model.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             share_embeddings_and_output_weights=config.model.tie_embeddings,
-            rotary_base=config.model.rotary_base, vp_stage=vp, hops=hops)
+            rotary_base=config.model.rotary_base,
+            vp_stage=vp,
+            hops=hops,
+        )
         chunk.decoder.depth_cache = cache
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())

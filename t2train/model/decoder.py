@@ -11,7 +11,6 @@ from contextlib import nullcontext
 from typing import Optional
 
 import torch
-
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_block import (
     TransformerBlock,
@@ -22,19 +21,21 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megatron.core.utils import make_viewless_tensor
 from torch import Tensor
 
-from t2train.nn.norm import RMSNorm
 from t2train.model.spec import decoder_layer_spec
+from t2train.nn.norm import RMSNorm
 from t2train.parallel.depth_cache import DepthCache, HopPlan
 from t2train.parallel.traffic import HopTraffic
 from t2train.residual import get_design
 from t2train.residual.base import State
 
 
-def decoder_block_submodules(config, vp_stage: Optional[int],
-                             pp_rank: int) -> TransformerBlockSubmodules:
+def decoder_block_submodules(
+    config, vp_stage: Optional[int], pp_rank: int
+) -> TransformerBlockSubmodules:
     layers = get_num_layers_to_build(config, vp_stage, pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[decoder_layer_spec(config.t2_model)] * layers,
-                                      layer_norm=RMSNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[decoder_layer_spec(config.t2_model)] * layers, layer_norm=RMSNorm
+    )
 
 
 class ResidualDecoder(TransformerBlock):
@@ -46,16 +47,33 @@ class ResidualDecoder(TransformerBlock):
     concatenated along the sequence dim (``hops``, the run's ``HopPlan``, says which).
     """
 
-    def __init__(self, config, pre_process: bool, post_process: bool,
-                 vp_stage: Optional[int], pp_rank: int, hops: HopPlan, pg_collection=None):
-        super().__init__(config, decoder_block_submodules(config, vp_stage, pp_rank),
-                         pre_process=pre_process, post_process=post_process,
-                         pg_collection=pg_collection, vp_stage=vp_stage)
+    def __init__(
+        self,
+        config,
+        pre_process: bool,
+        post_process: bool,
+        vp_stage: Optional[int],
+        pp_rank: int,
+        hops: HopPlan,
+        pg_collection=None,
+    ):
+        super().__init__(
+            config,
+            decoder_block_submodules(config, vp_stage, pp_rank),
+            pre_process=pre_process,
+            post_process=post_process,
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+        )
         self.stream = get_design(config.t2_model.residual).stream(
-            config, pre_process, post_process,
-            first_layer=get_transformer_layer_offset(config, vp_stage, pp_rank))
-        self.stream.connect([residual for layer in self.layers
-                             for residual in layer.sublayer_residuals()])
+            config,
+            pre_process,
+            post_process,
+            first_layer=get_transformer_layer_offset(config, vp_stage, pp_rank),
+        )
+        self.stream.connect(
+            [residual for layer in self.layers for residual in layer.sublayer_residuals()]
+        )
         virtual = config.virtual_pipeline_model_parallel_size or 1
         self.hops = hops
         self.chunk = self.stream.first_layer // len(self.layers)
@@ -68,15 +86,25 @@ class ResidualDecoder(TransformerBlock):
         """Called before each pipeline schedule: micro-batches are numbered from 0 again."""
         self.micro_batch = 0
 
-    def forward(self, hidden_states: Optional[Tensor], attention_mask: Optional[Tensor],
-                rotary_pos_emb: Optional[Tensor] = None, kv_cache=None) -> Tensor:
+    def forward(
+        self,
+        hidden_states: Optional[Tensor],
+        attention_mask: Optional[Tensor],
+        rotary_pos_emb: Optional[Tensor] = None,
+        kv_cache=None,
+    ) -> Tensor:
         if self.pre_process:
+            if hidden_states is None:
+                raise ValueError("the first pipeline stage needs the embedding")
             state = self._enter(hidden_states, kv_cache)
         else:
             state = self._receive_hop(self.input_tensor)
 
-        rng = tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel \
+        rng = (
+            tensor_parallel.get_cuda_rng_tracker().fork()
+            if self.config.sequence_parallel
             else nullcontext()
+        )
         with rng:
             if self.config.recompute_granularity == "full" and self.training:
                 state = self._recomputed_layers(state, attention_mask, rotary_pos_emb)
@@ -104,7 +132,7 @@ class ResidualDecoder(TransformerBlock):
         joined = embedding if earlier is None else torch.cat([earlier, embedding])
         kv_cache.embeddings = joined[-context:]
         units = self.stream.to_units(self.stream.enter(joined))
-        return self.stream.from_units([unit[-embedding.shape[0]:] for unit in units], 0)
+        return self.stream.from_units([unit[-embedding.shape[0] :] for unit in units], 0)
 
     def _receive_hop(self, hop: Tensor) -> State:
         """Rebuild the state from the hop's units and, when cached, the units kept here."""
@@ -117,10 +145,12 @@ class ResidualDecoder(TransformerBlock):
                 f"pipeline hop into chunk {self.chunk} has {hop.shape[0]} rows, expected "
                 f"{wire_units} units of {self.hops.unit_rows}: the schedule sent hops in an "
                 "order t2train/parallel/hops.py does not predict (parallel.hop_shapes=padded "
-                "avoids predicting)")
+                "avoids predicting)"
+            )
         self.traffic.received(hop, len(arriving), wire_units)
-        received = iter(make_viewless_tensor(hop, True, True)[: len(arriving) * seq]
-                        .chunk(len(arriving)))
+        received = iter(
+            make_viewless_tensor(hop, True, True)[: len(arriving) * seq].chunk(len(arriving))
+        )
         cache, units = self.depth_cache, []
         for uid in self.stream.unit_ids(layers_done):
             if cache is not None and uid not in arriving:
@@ -142,9 +172,12 @@ class ResidualDecoder(TransformerBlock):
         ids = self.stream.unit_ids(self.stream.first_layer + len(self.layers))
         cache = self.depth_cache
         if cache is not None:
-            units = [cache.own(self.micro_batch, uid, unit)
-                     if uid is not None and not cache.holds(self.micro_batch, uid) else unit
-                     for uid, unit in zip(ids, units)]
+            units = [
+                cache.own(self.micro_batch, uid, unit)
+                if uid is not None and not cache.holds(self.micro_batch, uid)
+                else unit
+                for uid, unit in zip(ids, units)
+            ]
         wanted = self.hops.sent_ids(self.chunk + 1)
         sent = [unit for uid, unit in zip(ids, units) if uid is None or uid in wanted]
         wire_units = self.hops.wire_units(self.chunk + 1)
@@ -184,5 +217,9 @@ class ResidualDecoder(TransformerBlock):
         for start in range(0, len(self.layers), step):
             packed = tensor_parallel.checkpoint(
                 run(start, min(start + step, len(self.layers))),
-                self.config.distribute_saved_activations, packed, attention_mask, rotary_pos_emb)
+                self.config.distribute_saved_activations,
+                packed,
+                attention_mask,
+                rotary_pos_emb,
+            )
         return unpack(packed, first + len(self.layers))

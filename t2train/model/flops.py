@@ -40,8 +40,9 @@ def standard_forward_flops_per_token(model: ModelConfig, vocab_size: int) -> flo
 
 
 def forward_flops_per_token(model: ModelConfig, vocab_size: int) -> float:
-    return (standard_forward_flops_per_token(model, vocab_size)
-            + sum(part.extra_flops_per_token(model) for part in components(model)))
+    return standard_forward_flops_per_token(model, vocab_size) + sum(
+        part.extra_flops_per_token(model) for part in components(model)
+    )
 
 
 def train_flops_per_token(model: ModelConfig, vocab_size: int) -> float:

@@ -26,10 +26,19 @@ from t2train.nn.cross_entropy import vocab_parallel_cross_entropy
 
 
 class T2GPTModel(LanguageModule):
-    def __init__(self, config, vocab_size: int, max_sequence_length: int,
-                 pre_process: bool = True, post_process: bool = True,
-                 share_embeddings_and_output_weights: bool = True, rotary_base: int = 10000,
-                 vp_stage: Optional[int] = None, hops=None, pg_collection=None):
+    def __init__(
+        self,
+        config,
+        vocab_size: int,
+        max_sequence_length: int,
+        pre_process: bool = True,
+        post_process: bool = True,
+        share_embeddings_and_output_weights: bool = True,
+        rotary_base: int = 10000,
+        vp_stage: Optional[int] = None,
+        hops=None,
+        pg_collection=None,
+    ):
         pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
         super().__init__(config=config, pg_collection=pg_collection)
         self.model_type = ModelType.encoder_or_decoder
@@ -42,23 +51,43 @@ class T2GPTModel(LanguageModule):
 
         if pre_process:
             self.embedding = LanguageModelEmbedding(
-                config=config, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
-                position_embedding_type="rope", tp_group=pg_collection.tp)
+                config=config,
+                vocab_size=vocab_size,
+                max_sequence_length=max_sequence_length,
+                position_embedding_type="rope",
+                tp_group=pg_collection.tp,
+            )
         scaling = config.t2_model.rope_scaling_factor
         self.rotary_pos_emb = RotaryEmbedding(
-            kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=rotary_base,
-            rope_scaling=scaling > 0, rope_scaling_factor=scaling or 8.0,
-            use_cpu_initialization=config.use_cpu_initialization, cp_group=pg_collection.cp)
+            kv_channels=config.kv_channels,
+            rotary_percent=1.0,
+            rotary_base=rotary_base,
+            rope_scaling=scaling > 0,
+            rope_scaling_factor=scaling or 8.0,
+            use_cpu_initialization=config.use_cpu_initialization,
+            cp_group=pg_collection.cp,
+        )
         self.decoder = ResidualDecoder(
-            config, pre_process=pre_process, post_process=post_process,
-            vp_stage=vp_stage, pp_rank=pg_collection.pp.rank(), hops=hops,
-            pg_collection=pg_collection)
+            config,
+            pre_process=pre_process,
+            post_process=post_process,
+            vp_stage=vp_stage,
+            pp_rank=pg_collection.pp.rank(),
+            hops=hops,
+            pg_collection=pg_collection,
+        )
         if post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
-                config.hidden_size, vocab_size, config=config, init_method=config.init_method,
-                bias=False, skip_bias_add=False, gather_output=False,
+                config.hidden_size,
+                vocab_size,
+                config=config,
+                init_method=config.init_method,
+                bias=False,
+                skip_bias_add=False,
+                gather_output=False,
                 skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
-                tp_group=pg_collection.tp)
+                tp_group=pg_collection.tp,
+            )
         if pre_process or post_process:
             self.setup_embeddings_and_output_layer()
 
@@ -69,29 +98,40 @@ class T2GPTModel(LanguageModule):
             input_tensor = input_tensor[0]
         self.decoder.set_input_tensor(input_tensor)
 
-    def forward(self, input_ids: Optional[Tensor], position_ids: Optional[Tensor],
-                attention_mask: Optional[Tensor] = None,
-                labels: Optional[Tensor] = None, kv_cache: Optional[KVCache] = None) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Optional[Tensor],
+        attention_mask: Optional[Tensor] = None,
+        labels: Optional[Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
+    ) -> Tensor:
         """Per-token loss [b, s] when ``labels`` are given, else logits [b, s, vocab/tp].
 
         On a chunk without the head, returns the packed stream state for the next stage.
         With ``kv_cache`` (inference, one chunk), ``input_ids`` are the tokens after the cached
         ones, at the positions that follow; the cache then holds them too.
         """
-        embedding = self.embedding(input_ids=input_ids, position_ids=position_ids) \
-            if self.pre_process else None
+        embedding = (
+            self.embedding(input_ids=input_ids, position_ids=position_ids)
+            if self.pre_process
+            else None
+        )
         # Every stage gets the tokens; a packed pipeline hop is longer than the sequence.
         # With a cache, Megatron's attention takes the rows of the new positions itself.
-        rotary = self.rotary_pos_emb(input_ids.shape[1] if kv_cache is None
-                                     else kv_cache.max_length)
-        hidden = self.decoder(embedding, attention_mask, rotary_pos_emb=rotary,
-                              kv_cache=kv_cache)
+        rotary = self.rotary_pos_emb(
+            input_ids.shape[1] if kv_cache is None else kv_cache.max_length
+        )
+        hidden = self.decoder(embedding, attention_mask, rotary_pos_emb=rotary, kv_cache=kv_cache)
         if kv_cache is not None:
             kv_cache.advance(input_ids.shape[1])
         if not self.post_process:
             return hidden
-        weight = self.shared_embedding_or_output_weight() \
-            if self.share_embeddings_and_output_weights else None
+        weight = (
+            self.shared_embedding_or_output_weight()
+            if self.share_embeddings_and_output_weights
+            else None
+        )
         logits, _ = self.output_layer(hidden, weight=weight)
         if labels is None:
             return logits.transpose(0, 1).contiguous()

@@ -35,8 +35,9 @@ class KVCache:
     def advance(self, tokens: int) -> None:
         """After a forward over ``tokens`` new tokens: the next ones follow them."""
         if self.length + tokens > self.max_length:
-            raise ValueError(f"{self.length} + {tokens} tokens exceed the cache's "
-                             f"{self.max_length}")
+            raise ValueError(
+                f"{self.length} + {tokens} tokens exceed the cache's {self.max_length}"
+            )
         for context in (self.attention, self.mixer):
             context.sequence_len_offset += tokens
             context.enable_decode_mode()

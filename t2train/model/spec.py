@@ -16,8 +16,10 @@ def decoder_layer_spec(model) -> ModuleSpec:
     design = get_design(model.residual)
     names = sublayer_names(model)
     mixes = len(names) == 3  # the mixer's sublayer comes first
-    residual = {name: ModuleSpec(module=design.sublayer, params={"position": position})
-                for position, name in enumerate(names)}
+    residual = {
+        name: ModuleSpec(module=design.sublayer, params={"position": position})
+        for position, name in enumerate(names)
+    }
     return ModuleSpec(
         module=ResidualTransformerLayer,
         submodules=ResidualLayerSubmodules(

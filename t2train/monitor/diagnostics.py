@@ -15,6 +15,8 @@ to the design's and the mixer's ``write_diagnostics`` (their docstrings list the
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch.distributed as dist
 
 from t2train.nn import probe
@@ -43,9 +45,11 @@ class Diagnostics:
     def log(self, step: int) -> None:
         """Record, gather to the logging rank and write (collective: every rank calls it)."""
         records = self._record()  # every rank runs the forward: it is collective too
-        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        gathered: Optional[list[probe.Records]] = (
+            [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+        )
         dist.gather_object(records if self.sends else {}, gathered, dst=0)
-        if dist.get_rank() == 0:
+        if gathered is not None:
             merged: probe.Records = {}
             for part in gathered:
                 for kind, values in part.items():
@@ -57,11 +61,15 @@ class Diagnostics:
         for chunk in self.engine.model:
             decoder = chunk.module.decoder
             for layer in decoder.layers:
-                hooks.append(layer.input_layernorm.register_forward_pre_hook(
-                    _rms_hook(layer.layer_number)))
+                hooks.append(
+                    layer.input_layernorm.register_forward_pre_hook(_rms_hook(layer.layer_number))
+                )
             if decoder.post_process:
-                hooks.append(decoder.final_layernorm.register_forward_pre_hook(
-                    _rms_hook(self.num_layers + 1)))
+                hooks.append(
+                    decoder.final_layernorm.register_forward_pre_hook(
+                        _rms_hook(self.num_layers + 1)
+                    )
+                )
         try:
             with probe.recording() as records:
                 self.engine.evaluate([self.micro_batches])
@@ -72,7 +80,7 @@ class Diagnostics:
             for key, value in values.items():
                 flat = value.flatten()
                 if flat.numel() > HISTOGRAM_VALUES:
-                    values[key] = flat[::flat.numel() // HISTOGRAM_VALUES]
+                    values[key] = flat[:: flat.numel() // HISTOGRAM_VALUES]
         return records
 
     def _write(self, step: int, records: probe.Records) -> None:
@@ -88,24 +96,39 @@ class Diagnostics:
     def histogram(self, step: int, tag: str, values) -> None:
         self.monitor.histogram(step, tag, values)
 
-    def heatmap(self, step: int, tag: str, matrix, rows: list, columns: list, title: str,
-                xlabel: str, ylabel: str) -> None:
-        self.monitor.image(step, tag, _plots().heatmap(matrix, rows, columns, title, xlabel,
-                                                       ylabel))
+    def heatmap(
+        self,
+        step: int,
+        tag: str,
+        matrix,
+        rows: list,
+        columns: list,
+        title: str,
+        xlabel: str,
+        ylabel: str,
+    ) -> None:
+        self.monitor.image(
+            step, tag, _plots().heatmap(matrix, rows, columns, title, xlabel, ylabel)
+        )
 
     def _write_rms(self, step: int, rms: dict) -> None:
         labels = [_layer(key) if key <= self.num_layers else "final" for key in sorted(rms)]
         values = [float(rms[key]) for key in sorted(rms)]
-        self.monitor.scalars(step, {f"diagnostics/residual_rms/{label}": value
-                                    for label, value in zip(labels, values)})
-        self.monitor.image(step, "diagnostics/residual_rms", _plots().line_plot(
-            labels, values, f"residual-stream RMS by depth, step {step}", "RMS"))
+        self.monitor.scalars(
+            step,
+            {f"diagnostics/residual_rms/{label}": value for label, value in zip(labels, values)},
+        )
+        self.monitor.image(
+            step,
+            "diagnostics/residual_rms",
+            _plots().line_plot(labels, values, f"residual-stream RMS by depth, step {step}", "RMS"),
+        )
 
 
 def _plots():
     """t2train.monitor.plots, imported at the first picture: matplotlib is 0.55 s of every
     trainer's start, and most processes draw none."""
-    from t2train.monitor import plots
+    from t2train.monitor import plots  # noqa: PLC0415 - matplotlib: 0.55 s of a start, at the first picture
 
     return plots
 

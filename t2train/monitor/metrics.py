@@ -24,7 +24,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TextIO
 
 
 def _format_duration(seconds: float) -> str:
@@ -50,8 +50,9 @@ def _drop_records_after(path: Path, resumed_at: Optional[int]) -> list[str]:
     if not path.is_file():
         return []
     lines = path.read_text().splitlines(keepends=True)
-    kept = ([] if resumed_at is None else
-            [line for line in lines if _record_step(line) <= resumed_at])
+    kept = (
+        [] if resumed_at is None else [line for line in lines if _record_step(line) <= resumed_at]
+    )
     if len(kept) == len(lines):
         return []
     partial = path.with_name(path.name + ".tmp")
@@ -79,9 +80,16 @@ class Monitor:
     """``resumed_at``: the step of the checkpoint the run continues from, None for a fresh
     start (see the module's doc)."""
 
-    def __init__(self, run_dir: Optional[Path], total_steps: int, tensorboard: bool = True,
-                 resumed_at: Optional[int] = None, console: Optional[bool] = None,
-                 prefix: str = "", wandb: Optional[dict] = None):
+    def __init__(
+        self,
+        run_dir: Optional[Path],
+        total_steps: int,
+        tensorboard: bool = True,
+        resumed_at: Optional[int] = None,
+        console: Optional[bool] = None,
+        prefix: str = "",
+        wandb: Optional[dict] = None,
+    ):
         """``wandb``: ``wandb.init`` arguments (``wandb_sink.wandb_settings``), or None."""
         self.enabled = run_dir is not None
         self.console = self.enabled if console is None else console
@@ -89,37 +97,42 @@ class Monitor:
         self.total_steps = total_steps
         self.started = time.monotonic()
         self.writer = None
-        self.jsonl = None
+        self.jsonl: Optional[TextIO] = None
         self.wandb = None
-        if not self.enabled:
+        if run_dir is None:
             return
         dropped = _drop_records_after(run_dir / "metrics.jsonl", resumed_at)
         if resumed_at is None:
             dropped += _remove_event_files(run_dir)
         if dropped:
-            when = (f"after step {resumed_at}, its checkpoint" if resumed_at is not None
-                    else "without saving a checkpoint")
-            self.print(f"{run_dir}: dropped what an earlier attempt logged {when} "
-                       f"({', '.join(dropped)})")
+            when = (
+                f"after step {resumed_at}, its checkpoint"
+                if resumed_at is not None
+                else "without saving a checkpoint"
+            )
+            self.print(
+                f"{run_dir}: dropped what an earlier attempt logged {when} ({', '.join(dropped)})"
+            )
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - tensorboard: log.tensorboard only
 
             # purge_step drops the events an earlier attempt logged after the checkpoint.
-            self.writer = SummaryWriter(str(run_dir), purge_step=(
-                resumed_at + 1 if resumed_at is not None else None))
+            self.writer = SummaryWriter(
+                str(run_dir), purge_step=(resumed_at + 1 if resumed_at is not None else None)
+            )
         self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         if wandb is not None:
-            from t2train.monitor.wandb_sink import WandbSink
+            from t2train.monitor.wandb_sink import WandbSink  # noqa: PLC0415 - wandb: log.wandb only
 
             self.wandb = WandbSink(run_dir, wandb)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        if not self.enabled:
+        if self.jsonl is None:  # not enabled
             return
         if self.writer is not None:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, step)
-        record = {"step": step, "time": time.time()}
+        record: dict[str, float | str] = {"step": step, "time": time.time()}
         record.update({k: (v if math.isfinite(v) else str(v)) for k, v in values.items()})
         self.jsonl.write(json.dumps(record) + "\n")
         if self.wandb is not None:
@@ -134,14 +147,17 @@ class Monitor:
         if self.writer is not None:
             self.writer.add_histogram(tag, values, step)
 
-    def progress(self, step: int, loss: float, lr: float, tokens_per_sec: float,
-                 steps_done_here: int) -> None:
+    def progress(
+        self, step: int, loss: float, lr: float, tokens_per_sec: float, steps_done_here: int
+    ) -> None:
         if not self.console:
             return
         elapsed = time.monotonic() - self.started
         eta = elapsed / max(steps_done_here, 1) * (self.total_steps - step)
-        self.print(f"step {step:>6}/{self.total_steps} | loss {loss:7.4f} | lr {lr:.2e} | "
-                   f"{tokens_per_sec:9.0f} tok/s | eta {_format_duration(eta)}")
+        self.print(
+            f"step {step:>6}/{self.total_steps} | loss {loss:7.4f} | lr {lr:.2e} | "
+            f"{tokens_per_sec:9.0f} tok/s | eta {_format_duration(eta)}"
+        )
 
     def print(self, message: str) -> None:
         if self.console:

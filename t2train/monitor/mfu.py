@@ -58,7 +58,9 @@ def resolve_peak(configured_tflops: float, dtype: torch.dtype) -> tuple[Optional
     device = torch.cuda.get_device_name()
     peak = peak_tflops(device, dtype)
     if peak is None:
-        return None, (f"MFU: no peak FLOP/s known for {device!r}; set log.peak_tflops to "
-                      "log MFU (achieved TFLOP/s is logged)")
+        return None, (
+            f"MFU: no peak FLOP/s known for {device!r}; set log.peak_tflops to "
+            "log MFU (achieved TFLOP/s is logged)"
+        )
     precision = "fp32" if dtype == torch.float32 else "bf16"
     return peak, f"MFU against {device} peak {precision} {peak:g} TFLOP/s"

@@ -18,8 +18,7 @@ def line_plot(labels: list[str], values: list[float], title: str, ylabel: str) -
     figure = Figure(figsize=(min(max(4.0, 0.35 * len(labels) + 2), 16), 3.2), dpi=100)
     axes = figure.add_subplot()
     axes.plot(range(len(values)), values, marker="o")
-    axes.set_xticks(range(len(labels)), labels, rotation=90 if len(labels) > 12 else 0,
-                    fontsize=7)
+    axes.set_xticks(range(len(labels)), labels, rotation=90 if len(labels) > 12 else 0, fontsize=7)
     axes.set_title(title, fontsize=9)
     axes.set_ylabel(ylabel, fontsize=8)
     axes.grid(alpha=0.3)
@@ -27,15 +26,27 @@ def line_plot(labels: list[str], values: list[float], title: str, ylabel: str) -
     return _pixels(figure)
 
 
-def heatmap(matrix: np.ndarray, row_labels: list[str], column_labels: list[str], title: str,
-            xlabel: str, ylabel: str) -> np.ndarray:
+def heatmap(
+    matrix: np.ndarray,
+    row_labels: list[str],
+    column_labels: list[str],
+    title: str,
+    xlabel: str,
+    ylabel: str,
+) -> np.ndarray:
     """Rows x columns in [0, 1]; NaN cells (no such source) are left blank."""
     rows, columns = matrix.shape
     size = (min(max(5.0, 2.5 + 0.3 * columns), 14), min(max(3.0, 1.5 + 0.25 * rows), 12))
     figure = Figure(figsize=size, dpi=100)
     axes = figure.add_subplot()
-    image = axes.imshow(np.ma.masked_invalid(matrix), vmin=0.0, vmax=1.0, cmap="viridis",
-                        aspect="auto", interpolation="nearest")
+    image = axes.imshow(
+        np.ma.masked_invalid(matrix),
+        vmin=0.0,
+        vmax=1.0,
+        cmap="viridis",
+        aspect="auto",
+        interpolation="nearest",
+    )
     axes.set_xticks(range(columns), column_labels, rotation=90, fontsize=6)
     axes.set_yticks(range(rows), row_labels, fontsize=6)
     axes.set_title(title, fontsize=9)

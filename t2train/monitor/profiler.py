@@ -42,7 +42,7 @@ class StepProfiler:
         self.profile.start()
 
     def end(self, step: int) -> None:
-        if self.profile is not None and step == self.window[1]:
+        if self.profile is not None and self.window is not None and step == self.window[1]:
             self.close()
 
     def close(self) -> None:

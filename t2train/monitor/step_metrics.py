@@ -13,7 +13,10 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
+from t2train.model.build import compute_dtype
 from t2train.monitor.mfu import model_flops_per_token, resolve_peak, tflops_per_device
 from t2train.monitor.system import memory_gib
 
@@ -36,14 +39,14 @@ def param_norm(chunks) -> float:
     Skips copies: tensor-parallel duplicates (norms, replicated gates) off tensor rank 0 and
     the last stage's copy of tied embeddings.
     """
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     squares = torch.zeros((), dtype=torch.float64, device=device)
     for chunk in chunks:
         for param in chunk.parameters():
-            if not getattr(param, "shared", False) and param_is_not_tensor_parallel_duplicate(param):
+            if not getattr(param, "shared", False) and param_is_not_tensor_parallel_duplicate(
+                param
+            ):
                 squares += torch.linalg.vector_norm(param.detach(), dtype=torch.float32) ** 2
     dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
     return math.sqrt(float(squares))
@@ -56,8 +59,14 @@ class StepMeter:
     diagnostics), so tokens/s is the training speed.
     """
 
-    def __init__(self, tokens_per_step: int, devices: int, flops_per_token: float,
-                 peak_tflops: Optional[float], counters: Optional[dict] = None):
+    def __init__(
+        self,
+        tokens_per_step: int,
+        devices: int,
+        flops_per_token: float,
+        peak_tflops: Optional[float],
+        counters: Optional[dict] = None,
+    ):
         self.tokens_per_step = tokens_per_step
         self.devices = devices
         self.flops_per_token = flops_per_token
@@ -108,11 +117,11 @@ class StepMeter:
         return values
 
 
-def step_meter(config, vocab_size: int, devices: int,
-               counters: Optional[dict] = None) -> tuple[StepMeter, str]:
+def step_meter(
+    config, vocab_size: int, devices: int, counters: Optional[dict] = None
+) -> tuple[StepMeter, str]:
     """The run's meter (``counters``: a resumed checkpoint's train state), and a one-line note
     on MFU: the peak it uses, or why there is none."""
-    from t2train.model.build import compute_dtype
 
     peak, note = resolve_peak(config.log.peak_tflops, compute_dtype(config))
     tokens_per_step = config.train.global_batch_size * config.model.seq_length

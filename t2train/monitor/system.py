@@ -6,7 +6,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-GIB = 2.0 ** 30
+GIB = 2.0**30
 
 
 def memory_gib() -> dict[str, float]:
@@ -19,8 +19,11 @@ def memory_gib() -> dict[str, float]:
     values = [psutil.Process().memory_info().rss]
     if torch.cuda.is_available():
         names += ["memory/allocated_gib", "memory/reserved_gib", "memory/peak_allocated_gib"]
-        values += [torch.cuda.memory_allocated(), torch.cuda.memory_reserved(),
-                   torch.cuda.max_memory_allocated()]
+        values += [
+            torch.cuda.memory_allocated(),
+            torch.cuda.memory_reserved(),
+            torch.cuda.max_memory_allocated(),
+        ]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     largest = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)

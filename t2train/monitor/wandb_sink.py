@@ -20,14 +20,19 @@ def wandb_settings(config) -> Optional[dict]:
     if config.log.wandb == "off":
         return None
     run_dir = Path(config.run_dir)
-    return {"project": config.log.wandb_project, "name": run_dir.name, "mode": config.log.wandb,
-            "id": hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16],
-            "resume": "allow", "config": asdict(config)}
+    return {
+        "project": config.log.wandb_project,
+        "name": run_dir.name,
+        "mode": config.log.wandb,
+        "id": hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16],
+        "resume": "allow",
+        "config": asdict(config),
+    }
 
 
 class WandbSink:
     def __init__(self, run_dir: Path, settings: dict):
-        import wandb
+        import wandb  # noqa: PLC0415 - wandb: an optional extra
 
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(dir=str(run_dir), **settings)

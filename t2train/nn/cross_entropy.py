@@ -20,8 +20,9 @@ from torch import Tensor
 from t2train.nn.compiling import compiled
 
 
-def _exp_sum_and_target(logits: Tensor, maximum: Tensor, target: Tensor,
-                        mine: Tensor) -> tuple[Tensor, Tensor]:
+def _exp_sum_and_target(
+    logits: Tensor, maximum: Tensor, target: Tensor, mine: Tensor
+) -> tuple[Tensor, Tensor]:
     """Per token: sum_v exp(z_v - max) over this rank's vocabulary, and z_target (0 where
     the target is another rank's)."""
     exp_sum = (logits.float() - maximum.unsqueeze(-1)).exp().sum(-1)
@@ -29,8 +30,9 @@ def _exp_sum_and_target(logits: Tensor, maximum: Tensor, target: Tensor,
     return exp_sum, torch.where(mine, picked, 0.0)
 
 
-def _logits_grad(logits: Tensor, lse: Tensor, target: Tensor, mine: Tensor,
-                 grad_loss: Tensor) -> Tensor:
+def _logits_grad(
+    logits: Tensor, lse: Tensor, target: Tensor, mine: Tensor, grad_loss: Tensor
+) -> Tensor:
     """d loss / d z_v = (softmax_v - [v == target]) * d loss, in the logits' dtype."""
     softmax = (logits.float() - lse.unsqueeze(-1)).exp()
     vocab = torch.arange(logits.shape[-1], device=logits.device)

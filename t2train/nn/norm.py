@@ -13,4 +13,5 @@ import torch
 class RMSNorm(torch.nn.RMSNorm):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
-        self.weight.sequence_parallel = config.sequence_parallel
+        # Megatron's gradient reduction reads this marker from the parameter
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)

@@ -27,8 +27,11 @@ class _Fp32Linear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.with_bias = bias is not None
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(at_least_fp32(x), at_least_fp32(weight),
-                            None if bias is None else at_least_fp32(bias))
+            return F.linear(
+                at_least_fp32(x),
+                at_least_fp32(weight),
+                None if bias is None else at_least_fp32(bias),
+            )
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -80,9 +83,11 @@ def rms_linear_in_fp32(x: Tensor, weight: Tensor, bias: Tensor | None, eps: floa
     """The PyTorch reference of ``rms_fp32_logits`` (and of its Triton kernel)."""
     x32 = at_least_fp32(x)
     with torch.autocast(x.device.type, enabled=False):
-        return linear_in_fp32(x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps),
-                              weight, bias)
+        return linear_in_fp32(
+            x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps), weight, bias
+        )
 
 
-RMS_FP32_LINEAR = Kernel("rms_fp32_linear", "t2train.kernels.fp32_linear:rms_fp32_linear",
-                         rms_linear_in_fp32)
+RMS_FP32_LINEAR = Kernel(
+    "rms_fp32_linear", "t2train.kernels.fp32_linear:rms_fp32_linear", rms_linear_in_fp32
+)

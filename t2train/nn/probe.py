@@ -38,7 +38,7 @@ def record(kind: str, key: Hashable, compute: Callable[[], Tensor]) -> None:
 
 @torch.compiler.disable  # in a compiled layer (model.fusions): eager, outside the graph
 def _keep(kind: str, key: Hashable, compute: Callable[[], Tensor]) -> None:
-    if key in _records.get(kind, {}):
+    if _records is None or key in _records.get(kind, {}):
         return
     with torch.no_grad():
         _records.setdefault(kind, {})[key] = compute().detach().float().cpu()

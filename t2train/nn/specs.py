@@ -29,5 +29,7 @@ def self_attention_spec(core_attention=CausalCoreAttention, module=SelfAttention
 
 
 def mlp_spec() -> ModuleSpec:
-    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                           linear_fc2=RowParallelLinear))
+    return ModuleSpec(
+        module=MLP,
+        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+    )

@@ -22,7 +22,7 @@ plan`` makes it the same way, so its byte predictions are those of the run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -40,13 +40,13 @@ class HopPlan:
     layout's largest, the one shape Megatron's schedules send by default.
     """
 
-    unit_ids: object  # (layers_done) -> list of ids, the stream's ``unit_ids``
+    unit_ids: Callable[[int], list]  # (layers_done) -> ids, the stream's ``unit_ids``
     pipeline: int
     chunks: int  # pipeline * virtual stages
     layers_per_chunk: int
     cached: bool
     shapes: str = "exact"
-    unit_rows: Optional[int] = None  # rows of one unit on the wire (``unit_rows``)
+    unit_rows: int = 0  # rows of one unit on the wire (``unit_rows``); 0: not planned
 
     def held(self, chunk: int) -> set:
         """Ids the rank running ``chunk`` kept from its previous chunk of the micro-batch."""
@@ -58,8 +58,11 @@ class HopPlan:
     def sent_ids(self, chunk: int) -> list:
         """Ids carried by the hop into ``chunk`` (None: a changing unit, always sent)."""
         held = self.held(chunk)
-        return [uid for uid in self.unit_ids(chunk * self.layers_per_chunk)
-                if uid is None or uid not in held]
+        return [
+            uid
+            for uid in self.unit_ids(chunk * self.layers_per_chunk)
+            if uid is None or uid not in held
+        ]
 
     def hop_units(self) -> list[int]:
         """Units of data each hop carries, hops into chunks 1 .. chunks-1."""
@@ -99,11 +102,19 @@ def plan_hops(tf_config) -> HopPlan:
     stream = get_design(tf_config.t2_model.residual).stream(tf_config, False, False, 0)
     pipeline = tf_config.pipeline_model_parallel_size
     chunks = pipeline * (tf_config.virtual_pipeline_model_parallel_size or 1)
-    return HopPlan(stream.unit_ids, pipeline, chunks, tf_config.num_layers // chunks,
-                   cached=tf_config.t2_cached_hops, shapes=tf_config.t2_hop_shapes,
-                   unit_rows=unit_rows(tf_config.t2_model.seq_length,
-                                       tf_config.tensor_model_parallel_size,
-                                       tf_config.sequence_parallel))
+    return HopPlan(
+        stream.unit_ids,
+        pipeline,
+        chunks,
+        tf_config.num_layers // chunks,
+        cached=tf_config.t2_cached_hops,
+        shapes=tf_config.t2_hop_shapes,
+        unit_rows=unit_rows(
+            tf_config.t2_model.seq_length,
+            tf_config.tensor_model_parallel_size,
+            tf_config.sequence_parallel,
+        ),
+    )
 
 
 class _AddSlotGradient(torch.autograd.Function):
@@ -129,7 +140,7 @@ class _Entry:
 class DepthCache:
     """Units this rank holds, per micro-batch, shared by all its virtual-stage chunks."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._store: dict[int, dict[int, _Entry]] = {}
 
     def holds(self, micro_batch: int, uid: Optional[int]) -> bool:

@@ -45,35 +45,52 @@ def schedule_order(num_microbatches: int, virtual: int, group_size) -> list[int]
 class PlannedShapeCommunicator(P2PCommunicator):
     """Megatron's communicator, told each receive's shape by the hop plan."""
 
-    def __init__(self, pp_group, config, hops: HopPlan, unit_shape: tuple[int, int, int],
-                 num_microbatches: int, forward_only: bool):
+    def __init__(
+        self,
+        pp_group,
+        config,
+        hops: HopPlan,
+        unit_shape: tuple[int, int, int],
+        num_microbatches: int,
+        forward_only: bool,
+    ):
         config = copy.copy(config)  # the model's own config keeps fixed shapes
         config.variable_seq_lengths = True  # so the schedule asks _communicate_shapes
         super().__init__(pp_group, config)
         pipeline, rank = pp_group.size(), pp_group.rank()
         virtual = hops.chunks // pipeline
-        order = schedule_order(num_microbatches, virtual,
-                               config.microbatch_group_size_per_vp_stage)
+        order = schedule_order(num_microbatches, virtual, config.microbatch_group_size_per_vp_stage)
         seq, micro, hidden = unit_shape
 
         def shape(chunk: int) -> list[int]:
             return [hops.wire_units(chunk) * seq, micro, hidden]
 
         sender = (rank - 1) % pipeline  # forward hops enter the chunk after the sender's
-        self._forward = deque(shape(stage * pipeline + sender + 1) for stage in order
-                              if stage * pipeline + sender + 1 < hops.chunks)
+        self._forward = deque(
+            shape(stage * pipeline + sender + 1)
+            for stage in order
+            if stage * pipeline + sender + 1 < hops.chunks
+        )
         sender = (rank + 1) % pipeline  # gradients of the hops into the sender's chunks
         backward = [] if forward_only else [virtual - 1 - stage for stage in order]
-        self._backward = deque(shape(stage * pipeline + sender) for stage in backward
-                               if stage * pipeline + sender > 0)
+        self._backward = deque(
+            shape(stage * pipeline + sender) for stage in backward if stage * pipeline + sender > 0
+        )
 
     def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
-        return (self._forward.popleft() if recv_prev else [0, 0, 0],
-                self._backward.popleft() if recv_next else [0, 0, 0])
+        return (
+            self._forward.popleft() if recv_prev else [0, 0, 0],
+            self._backward.popleft() if recv_next else [0, 0, 0],
+        )
 
 
-def planned_shape_arguments(config, hops: HopPlan, unit_shape: tuple[int, int, int],
-                            num_microbatches: int, forward_only: bool) -> dict:
+def planned_shape_arguments(
+    config,
+    hops: HopPlan,
+    unit_shape: tuple[int, int, int],
+    num_microbatches: int,
+    forward_only: bool,
+) -> dict:
     """Keyword arguments that make a Megatron schedule receive each hop at its own size."""
     groups = ProcessGroupCollection()
     groups.tp = parallel_state.get_tensor_model_parallel_group()
@@ -81,8 +98,10 @@ def planned_shape_arguments(config, hops: HopPlan, unit_shape: tuple[int, int, i
     groups.embd = parallel_state.get_embedding_group(check_initialized=False)
     groups.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
     groups.pp = parallel_state.get_pipeline_model_parallel_group()
-    groups.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True,
-                                                          partial_data_parallel=False)
-    communicator = PlannedShapeCommunicator(groups.pp, config, hops, unit_shape,
-                                            num_microbatches, forward_only)
+    groups.dp_cp = parallel_state.get_data_parallel_group(
+        with_context_parallel=True, partial_data_parallel=False
+    )
+    communicator = PlannedShapeCommunicator(
+        groups.pp, config, hops, unit_shape, num_microbatches, forward_only
+    )
     return {"p2p_communicator": communicator, "pg_collection": groups}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -45,8 +46,9 @@ def init_distributed(timeout_minutes: float = 10.0) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         if os.environ["WORLD_SIZE"] != "1":
-            raise RuntimeError("WORLD_SIZE > 1 but MASTER_PORT is unset: launch with torchrun "
-                               "or `t2train launch`")
+            raise RuntimeError(
+                "WORLD_SIZE > 1 but MASTER_PORT is unset: launch with torchrun or `t2train launch`"
+            )
         os.environ["MASTER_PORT"] = str(_free_port())
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -58,7 +60,6 @@ def init_distributed(timeout_minutes: float = 10.0) -> None:
 
 
 def _free_port() -> int:
-    import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -66,7 +67,7 @@ def _free_port() -> int:
 
 
 def init_model_parallel(tensor: int, pipeline: int, virtual_pipeline: int) -> Topology:
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # noqa: PLC0415 - megatron-core: not for the CLI's is_rank_zero
 
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
@@ -75,12 +76,16 @@ def init_model_parallel(tensor: int, pipeline: int, virtual_pipeline: int) -> To
             virtual_pipeline_model_parallel_size=virtual_pipeline if virtual_pipeline > 1 else None,
         )
     return Topology(
-        rank=dist.get_rank(), world_size=dist.get_world_size(),
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-        tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
-        dp_rank=ps.get_data_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
         pp_size=ps.get_pipeline_model_parallel_world_size(),
-        dp_size=ps.get_data_parallel_world_size())
+        dp_size=ps.get_data_parallel_world_size(),
+    )
 
 
 def set_seed(seed: int, topology: Topology) -> None:
@@ -89,7 +94,7 @@ def set_seed(seed: int, topology: Topology) -> None:
     With CPU initialisation every tensor-parallel rank builds the full master weight from the
     same stream and keeps its shard, so TP changes no initial value.
     """
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: PLC0415 - megatron-core: not for the CLI's is_rank_zero
 
     stage_seed = seed + 100 * topology.pp_rank
     random.seed(stage_seed)
@@ -99,7 +104,7 @@ def set_seed(seed: int, topology: Topology) -> None:
 
 
 def destroy() -> None:
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # noqa: PLC0415 - megatron-core: not for the CLI's is_rank_zero
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+
 @dataclass
 class HopTraffic:
     """One model chunk's pipeline traffic since the last reset.
@@ -65,8 +66,9 @@ def collect_traffic(chunks) -> Callable[[], dict[str, float]]:
         traffic.reset()
 
     def sum_over_ranks() -> dict[str, float]:
-        totals = torch.tensor(counts, dtype=torch.float64,
-                              device="cuda" if torch.cuda.is_available() else "cpu")
+        totals = torch.tensor(
+            counts, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu"
+        )
         dist.all_reduce(totals)
         return {f"pipeline/{name}": total for name, total in zip(names, totals.tolist())}
 

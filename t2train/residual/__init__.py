@@ -47,8 +47,9 @@ def design_module(name: str) -> str:
 def get_design(name: str):
     """The ``ResidualDesign`` registered under ``name``."""
     if name not in _DESIGNS:
-        raise KeyError(f"model.residual={name!r}: unknown residual design, choose one of "
-                       f"{sorted(_DESIGNS)}")
+        raise KeyError(
+            f"model.residual={name!r}: unknown residual design, choose one of {sorted(_DESIGNS)}"
+        )
     module, attribute = _DESIGNS[name]
     return getattr(importlib.import_module(module), attribute)
 
@@ -63,19 +64,28 @@ def kernel_table() -> dict:
     """The kernel table: every fused Triton kernel by name, a ``t2train.kernels.dispatch.
     Kernel`` (name, Triton function, PyTorch reference) declared once beside its reference.
     The dispatch routes each declaration; the tests and ``t2train.bench.kernels`` read this."""
-    from t2train.nn import precision
-    from t2train.residual import attnres, ddl, hc, mhc, window_attention
+    from t2train.nn import precision  # noqa: PLC0415 - the designs import this registry
+    from t2train.residual import attnres, ddl, hc, mhc, window_attention  # noqa: PLC0415 - the designs import this registry
 
-    table = [window_attention.WINDOW_ATTENTION, ddl.DELTA_WRITE, precision.FP32_LINEAR,
-             precision.RMS_FP32_LINEAR,
-             attnres.DEPTH_MIX, attnres.BLOCK_PHASE_1, attnres.BLOCK_PHASE_2,
-             mhc.STREAM_READ, mhc.STREAM_WRITE, hc.HC_READ, hc.HC_WRITE]
+    table = [
+        window_attention.WINDOW_ATTENTION,
+        ddl.DELTA_WRITE,
+        precision.FP32_LINEAR,
+        precision.RMS_FP32_LINEAR,
+        attnres.DEPTH_MIX,
+        attnres.BLOCK_PHASE_1,
+        attnres.BLOCK_PHASE_2,
+        mhc.STREAM_READ,
+        mhc.STREAM_WRITE,
+        hc.HC_READ,
+        hc.HC_WRITE,
+    ]
     return {kernel.name: kernel for kernel in table}
 
 
 def option_sections() -> dict[str, type]:
     """``model.<section>`` -> its options dataclass, for every design and the mixer."""
-    sections = {}
+    sections: dict[str, type] = {}
     for component in [get_design(name) for name in _DESIGNS] + [mixer()]:
         if component.section is not None:
             sections.setdefault(component.section, component.options)

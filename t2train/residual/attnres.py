@@ -63,13 +63,20 @@ def check_blocks(config) -> None:
     """Blocks tile the sublayers exactly (the last one closes at the final read)."""
     model = config.model
     per_layer = _sublayers_per_layer(model)
-    mixing = (f"; model.{mixer().section}.window={getattr(model, mixer().section).window} adds "
-              "a sublayer per layer" if mixer_on(model) else "")
-    require((per_layer * model.num_layers) % model.attnres.block_size == 0,
-            "model.attnres.block_size", model.attnres.block_size,
-            f"must divide the number of sublayers {per_layer} x model.num_layers = "
-            f"{per_layer * model.num_layers} ({', '.join(sublayer_names(model))} per layer"
-            f"{mixing})")
+    mixing = (
+        f"; model.{mixer().section}.window={getattr(model, mixer().section).window} adds "
+        "a sublayer per layer"
+        if mixer_on(model)
+        else ""
+    )
+    require(
+        (per_layer * model.num_layers) % model.attnres.block_size == 0,
+        "model.attnres.block_size",
+        model.attnres.block_size,
+        f"must divide the number of sublayers {per_layer} x model.num_layers = "
+        f"{per_layer * model.num_layers} ({', '.join(sublayer_names(model))} per layer"
+        f"{mixing})",
+    )
 
 
 class AttnResState(NamedTuple):
@@ -131,8 +138,7 @@ def mix_sources(query: Tensor, sources, partial: Optional[Tensor], eps: float) -
     return mix(query, list(sources), partial, eps)
 
 
-def mix_with_partial(query: Tensor, sources: list, partial: Optional[Tensor],
-                     eps: float) -> Tensor:
+def mix_with_partial(query: Tensor, sources: list, partial: Optional[Tensor], eps: float) -> Tensor:
     """``depth_mix`` over the sources and the partial sum, taking the arguments of the fused
     kernel (``DEPTH_MIX``) that computes it in two phases."""
     return depth_mix(query, sources + ([] if partial is None else [partial]), eps)
@@ -141,8 +147,9 @@ def mix_with_partial(query: Tensor, sources: list, partial: Optional[Tensor],
 def mixing_weights(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
     """The softmax weights of ``depth_mix`` [n_sources, s, b] (for diagnostics)."""
     with torch.autocast(values[0].device.type, enabled=False):
-        return torch.softmax(_logits(query[None].float(), [v.float() for v in values], eps),
-                             dim=0)[:, 0]
+        return torch.softmax(_logits(query[None].float(), [v.float() for v in values], eps), dim=0)[
+            :, 0
+        ]
 
 
 def block_phase_1(queries: Tensor, sources, eps: float) -> tuple[Tensor, Tensor]:
@@ -154,8 +161,7 @@ def block_phase_1(queries: Tensor, sources, eps: float) -> tuple[Tensor, Tensor]
         return torch.stack(outs), torch.logsumexp(z, dim=0)
 
 
-def block_phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor,
-                  eps: float) -> Tensor:
+def block_phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float) -> Tensor:
     """Phase 2: merge one query's phase-1 result with the block's partial sum p, the online
     softmax (e^LSE O + e^z_p p) / (e^LSE + e^z_p), in fp32; returned in p's dtype."""
     with torch.autocast(partial.device.type, enabled=False):
@@ -165,10 +171,8 @@ def block_phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor,
 
 
 DEPTH_MIX = dispatch.Kernel("depth_mix", "t2train.kernels.depth_mix:depth_mix", mix_with_partial)
-BLOCK_PHASE_1 = dispatch.Kernel("block_phase_1", "t2train.kernels.depth_mix:phase_1",
-                                block_phase_1)
-BLOCK_PHASE_2 = dispatch.Kernel("block_phase_2", "t2train.kernels.depth_mix:phase_2",
-                                block_phase_2)
+BLOCK_PHASE_1 = dispatch.Kernel("block_phase_1", "t2train.kernels.depth_mix:phase_1", block_phase_1)
+BLOCK_PHASE_2 = dispatch.Kernel("block_phase_2", "t2train.kernels.depth_mix:phase_2", block_phase_2)
 
 
 def _pseudo_query(config) -> torch.nn.Parameter:
@@ -196,8 +200,9 @@ class BlockAttnResidual(SublayerResidual):
 
     def read(self, state: AttnResState) -> Tensor:
         values = state.values()
-        probe.record("attnres", self.index, lambda: mixing_weights(
-            self.query, values, self.eps).mean((1, 2)))
+        probe.record(
+            "attnres", self.index, lambda: mixing_weights(self.query, values, self.eps).mean((1, 2))
+        )
         out, lse = self._phase_1_row(state)
         if state.partial is None:
             return out.to(state.sources[0].dtype)
@@ -230,8 +235,11 @@ class FullAttnResidual(BlockAttnResidual):
     sum to merge and no block mates: one mixture (no logsumexp for a phase 2)."""
 
     def read(self, state: AttnResState) -> Tensor:
-        probe.record("attnres", self.index, lambda: mixing_weights(
-            self.query, list(state.sources), self.eps).mean((1, 2)))
+        probe.record(
+            "attnres",
+            self.index,
+            lambda: mixing_weights(self.query, list(state.sources), self.eps).mean((1, 2)),
+        )
         return mix_sources(self.query, state.sources, None, self.eps)
 
     def write(self, state: AttnResState, x: Tensor, normed: Tensor, out: Tensor) -> AttnResState:
@@ -248,8 +256,14 @@ def source_unit_ids(sublayers: int, block_size: int) -> list:
 class AttnResStream(ResidualStream):
     """Units [sources..., partial]: sources (ids 0, 1, ...) never change; the partial does."""
 
-    def __init__(self, config, pre_process: bool, post_process: bool, first_layer: int,
-                 block_size: Optional[int] = None):
+    def __init__(
+        self,
+        config,
+        pre_process: bool,
+        post_process: bool,
+        first_layer: int,
+        block_size: Optional[int] = None,
+    ):
         super().__init__(config, pre_process, post_process, first_layer)
         self.block_size = block_size or config.t2_model.attnres.block_size
         self.eps = config.t2_model.attnres.eps
@@ -264,8 +278,11 @@ class AttnResStream(ResidualStream):
     def connect(self, sublayers: list) -> None:
         """Each read learns the later reads of its block in this chunk (its phase-1 batch)."""
         for i, read in enumerate(sublayers):
-            read.block_mates = [mate for mate in sublayers[i:]
-                                if mate.index // self.block_size == read.index // self.block_size]
+            read.block_mates = [
+                mate
+                for mate in sublayers[i:]
+                if mate.index // self.block_size == read.index // self.block_size
+            ]
 
     def enter(self, embedding: Tensor) -> AttnResState:
         return AttnResState((embedding,), None, {})
@@ -273,8 +290,11 @@ class AttnResStream(ResidualStream):
     def exit(self, state: AttnResState) -> Tensor:
         values = state.values()
         final = self.per_layer * self.config.num_layers  # numbered after the last sublayer
-        probe.record("attnres", final, lambda: mixing_weights(
-            self.final_query, values, self.eps).mean((1, 2)))
+        probe.record(
+            "attnres",
+            final,
+            lambda: mixing_weights(self.final_query, values, self.eps).mean((1, 2)),
+        )
         return mix_sources(self.final_query, state.sources, state.partial, self.eps)
 
     def to_units(self, state: AttnResState) -> list[Tensor]:
@@ -307,8 +327,7 @@ def extra_parameters(model) -> int:
 def extra_flops_for(block_size_of):
     def extra_flops_per_token(model) -> int:
         """Per read and source: RMS (2h), score (2h), weighted sum (2h)."""
-        return sum(6 * model.hidden_size * n
-                   for n in _source_counts(model, block_size_of(model)))
+        return sum(6 * model.hidden_size * n for n in _source_counts(model, block_size_of(model)))
 
     return extra_flops_per_token
 
@@ -321,16 +340,24 @@ def diagnostics_for(source_names):
             return
         weights = records["attnres"]
         names = sublayer_names(model)
-        sublayer = [f"layer_{i // len(names) + 1:02d}.{names[i % len(names)]}"
-                    for i in range(len(names) * model.num_layers)]
+        sublayer = [
+            f"layer_{i // len(names) + 1:02d}.{names[i % len(names)]}"
+            for i in range(len(names) * model.num_layers)
+        ]
         sources = max(len(row) for row in weights.values())
         matrix = np.full((len(sublayer) + 1, sources), np.nan)
         for read, row in weights.items():
-            matrix[read, :len(row)] = row.numpy()
-        writer.heatmap(step, "diagnostics/depth_attention", matrix, sublayer + ["final"],
-                       ["emb"] + source_names(sublayer, sources - 1),
-                       f"{model.residual}: mean attention over depth, step {step}", "source",
-                       "reading sublayer")
+            matrix[read, : len(row)] = row.numpy()
+        writer.heatmap(
+            step,
+            "diagnostics/depth_attention",
+            matrix,
+            sublayer + ["final"],
+            ["emb"] + source_names(sublayer, sources - 1),
+            f"{model.residual}: mean attention over depth, step {step}",
+            "source",
+            "reading sublayer",
+        )
 
     return write_diagnostics
 
@@ -358,5 +385,6 @@ BLOCK = ResidualDesign(
     options=AttnResOptions,
     check=check_blocks,
     write_diagnostics=diagnostics_for(
-        lambda sublayers, count: [f"block {i}" for i in range(1, count + 1)]),
+        lambda sublayers, count: [f"block {i}" for i in range(1, count + 1)]
+    ),
 )

@@ -76,5 +76,7 @@ class FullAttnResidual(BlockAttnResidual):
 
 
 # model.residual -> (stream, sublayer residual, layer entry or None)
-EXPORTED = {"attnres": (AttnResStream, FullAttnResidual, None),
-            "block_attnres": (AttnResStream, BlockAttnResidual, None)}
+EXPORTED = {
+    "attnres": (AttnResStream, FullAttnResidual, None),
+    "block_attnres": (AttnResStream, BlockAttnResidual, None),
+}

@@ -109,8 +109,17 @@ class DiagnosticsWriter(Protocol):
 
     def histogram(self, step: int, tag: str, values) -> None: ...
 
-    def heatmap(self, step: int, tag: str, matrix, rows: list, columns: list, title: str,
-                xlabel: str, ylabel: str) -> None: ...
+    def heatmap(
+        self,
+        step: int,
+        tag: str,
+        matrix,
+        rows: list,
+        columns: list,
+        title: str,
+        xlabel: str,
+        ylabel: str,
+    ) -> None: ...
 
 
 def no_extra(_model_config) -> int:

@@ -65,21 +65,28 @@ class DDLOptions:
 
     def validate(self, prefix: str) -> None:
         require(self.dv >= 1, f"{prefix}.dv", self.dv, "must be >= 1")
-        require(0 < self.beta_init < 2, f"{prefix}.beta_init", self.beta_init,
-                "must be in (0, 2)")
+        require(0 < self.beta_init < 2, f"{prefix}.beta_init", self.beta_init, "must be in (0, 2)")
         require(self.k_eps > 0, f"{prefix}.k_eps", self.k_eps, "must be > 0")
         require(self.v_scale > 0, f"{prefix}.v_scale", self.v_scale, "must be > 0")
-        require(self.embed_conv_kernel >= 1, f"{prefix}.embed_conv_kernel",
-                self.embed_conv_kernel, "must be >= 1")
+        require(
+            self.embed_conv_kernel >= 1,
+            f"{prefix}.embed_conv_kernel",
+            self.embed_conv_kernel,
+            "must be >= 1",
+        )
 
 
 def check(config) -> None:
     """The expanded state's embedding convolution mixes tokens: it needs them all on a rank."""
     if config.parallel.sequence_parallel:
-        require(config.model.ddl.dv == 1, "parallel.sequence_parallel", True,
-                f"is not supported with model.ddl.dv={config.model.ddl.dv} (the embedding "
-                "expander's causal token convolution needs the whole sequence on each rank); "
-                "use model.ddl.dv=1 or parallel.sequence_parallel=false")
+        require(
+            config.model.ddl.dv == 1,
+            "parallel.sequence_parallel",
+            True,
+            f"is not supported with model.ddl.dv={config.model.ddl.dv} (the embedding "
+            "expander's causal token convolution needs the whole sequence on each rank); "
+            "use model.ddl.dv=1 or parallel.sequence_parallel=false",
+        )
 
 
 def normalized_direction(k: Tensor, eps: float) -> Tensor:
@@ -99,8 +106,9 @@ def delta_update(state: Tensor, k: Tensor, beta: Tensor, v: Tensor) -> Tensor:
     return (x + beta * error * k).to(state.dtype)
 
 
-def delta_write(state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor,
-                k_eps: float, v_scale: float) -> Tensor:
+def delta_write(
+    state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor, k_eps: float, v_scale: float
+) -> Tensor:
     """The sublayer write: k = normalized_direction(out), beta = 2 sigmoid(beta_logit),
     v = v_scale sigmoid(v_logit) (logits in fp32), then ``delta_update``.
 
@@ -115,8 +123,9 @@ def delta_write(state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor,
     return delta_update(state, k, beta, v)
 
 
-def write_delta(state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor,
-                k_eps: float, v_scale: float) -> Tensor:
+def write_delta(
+    state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor, k_eps: float, v_scale: float
+) -> Tensor:
     """``delta_write``, through the fused Triton kernel where ``T2_KERNELS`` routes it."""
     write = dispatch.route(DELTA_WRITE, state, out, beta_logit, v_logit)
     return write(state, out, beta_logit, v_logit, k_eps, v_scale)
@@ -159,10 +168,16 @@ class DeltaResidual(SublayerResidual):
         beta_logit = fp32_linear(normed, self.beta_proj)  # the authors' fp32 gate logits
         sublayer = (self.layer_number, self.position)
         probe.record("ddl_beta", sublayer, lambda: 2 * torch.sigmoid(beta_logit.float()))
-        probe.record("ddl_kx", sublayer, lambda: (  # the readout k^T X that v replaces
-            normalized_direction(out, self.k_eps) * at_least_fp32(state)).sum(-1))
-        return write_delta(state, out, beta_logit, fp32_linear(x, self.v_proj), self.k_eps,
-                           self.v_scale)
+        probe.record(
+            "ddl_kx",
+            sublayer,
+            lambda: (  # the readout k^T X that v replaces
+                normalized_direction(out, self.k_eps) * at_least_fp32(state)
+            ).sum(-1),
+        )
+        return write_delta(
+            state, out, beta_logit, fp32_linear(x, self.v_proj), self.k_eps, self.v_scale
+        )
 
 
 class DeltaStream(ResidualStream):
@@ -176,8 +191,9 @@ class DeltaStream(ResidualStream):
         if self.dv > 1 and pre_process:
             kernel = options.embed_conv_kernel
             self.entry_context = kernel - 1
-            self.expander = torch.nn.Conv1d(h, h * self.dv, kernel, groups=h, bias=False,
-                                            padding=0, dtype=config.params_dtype)
+            self.expander = torch.nn.Conv1d(
+                h, h * self.dv, kernel, groups=h, bias=False, padding=0, dtype=config.params_dtype
+            )
             with torch.no_grad():  # identity: every d_v column starts as the embedding
                 self.expander.weight.zero_()
                 self.expander.weight[:, 0, -1] = 1.0
@@ -234,8 +250,9 @@ def write_diagnostics(writer, step: int, records: dict, model) -> None:
     names = sublayer_names(model)
     for kind in ("ddl_beta", "ddl_kx"):
         for (layer, position), values in sorted(records.get(kind, {}).items()):
-            writer.histogram(step, f"diagnostics/{kind}/layer_{layer:02d}.{names[position]}",
-                             values)
+            writer.histogram(
+                step, f"diagnostics/{kind}/layer_{layer:02d}.{names[position]}", values
+            )
 
 
 DESIGN = ResidualDesign(

@@ -32,8 +32,8 @@ from megatron.core.utils import divide
 from torch import Tensor
 
 from t2train.errors import require
-from t2train.nn.norm import RMSNorm
 from t2train.nn import probe
+from t2train.nn.norm import RMSNorm
 from t2train.residual.base import ResidualDesign, ResidualStream, SublayerResidual
 from t2train.residual.window_attention import attend_window, window_attention_probs
 
@@ -64,13 +64,18 @@ class DepthRead(MegatronModule):
         self.heads = divide(config.num_attention_heads, config.tensor_model_parallel_size)
         self.head_dim = h // config.num_attention_heads
         self.norm = RMSNorm(config, h, eps=config.layernorm_epsilon)
-        linear = dict(config=config, init_method=config.init_method, bias=False,
-                      skip_bias_add=True)
+        linear = dict(config=config, init_method=config.init_method, bias=False, skip_bias_add=True)
         self.linear_q = ColumnParallelLinear(h, h, gather_output=False, **linear)
         self.linear_kv = ColumnParallelLinear(h, 2 * h, gather_output=False, **linear)
-        self.linear_proj = RowParallelLinear(h, h, input_is_parallel=True,
-                                             init_method=torch.nn.init.zeros_, config=config,
-                                             bias=False, skip_bias_add=True)
+        self.linear_proj = RowParallelLinear(
+            h,
+            h,
+            input_is_parallel=True,
+            init_method=torch.nn.init.zeros_,
+            config=config,
+            bias=False,
+            skip_bias_add=True,
+        )
 
     def read(self, states: list[Tensor]) -> Tensor:
         """z for the last state of ``states`` (each [s, b, h]) over all of them."""
@@ -86,8 +91,11 @@ class DepthRead(MegatronModule):
         k, v = (t.reshape(s * b, self.heads, n, self.head_dim) for t in kv)
         scale = 1 / math.sqrt(self.head_dim)
         # Weights over the states entering layers l-n+1 .. l (0-based), averaged.
-        probe.record("depth_attn", self.layer_number, lambda: window_attention_probs(
-            q, k, self.window, scale).mean((0, 1, 2)))
+        probe.record(
+            "depth_attn",
+            self.layer_number,
+            lambda: window_attention_probs(q, k, self.window, scale).mean((0, 1, 2)),
+        )
         z = attend_window(q, k, v, self.window, scale)
         out, _ = self.linear_proj(z.reshape(s, b, self.heads * self.head_dim))
         return out
@@ -144,7 +152,7 @@ def extra_parameters(model) -> int:
 
 def tensor_parallel_parameters(model) -> int:
     """The projections are split across tensor ranks like attention's; the norm is not."""
-    return model.num_layers * 4 * model.hidden_size ** 2
+    return model.num_layers * 4 * model.hidden_size**2
 
 
 def extra_flops_per_token(model) -> int:
@@ -162,12 +170,17 @@ def write_diagnostics(writer, step: int, records: dict, model) -> None:
     layers = model.num_layers
     matrix = np.full((layers, layers), np.nan)
     for layer, row in records["depth_attn"].items():
-        matrix[layer - 1, layer - len(row):layer] = row.numpy()
-    writer.heatmap(step, "diagnostics/depth_attention", matrix,
-                   [f"layer_{n + 1:02d}" for n in range(layers)],
-                   ["h0 (emb)"] + [f"h{i}" for i in range(1, layers)],
-                   f"depth_attn: mean attention over depth, step {step}",
-                   "state entering layer i (h_i)", "reading layer")
+        matrix[layer - 1, layer - len(row) : layer] = row.numpy()
+    writer.heatmap(
+        step,
+        "diagnostics/depth_attention",
+        matrix,
+        [f"layer_{n + 1:02d}" for n in range(layers)],
+        ["h0 (emb)"] + [f"h{i}" for i in range(1, layers)],
+        f"depth_attn: mean attention over depth, step {step}",
+        "state entering layer i (h_i)",
+        "reading layer",
+    )
 
 
 DESIGN = ResidualDesign(

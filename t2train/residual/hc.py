@@ -49,7 +49,7 @@ all-reduced under sequence parallelism).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional, cast
 
 import torch
 from torch import Tensor
@@ -78,11 +78,19 @@ class HCOptions:
     not_architecture: ClassVar[tuple] = ("dynamic_scale_init",)  # a resumed run may change it
 
     def validate(self, prefix: str) -> None:
-        require(self.expansion_rate >= 1, f"{prefix}.expansion_rate", self.expansion_rate,
-                "must be >= 1 (the number of hidden-state copies in the stream)")
-        require(self.dynamic_scale_init > 0, f"{prefix}.dynamic_scale_init",
-                self.dynamic_scale_init, "must be > 0 (at 0 neither the scales nor the "
-                "zero-initialised dynamic weights would get a gradient)")
+        require(
+            self.expansion_rate >= 1,
+            f"{prefix}.expansion_rate",
+            self.expansion_rate,
+            "must be >= 1 (the number of hidden-state copies in the stream)",
+        )
+        require(
+            self.dynamic_scale_init > 0,
+            f"{prefix}.dynamic_scale_init",
+            self.dynamic_scale_init,
+            "must be > 0 (at 0 neither the scales nor the "
+            "zero-initialised dynamic weights would get a gradient)",
+        )
 
 
 def sublayer_index(config, layer_number: int, position: int) -> int:
@@ -108,7 +116,7 @@ class StreamMixResidual(SublayerResidual):
 
     def __init__(self, config, layer_number: int = 1, position: int = 0):
         super().__init__(config, layer_number, position)
-        self._pending = None
+        self._pending: Optional[tuple] = None  # the read's mappings, for the write
 
     def read(self, state: Tensor) -> Tensor:
         x, self._pending = self.width_connection(state)
@@ -138,8 +146,9 @@ def depth_write(state: Tensor, residual: Tensor, beta: Tensor, out: Tensor) -> T
     """h'_j = sum_i residual[..., i, j] h_i + beta[..., j] out; residual [s, b, n, n]."""
     x = at_least_fp32(state)
     mixed = torch.einsum("sbij,isbh->jsbh", residual.to(x.dtype), x)
-    return (mixed + torch.einsum("sbj,sbh->jsbh", beta.to(x.dtype), at_least_fp32(out))
-            ).to(state.dtype)
+    return (mixed + torch.einsum("sbj,sbh->jsbh", beta.to(x.dtype), at_least_fp32(out))).to(
+        state.dtype
+    )
 
 
 HC_READ = dispatch.Kernel("hc_read", "t2train.kernels.stream_mix:width_read", width_read)
@@ -180,18 +189,20 @@ class HyperConnection(StreamMixResidual):
         # (nor saved for the backward).
         projections = torch.cat([self.dynamic_alpha.t(), self.dynamic_beta[None]])
         folded = at_least_fp32(projections) * at_least_fp32(self.norm.weight)
-        logits = rms_fp32_logits(state, folded, None, self.norm.eps)
-        scale_a, scale_b = (at_least_fp32(p) for p in (self.dynamic_alpha_scale,
-                                                        self.dynamic_beta_scale))
-        alpha = alpha + scale_a * torch.tanh(logits[..., :n + 1]).permute(1, 2, 0, 3)
+        logits = rms_fp32_logits(state, folded, None, cast(float, self.norm.eps))
+        scale_a, scale_b = (
+            at_least_fp32(p) for p in (self.dynamic_alpha_scale, self.dynamic_beta_scale)
+        )
+        alpha = alpha + scale_a * torch.tanh(logits[..., : n + 1]).permute(1, 2, 0, 3)
         beta = beta + scale_b * torch.tanh(logits[..., n + 1]).permute(1, 2, 0)
         return alpha, beta
 
     def width_connection(self, state: Tensor) -> tuple[Tensor, tuple]:
         alpha, beta = self.weights(state)
         read, residual = alpha[..., 0], alpha[..., 1:]
-        record_weights("hc", (self.layer_number, self.position), read, beta,
-                       lambda: residual.transpose(-1, -2))
+        record_weights(
+            "hc", (self.layer_number, self.position), read, beta, lambda: residual.transpose(-1, -2)
+        )
         return dispatch.route(HC_READ, state)(state, read), (residual, beta)
 
     def depth_connection(self, state: Tensor, pending: tuple, out: Tensor) -> Tensor:
@@ -263,8 +274,13 @@ def diagnostics_for(name: str):
                 writer.histogram(step, tag(kind, layer, position), values)
         gains = records.get(f"{name}_gain", {})
         if gains:
-            writer.scalars(step, {tag("gain", layer, position): float(gain)
-                                  for (layer, position), gain in sorted(gains.items())})
+            writer.scalars(
+                step,
+                {
+                    tag("gain", layer, position): float(gain)
+                    for (layer, position), gain in sorted(gains.items())
+                },
+            )
 
     return write_diagnostics
 

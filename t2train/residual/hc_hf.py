@@ -36,6 +36,10 @@ class StreamMixResidual(nn.Module):
         super().__init__()
         self.pending = None
 
+    def weights(self, state: Tensor) -> tuple[Tensor, tuple]:
+        """The read weights, and the (mix, write) weights kept for ``write``."""
+        raise NotImplementedError
+
     def read(self, state: Tensor) -> Tensor:
         read, self.pending = self.weights(state)
         x = at_least_fp32(state)
@@ -46,7 +50,8 @@ class StreamMixResidual(nn.Module):
         self.pending = None
         current = at_least_fp32(state)
         new = torch.einsum("bsij,ibsh->jbsh", mix.to(current.dtype), current) + torch.einsum(
-            "bsj,bsh->jbsh", write.to(current.dtype), at_least_fp32(out))
+            "bsj,bsh->jbsh", write.to(current.dtype), at_least_fp32(out)
+        )
         return new.to(state.dtype)
 
 
@@ -75,9 +80,11 @@ class HyperConnection(StreamMixResidual):
         if self.dynamic:
             normed = at_least_fp32(self.norm(state))  # each stream on its own
             alpha = alpha + at_least_fp32(self.dynamic_alpha_scale) * torch.tanh(
-                normed @ at_least_fp32(self.dynamic_alpha)).permute(1, 2, 0, 3)
+                normed @ at_least_fp32(self.dynamic_alpha)
+            ).permute(1, 2, 0, 3)
             beta = beta + at_least_fp32(self.dynamic_beta_scale) * torch.tanh(
-                normed @ at_least_fp32(self.dynamic_beta)).permute(1, 2, 0)
+                normed @ at_least_fp32(self.dynamic_beta)
+            ).permute(1, 2, 0)
         return alpha[..., 0], (alpha[..., 1:], beta)
 
 

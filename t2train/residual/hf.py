@@ -42,8 +42,11 @@ def config_fields(model) -> dict:
     window (0 = off), as the modeling file's ``T2TrainConfig`` reads them."""
     design = get_design(model.residual)
     options = asdict(getattr(model, design.section)) if design.section else {}
-    return {"residual": model.residual, "residual_options": options,
-            "local_window": getattr(model, mixer().section).window}
+    return {
+        "residual": model.residual,
+        "residual_options": options,
+        "local_window": getattr(model, mixer().section).window,
+    }
 
 
 def export_parts() -> list[Path]:
@@ -56,17 +59,28 @@ def export_parts() -> list[Path]:
 
 def _exported(tree: ast.Module, path: Path) -> ast.Assign:
     for node in tree.body:
-        if isinstance(node, ast.Assign) and [getattr(t, "id", None)
-                                             for t in node.targets] == [EXPORTED]:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [
+            EXPORTED
+        ]:
             return node
     raise RuntimeError(f"{path}: no {EXPORTED} table")
+
+
+def _table_keys(table: ast.Assign) -> list[str]:
+    """The design names ``EXPORTED = {"name": ..., ...}`` maps."""
+    if not isinstance(table.value, ast.Dict):
+        raise RuntimeError(f"line {table.lineno}: {EXPORTED} must be a dict literal")
+    return [str(key.value) for key in table.value.keys if isinstance(key, ast.Constant)]
 
 
 def modeling_designs() -> set[str]:
     """The designs the modeling file implements: the keys of the parts' ``EXPORTED`` (read
     from their source: importing them needs transformers)."""
-    return {key.value for path in export_parts()
-            for key in _exported(ast.parse(path.read_text()), path).value.keys}
+    return {
+        name
+        for path in export_parts()
+        for name in _table_keys(_exported(ast.parse(path.read_text()), path))
+    }
 
 
 def _defined_in_the_file(node: ast.ImportFrom, path: Path) -> bool:
@@ -78,47 +92,62 @@ def _defined_in_the_file(node: ast.ImportFrom, path: Path) -> bool:
     last = module.rsplit(".", 1)[-1]
     if module.startswith("t2train.residual.") and (last == "hf_modeling" or last.endswith("_hf")):
         return True
-    raise RuntimeError(f"{path}: imports {module}; an export part may import only torch, the "
-                       "standard library, hf_modeling and the parts before it")
+    raise RuntimeError(
+        f"{path}: imports {module}; an export part may import only torch, the "
+        "standard library, hf_modeling and the parts before it"
+    )
 
 
-def _part(path: Path) -> tuple[list[ast.stmt], str]:
+Imports = list[ast.Import | ast.ImportFrom]
+
+
+def _part(path: Path) -> tuple[Imports, str]:
     """A part's imports, and its code after them with ``EXPORTED`` added to ``DESIGNS``."""
     text = path.read_text()
     tree, lines = ast.parse(text), text.splitlines()
-    imports, code_start = [], 0
+    imports: Imports = []
+    code_start = 0
     for node in tree.body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            code_start = node.end_lineno
+            code_start = node.end_lineno or node.lineno
             if isinstance(node, ast.Import) or not _defined_in_the_file(node, path):
                 imports.append(node)
     table = _exported(tree, path)
-    code = (lines[code_start:table.lineno - 1]
-            + [f"DESIGNS.update({ast.get_source_segment(text, table.value)})"]
-            + lines[table.end_lineno:])
-    designs = ", ".join(key.value for key in table.value.keys)
+    code = (
+        lines[code_start : table.lineno - 1]
+        + [f"DESIGNS.update({ast.get_source_segment(text, table.value)})"]
+        + lines[table.end_lineno :]
+    )
+    designs = ", ".join(_table_keys(table))
     return imports, "\n".join([f"# --- {designs}: t2train/residual/{path.name}", *code]).strip()
 
 
-def _import_block(imports: list[ast.stmt]) -> list[str]:
+def _import_block(imports: Imports) -> list[str]:
     """The imports, merged per module: ``__future__``, the standard library, then the rest."""
     modules: dict[str, dict] = {}  # "" for plain imports
     for node in imports:
-        names = [alias.name + (f" as {alias.asname}" if alias.asname else "")
-                 for alias in node.names]
-        key = node.module if isinstance(node, ast.ImportFrom) else ""
+        names = [
+            alias.name + (f" as {alias.asname}" if alias.asname else "") for alias in node.names
+        ]
+        key = (node.module or "") if isinstance(node, ast.ImportFrom) else ""
         modules.setdefault(key, {}).update(dict.fromkeys(names))
 
     def lines(stdlib: bool) -> list[str]:
         is_stdlib = lambda name: name.split(".")[0] in sys.stdlib_module_names  # noqa: E731
-        plain = [f"import {name}" for name in sorted(modules.get("", {}))
-                 if is_stdlib(name) == stdlib]
-        return plain + [f"from {module} import {', '.join(sorted(names))}"
-                        for module, names in sorted(modules.items())
-                        if module not in ("", "__future__") and is_stdlib(module) == stdlib]
+        plain = [
+            f"import {name}" for name in sorted(modules.get("", {})) if is_stdlib(name) == stdlib
+        ]
+        return plain + [
+            f"from {module} import {', '.join(sorted(names))}"
+            for module, names in sorted(modules.items())
+            if module not in ("", "__future__") and is_stdlib(module) == stdlib
+        ]
 
-    future = [f"from __future__ import {', '.join(modules['__future__'])}"] \
-        if "__future__" in modules else []
+    future = (
+        [f"from __future__ import {', '.join(modules['__future__'])}"]
+        if "__future__" in modules
+        else []
+    )
     groups = [group for group in (future, lines(True), lines(False)) if group]
     return [line for group in groups for line in [*group, ""]][:-1]
 
@@ -136,8 +165,17 @@ def modeling_source() -> str:
         imports += part_imports
         codes.append(code)
     designs = next(i for i, line in enumerate(lines) if line.startswith(DESIGNS_LINE)) + 1
-    return "\n".join(lines[:first] + _import_block(imports) + lines[last:designs] + ["", ""]
-                      + ["\n\n\n".join(codes)] + lines[designs:]) + "\n"
+    return (
+        "\n".join(
+            lines[:first]
+            + _import_block(imports)
+            + lines[last:designs]
+            + ["", ""]
+            + ["\n\n\n".join(codes)]
+            + lines[designs:]
+        )
+        + "\n"
+    )
 
 
 @functools.lru_cache(maxsize=None)

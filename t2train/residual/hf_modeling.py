@@ -44,13 +44,24 @@ class T2TrainConfig(PretrainedConfig):
 
     model_type = "t2train"
 
-    def __init__(self, vocab_size: int = 32000, hidden_size: int = 256,
-                 intermediate_size: int = 704, num_hidden_layers: int = 4,
-                 num_attention_heads: int = 4, num_key_value_heads: Optional[int] = None,
-                 rms_norm_eps: float = 1e-5, rope_theta: float = 10000.0,
-                 max_position_embeddings: int = 256, initializer_range: float = 0.02,
-                 residual: str = "standard", residual_options: Optional[dict] = None,
-                 local_window: int = 0, tie_word_embeddings: bool = True, **kwargs):
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        hidden_size: int = 256,
+        intermediate_size: int = 704,
+        num_hidden_layers: int = 4,
+        num_attention_heads: int = 4,
+        num_key_value_heads: Optional[int] = None,
+        rms_norm_eps: float = 1e-5,
+        rope_theta: float = 10000.0,
+        max_position_embeddings: int = 256,
+        initializer_range: float = 0.02,
+        residual: str = "standard",
+        residual_options: Optional[dict] = None,
+        local_window: int = 0,
+        tie_word_embeddings: bool = True,
+        **kwargs,
+    ):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -73,12 +84,14 @@ class T2TrainConfig(PretrainedConfig):
 
 # --- shared building blocks: RoPE, attention, MLP ------------------------------------------
 
+
 def rope_tables(config: T2TrainConfig, seq_len: int, device) -> tuple[Tensor, Tensor]:
     """cos and sin [seq, head_dim] of non-interleaved rotary embeddings (Megatron's and
     Llama's: the two halves of each head are rotated together)."""
     dim = config.hidden_size // config.num_attention_heads
-    inv_freq = 1.0 / (config.rope_theta ** (
-        torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    )
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -104,8 +117,11 @@ class Attention(nn.Module):
 
     def __init__(self, config: T2TrainConfig, window: Optional[int] = None):
         super().__init__()
-        h, heads, groups = config.hidden_size, config.num_attention_heads, \
-            config.num_key_value_heads
+        h, heads, groups = (
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+        )
         self.heads, self.groups, self.head_dim = heads, groups, h // heads
         self.window = window
         self.q_proj = nn.Linear(h, heads * self.head_dim, bias=False)
@@ -120,8 +136,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, s, self.groups, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         mask = None if self.window is None else window_mask(s, s, self.window, x.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=self.groups != self.heads)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.groups != self.heads
+        )
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
@@ -151,12 +168,14 @@ DESIGNS: dict = {}  # model.residual -> (stream, sublayer residual, layer entry 
 
 def design(config: T2TrainConfig) -> tuple:
     if config.residual not in DESIGNS:
-        raise ValueError(f"residual={config.residual!r}: this modeling file implements "
-                         f"{sorted(DESIGNS)}")
+        raise ValueError(
+            f"residual={config.residual!r}: this modeling file implements {sorted(DESIGNS)}"
+        )
     return DESIGNS[config.residual]
 
 
 # --- the decoder ---------------------------------------------------------------------------
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: T2TrainConfig, layer: int):
@@ -186,15 +205,23 @@ class DecoderLayer(nn.Module):
         if self.layer_entry is not None:
             state = self.layer_entry.begin(state)
         if self.local_attn is not None:
-            state = self.sublayer(state, self.local_attn_residual, self.local_attn_layernorm,
-                                  lambda normed: self.local_attn(normed, cos, sin))
-        state = self.sublayer(state, self.attn_residual, self.input_layernorm,
-                              lambda normed: self.self_attn(normed, cos, sin))
+            state = self.sublayer(
+                state,
+                self.local_attn_residual,
+                self.local_attn_layernorm,
+                lambda normed: self.local_attn(normed, cos, sin),
+            )
+        state = self.sublayer(
+            state,
+            self.attn_residual,
+            self.input_layernorm,
+            lambda normed: self.self_attn(normed, cos, sin),
+        )
         return self.sublayer(state, self.mlp_residual, self.post_attention_layernorm, self.mlp)
 
 
 class T2TrainPreTrainedModel(PreTrainedModel):
-    config_class = T2TrainConfig
+    config_class = T2TrainConfig  # type: ignore[assignment]
     base_model_prefix = "model"
     _no_split_modules = ["DecoderLayer"]
 
@@ -210,27 +237,28 @@ class T2TrainModel(T2TrainPreTrainedModel):
         stream, _, _ = design(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.stream = stream(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, i)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
+    def set_input_embeddings(self, value: nn.Embedding) -> None:  # type: ignore[override]
         self.embed_tokens = value
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        cos, sin = rope_tables(self.config, input_ids.shape[1], input_ids.device)
+        cos, sin = rope_tables(self.config, input_ids.shape[1], input_ids.device)  # type: ignore[arg-type]
         state = self.stream.enter(self.embed_tokens(input_ids))
         for layer in self.layers:
             state = layer(state, cos, sin)
         return self.norm(self.stream.exit(state))
 
 
-class T2TrainForCausalLM(T2TrainPreTrainedModel, GenerationMixin):
-    _tied_weights_keys = ["lm_head.weight"]
+class T2TrainForCausalLM(T2TrainPreTrainedModel, GenerationMixin):  # type: ignore[misc]
+    _tied_weights_keys = ["lm_head.weight"]  # type: ignore[assignment]
 
     def __init__(self, config: T2TrainConfig):
         super().__init__(config)
@@ -241,7 +269,7 @@ class T2TrainForCausalLM(T2TrainPreTrainedModel, GenerationMixin):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
+    def set_input_embeddings(self, value: nn.Embedding) -> None:  # type: ignore[override]
         self.model.embed_tokens = value
 
     def get_output_embeddings(self) -> nn.Linear:
@@ -250,16 +278,22 @@ class T2TrainForCausalLM(T2TrainPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
-    def prepare_inputs_for_generation(self, input_ids: Tensor, **kwargs) -> dict:
+    def prepare_inputs_for_generation(self, input_ids: Tensor, **kwargs) -> dict:  # type: ignore[override]
         return {"input_ids": input_ids, "attention_mask": kwargs.get("attention_mask")}
 
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                labels: Optional[Tensor] = None, **kwargs) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Optional[Tensor] = None,
+        labels: Optional[Tensor] = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("padded batches are not supported: give sequences of one length")
         logits = self.lm_head(self.model(input_ids))
         loss = None
         if labels is not None:  # labels are the inputs; position t predicts token t + 1
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
-                                   labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
+            )
+        return CausalLMOutputWithPast(loss=loss, logits=logits)  # type: ignore[arg-type]

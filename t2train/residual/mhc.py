@@ -66,7 +66,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import torch
 from torch import Tensor
@@ -104,16 +104,31 @@ class MHCOptions:
     not_architecture: ClassVar[tuple] = ("gate_init", "recompute_streams")
 
     def validate(self, prefix: str) -> None:
-        require(self.expansion_rate >= 1, f"{prefix}.expansion_rate", self.expansion_rate,
-                "must be >= 1 (the number of hidden-state copies in the stream)")
-        require(self.sinkhorn_iterations >= 1, f"{prefix}.sinkhorn_iterations",
-                self.sinkhorn_iterations, "must be >= 1 (column-then-row normalisations "
-                "that make H_res doubly stochastic)")
-        require(self.gate_init >= 0, f"{prefix}.gate_init", self.gate_init,
-                "must be >= 0 (0 starts exactly as standard)")
+        require(
+            self.expansion_rate >= 1,
+            f"{prefix}.expansion_rate",
+            self.expansion_rate,
+            "must be >= 1 (the number of hidden-state copies in the stream)",
+        )
+        require(
+            self.sinkhorn_iterations >= 1,
+            f"{prefix}.sinkhorn_iterations",
+            self.sinkhorn_iterations,
+            "must be >= 1 (column-then-row normalisations that make H_res doubly stochastic)",
+        )
+        require(
+            self.gate_init >= 0,
+            f"{prefix}.gate_init",
+            self.gate_init,
+            "must be >= 0 (0 starts exactly as standard)",
+        )
         require(self.eps > 0, f"{prefix}.eps", self.eps, "must be > 0")
-        require(isinstance(self.recompute_streams, bool), f"{prefix}.recompute_streams",
-                self.recompute_streams, "must be true or false")
+        require(
+            isinstance(self.recompute_streams, bool),
+            f"{prefix}.recompute_streams",
+            self.recompute_streams,
+            "must be true or false",
+        )
 
 
 class _NormedProjection(torch.autograd.Function):
@@ -149,8 +164,11 @@ class _NormedProjection(torch.autograd.Function):
             coef = -(g * y).sum(-1) * inv_rms.pow(3) / (n * h)  # [tokens]
             d_state = torch.baddbmm(x * coef[:, None], g_y.expand(n, *g_y.shape), phi)
             d_phi = torch.bmm(g_y.T.expand(n, *g_y.T.shape), x)  # [n, outputs, h]
-        return (d_state.view(state.shape).to(state.dtype),
-                d_phi.transpose(0, 1).reshape(projection.shape).to(projection.dtype), None)
+        return (
+            d_state.view(state.shape).to(state.dtype),
+            d_phi.transpose(0, 1).reshape(projection.shape).to(projection.dtype),
+            None,
+        )
 
 
 def normed_projection(state: Tensor, projection: Tensor, eps: float) -> Tensor:
@@ -180,8 +198,9 @@ def stream_read(state: Tensor, pre_logit: Tensor) -> Tensor:
     return torch.einsum("sbj,jsbh->sbh", weights, x).to(state.dtype)
 
 
-def stream_write(state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor,
-                 iterations: int) -> Tensor:
+def stream_write(
+    state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor, iterations: int
+) -> Tensor:
     """Stream i <- sum_j SK(res_logit)[i, j] x_j + 2 sigmoid(post_logit[i]) out.
 
     state [n, s, b, h]; out [s, b, h]; post_logit [s, b, n]; res_logit [s, b, n, n].
@@ -190,7 +209,8 @@ def stream_write(state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tens
     mixing = sinkhorn(res_logit.to(x.dtype), iterations)
     post = 2 * torch.sigmoid(post_logit.to(x.dtype))
     y = torch.einsum("sbij,jsbh->isbh", mixing, x) + torch.einsum(
-        "sbi,sbh->isbh", post, at_least_fp32(out))
+        "sbi,sbh->isbh", post, at_least_fp32(out)
+    )
     return y.to(state.dtype)
 
 
@@ -199,16 +219,18 @@ def read_streams(state: Tensor, pre_logit: Tensor) -> Tensor:
     return dispatch.route(STREAM_READ, state, pre_logit)(state, pre_logit)
 
 
-def write_streams(state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor,
-                  iterations: int) -> Tensor:
+def write_streams(
+    state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor, iterations: int
+) -> Tensor:
     """``stream_write``, through the fused Triton kernel where ``T2_KERNELS`` routes it."""
     write = dispatch.route(STREAM_WRITE, state, out, post_logit, res_logit)
     return write(state, out, post_logit, res_logit, iterations)
 
 
 STREAM_READ = dispatch.Kernel("stream_read", "t2train.kernels.stream_mix:stream_read", stream_read)
-STREAM_WRITE = dispatch.Kernel("stream_write", "t2train.kernels.stream_mix:stream_write",
-                               stream_write)
+STREAM_WRITE = dispatch.Kernel(
+    "stream_write", "t2train.kernels.stream_mix:stream_write", stream_write
+)
 
 
 class _Recomputed:
@@ -219,7 +241,8 @@ class _Recomputed:
 
     def __init__(self, before, out: Tensor, post: Tensor, res: Tensor, iterations: int):
         self.inputs = (before, out.detach(), post.detach(), res.detach())
-        self.iterations, self.value = iterations, None
+        self.iterations = iterations
+        self.value: Optional[Tensor] = None
 
     def materialise(self) -> Tensor:
         if self.value is None:
@@ -247,8 +270,9 @@ class _DroppedStates:
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
-    def register(self, state: Tensor, before: Tensor, out: Tensor, post: Tensor, res: Tensor,
-                 iterations: int) -> None:
+    def register(
+        self, state: Tensor, before: Tensor, out: Tensor, post: Tensor, res: Tensor, iterations: int
+    ) -> None:
         before = self.recipes.get(before, before)  # a chain within the layer: never a tensor
         self.recipes[state] = _Recomputed(before, out, post, res, iterations)
 
@@ -284,22 +308,27 @@ class ManifoldHyperConnection(StreamMixResidual):
         raw = normed_projection(state, self.projection, self.eps)
         gates, bias = at_least_fp32(self.gates), at_least_fp32(self.bias)
         pre = gates[0] * raw[..., :n] + bias[:n]
-        post = gates[1] * raw[..., n:2 * n] + bias[n:2 * n]
-        res = (gates[2] * raw[..., 2 * n:] + bias[2 * n:]).unflatten(-1, (n, n))
+        post = gates[1] * raw[..., n : 2 * n] + bias[n : 2 * n]
+        res = (gates[2] * raw[..., 2 * n :] + bias[2 * n :]).unflatten(-1, (n, n))
         return pre, post, res
 
     def width_connection(self, state: Tensor) -> tuple[Tensor, tuple]:
         with self._saving():
             pre, post, res = self.logits(state)
-            record_weights("mhc", (self.layer_number, self.position), torch.sigmoid(pre),
-                           2 * torch.sigmoid(post), lambda: sinkhorn(res, self.iterations))
+            record_weights(
+                "mhc",
+                (self.layer_number, self.position),
+                torch.sigmoid(pre),
+                2 * torch.sigmoid(post),
+                lambda: sinkhorn(res, self.iterations),
+            )
             return read_streams(state, pre), (post, res)
 
     def depth_connection(self, state: Tensor, pending: tuple, out: Tensor) -> Tensor:
         post, res = pending
         with self._saving():
             new = write_streams(state, out, post, res, self.iterations)
-        if self.drops_its_output and torch.is_grad_enabled():
+        if self.drops_its_output and self.dropped is not None and torch.is_grad_enabled():
             self.dropped.register(new, state, out, post, res, self.iterations)
         return new
 

@@ -47,9 +47,10 @@ class ManifoldHyperConnection(StreamMixResidual):
         raw = torch.einsum("jbsh,kjh->bsk", x, phi) * inv_rms.unsqueeze(-1)
         gates, bias = at_least_fp32(self.gates), at_least_fp32(self.bias)
         pre = torch.sigmoid(gates[0] * raw[..., :n] + bias[:n])
-        post = 2 * torch.sigmoid(gates[1] * raw[..., n:2 * n] + bias[n:2 * n])
-        res = sinkhorn((gates[2] * raw[..., 2 * n:] + bias[2 * n:]).unflatten(-1, (n, n)),
-                       self.iterations)
+        post = 2 * torch.sigmoid(gates[1] * raw[..., n : 2 * n] + bias[n : 2 * n])
+        res = sinkhorn(
+            (gates[2] * raw[..., 2 * n :] + bias[2 * n :]).unflatten(-1, (n, n)), self.iterations
+        )
         # ``write`` mixes with [i, j] -> stream j; H_res is [new i, old j]: transpose
         return pre, (res.transpose(-1, -2), post)
 

@@ -34,8 +34,7 @@ from t2train.nn import probe
 from t2train.nn.attention import CausalCoreAttention
 from t2train.nn.specs import self_attention_spec
 from t2train.residual.base import LocalMixer
-from t2train.residual.window_attention import (attend_window, window_attention_entropy,
-                                               window_mask)
+from t2train.residual.window_attention import attend_window, window_attention_entropy, window_mask
 
 
 @dataclass
@@ -54,8 +53,12 @@ class ShortSWAOptions:
         return self.window > 0
 
     def validate(self, prefix: str) -> None:
-        require(self.window >= 0, f"{prefix}.window", self.window,
-                "must be >= 0 (0 turns the ShortSWA sublayer off)")
+        require(
+            self.window >= 0,
+            f"{prefix}.window",
+            self.window,
+            "must be >= 0 (0 turns the ShortSWA sublayer off)",
+        )
 
 
 class ShortWindowCoreAttention(CausalCoreAttention):
@@ -72,20 +75,38 @@ class ShortWindowCoreAttention(CausalCoreAttention):
         self.window = config.t2_model.shortswa.window
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, dropout: float) -> Tensor:
-        probe.record("shortswa_entropy", self.layer_number, lambda: window_attention_entropy(
-            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), self.window, self.softmax_scale))
+        probe.record(
+            "shortswa_entropy",
+            self.layer_number,
+            lambda: window_attention_entropy(
+                query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), self.window, self.softmax_scale
+            ),
+        )
         if self.backend == "flash":
-            from flash_attn import flash_attn_func
+            from flash_attn import flash_attn_func  # noqa: PLC0415 - flash-attn: optional, CUDA only
 
             q, k, v = (t.transpose(0, 1) for t in (query, key, value))
-            out = flash_attn_func(q, k, v, dropout_p=dropout, softmax_scale=self.softmax_scale,
-                                  causal=True, window_size=(self.window - 1, 0))
+            out = flash_attn_func(
+                q,
+                k,
+                v,
+                dropout_p=dropout,
+                softmax_scale=self.softmax_scale,
+                causal=True,
+                window_size=(self.window - 1, 0),
+            )
             return out.transpose(0, 1)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if dropout > 0:  # the kernel and the reference have none: SDPA over the window band
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=window_mask(q.shape[2], k.shape[2], self.window, q.device),
-                dropout_p=dropout, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+                q,
+                k,
+                v,
+                attn_mask=window_mask(q.shape[2], k.shape[2], self.window, q.device),
+                dropout_p=dropout,
+                scale=self.softmax_scale,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )
         else:
             out = attend_window(q, k, v, self.window, self.softmax_scale)
         return out.permute(2, 0, 1, 3)
@@ -132,8 +153,13 @@ def write_diagnostics(writer, step: int, records: dict, model) -> None:
     """``diagnostics/shortswa_entropy/layer_NN``: mean attention entropy (nats) of the last 128
     queries; log(window) would be uniform attention."""
     if "shortswa_entropy" in records:
-        writer.scalars(step, {f"diagnostics/shortswa_entropy/layer_{layer:02d}": float(entropy)
-                              for layer, entropy in sorted(records["shortswa_entropy"].items())})
+        writer.scalars(
+            step,
+            {
+                f"diagnostics/shortswa_entropy/layer_{layer:02d}": float(entropy)
+                for layer, entropy in sorted(records["shortswa_entropy"].items())
+            },
+        )
 
 
 MIXER = LocalMixer(

@@ -28,8 +28,9 @@ def window_mask(q_len: int, k_len: int, window: int, device=None) -> Tensor:
     return (keys <= pos) & (keys > pos - window)
 
 
-def short_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
-                           scale: float | None = None) -> Tensor:
+def short_window_attention(
+    q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None = None
+) -> Tensor:
     """softmax(q k^T * scale + band mask) v over the last ``window`` positions.
 
     q: [batch, heads, q_len, d]; k, v: [batch, kv_heads, k_len, d] (grouped-query heads
@@ -40,12 +41,14 @@ def short_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
     if q.shape[-2] == 1:
         return _single_query_attention(q, k, v, window, scale)
     mask = window_mask(q.shape[-2], k.shape[-2], window, device=q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
-def _single_query_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
-                            scale: float | None) -> Tensor:
+def _single_query_attention(
+    q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None
+) -> Tensor:
     """One query per (batch, head) (a depth read): a softmax-weighted sum of the last
     ``window`` keys' values, elementwise. As attention it is a [1, d] x [d, n] matmul per
     (token, head), which the CPU runs one by one; scores and weights in fp32."""
@@ -53,23 +56,26 @@ def _single_query_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = (at_least_fp32(q) * at_least_fp32(k)).sum(-1, keepdim=True) * scale  # [batch, heads, n, 1]
+    scores = (at_least_fp32(q) * at_least_fp32(k)).sum(
+        -1, keepdim=True
+    ) * scale  # [batch, heads, n, 1]
     weights = torch.softmax(scores, dim=-2).to(v.dtype)
     return (weights * v).sum(-2, keepdim=True)
 
 
-def attend_window(q: Tensor, k: Tensor, v: Tensor, window: int,
-                  scale: float | None = None) -> Tensor:
+def attend_window(
+    q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None = None
+) -> Tensor:
     """``short_window_attention``, through the Triton kernel where ``T2_KERNELS`` routes it."""
     return route(WINDOW_ATTENTION, q, k, v)(q, k, v, window, scale)
 
 
-WINDOW_ATTENTION = Kernel("window_attention", "t2train.kernels.window_attention:window_attention",
-                          short_window_attention)
+WINDOW_ATTENTION = Kernel(
+    "window_attention", "t2train.kernels.window_attention:window_attention", short_window_attention
+)
 
 
-def window_attention_probs(q: Tensor, k: Tensor, window: int,
-                           scale: float | None = None) -> Tensor:
+def window_attention_probs(q: Tensor, k: Tensor, window: int, scale: float | None = None) -> Tensor:
     """The weights ``short_window_attention`` applies, [batch, heads, q_len, k_len], in fp32.
 
     Materialises the scores, so it is for diagnostics on small slices, not for training.
@@ -82,14 +88,15 @@ def window_attention_probs(q: Tensor, k: Tensor, window: int,
     return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
 
 
-def window_attention_entropy(q: Tensor, k: Tensor, window: int, scale: float | None = None,
-                             queries: int = 128) -> Tensor:
+def window_attention_entropy(
+    q: Tensor, k: Tensor, window: int, scale: float | None = None, queries: int = 128
+) -> Tensor:
     """Mean entropy (nats) of the attention weights of the last ``queries`` queries.
 
     Only the keys those queries can see are scored, so the cost is queries x (queries +
     window) per head. Uniform weights over w keys give log(w).
     """
     q = q[..., -queries:, :]
-    k = k[..., -(q.shape[-2] + window - 1):, :]
+    k = k[..., -(q.shape[-2] + window - 1) :, :]
     probs = window_attention_probs(q, k, window, scale)
     return -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1).mean()

@@ -18,12 +18,14 @@ from t2train.engine import MicroBatch
 
 
 def is_reader() -> bool:
-    return (parallel_state.get_tensor_model_parallel_rank() == 0
-            and parallel_state.get_pipeline_model_parallel_rank() == 0)
+    return (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_pipeline_model_parallel_rank() == 0
+    )
 
 
 def _reader_rank_in(group) -> int:
-    flags = [None] * dist.get_world_size(group)
+    flags: list[tuple[int, bool]] = [(0, False)] * dist.get_world_size(group)
     dist.all_gather_object(flags, (dist.get_rank(), is_reader()), group=group)
     readers = [rank for rank, reading in flags if reading]
     if len(readers) != 1:
@@ -34,8 +36,13 @@ def _reader_rank_in(group) -> int:
 class GlobalBatchFeeder:
     """Hands each step's micro-batches to every rank of a data-parallel replica."""
 
-    def __init__(self, loader: Optional[Iterator[MicroBatch]], num_microbatches: int,
-                 micro_batch_size: int, seq_length: int):
+    def __init__(
+        self,
+        loader: Optional[Iterator[MicroBatch]],
+        num_microbatches: int,
+        micro_batch_size: int,
+        seq_length: int,
+    ):
         if is_reader() and loader is None:
             raise ValueError("the reading rank needs a loader")
         self.loader = loader if is_reader() else None
@@ -43,8 +50,11 @@ class GlobalBatchFeeder:
         self.group = parallel_state.get_model_parallel_group()
         self.shared = dist.get_world_size(self.group) > 1
         self.src = _reader_rank_in(self.group) if self.shared else dist.get_rank()
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
 
     def next_step(self) -> list[MicroBatch]:
         if self.loader is not None:
@@ -54,8 +64,9 @@ class GlobalBatchFeeder:
             # after its RNG was restored, the uninterrupted one before its first step).
             with torch.random.fork_rng(devices=[]):
                 micro_batches = [next(self.loader) for _ in range(self.shape[0])]
-            stacked = torch.stack([torch.stack((mb["tokens"], mb["labels"]))
-                                   for mb in micro_batches])
+            stacked = torch.stack(
+                [torch.stack((mb["tokens"], mb["labels"])) for mb in micro_batches]
+            )
             stacked = stacked.to(self.device, torch.int64)
         else:
             stacked = torch.empty(self.shape, dtype=torch.int64, device=self.device)

@@ -22,13 +22,15 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from t2train.signals import take_pending
 
 REPEAT_AFTER_S = 1.0
-FIRST_PRESS = ("Ctrl-C: saving a checkpoint after this step, then stopping (exit code {code}); "
-               "press Ctrl-C again to stop at once without saving")
+FIRST_PRESS = (
+    "Ctrl-C: saving a checkpoint after this step, then stopping (exit code {code}); "
+    "press Ctrl-C again to stop at once without saving"
+)
 
 
 class CtrlC:
@@ -44,12 +46,11 @@ class CtrlC:
         self.first_press: Optional[float] = None
         self.stop_now = False
         self._done = threading.Event()
-        self._waiter: Optional[threading.Thread] = None
-        self._saved_handler = None
+        self._waiter = threading.Thread(target=self._wait, daemon=True, name="t2train-ctrl-c")
+        self._saved_handler: Any = None  # what signal.signal returned
 
     def __enter__(self) -> "CtrlC":
         self._saved_handler = signal.signal(signal.SIGINT, self._handle)
-        self._waiter = threading.Thread(target=self._wait, daemon=True, name="t2train-ctrl-c")
         self._waiter.start()
         return self
 

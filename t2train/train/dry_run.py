@@ -32,13 +32,13 @@ class DryRun:
 def dry_run(config: Config) -> DryRun:
     import torch.distributed as dist
 
+    from t2train.checkpoint.inspect import resolve_checkpoint
+    from t2train.checkpoint.integrity import require_intact
     from t2train.data.prepare import read_index
     from t2train.engine import build_engine
     from t2train.model.build import padded_vocab_size
     from t2train.train.batches import GlobalBatchFeeder
     from t2train.train.data import open_streams
-    from t2train.checkpoint.inspect import resolve_checkpoint
-    from t2train.checkpoint.integrity import require_intact
     from t2train.train.trainer import start_ranks, verified
 
     config = config.with_absolute_paths()  # as train() runs it
@@ -52,12 +52,23 @@ def dry_run(config: Config) -> DryRun:
     engine = build_engine(config, padded_vocab_size(facts["vocab_size"], config))
     streams = open_streams(config, topology, dp_size, None)
     try:
-        GlobalBatchFeeder(streams.train, config.micro_batches_per_step(dp_size),
-                          config.train.micro_batch_size, config.model.seq_length).next_step()
+        GlobalBatchFeeder(
+            streams.train,
+            config.micro_batches_per_step(dp_size),
+            config.train.micro_batch_size,
+            config.model.seq_length,
+        ).next_step()
     finally:
         streams.close()
     splits = read_index(config.data.path)["splits"]
-    return DryRun(facts["vocab_size"], engine.num_parameters(), dist.get_world_size(), dp_size,
-                  resume_from, skipped, init_from,
-                  {split: facts["samples"] for split, facts in splits.items()},
-                  config.train.global_batch_size * config.model.seq_length)
+    return DryRun(
+        facts["vocab_size"],
+        engine.num_parameters(),
+        dist.get_world_size(),
+        dp_size,
+        resume_from,
+        skipped,
+        init_from,
+        {split: facts["samples"] for split, facts in splits.items()},
+        config.train.global_batch_size * config.model.seq_length,
+    )

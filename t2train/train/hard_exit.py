@@ -17,8 +17,9 @@ from typing import NoReturn
 
 
 def exit_now(code: int) -> NoReturn:
-    import psutil
-    from multiprocessing import resource_tracker
+    from multiprocessing import resource_tracker  # noqa: PLC0415 - on a hard exit only
+
+    import psutil  # noqa: PLC0415 - on a hard exit only
 
     sys.stdout.flush()
     sys.stderr.flush()

@@ -28,10 +28,13 @@ def train(config: Config) -> RunSummary:
     from t2train.train.trainer import Trainer
     from t2train.train.watchdog import Watchdog
 
-    with StopGuard(parse_signals(config.train.exit_signals),
-                   config.train.exit_duration_mins) as guard, \
-            Watchdog(config.parallel.collective_timeout_mins) as watchdog, \
-            RankFailures() as failures:
+    with (
+        StopGuard(
+            parse_signals(config.train.exit_signals), config.train.exit_duration_mins
+        ) as guard,
+        Watchdog(config.parallel.collective_timeout_mins) as watchdog,
+        RankFailures() as failures,
+    ):
         try:
             with Trainer(config, guard, watchdog) as trainer:
                 return trainer.run()

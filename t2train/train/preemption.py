@@ -45,9 +45,12 @@ class StopGuard:
         self._saved_handlers: dict = {}
         self._saved_mask: set = set()
         # Polled at step boundaries; SIGINT is waited for by CtrlC, which announces it.
-        self._polled = [sig for sig in self.signals if sig != signal.SIGINT]
-        self._ctrl_c = (CtrlC(lambda: self._record(signal.SIGINT, None), announces(),
-                              REQUEUE_EXIT_CODE) if signal.SIGINT in self.signals else None)
+        self._polled: list[signal.Signals] = [sig for sig in self.signals if sig != signal.SIGINT]
+        self._ctrl_c = (
+            CtrlC(lambda: self._record(signal.SIGINT, None), announces(), REQUEUE_EXIT_CODE)
+            if signal.SIGINT in self.signals
+            else None
+        )
 
     def __enter__(self) -> "StopGuard":
         self.started = time.monotonic()
@@ -84,8 +87,11 @@ class StopGuard:
 
     def should_stop(self) -> Optional[str]:
         """Collective: why every rank stops now (a signal name or the time limit), or None."""
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if torch.cuda.is_available() else torch.device("cpu"))
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
         flag = torch.tensor([self._local_request()], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         code = int(flag.item())

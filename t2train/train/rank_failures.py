@@ -37,9 +37,12 @@ from t2train.train.hard_exit import exit_now
 _FAILED = "t2train/rank_failure"
 _READ = "t2train/rank_failure_read"
 # What a collective raises on this rank when a peer process has gone (gloo, NCCL).
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer",
-             "remote process exited or there was a network error",
-             "NCCL communicator was aborted")
+PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote process exited or there was a network error",
+    "NCCL communicator was aborted",
+)
 
 
 class RankFailures:
@@ -49,8 +52,9 @@ class RankFailures:
         self.poll_seconds = poll_seconds
         self._announced = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True,
-                                        name="t2train-rank-failures")
+        self._thread = threading.Thread(
+            target=self._watch, daemon=True, name="t2train-rank-failures"
+        )
 
     def __enter__(self) -> "RankFailures":
         self._thread.start()
@@ -66,9 +70,11 @@ class RankFailures:
                 if os.environ.get("T2_TRACEBACK") == "1":
                     traceback.print_exception(exc_type, exc, tb)
                 cause = next(line for line in str(exc).splitlines() if line.strip())
-                _exit(f"rank {dist.get_rank()}: another rank has ended, breaking a collective "
-                      f"({cause[:200]}); its output says why (T2_TRACEBACK=1 prints this "
-                      "rank's traceback)")
+                _exit(
+                    f"rank {dist.get_rank()}: another rank has ended, breaking a collective "
+                    f"({cause[:200]}); its output says why (T2_TRACEBACK=1 prints this "
+                    "rank's traceback)"
+                )
 
     def end_all(self, message: str) -> None:
         """This rank failed alone: every rank ends with ``message``, this one included. Returns
@@ -117,7 +123,9 @@ def _exit(message: str, acknowledge: bool = False) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
     if acknowledge:
         try:
-            _store().add(_READ, 1)
+            store = _store()
+            if store is not None:
+                store.add(_READ, 1)
         except Exception:  # the failing rank's wait is bounded
             pass
     exit_now(TrainingHalted.exit_code)

@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TextIO
 
 from t2train.errors import UserInputError
 
@@ -45,8 +45,12 @@ class RunDirectoryInUse(UserInputError):
 
 
 def _holder() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(),
-            "job": os.environ.get("SLURM_JOB_ID", ""), "started": time.time()}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "job": os.environ.get("SLURM_JOB_ID", ""),
+        "started": time.time(),
+    }
 
 
 def _describe(holder: dict) -> str:
@@ -71,8 +75,10 @@ def _alive_elsewhere(holder: dict, heartbeat_age: float) -> Optional[str]:
             pass  # another user's live process, or a malformed record: assume alive
         return "its process is alive on this host"
     if heartbeat_age < STALE:
-        return (f"its heartbeat is {heartbeat_age:.0f} s old (a run touches it every "
-                f"{HEARTBEAT:.0f} s; one older than {STALE:.0f} s has ended)")
+        return (
+            f"its heartbeat is {heartbeat_age:.0f} s old (a run touches it every "
+            f"{HEARTBEAT:.0f} s; one older than {STALE:.0f} s has ended)"
+        )
     return None
 
 
@@ -83,7 +89,7 @@ class RunLock:
         self.made_dir = not run_dir.exists()
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / LOCK_FILE
-        self._file = None
+        self._file: Optional[TextIO] = None
         try:
             self._open_locked()
             self._take()
@@ -93,51 +99,58 @@ class RunLock:
             self._remove_dir()
             raise
         self._stop = threading.Event()
-        self._beat = threading.Thread(target=self._heartbeat, daemon=True,
-                                      name="t2train-run-lock")
+        self._beat = threading.Thread(target=self._heartbeat, daemon=True, name="t2train-run-lock")
         self._beat.start()
 
     def _open_locked(self) -> None:
         """Open and flock the lock file; again if the holder removed it meanwhile (the lock
         would be on a file nobody else opens)."""
         while True:
-            self._file = open(self.path, "a+")
+            self._file = lock = open(self.path, "a+")
             try:
-                fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = self._recorded()
-                self._file.close()
+                lock.close()
                 self._file = None
-                raise RunDirectoryInUse(self._refusal(holder, "it holds its lock"))
+                raise RunDirectoryInUse(self._refusal(holder, "it holds its lock")) from None
             try:
-                if os.stat(self.path).st_ino == os.fstat(self._file.fileno()).st_ino:
+                if os.stat(self.path).st_ino == os.fstat(lock.fileno()).st_ino:
                     return
             except FileNotFoundError:
                 pass
-            self._file.close()
+            lock.close()
+
+    def _lock_file(self) -> TextIO:
+        if self._file is None:
+            raise RuntimeError(f"{self.path}: not open")
+        return self._file
 
     def _take(self) -> None:
-        holder = self._recorded()
-        why = _alive_elsewhere(holder, time.time() - os.fstat(self._file.fileno()).st_mtime)
+        holder, lock = self._recorded(), self._lock_file()
+        why = _alive_elsewhere(holder, time.time() - os.fstat(lock.fileno()).st_mtime)
         if why is not None:
             raise RunDirectoryInUse(self._refusal(holder, why))
-        self._file.seek(0)
-        self._file.truncate()
-        self._file.write(json.dumps(_holder()) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        lock.seek(0)
+        lock.truncate()
+        lock.write(json.dumps(_holder()) + "\n")
+        lock.flush()
+        os.fsync(lock.fileno())
 
     def _recorded(self) -> dict:
-        self._file.seek(0)
+        lock = self._lock_file()
+        lock.seek(0)
         try:
-            return json.loads(self._file.read() or "{}")
+            return json.loads(lock.read() or "{}")
         except ValueError:
             return {}
 
     def _refusal(self, holder: dict, why: str) -> str:
-        return (f"run directory {self.path.parent} is in use by another run ({_describe(holder)};"
-                f" {why}): wait for it to end, or give this run another name. Nothing was "
-                f"written. (If that run is gone, delete {self.path}.)")
+        return (
+            f"run directory {self.path.parent} is in use by another run ({_describe(holder)};"
+            f" {why}): wait for it to end, or give this run another name. Nothing was "
+            f"written. (If that run is gone, delete {self.path}.)"
+        )
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT):
@@ -155,7 +168,7 @@ class RunLock:
             self.path.unlink(missing_ok=True)
             self._remove_dir()
         finally:
-            self._file.close()  # closing releases the flock
+            self._lock_file().close()  # closing releases the flock
 
     def _remove_dir(self) -> None:
         if self.made_dir:

@@ -18,10 +18,15 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from t2train.checkpoint.inspect import resolve_checkpoint
 from t2train.checkpoint.errors import CheckpointError
-from t2train.checkpoint.integrity import (choose_verified, require_intact, resume_candidates,
-                                          say, verify_checksums)
+from t2train.checkpoint.inspect import resolve_checkpoint
+from t2train.checkpoint.integrity import (
+    choose_verified,
+    require_intact,
+    resume_candidates,
+    say,
+    verify_checksums,
+)
 from t2train.checkpoint.manager import Checkpointer
 from t2train.checkpoint.store import find_latest
 from t2train.config.loader import dump_config
@@ -53,8 +58,9 @@ def start_ranks(config: Config) -> tuple[dict, Optional[Path], int, Topology]:
     resume_from = resume_target(config, Path(config.run_dir))
     init_distributed(config.parallel.collective_timeout_mins)
     dp_size = config.validate_world(dist.get_world_size())
-    topology = init_model_parallel(config.parallel.tensor, config.parallel.pipeline,
-                                   config.parallel.virtual_pipeline)
+    topology = init_model_parallel(
+        config.parallel.tensor, config.parallel.pipeline, config.parallel.virtual_pipeline
+    )
     set_seed(config.train.seed, topology)
     return facts, resume_from, dp_size, topology
 
@@ -67,36 +73,48 @@ def verified(config: Config, run_dir: Path, resume_from: Path) -> tuple[Path, st
     if config.checkpoint.resume != "auto":
         damage = verify_checksums(resume_from)
         if damage is not None:
-            others = [path for path in resume_candidates(resume_from.parent)
-                      if path != resume_from]
+            others = [path for path in resume_candidates(resume_from.parent) if path != resume_from]
             usable = next((path for path in others if verify_checksums(path) is None), None)
             raise CheckpointError(
                 f"checkpoint.resume={config.checkpoint.resume}: {resume_from} is damaged: "
-                f"{damage}; " + (f"the newest checkpoint beside it that verifies is {usable}: "
-                                 f"resume it with checkpoint.resume={usable}" if usable else
-                                 "no checkpoint beside it verifies: restore a copy"))
+                f"{damage}; "
+                + (
+                    f"the newest checkpoint beside it that verifies is {usable}: "
+                    f"resume it with checkpoint.resume={usable}"
+                    if usable
+                    else "no checkpoint beside it verifies: restore a copy"
+                )
+            )
         return resume_from, ""
-    chosen, skipped = choose_verified(resume_candidates(run_dir / "checkpoints"),
-                                      fall_back=config.checkpoint.on_damaged == "fall_back")
+    chosen, skipped = choose_verified(
+        resume_candidates(run_dir / "checkpoints"),
+        fall_back=config.checkpoint.on_damaged == "fall_back",
+    )
     for path, damage in skipped:
-        say(f"skipping damaged checkpoint {path}: {damage}; resuming from {chosen}, the newest "
-            "that verifies (checkpoint.on_damaged=fall_back; set it to stop to refuse instead)")
+        say(
+            f"skipping damaged checkpoint {path}: {damage}; resuming from {chosen}, the newest "
+            "that verifies (checkpoint.on_damaged=fall_back; set it to stop to refuse instead)"
+        )
     return chosen, "".join(f" | skipped damaged {path.name}" for path, _ in skipped)
 
 
 def schedule_in_force(config: Config, scheduler) -> str:
     """The LR schedule a resumed run follows, whose it is, and this config's if it differs."""
+
     def describe(lr, min_lr, warmup, until) -> str:
         return f"warm-up {warmup}, cosine {lr:.2e} -> {min_lr:.2e} until step {until}"
 
     train_cfg = config.train
-    used = describe(scheduler.max_lr, scheduler.min_lr, scheduler.lr_warmup_steps,
-                    scheduler.lr_decay_steps)
-    configured = describe(train_cfg.lr, train_cfg.min_lr, train_cfg.warmup_steps,
-                          train_cfg.steps)
+    used = describe(
+        scheduler.max_lr, scheduler.min_lr, scheduler.lr_warmup_steps, scheduler.lr_decay_steps
+    )
+    configured = describe(train_cfg.lr, train_cfg.min_lr, train_cfg.warmup_steps, train_cfg.steps)
     choice = train_cfg.schedule_on_resume
-    unused = ("" if used == configured else
-              f"; this config's ({configured}) is not used: train.schedule_on_resume=config")
+    unused = (
+        ""
+        if used == configured
+        else f"; this config's ({configured}) is not used: train.schedule_on_resume=config"
+    )
     return f"LR schedule of the {choice} (train.schedule_on_resume={choice}): {used}{unused}"
 
 
@@ -139,20 +157,30 @@ class Trainer:
         self.resumed = resume_from is not None
         self._open_data(train_state)
         self._open_monitor(start)
-        self.meter, mfu_note = step_meter(config, self.engine.vocab_size,
-                                          self.topology.world_size, train_state)
+        self.meter, mfu_note = step_meter(
+            config, self.engine.vocab_size, self.topology.world_size, train_state
+        )
         self.monitor.print(mfu_note)
-        self.diagnostics = Diagnostics(self.engine, config.log.diagnostics_interval,
-                                       diagnostic_micro_batches(self.val_batches, config),
-                                       self.monitor, sends=self.topology.tp_rank == 0
-                                       and self.topology.dp_rank == 0)
-        self.summary = RunSummary(run_dir=self.run_dir, start_step=self.start_step,
-                                  final_step=self.start_step)
+        self.diagnostics = Diagnostics(
+            self.engine,
+            config.log.diagnostics_interval,
+            diagnostic_micro_batches(self.val_batches, config),
+            self.monitor,
+            sends=self.topology.tp_rank == 0 and self.topology.dp_rank == 0,
+        )
+        self.summary = RunSummary(
+            run_dir=self.run_dir, start_step=self.start_step, final_step=self.start_step
+        )
         self.profiler = StepProfiler(config.log, self.run_dir, self.topology.rank)
         self.resources.callback(self.profiler.close)
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", config, self.engine,
-                                         self._report_save, monitor=self.monitor,
-                                         counters=train_state)
+        self.checkpointer = Checkpointer(
+            self.run_dir / "checkpoints",
+            config,
+            self.engine,
+            self._report_save,
+            monitor=self.monitor,
+            counters=train_state,
+        )
         # An exception leaves async saves unpublished: waiting for them is a collective,
         # which peers that failed would never join.
         self.resources.push(lambda kind, *_: self.checkpointer.close(abandon=kind is not None))
@@ -180,9 +208,11 @@ class Trainer:
         if resume_from is not None:
             loading_started = time.monotonic()
             train_state = self.engine.load(resume_from)
-            return train_state, (f"resumed from {resume_from} (loaded in "
-                                 f"{time.monotonic() - loading_started:.1f}s){skipped} | "
-                                 f"{schedule_in_force(self.config, self.engine.scheduler)}")
+            return train_state, (
+                f"resumed from {resume_from} (loaded in "
+                f"{time.monotonic() - loading_started:.1f}s){skipped} | "
+                f"{schedule_in_force(self.config, self.engine.scheduler)}"
+            )
         if self.config.checkpoint.init_from:
             weights = resolve_checkpoint(Path(self.config.checkpoint.init_from))
             require_intact(weights, f"checkpoint.init_from={self.config.checkpoint.init_from}")
@@ -192,21 +222,25 @@ class Trainer:
 
     def _open_data(self, train_state: dict) -> None:
         config, train_cfg = self.config, self.config.train
-        self.streams = open_streams(config, self.topology, self.dp_size,
-                                    train_state.get("data_state"))
+        self.streams = open_streams(
+            config, self.topology, self.dp_size, train_state.get("data_state")
+        )
         self.resources.callback(self.streams.close)  # see TokenBatches.close
         num_micro = config.micro_batches_per_step(self.dp_size)
-        self.feeder = GlobalBatchFeeder(self.streams.train, num_micro,
-                                        train_cfg.micro_batch_size, config.model.seq_length)
+        self.feeder = GlobalBatchFeeder(
+            self.streams.train, num_micro, train_cfg.micro_batch_size, config.model.seq_length
+        )
 
         def fixed_batches(stream) -> list:
-            feeder = GlobalBatchFeeder(stream, num_micro, train_cfg.micro_batch_size,
-                                       config.model.seq_length)
+            feeder = GlobalBatchFeeder(
+                stream, num_micro, train_cfg.micro_batch_size, config.model.seq_length
+            )
             return [feeder.next_step() for _ in range(train_cfg.eval_batches)]
 
         self.val_batches = fixed_batches(self.streams.val)
-        self.labelled_val_batches = {label: fixed_batches(stream)
-                                     for label, stream in self.streams.labelled.items()}
+        self.labelled_val_batches = {
+            label: fixed_batches(stream) for label, stream in self.streams.labelled.items()
+        }
 
     def _open_monitor(self, start: str) -> None:
         config, topology, run_dir = self.config, self.topology, self.run_dir
@@ -214,22 +248,32 @@ class Trainer:
         if logging_rank:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(dump_config(config))
-        self.monitor = Monitor(run_dir if logging_rank else None, config.train.steps,
-                               tensorboard=config.log.tensorboard, wandb=wandb_settings(config),
-                               resumed_at=self.start_step if self.resumed else None,
-                               console=logging_rank or config.log.all_ranks,
-                               prefix=f"[rank {topology.rank}] " if config.log.all_ranks else "")
+        self.monitor = Monitor(
+            run_dir if logging_rank else None,
+            config.train.steps,
+            tensorboard=config.log.tensorboard,
+            wandb=wandb_settings(config),
+            resumed_at=self.start_step if self.resumed else None,
+            console=logging_rank or config.log.all_ranks,
+            prefix=f"[rank {topology.rank}] " if config.log.all_ranks else "",
+        )
         self.resources.callback(self.monitor.close)
-        engine_name = (f"deepspeed ZeRO-{config.deepspeed.zero_stage}"
-                       if config.train.engine == "deepspeed" else "megatron")
+        engine_name = (
+            f"deepspeed ZeRO-{config.deepspeed.zero_stage}"
+            if config.train.engine == "deepspeed"
+            else "megatron"
+        )
         self.monitor.print(
             f"t2train: {variant_label(config.model)} residual, {config.model.num_layers} "
             f"layers, {self.engine.num_parameters() / 1e6:.2f}M parameters on rank 0 | world "
             f"{topology.world_size} = TP {topology.tp_size} x PP {topology.pp_size} x DP "
-            f"{self.dp_size} | engine {engine_name} | {start}")
+            f"{self.dp_size} | engine {engine_name} | {start}"
+        )
         if config.log.tensorboard:
-            self.monitor.print(f"TensorBoard: tensorboard --logdir {run_dir.parent} (this run "
-                               f"is {run_dir.name!r}; its event files are in {run_dir})")
+            self.monitor.print(
+                f"TensorBoard: tensorboard --logdir {run_dir.parent} (this run "
+                f"is {run_dir.name!r}; its event files are in {run_dir})"
+            )
 
     # --- the run -------------------------------------------------------------------------
     def run(self) -> RunSummary:
@@ -268,8 +312,13 @@ class Trainer:
         if step % train_cfg.log_interval == 0 or step == train_cfg.steps:
             scalars = self.meter.scalars(result, self.engine.param_norm())
             self.monitor.scalars(step, scalars)
-            self.monitor.progress(step, result.loss, result.lr,
-                                  scalars["throughput/tokens_per_sec"], step - self.start_step)
+            self.monitor.progress(
+                step,
+                result.loss,
+                result.lr,
+                scalars["throughput/tokens_per_sec"],
+                step - self.start_step,
+            )
         if self.diagnostics.due(step):
             self.diagnostics.log(step)
         if step % train_cfg.eval_interval == 0 or step == train_cfg.steps:
@@ -286,40 +335,52 @@ class Trainer:
         limit = self.config.train.max_skipped_steps
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if result.skipped else 0
         if result.skipped:
-            self.monitor.print(f"step {step:>6} | update skipped: {result.skip_reason} "
-                               f"({self.skipped_in_a_row} in a row; train/skipped_steps counts "
-                               "them)")
+            self.monitor.print(
+                f"step {step:>6} | update skipped: {result.skip_reason} "
+                f"({self.skipped_in_a_row} in a row; train/skipped_steps counts "
+                "them)"
+            )
         if self.skipped_in_a_row >= limit:
             self.close()  # every rank skipped the same updates: publishing is safe
             last = self.summary.checkpoint or find_latest(self.run_dir / "checkpoints")
             raise TrainingHalted(
                 f"step {step}: {self.skipped_in_a_row} updates skipped in a row "
                 f"(train.max_skipped_steps={limit}), the last for {result.skip_reason}; stopped "
-                f"without saving. Last checkpoint: {last or 'none'}")
+                f"without saving. Last checkpoint: {last or 'none'}"
+            )
 
     def evaluate(self, step: int) -> None:
         """The validation loss on the run's fixed held-out batches, and on each labelled
         validation set's (``data.eval_sets``: ``val/<label>/loss``)."""
         with self.watchdog.phase(f"the evaluation at step {step}"):
             loss = self.summary.val_losses[step] = self.engine.evaluate(self.val_batches)
-            labelled = {label: self.engine.evaluate(batches)
-                        for label, batches in self.labelled_val_batches.items()}
+            labelled = {
+                label: self.engine.evaluate(batches)
+                for label, batches in self.labelled_val_batches.items()
+            }
         scalars = loss_scalars("val", loss)
         for label, value in labelled.items():
             scalars.update(loss_scalars(f"val/{label}", value))
         self.monitor.scalars(step, scalars)
-        self.monitor.print(f"step {step:>6} | val loss {loss:.4f}" + "".join(
-            f" | {label} {value:.4f}" for label, value in labelled.items()))
+        self.monitor.print(
+            f"step {step:>6} | val loss {loss:.4f}"
+            + "".join(f" | {label} {value:.4f}" for label, value in labelled.items())
+        )
 
     def save(self, step: int) -> None:
         """A checkpoint of step ``step``: model, optimizer, data position, counters."""
         with self.watchdog.phase(f"the checkpoint save of step {step}"):
             self.summary.checkpoint = self.checkpointer.save(
-                step, {"data_state": self.streams.shared_state_dict(), **self.meter.counters(),
-                       # which tokenizer the ids mean (eval refuses a dataset of another),
-                       # and the token documents start with (generate starts prompts so)
-                       "tokenizer_sha256": self.facts["tokenizer_sha256"],
-                       "bos_id": self.facts["bos_id"]})
+                step,
+                {
+                    "data_state": self.streams.shared_state_dict(),
+                    **self.meter.counters(),
+                    # which tokenizer the ids mean (eval refuses a dataset of another),
+                    # and the token documents start with (generate starts prompts so)
+                    "tokenizer_sha256": self.facts["tokenizer_sha256"],
+                    "bos_id": self.facts["bos_id"],
+                },
+            )
 
     def stop(self, step: int, saved: bool) -> bool:
         """Collective: whether every rank stops after ``step`` (a signal, the time limit),
@@ -334,7 +395,10 @@ class Trainer:
         return True
 
     def _report_save(self, step: int, blocked: float, total: float, path: Path) -> None:
-        self.monitor.scalars(step, {"checkpoint/save_seconds": total,
-                                    "checkpoint/blocked_seconds": blocked})
-        self.monitor.print(f"step {step:>6} | saved {path} ({total:.1f}s"
-                           f"{f', training blocked {blocked:.1f}s' if blocked < total else ''})")
+        self.monitor.scalars(
+            step, {"checkpoint/save_seconds": total, "checkpoint/blocked_seconds": blocked}
+        )
+        self.monitor.print(
+            f"step {step:>6} | saved {path} ({total:.1f}s"
+            f"{f', training blocked {blocked:.1f}s' if blocked < total else ''})"
+        )

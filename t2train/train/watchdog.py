@@ -58,12 +58,15 @@ class Watchdog:
                 exit_now(HUNG_EXIT_CODE)
 
     def _report(self, phase: str) -> None:
-        frame = sys._current_frames().get(self._main)
+        frame = sys._current_frames().get(self._main or 0)
         rank = dist.get_rank() if dist.is_initialized() else 0
-        print(f"rank {rank}: no progress for {self.timeout:g}s in {phase}, blocked in "
-              f"{blocked_call(frame)} (parallel.collective_timeout_mins={self.timeout / 60:g});"
-              " a peer rank is probably dead or stuck. Stack of this rank:",
-              file=sys.stderr, flush=True)
+        print(
+            f"rank {rank}: no progress for {self.timeout:g}s in {phase}, blocked in "
+            f"{blocked_call(frame)} (parallel.collective_timeout_mins={self.timeout / 60:g});"
+            " a peer rank is probably dead or stuck. Stack of this rank:",
+            file=sys.stderr,
+            flush=True,
+        )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=False)
 
 
@@ -76,9 +79,15 @@ def blocked_call(frame) -> str:
         frame = frame.f_back
     for index, inner in enumerate(stack):
         if f"torch{os.sep}distributed{os.sep}" in inner.f_code.co_filename:
-            outer = next((f for f in stack[index:] if f"torch{os.sep}distributed{os.sep}"
-                          not in f.f_code.co_filename and "contextlib" not in
-                          f.f_code.co_filename), None)
+            outer = next(
+                (
+                    f
+                    for f in stack[index:]
+                    if f"torch{os.sep}distributed{os.sep}" not in f.f_code.co_filename
+                    and "contextlib" not in f.f_code.co_filename
+                ),
+                None,
+            )
             caller = f" from {_where(outer)}" if outer is not None else ""
             return f"torch.distributed {inner.f_code.co_name}{caller}"
     return _where(stack[0]) if stack else "an unknown place"

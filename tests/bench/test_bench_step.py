@@ -5,12 +5,19 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from bench_cli import run_cli
 
 pytestmark = pytest.mark.slow
 
-TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-        "model.seq_length=64", "train.micro_batch_size=4", "train.global_batch_size=8"]
+TINY = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.seq_length=64",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+]
 
 
 def _table_rows(text: str) -> list[list[str]]:
@@ -19,14 +26,35 @@ def _table_rows(text: str) -> list[list[str]]:
 
 
 def test_step_bench_prints_one_row_per_design_and_the_reference(shakespeare):
-    code, out = run_cli("bench", "step", f"data.path={shakespeare}", *TINY,
-                        "model.shortswa.window=16", "--designs", "standard,ddl+shortswa",
-                        "--warmup", "1", "--steps", "1", "--repeats", "2")
+    code, out = run_cli(
+        "bench",
+        "step",
+        f"data.path={shakespeare}",
+        *TINY,
+        "model.shortswa.window=16",
+        "--designs",
+        "standard,ddl+shortswa",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+        "--repeats",
+        "2",
+    )
     assert code == 0
     header, separator, *rows = _table_rows(out)
-    assert header == ["design", "params (M)", "step time (ms, min)", "step time (ms, median)",
-                      "vs standard (median)", "tokens/s (median)", "process RSS (GiB)",
-                      "pipeline data bytes/step", "pipeline wire bytes/step", "warm-up (s)"]
+    assert header == [
+        "design",
+        "params (M)",
+        "step time (ms, min)",
+        "step time (ms, median)",
+        "vs standard (median)",
+        "tokens/s (median)",
+        "process RSS (GiB)",
+        "pipeline data bytes/step",
+        "pipeline wire bytes/step",
+        "warm-up (s)",
+    ]
     assert set(separator) == {"---"}
     assert [row[0] for row in rows] == ["standard", "ddl+shortswa", "plain PyTorch (standard)"]
     for row in rows:

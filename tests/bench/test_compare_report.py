@@ -23,15 +23,31 @@ import struct
 
 import pytest
 
-from t2train.bench.compare_report import (Spread, VariantRuns, equal_flops_budget,
-                                          format_report, standard_error_of_difference, versus)
+from t2train.bench.compare_report import (
+    Spread,
+    VariantRuns,
+    equal_flops_budget,
+    format_report,
+    standard_error_of_difference,
+    versus,
+)
 
 
 def _runs() -> list[VariantRuns]:
-    standard = VariantRuns("standard", [{0: 5.0, 10: 3.0, 20: 2.0}, {0: 5.0, 10: 3.2, 20: 2.2},
-                                        {0: 5.0, 10: 3.1, 20: 2.1}], 100, 6.0, 1_000_000)
-    ddl = VariantRuns("ddl", [{0: 5.0, 10: 2.6, 20: 1.6}, {0: 5.0, 10: 2.8, 20: 1.8},
-                              {0: 5.0, 10: 2.7, 20: 1.7}], 100, 8.0, 1_250_000)
+    standard = VariantRuns(
+        "standard",
+        [{0: 5.0, 10: 3.0, 20: 2.0}, {0: 5.0, 10: 3.2, 20: 2.2}, {0: 5.0, 10: 3.1, 20: 2.1}],
+        100,
+        6.0,
+        1_000_000,
+    )
+    ddl = VariantRuns(
+        "ddl",
+        [{0: 5.0, 10: 2.6, 20: 1.6}, {0: 5.0, 10: 2.8, 20: 1.8}, {0: 5.0, 10: 2.7, 20: 1.7}],
+        100,
+        8.0,
+        1_250_000,
+    )
     return [standard, ddl]
 
 
@@ -40,7 +56,7 @@ def _table(report: str, heading: str) -> dict[str, list[str]]:
     lines = report.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(heading))
     rows = {}
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line.startswith("#"):
             break
         if line.startswith("| ") and not set(line) <= set("|-"):
@@ -73,15 +89,47 @@ def test_difference_is_marked_only_past_two_standard_errors():
 def test_report_tables_at_equal_tokens_and_equal_flops():
     report = format_report(_runs(), "standard", ["dataset: hand-made"], ["a.png", "b.png"])
     tokens = _table(report, "## At equal tokens: 2000 tokens per run")
-    assert tokens["standard"] == ["standard", "3", "1.00", "6.000e+00", "1.200e+04", "2.1000",
-                                  "0.1000", "2.0000-2.2000", "(baseline)"]
-    assert tokens["ddl"] == ["ddl", "3", "1.25", "8.000e+00", "1.600e+04", "1.7000", "0.1000",
-                             "1.6000-1.8000", "-0.4000 (SE 0.0816) *"]
+    assert tokens["standard"] == [
+        "standard",
+        "3",
+        "1.00",
+        "6.000e+00",
+        "1.200e+04",
+        "2.1000",
+        "0.1000",
+        "2.0000-2.2000",
+        "(baseline)",
+    ]
+    assert tokens["ddl"] == [
+        "ddl",
+        "3",
+        "1.25",
+        "8.000e+00",
+        "1.600e+04",
+        "1.7000",
+        "0.1000",
+        "1.6000-1.8000",
+        "-0.4000 (SE 0.0816) *",
+    ]
     flops = _table(report, "## At equal training FLOPs: 1.200e+04")
-    assert flops["standard"] == ["standard", "2000", "20.0", "2.1000", "0.1000",
-                                 "2.0000-2.2000", "(baseline)"]
-    assert flops["ddl"] == ["ddl", "1500", "15.0", "2.2000", "0.1000", "2.1000-2.3000",
-                            "+0.1000 (SE 0.0816)"]
+    assert flops["standard"] == [
+        "standard",
+        "2000",
+        "20.0",
+        "2.1000",
+        "0.1000",
+        "2.0000-2.2000",
+        "(baseline)",
+    ]
+    assert flops["ddl"] == [
+        "ddl",
+        "1500",
+        "15.0",
+        "2.2000",
+        "0.1000",
+        "2.1000-2.3000",
+        "+0.1000 (SE 0.0816)",
+    ]
     assert "- dataset: hand-made" in report
     assert "![a.png](a.png)" in report and "![b.png](b.png)" in report
     without_baseline = format_report(_runs()[1:], "standard", [], [])
@@ -115,23 +163,38 @@ def test_late_curves_show_ranks_and_the_baselines_last_fall():
 
     def curves(late: dict[int, list[float]]) -> list[dict[int, float]]:
         early = {step: 9.0 for step in range(0, 40, 10)} | {50: 5.0}
-        return [early | {step: losses[seed] for step, losses in late.items()}
-                for seed in range(2)]
+        return [early | {step: losses[seed] for step, losses in late.items()} for seed in range(2)]
 
-    standard = VariantRuns("standard", curves({40: [4.0, 4.2], 60: [3.6, 3.8], 70: [3.0, 3.2],
-                                               80: [2.9, 3.0]}), 100, 6.0, 1_000_000)
-    ddl = VariantRuns("ddl", curves({40: [3.0, 3.0], 60: [3.5, 3.5], 70: [3.3, 3.3],
-                                     80: [3.25, 3.25]}), 100, 6.0, 1_000_000)
+    standard = VariantRuns(
+        "standard",
+        curves({40: [4.0, 4.2], 60: [3.6, 3.8], 70: [3.0, 3.2], 80: [2.9, 3.0]}),
+        100,
+        6.0,
+        1_000_000,
+    )
+    ddl = VariantRuns(
+        "ddl",
+        curves({40: [3.0, 3.0], 60: [3.5, 3.5], 70: [3.3, 3.3], 80: [3.25, 3.25]}),
+        100,
+        6.0,
+        1_000_000,
+    )
     assert late_steps(standard) == [40, 60, 70, 80]
     assert ranks([3.1, 2.0, 5.0]) == [2, 1, 3]
     report = format_report([standard, ddl], "standard", [], [])
     rows = _table(report, "## How settled the curves are")
     # standard's means: 4.1, 3.7, 3.1, 2.95; ddl's: 3.0, 3.5, 3.3, 3.25
-    assert rows["standard"][1:] == ["4.1000 (2)", "3.7000 (2)", "3.1000 (1)", "2.9500 (1)",
-                                    "0.1500"]
-    assert rows["ddl"][1:] == ["3.0000 (1)", "3.5000 (1)", "3.3000 (2)", "3.2500 (2)",
-                               "0.0500"]
+    assert rows["standard"][1:] == [
+        "4.1000 (2)",
+        "3.7000 (2)",
+        "3.1000 (1)",
+        "2.9500 (1)",
+        "0.1500",
+    ]
+    assert rows["ddl"][1:] == ["3.0000 (1)", "3.5000 (1)", "3.3000 (2)", "3.2500 (2)", "0.0500"]
     assert "Ranking at step 40 and at step 80: different." in report
     # 0.15 / 3.1 = 4.84%; final losses 2.9 and 3.0 span 0.1
-    assert ("`standard` fell 0.1500 (4.84%) over its last 10 steps; its seeds' final losses "
-            "span 0.1000.") in report
+    assert (
+        "`standard` fell 0.1500 (4.84%) over its last 10 steps; its seeds' final losses "
+        "span 0.1000."
+    ) in report

@@ -12,19 +12,30 @@ import sys
 import time
 
 import pytest
-from bench_cli import run_cli
 from test_compare_report import png_size
 
 from t2train.checkpoint.store import find_latest
 from t2train.signals import REQUEUE_EXIT_CODE
 
+from bench_cli import run_cli
+
 pytestmark = pytest.mark.slow
 
-TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-        "model.seq_length=64", "train.micro_batch_size=4", "train.global_batch_size=8",
-        "train.warmup_steps=2", "train.eval_batches=2", "train.log_interval=1",
-        "train.eval_interval=3", "checkpoint.interval=4", "log.tensorboard=false",
-        "model.shortswa.window=16"]
+TINY = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.seq_length=64",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+    "train.warmup_steps=2",
+    "train.eval_batches=2",
+    "train.log_interval=1",
+    "train.eval_interval=3",
+    "checkpoint.interval=4",
+    "log.tensorboard=false",
+    "model.shortswa.window=16",
+]
 STEPS = 12
 # The second variant: the mixer on, and a model option of its own.
 VARIANTS = ["standard", "ddl+shortswa:model.ddl.dv=2"]
@@ -39,8 +50,12 @@ def _steps_logged(run_dir, key: str) -> list[int]:
 def _interrupt_in_second_run(args: list[str], second_run) -> subprocess.CompletedProcess:
     """Run the batch, send SIGUSR1 once the second run has saved a checkpoint (it saves and
     stops at the next step), and wait for the batch to stop."""
-    proc = subprocess.Popen([sys.executable, "-m", "t2train.cli", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "t2train.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 300
     while find_latest(second_run / "checkpoints") is None:
         assert proc.poll() is None, proc.communicate()[1][-4000:]
@@ -54,9 +69,20 @@ def _interrupt_in_second_run(args: list[str], second_run) -> subprocess.Complete
 @pytest.mark.filterwarnings("ignore:ignoring incomplete checkpoint")  # the poll sees a save
 def test_interrupted_batch_resumes_and_writes_report_and_figures(shakespeare, tmp_path):
     out = tmp_path / "compare"
-    args = ["experiment", "compare", f"data.path={shakespeare}", *TINY,
-            "--designs", ",".join(VARIANTS), "--seeds", "1", "--steps", str(STEPS),
-            "--out", str(out)]
+    args = [
+        "experiment",
+        "compare",
+        f"data.path={shakespeare}",
+        *TINY,
+        "--designs",
+        ",".join(VARIANTS),
+        "--seeds",
+        "1",
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(out),
+    ]
     first, second = (out / f"{variant}-seed1234" for variant in VARIANTS)
 
     stopped = _interrupt_in_second_run(args, second)

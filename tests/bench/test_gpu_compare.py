@@ -19,10 +19,24 @@ pytestmark = pytest.mark.slow
 
 
 def _window(out, records, data, budget_min):
-    return subprocess.run([sys.executable, "-m", "t2train.bench.gpu.compare", str(out),
-                           "--records", str(records), "--data", str(data), "--dry-run",
-                           "--budget-min", str(budget_min)],
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "t2train.bench.gpu.compare",
+            str(out),
+            "--records",
+            str(records),
+            "--data",
+            str(data),
+            "--dry-run",
+            "--budget-min",
+            str(budget_min),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_a_batch_completed_over_two_windows_and_merged(shakespeare, tmp_path):
@@ -32,14 +46,21 @@ def test_a_batch_completed_over_two_windows_and_merged(shakespeare, tmp_path):
     assert first.returncode == 0, first.stderr[-4000:]
     assert "not run (--time-budget-min=0.001): 1 of 2 run(s): ddl-seed1234" in first.stdout
     back = tmp_path / "out1" / "records"
-    assert sorted(p.name for p in back.iterdir()) == ["compare.md", "standard-seed1234",
-                                                      "val_loss_vs_flops.png",
-                                                      "val_loss_vs_tokens.png"]
+    assert sorted(p.name for p in back.iterdir()) == [
+        "compare.md",
+        "standard-seed1234",
+        "val_loss_vs_flops.png",
+        "val_loss_vs_tokens.png",
+    ]
     assert sorted(p.name for p in (back / "standard-seed1234").iterdir()) == [
-        "config.yaml", "metrics.jsonl"]  # no checkpoint travels
+        "config.yaml",
+        "metrics.jsonl",
+    ]  # no checkpoint travels
 
-    assert "not finished yet, so not in the tables: 1 run(s) (ddl-seed1234)" in (
-        back / "compare.md").read_text()
+    assert (
+        "not finished yet, so not in the tables: 1 run(s) (ddl-seed1234)"
+        in (back / "compare.md").read_text()
+    )
     shutil.copytree(back / "standard-seed1234", records / "standard-seed1234")  # committed
     standard_metrics = (records / "standard-seed1234" / "metrics.jsonl").read_bytes()
 
@@ -50,16 +71,32 @@ def test_a_batch_completed_over_two_windows_and_merged(shakespeare, tmp_path):
     assert "finished earlier, read its validation losses" in second.stdout
     assert "this job finished 1 run(s): ddl-seed1234" in second.stdout
 
-    merged = subprocess.run([sys.executable, "-m", "t2train.bench.gpu.compare", "--merge",
-                             str(tmp_path / "out2" / "records"), "--records", str(records),
-                             "--data", str(shakespeare), "--dry-run"],
-                            capture_output=True, text=True, timeout=600)
+    merged = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "t2train.bench.gpu.compare",
+            "--merge",
+            str(tmp_path / "out2" / "records"),
+            "--records",
+            str(records),
+            "--data",
+            str(shakespeare),
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert merged.returncode == 0, merged.stderr[-4000:]
     assert "not run" not in merged.stdout and "0 run(s) trained or resumed" in merged.stdout
     assert (records / "standard-seed1234" / "metrics.jsonl").read_bytes() == standard_metrics
     report = (records / "compare.md").read_text()
     assert "| ddl " in report and "not finished yet" not in report
     for run in ("standard-seed1234", "ddl-seed1234"):
-        steps = [json.loads(line)["step"] for line in (records / run / "metrics.jsonl").open()
-                 if "val/loss" in line]
+        steps = [
+            json.loads(line)["step"]
+            for line in (records / run / "metrics.jsonl").open()
+            if "val/loss" in line
+        ]
         assert steps[-1] == batch_spec(dry_run=True)["steps"]

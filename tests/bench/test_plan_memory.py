@@ -10,9 +10,16 @@ from t2train.bench.plan import plan_layout
 from t2train.config.loader import load_config
 
 S, B, H, L, V = 64, 2, 32, 4, 512  # sequence, micro-batch, hidden, layers, vocabulary
-SHAPE = ["data.path=unused", f"model.seq_length={S}", f"train.micro_batch_size={B}",
-         f"model.hidden_size={H}", f"model.num_layers={L}", "model.num_attention_heads=4",
-         "train.global_batch_size=4", "train.precision=bf16"]
+SHAPE = [
+    "data.path=unused",
+    f"model.seq_length={S}",
+    f"train.micro_batch_size={B}",
+    f"model.hidden_size={H}",
+    f"model.num_layers={L}",
+    "model.num_attention_heads=4",
+    "train.global_batch_size=4",
+    "train.precision=bf16",
+]
 UNIT = S * B * H * 2  # one [s, b, h] bf16 unit, bytes
 
 
@@ -34,8 +41,9 @@ def test_a_stream_of_n_units_keeps_every_sublayers_new_state(n):
     sublayer (attention and MLP, and the mixer's when on)."""
     added = _activations("model.residual=mhc", f"model.mhc.expansion_rate={n}") - _activations()
     assert added == pytest.approx(L * 2 * (n - 1) * UNIT, abs=2)
-    mixed = _activations("model.residual=mhc", f"model.mhc.expansion_rate={n}",
-                         "model.shortswa.window=8") - _activations("model.shortswa.window=8")
+    mixed = _activations(
+        "model.residual=mhc", f"model.mhc.expansion_rate={n}", "model.shortswa.window=8"
+    ) - _activations("model.shortswa.window=8")
     assert mixed == pytest.approx(L * 3 * (n - 1) * UNIT, abs=2)
 
 

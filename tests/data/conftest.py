@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from textgen import english_ish
 
 
@@ -30,8 +31,7 @@ def dataset(tmp_path_factory) -> Path:
     for i in range(4):
         (folder / f"doc{i}.txt").write_text(english_ish(seed=10 + i, paragraphs=60))
     out = tmp_path_factory.mktemp("dataset") / "ds"
-    prepare_dataset([str(folder / "*.txt")], out, seq_length=32, vocab_size=400,
-                    val_fraction=0.1)
+    prepare_dataset([str(folder / "*.txt")], out, seq_length=32, vocab_size=400, val_fraction=0.1)
     return out
 
 
@@ -45,9 +45,15 @@ def mix_datasets(tmp_path_factory, dataset) -> tuple[Path, Path]:
     out = []
     for name, docs in (("big", 16), ("small", 4)):
         for i in range(docs):
-            (root / f"{name}{i}.txt").write_text(english_ish(seed=1000 * len(out) + i,
-                                                             paragraphs=200))
-        prepare_dataset([str(root / f"{name}*.txt")], root / name, seq_length=8,
-                        tokenizer=dataset / "tokenizer.json", val_fraction=0.01)
+            (root / f"{name}{i}.txt").write_text(
+                english_ish(seed=1000 * len(out) + i, paragraphs=200)
+            )
+        prepare_dataset(
+            [str(root / f"{name}*.txt")],
+            root / name,
+            seq_length=8,
+            tokenizer=dataset / "tokenizer.json",
+            val_fraction=0.01,
+        )
         out.append(root / name)
     return out[0], out[1]

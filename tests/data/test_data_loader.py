@@ -87,8 +87,10 @@ def test_state_dict_resumes_with_exactly_the_next_batches(dataset):
         resumed = TokenBatches(dataset, "train", 8, 32, ONE, seed=5)
         resumed.load_state_dict(state)
         assert take_ids(resumed, per_epoch) == following
-        this_epoch = seen[8 * per_epoch * state["epoch"]:] + following[:8 * (
-            per_epoch - consumed % per_epoch)]
+        this_epoch = (
+            seen[8 * per_epoch * state["epoch"] :]
+            + following[: 8 * (per_epoch - consumed % per_epoch)]
+        )
         assert len(set(this_epoch)) == len(this_epoch)  # an epoch repeats no sample
 
 
@@ -102,8 +104,11 @@ def test_finite_mode_is_one_pass_per_loop(dataset):
 
 
 def test_dataset_shorter_than_seq_length(dataset):
-    with pytest.raises(DataError, match=r"seq_length=64: needs samples of 65 tokens, but the "
-                                        r"samples of .* have 33 tokens"):
+    with pytest.raises(
+        DataError,
+        match=r"seq_length=64: needs samples of 65 tokens, but the "
+        r"samples of .* have 33 tokens",
+    ):
         TokenBatches(dataset, "train", 4, 64, ONE, seed=0)
 
 
@@ -168,9 +173,21 @@ live.close()
 def _probe_descriptors(dataset, tmp_path, mode: str) -> tuple[int, int]:
     (tmp_path / "other").mkdir()
     (tmp_path / "this").mkdir()
-    done = subprocess.run([sys.executable, "-c", PROBES, str(dataset), str(tmp_path / "other"),
-                           str(tmp_path / "this"), str(Path(__file__).parent), mode],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            PROBES,
+            str(dataset),
+            str(tmp_path / "other"),
+            str(tmp_path / "this"),
+            str(Path(__file__).parent),
+            mode,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     held, after = map(int, done.stdout.split())
     return held, after
@@ -205,8 +222,13 @@ def _free_port() -> int:
 def _rank_main(rank, world_size, readers, port, path, out_dir):
     """One process; the ranks in ``readers`` read (data-parallel rank = position), as tensor
     rank 0 of a replica does; the others idle, as its model-parallel peers do."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )
     reading = rank in readers
     world = reader_world(reading, readers.index(rank) if reading else 0, len(readers))
     result = {"world": None, "samples": []}
@@ -224,11 +246,15 @@ def _rank_main(rank, world_size, readers, port, path, out_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size, readers", [(2, [0, 1]), (3, [0, 2])],
-                         ids=["dp2", "dp2-with-idle-peer"])
+@pytest.mark.parametrize(
+    "world_size, readers", [(2, [0, 1]), (3, [0, 2])], ids=["dp2", "dp2-with-idle-peer"]
+)
 def test_data_parallel_readers_see_disjoint_halves(dataset, tmp_path, world_size, readers):
-    mp.spawn(_rank_main, args=(world_size, readers, _free_port(), str(dataset), str(tmp_path)),
-             nprocs=world_size)
+    mp.spawn(
+        _rank_main,
+        args=(world_size, readers, _free_port(), str(dataset), str(tmp_path)),
+        nprocs=world_size,
+    )
     results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world_size)]
     assert all(results[r]["world"] is None for r in range(world_size) if r not in readers)
     first, second = (results[r] for r in readers)
@@ -236,9 +262,11 @@ def test_data_parallel_readers_see_disjoint_halves(dataset, tmp_path, world_size
     assert first["state"] == second["state"]
     assert len(first["samples"]) == len(second["samples"])
 
-    everything = {tuple(row.tolist()) for b in TokenBatches(dataset, "train", 8, 32, ONE, seed=0,
-                                                            shuffle=False, finite=True)
-                  for row in b["tokens"]}
+    everything = {
+        tuple(row.tolist())
+        for b in TokenBatches(dataset, "train", 8, 32, ONE, seed=0, shuffle=False, finite=True)
+        for row in b["tokens"]
+    }
     seen = [{tuple(s) for s in r["samples"]} for r in (first, second)]
     assert seen[0] | seen[1] == everything
     # streaming pads an epoch to a multiple of the readers by repeating samples (here < 2)

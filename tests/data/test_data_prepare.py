@@ -8,12 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from textgen import english_ish
 from tokenizers import Tokenizer
 
 from t2train.data.loader import StreamingWorld, TokenBatches
 from t2train.data.prepare import DataError, prepare_dataset, read_index
 from t2train.data.tokenizer import EOS, file_sha256, token_dtype
+
+from textgen import english_ish
 
 ONE = StreamingWorld(0, 1, 0, 1)
 
@@ -26,8 +27,9 @@ def all_samples(path, split, seq_length):
 
 def test_index_describes_shards_of_the_tokenized_input(text_files, tmp_path):
     out = tmp_path / "ds"
-    index = prepare_dataset([str(p) for p in text_files], out, seq_length=31, vocab_size=300,
-                            val_fraction=0.2, seed=3)
+    index = prepare_dataset(
+        [str(p) for p in text_files], out, seq_length=31, vocab_size=300, val_fraction=0.2, seed=3
+    )
 
     assert read_index(out) == index == json.loads((out / "index.json").read_text())
     assert {p.name for p in out.iterdir()} == {"index.json", "tokenizer.json", "train", "val"}
@@ -48,16 +50,18 @@ def test_index_describes_shards_of_the_tokenized_input(text_files, tmp_path):
     assert 0.1 < val["samples"] / (train["samples"] + val["samples"]) < 0.3
 
     # The samples are exactly the documents' tokens joined by EOS, cut every 32 tokens.
-    stream = np.concatenate([np.append(tok.encode(p.read_text()).ids, index["eos_id"])
-                             for p in text_files])
-    expected = {tuple(stream[i:i + 32]) for i in range(0, len(stream) - 31, 32)}
+    stream = np.concatenate(
+        [np.append(tok.encode(p.read_text()).ids, index["eos_id"]) for p in text_files]
+    )
+    expected = {tuple(stream[i : i + 32]) for i in range(0, len(stream) - 31, 32)}
     got = [tuple(s) for split in ("train", "val") for s in all_samples(out, split, 31)]
     assert len(got) == len(expected) and set(got) == expected
 
 
 def test_held_out_files_are_the_val_split_and_unseen_by_the_tokenizer(text_files, tmp_path):
-    index = prepare_dataset(text_files, tmp_path / "ds", seq_length=15, vocab_size=300,
-                            val_files=["doc1.*"], workers=2)
+    index = prepare_dataset(
+        text_files, tmp_path / "ds", seq_length=15, vocab_size=300, val_files=["doc1.*"], workers=2
+    )
     held, kept = text_files[1], [text_files[0], text_files[2]]
     assert index["val_split"]["by"] == "file" and index["val_fraction"] is None
     assert index["val_split"]["files"] == [str(held.resolve())]
@@ -71,9 +75,10 @@ def test_held_out_files_are_the_val_split_and_unseen_by_the_tokenizer(text_files
     tok = Tokenizer.from_file(str(tmp_path / "ds" / "tokenizer.json"))
 
     def cut(files):
-        stream = np.concatenate([np.append(tok.encode(p.read_text()).ids, index["eos_id"])
-                                 for p in files])
-        return [tuple(stream[i:i + 16]) for i in range(0, len(stream) - 15, 16)]
+        stream = np.concatenate(
+            [np.append(tok.encode(p.read_text()).ids, index["eos_id"]) for p in files]
+        )
+        return [tuple(stream[i : i + 16]) for i in range(0, len(stream) - 15, 16)]
 
     for split, files in (("train", kept), ("val", [held])):
         assert [tuple(s) for s in all_samples(tmp_path / "ds", split, 15)] == cut(files)
@@ -84,16 +89,27 @@ def test_held_out_files_are_the_val_split_and_unseen_by_the_tokenizer(text_files
 def test_held_out_patterns_must_match_some_but_not_all_inputs(text_files, tmp_path):
     with pytest.raises(DataError, match=r"val_files 'hamlet\*': matches none of the 3 input"):
         prepare_dataset(text_files, tmp_path / "ds", seq_length=16, val_files=["hamlet*"])
-    with pytest.raises(DataError, match=r"val_files 'doc0.txt', '\*/corpus/doc\[12\].txt': "
-                                        r"match all 3 input file\(s\)"):
-        prepare_dataset(text_files, tmp_path / "ds", seq_length=16,
-                        val_files=["doc0.txt", "*/corpus/doc[12].txt"])
+    with pytest.raises(
+        DataError,
+        match=r"val_files 'doc0.txt', '\*/corpus/doc\[12\].txt': "
+        r"match all 3 input file\(s\)",
+    ):
+        prepare_dataset(
+            text_files,
+            tmp_path / "ds",
+            seq_length=16,
+            val_files=["doc0.txt", "*/corpus/doc[12].txt"],
+        )
     short = text_files[0].with_name("short.txt")
     short.write_text("Too short to hold out.")
-    with pytest.raises(DataError, match=r"the val files give \d+ tokens, fewer than one sample "
-                                        r"of seq_length\+1=17"):
-        prepare_dataset([*text_files, short], tmp_path / "ds", seq_length=16,
-                        val_files=["short.txt"])
+    with pytest.raises(
+        DataError,
+        match=r"the val files give \d+ tokens, fewer than one sample "
+        r"of seq_length\+1=17",
+    ):
+        prepare_dataset(
+            [*text_files, short], tmp_path / "ds", seq_length=16, val_files=["short.txt"]
+        )
     assert not (tmp_path / "ds").exists()
 
 
@@ -109,15 +125,22 @@ def test_same_inputs_and_seed_give_the_same_dataset(text_files, tmp_path):
 def test_jsonl_with_a_given_tokenizer_and_text_field(text_files, tmp_path):
     first = prepare_dataset(text_files, tmp_path / "first", seq_length=16, vocab_size=300)
     jsonl = tmp_path / "docs.jsonl"
-    jsonl.write_text("".join(json.dumps({"id": i, "body": english_ish(i, 5)}) + "\n"
-                             for i in range(30)) + "\n")  # a trailing blank line is ignored
-    index = prepare_dataset([str(jsonl)], tmp_path / "ds", seq_length=16, text_field="body",
-                            tokenizer=tmp_path / "first" / "tokenizer.json")
+    jsonl.write_text(
+        "".join(json.dumps({"id": i, "body": english_ish(i, 5)}) + "\n" for i in range(30)) + "\n"
+    )  # a trailing blank line is ignored
+    index = prepare_dataset(
+        [str(jsonl)],
+        tmp_path / "ds",
+        seq_length=16,
+        text_field="body",
+        tokenizer=tmp_path / "first" / "tokenizer.json",
+    )
     assert index["tokenizer"]["sha256"] == first["tokenizer"]["sha256"]
     assert index["sources"][0]["documents"] == 30
     tok = Tokenizer.from_file(str(tmp_path / "first" / "tokenizer.json"))
-    assert index["total_tokens"] == sum(len(tok.encode(english_ish(i, 5)).ids) + 1
-                                        for i in range(30))
+    assert index["total_tokens"] == sum(
+        len(tok.encode(english_ish(i, 5)).ids) + 1 for i in range(30)
+    )
 
 
 def test_globs_empty_files_and_invalid_utf8(text_files, tmp_path):
@@ -126,16 +149,21 @@ def test_globs_empty_files_and_invalid_utf8(text_files, tmp_path):
     (folder / "blank.txt").write_text("\n  \n")
     # a few bad bytes (one in 40 characters) are replaced and counted, not refused
     (folder / "bad.txt").write_bytes(b"caf\xe9 \xff\xfe and a few more words here\n" * 50)
-    with pytest.warns(UserWarning, match=r"bad.txt: 150 invalid UTF-8 sequence\(s\) replaced "
-                                         r"with U\+FFFD \(text in another encoding\? give it "
-                                         r"with --encoding\)"):
-        index = prepare_dataset([str(folder / "*.txt")], tmp_path / "ds", seq_length=16,
-                                vocab_size=300)
-    assert sorted(p.rsplit("/", 1)[1] for p in index["skipped_empty_files"]) == \
-        ["blank.txt", "empty.txt"]
+    with pytest.warns(
+        UserWarning,
+        match=r"bad.txt: 150 invalid UTF-8 sequence\(s\) replaced "
+        r"with U\+FFFD \(text in another encoding\? give it "
+        r"with --encoding\)",
+    ):
+        index = prepare_dataset(
+            [str(folder / "*.txt")], tmp_path / "ds", seq_length=16, vocab_size=300
+        )
+    assert sorted(p.rsplit("/", 1)[1] for p in index["skipped_empty_files"]) == [
+        "blank.txt",
+        "empty.txt",
+    ]
     assert len(index["sources"]) == 4
-    assert [s["replaced_chars"] for s in index["sources"] if s["path"].endswith("bad.txt")] \
-        == [150]
+    assert [s["replaced_chars"] for s in index["sources"] if s["path"].endswith("bad.txt")] == [150]
 
 
 def test_binary_inputs_are_refused_naming_the_file_or_skipped(text_files, tmp_path):
@@ -143,21 +171,31 @@ def test_binary_inputs_are_refused_naming_the_file_or_skipped(text_files, tmp_pa
     (folder / "ls.txt").write_bytes(bytes(range(256)) * 400)  # 100 KiB with NUL bytes
     noise = bytes(b for b in np.random.default_rng(0).integers(1, 256, 20_000, dtype=np.uint8))
     (folder / "noise.txt").write_bytes(noise)  # no NUL, but mostly invalid UTF-8
-    with pytest.raises(DataError, match=rf"^input {folder}/ls.txt: does not look like UTF-8 "
-                                        r"text \(NUL characters in its first 64 KiB\) \(and 1 "
-                                        r"more such file\(s\)\); skip such files with "
-                                        r"--skip-binary, or give the encoding with --encoding"):
+    with pytest.raises(
+        DataError,
+        match=rf"^input {folder}/ls.txt: does not look like UTF-8 "
+        r"text \(NUL characters in its first 64 KiB\) \(and 1 "
+        r"more such file\(s\)\); skip such files with "
+        r"--skip-binary, or give the encoding with --encoding",
+    ):
         prepare_dataset([folder], tmp_path / "ds", seq_length=16, vocab_size=300)
-    with pytest.raises(DataError, match=rf"^input {folder}/noise.txt: does not look like UTF-8 "
-                                        r"text \(\d+ invalid UTF-8 sequences in the file \(\d+% "):
+    with pytest.raises(
+        DataError,
+        match=rf"^input {folder}/noise.txt: does not look like UTF-8 "
+        r"text \(\d+ invalid UTF-8 sequences in the file \(\d+% ",
+    ):
         prepare_dataset([folder / "noise.txt"], tmp_path / "ds", seq_length=16)
     assert not (tmp_path / "ds").exists()
 
-    index = prepare_dataset([folder], tmp_path / "ds", seq_length=16, vocab_size=300,
-                            skip_binary=True)
+    index = prepare_dataset(
+        [folder], tmp_path / "ds", seq_length=16, vocab_size=300, skip_binary=True
+    )
     assert index["skipped_binary_files"] == [str(folder / "ls.txt"), str(folder / "noise.txt")]
-    assert sorted(Path(s["path"]).name for s in index["sources"]) == \
-        ["doc0.txt", "doc1.txt", "doc2.txt"]
+    assert sorted(Path(s["path"]).name for s in index["sources"]) == [
+        "doc0.txt",
+        "doc1.txt",
+        "doc2.txt",
+    ]
     with pytest.raises(DataError, match=r"no text inputs: all 1 input file\(s\) look binary"):
         prepare_dataset([folder / "ls.txt"], tmp_path / "ds2", seq_length=16, skip_binary=True)
 
@@ -165,11 +203,19 @@ def test_binary_inputs_are_refused_naming_the_file_or_skipped(text_files, tmp_pa
 def test_other_encodings(tmp_path):
     text = "Le café crème était très sucré, à côté du gâteau. " * 400  # 19% accented
     (tmp_path / "latin1.txt").write_bytes(text.encode("latin-1"))
-    with pytest.raises(DataError, match=r"latin1.txt: does not look like UTF-8 text \(\d+ "
-                                        r"invalid UTF-8 sequences in the file"):
+    with pytest.raises(
+        DataError,
+        match=r"latin1.txt: does not look like UTF-8 text \(\d+ "
+        r"invalid UTF-8 sequences in the file",
+    ):
         prepare_dataset([tmp_path / "latin1.txt"], tmp_path / "ds", seq_length=16)
-    index = prepare_dataset([tmp_path / "latin1.txt"], tmp_path / "ds", seq_length=16,
-                            vocab_size=300, encoding="latin-1")
+    index = prepare_dataset(
+        [tmp_path / "latin1.txt"],
+        tmp_path / "ds",
+        seq_length=16,
+        vocab_size=300,
+        encoding="latin-1",
+    )
     assert index["encoding"] == "latin-1" and index["sources"][0]["replaced_chars"] == 0
     tok = Tokenizer.from_file(str(tmp_path / "ds" / "tokenizer.json"))
     ids = np.concatenate(all_samples(tmp_path / "ds", "train", 16)).tolist()
@@ -179,17 +225,23 @@ def test_other_encodings(tmp_path):
     (tmp_path / "wide.txt").write_text(text, encoding="utf-16")
     with pytest.raises(DataError, match=r"wide.txt: does not look like UTF-8 text \(NUL"):
         prepare_dataset([tmp_path / "wide.txt"], tmp_path / "ds16", seq_length=16)
-    index = prepare_dataset([tmp_path / "wide.txt"], tmp_path / "ds16", seq_length=16,
-                            vocab_size=300, encoding="utf-16")
+    index = prepare_dataset(
+        [tmp_path / "wide.txt"], tmp_path / "ds16", seq_length=16, vocab_size=300, encoding="utf-16"
+    )
     assert index["total_tokens"] > 0 and index["sources"][0]["replaced_chars"] == 0
     (tmp_path / "wide.jsonl").write_text('{"text": "x"}\n', encoding="utf-16")
-    with pytest.raises(DataError, match=r"wide.jsonl: JSONL needs an encoding that writes a "
-                                        r"newline as one byte, not 'utf-16'"):
-        prepare_dataset([tmp_path / "wide.jsonl"], tmp_path / "dsj", seq_length=16,
-                        encoding="utf-16")
+    with pytest.raises(
+        DataError,
+        match=r"wide.jsonl: JSONL needs an encoding that writes a "
+        r"newline as one byte, not 'utf-16'",
+    ):
+        prepare_dataset(
+            [tmp_path / "wide.jsonl"], tmp_path / "dsj", seq_length=16, encoding="utf-16"
+        )
     with pytest.raises(DataError, match=r"encoding='klingon': unknown \(expected a Python codec"):
-        prepare_dataset([tmp_path / "latin1.txt"], tmp_path / "dsk", seq_length=16,
-                        encoding="klingon")
+        prepare_dataset(
+            [tmp_path / "latin1.txt"], tmp_path / "dsk", seq_length=16, encoding="klingon"
+        )
 
 
 def test_directories_are_searched_recursively_by_pattern(text_files, tmp_path):
@@ -201,22 +253,34 @@ def test_directories_are_searched_recursively_by_pattern(text_files, tmp_path):
     (folder / ".hidden").mkdir()
     (folder / ".hidden" / "old.txt").write_text("hidden\n")
     index = prepare_dataset([folder], tmp_path / "ds", seq_length=16, vocab_size=300)
-    assert [Path(s["path"]).relative_to(folder).as_posix() for s in index["sources"]] == \
-        ["doc0.txt", "doc1.txt", "doc2.txt", "sub/deeper/late.txt", "sub/rows.jsonl"]
-    index = prepare_dataset([folder], tmp_path / "ds2", seq_length=16, vocab_size=300,
-                            patterns=["*.jsonl", "late.*"])
+    assert [Path(s["path"]).relative_to(folder).as_posix() for s in index["sources"]] == [
+        "doc0.txt",
+        "doc1.txt",
+        "doc2.txt",
+        "sub/deeper/late.txt",
+        "sub/rows.jsonl",
+    ]
+    index = prepare_dataset(
+        [folder], tmp_path / "ds2", seq_length=16, vocab_size=300, patterns=["*.jsonl", "late.*"]
+    )
     assert [Path(s["path"]).name for s in index["sources"]] == ["late.txt", "rows.jsonl"]
-    with pytest.raises(DataError, match=rf"input {folder}: a directory without files matching "
-                                        r"'\*.csv' \(in any subdirectory\); choose them with "
-                                        r"--pattern"):
+    with pytest.raises(
+        DataError,
+        match=rf"input {folder}: a directory without files matching "
+        r"'\*.csv' \(in any subdirectory\); choose them with "
+        r"--pattern",
+    ):
         prepare_dataset([folder], tmp_path / "ds3", seq_length=16, patterns=["*.csv"])
 
 
-@pytest.mark.parametrize("inputs, cause", [
-    (["no/such/file.txt"], "input no/such/file.txt: no such file"),
-    (["no/such/*.txt"], "input 'no/such/*.txt': the glob matches no files"),
-    ([], "no inputs"),
-])
+@pytest.mark.parametrize(
+    "inputs, cause",
+    [
+        (["no/such/file.txt"], "input no/such/file.txt: no such file"),
+        (["no/such/*.txt"], "input 'no/such/*.txt': the glob matches no files"),
+        ([], "no inputs"),
+    ],
+)
 def test_missing_inputs_fail_before_any_output(tmp_path, inputs, cause):
     with pytest.raises(DataError, match=cause.replace("*", r"\*").replace(".", r"\.")):
         prepare_dataset(inputs, tmp_path / "out" / "ds", seq_length=16)
@@ -226,8 +290,11 @@ def test_missing_inputs_fail_before_any_output(tmp_path, inputs, cause):
 def test_unsupported_suffix_and_bad_settings(text_files, tmp_path):
     other = tmp_path / "notes.md"
     other.write_text("# hi\n")
-    with pytest.raises(DataError, match=r"notes.md: unsupported type '.md', expected "
-                                        r"\.txt, \.jsonl or \.parquet"):
+    with pytest.raises(
+        DataError,
+        match=r"notes.md: unsupported type '.md', expected "
+        r"\.txt, \.jsonl or \.parquet",
+    ):
         prepare_dataset([other], tmp_path / "ds", seq_length=16)
     with pytest.raises(DataError, match=r"val_fraction=0: must be > 0 and < 1"):
         prepare_dataset(text_files, tmp_path / "ds", seq_length=16, val_fraction=0)
@@ -241,8 +308,11 @@ def test_unsupported_suffix_and_bad_settings(text_files, tmp_path):
 def test_missing_json_field_names_file_and_line(tmp_path):
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text('{"text": "one two three"}\n{"body": "four"}\n')
-    with pytest.raises(DataError, match=r"docs.jsonl:2: no field 'text' \(fields: 'body'\); "
-                                        r"choose the text field with --text-field"):
+    with pytest.raises(
+        DataError,
+        match=r"docs.jsonl:2: no field 'text' \(fields: 'body'\); "
+        r"choose the text field with --text-field",
+    ):
         prepare_dataset([jsonl], tmp_path / "out" / "ds", seq_length=4)
     jsonl.write_text('{"text": "one"}\nnot json\n')
     with pytest.raises(DataError, match=r"docs.jsonl:2: not valid JSON"):
@@ -253,8 +323,9 @@ def test_missing_json_field_names_file_and_line(tmp_path):
 def test_error_while_writing_leaves_no_dataset(tmp_path):
     """A JSON error found after shards were started: nothing is left beside the output."""
     tok_dir = tmp_path / "tok"
-    prepare_dataset([_write(tmp_path / "a.txt", english_ish(0, 30))], tok_dir, seq_length=8,
-                    vocab_size=300)
+    prepare_dataset(
+        [_write(tmp_path / "a.txt", english_ish(0, 30))], tok_dir, seq_length=8, vocab_size=300
+    )
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text(json.dumps({"text": english_ish(1, 30)}) + "\n" + '{"body": "x"}\n')
     out = tmp_path / "out"
@@ -283,20 +354,29 @@ def test_non_empty_out_dir_and_overwrite(text_files, tmp_path):
 
 def test_too_little_text_for_two_samples(tmp_path):
     with pytest.raises(DataError, match=r"fewer than 2 samples of seq_length\+1=1025"):
-        prepare_dataset([_write(tmp_path / "a.txt", "just a few words\n")], tmp_path / "ds",
-                        seq_length=1024, vocab_size=300)
+        prepare_dataset(
+            [_write(tmp_path / "a.txt", "just a few words\n")],
+            tmp_path / "ds",
+            seq_length=1024,
+            vocab_size=300,
+        )
     assert not (tmp_path / "ds").exists()
 
 
 def test_two_samples_fill_both_splits(tmp_path):
     text = english_ish(0, 3)
     tok_dir = tmp_path / "tok"
-    prepare_dataset([_write(tmp_path / "big.txt", english_ish(1, 20))], tok_dir, seq_length=4,
-                    vocab_size=300)
+    prepare_dataset(
+        [_write(tmp_path / "big.txt", english_ish(1, 20))], tok_dir, seq_length=4, vocab_size=300
+    )
     n = len(Tokenizer.from_file(str(tok_dir / "tokenizer.json")).encode(text).ids) + 1
-    index = prepare_dataset([_write(tmp_path / "a.txt", text)], tmp_path / "ds",
-                            seq_length=n // 2 - 1, tokenizer=tok_dir / "tokenizer.json",
-                            val_fraction=0.01)
+    index = prepare_dataset(
+        [_write(tmp_path / "a.txt", text)],
+        tmp_path / "ds",
+        seq_length=n // 2 - 1,
+        tokenizer=tok_dir / "tokenizer.json",
+        val_fraction=0.01,
+    )
     assert index["splits"]["train"]["samples"] == index["splits"]["val"]["samples"] == 1
 
 
@@ -306,12 +386,19 @@ def test_user_tokenizer_without_eos(text_files, tmp_path):
     spec["added_tokens"] = []
     spec["model"]["vocab"] = {k: v for k, v in spec["model"]["vocab"].items() if k != EOS}
     bad = _write(tmp_path / "tokenizer.json", json.dumps(spec))
-    with pytest.raises(DataError, match=r"has none of the tokens '<\|endoftext\|>', .*'</s>'.*; "
-                                        r"expected one as the end-of-document \(EOS\) token"):
+    with pytest.raises(
+        DataError,
+        match=r"has none of the tokens '<\|endoftext\|>', .*'</s>'.*; "
+        r"expected one as the end-of-document \(EOS\) token",
+    ):
         prepare_dataset(text_files, tmp_path / "other", seq_length=16, tokenizer=bad)
     with pytest.raises(DataError, match=r"not a valid tokenizer.json"):
-        prepare_dataset(text_files, tmp_path / "other", seq_length=16,
-                        tokenizer=_write(tmp_path / "t.json", "{}"))
+        prepare_dataset(
+            text_files,
+            tmp_path / "other",
+            seq_length=16,
+            tokenizer=_write(tmp_path / "t.json", "{}"),
+        )
     assert not (tmp_path / "other").exists()
 
 
@@ -333,16 +420,22 @@ def _sentencepiece_folder(text_files, folder: Path) -> Path:
     from transformers import LlamaTokenizer
 
     sentencepiece.SentencePieceTrainer.train(
-        input=",".join(map(str, text_files)), model_prefix=str(folder.parent / "sp"),
-        vocab_size=300, model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-        minloglevel=2)
+        input=",".join(map(str, text_files)),
+        model_prefix=str(folder.parent / "sp"),
+        vocab_size=300,
+        model_type="bpe",
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
     LlamaTokenizer(vocab_file=str(folder.parent / "sp.model")).save_pretrained(folder)
     assert (folder / "tokenizer.model").is_file() and not (folder / "tokenizer.json").exists()
     return folder
 
 
-def test_a_sentencepiece_folder_is_converted_and_its_bos_starts_each_document(text_files,
-                                                                             tmp_path):
+def test_a_sentencepiece_folder_is_converted_and_its_bos_starts_each_document(text_files, tmp_path):
     """A folder with only tokenizer.model prepares data with the fast tokenizer transformers
     makes of it; the Llama tokenizer puts <s> before every text, so each document starts with
     it (index bos_id) and ends with </s>: the train split's stream equals, id for id,
@@ -351,8 +444,9 @@ def test_a_sentencepiece_folder_is_converted_and_its_bos_starts_each_document(te
     from transformers import AutoTokenizer
 
     folder = _sentencepiece_folder(text_files, tmp_path / "llama")
-    index = prepare_dataset(text_files, tmp_path / "ds", seq_length=16, tokenizer=folder,
-                            val_files=["doc2.txt"])
+    index = prepare_dataset(
+        text_files, tmp_path / "ds", seq_length=16, tokenizer=folder, val_files=["doc2.txt"]
+    )
     assert (index["bos_id"], index["eos_id"]) == (1, 2)
     assert Tokenizer.from_file(str(tmp_path / "ds" / "tokenizer.json")).id_to_token(1) == "<s>"
     reference = AutoTokenizer.from_pretrained(str(folder))
@@ -360,25 +454,37 @@ def test_a_sentencepiece_folder_is_converted_and_its_bos_starts_each_document(te
     for path in text_files[:2]:
         expected += [1, *reference(path.read_text(), add_special_tokens=False)["input_ids"], 2]
     stream = np.concatenate(all_samples(tmp_path / "ds", "train", 16)).tolist()
-    assert 0 < len(stream) and stream == expected[:len(stream)]
+    assert 0 < len(stream) and stream == expected[: len(stream)]
     assert stream.count(1) == 2  # one per document
 
-    index = prepare_dataset(text_files, tmp_path / "never", seq_length=16, tokenizer=folder,
-                            val_files=["doc2.txt"], bos="never")
+    index = prepare_dataset(
+        text_files,
+        tmp_path / "never",
+        seq_length=16,
+        tokenizer=folder,
+        val_files=["doc2.txt"],
+        bos="never",
+    )
     assert index["bos_id"] is None
     assert 1 not in np.concatenate(all_samples(tmp_path / "never", "train", 16)).tolist()
-    assert prepare_dataset(text_files, tmp_path / "bpe", seq_length=16,
-                           vocab_size=300)["bos_id"] is None
+    assert (
+        prepare_dataset(text_files, tmp_path / "bpe", seq_length=16, vocab_size=300)["bos_id"]
+        is None
+    )
     with pytest.raises(DataError, match="bos=always: .* has none of the begin tokens"):
-        prepare_dataset(text_files, tmp_path / "always", seq_length=16, vocab_size=300,
-                        bos="always")
+        prepare_dataset(
+            text_files, tmp_path / "always", seq_length=16, vocab_size=300, bos="always"
+        )
 
 
 def test_read_index_errors(tmp_path):
     with pytest.raises(DataError, match=rf"dataset {tmp_path}/nope: no such directory"):
         read_index(tmp_path / "nope")
-    with pytest.raises(DataError, match=r"not a prepared dataset \(no index.json\); run "
-                                        r"`t2train data prepare`"):
+    with pytest.raises(
+        DataError,
+        match=r"not a prepared dataset \(no index.json\); run "
+        r"`t2train data prepare`",
+    ):
         read_index(tmp_path)
     _write(tmp_path / "index.json", "{not json")
     with pytest.raises(DataError, match=r"index.json: malformed"):
@@ -399,10 +505,18 @@ def test_parquet_inputs_stream_rows_as_documents(text_files, tmp_path):
 
     first = prepare_dataset(text_files, tmp_path / "first", seq_length=16, vocab_size=300)
     texts = [english_ish(i, 5) for i in range(40)]
-    pq.write_table(pa.table({"id": list(range(40)), "body": texts}), tmp_path / "docs.parquet",
-                   row_group_size=7)
-    index = prepare_dataset([tmp_path / "docs.parquet"], tmp_path / "ds", seq_length=16,
-                            text_field="body", tokenizer=tmp_path / "first" / "tokenizer.json")
+    pq.write_table(
+        pa.table({"id": list(range(40)), "body": texts}),
+        tmp_path / "docs.parquet",
+        row_group_size=7,
+    )
+    index = prepare_dataset(
+        [tmp_path / "docs.parquet"],
+        tmp_path / "ds",
+        seq_length=16,
+        text_field="body",
+        tokenizer=tmp_path / "first" / "tokenizer.json",
+    )
     tok = Tokenizer.from_file(str(tmp_path / "first" / "tokenizer.json"))
     assert index["sources"][0]["documents"] == 40
     assert index["total_tokens"] == sum(len(tok.encode(t).ids) + 1 for t in texts)
@@ -415,12 +529,18 @@ def test_bad_parquet_inputs(tmp_path):
 
     path = tmp_path / "docs.parquet"
     pq.write_table(pa.table({"body": ["one two", "three"]}), path)
-    with pytest.raises(DataError, match=r"docs.parquet: no column 'text' \(columns: 'body'\); "
-                                        r"choose the text column with --text-field"):
+    with pytest.raises(
+        DataError,
+        match=r"docs.parquet: no column 'text' \(columns: 'body'\); "
+        r"choose the text column with --text-field",
+    ):
         prepare_dataset([path], tmp_path / "ds", seq_length=4)
     pq.write_table(pa.table({"text": ["one two", None]}), path)
-    with pytest.raises(DataError, match=r"docs.parquet: row 2: column 'text' is null, expected "
-                                        r"a string"):
+    with pytest.raises(
+        DataError,
+        match=r"docs.parquet: row 2: column 'text' is null, expected "
+        r"a string",
+    ):
         prepare_dataset([path], tmp_path / "ds", seq_length=4)
     pq.write_table(pa.table({"text": [1, 2]}), path)
     with pytest.raises(DataError, match=r"column 'text' has type int64, expected string"):
@@ -436,12 +556,18 @@ def test_invalid_utf8_and_empty_documents_in_binary_parquet_and_jsonl(tmp_path):
     import pyarrow.parquet as pq
 
     words = english_ish(3, 40).encode()
-    pq.write_table(pa.table({"text": pa.array([words, b"caf\xe9 au lait", b"  "],
-                                              pa.binary())}), tmp_path / "a.parquet")
+    pq.write_table(
+        pa.table({"text": pa.array([words, b"caf\xe9 au lait", b"  "], pa.binary())}),
+        tmp_path / "a.parquet",
+    )
     (tmp_path / "b.jsonl").write_text('{"text": "   "}\n{"text": "some words here"}\n')
     with pytest.warns(UserWarning, match=r"a.parquet: 1 invalid UTF-8 sequence"):
-        index = prepare_dataset([tmp_path / "a.parquet", tmp_path / "b.jsonl"], tmp_path / "ds",
-                                seq_length=8, vocab_size=300)
+        index = prepare_dataset(
+            [tmp_path / "a.parquet", tmp_path / "b.jsonl"],
+            tmp_path / "ds",
+            seq_length=8,
+            vocab_size=300,
+        )
     facts = {Path(s["path"]).name: s for s in index["sources"]}
     assert facts["a.parquet"]["replaced_chars"] == 1
     assert [facts[n]["documents"] for n in ("a.parquet", "b.jsonl")] == [2, 1]
@@ -454,18 +580,22 @@ def test_parallel_tokenization_writes_the_same_dataset(text_files, tmp_path):
     assert one == two
     for split in ("train", "val"):
         shards = sorted((tmp_path / "one" / split).iterdir())
-        assert [p.read_bytes() for p in shards] == \
-            [(tmp_path / "two" / split / p.name).read_bytes() for p in shards]
+        assert [p.read_bytes() for p in shards] == [
+            (tmp_path / "two" / split / p.name).read_bytes() for p in shards
+        ]
     with pytest.raises(DataError, match=r"workers=0: must be an integer >= 1"):
         prepare_dataset(text_files, tmp_path / "three", seq_length=16, workers=0)
 
 
 def test_vocabulary_too_large_for_the_token_column(text_files, tmp_path):
-    assert token_dtype(2 ** 16) == "uint16" and token_dtype(2 ** 16 + 1) == "uint32"
-    assert token_dtype(2 ** 32) == "uint32"
-    with pytest.raises(DataError, match=r"tokenizer vocabulary of 4294967297 tokens: too large, "
-                                        r"ids above 4294967295 do not fit the uint32 token column"):
-        prepare_dataset(text_files, tmp_path / "ds", seq_length=16, vocab_size=2 ** 32 + 1)
+    assert token_dtype(2**16) == "uint16" and token_dtype(2**16 + 1) == "uint32"
+    assert token_dtype(2**32) == "uint32"
+    with pytest.raises(
+        DataError,
+        match=r"tokenizer vocabulary of 4294967297 tokens: too large, "
+        r"ids above 4294967295 do not fit the uint32 token column",
+    ):
+        prepare_dataset(text_files, tmp_path / "ds", seq_length=16, vocab_size=2**32 + 1)
     assert not (tmp_path / "ds").exists()
 
 
@@ -479,12 +609,14 @@ def test_tokenizing_workers_keep_order_and_raise_a_workers_error_here():
 
     from t2train.data.tokenize import encode, encode_batches
 
-    tokenizer = Tokenizer(models.WordLevel({"to": 0, "be": 1, "or": 2, "not": 3, "[UNK]": 4},
-                                           unk_token="[UNK]"))
+    tokenizer = Tokenizer(
+        models.WordLevel({"to": 0, "be": 1, "or": 2, "not": 3, "[UNK]": 4}, unk_token="[UNK]")
+    )
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     others = set(multiprocessing.active_children())
-    batches = [(index, [("to be " * index, True, False), ("or not", False, True)])
-               for index in range(7)]
+    batches = [
+        (index, [("to be " * index, True, False), ("or not", False, True)]) for index in range(7)
+    ]
     got = list(encode_batches(tokenizer, 9, "uint16", batches, workers=2, bos=8))
     assert [tag for tag, _ in got] == list(range(7))
     for (_, ids), (_, batch) in zip(got, batches):
@@ -494,6 +626,13 @@ def test_tokenizing_workers_keep_order_and_raise_a_workers_error_here():
     assert set(multiprocessing.active_children()) == others
 
     with pytest.raises(TypeError):
-        list(encode_batches(tokenizer, 9, "uint16",
-                            [(0, [("to be", True, True)]), (1, [(7, True, True)])], workers=2))
+        list(
+            encode_batches(
+                tokenizer,
+                9,
+                "uint16",
+                [(0, [("to be", True, True)]), (1, [(7, True, True)])],
+                workers=2,
+            )
+        )
     assert set(multiprocessing.active_children()) == others

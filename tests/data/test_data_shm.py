@@ -46,9 +46,13 @@ def test_files_of_a_killed_run_are_removed_and_live_ones_kept(dataset, tmp_path,
     locks.mkdir()
     # Its own session, killed as a whole as a scheduler kills a job: else Python's resource
     # tracker of the reader outlives it and unlinks some segments by itself.
-    reader = subprocess.Popen([sys.executable, "-c", READER, str(dataset)], text=True,
-                              stdout=subprocess.PIPE, env=dict(os.environ, TMPDIR=str(locks)),
-                              start_new_session=True)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER, str(dataset)],
+        text=True,
+        stdout=subprocess.PIPE,
+        env=dict(os.environ, TMPDIR=str(locks)),
+        start_new_session=True,
+    )
     try:
         assert reader.stdout.readline() == "reading\n"
         # streaming's prepare thread makes the cache lock file at its first sample, which may
@@ -76,8 +80,9 @@ def test_files_of_a_killed_run_are_removed_and_live_ones_kept(dataset, tmp_path,
     live_prefix = live.dataset._shm_prefix_int
     assert live_prefix <= dead_prefix
     assert all(not p.exists() or prefix(p) == live_prefix for p in dead)
-    kept = {p for p in mapped_segments(os.getpid()) | set(locks.iterdir())
-            if prefix(p) == live_prefix}
+    kept = {
+        p for p in mapped_segments(os.getpid()) | set(locks.iterdir()) if prefix(p) == live_prefix
+    }
     assert len({p.parent for p in kept}) == 2  # live segments and live lock files
 
     # Cleaning again (another job starting on this host) leaves the live dataset alone.
@@ -119,9 +124,15 @@ time.sleep(3)
 def _race(dataset, mode: str, ready: Path) -> list[str]:
     """Two jobs' readers start together on this host; what each printed."""
     ready.mkdir()
-    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(dataset), str(ready), mode],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-              for _ in range(2)]
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, str(dataset), str(ready), mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outputs = [racer.communicate(timeout=120) for racer in racers]
     assert all(racer.returncode == 0 for racer in racers), [err[-2000:] for _, err in outputs]
     return sorted(out.strip() for out, _ in outputs)

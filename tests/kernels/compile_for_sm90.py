@@ -41,16 +41,21 @@ def compile_launch(self: JITFunction, *args, grid, warmup, **kwargs):
     bound, specialization, options = binder(*args, **kwargs)
     key = (self.__name__, self.fn.__module__, str(specialization), str(options))
     if key not in compiled:
-        options, signature, constexprs, attrs = self._pack_args(BACKEND, kwargs, bound,
-                                                                specialization, options)
-        kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=TARGET,
-                                options=options.__dict__)
+        options, signature, constexprs, attrs = self._pack_args(
+            BACKEND, kwargs, bound, specialization, options
+        )
+        kernel = triton.compile(
+            ASTSource(self, signature, constexprs, attrs), target=TARGET, options=options.__dict__
+        )
         compiled.add(key)
         named = {self.params[path[0]].name: value for path, value in constexprs.items()}
         vector_loads = len(re.findall(r"ld\.global[.\w]*\.v4", kernel.asm["ptx"]))
-        print(f"sm_90: {self.fn.__module__}.{self.__name__} {named} "
-              f"num_warps={options.num_warps} aligned/divisible: {len(attrs)} "
-              f"16-byte loads: {vector_loads}", flush=True)
+        print(
+            f"sm_90: {self.fn.__module__}.{self.__name__} {named} "
+            f"num_warps={options.num_warps} aligned/divisible: {len(attrs)} "
+            f"16-byte loads: {vector_loads}",
+            flush=True,
+        )
 
 
 def _leaves(dtype, *shapes):
@@ -59,8 +64,9 @@ def _leaves(dtype, *shapes):
 
 def _backward(out) -> None:
     outs = list(out) if isinstance(out, (list, tuple)) else [out]
-    torch.autograd.backward([o for o in outs if o.requires_grad],
-                            [torch.ones_like(o) for o in outs if o.requires_grad])
+    torch.autograd.backward(
+        [o for o in outs if o.requires_grad], [torch.ones_like(o) for o in outs if o.requires_grad]
+    )
 
 
 def launch_every_kernel(dtype) -> None:
@@ -70,10 +76,18 @@ def launch_every_kernel(dtype) -> None:
     from t2train.kernels.window_attention import window_attention
 
     for heads, kv_heads, q_len, k_len, head_dim, window in [
-            (4, 4, 64, 64, 64, 16), (4, 2, 64, 64, 128, 16), (4, 4, 1, 4, 64, 4),
-            (4, 2, 1, 4, 128, 2), (4, 4, 1, 1, 64, 4)]:  # a first layer's read: one key
-        q, k, v = _leaves(dtype, (2, heads, q_len, head_dim), (2, kv_heads, k_len, head_dim),
-                          (2, kv_heads, k_len, head_dim))
+        (4, 4, 64, 64, 64, 16),
+        (4, 2, 64, 64, 128, 16),
+        (4, 4, 1, 4, 64, 4),
+        (4, 2, 1, 4, 128, 2),
+        (4, 4, 1, 1, 64, 4),
+    ]:  # a first layer's read: one key
+        q, k, v = _leaves(
+            dtype,
+            (2, heads, q_len, head_dim),
+            (2, kv_heads, k_len, head_dim),
+            (2, kv_heads, k_len, head_dim),
+        )
         _backward(window_attention(q, k, v, window))
     for dv in (1, 4):
         state = _leaves(dtype, (8, 2, 256) if dv == 1 else (dv, 8, 2, 256))[0]
@@ -102,8 +116,9 @@ def main() -> int:
     JITFunction.run = compile_launch
     for dtype in (torch.bfloat16, torch.float32):
         launch_every_kernel(dtype)
-    print(f"compiled {len(compiled)} kernel specialisations for sm_90 (triton "
-          f"{triton.__version__})")
+    print(
+        f"compiled {len(compiled)} kernel specialisations for sm_90 (triton {triton.__version__})"
+    )
     return 0
 
 

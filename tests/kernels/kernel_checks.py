@@ -14,20 +14,31 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # kernel name in the dispatch counter -> the custom operators (torch.ops.t2train.*) whose
 # backward nodes its forward leaves in the graph
-KERNEL_OPS = {"window_attention": {"window_attention"}, "delta_write": {"delta_write"},
-              "fp32_linear": {"fp32_linear"}, "rms_fp32_linear": {"fp32_linear_sumsq"},
-              "depth_mix": {"block_phase_1", "block_phase_2"},
-              "block_phase_1": {"block_phase_1"}, "block_phase_2": {"block_phase_2"},
-              "stream_read": {"stream_read"}, "stream_write": {"stream_write"},
-              "hc_read": {"stream_read"}, "hc_write": {"stream_write"}}
-BACKWARD_NODES = {kernel: {f"GeneratedBackwardFor_t2train_{op}_defaultBackward" for op in ops}
-                  for kernel, ops in KERNEL_OPS.items()}
+KERNEL_OPS = {
+    "window_attention": {"window_attention"},
+    "delta_write": {"delta_write"},
+    "fp32_linear": {"fp32_linear"},
+    "rms_fp32_linear": {"fp32_linear_sumsq"},
+    "depth_mix": {"block_phase_1", "block_phase_2"},
+    "block_phase_1": {"block_phase_1"},
+    "block_phase_2": {"block_phase_2"},
+    "stream_read": {"stream_read"},
+    "stream_write": {"stream_write"},
+    "hc_read": {"stream_read"},
+    "hc_write": {"stream_write"},
+}
+BACKWARD_NODES = {
+    kernel: {f"GeneratedBackwardFor_t2train_{op}_defaultBackward" for op in ops}
+    for kernel, ops in KERNEL_OPS.items()
+}
 
 
 def leaves(*tensors):
     """Fresh leaf copies that require grad (None passes through)."""
-    return [None if t is None else t.detach().clone().requires_grad_(t.is_floating_point())
-            for t in tensors]
+    return [
+        None if t is None else t.detach().clone().requires_grad_(t.is_floating_point())
+        for t in tensors
+    ]
 
 
 def graph_nodes(tensor: torch.Tensor) -> set[str]:
@@ -81,5 +92,10 @@ def assert_matches(kernel, reference, inputs, dtype, name, seed=0):
     for index, a, b in zip(range(len(inputs)), ours, theirs):
         if a is None or (a.grad is None and b.grad is None):  # an input the result ignores
             continue
-        torch.testing.assert_close(a.grad.float(), b.grad.float(), atol=tol, rtol=tol,
-                                   msg=lambda m, i=index: f"gradient of input {i}: {m}")
+        torch.testing.assert_close(
+            a.grad.float(),
+            b.grad.float(),
+            atol=tol,
+            rtol=tol,
+            msg=lambda m, i=index: f"gradient of input {i}: {m}",
+        )

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from kernel_checks import DEVICE, assert_matches
 
 from t2train.residual.attnres import depth_mix, mix_sources
+
+from kernel_checks import DEVICE, assert_matches
 
 EPS = 1e-6
 

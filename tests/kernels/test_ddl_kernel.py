@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from kernel_checks import DEVICE, assert_matches
 
 from t2train.residual.ddl import delta_write, write_delta
+
+from kernel_checks import DEVICE, assert_matches
 
 K_EPS, V_SCALE = 1e-5, 4.0
 
@@ -20,9 +21,13 @@ def _inputs(dv, dtype, tokens=(3, 2), hidden=40, tiny=True):
 
 
 def _check(dv, dtype):
-    assert_matches(lambda *t: write_delta(*t, K_EPS, V_SCALE),
-                   lambda *t: delta_write(*t, K_EPS, V_SCALE),
-                   _inputs(dv, dtype, tiny=dtype == torch.float32), dtype, "delta_write")
+    assert_matches(
+        lambda *t: write_delta(*t, K_EPS, V_SCALE),
+        lambda *t: delta_write(*t, K_EPS, V_SCALE),
+        _inputs(dv, dtype, tiny=dtype == torch.float32),
+        dtype,
+        "delta_write",
+    )
 
 
 @pytest.mark.parametrize("dv", [1, 4])

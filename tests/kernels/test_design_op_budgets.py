@@ -35,14 +35,32 @@ from t2train.config.loader import load_config
 from t2train.kernels import ops
 from t2train.model.build import build_model_chunks, transformer_config
 
-SHAPE = ["data.path=unused", "model.num_layers=1", "model.hidden_size=32",
-         "model.num_attention_heads=2", "model.num_query_groups=1", "model.seq_length=16",
-         "model.ffn_hidden_size=48", "model.attnres.block_size=2"]
+SHAPE = [
+    "data.path=unused",
+    "model.num_layers=1",
+    "model.hidden_size=32",
+    "model.num_attention_heads=2",
+    "model.num_query_groups=1",
+    "model.seq_length=16",
+    "model.ffn_hidden_size=48",
+    "model.attnres.block_size=2",
+]
 SEQ, BATCH, HIDDEN, WINDOW = 16, 2, 32, 4
 COPIES = {"copy_", "_to_copy", "clone", "cat", "stack"}
 GEMMS = {"mm", "bmm", "addmm", "baddbmm"}  # take either operand order at no cost
-NOT_WORK = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-            "detach", "detach_", "promote_types", "_local_scalar_dense", "lift_fresh", "set_"}
+NOT_WORK = {
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "detach",
+    "detach_",
+    "promote_types",
+    "_local_scalar_dense",
+    "lift_fresh",
+    "set_",
+}
 
 # variant -> (ops, copies, transposing) added to `standard`'s layer, and saved bytes / its.
 # Before issue 32's changes (main at 5e8dfcc), same shapes: standard+shortswa 76, 16, 3
@@ -139,8 +157,10 @@ def interpreter_paused():
 def measure(variant: str) -> dict:
     """Forward and backward of a one-layer decoder of ``variant`` in bf16, kernels on."""
     design, _, mixer = variant.partition("+")
-    config = load_config(overrides=SHAPE + [f"model.residual={design}",
-                                            f"model.shortswa.window={WINDOW if mixer else 0}"])
+    config = load_config(
+        overrides=SHAPE
+        + [f"model.residual={design}", f"model.shortswa.window={WINDOW if mixer else 0}"]
+    )
     tf_config = transformer_config(config)
     tf_config.params_dtype = torch.bfloat16
     torch.manual_seed(0)
@@ -158,8 +178,12 @@ def measure(variant: str) -> dict:
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             out = model.decoder(hidden, None, rotary_pos_emb=rope)
         out.float().sum().backward()
-    return {"ops": counting.ops, "copies": counting.copies,
-            "transposing": counting.transposing, "saved": sum(storages.values())}
+    return {
+        "ops": counting.ops,
+        "copies": counting.copies,
+        "transposing": counting.transposing,
+        "saved": sum(storages.values()),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -170,14 +194,18 @@ def baseline(megatron_world, interpreter_paused):
 @pytest.mark.parametrize("variant", list(BUDGETS))
 def test_design_adds_no_more_than_its_budget(baseline, variant):
     got = measure(variant)
-    added = {kind: sum(got[kind].values()) - sum(baseline[kind].values())
-             for kind in ("ops", "copies", "transposing")}
+    added = {
+        kind: sum(got[kind].values()) - sum(baseline[kind].values())
+        for kind in ("ops", "copies", "transposing")
+    }
     saved = got["saved"] / baseline["saved"]
     ops, copies, transposing, saved_ratio = BUDGETS[variant]
-    now = (f"{variant}: +{added['ops']} ops, +{added['copies']} copies, "
-           f"+{added['transposing']} transposing, saved {saved:.3f}x standard; by op: "
-           f"{dict(got['ops'] - baseline['ops'])}, copies {dict(got['copies'])}, "
-           f"transposing {dict(got['transposing'])}")
+    now = (
+        f"{variant}: +{added['ops']} ops, +{added['copies']} copies, "
+        f"+{added['transposing']} transposing, saved {saved:.3f}x standard; by op: "
+        f"{dict(got['ops'] - baseline['ops'])}, copies {dict(got['copies'])}, "
+        f"transposing {dict(got['transposing'])}"
+    )
     print(now)
     assert added["ops"] <= ops, now
     assert added["copies"] <= copies, now

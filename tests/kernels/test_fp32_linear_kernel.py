@@ -5,10 +5,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kernel_checks import DEVICE, assert_matches, run_kernels
 
 from t2train.kernels.fp32_linear import MAX_OUTPUTS, fp32_linear
 from t2train.nn.precision import GATE_MAX_OUTPUTS
+
+from kernel_checks import DEVICE, assert_matches, run_kernels
 
 
 def _inputs(n_out, dtype, tokens=(5, 7), hidden=40, bias=True):
@@ -35,13 +36,13 @@ def _kernel(x, weight, bias):
 # the beta gate's 1 to the limit, odd and not a power of two
 @pytest.mark.parametrize("n_out", [1, 4, 5, MAX_OUTPUTS])
 def test_fp32(n_out):
-    assert_matches(_kernel, _logits, _inputs(n_out, torch.float32), torch.float32,
-                   "fp32_linear")
+    assert_matches(_kernel, _logits, _inputs(n_out, torch.float32), torch.float32, "fp32_linear")
 
 
 def test_without_bias():
-    assert_matches(_kernel, _logits, _inputs(3, torch.float32, bias=False), torch.float32,
-                   "fp32_linear")
+    assert_matches(
+        _kernel, _logits, _inputs(3, torch.float32, bias=False), torch.float32, "fp32_linear"
+    )
 
 
 def test_fp16_inputs_give_fp32_logits():
@@ -97,5 +98,6 @@ def test_rms_normalised_fp16_inputs_and_fp32_weights():
     x, weight, _ = _inputs(6, torch.float16, bias=False)
     out = run_kernels(_rms_kernel, x, weight.float(), None)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out, _rms_logits(x.float(), weight.float(), None), atol=1e-4,
-                               rtol=1e-4)
+    torch.testing.assert_close(
+        out, _rms_logits(x.float(), weight.float(), None), atol=1e-4, rtol=1e-4
+    )

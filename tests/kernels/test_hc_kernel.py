@@ -3,9 +3,10 @@ paper's formulas written out (interpreter on CPU)."""
 
 import pytest
 import torch
-from kernel_checks import DEVICE, assert_matches
 
 from t2train.kernels import dispatch
+
+from kernel_checks import DEVICE, assert_matches
 
 
 def _inputs(n, dtype, tokens=(3, 5), hidden=40):
@@ -13,8 +14,9 @@ def _inputs(n, dtype, tokens=(3, 5), hidden=40):
     read weights, the n x n residual mixing and beta, off their identity-like init."""
     g = torch.Generator().manual_seed(6)
     make = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    state, out = (make(*shape).to(DEVICE, dtype) for shape in ((n, *tokens, hidden),
-                                                               (*tokens, hidden)))
+    state, out = (
+        make(*shape).to(DEVICE, dtype) for shape in ((n, *tokens, hidden), (*tokens, hidden))
+    )
     read = (make(*tokens, n) * 0.5 + 1).to(DEVICE)
     residual = (torch.eye(n) + 0.3 * make(*tokens, n, n)).to(DEVICE)
     beta = (1 + 0.3 * make(*tokens, n)).to(DEVICE)
@@ -30,8 +32,12 @@ def _paper_write(state, residual, beta, out):
     """h'_j = sum_i A_r[i, j] h_i + B[j] T(x) (Eq. 4-5: the residual mix, then the depth
     connection writes the sublayer output into every stream with weight B[j])."""
     n = state.shape[0]
-    return torch.stack([sum(residual[..., i, j, None] * state[i] for i in range(n))
-                        + beta[..., j, None] * out for j in range(n)])
+    return torch.stack(
+        [
+            sum(residual[..., i, j, None] * state[i] for i in range(n)) + beta[..., j, None] * out
+            for j in range(n)
+        ]
+    )
 
 
 def _read(state, read):
@@ -58,8 +64,7 @@ def test_matches_the_paper(n, dtype):
 def test_bf16():
     state, out, read, residual, beta = _inputs(4, torch.bfloat16, hidden=2048)
     assert_matches(_read, _paper_read, (state, read), torch.bfloat16, "hc_read")
-    assert_matches(_write, _paper_write, (state, residual, beta, out), torch.bfloat16,
-                   "hc_write")
+    assert_matches(_write, _paper_write, (state, residual, beta, out), torch.bfloat16, "hc_write")
 
 
 def test_the_write_mixes_columns_not_rows():

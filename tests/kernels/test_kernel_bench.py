@@ -17,8 +17,20 @@ def test_dry_run_runs_every_asked_case_on_the_cpu(tmp_path, capsys):
     Triton row timed, the rows written as JSON."""
     import json
 
-    assert kernels.main(["--dry-run", "--only", "stream_mix", "--mode", "fwd+bwd",
-                         "--json", str(tmp_path / "rows.json")]) == 0
+    assert (
+        kernels.main(
+            [
+                "--dry-run",
+                "--only",
+                "stream_mix",
+                "--mode",
+                "fwd+bwd",
+                "--json",
+                str(tmp_path / "rows.json"),
+            ]
+        )
+        == 0
+    )
     rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
     triton = {row["kernel"]: row for row in rows if row["impl"] == "triton"}
     assert set(triton) == {"stream_read", "stream_write", "hc_read", "hc_write"}

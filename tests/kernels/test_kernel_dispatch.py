@@ -3,13 +3,14 @@ ran: every call routed to a kernel is counted under its name."""
 
 import pytest
 import torch
-from kernel_checks import BACKWARD_NODES, graph_nodes
 
 from t2train.kernels import dispatch
 from t2train.nn.precision import fp32_linear
 from t2train.residual.attnres import mix_sources
 from t2train.residual.ddl import write_delta
 from t2train.residual.window_attention import attend_window
+
+from kernel_checks import BACKWARD_NODES, graph_nodes
 
 
 def test_default_is_the_reference_on_cpu(monkeypatch):
@@ -43,8 +44,9 @@ def _call_each_kernel():
     }
 
 
-@pytest.mark.parametrize("choice, runs_kernels", [("triton", True), ("torch", False),
-                                                  ("auto", False)])
+@pytest.mark.parametrize(
+    "choice, runs_kernels", [("triton", True), ("torch", False), ("auto", False)]
+)
 def test_the_counter_says_which_ran(monkeypatch, choice, runs_kernels):
     """On CPU tensors only `triton` runs the kernels, forward and backward; the others run
     the references and count nothing."""

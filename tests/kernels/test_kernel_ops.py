@@ -19,8 +19,19 @@ from t2train.residual import kernel_table
 
 for _kernel in kernel_table().values():  # registers every operator, before they are listed
     _kernel.triton_function()
-SHAPES = KernelShapes(label="tiny", batch=1, seq=8, hidden=32, heads=2, kv_heads=1, window=4,
-                      depth_window=3, ddl_widths=(1, 2), sources=3, block=2)
+SHAPES = KernelShapes(
+    label="tiny",
+    batch=1,
+    seq=8,
+    hidden=32,
+    heads=2,
+    kv_heads=1,
+    window=4,
+    depth_window=3,
+    ddl_widths=(1, 2),
+    sources=3,
+    block=2,
+)
 
 
 class _Calls(TorchDispatchMode):
@@ -34,8 +45,12 @@ class _Calls(TorchDispatchMode):
         if func.namespace == ops.NAMESPACE and func not in self.calls:
             # a backward operator runs without autograd (no double backward)
             differentiable = not func.overloadpacket.__name__.endswith("_backward")
-            self.calls[func] = (torch.utils._pytree.tree_map_only(
-                torch.Tensor, lambda t: _leaf(t, differentiable), args), kwargs or {})
+            self.calls[func] = (
+                torch.utils._pytree.tree_map_only(
+                    torch.Tensor, lambda t: _leaf(t, differentiable), args
+                ),
+                kwargs or {},
+            )
         return func(*args, **(kwargs or {}))
 
 
@@ -75,7 +90,8 @@ def test_every_operator_is_called(kernel_calls):
 
 @pytest.mark.parametrize("name", sorted(ops.IMPLEMENTATIONS))
 def test_opcheck(kernel_calls, name):
-    [(func, (args, kwargs))] = [(f, call) for f, call in kernel_calls.items()
-                                if f.overloadpacket.__name__ == name]
+    [(func, (args, kwargs))] = [
+        (f, call) for f, call in kernel_calls.items() if f.overloadpacket.__name__ == name
+    ]
     results = torch.library.opcheck(func, args, kwargs)
     assert set(results.values()) == {"SUCCESS"}, results

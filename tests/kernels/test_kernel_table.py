@@ -8,10 +8,10 @@ import ast
 import inspect
 from pathlib import Path
 
-from kernel_checks import BACKWARD_NODES
-
 from t2train.bench.kernel_cases import BUILDERS
 from t2train.residual import kernel_table
+
+from kernel_checks import BACKWARD_NODES
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,8 +21,10 @@ def _declared(paths) -> list[str]:
     names = []
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and getattr(node.func, "id",
-                                                      getattr(node.func, "attr", None)) == "Kernel":
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Kernel"
+            ):
                 names.append(node.args[0].value)
     return names
 
@@ -49,7 +51,9 @@ def test_every_kernel_is_benchmarked_and_tested():
 
 def test_the_scan_finds_a_declaration(tmp_path):
     sample = tmp_path / "sample.py"
-    sample.write_text('from t2train.kernels import dispatch\n\n'
-                      'A = dispatch.Kernel("a", "t2train.kernels.m:f", len)\n'
-                      'B = Kernel(\n    "b", "t2train.kernels.m:g", len)\n')
+    sample.write_text(
+        "from t2train.kernels import dispatch\n\n"
+        'A = dispatch.Kernel("a", "t2train.kernels.m:f", len)\n'
+        'B = Kernel(\n    "b", "t2train.kernels.m:g", len)\n'
+    )
     assert _declared([sample]) == ["a", "b"]

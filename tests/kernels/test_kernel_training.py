@@ -4,41 +4,61 @@ loss's backward runs each kernel's backward."""
 
 import pytest
 import torch
-from kernel_checks import BACKWARD_NODES, graph_nodes
 
 from t2train.config.loader import load_config
 from t2train.kernels import dispatch
 from t2train.model.build import build_model_chunks, transformer_config
 
+from kernel_checks import BACKWARD_NODES, graph_nodes
+
 LAYERS = 2
-BASE = ["data.path=unused", f"model.num_layers={LAYERS}", "model.hidden_size=32",
-        "model.num_attention_heads=2", "model.seq_length=8", "model.tie_embeddings=false"]
+BASE = [
+    "data.path=unused",
+    f"model.num_layers={LAYERS}",
+    "model.hidden_size=32",
+    "model.num_attention_heads=2",
+    "model.seq_length=8",
+    "model.tie_embeddings=false",
+]
 # variant -> (overrides, {kernel it uses: its calls per forward})
 VARIANTS = {
-    "standard+shortswa": (["model.residual=standard", "model.shortswa.window=4"],
-                          {"window_attention": LAYERS}),
-    "depth_attn": (["model.residual=depth_attn", "model.depth_attn.window=2"],
-                   {"window_attention": LAYERS}),
+    "standard+shortswa": (
+        ["model.residual=standard", "model.shortswa.window=4"],
+        {"window_attention": LAYERS},
+    ),
+    "depth_attn": (
+        ["model.residual=depth_attn", "model.depth_attn.window=2"],
+        {"window_attention": LAYERS},
+    ),
     # a delta write per sublayer, and its two gate logits (beta, v)
     "ddl": (["model.residual=ddl"], {"delta_write": 2 * LAYERS, "fp32_linear": 4 * LAYERS}),
-    "ddl_dv4": (["model.residual=ddl", "model.ddl.dv=4"],
-                {"delta_write": 2 * LAYERS, "fp32_linear": 4 * LAYERS}),
+    "ddl_dv4": (
+        ["model.residual=ddl", "model.ddl.dv=4"],
+        {"delta_write": 2 * LAYERS, "fp32_linear": 4 * LAYERS},
+    ),
     # the mixer's window attention, and a delta write on each of its 3 sublayers per layer
-    "ddl+shortswa": (["model.residual=ddl", "model.shortswa.window=4"],
-                     {"window_attention": LAYERS, "delta_write": 3 * LAYERS,
-                      "fp32_linear": 6 * LAYERS}),
+    "ddl+shortswa": (
+        ["model.residual=ddl", "model.shortswa.window=4"],
+        {"window_attention": LAYERS, "delta_write": 3 * LAYERS, "fp32_linear": 6 * LAYERS},
+    ),
     # Blocks of 2 sublayers (one per layer): the block's first read runs phase 1 for both of
     # its reads, the second read phase 2; the final read mixes everything in one call.
-    "block_attnres": (["model.residual=block_attnres", "model.attnres.block_size=2"],
-                      {"block_phase_1": LAYERS, "block_phase_2": LAYERS, "depth_mix": 1}),
+    "block_attnres": (
+        ["model.residual=block_attnres", "model.attnres.block_size=2"],
+        {"block_phase_1": LAYERS, "block_phase_2": LAYERS, "depth_mix": 1},
+    ),
     # Dynamic hyper-connections: each sublayer's alpha and beta logits in one RMS-normalised
     # gate-logit call, its stream read and write.
-    "hc": (["model.residual=hc", "model.hc.dynamic=true"],
-           {"rms_fp32_linear": 2 * LAYERS, "hc_read": 2 * LAYERS, "hc_write": 2 * LAYERS}),
+    "hc": (
+        ["model.residual=hc", "model.hc.dynamic=true"],
+        {"rms_fp32_linear": 2 * LAYERS, "hc_read": 2 * LAYERS, "hc_write": 2 * LAYERS},
+    ),
     # The fused read and write (Sinkhorn included) on every sublayer; few iterations, since
     # the interpreter runs them token by token.
-    "mhc": (["model.residual=mhc", "model.mhc.sinkhorn_iterations=5"],
-            {"stream_read": 2 * LAYERS, "stream_write": 2 * LAYERS}),
+    "mhc": (
+        ["model.residual=mhc", "model.mhc.sinkhorn_iterations=5"],
+        {"stream_read": 2 * LAYERS, "stream_write": 2 * LAYERS},
+    ),
 }
 STEPS = 2
 

@@ -5,9 +5,10 @@ the kernel and the design's PyTorch reference fails here."""
 
 import pytest
 import torch
-from kernel_checks import DEVICE, assert_matches, run_kernels
 
 from t2train.residual.mhc import read_streams, stream_read, stream_write, write_streams
+
+from kernel_checks import DEVICE, assert_matches, run_kernels
 
 TOKENS = (2, 2)  # [s, b]: the interpreter runs one program per token
 
@@ -15,9 +16,14 @@ TOKENS = (2, 2)  # [s, b]: the interpreter runs one program per token
 def _inputs(n, dtype, hidden=40, spread=2.0):
     g = torch.Generator().manual_seed(3)
     make = lambda *shape, scale=1.0: (scale * torch.randn(*shape, generator=g)).to(  # noqa: E731
-        DEVICE, dtype)
-    return (make(n, *TOKENS, hidden), make(*TOKENS, hidden), make(*TOKENS, n),
-            make(*TOKENS, n, n, scale=spread))
+        DEVICE, dtype
+    )
+    return (
+        make(n, *TOKENS, hidden),
+        make(*TOKENS, hidden),
+        make(*TOKENS, n),
+        make(*TOKENS, n, n, scale=spread),
+    )
 
 
 def _paper_read(state, pre_logit):
@@ -40,8 +46,13 @@ def _paper_write(state, out, post_logit, res_logit, iterations):
     2 sigma(H~post_i) F (Eq. 3 and Eq. 8)."""
     mixing = _paper_sinkhorn(res_logit, iterations)
     n = state.shape[0]
-    return torch.stack([sum(mixing[..., i, j, None] * state[j] for j in range(n))
-                        + 2 * torch.sigmoid(post_logit[..., i, None]) * out for i in range(n)])
+    return torch.stack(
+        [
+            sum(mixing[..., i, j, None] * state[j] for j in range(n))
+            + 2 * torch.sigmoid(post_logit[..., i, None]) * out
+            for i in range(n)
+        ]
+    )
 
 
 @pytest.mark.parametrize("n", [4, 3, 1])
@@ -51,18 +62,28 @@ def test_read_is_the_papers(n, dtype):
     assert_matches(read_streams, _paper_read, (state, pre), dtype, "stream_read")
 
 
-@pytest.mark.parametrize("n, iterations, hidden", [(4, 20, 40), (3, 7, 24), (1, 3, 16),
-                                                   (4, 5, 600)])
+@pytest.mark.parametrize(
+    "n, iterations, hidden", [(4, 20, 40), (3, 7, 24), (1, 3, 16), (4, 5, 600)]
+)
 def test_write_is_the_papers(n, iterations, hidden):
     """fp32 at 1e-5; hidden 600 loops over two blocks of the hidden dim."""
-    assert_matches(lambda *t: write_streams(*t, iterations),
-                   lambda *t: _paper_write(*t, iterations), _inputs(n, torch.float32, hidden),
-                   torch.float32, "stream_write")
+    assert_matches(
+        lambda *t: write_streams(*t, iterations),
+        lambda *t: _paper_write(*t, iterations),
+        _inputs(n, torch.float32, hidden),
+        torch.float32,
+        "stream_write",
+    )
 
 
 def test_write_fp16():
-    assert_matches(lambda *t: write_streams(*t, 4), lambda *t: _paper_write(*t, 4),
-                   _inputs(4, torch.float16, spread=1.0), torch.float16, "stream_write")
+    assert_matches(
+        lambda *t: write_streams(*t, 4),
+        lambda *t: _paper_write(*t, 4),
+        _inputs(4, torch.float16, spread=1.0),
+        torch.float16,
+        "stream_write",
+    )
 
 
 def test_the_sinkhorn_order_and_the_mixing_orientation_are_the_papers():
@@ -85,8 +106,10 @@ def test_the_sinkhorn_order_and_the_mixing_orientation_are_the_papers():
         return m
 
     swapped = other_order(res, 2)
-    assert (torch.einsum("sbij,jsbh->isbh", swapped, state) - torch.einsum(
-        "sbij,jsbh->isbh", mixing, state)).abs().max() > 1e-2
+    assert (
+        torch.einsum("sbij,jsbh->isbh", swapped, state)
+        - torch.einsum("sbij,jsbh->isbh", mixing, state)
+    ).abs().max() > 1e-2
     transposed = torch.einsum("sbji,jsbh->isbh", mixing, state)
     assert (transposed - torch.einsum("sbij,jsbh->isbh", mixing, state)).abs().max() > 1e-2
 
@@ -96,8 +119,13 @@ def test_the_sinkhorn_order_and_the_mixing_orientation_are_the_papers():
 def test_bf16(n):
     state, out, post, res = _inputs(n, torch.bfloat16, hidden=2048)
     assert_matches(read_streams, _paper_read, (state, post), torch.bfloat16, "stream_read")
-    assert_matches(lambda *t: write_streams(*t, 20), lambda *t: _paper_write(*t, 20),
-                   (state, out, post, res), torch.bfloat16, "stream_write")
+    assert_matches(
+        lambda *t: write_streams(*t, 20),
+        lambda *t: _paper_write(*t, 20),
+        (state, out, post, res),
+        torch.bfloat16,
+        "stream_write",
+    )
 
 
 def test_shapes_are_checked():
@@ -111,11 +139,17 @@ def test_shapes_are_checked():
 def test_references_are_the_papers_and_pass_gradcheck():
     """The design's PyTorch reference (what runs without the kernels) equals the written-out
     equations in fp64, and its gradients are right (gradcheck)."""
-    inputs = [t[:, :1].double().requires_grad_() if t.dim() == 4 and t.shape[0] == 3
-              else t[:1].double().requires_grad_() for t in _inputs(3, torch.float32, hidden=3)]
-    torch.testing.assert_close(stream_write(*inputs, 6), _paper_write(*inputs, 6),
-                               atol=1e-12, rtol=0)
-    torch.testing.assert_close(stream_read(inputs[0], inputs[2]),
-                               _paper_read(inputs[0], inputs[2]), atol=1e-12, rtol=0)
+    inputs = [
+        t[:, :1].double().requires_grad_()
+        if t.dim() == 4 and t.shape[0] == 3
+        else t[:1].double().requires_grad_()
+        for t in _inputs(3, torch.float32, hidden=3)
+    ]
+    torch.testing.assert_close(
+        stream_write(*inputs, 6), _paper_write(*inputs, 6), atol=1e-12, rtol=0
+    )
+    torch.testing.assert_close(
+        stream_read(inputs[0], inputs[2]), _paper_read(inputs[0], inputs[2]), atol=1e-12, rtol=0
+    )
     assert torch.autograd.gradcheck(lambda *t: stream_write(*t, 6), inputs)
     assert torch.autograd.gradcheck(stream_read, (inputs[0], inputs[2]))

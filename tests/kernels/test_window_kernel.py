@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from kernel_checks import DEVICE, assert_matches
 
 from t2train.residual.window_attention import attend_window, short_window_attention
+
+from kernel_checks import DEVICE, assert_matches
 
 # batch, heads, kv_heads, q_len, k_len, head_dim, window
 SHAPES = {
@@ -36,9 +37,13 @@ def _inputs(shape, dtype):
 
 def _check(shape, dtype):
     window, scale = shape[-1], shape[-2] ** -0.5
-    assert_matches(lambda q, k, v: attend_window(q, k, v, window, scale),
-                   lambda q, k, v: short_window_attention(q, k, v, window, scale),
-                   _inputs(shape, dtype), dtype, "window_attention")
+    assert_matches(
+        lambda q, k, v: attend_window(q, k, v, window, scale),
+        lambda q, k, v: short_window_attention(q, k, v, window, scale),
+        _inputs(shape, dtype),
+        dtype,
+        "window_attention",
+    )
 
 
 @pytest.mark.parametrize("case", SHAPES)
@@ -57,13 +62,17 @@ def test_bf16(case):
     _check(SHAPES[case], torch.bfloat16)
 
 
-@pytest.mark.parametrize("q_len, kernels", [
-    (1, ["_one_query_fwd_kernel", "_one_query_bwd_kernel"]),
-    (2, ["_fwd_kernel", "_delta_kernel", "_dkdv_kernel", "_dq_kernel"])])
+@pytest.mark.parametrize(
+    "q_len, kernels",
+    [
+        (1, ["_one_query_fwd_kernel", "_one_query_bwd_kernel"]),
+        (2, ["_fwd_kernel", "_delta_kernel", "_dkdv_kernel", "_dq_kernel"]),
+    ],
+)
 def test_one_query_takes_its_own_kernels(monkeypatch, q_len, kernels):
-    from kernel_checks import run_kernels
-
     from t2train.kernels import window_attention
+
+    from kernel_checks import run_kernels
 
     launched = []
 
@@ -75,8 +84,14 @@ def test_one_query_takes_its_own_kernels(monkeypatch, q_len, kernels):
             launched.append(self.name)
             return self.kernel[grid]
 
-    for name in ("_fwd_kernel", "_delta_kernel", "_dkdv_kernel", "_dq_kernel",
-                 "_one_query_fwd_kernel", "_one_query_bwd_kernel"):
+    for name in (
+        "_fwd_kernel",
+        "_delta_kernel",
+        "_dkdv_kernel",
+        "_dq_kernel",
+        "_one_query_fwd_kernel",
+        "_one_query_bwd_kernel",
+    ):
         monkeypatch.setattr(window_attention, name, Recorded(name))
     q, k, v = _inputs((4, 2, 2, q_len, 3, 16, 2), torch.float32)
     run_kernels(attend_window, q.requires_grad_(), k, v, 2).sum().backward()
@@ -92,19 +107,29 @@ def test_depth_read_views_as_the_model_passes_them():
     k, v = (kv[:, :, i].permute(0, 2, 1, 3) for i in range(2))  # [tokens, heads, n, d] views
     q = torch.randn(tokens, heads, 2 * d, generator=g).to(DEVICE)[..., :d].unsqueeze(2)
     assert not k.is_contiguous() and not q.is_contiguous()
-    assert_matches(lambda q, k, v: attend_window(q, k, v, 2),
-                   lambda q, k, v: short_window_attention(q, k, v, 2), (q, k, v),
-                   torch.float32, "window_attention")
+    assert_matches(
+        lambda q, k, v: attend_window(q, k, v, 2),
+        lambda q, k, v: short_window_attention(q, k, v, 2),
+        (q, k, v),
+        torch.float32,
+        "window_attention",
+    )
 
 
 def test_strided_inputs_and_default_scale():
     """[s, b, h, d] activations permuted to [b, h, s, d], as the core attention passes them."""
-    q, k, v = (t.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
-               for t in _inputs(SHAPES["gqa"], torch.float32))
+    q, k, v = (
+        t.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+        for t in _inputs(SHAPES["gqa"], torch.float32)
+    )
     assert not q.is_contiguous()
-    assert_matches(lambda q, k, v: attend_window(q, k, v, 6),
-                   lambda q, k, v: short_window_attention(q, k, v, 6), (q, k, v),
-                   torch.float32, "window_attention")
+    assert_matches(
+        lambda q, k, v: attend_window(q, k, v, 6),
+        lambda q, k, v: short_window_attention(q, k, v, 6),
+        (q, k, v),
+        torch.float32,
+        "window_attention",
+    )
 
 
 def test_gradients_keep_the_models_layout():
@@ -113,8 +138,10 @@ def test_gradients_keep_the_models_layout():
     one layout), and equal the reference's."""
     from kernel_checks import leaves, run_kernels
 
-    q, k, v = (t.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
-               for t in _inputs(SHAPES["gqa"], torch.float32))
+    q, k, v = (
+        t.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+        for t in _inputs(SHAPES["gqa"], torch.float32)
+    )
     ours, theirs = leaves(q, k, v), leaves(q, k, v)
     out = run_kernels(attend_window, *ours, 6)
     grad = torch.randn_like(out)
@@ -131,11 +158,14 @@ def test_reference_passes_gradcheck():
     assert torch.autograd.gradcheck(lambda *t: short_window_attention(*t, 3, 0.5), (q, k, v))
 
 
-@pytest.mark.parametrize("shape", [
-    (32768, 12, 12, 1, 4, 64),  # 125m depth read: one query per token, 393,216 (token, head)
-    (16, 12, 12, 2048, 2048, 64),  # 125m sequence
-    (4, 16, 8, 4096, 4096, 128),  # 1b sequence, grouped heads
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (32768, 12, 12, 1, 4, 64),  # 125m depth read: one query per token, 393,216 (token, head)
+        (16, 12, 12, 2048, 2048, 64),  # 125m sequence
+        (4, 16, 8, 4096, 4096, 128),  # 1b sequence, grouped heads
+    ],
+)
 def test_launch_grids_fit_cudas_limits(shape):
     """A CUDA grid holds 2^31 - 1 blocks on axis 0 but 65,535 on axes 1 and 2; the depth read
     of the 125m preset once put its 393,216 (token, head) pairs on axis 1 and failed to launch

@@ -23,9 +23,17 @@ DAEMONS = ("munged", "slurmctld", "slurmd")
 # ranks through them; t2train groups data readers by host name), and resolve each other's
 # names. Each slurmd, and so every job process of that node, gets its own UTS and mount
 # namespaces: host name = node name, a private /dev/shm, and an /etc/hosts naming all nodes.
-OWN_HOST = ["unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c",
-            'hostname "$0" && mount --bind "$1" /etc/hosts && '
-            'mount -t tmpfs -o size=4g,mode=1777 tmpfs /dev/shm && shift && exec "$@"']
+OWN_HOST = [
+    "unshare",
+    "--uts",
+    "--mount",
+    "--propagation",
+    "private",
+    "sh",
+    "-c",
+    'hostname "$0" && mount --bind "$1" /etc/hosts && '
+    'mount -t tmpfs -o size=4g,mode=1777 tmpfs /dev/shm && shift && exec "$@"',
+]
 
 
 def install_reason() -> Optional[str]:
@@ -35,8 +43,10 @@ def install_reason() -> Optional[str]:
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         return "slurm-wlm/munge are not installed and cannot be (needs root and apt-get)"
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (["apt-get", "update", "-qq"],
-                ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]):
+    for cmd in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
+    ):
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
         if proc.returncode != 0:
             return f"`{' '.join(cmd)}` failed: {proc.stderr.strip()[-500:]}"
@@ -48,27 +58,33 @@ def _daemon(name: str) -> str:
 
 
 def _can_isolate_hosts() -> bool:
-    return subprocess.run([*OWN_HOST, "probe", "/etc/hosts", "true"], capture_output=True,
-                          timeout=30).returncode == 0
+    return (
+        subprocess.run(
+            [*OWN_HOST, "probe", "/etc/hosts", "true"], capture_output=True, timeout=30
+        ).returncode
+        == 0
+    )
 
 
 def munge_works() -> bool:
     encode = subprocess.run(["munge", "-n"], capture_output=True, timeout=10)
     if encode.returncode != 0:
         return False
-    return subprocess.run(["unmunge"], input=encode.stdout, capture_output=True,
-                          timeout=10).returncode == 0
+    return (
+        subprocess.run(["unmunge"], input=encode.stdout, capture_output=True, timeout=10).returncode
+        == 0
+    )
 
 
 def _free_base_port(nodes: int, first: int = 17100, step: int = 100, tries: int = 20) -> int:
     """The first base whose cluster ports are all free: the daemons of a session that was
     killed (and never stopped them) keep theirs bound, and must not fail this one."""
     for base in range(first, first + step * tries, step):
-        if all(_port_free(port) for port in (base, base + 1, *range(base + 10,
-                                                                    base + 10 + nodes))):
+        if all(_port_free(port) for port in (base, base + 1, *range(base + 10, base + 10 + nodes))):
             return base
-    raise RuntimeError(f"no free ports for a local SLURM cluster in {first}.."
-                       f"{first + step * tries}")
+    raise RuntimeError(
+        f"no free ports for a local SLURM cluster in {first}..{first + step * tries}"
+    )
 
 
 def _port_free(port: int) -> bool:
@@ -83,14 +99,16 @@ def _port_free(port: int) -> bool:
 class LocalSlurm:
     """Start with ``start()``, always ``stop()``; ``env`` is what clients need."""
 
-    def __init__(self, root: Path, nodes: int = 2, cpus: int = 2,
-                 base_port: Optional[int] = None):
+    def __init__(self, root: Path, nodes: int = 2, cpus: int = 2, base_port: Optional[int] = None):
         base_port = base_port or _free_base_port(nodes)
         self.root = root
         self.nodes = [f"n{i}" for i in range(1, nodes + 1)]
         self.cpus = cpus
-        self.ports = {"ctld": base_port, "slurmd": base_port + 1,
-                      "nodes": (base_port + 10, base_port + 9 + nodes)}
+        self.ports = {
+            "ctld": base_port,
+            "slurmd": base_port + 1,
+            "nodes": (base_port + 10, base_port + 9 + nodes),
+        }
         self.conf = root / "slurm.conf"
         self.hosts = root / "hosts"
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
@@ -106,8 +124,8 @@ class LocalSlurm:
         self.conf.write_text(f"""\
 ClusterName=t2train-test
 SlurmctldHost={host}(127.0.0.1)
-SlurmctldPort={self.ports['ctld']}
-SlurmdPort={self.ports['slurmd']}
+SlurmctldPort={self.ports["ctld"]}
+SlurmdPort={self.ports["slurmd"]}
 SlurmUser=root
 AuthType=auth/munge
 ProctrackType=proctrack/linuxproc
@@ -129,11 +147,14 @@ NodeName=n[1-{len(self.nodes)}] NodeHostname={host} NodeAddr=127.0.0.1 Port=[{fi
 CPUs={self.cpus} RealMemory=4000
 PartitionName=test Nodes=n[1-{len(self.nodes)}] Default=YES MaxTime=INFINITE State=UP
 """)
-        self.hosts.write_text(Path("/etc/hosts").read_text()
-                              + f"127.0.0.1 {' '.join(self.nodes)}\n")
-        (r / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupAutomount=no\n"
-                                       "ConstrainCores=no\nConstrainRAMSpace=no\n"
-                                       "ConstrainDevices=no\nConstrainSwapSpace=no\n")
+        self.hosts.write_text(
+            Path("/etc/hosts").read_text() + f"127.0.0.1 {' '.join(self.nodes)}\n"
+        )
+        (r / "cgroup.conf").write_text(
+            "CgroupPlugin=cgroup/v1\nCgroupAutomount=no\n"
+            "ConstrainCores=no\nConstrainRAMSpace=no\n"
+            "ConstrainDevices=no\nConstrainSwapSpace=no\n"
+        )
 
     def _run(self, *cmd: str) -> subprocess.CompletedProcess:
         return subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=60)
@@ -143,8 +164,9 @@ PartitionName=test Nodes=n[1-{len(self.nodes)}] Default=YES MaxTime=INFINITE Sta
         if not munge_works():
             Path("/run/munge").mkdir(parents=True, exist_ok=True)
             shutil.chown("/run/munge", "munge", "munge")
-            subprocess.run(["runuser", "-u", "munge", "--", _daemon("munged")], check=True,
-                           timeout=30)
+            subprocess.run(
+                ["runuser", "-u", "munge", "--", _daemon("munged")], check=True, timeout=30
+            )
             self._own_munged = int(Path("/run/munge/munged.pid").read_text())
             if not munge_works():
                 raise RuntimeError("munged started but `munge -n | unmunge` fails")
@@ -193,8 +215,13 @@ PartitionName=test Nodes=n[1-{len(self.nodes)}] Default=YES MaxTime=INFINITE Sta
 
     # --- jobs --------------------------------------------------------------------------
     def sbatch(self, *args: str, env: dict) -> str:
-        proc = subprocess.run(["sbatch", "--parsable", *args], capture_output=True,
-                              text=True, env=dict(self.env, **env), timeout=60)
+        proc = subprocess.run(
+            ["sbatch", "--parsable", *args],
+            capture_output=True,
+            text=True,
+            env=dict(self.env, **env),
+            timeout=60,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"sbatch failed: {proc.stderr}")
         return proc.stdout.strip().split(";")[0]

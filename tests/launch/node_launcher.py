@@ -18,8 +18,21 @@ from t2train.signals import parse_signals  # noqa: E402
 
 if __name__ == "__main__":
     node_rank, port, max_restarts, restart_timeout, *train_argv = sys.argv[1:]
-    plan = LaunchPlan(mode="slurm", nodes=("node0", "node1"), node_rank=int(node_rank),
-                      nproc_per_node=1, rdzv_host="127.0.0.1", rdzv_port=int(port),
-                      rdzv_id="two-nodes")
-    sys.exit(torchrun.run(plan, train_argv, parse_signals(TrainConfig().exit_signals),
-                          int(max_restarts), float(restart_timeout)))
+    plan = LaunchPlan(
+        mode="slurm",
+        nodes=("node0", "node1"),
+        node_rank=int(node_rank),
+        nproc_per_node=1,
+        rdzv_host="127.0.0.1",
+        rdzv_port=int(port),
+        rdzv_id="two-nodes",
+    )
+    sys.exit(
+        torchrun.run(
+            plan,
+            train_argv,
+            parse_signals(TrainConfig().exit_signals),
+            int(max_restarts),
+            float(restart_timeout),
+        )
+    )

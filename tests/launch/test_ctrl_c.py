@@ -11,7 +11,6 @@ import time
 
 import psutil
 import pytest
-from proc_signals import has, signal_masks
 from test_stop_guard import _stop_reason
 from tiny_run import TINY_MODEL
 
@@ -21,10 +20,13 @@ from t2train.signals import REQUEUE_EXIT_CODE
 from t2train.train import ctrl_c
 from t2train.train.preemption import StopGuard
 
+from proc_signals import has, signal_masks
+
 
 @pytest.mark.slow
 def test_ctrl_c_in_training_saves_the_step_and_exits_with_the_requeue_code(
-        megatron_world, shakespeare, tmp_path, monkeypatch, capsys):
+    megatron_world, shakespeare, tmp_path, monkeypatch, capsys
+):
     progress = Monitor.progress
 
     def press_ctrl_c_at_the_first_progress_line(self, step, *args):
@@ -35,9 +37,18 @@ def test_ctrl_c_in_training_saves_the_step_and_exits_with_the_requeue_code(
     monkeypatch.setattr(Monitor, "progress", press_ctrl_c_at_the_first_progress_line)
     before = signal.getsignal(signal.SIGINT)  # SIG_IGN when the suite runs as a background job
     run_dir = tmp_path / "run"
-    code = t2train_main(["train", *TINY_MODEL, f"data.path={shakespeare}",
-                         f"log.run_dir={run_dir}", "train.steps=50", "checkpoint.interval=50",
-                         "train.eval_interval=50", "log.diagnostics_interval=0"])
+    code = t2train_main(
+        [
+            "train",
+            *TINY_MODEL,
+            f"data.path={shakespeare}",
+            f"log.run_dir={run_dir}",
+            "train.steps=50",
+            "checkpoint.interval=50",
+            "train.eval_interval=50",
+            "log.diagnostics_interval=0",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == REQUEUE_EXIT_CODE
     # The press is seen at the end of step 1 or, if it lands a moment later, of step 2.
@@ -48,8 +59,9 @@ def test_ctrl_c_in_training_saves_the_step_and_exits_with_the_requeue_code(
     assert signal.getsignal(signal.SIGINT) is before  # the run's handler is gone
 
 
-def test_a_second_ctrl_c_stops_at_once_and_a_doubled_delivery_counts_once(megatron_world,
-                                                                        monkeypatch):
+def test_a_second_ctrl_c_stops_at_once_and_a_doubled_delivery_counts_once(
+    megatron_world, monkeypatch
+):
     monkeypatch.setattr(ctrl_c, "REPEAT_AFTER_S", 0.3)
     with pytest.raises(KeyboardInterrupt):
         with StopGuard([signal.SIGTERM, signal.SIGINT], exit_duration_mins=0) as guard:
@@ -83,12 +95,30 @@ def test_ctrl_c_in_data_prepare_is_one_line_and_leaves_nothing(shakespeare, tmp_
     text.write_text("To be, or not to be, that is the question. " * 200_000)  # 9 MB
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "t2train.cli", "data", "prepare", "--input", str(text),
-         "--out", str(out), "--tokenizer", str(shakespeare / "tokenizer.json"),
-         "--seq-length", "64", "--workers", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "t2train.cli",
+            "data",
+            "prepare",
+            "--input",
+            str(text),
+            "--out",
+            str(out),
+            "--tokenizer",
+            str(shakespeare / "tokenizer.json"),
+            "--seq-length",
+            "64",
+            "--workers",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
         # a shell's background job ignores SIGINT, and a child would inherit that
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         deadline = time.monotonic() + 120
         while _workers(proc.pid) < 2 or _ignores_sigint(proc.pid):
@@ -117,7 +147,8 @@ def _ignores_sigint(pid: int) -> bool:
 
 def _workers(pid: int) -> int:
     try:
-        return sum("spawn_main" in " ".join(child.cmdline())
-                   for child in psutil.Process(pid).children())
+        return sum(
+            "spawn_main" in " ".join(child.cmdline()) for child in psutil.Process(pid).children()
+        )
     except psutil.NoSuchProcess:
         return 0

@@ -23,12 +23,13 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from proc_signals import has, signal_masks
 from tiny_run import TINY_MODEL
 
 from t2train.launch.plan import LaunchError, plan_standalone, processes_per_node
 from t2train.launch.torchrun import exit_code
 from t2train.signals import REQUEUE_EXIT_CODE
+
+from proc_signals import has, signal_masks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,8 +53,9 @@ def _logged_steps(run_dir: Path) -> list[int]:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         return []
-    return [r["step"] for r in map(json.loads, metrics.read_text().splitlines())
-            if "train/loss" in r]
+    return [
+        r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if "train/loss" in r
+    ]
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -69,7 +71,12 @@ def _start(data: Path, run_dir: Path, log: Path, nproc: int, *extra: str) -> sub
     with log.open("w") as out:
         return subprocess.Popen(
             _launch_cmd(f"--nproc-per-node={nproc}", *_train_args(data, run_dir, *extra)),
-            stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, start_new_session=True)
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+            cwd=REPO,
+            start_new_session=True,
+        )
 
 
 def _wait_for_step(proc: subprocess.Popen, run_dir: Path, log: Path, step: int) -> None:
@@ -120,12 +127,16 @@ def test_standalone_launch_trains_and_restarts_a_killed_rank(shakespeare, tmp_pa
     checkpoint; every step's final loss equals the uninterrupted run's, bitwise. Nothing of
     the run outlives the launcher (the killed rank's checkpoint-queue server and resource
     tracker were re-parented to pid 1 and lived on)."""
-    steps = ["parallel.tensor=2", "train.steps=7", "train.eval_interval=7",
-             "checkpoint.interval=3"]
+    steps = ["parallel.tensor=2", "train.steps=7", "train.eval_interval=7", "checkpoint.interval=3"]
     without_omp = {k: v for k, v in _env().items() if k != "OMP_NUM_THREADS"}
     proc = subprocess.run(
         _launch_cmd("--nproc-per-node=2", *_train_args(shakespeare, tmp_path / "run", *steps)),
-        capture_output=True, text=True, env=without_omp, cwd=REPO, timeout=300)
+        capture_output=True,
+        text=True,
+        env=without_omp,
+        cwd=REPO,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "OMP_NUM_THREADS" not in proc.stderr, proc.stderr  # torchrun's banner is not shown
     assert "t2train launch: standalone | 1 node(s)" in proc.stdout
@@ -136,14 +147,24 @@ def test_standalone_launch_trains_and_restarts_a_killed_rank(shakespeare, tmp_pa
     run_dir, log = tmp_path / "killed", tmp_path / "killed.log"
     with log.open("w") as out:  # a file, not a pipe: killed workers' children may keep it
         launcher = subprocess.Popen(
-            _launch_cmd("--nproc-per-node=2", "--max-restarts=1", *_train_args(
-                shakespeare, run_dir, *steps,
-                # the survivor, blocked in a collective with the dead rank, ends when gloo
-                # sees the peer's socket close; the timeout only bounds a hang (a save under
-                # load takes seconds)
-                "parallel.collective_timeout_mins=1")),
-            stdout=out, stderr=subprocess.STDOUT, env=dict(_env(), **{RUN_TAG: str(run_dir)}),
-            cwd=REPO)
+            _launch_cmd(
+                "--nproc-per-node=2",
+                "--max-restarts=1",
+                *_train_args(
+                    shakespeare,
+                    run_dir,
+                    *steps,
+                    # the survivor, blocked in a collective with the dead rank, ends when gloo
+                    # sees the peer's socket close; the timeout only bounds a hang (a save under
+                    # load takes seconds)
+                    "parallel.collective_timeout_mins=1",
+                ),
+            ),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(_env(), **{RUN_TAG: str(run_dir)}),
+            cwd=REPO,
+        )
     deadline = time.monotonic() + 300
     while max(_losses(run_dir), default=0) < 4:  # step 3 is saved, step 4 done
         assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
@@ -158,9 +179,14 @@ def test_standalone_launch_trains_and_restarts_a_killed_rank(shakespeare, tmp_pa
     assert _losses(run_dir) == _losses(tmp_path / "run")
 
 
-def _start_nodes(tmp_path: Path, run_dir: Path, train: list[str], restarts=(0, 0),
-                 restart_timeout: float = 60.0,
-                 label: str = "") -> tuple[list[subprocess.Popen], list[Path]]:
+def _start_nodes(
+    tmp_path: Path,
+    run_dir: Path,
+    train: list[str],
+    restarts=(0, 0),
+    restart_timeout: float = 60.0,
+    label: str = "",
+) -> tuple[list[subprocess.Popen], list[Path]]:
     """Two node launchers of one run on this host (tests/launch/node_launcher.py), each in
     its own session, their output in ``tmp_path/<label>node<N>.log``; node N restarts its
     workers up to ``restarts[N]`` times."""
@@ -168,26 +194,47 @@ def _start_nodes(tmp_path: Path, run_dir: Path, train: list[str], restarts=(0, 0
     for node in (0, 1):
         logs.append(tmp_path / f"{label}node{node}.log")
         with logs[-1].open("w") as out:
-            nodes.append(subprocess.Popen(
-                [sys.executable, str(Path(__file__).with_name("node_launcher.py")), str(node),
-                 str(port), str(restarts[node]), str(restart_timeout), *train], stdout=out,
-                stderr=subprocess.STDOUT, cwd=REPO, env=dict(_env(), **{RUN_TAG: str(run_dir)}),
-                start_new_session=True))
+            nodes.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(Path(__file__).with_name("node_launcher.py")),
+                        str(node),
+                        str(port),
+                        str(restarts[node]),
+                        str(restart_timeout),
+                        *train,
+                    ],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    cwd=REPO,
+                    env=dict(_env(), **{RUN_TAG: str(run_dir)}),
+                    start_new_session=True,
+                )
+            )
     return nodes, logs
 
 
 @pytest.mark.slow
-def test_a_node_that_outlives_the_rendezvous_host_exits_with_its_workers_code(shakespeare,
-                                                                              tmp_path):
+def test_a_node_that_outlives_the_rendezvous_host_exits_with_its_workers_code(
+    shakespeare, tmp_path
+):
     """Two nodes of one run on this host (tests/launch/node_launcher.py). Node 1's worker is
     paused and node 0's killed: node 0's launcher exits, taking the rendezvous store it hosts
     along, while node 1's agent still watches a live worker. Node 1's launcher then waits for
     its worker and exits with its code and one line (it raised RendezvousConnectionError out
     of torchrun: a long traceback and exit code 1, whatever its worker did)."""
     run_dir = tmp_path / "run"
-    train = _train_args(shakespeare, run_dir, "parallel.tensor=2", "train.steps=400",
-                        "train.eval_interval=400", "checkpoint.interval=400",
-                        "log.diagnostics_interval=0", "parallel.collective_timeout_mins=0.25")
+    train = _train_args(
+        shakespeare,
+        run_dir,
+        "parallel.tensor=2",
+        "train.steps=400",
+        "train.eval_interval=400",
+        "checkpoint.interval=400",
+        "log.diagnostics_interval=0",
+        "parallel.collective_timeout_mins=0.25",
+    )
     nodes, logs = _start_nodes(tmp_path, run_dir, train)
     paused = None
     try:
@@ -210,16 +257,24 @@ def test_a_node_that_outlives_the_rendezvous_host_exits_with_its_workers_code(sh
     # libtorch's store warnings, a C++ stack each, are off (TORCH_CPP_LOG_LEVEL=ERROR)
     assert "Exception raised from" not in output, output[-6000:]
     last = [line for line in output.splitlines() if line.startswith("t2train launch:")][-1]
-    assert re.fullmatch(rf"t2train launch: workers failed \(rank 1 exited with code {code}\); "
-                        rf"exit code {code}", last), (last, code)
+    assert re.fullmatch(
+        rf"t2train launch: workers failed \(rank 1 exited with code {code}\); "
+        rf"exit code {code}",
+        last,
+    ), (last, code)
     wait_until_none_left(str(run_dir))
 
 
-TWO_NODE_RUN = ["parallel.tensor=2", "train.steps=7", "train.eval_interval=7",
-                "checkpoint.interval=3", "log.diagnostics_interval=0",
-                # a survivor whose peer died mid-collective: gloo fails it at once; a save
-                # under load takes seconds, so this only bounds a hang
-                "parallel.collective_timeout_mins=1"]
+TWO_NODE_RUN = [
+    "parallel.tensor=2",
+    "train.steps=7",
+    "train.eval_interval=7",
+    "checkpoint.interval=3",
+    "log.diagnostics_interval=0",
+    # a survivor whose peer died mid-collective: gloo fails it at once; a save
+    # under load takes seconds, so this only bounds a hang
+    "parallel.collective_timeout_mins=1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -227,8 +282,7 @@ def two_node_reference(shakespeare, tmp_path_factory) -> dict[int, float]:
     """The losses of an uninterrupted two-node run."""
     tmp_path = tmp_path_factory.mktemp("two-nodes")
     run_dir = tmp_path / "run"
-    nodes, logs = _start_nodes(tmp_path, run_dir,
-                               _train_args(shakespeare, run_dir, *TWO_NODE_RUN))
+    nodes, logs = _start_nodes(tmp_path, run_dir, _train_args(shakespeare, run_dir, *TWO_NODE_RUN))
     codes = [node.wait(timeout=600) for node in nodes]
     assert codes == [0, 0], [log.read_text()[-3000:] for log in logs]
     return _losses(run_dir)
@@ -237,7 +291,8 @@ def two_node_reference(shakespeare, tmp_path_factory) -> dict[int, float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("killed_node", [0, 1], ids=["rendezvous-host", "other-node"])
 def test_a_restart_budget_restarts_every_node_when_a_rank_dies_on_either(
-        shakespeare, tmp_path, two_node_reference, killed_node):
+    shakespeare, tmp_path, two_node_reference, killed_node
+):
     """Two node launchers with ``max_restarts=1``; after step 4 (step 3 saved) the worker of
     one node is SIGKILLed: the node that hosts the rendezvous, or the other. Both nodes
     restart into a fresh rendezvous round, resume from step 3 and finish with every step's
@@ -246,14 +301,19 @@ def test_a_restart_budget_restarts_every_node_when_a_rank_dies_on_either(
     first node to restart joined the round the other had closed, RendezvousClosedError, and
     the host then waited alone for ten minutes.)"""
     run_dir = tmp_path / "run"
-    nodes, logs = _start_nodes(tmp_path, run_dir,
-                               _train_args(shakespeare, run_dir, *TWO_NODE_RUN),
-                               restarts=(1, 1), restart_timeout=120)
+    nodes, logs = _start_nodes(
+        tmp_path,
+        run_dir,
+        _train_args(shakespeare, run_dir, *TWO_NODE_RUN),
+        restarts=(1, 1),
+        restart_timeout=120,
+    )
     try:
         deadline = time.monotonic() + 300
         while max(_losses(run_dir), default=0) < 4:
-            assert all(node.poll() is None for node in nodes) and time.monotonic() < deadline, \
-                [log.read_text()[-3000:] for log in logs]
+            assert all(node.poll() is None for node in nodes) and time.monotonic() < deadline, [
+                log.read_text()[-3000:] for log in logs
+            ]
             time.sleep(0.1)
         _worker(nodes[killed_node], rank=killed_node).send_signal(signal.SIGKILL)
         codes = [node.wait(timeout=600) for node in nodes]
@@ -268,8 +328,11 @@ def test_a_restart_budget_restarts_every_node_when_a_rank_dies_on_either(
         assert "RendezvousClosedError" not in text and "Traceback" not in text, text[-4000:]
         assert "Exception raised from" not in text, text[-4000:]
     survivor = 1 - killed_node
-    assert re.search(rf"error: rank {survivor}: another rank has ended, breaking a collective "
-                     r"\(.*\); its output says why", texts[survivor]), texts[survivor][-4000:]
+    assert re.search(
+        rf"error: rank {survivor}: another rank has ended, breaking a collective "
+        r"\(.*\); its output says why",
+        texts[survivor],
+    ), texts[survivor][-4000:]
     assert f"resumed from {run_dir / 'checkpoints'}/step_00000003" in texts[0], texts[0][-4000:]
     assert _losses(run_dir) == two_node_reference
     wait_until_none_left(str(run_dir))
@@ -281,9 +344,13 @@ def test_a_restart_that_the_other_node_never_joins_ends_in_one_line(shakespeare,
     worker fails too, and it exits): node 0 waits its ``restart_timeout`` for node 1, then
     exits with its failed workers' code and one line, not torch's ten minutes."""
     run_dir = tmp_path / "run"
-    nodes, logs = _start_nodes(tmp_path, run_dir,
-                               _train_args(shakespeare, run_dir, *TWO_NODE_RUN),
-                               restarts=(1, 0), restart_timeout=5)
+    nodes, logs = _start_nodes(
+        tmp_path,
+        run_dir,
+        _train_args(shakespeare, run_dir, *TWO_NODE_RUN),
+        restarts=(1, 0),
+        restart_timeout=5,
+    )
     try:
         _wait_for_step(nodes[0], run_dir, logs[0], 2)
         _worker(nodes[0], rank=0).send_signal(signal.SIGKILL)
@@ -298,8 +365,11 @@ def test_a_restart_that_the_other_node_never_joins_ends_in_one_line(shakespeare,
     text = logs[0].read_text()
     assert code == 128 + signal.SIGKILL, text[-4000:]
     assert waited < 120, text[-4000:]
-    assert re.search(r"t2train launch: restart 1: not every node restarted within 5 s "
-                     rf"\(RendezvousTimeoutError\); exit code {code}\n", text), text[-4000:]
+    assert re.search(
+        r"t2train launch: restart 1: not every node restarted within 5 s "
+        rf"\(RendezvousTimeoutError\); exit code {code}\n",
+        text,
+    ), text[-4000:]
     assert "Traceback" not in text.split("restart 1 of 1")[-1], text[-4000:]
     wait_until_none_left(str(run_dir))
 
@@ -311,8 +381,10 @@ def killed_by_sigterm(pid: int) -> bool:
         masks = signal_masks(pid)
         if has(masks["SigIgn"] | masks["SigCgt"], signal.SIGTERM):
             return False
-        return any(not has(signal_masks(pid, int(task.name))["SigBlk"], signal.SIGTERM)
-                   for task in Path(f"/proc/{pid}/task").iterdir())
+        return any(
+            not has(signal_masks(pid, int(task.name))["SigBlk"], signal.SIGTERM)
+            for task in Path(f"/proc/{pid}/task").iterdir()
+        )
     except FileNotFoundError:  # it ended meanwhile (a writer of a save that finished)
         return False
 
@@ -334,8 +406,16 @@ def test_sigterm_to_every_process_of_the_tree_saves_the_current_step(shakespeare
     writer processes started by the step-2 save all get SIGTERM at once: none of them dies
     of it, and the checkpoint of the step the trainer was in is published (exit code 75)."""
     run_dir, log = tmp_path / "run", tmp_path / "launch.log"
-    proc = _start(shakespeare, run_dir, log, 1, "train.steps=400", "train.eval_interval=400",
-                  "checkpoint.interval=2", "log.diagnostics_interval=0")
+    proc = _start(
+        shakespeare,
+        run_dir,
+        log,
+        1,
+        "train.steps=400",
+        "train.eval_interval=400",
+        "checkpoint.interval=2",
+        "log.diagnostics_interval=0",
+    )
     latest, published = run_dir / "checkpoints" / "latest", {}
     try:
         _wait_for_step(proc, run_dir, log, 3)
@@ -370,20 +450,34 @@ def test_sigterm_to_every_process_of_the_tree_saves_the_current_step(shakespeare
     assert seconds < 30  # SLURM's default KillWait, after which SIGKILL follows
 
 
-@pytest.mark.parametrize("args, env, cause", [
-    ([], {}, "--nproc-per-node: not given and there is no GPU to count"),
-    (["--nproc-per-node=2"], {"SLURM_JOB_ID": "7"}, "SLURM_STEP_ID is not set"),
-    (["--nproc-per-node=3", "parallel.tensor=2"], {},
-     "parallel.tensor*parallel.pipeline=2: must divide the world size 3"),
-    (["--nproc-per-node=2", "train.exit_signals=SIGNOPE"], {},
-     "train.exit_signals='SIGNOPE': 'SIGNOPE' is not a catchable signal name"),
-])
+@pytest.mark.parametrize(
+    "args, env, cause",
+    [
+        ([], {}, "--nproc-per-node: not given and there is no GPU to count"),
+        (["--nproc-per-node=2"], {"SLURM_JOB_ID": "7"}, "SLURM_STEP_ID is not set"),
+        (
+            ["--nproc-per-node=3", "parallel.tensor=2"],
+            {},
+            "parallel.tensor*parallel.pipeline=2: must divide the world size 3",
+        ),
+        (
+            ["--nproc-per-node=2", "train.exit_signals=SIGNOPE"],
+            {},
+            "train.exit_signals='SIGNOPE': 'SIGNOPE' is not a catchable signal name",
+        ),
+    ],
+)
 def test_bad_launches_fail_with_one_line(shakespeare, tmp_path, args, env, cause):
     if not args and torch.cuda.is_available():
         pytest.skip("with CUDA the process count defaults to the devices")
-    proc = subprocess.run(_launch_cmd(*args, *_train_args(shakespeare, tmp_path / "run")),
-                          capture_output=True, text=True, env=dict(_env(), **env), cwd=REPO,
-                          timeout=300)
+    proc = subprocess.run(
+        _launch_cmd(*args, *_train_args(shakespeare, tmp_path / "run")),
+        capture_output=True,
+        text=True,
+        env=dict(_env(), **env),
+        cwd=REPO,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {cause}"), proc.stderr
     assert not (tmp_path / "run").exists()
@@ -411,13 +505,19 @@ def test_processes_per_node_comes_from_the_option_or_the_gpus():
 @pytest.mark.gpu
 def test_more_processes_than_cuda_devices_is_refused(shakespeare, tmp_path):
     too_many = torch.cuda.device_count() + 1
-    proc = subprocess.run(_launch_cmd(f"--nproc-per-node={too_many}",
-                                      *_train_args(shakespeare, tmp_path / "run")),
-                          capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300)
+    proc = subprocess.run(
+        _launch_cmd(f"--nproc-per-node={too_many}", *_train_args(shakespeare, tmp_path / "run")),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=REPO,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: --nproc-per-node={too_many}: more processes than the "
-        f"{torch.cuda.device_count()} CUDA device(s) visible on this node")
+        f"{torch.cuda.device_count()} CUDA device(s) visible on this node"
+    )
 
 
 def test_the_node_exit_code_prefers_a_completed_requeue_save():

@@ -28,16 +28,19 @@ print("|".join(end_descendants()))
 
 
 def test_the_launcher_adopts_and_ends_what_a_dead_child_left():
-    proc = subprocess.run([sys.executable, "-c", ADOPT_AND_END], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", ADOPT_AND_END], capture_output=True, text=True, timeout=120
+    )
     lines = proc.stdout.splitlines()
     grandchild = int(lines[0].split()[0]) if lines else None
     try:
         assert proc.returncode == 0, proc.stderr
         assert lines[0].split()[1] == "True"  # adopted, not re-parented to pid 1
         assert "time.sleep(300)" in lines[1]
-        assert not psutil.pid_exists(grandchild) or \
-            psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+        assert (
+            not psutil.pid_exists(grandchild)
+            or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+        )
     finally:
         if grandchild and psutil.pid_exists(grandchild):
             psutil.Process(grandchild).kill()

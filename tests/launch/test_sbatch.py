@@ -17,9 +17,20 @@ def _launch_argv(tmp_path: Path, **env: str) -> list[str]:
     srun.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$SRUN_ARGV"\n')
     srun.chmod(0o755)
     proc = subprocess.run(
-        ["bash", str(SBATCH), "model.num_layers=2"], capture_output=True, text=True, timeout=60,
-        env=dict(PATH=f"{stand_ins}:{os.environ['PATH']}", DATA="/data/x", NPROC_PER_NODE="2",
-                 SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n[1-2]", SRUN_ARGV=str(tmp_path / "argv"), **env))
+        ["bash", str(SBATCH), "model.num_layers=2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(
+            PATH=f"{stand_ins}:{os.environ['PATH']}",
+            DATA="/data/x",
+            NPROC_PER_NODE="2",
+            SLURM_JOB_ID="7",
+            SLURM_JOB_NODELIST="n[1-2]",
+            SRUN_ARGV=str(tmp_path / "argv"),
+            **env,
+        ),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return (tmp_path / "argv").read_text().splitlines()
 

@@ -21,24 +21,47 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "slurm" / "pretrain.sbatch"
 STEPS = 30
-TRAIN = [*TINY_MODEL, "parallel.tensor=2", f"train.steps={STEPS}",
-         f"train.eval_interval={STEPS}", f"checkpoint.interval={STEPS}"]
+TRAIN = [
+    *TINY_MODEL,
+    "parallel.tensor=2",
+    f"train.steps={STEPS}",
+    f"train.eval_interval={STEPS}",
+    f"checkpoint.interval={STEPS}",
+]
 JOB_TIMEOUT = 300
 
 
 def _submit(cluster, data: Path, out: Path, name: str, *extra: str) -> tuple[str, Path]:
     log = out / f"{name}.out"
     job = cluster.sbatch(
-        "--nodes=2", "--gpus-per-node=0", f"--job-name={name}", f"--output={log}",
-        f"--error={log}", f"--chdir={out}", str(SBATCH), f"name={name}", *TRAIN, *extra,
-        env={"DATA": str(data), "PRESET": "", "NPROC_PER_NODE": "2", "OUTPUT_DIR": str(out / "runs"),
-             "T2TRAIN": str(Path(sys.executable).parent / "t2train"), "PYTHONUNBUFFERED": "1"})
+        "--nodes=2",
+        "--gpus-per-node=0",
+        f"--job-name={name}",
+        f"--output={log}",
+        f"--error={log}",
+        f"--chdir={out}",
+        str(SBATCH),
+        f"name={name}",
+        *TRAIN,
+        *extra,
+        env={
+            "DATA": str(data),
+            "PRESET": "",
+            "NPROC_PER_NODE": "2",
+            "OUTPUT_DIR": str(out / "runs"),
+            "T2TRAIN": str(Path(sys.executable).parent / "t2train"),
+            "PYTHONUNBUFFERED": "1",
+        },
+    )
     return job, log
 
 
 def _done(fields: dict) -> bool:
-    return fields.get("JobState") in {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
-                                      "NODE_FAIL", "OUT_OF_MEMORY"} or not fields
+    return (
+        fields.get("JobState")
+        in {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+        or not fields
+    )
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -57,17 +80,24 @@ def reference(slurm_cluster, shakespeare, tmp_path_factory) -> dict:
     started = time.monotonic()
     job, log = _submit(slurm_cluster, shakespeare, out, "reference")
     fields = slurm_cluster.wait_job(job, _done, JOB_TIMEOUT, log)
-    return {"job": job, "fields": fields, "log": log.read_text(),
-            "run_dir": out / "runs" / "reference", "seconds": time.monotonic() - started}
+    return {
+        "job": job,
+        "fields": fields,
+        "log": log.read_text(),
+        "run_dir": out / "runs" / "reference",
+        "seconds": time.monotonic() - started,
+    }
 
 
 def test_two_node_job_trains_under_srun_and_torchrun(reference):
     log, job = reference["log"], reference["job"]
     assert reference["fields"]["JobState"] == "COMPLETED", log[-6000:]
     for rank, node in enumerate(("n1", "n2")):
-        assert (f"t2train launch: SLURM job {job} (restart 0) | 2 node(s) n1,n2 | node rank "
-                f"{rank} on {node} | 2 process(es) per node | world size 4 | c10d rendezvous "
-                f"127.0.0.1:") in log, log[-6000:]
+        assert (
+            f"t2train launch: SLURM job {job} (restart 0) | 2 node(s) n1,n2 | node rank "
+            f"{rank} on {node} | 2 process(es) per node | world size 4 | c10d rendezvous "
+            f"127.0.0.1:"
+        ) in log, log[-6000:]
     assert "TP 2 x PP 1 x DP 2" in log
     val = {r["step"]: r["val/loss"] for r in _metrics(reference["run_dir"]) if "val/loss" in r}
     assert val[STEPS] < val[0] - 0.5, val
@@ -85,13 +115,15 @@ def _wait_for(condition, job: str, cluster, log: Path) -> None:
     deadline = time.monotonic() + JOB_TIMEOUT
     while not condition():
         fields = cluster.job(job)
-        assert time.monotonic() < deadline and not _done(fields), \
-            (log.read_text()[-6000:] if log.is_file() else "no log") + f"\njob: {fields}"
+        assert time.monotonic() < deadline and not _done(fields), (
+            log.read_text()[-6000:] if log.is_file() else "no log"
+        ) + f"\njob: {fields}"
         time.sleep(0.2)
 
 
 def test_usr1_requeues_and_scancel_saves_and_both_resume_with_the_same_losses(
-        slurm_cluster, shakespeare, tmp_path, reference):
+    slurm_cluster, shakespeare, tmp_path, reference
+):
     """One run, stopped twice. USR1 to the batch script (SLURM's warning before the time
     limit): the trainers save, the job requeues itself and resumes. Then a plain ``scancel``,
     which sends SIGTERM to every process of the job step (launchers, trainers, the checkpoint
@@ -102,24 +134,34 @@ def test_usr1_requeues_and_scancel_saves_and_both_resume_with_the_same_losses(
     job, log = _submit(slurm_cluster, shakespeare, tmp_path, "preempted", saves)
     run_dir = tmp_path / "runs" / "preempted"
     _wait_for(lambda: len(_losses(run_dir)) >= 3, job, slurm_cluster, log)
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True,
-                   env=slurm_cluster.env, timeout=60)
+    subprocess.run(
+        ["scancel", "--signal=USR1", "--batch", job], check=True, env=slurm_cluster.env, timeout=60
+    )
 
     # The job requeues itself; SLURM holds a requeued job ~2 min (BeginTime): release it a few
     # seconds on. Not at once: the requeue revokes the job's credential with a timestamp in
     # seconds, and slurmd refuses a launch in that same second ("Job credential revoked"),
     # which fails the job.
-    slurm_cluster.wait_job(job, lambda f: f.get("Restarts") == "1"
-                           and f.get("JobState") == "PENDING", JOB_TIMEOUT, log)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+3"], check=True,
-                   env=slurm_cluster.env, timeout=60)
+    slurm_cluster.wait_job(
+        job, lambda f: f.get("Restarts") == "1" and f.get("JobState") == "PENDING", JOB_TIMEOUT, log
+    )
+    subprocess.run(
+        ["scontrol", "update", f"JobId={job}", "StartTime=now+3"],
+        check=True,
+        env=slurm_cluster.env,
+        timeout=60,
+    )
     text = log.read_text()
     stopped = int(text.split("| stopping early: received SIGUSR1")[0].rsplit("step", 1)[1])
     assert 3 <= stopped < 10 and _latest(run_dir) == stopped
     assert f"job {job}: checkpoint saved, requeueing" in text
 
-    _wait_for(lambda: _latest(run_dir) >= 10 and max(_losses(run_dir)) > _latest(run_dir),
-              job, slurm_cluster, log)
+    _wait_for(
+        lambda: _latest(run_dir) >= 10 and max(_losses(run_dir)) > _latest(run_dir),
+        job,
+        slurm_cluster,
+        log,
+    )
     subprocess.run(["scancel", job], check=True, env=slurm_cluster.env, timeout=60)
     cancelled = time.monotonic()
     # Trained before scancel returned; SLURM forwards the signal a moment later, and on a

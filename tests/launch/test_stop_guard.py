@@ -46,21 +46,37 @@ def test_the_time_limit_stops_the_run(megatron_world):
 
 
 @pytest.mark.slow
-def test_train_saves_and_exits_with_the_requeue_code_at_the_time_limit(megatron_world, shakespeare,
-                                                                       tmp_path):
+def test_train_saves_and_exits_with_the_requeue_code_at_the_time_limit(
+    megatron_world, shakespeare, tmp_path
+):
     run_dir = tmp_path / "run"
-    code = t2train_main(["train", *TINY_MODEL, f"data.path={shakespeare}", f"log.run_dir={run_dir}",
-                         "train.steps=50", "train.exit_duration_mins=1e-9",
-                         "checkpoint.interval=50", "train.eval_interval=50"])
+    code = t2train_main(
+        [
+            "train",
+            *TINY_MODEL,
+            f"data.path={shakespeare}",
+            f"log.run_dir={run_dir}",
+            "train.steps=50",
+            "train.exit_duration_mins=1e-9",
+            "checkpoint.interval=50",
+            "train.eval_interval=50",
+        ]
+    )
     assert code == REQUEUE_EXIT_CODE
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000001"
 
 
-@pytest.mark.parametrize("override, cause", [
-    ("train.exit_signals=SIGKILL", "train.exit_signals='SIGKILL': 'SIGKILL' is not a catchable"),
-    ("train.exit_signals=USR1,BOGUS", "'BOGUS' is not a catchable signal name"),
-    ("train.exit_duration_mins=-5", "train.exit_duration_mins=-5.0: must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "override, cause",
+    [
+        (
+            "train.exit_signals=SIGKILL",
+            "train.exit_signals='SIGKILL': 'SIGKILL' is not a catchable",
+        ),
+        ("train.exit_signals=USR1,BOGUS", "'BOGUS' is not a catchable signal name"),
+        ("train.exit_duration_mins=-5", "train.exit_duration_mins=-5.0: must be >= 0"),
+    ],
+)
 def test_bad_stop_settings_name_the_field(override, cause):
     with pytest.raises(ConfigError, match=cause):
         load_config(overrides=["data.path=d", override])
@@ -82,21 +98,29 @@ def test_a_suspended_and_resumed_process_is_not_asked_to_stop(tmp_path):
     from t2train.signals import take_pending
 
     guarded = subprocess.Popen(
-        [sys.executable, "-c", "import signal, sys, time\n"
-         "from t2train.parallel.init import init_distributed\n"
-         "from t2train.train.preemption import StopGuard\n"
-         "init_distributed()  # a world of one: should_stop is a collective\n"
-         "with StopGuard([signal.SIGTERM, signal.SIGINT], exit_duration_mins=0) as guard:\n"
-         "    print('guarded', flush=True)\n"
-         "    sys.stdin.readline()\n"
-         "    time.sleep(0.5)\n"
-         "    print('after resume:', guard.should_stop(), flush=True)\n"
-         "    sys.stdin.readline()\n"
-         "    time.sleep(0.5)\n"
-         "    print('after SIGINT:', guard.should_stop(), flush=True)\n"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import signal, sys, time\n"
+            "from t2train.parallel.init import init_distributed\n"
+            "from t2train.train.preemption import StopGuard\n"
+            "init_distributed()  # a world of one: should_stop is a collective\n"
+            "with StopGuard([signal.SIGTERM, signal.SIGINT], exit_duration_mins=0) as guard:\n"
+            "    print('guarded', flush=True)\n"
+            "    sys.stdin.readline()\n"
+            "    time.sleep(0.5)\n"
+            "    print('after resume:', guard.should_stop(), flush=True)\n"
+            "    sys.stdin.readline()\n"
+            "    time.sleep(0.5)\n"
+            "    print('after SIGINT:', guard.should_stop(), flush=True)\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_PORT")},
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         assert guarded.stdout.readline() == "guarded\n"
         for stop in (signal.SIGSTOP, signal.SIGCONT) * 3:

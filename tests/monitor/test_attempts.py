@@ -22,9 +22,17 @@ from t2train.train.loop import train
 
 pytestmark = pytest.mark.slow
 
-TINY_MODEL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-              "model.seq_length=64", "train.micro_batch_size=4", "train.global_batch_size=8",
-              "train.warmup_steps=1", "train.eval_batches=1", "train.log_interval=1"]
+TINY_MODEL = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.seq_length=64",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+    "train.warmup_steps=1",
+    "train.eval_batches=1",
+    "train.log_interval=1",
+]
 TOKENS_PER_STEP = 8 * 64
 
 
@@ -56,10 +64,18 @@ def _attempt(run_dir, data, monkeypatch, fail_at=None, nan_at=None, failing_save
 
     monkeypatch.setattr(MegatronEngine, "train_step", train_step)
     monkeypatch.setattr(MegatronEngine, "save", save)
-    config = load_config(overrides=[*TINY_MODEL, f"data.path={data}", f"log.run_dir={run_dir}",
-                                    "train.steps=6", "checkpoint.interval=2",
-                                    "checkpoint.on_save_error=continue",
-                                    "train.eval_interval=100", "log.diagnostics_interval=0"])
+    config = load_config(
+        overrides=[
+            *TINY_MODEL,
+            f"data.path={data}",
+            f"log.run_dir={run_dir}",
+            "train.steps=6",
+            "checkpoint.interval=2",
+            "checkpoint.on_save_error=continue",
+            "train.eval_interval=100",
+            "log.diagnostics_interval=0",
+        ]
+    )
     if fail_at is None:
         return train(config)
     with pytest.raises(RuntimeError, match="injected failure"):
@@ -79,7 +95,8 @@ def _event_files(run_dir) -> list:
 
 
 def test_attempts_in_one_run_directory_keep_one_runs_metrics_and_counters(
-        megatron_world, shakespeare, tmp_path, monkeypatch, capsys):
+    megatron_world, shakespeare, tmp_path, monkeypatch, capsys
+):
     run_dir = tmp_path / "run"
     _attempt(run_dir, shakespeare, monkeypatch, fail_at=1)  # fails before step 1
     assert list(_records(run_dir, "val/loss")) == [0]
@@ -88,8 +105,10 @@ def test_attempts_in_one_run_directory_keep_one_runs_metrics_and_counters(
 
     # Step 1 skipped, the step-2 save fails, step 4 is saved, step 5 logged, step 6 fails.
     _attempt(run_dir, shakespeare, monkeypatch, fail_at=6, nan_at=1, failing_saves=1)
-    assert f"{run_dir}: dropped what an earlier attempt logged without saving a checkpoint " \
-           "(1 metrics.jsonl record(s), 1 TensorBoard event file(s))" in capsys.readouterr().out
+    assert (
+        f"{run_dir}: dropped what an earlier attempt logged without saving a checkpoint "
+        "(1 metrics.jsonl record(s), 1 TensorBoard event file(s))" in capsys.readouterr().out
+    )
     assert list(_records(run_dir, "val/loss")) == [0]
     assert first_events[0] not in _event_files(run_dir)
     assert _records(run_dir, "train/skipped_steps") == {1: 1, 2: 1, 3: 1, 4: 1, 5: 1}
@@ -99,8 +118,10 @@ def test_attempts_in_one_run_directory_keep_one_runs_metrics_and_counters(
     # Resumed from step 4; its save of step 6 fails too: the run's second failed save.
     summary = _attempt(run_dir, shakespeare, monkeypatch, failing_saves=1)
     assert summary.start_step == 4 and summary.final_save_failed
-    assert "dropped what an earlier attempt logged after step 4, its checkpoint " \
-           "(1 metrics.jsonl record(s))" in capsys.readouterr().out
+    assert (
+        "dropped what an earlier attempt logged after step 4, its checkpoint "
+        "(1 metrics.jsonl record(s))" in capsys.readouterr().out
+    )
     assert list(_records(run_dir, "train/loss")) == [1, 2, 3, 4, 5, 6]  # once each
     assert list(_records(run_dir, "val/loss")) == [0, 6]
     assert len(_event_files(run_dir)) == 2  # the resumed attempt's; TensorBoard purges step 5

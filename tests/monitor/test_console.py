@@ -24,7 +24,7 @@ def test_other_ranks_drop_python_warnings_and_library_logs(monkeypatch):
         warnings.simplefilter("always")
         try:
             quiet_other_ranks(all_ranks=False)
-            warnings.warn("from a library")
+            warnings.warn("from a library", stacklevel=1)
             assert logging.getLogger("megatron").isEnabledFor(logging.WARNING) is False
         finally:
             logging.disable(logging.NOTSET)
@@ -36,5 +36,5 @@ def test_all_ranks_keeps_warnings(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         quiet_other_ranks(all_ranks=True)
-        warnings.warn("from a library")
+        warnings.warn("from a library", stacklevel=1)
     assert len(caught) == 1

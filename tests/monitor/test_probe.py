@@ -16,8 +16,13 @@ from t2train.residual.window_attention import (
 )
 
 LAYERS, SEQ = 3, 16
-BASE = ["data.path=unused", f"model.num_layers={LAYERS}", "model.hidden_size=64",
-        "model.num_attention_heads=4", f"model.seq_length={SEQ}"]
+BASE = [
+    "data.path=unused",
+    f"model.num_layers={LAYERS}",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    f"model.seq_length={SEQ}",
+]
 VARIANTS = {
     "ddl": ["model.residual=ddl"],
     "ddl_dv4": ["model.residual=ddl", "model.ddl.dv=4"],
@@ -102,7 +107,8 @@ def test_recording_leaves_outputs_unchanged_and_records_the_design(megatron_worl
         reads = records["attnres"]
         assert set(reads) == set(range(2 * LAYERS + 1))
         assert len(reads[0]) == 1 and len(reads[2 * LAYERS]) == (
-            2 * LAYERS + 1 if variant == "attnres" else 1 + 2 * LAYERS // 3)
+            2 * LAYERS + 1 if variant == "attnres" else 1 + 2 * LAYERS // 3
+        )
         for weights in reads.values():
             assert float(weights.sum()) == pytest.approx(1.0)
 
@@ -112,7 +118,8 @@ def test_explicit_window_weights_reproduce_the_operator():
     q = torch.randn(2, 4, 24, 8, generator=g)
     k, v = (torch.randn(2, 2, 24, 8, generator=g) for _ in range(2))  # grouped-query heads
     probs = window_attention_probs(q, k, window=5)
-    torch.testing.assert_close(probs @ v.repeat_interleave(2, dim=1),
-                               short_window_attention(q, k, v, window=5))
+    torch.testing.assert_close(
+        probs @ v.repeat_interleave(2, dim=1), short_window_attention(q, k, v, window=5)
+    )
     entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)[:, :, -6:].mean()
     torch.testing.assert_close(window_attention_entropy(q, k, window=5, queries=6), entropy)

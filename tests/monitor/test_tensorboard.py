@@ -28,45 +28,93 @@ from t2train.config.loader import load_config
 
 pytestmark = pytest.mark.slow
 
-TINY = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
-        "model.seq_length=64", "train.micro_batch_size=4", "train.global_batch_size=8",
-        "train.eval_batches=1", "checkpoint.resume=none"]
-RUN = TINY + ["train.steps=20", "train.warmup_steps=2", "train.log_interval=5",
-              "train.eval_interval=10", "log.diagnostics_interval=10"]
+TINY = [
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.seq_length=64",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+    "train.eval_batches=1",
+    "checkpoint.resume=none",
+]
+RUN = TINY + [
+    "train.steps=20",
+    "train.warmup_steps=2",
+    "train.log_interval=5",
+    "train.eval_interval=10",
+    "log.diagnostics_interval=10",
+]
 
 SUBLAYERS = ["layer_01.attn", "layer_01.mlp", "layer_02.attn", "layer_02.mlp"]
-DDL_HISTOGRAMS = {f"diagnostics/ddl_{name}/{sublayer}"
-                  for name in ("beta", "kx") for sublayer in SUBLAYERS}
+DDL_HISTOGRAMS = {
+    f"diagnostics/ddl_{name}/{sublayer}" for name in ("beta", "kx") for sublayer in SUBLAYERS
+}
 DEPTH_IMAGE = {"diagnostics/depth_attention"}
 
 # variant -> (overrides, extra diagnostic scalars, images, histograms)
 VARIANTS = {
     "standard": ([], set(), set(), set()),
     "ddl": (["model.residual=ddl"], set(), set(), DDL_HISTOGRAMS),
-    "ddl+shortswa": (["model.residual=ddl", "model.shortswa.window=16"],
-                     {"diagnostics/shortswa_entropy/layer_01",
-                      "diagnostics/shortswa_entropy/layer_02"}, set(),
-                     {f"diagnostics/ddl_{name}/{sublayer}" for name in ("beta", "kx")
-                      for sublayer in SUBLAYERS + ["layer_01.shortswa", "layer_02.shortswa"]}),
-    "depth_attn": (["model.residual=depth_attn", "model.depth_attn.window=3"], set(),
-                   DEPTH_IMAGE, set()),
+    "ddl+shortswa": (
+        ["model.residual=ddl", "model.shortswa.window=16"],
+        {"diagnostics/shortswa_entropy/layer_01", "diagnostics/shortswa_entropy/layer_02"},
+        set(),
+        {
+            f"diagnostics/ddl_{name}/{sublayer}"
+            for name in ("beta", "kx")
+            for sublayer in SUBLAYERS + ["layer_01.shortswa", "layer_02.shortswa"]
+        },
+    ),
+    "depth_attn": (
+        ["model.residual=depth_attn", "model.depth_attn.window=3"],
+        set(),
+        DEPTH_IMAGE,
+        set(),
+    ),
     "attnres": (["model.residual=attnres"], set(), DEPTH_IMAGE, set()),
-    "block_attnres": (["model.residual=block_attnres", "model.attnres.block_size=2"], set(),
-                      DEPTH_IMAGE, set()),
-    "mhc": (["model.residual=mhc"], {f"diagnostics/mhc_gain/{sublayer}" for sublayer in SUBLAYERS},
-            set(), {f"diagnostics/mhc_{kind}/{sublayer}" for kind in ("read", "write")
-                    for sublayer in SUBLAYERS}),
+    "block_attnres": (
+        ["model.residual=block_attnres", "model.attnres.block_size=2"],
+        set(),
+        DEPTH_IMAGE,
+        set(),
+    ),
+    "mhc": (
+        ["model.residual=mhc"],
+        {f"diagnostics/mhc_gain/{sublayer}" for sublayer in SUBLAYERS},
+        set(),
+        {
+            f"diagnostics/mhc_{kind}/{sublayer}"
+            for kind in ("read", "write")
+            for sublayer in SUBLAYERS
+        },
+    ),
 }
 
 SCALARS = {
-    "train/loss", "train/perplexity", "train/lr", "train/grad_norm", "train/param_norm",
-    "train/skipped_steps", "train/tokens", "val/loss", "val/perplexity",
-    "throughput/tokens_per_sec", "throughput/tokens_per_sec_per_device",
-    "throughput/tflops_per_device", "time/step_seconds", "time/data_wait_seconds",
-    "memory/rss_gib", "pipeline/forward_data_bytes", "pipeline/forward_wire_bytes",
-    "pipeline/backward_data_bytes", "pipeline/backward_wire_bytes", "pipeline/forward_hops",
+    "train/loss",
+    "train/perplexity",
+    "train/lr",
+    "train/grad_norm",
+    "train/param_norm",
+    "train/skipped_steps",
+    "train/tokens",
+    "val/loss",
+    "val/perplexity",
+    "throughput/tokens_per_sec",
+    "throughput/tokens_per_sec_per_device",
+    "throughput/tflops_per_device",
+    "time/step_seconds",
+    "time/data_wait_seconds",
+    "memory/rss_gib",
+    "pipeline/forward_data_bytes",
+    "pipeline/forward_wire_bytes",
+    "pipeline/backward_data_bytes",
+    "pipeline/backward_wire_bytes",
+    "pipeline/forward_hops",
     "checkpoint/save_seconds",
-    "diagnostics/residual_rms/layer_01", "diagnostics/residual_rms/layer_02",
+    "diagnostics/residual_rms/layer_01",
+    "diagnostics/residual_rms/layer_02",
     "diagnostics/residual_rms/final",
 }
 if torch.cuda.is_available():
@@ -82,8 +130,14 @@ def runs(megatron_world, shakespeare, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("runs")
     done = {}
     for variant, (overrides, *_) in VARIANTS.items():
-        config = load_config(overrides=[f"data.path={shakespeare}", f"log.run_dir={root / variant}",
-                                        *RUN, *overrides])
+        config = load_config(
+            overrides=[
+                f"data.path={shakespeare}",
+                f"log.run_dir={root / variant}",
+                *RUN,
+                *overrides,
+            ]
+        )
         console = io.StringIO()
         with contextlib.redirect_stdout(console):
             summary = train(config)
@@ -94,8 +148,9 @@ def runs(megatron_world, shakespeare, tmp_path_factory) -> dict:
 def _events(run_dir: Path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(run_dir),
-                              size_guidance={"scalars": 0, "images": 0, "histograms": 0})
+    events = EventAccumulator(
+        str(run_dir), size_guidance={"scalars": 0, "images": 0, "histograms": 0}
+    )
     events.Reload()
     return events
 
@@ -114,10 +169,12 @@ def test_every_tag_is_logged_with_finite_values(runs, variant):
         assert values and all(math.isfinite(v) for v in values), (tag, values)
     assert [e.step for e in events.Scalars("train/loss")] == [5, 10, 15, 20]
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(
-        [summary.losses[step] for step in (5, 10, 15, 20)])
+        [summary.losses[step] for step in (5, 10, 15, 20)]
+    )
     assert [e.step for e in events.Scalars("diagnostics/residual_rms/final")] == [10, 20]
     assert events.Scalars("train/perplexity")[-1].value == pytest.approx(
-        math.exp(summary.losses[20]), rel=1e-5)
+        math.exp(summary.losses[20]), rel=1e-5
+    )
 
     assert set(tags["images"]) == IMAGES | extra_images
     for tag in tags["images"]:
@@ -129,8 +186,9 @@ def test_every_tag_is_logged_with_finite_values(runs, variant):
     for tag in histograms:
         for event in events.Histograms(tag):
             histogram = event.histogram_value
-            assert histogram.num > 0 and math.isfinite(histogram.min) \
-                and math.isfinite(histogram.max), tag
+            assert (
+                histogram.num > 0 and math.isfinite(histogram.min) and math.isfinite(histogram.max)
+            ), tag
             if "ddl_beta" in tag:
                 assert 0 < histogram.min <= histogram.max < 2, tag
 
@@ -152,32 +210,58 @@ def test_console_is_a_progress_line_per_interval(runs):
     run_dir, _, console = runs["standard"]
     progress = [line for line in console.splitlines() if "tok/s" in line]
     assert len(progress) == 4
-    assert (f"TensorBoard: tensorboard --logdir {run_dir.parent} (this run is 'standard'; its "
-            f"event files are in {run_dir})") in console
+    assert (
+        f"TensorBoard: tensorboard --logdir {run_dir.parent} (this run is 'standard'; its "
+        f"event files are in {run_dir})"
+    ) in console
     assert all(" | loss " in line and " | eta " in line for line in progress)
     assert "warning" not in console
 
 
-def test_pipeline_stages_send_their_diagnostics_and_other_ranks_stay_quiet(
-        shakespeare, tmp_path):
+def test_pipeline_stages_send_their_diagnostics_and_other_ranks_stay_quiet(shakespeare, tmp_path):
     """TP = 2 x PP = 2 under torchrun: layer 1 lives on the first stage, layer 2 and the
     final norm on the second; every rank runs the diagnostics pass, one per stage sends."""
     run_dir, logs = tmp_path / "run", tmp_path / "logs"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=4", "--redirects=3", f"--log-dir={logs}",
-               "-m", "t2train.cli", "train", f"data.path={shakespeare}", f"log.run_dir={run_dir}",
-               *TINY, "train.steps=5", "train.warmup_steps=1", "train.log_interval=5",
-               "train.eval_interval=5", "log.diagnostics_interval=5", "model.residual=ddl",
-               "parallel.tensor=2", "parallel.pipeline=2"]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=4",
+        "--redirects=3",
+        f"--log-dir={logs}",
+        "-m",
+        "t2train.cli",
+        "train",
+        f"data.path={shakespeare}",
+        f"log.run_dir={run_dir}",
+        *TINY,
+        "train.steps=5",
+        "train.warmup_steps=1",
+        "train.log_interval=5",
+        "train.eval_interval=5",
+        "log.diagnostics_interval=5",
+        "model.residual=ddl",
+        "parallel.tensor=2",
+        "parallel.pipeline=2",
+    ]
+    proc = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     events = _events(run_dir)
     tags = events.Tags()
     assert set(tags["histograms"]) == DDL_HISTOGRAMS
-    assert {"diagnostics/residual_rms/layer_01", "diagnostics/residual_rms/layer_02",
-            "diagnostics/residual_rms/final"} <= set(tags["scalars"])
+    assert {
+        "diagnostics/residual_rms/layer_01",
+        "diagnostics/residual_rms/layer_02",
+        "diagnostics/residual_rms/final",
+    } <= set(tags["scalars"])
     forward = events.Scalars("pipeline/forward_data_bytes")[-1].value
     assert forward > 0 and events.Scalars("pipeline/forward_wire_bytes")[-1].value == forward
     [rank0] = logs.glob("*/attempt_0/0")
@@ -202,9 +286,20 @@ def test_a_tensorboard_server_serves_the_training_loss(runs):
     run_dir, summary, _ = runs["standard"]
     port = _free_port()
     server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "tensorboard"), "--logdir", str(run_dir.parent),
-         "--host", "127.0.0.1", "--port", str(port), "--load_fast=false"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        [
+            str(Path(sys.executable).parent / "tensorboard"),
+            "--logdir",
+            str(run_dir.parent),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--load_fast=false",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     base = f"http://127.0.0.1:{port}"
     run = "standard"  # the run directory's name labels it
     try:
@@ -225,4 +320,5 @@ def test_a_tensorboard_server_serves_the_training_loss(runs):
         server.wait(timeout=30)
     assert [step for _, step, _ in points] == [5, 10, 15, 20]
     assert [value for _, _, value in points] == pytest.approx(
-        [summary.losses[step] for step in (5, 10, 15, 20)])
+        [summary.losses[step] for step in (5, 10, 15, 20)]
+    )

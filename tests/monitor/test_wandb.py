@@ -32,13 +32,18 @@ monitor.close()  # commits the last step
 def test_scalars_are_logged_to_an_offline_wandb_run(tmp_path):
     pytest.importorskip("wandb", reason="wandb is an optional extra: pip install 't2train[wandb]'")
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-c", LOG, str(run_dir)], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path,
-                          env=dict(os.environ, WANDB_SILENT="true", WANDB_API_KEY=""))
+    proc = subprocess.run(
+        [sys.executable, "-c", LOG, str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=dict(os.environ, WANDB_SILENT="true", WANDB_API_KEY=""),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_id, name = proc.stdout.split()[-2:]
     assert name == "run" and len(run_id) == 16  # named after the run directory
-    offline, = (run_dir / "wandb").glob("offline-run-*")
+    (offline,) = (run_dir / "wandb").glob("offline-run-*")
     records = next(offline.glob("run-*.wandb")).read_bytes()
     assert f"run-{run_id}.wandb" in {p.name for p in offline.iterdir()}
     for logged in (b"train/loss", b"5.25", b"4.75", b"val/loss", b"4.875"):
@@ -51,8 +56,12 @@ def test_wandb_needs_its_package_and_a_known_mode(monkeypatch):
     with pytest.raises(ConfigError, match="log.wandb='cloud'"):
         load_config(overrides=["log.wandb=cloud"])
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"log.wandb='offline': needs the wandb package: "
-                                          r"pip install 't2train\[wandb\]'"):
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"log.wandb='offline': needs the wandb package: "
+        r"pip install 't2train\[wandb\]'",
+    ):
         load_config(overrides=["log.wandb=offline"])

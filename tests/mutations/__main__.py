@@ -30,14 +30,29 @@ def run_pytest(name: str | None, tests: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         report = os.path.join(scratch, "report.json")
         env = dict(os.environ, T2_MUTATION=name or "", T2_MUTATION_REPORT=report)
-        command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                   "-p", "tests.mutations.plugin", "-m", "not slow", *tests]
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "tests.mutations.plugin",
+            "-m",
+            "not slow",
+            *tests,
+        ]
         started = time.monotonic()
         proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         seconds = time.monotonic() - started
         if not os.path.exists(report):
-            return {"verdict": "ERROR", "detail": proc.stdout[-2000:] + proc.stderr[-2000:],
-                    "seconds": seconds}
+            return {
+                "verdict": "ERROR",
+                "detail": proc.stdout[-2000:] + proc.stderr[-2000:],
+                "seconds": seconds,
+            }
         with open(report) as f:
             result = json.load(f)
     result["seconds"] = seconds
@@ -47,16 +62,21 @@ def run_pytest(name: str | None, tests: list[str]) -> dict:
     elif result["failed"] is None and result["exitstatus"] == 0:
         result.update(verdict="SURVIVED", detail=f"never imported: {missing}" if missing else "")
     elif result["failed"] is None or result["failed"].startswith("collection"):
-        result.update(verdict="ERROR", detail=f"pytest exit {result['exitstatus']}, "
-                      f"{result['failed'] or 'no test failed'}")
+        result.update(
+            verdict="ERROR",
+            detail=f"pytest exit {result['exitstatus']}, {result['failed'] or 'no test failed'}",
+        )
     else:
         result.update(verdict="caught", detail=result["failed"])
     return result
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.mutations", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.mutations",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutations")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     parser.add_argument("--jobs", type=int, default=1, help="mutations run in parallel")
@@ -72,8 +92,9 @@ def main(argv=None) -> int:
 
     started = time.monotonic()
     baseline = run_pytest(None, args.tests)
-    print(f"baseline (no mutation): {baseline['verdict']} in {baseline['seconds']:.0f} s",
-          flush=True)
+    print(
+        f"baseline (no mutation): {baseline['verdict']} in {baseline['seconds']:.0f} s", flush=True
+    )
     if baseline["verdict"] != "SURVIVED":  # the unmutated tests must pass
         print(baseline.get("detail", ""))
         return 2
@@ -83,12 +104,17 @@ def main(argv=None) -> int:
         for mutation, future in futures:
             result = future.result()
             results.append(result["verdict"])
-            print(f"{result['verdict']:8s} {result['seconds']:5.0f} s  {mutation.name:40s} "
-                  f"{result['detail']}", flush=True)
+            print(
+                f"{result['verdict']:8s} {result['seconds']:5.0f} s  {mutation.name:40s} "
+                f"{result['detail']}",
+                flush=True,
+            )
     caught = results.count("caught")
-    print(f"\n{caught}/{len(results)} mutations caught, "
-          f"{results.count('SURVIVED')} survived, {results.count('ERROR')} errors, "
-          f"{time.monotonic() - started:.0f} s")
+    print(
+        f"\n{caught}/{len(results)} mutations caught, "
+        f"{results.count('SURVIVED')} survived, {results.count('ERROR')} errors, "
+        f"{time.monotonic() - started:.0f} s"
+    )
     return 0 if caught == len(results) else 1
 
 

@@ -31,8 +31,12 @@ class _MutatedLoader(importlib.machinery.SourceFileLoader):
         return self.source
 
     def get_code(self, fullname):  # never the cached bytecode of the unmutated file
-        linecache.cache[self.path] = (len(self.source), None, self.source.splitlines(True),
-                                      self.path)
+        linecache.cache[self.path] = (
+            len(self.source),
+            None,
+            self.source.splitlines(True),
+            self.path,
+        )
         _state["loaded"].add(fullname)
         return compile(self.source, self.path, "exec", dont_inherit=True)
 
@@ -77,8 +81,15 @@ def pytest_sessionfinish(session, exitstatus):
     out = os.environ.get("T2_MUTATION_REPORT")
     if out:
         with open(out, "w") as f:
-            json.dump({"applied": sorted(_state["loaded"]), "expected": _state.get("modules", []),
-                       "failed": _state["failed"], "exitstatus": int(exitstatus)}, f)
+            json.dump(
+                {
+                    "applied": sorted(_state["loaded"]),
+                    "expected": _state.get("modules", []),
+                    "failed": _state["failed"],
+                    "exitstatus": int(exitstatus),
+                },
+                f,
+            )
 
 
 def pytest_collectreport(report):

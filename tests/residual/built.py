@@ -15,9 +15,15 @@ from t2train.model.build import build_model_chunks, transformer_config
 
 LAYERS, HEADS, HIDDEN, SEQ, BATCH = 3, 2, 8, 6, 2
 EPS = 1e-5  # model.norm_epsilon
-BASE = ["data.path=unused", f"model.num_layers={LAYERS}", f"model.hidden_size={HIDDEN}",
-        f"model.num_attention_heads={HEADS}", f"model.seq_length={SEQ}",
-        "model.ffn_hidden_size=12", "model.tie_embeddings=false"]
+BASE = [
+    "data.path=unused",
+    f"model.num_layers={LAYERS}",
+    f"model.hidden_size={HIDDEN}",
+    f"model.num_attention_heads={HEADS}",
+    f"model.seq_length={SEQ}",
+    "model.ffn_hidden_size=12",
+    "model.tie_embeddings=false",
+]
 
 
 def build_decoder(overrides, dtype=torch.float64, seed: int = 0, randomised: bool = True):

@@ -49,8 +49,12 @@ def self_attention(x, w_qkv, w_proj, heads, window=None):
     window = s if window is None else window
     per_sequence = []
     for i in range(b):
-        per_head = [window_attention_1d(qkv[:, i, n, 0], qkv[:, i, n, 1], qkv[:, i, n, 2],
-                                        window, 1 / math.sqrt(d)) for n in range(heads)]
+        per_head = [
+            window_attention_1d(
+                qkv[:, i, n, 0], qkv[:, i, n, 1], qkv[:, i, n, 2], window, 1 / math.sqrt(d)
+            )
+            for n in range(heads)
+        ]
         per_sequence.append(torch.cat(per_head, dim=-1))  # [s, h], heads in order
     return torch.stack(per_sequence, dim=1) @ w_proj.T
 
@@ -74,16 +78,23 @@ class Sublayers:
         return rms_norm(x, self.w(f"{name}.weight"), self.eps)
 
     def attention(self, normed, window=None, module="self_attention"):
-        return self_attention(normed, self.w(f"{module}.linear_qkv.weight"),
-                              self.w(f"{module}.linear_proj.weight"), self.heads, window)
+        return self_attention(
+            normed,
+            self.w(f"{module}.linear_qkv.weight"),
+            self.w(f"{module}.linear_proj.weight"),
+            self.heads,
+            window,
+        )
 
     def mlp(self, normed):
         return swiglu_mlp(normed, self.w("mlp.linear_fc1.weight"), self.w("mlp.linear_fc2.weight"))
 
     def pairs(self):
         """(norm name, residual name, F) for attention then MLP."""
-        return [("input_layernorm", "attn_residual", self.attention),
-                ("pre_mlp_layernorm", "mlp_residual", self.mlp)]
+        return [
+            ("input_layernorm", "attn_residual", self.attention),
+            ("pre_mlp_layernorm", "mlp_residual", self.mlp),
+        ]
 
 
 def final_norm(p, x, eps):
@@ -92,6 +103,7 @@ def final_norm(p, x, eps):
 
 # ---------------------------------------------------------------------------------------------
 # standard and ShortSWA
+
 
 def standard_decoder(p, x, layers, heads, eps):
     """U = H + Attn(Norm(H)),  H' = U + MLP(Norm(U))."""
@@ -116,6 +128,7 @@ def shortswa_decoder(p, x, layers, heads, eps, window):
 # ---------------------------------------------------------------------------------------------
 # Deep Delta Learning
 
+
 def ddl_gates(x_in, c, r, v_scale):
     """beta = 2 sigmoid(w_beta . c + b_beta) from the normalised context c, and
     v = v_scale sigmoid(W_v x_in + b_v) from the raw (compressed) state x_in."""
@@ -126,7 +139,7 @@ def ddl_gates(x_in, c, r, v_scale):
 
 def ddl_direction(k_raw, k_eps):
     """k = k~ / sqrt(|k~|^2 + eps_k^2) (Sec. 3.1: RMSNorm with eps eps_k^2/d, then / sqrt(d))."""
-    return k_raw / torch.sqrt((k_raw * k_raw).sum(-1, keepdim=True) + k_eps ** 2)
+    return k_raw / torch.sqrt((k_raw * k_raw).sum(-1, keepdim=True) + k_eps**2)
 
 
 def ddl_update(column, k, beta, v_column):
@@ -144,8 +157,11 @@ def ddl_expand(embedding, conv_weight, dv):
     for j in range(dv):
         rows = []
         for t in range(s):
-            taps = [conv_weight[torch.arange(h) * dv + j, 0, kernel - 1 - lag] * embedding[t - lag]
-                    for lag in range(kernel) if t - lag >= 0]
+            taps = [
+                conv_weight[torch.arange(h) * dv + j, 0, kernel - 1 - lag] * embedding[t - lag]
+                for lag in range(kernel)
+                if t - lag >= 0
+            ]
             rows.append(sum(taps))
         columns.append(torch.stack(rows))
     return columns
@@ -164,20 +180,21 @@ def ddl_decoder(p, x, layers, heads, eps, dv, k_eps, v_scale, trace=None):
     for layer in range(layers):
         f = Sublayers(p, layer, heads, eps)
         for norm, residual, sublayer in f.pairs():
-            r = lambda name, residual=residual: f.w(f"{residual}.{name}")  # noqa: E731
+            r = lambda name, residual=residual, f=f: f.w(f"{residual}.{name}")  # noqa: E731
             x_in = columns[0] if dv == 1 else ddl_compress(columns, r("compressor.weight"))
             c = f.norm(norm, x_in)
             k = ddl_direction(sublayer(c), k_eps)
             beta, v = ddl_gates(x_in, c, r, v_scale)
             if trace is not None:
                 trace.append((beta.detach(), v.detach()))
-            columns = [ddl_update(col, k, beta, v[..., j:j + 1]) for j, col in enumerate(columns)]
+            columns = [ddl_update(col, k, beta, v[..., j : j + 1]) for j, col in enumerate(columns)]
     out = columns[0] if dv == 1 else ddl_compress(columns, p["stream.final_read.weight"])
     return final_norm(p, out, eps)
 
 
 # ---------------------------------------------------------------------------------------------
 # Depth-wise attention read (the dual of ShortSWA)
+
 
 def depth_read(w, states, heads, eps, window, trace=None):
     """RSD Sec. 2.2 for every token: over W = [h^(max(0, l-K+1)) .. h^(l)] (the current state
@@ -187,13 +204,13 @@ def depth_read(w, states, heads, eps, window, trace=None):
     s, b, h = states[-1].shape
     d = h // heads
     w_kv = w["kv"].view(heads, 2, d, h)
-    visible = [rms_norm(state, w["norm"], eps) for state in states[max(0, len(states) - window):]]
+    visible = [rms_norm(state, w["norm"], eps) for state in states[max(0, len(states) - window) :]]
     rows = []
     for t in range(s):
         for i in range(b):
             heads_out = []
             for n in range(heads):
-                q = w["q"][n * d:(n + 1) * d] @ visible[-1][t, i]
+                q = w["q"][n * d : (n + 1) * d] @ visible[-1][t, i]
                 keys = torch.stack([w_kv[n, 0] @ state[t, i] for state in visible])
                 values = torch.stack([w_kv[n, 1] @ state[t, i] for state in visible])
                 weights = torch.softmax(keys @ q / math.sqrt(d), dim=0)
@@ -206,8 +223,12 @@ def depth_read(w, states, heads, eps, window, trace=None):
 
 def depth_read_weights(p, layer):
     pre = f"layers.{layer}.layer_entry."
-    return {"norm": p[pre + "norm.weight"], "q": p[pre + "linear_q.weight"],
-            "kv": p[pre + "linear_kv.weight"], "o": p[pre + "linear_proj.weight"]}
+    return {
+        "norm": p[pre + "norm.weight"],
+        "q": p[pre + "linear_q.weight"],
+        "kv": p[pre + "linear_kv.weight"],
+        "o": p[pre + "linear_proj.weight"],
+    }
 
 
 def depth_attn_decoder(p, x, layers, heads, eps, window, trace=None):
@@ -225,6 +246,7 @@ def depth_attn_decoder(p, x, layers, heads, eps, window, trace=None):
 
 # ---------------------------------------------------------------------------------------------
 # Attention Residuals
+
 
 def attnres_mix(query, values, eps, trace=None):
     """h = sum_i alpha_i v_i, alpha = softmax_i(w . RMSNorm(v_i)): a weight-free RMSNorm on the

@@ -16,9 +16,15 @@ from t2train.kernels import dispatch
 from t2train.model.build import build_model_chunks, transformer_config
 from t2train.residual.attnres import BlockAttnResidual, mix_sources
 
-BASE = ["data.path=unused", "model.num_layers=4", "model.hidden_size=32",
-        "model.num_attention_heads=4", "model.seq_length=8", "model.tie_embeddings=false",
-        "model.residual=block_attnres"]
+BASE = [
+    "data.path=unused",
+    "model.num_layers=4",
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.seq_length=8",
+    "model.tie_embeddings=false",
+    "model.residual=block_attnres",
+]
 CASES = {  # name: (overrides, blocks of the 4-layer model)
     "S=4": (["model.attnres.block_size=4"], 2),  # 8 reads: 2 blocks of 4
     "S=2": (["model.attnres.block_size=2"], 4),
@@ -74,7 +80,9 @@ def test_batched_phase_1_matches_one_read_at_a_time(megatron_world, monkeypatch,
     # Kernel launches: one-at-a-time pays phase 1 per read (+ phase 2 if a partial exists);
     # batched pays phase 1 once per block, phase 2 per read after the block's first.
     with_partial = reads - blocks
-    print(f"{case}: phase-1 launches {reads} -> {calls['block_phase_1']}, phase-2 "
-          f"{with_partial} -> {calls['block_phase_2']} (+1 final read each)")
+    print(
+        f"{case}: phase-1 launches {reads} -> {calls['block_phase_1']}, phase-2 "
+        f"{with_partial} -> {calls['block_phase_2']} (+1 final read each)"
+    )
     assert single == Counter(depth_mix=reads + 1)
     assert calls == Counter(block_phase_1=blocks, block_phase_2=with_partial, depth_mix=1)

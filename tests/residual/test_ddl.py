@@ -41,8 +41,7 @@ def test_beta_one_overwrites_the_readout_with_v(dv):
 def test_beta_two_reflects(dv):
     """With v = 0 the update is the Householder reflection I - 2kk^T: applied twice, identity."""
     state, k, _ = _inputs(dv)
-    zero, two = torch.zeros_like(_readout(state, k)), torch.full((3, 2, 1), 2.0,
-                                                                   dtype=state.dtype)
+    zero, two = torch.zeros_like(_readout(state, k)), torch.full((3, 2, 1), 2.0, dtype=state.dtype)
     once = delta_update(state, k, two, zero)
     torch.testing.assert_close(_readout(once, k), -_readout(state, k))  # k-component flipped
     torch.testing.assert_close(delta_update(once, k, two, zero), state)
@@ -65,9 +64,11 @@ def test_update_passes_gradcheck_in_fp64(dv):
 
 # --- The DDL modules of a built model (fp64, weights off their init) -------------------------
 
+
 def _ddl(dv: int, *extra: str, randomised: bool = True):
-    return build_decoder(["model.residual=ddl", f"model.ddl.dv={dv}", *extra],
-                         randomised=randomised)
+    return build_decoder(
+        ["model.residual=ddl", f"model.ddl.dv={dv}", *extra], randomised=randomised
+    )
 
 
 def _write_inputs(dv: int):
@@ -97,10 +98,11 @@ def test_write_scales_the_k_error_by_one_minus_beta(megatron_world, monkeypatch,
     v = 4 * torch.sigmoid(x @ residual.v_proj.weight.T + residual.v_proj.bias)
     assert beta.min() < 0.7 and beta.max() > 1.3  # both regimes
     for j, (before, after) in enumerate(zip(_columns(state, dv), _columns(new, dv))):
-        error = (k * before).sum(-1, keepdim=True) - v[..., j:j + 1]
-        error_after = (k * after).sum(-1, keepdim=True) - v[..., j:j + 1]
-        torch.testing.assert_close(error_after, (1 - beta * k.pow(2).sum(-1, keepdim=True))
-                                   * error, atol=1e-12, rtol=0)
+        error = (k * before).sum(-1, keepdim=True) - v[..., j : j + 1]
+        error_after = (k * after).sum(-1, keepdim=True) - v[..., j : j + 1]
+        torch.testing.assert_close(
+            error_after, (1 - beta * k.pow(2).sum(-1, keepdim=True)) * error, atol=1e-12, rtol=0
+        )
         change = after - before
         along_k = (change * k).sum(-1, keepdim=True) * k / k.pow(2).sum(-1, keepdim=True)
         torch.testing.assert_close(change, along_k, atol=1e-12, rtol=0)
@@ -121,16 +123,21 @@ def test_gate_regimes_identity_overwrite_reflection(megatron_world, monkeypatch,
     k = out / out.norm(dim=-1, keepdim=True)
     v = 4 * torch.sigmoid(state @ residual.v_proj.weight.T + residual.v_proj.bias)
     error = (k * state).sum(-1, keepdim=True) - v
-    torch.testing.assert_close((k * new).sum(-1, keepdim=True) - v, (1 - beta) * error,
-                               atol=1e-9, rtol=0)
+    torch.testing.assert_close(
+        (k * new).sum(-1, keepdim=True) - v, (1 - beta) * error, atol=1e-9, rtol=0
+    )
 
 
 def test_k_is_normalised_so_the_output_scale_does_not_matter(megatron_world, monkeypatch):
     monkeypatch.setenv("T2_KERNELS", "torch")
     residual = _ddl(1).layers[0].attn_residual
     state, c, out = _write_inputs(1)
-    torch.testing.assert_close(residual.write(state, state, c, 1000 * out),
-                               residual.write(state, state, c, out), atol=1e-9, rtol=0)
+    torch.testing.assert_close(
+        residual.write(state, state, c, 1000 * out),
+        residual.write(state, state, c, out),
+        atol=1e-9,
+        rtol=0,
+    )
 
 
 def test_expander_is_a_causal_depthwise_conv_starting_as_identity(megatron_world):
@@ -138,8 +145,7 @@ def test_expander_is_a_causal_depthwise_conv_starting_as_identity(megatron_world
     embedding = random(SEQ, BATCH, HIDDEN, seed=6)
     stream = _ddl(4).stream
     expected = paper.ddl_expand(embedding, stream.expander.weight, 4)
-    torch.testing.assert_close(stream.enter(embedding), torch.stack(expected), atol=1e-12,
-                               rtol=0)
+    torch.testing.assert_close(stream.enter(embedding), torch.stack(expected), atol=1e-12, rtol=0)
     at_init = _ddl(4, randomised=False).stream.enter(embedding)
     assert all(torch.equal(column, embedding) for column in at_init)
 
@@ -150,10 +156,13 @@ def test_channel_mix_reads_start_as_the_mean(megatron_world):
     state = random(4, SEQ, BATCH, HIDDEN, seed=7)
     decoder = _ddl(4)
     residual = decoder.layers[2].attn_residual
-    for read, mix in ((residual.read, residual.compressor.weight),
-                      (decoder.stream.exit, decoder.stream.final_read.weight)):
-        torch.testing.assert_close(read(state), paper.ddl_compress(list(state), mix),
-                                   atol=1e-12, rtol=0)
+    for read, mix in (
+        (residual.read, residual.compressor.weight),
+        (decoder.stream.exit, decoder.stream.final_read.weight),
+    ):
+        torch.testing.assert_close(
+            read(state), paper.ddl_compress(list(state), mix), atol=1e-12, rtol=0
+        )
     at_init = _ddl(4, randomised=False)
     for read in (at_init.layers[0].mlp_residual.read, at_init.stream.exit):
         torch.testing.assert_close(read(state), state.mean(0), atol=1e-12, rtol=0)

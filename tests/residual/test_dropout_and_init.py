@@ -67,7 +67,7 @@ class RecordingDropout:
     def __call__(self, input, p=0.5, training=True, inplace=False):
         if not training or p == 0:
             return input
-        mask = (torch.rand(input.shape, generator=self.generator, dtype=input.dtype) >= p)
+        mask = torch.rand(input.shape, generator=self.generator, dtype=input.dtype) >= p
         self.masks.append(mask.to(input.dtype))
         return input * self.masks[-1] / (1 - p)
 
@@ -89,8 +89,9 @@ def _embedding():
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_hidden_dropout_is_one_mask_per_sublayer_before_the_write(megatron_world, monkeypatch,
-                                                                   variant):
+def test_hidden_dropout_is_one_mask_per_sublayer_before_the_write(
+    megatron_world, monkeypatch, variant
+):
     model = _build(variant)
     modules = [m for layer in model.decoder.layers for m in _sublayer_modules(layer)]
     dropout = RecordingDropout()
@@ -98,8 +99,9 @@ def test_hidden_dropout_is_one_mask_per_sublayer_before_the_write(megatron_world
     model.train()
     got = _run_layers(model, _embedding())
     assert len(dropout.masks) == len(modules), (
-        f"{len(dropout.masks)} dropout masks for {len(modules)} sublayers")
-    for mask, module in zip(dropout.masks, modules):
+        f"{len(dropout.masks)} dropout masks for {len(modules)} sublayers"
+    )
+    for mask in dropout.masks:
         assert mask.shape == (SEQ, BATCH, HIDDEN), f"a mask of shape {tuple(mask.shape)}"
     assert 0.6 < torch.cat([m.flatten() for m in dropout.masks]).mean() < 0.8  # keeps 1 - P
 
@@ -156,21 +158,30 @@ def test_hyper_connections_drop_out_once(megatron_world, monkeypatch, design):
 
     def function(module):
         def run(normed):
-            out, bias = module(normed, attention_mask=None, rotary_pos_emb=rope) \
-                if module is layer.self_attention else module(normed)
+            out, bias = (
+                module(normed, attention_mask=None, rotary_pos_emb=rope)
+                if module is layer.self_attention
+                else module(normed)
+            )
             return out
+
         return run
 
     want = H
     for (conn, norm, module), mask in zip(
-            [(layer.attn_residual, layer.input_layernorm, layer.self_attention),
-             (layer.mlp_residual, layer.pre_mlp_layernorm, layer.mlp)], dropout.masks):
+        [
+            (layer.attn_residual, layer.input_layernorm, layer.self_attention),
+            (layer.mlp_residual, layer.pre_mlp_layernorm, layer.mlp),
+        ],
+        dropout.masks,
+    ):
         want = hyper_connection(want, conn, norm, _masked(function(module), mask))
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------
 # Initialisation
+
 
 def _plain(variant: str, *extra: str):
     """A fp64 model as training builds it (no dropout), weights untouched."""
@@ -199,8 +210,10 @@ def test_ddl_starts_where_its_authors_code_does(megatron_world, beta_init):
     model = _plain("ddl", f"model.ddl.beta_init={beta_init}")
     std = model.config.init_method_std
     for residual in _residuals(model):
-        torch.testing.assert_close(2 * torch.sigmoid(residual.beta_proj.bias),
-                                   torch.tensor([beta_init], dtype=torch.float64))
+        torch.testing.assert_close(
+            2 * torch.sigmoid(residual.beta_proj.bias),
+            torch.tensor([beta_init], dtype=torch.float64),
+        )
         assert torch.equal(residual.v_proj.bias, torch.zeros(1, dtype=torch.float64))
     for proj in ("beta_proj", "v_proj"):
         weights = torch.cat([getattr(r, proj).weight.flatten() for r in _residuals(model)])
@@ -217,7 +230,8 @@ def test_expanded_ddl_starts_as_copies_read_by_their_mean(megatron_world):
     for column in state:
         torch.testing.assert_close(column, embedding, atol=0, rtol=0)
     reads = [r.compressor.weight for r in _residuals(model)] + [
-        model.decoder.stream.final_read.weight]
+        model.decoder.stream.final_read.weight
+    ]
     for weight in reads:
         assert torch.equal(weight, torch.full((4, HIDDEN), 0.25, dtype=torch.float64))
 
@@ -236,23 +250,31 @@ def _attnres_sources_mean(model, embedding):
     """Run the layers, checking each sublayer's read against the mean of its sources: the
     embedding, each completed block's sum and the open block's partial sum (blocks of
     ``block_size`` sublayers; Full AttnRes is block_size 1)."""
-    block_size = model.config.t2_model.attnres.block_size \
-        if model.config.t2_model.residual == "block_attnres" else 1
+    block_size = (
+        model.config.t2_model.attnres.block_size
+        if model.config.t2_model.residual == "block_attnres"
+        else 1
+    )
     sources, partial, reads, outputs = [embedding], None, [], []
     modules = [m for layer in model.decoder.layers for m in _sublayer_modules(layer)]
-    norms = [n for layer in model.decoder.layers for n in (
-        ([layer.pre_attention_layernorm] if layer.pre_attention is not None else [])
-        + [layer.input_layernorm, layer.pre_mlp_layernorm])]
+    norms = [
+        n
+        for layer in model.decoder.layers
+        for n in (
+            ([layer.pre_attention_layernorm] if layer.pre_attention is not None else [])
+            + [layer.input_layernorm, layer.pre_mlp_layernorm]
+        )
+    ]
     hooks = [n.register_forward_pre_hook(lambda m, args: reads.append(args[0])) for n in norms]
-    hooks += [m.register_forward_hook(lambda m, args, out: outputs.append(out[0]))
-              for m in modules]
+    hooks += [m.register_forward_hook(lambda m, args, out: outputs.append(out[0])) for m in modules]
     final = _run_layers(model, embedding)
     for hook in hooks:
         hook.remove()
     for index, (read, out) in enumerate(zip(reads, outputs)):
         values = sources + ([] if partial is None else [partial])
-        torch.testing.assert_close(read, sum(values) / len(values), atol=1e-12, rtol=0,
-                                   msg=f"sublayer {index}'s read")
+        torch.testing.assert_close(
+            read, sum(values) / len(values), atol=1e-12, rtol=0, msg=f"sublayer {index}'s read"
+        )
         partial = out if partial is None else partial + out
         if (index + 1) % block_size == 0:
             sources, partial = sources + [partial], None
@@ -281,8 +303,9 @@ def test_hc_starts_with_the_papers_connections(megatron_world, variant, n):
         read = torch.zeros(n, dtype=torch.float64)
         read[k % n] = 1
         torch.testing.assert_close(residual.static_alpha[:, 0], read, atol=0, rtol=0)
-        torch.testing.assert_close(residual.static_alpha[:, 1:],
-                                   torch.eye(n, dtype=torch.float64), atol=0, rtol=0)
+        torch.testing.assert_close(
+            residual.static_alpha[:, 1:], torch.eye(n, dtype=torch.float64), atol=0, rtol=0
+        )
         assert torch.equal(residual.static_beta, torch.ones(n, dtype=torch.float64))
         assert not residual.dynamic_alpha.any() and not residual.dynamic_beta.any()
         for scale in (residual.dynamic_alpha_scale, residual.dynamic_beta_scale):
@@ -291,8 +314,9 @@ def test_hc_starts_with_the_papers_connections(megatron_world, variant, n):
         streams = torch.randn(n, SEQ, BATCH, HIDDEN, dtype=torch.float64)
         torch.testing.assert_close(residual.read(streams), streams[k % n], atol=1e-12, rtol=0)
         out = torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.float64)
-        torch.testing.assert_close(residual.write(streams, None, None, out), streams + out,
-                                   atol=1e-12, rtol=0)
+        torch.testing.assert_close(
+            residual.write(streams, None, None, out), streams + out, atol=1e-12, rtol=0
+        )
 
 
 @pytest.mark.parametrize("n", [4, 3])
@@ -302,8 +326,9 @@ def test_mhc_starts_with_its_stated_biases_and_gates(megatron_world, n):
     rounding in fp32, 3e-8), H_post = 1 and H_res = the uniform 1/n matrix."""
     model = _plain("mhc", f"model.mhc.expansion_rate={n}")
     for residual in _residuals(model):
-        torch.testing.assert_close(torch.sigmoid(residual.bias[:n]),
-                                   torch.full((n,), 1 / n, dtype=torch.float64))
+        torch.testing.assert_close(
+            torch.sigmoid(residual.bias[:n]), torch.full((n,), 1 / n, dtype=torch.float64)
+        )
         assert not residual.bias[n:].any()
         torch.testing.assert_close(residual.gates, torch.full((3,), 0.01, dtype=torch.float64))
     projections = torch.cat([r.projection.flatten() for r in _residuals(model)])
@@ -316,5 +341,6 @@ def test_mhc_starts_with_its_stated_biases_and_gates(megatron_world, n):
     torch.testing.assert_close(residual.read(streams), streams.mean(0), atol=2e-7, rtol=0)
     out = torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.float64)
     mixed = streams.mean(0, keepdim=True).expand_as(streams)
-    torch.testing.assert_close(residual.write(streams, None, None, out), mixed + out,
-                               atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        residual.write(streams, None, None, out), mixed + out, atol=1e-12, rtol=0
+    )

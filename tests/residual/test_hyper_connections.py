@@ -20,14 +20,21 @@ from t2train.config.schema import ConfigError
 from t2train.model.build import build_model_chunks, transformer_config
 from t2train.residual import get_design
 
-SHAPE = ["data.path=unused", "model.hidden_size=32", "model.num_attention_heads=4",
-         "model.ffn_hidden_size=64", "model.seq_length=8", "model.vocab_size=128"]
+SHAPE = [
+    "data.path=unused",
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.ffn_hidden_size=64",
+    "model.seq_length=8",
+    "model.vocab_size=128",
+]
 SEQ, BATCH, HIDDEN = 8, 2, 32
 
 
 def _model(design: str, *extra: str, layers: int = 1, seed: int = 0):
-    config = load_config(overrides=[*SHAPE, f"model.num_layers={layers}",
-                                    f"model.residual={design}", *extra])
+    config = load_config(
+        overrides=[*SHAPE, f"model.num_layers={layers}", f"model.residual={design}", *extra]
+    )
     torch.manual_seed(seed)
     [model] = build_model_chunks(config, transformer_config(config), vocab_size=128)
     return model.double()
@@ -49,20 +56,23 @@ def _streams(n: int, seed: int = 1) -> torch.Tensor:
 
 def _sublayers(layer, rope):
     """(connection, norm, F) of the mixer's sublayer, attention and the MLP, in order."""
+
     def attend(module):
         def run(normed):
             out, bias = module(normed, attention_mask=None, rotary_pos_emb=rope)
             return out if bias is None else out + bias
+
         return run
 
     def mlp(normed):
         out, bias = layer.mlp(normed)
         return out if bias is None else out + bias
 
-    return [(layer.pre_attention_residual, layer.pre_attention_layernorm,
-             attend(layer.pre_attention)),
-            (layer.attn_residual, layer.input_layernorm, attend(layer.self_attention)),
-            (layer.mlp_residual, layer.pre_mlp_layernorm, mlp)]
+    return [
+        (layer.pre_attention_residual, layer.pre_attention_layernorm, attend(layer.pre_attention)),
+        (layer.attn_residual, layer.input_layernorm, attend(layer.self_attention)),
+        (layer.mlp_residual, layer.pre_mlp_layernorm, mlp),
+    ]
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -81,12 +91,18 @@ def hyper_connection(H, conn, norm, F, dynamic=True):
             h_norm = _rms(H[i], 1e-5) * conn.norm.weight
             for k in range(n + 1):
                 alpha[i][k] = alpha[i][k] + conn.dynamic_alpha_scale * torch.tanh(
-                    h_norm @ conn.dynamic_alpha[:, k])
+                    h_norm @ conn.dynamic_alpha[:, k]
+                )
             beta[i] = beta[i] + conn.dynamic_beta_scale * torch.tanh(h_norm @ conn.dynamic_beta)
     x = sum(alpha[i][0].unsqueeze(-1) * H[i] for i in range(n))
     out = F(norm(x))
-    return torch.stack([sum(alpha[i][1 + j].unsqueeze(-1) * H[i] for i in range(n))
-                        + beta[j].unsqueeze(-1) * out for j in range(n)])
+    return torch.stack(
+        [
+            sum(alpha[i][1 + j].unsqueeze(-1) * H[i] for i in range(n))
+            + beta[j].unsqueeze(-1) * out
+            for j in range(n)
+        ]
+    )
 
 
 def sinkhorn_knopp(logits, iterations):
@@ -106,8 +122,8 @@ def mhc_mappings(H, conn, iterations):
     mapped = _rms(flat, 1e-6) @ conn.projection.T
     a_pre, a_post, a_res = conn.gates
     pre = torch.sigmoid(a_pre * mapped[..., :n] + conn.bias[:n])
-    post = 2 * torch.sigmoid(a_post * mapped[..., n:2 * n] + conn.bias[n:2 * n])
-    res_logits = (a_res * mapped[..., 2 * n:] + conn.bias[2 * n:]).reshape(SEQ, BATCH, n, n)
+    post = 2 * torch.sigmoid(a_post * mapped[..., n : 2 * n] + conn.bias[n : 2 * n])
+    res_logits = (a_res * mapped[..., 2 * n :] + conn.bias[2 * n :]).reshape(SEQ, BATCH, n, n)
     return pre, post, sinkhorn_knopp(res_logits, iterations)
 
 
@@ -116,8 +132,12 @@ def manifold_hyper_connection(H, conn, norm, F, iterations=20):
     n = H.shape[0]
     pre, post, res = mhc_mappings(H, conn, iterations)
     out = F(norm(sum(pre[..., j, None] * H[j] for j in range(n))))
-    return torch.stack([sum(res[..., i, j, None] * H[j] for j in range(n))
-                        + post[..., i, None] * out for i in range(n)])
+    return torch.stack(
+        [
+            sum(res[..., i, j, None] * H[j] for j in range(n)) + post[..., i, None] * out
+            for i in range(n)
+        ]
+    )
 
 
 def _assert_layer_matches(layer, rope, H, formula):
@@ -131,8 +151,13 @@ def _assert_layer_matches(layer, rope, H, formula):
     got_grads = torch.autograd.grad((got * weights).sum(), [got_in, *params])
     want_grads = torch.autograd.grad((want * weights).sum(), [want_in, *params])
     for index, (a, b) in enumerate(zip(got_grads, want_grads)):
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=lambda m, i=index: (
-            f"gradient {i} ({'input' if i == 0 else 'parameter'}): {m}"))
+        torch.testing.assert_close(
+            a,
+            b,
+            atol=1e-10,
+            rtol=1e-10,
+            msg=lambda m, i=index: f"gradient {i} ({'input' if i == 0 else 'parameter'}): {m}",
+        )
 
 
 def _compose(formula, layer, rope, **kwargs):
@@ -140,21 +165,24 @@ def _compose(formula, layer, rope, **kwargs):
         for conn, norm, F in _sublayers(layer, rope):
             H = formula(H, conn, norm, F, **kwargs)
         return H
+
     return run
 
 
 @pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
 def test_hc_layer_is_the_papers_formula(megatron_world, dynamic):
     layer, rope = _perturbed_layer("hc", f"model.hc.dynamic={str(dynamic).lower()}")
-    _assert_layer_matches(layer, rope, _streams(4),
-                          _compose(hyper_connection, layer, rope, dynamic=dynamic))
+    _assert_layer_matches(
+        layer, rope, _streams(4), _compose(hyper_connection, layer, rope, dynamic=dynamic)
+    )
 
 
 @pytest.mark.parametrize("n", [4, 3])
 def test_mhc_layer_is_the_papers_formula(megatron_world, n):
     layer, rope = _perturbed_layer("mhc", f"model.mhc.expansion_rate={n}")
-    _assert_layer_matches(layer, rope, _streams(n),
-                          _compose(manifold_hyper_connection, layer, rope))
+    _assert_layer_matches(
+        layer, rope, _streams(n), _compose(manifold_hyper_connection, layer, rope)
+    )
 
 
 def test_every_sublayer_has_its_own_connection(megatron_world):
@@ -191,19 +219,26 @@ def test_with_one_stream_both_are_gated_standard_residuals(megatron_world):
     x' = x + 2 sigmoid(q) F(Norm(sigmoid(p) x)), since Sinkhorn of a 1 x 1 matrix is 1."""
     from t2train.residual.mhc import sinkhorn
 
-    torch.testing.assert_close(sinkhorn(torch.randn(5, 1, 1, dtype=torch.float64), 20),
-                               torch.ones(5, 1, 1, dtype=torch.float64), atol=0, rtol=0)
+    torch.testing.assert_close(
+        sinkhorn(torch.randn(5, 1, 1, dtype=torch.float64), 20),
+        torch.ones(5, 1, 1, dtype=torch.float64),
+        atol=0,
+        rtol=0,
+    )
     h = _streams(1)
     layer, rope = _perturbed_layer("hc", "model.hc.expansion_rate=1")
     conn, norm, F = _sublayers(layer, rope)[1]
     x = h[0]
     h_norm = _rms(x, 1e-5) * conn.norm.weight
     gate_read = conn.static_alpha[0, 0] + conn.dynamic_alpha_scale * torch.tanh(
-        h_norm @ conn.dynamic_alpha[:, 0])
+        h_norm @ conn.dynamic_alpha[:, 0]
+    )
     gate_res = conn.static_alpha[0, 1] + conn.dynamic_alpha_scale * torch.tanh(
-        h_norm @ conn.dynamic_alpha[:, 1])
+        h_norm @ conn.dynamic_alpha[:, 1]
+    )
     gate_write = conn.static_beta[0] + conn.dynamic_beta_scale * torch.tanh(
-        h_norm @ conn.dynamic_beta)
+        h_norm @ conn.dynamic_beta
+    )
     want = gate_res[..., None] * x + gate_write[..., None] * F(norm(gate_read[..., None] * x))
     read = conn.read(h)
     state = conn.write(h, read, None, F(norm(read)))
@@ -225,12 +260,17 @@ def _logits(model):
     return model(tokens, torch.arange(SEQ).expand(BATCH, SEQ), None)
 
 
-@pytest.mark.parametrize("variant", [
-    ["model.residual=hc"], ["model.residual=hc", "model.hc.dynamic=false"],
-    ["model.residual=hc", "model.shortswa.window=3"],
-    ["model.residual=mhc", "model.mhc.gate_init=0"],
-    ["model.residual=mhc", "model.mhc.gate_init=0", "model.shortswa.window=3"],
-], ids=["hc", "hc_static", "hc+shortswa", "mhc_gate0", "mhc_gate0+shortswa"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        ["model.residual=hc"],
+        ["model.residual=hc", "model.hc.dynamic=false"],
+        ["model.residual=hc", "model.shortswa.window=3"],
+        ["model.residual=mhc", "model.mhc.gate_init=0"],
+        ["model.residual=mhc", "model.mhc.gate_init=0", "model.shortswa.window=3"],
+    ],
+    ids=["hc", "hc_static", "hc+shortswa", "mhc_gate0", "mhc_gate0+shortswa"],
+)
 def test_starts_as_standard(megatron_world, variant):
     """Same logits as `standard` at initialisation with the shared weights copied. (mHC: its
     b_pre = logit(1/n) is stored in fp32, so sum_j H_pre[j] = 1 +- 2e-8.)"""
@@ -254,9 +294,17 @@ def test_mhc_with_its_default_gates_starts_near_standard(megatron_world):
 
 @pytest.mark.parametrize("design, n", [("hc", 4), ("mhc", 3)])
 def test_the_stream_crosses_a_hop_as_n_units(megatron_world, design, n):
-    config = load_config(overrides=[*SHAPE, "model.num_layers=4", f"model.residual={design}",
-                                    f"model.{design}.expansion_rate={n}", "parallel.pipeline=2",
-                                    "train.micro_batch_size=1", "train.global_batch_size=2"])
+    config = load_config(
+        overrides=[
+            *SHAPE,
+            "model.num_layers=4",
+            f"model.residual={design}",
+            f"model.{design}.expansion_rate={n}",
+            "parallel.pipeline=2",
+            "train.micro_batch_size=1",
+            "train.global_batch_size=2",
+        ]
+    )
     stream = get_design(design).stream(transformer_config(config), False, False, 2)
     state = _streams(n)
     units = stream.to_units(state)
@@ -265,17 +313,21 @@ def test_the_stream_crosses_a_hop_as_n_units(megatron_world, design, n):
     assert torch.equal(stream.from_units(units, 2), state)
     plan = plan_layout(config, vocab_size=128, world_size=2)
     assert plan.naive.hop_units() == [n] and plan.step_bytes(plan.naive, wire=True) == (
-        n * plan.unit_bytes * plan.micro_batches)
+        n * plan.unit_bytes * plan.micro_batches
+    )
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model.hc.expansion_rate=0", "model.hc.expansion_rate=0: must be >= 1"),
-    ("model.hc.dynamic_scale_init=0", "model.hc.dynamic_scale_init=0.0: must be > 0"),
-    ("model.mhc.expansion_rate=0", "model.mhc.expansion_rate=0: must be >= 1"),
-    ("model.mhc.sinkhorn_iterations=0", "model.mhc.sinkhorn_iterations=0: must be >= 1"),
-    ("model.mhc.gate_init=-0.1", "model.mhc.gate_init=-0.1: must be >= 0"),
-    ("model.mhc.eps=0", "model.mhc.eps=0.0: must be > 0"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.hc.expansion_rate=0", "model.hc.expansion_rate=0: must be >= 1"),
+        ("model.hc.dynamic_scale_init=0", "model.hc.dynamic_scale_init=0.0: must be > 0"),
+        ("model.mhc.expansion_rate=0", "model.mhc.expansion_rate=0: must be >= 1"),
+        ("model.mhc.sinkhorn_iterations=0", "model.mhc.sinkhorn_iterations=0: must be >= 1"),
+        ("model.mhc.gate_init=-0.1", "model.mhc.gate_init=-0.1: must be >= 0"),
+        ("model.mhc.eps=0", "model.mhc.eps=0.0: must be > 0"),
+    ],
+)
 def test_invalid_options(override, message):
     with pytest.raises(ConfigError) as err:
         load_config(overrides=[*SHAPE, override])

@@ -15,9 +15,16 @@ from t2train.config.schema import ConfigError
 from t2train.model.build import build_model_chunks, transformer_config
 from t2train.residual import mhc
 
-SHAPE = ["data.path=unused", "model.num_layers=2", "model.hidden_size=32",
-         "model.num_attention_heads=2", "model.seq_length=16", "model.ffn_hidden_size=48",
-         "model.residual=mhc", "model.mhc.sinkhorn_iterations=5"]
+SHAPE = [
+    "data.path=unused",
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_attention_heads=2",
+    "model.seq_length=16",
+    "model.ffn_hidden_size=48",
+    "model.residual=mhc",
+    "model.mhc.sinkhorn_iterations=5",
+]
 SEQ, BATCH, HIDDEN = 16, 2, 32
 LAYERS, STREAMS = 2, 4  # the default expansion rate
 
@@ -26,9 +33,13 @@ def _run(recompute: bool, dtype, mixer: bool = True):
     """Loss, the input's and every decoder parameter's gradient, and the bytes (distinct
     storages) autograd keeps: what the outer hook sees, what the states' hook keeps as
     tensors, and what its recipes hold."""
-    config = load_config(overrides=SHAPE + [
-        f"model.mhc.recompute_streams={str(recompute).lower()}",
-        f"model.shortswa.window={3 if mixer else 0}"])
+    config = load_config(
+        overrides=SHAPE
+        + [
+            f"model.mhc.recompute_streams={str(recompute).lower()}",
+            f"model.shortswa.window={3 if mixer else 0}",
+        ]
+    )
     tf_config = transformer_config(config)
     tf_config.params_dtype = dtype
     torch.manual_seed(0)
@@ -47,14 +58,16 @@ def _run(recompute: bool, dtype, mixer: bool = True):
 
     def pack(t):
         saved = states_pack(t)
-        for kept in (saved.inputs if isinstance(saved, mhc._Recomputed) else (saved,)):
+        for kept in saved.inputs if isinstance(saved, mhc._Recomputed) else (saved,):
             if isinstance(kept, torch.Tensor):
                 keep(kept)
         return saved
 
     params = list(model.decoder.parameters())
-    with mock.patch.dict(os.environ, {"T2_KERNELS": "triton"}), \
-            mock.patch.object(mhc.DROPPED_STATES, "pack", pack):
+    with (
+        mock.patch.dict(os.environ, {"T2_KERNELS": "triton"}),
+        mock.patch.object(mhc.DROPPED_STATES, "pack", pack),
+    ):
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             out = model.decoder(hidden, None, rotary_pos_emb=model.rotary_pos_emb(SEQ))
         loss = out.float().pow(2).mean()
@@ -78,8 +91,10 @@ def test_recomputing_the_streams_keeps_fewer_bytes(megatron_world, mixer):
     349,320 bytes with the mixer, 0.914x at these tiny widths)."""
     *_, kept = _run(False, torch.bfloat16, mixer)
     *_, kept_rc = _run(True, torch.bfloat16, mixer)
-    print(f"saved for the backward: {kept} bytes, recomputing the streams {kept_rc} "
-          f"({kept_rc / kept:.3f})")
+    print(
+        f"saved for the backward: {kept} bytes, recomputing the streams {kept_rc} "
+        f"({kept_rc / kept:.3f})"
+    )
     state = STREAMS * SEQ * BATCH * HIDDEN * 2
     assert kept - kept_rc == LAYERS * (2 if mixer else 1) * state
 

@@ -29,28 +29,43 @@ ATTNRES_EPS = 1e-6
 # variant -> (config overrides, the paper's decoder, the kernel calls of one forward)
 CASES = {
     "standard": ([], lambda p, x, t: paper.standard_decoder(p, x, LAYERS, HEADS, EPS), {}),
-    "ddl": (["model.residual=ddl"], lambda p, x, t: paper.ddl_decoder(
-        p, x, LAYERS, HEADS, EPS, 1, trace=t, **DDL),
-        {"delta_write": 2 * LAYERS, "fp32_linear": 4 * LAYERS}),  # and 2 gate logits a write
-    "ddl_dv4": (["model.residual=ddl", "model.ddl.dv=4"], lambda p, x, t: paper.ddl_decoder(
-        p, x, LAYERS, HEADS, EPS, 4, trace=t, **DDL),
-        {"delta_write": 2 * LAYERS, "fp32_linear": 4 * LAYERS}),
-    "shortswa": (["model.residual=shortswa", f"model.shortswa.window={SWA_WINDOW}"],
-                 lambda p, x, t: paper.shortswa_decoder(p, x, LAYERS, HEADS, EPS, SWA_WINDOW),
-                 {"window_attention": LAYERS}),
-    "depth_attn": (["model.residual=depth_attn", f"model.depth_attn.window={DEPTH_WINDOW}"],
-                   lambda p, x, t: paper.depth_attn_decoder(p, x, LAYERS, HEADS, EPS,
-                                                            DEPTH_WINDOW, t),
-                   {"window_attention": LAYERS}),
-    "attnres": (["model.residual=attnres"], lambda p, x, t: paper.attnres_decoder(
-        p, x, LAYERS, HEADS, EPS, 1, ATTNRES_EPS, t),  # every read one mixture
-        {"depth_mix": 2 * LAYERS + 1}),
-    "block_attnres": (["model.residual=block_attnres", f"model.attnres.block_size={BLOCK}"],
-                      lambda p, x, t: paper.attnres_decoder(p, x, LAYERS, HEADS, EPS, BLOCK,
-                                                            ATTNRES_EPS, t),
-                      # a block's first read runs phase 1 for the block, the others phase 2
-                      {"block_phase_1": 2 * LAYERS // BLOCK,
-                       "block_phase_2": 2 * LAYERS - 2 * LAYERS // BLOCK, "depth_mix": 1}),
+    "ddl": (
+        ["model.residual=ddl"],
+        lambda p, x, t: paper.ddl_decoder(p, x, LAYERS, HEADS, EPS, 1, trace=t, **DDL),
+        {"delta_write": 2 * LAYERS, "fp32_linear": 4 * LAYERS},
+    ),  # and 2 gate logits a write
+    "ddl_dv4": (
+        ["model.residual=ddl", "model.ddl.dv=4"],
+        lambda p, x, t: paper.ddl_decoder(p, x, LAYERS, HEADS, EPS, 4, trace=t, **DDL),
+        {"delta_write": 2 * LAYERS, "fp32_linear": 4 * LAYERS},
+    ),
+    "shortswa": (
+        ["model.residual=shortswa", f"model.shortswa.window={SWA_WINDOW}"],
+        lambda p, x, t: paper.shortswa_decoder(p, x, LAYERS, HEADS, EPS, SWA_WINDOW),
+        {"window_attention": LAYERS},
+    ),
+    "depth_attn": (
+        ["model.residual=depth_attn", f"model.depth_attn.window={DEPTH_WINDOW}"],
+        lambda p, x, t: paper.depth_attn_decoder(p, x, LAYERS, HEADS, EPS, DEPTH_WINDOW, t),
+        {"window_attention": LAYERS},
+    ),
+    "attnres": (
+        ["model.residual=attnres"],
+        lambda p, x, t: paper.attnres_decoder(
+            p, x, LAYERS, HEADS, EPS, 1, ATTNRES_EPS, t
+        ),  # every read one mixture
+        {"depth_mix": 2 * LAYERS + 1},
+    ),
+    "block_attnres": (
+        ["model.residual=block_attnres", f"model.attnres.block_size={BLOCK}"],
+        lambda p, x, t: paper.attnres_decoder(p, x, LAYERS, HEADS, EPS, BLOCK, ATTNRES_EPS, t),
+        # a block's first read runs phase 1 for the block, the others phase 2
+        {
+            "block_phase_1": 2 * LAYERS // BLOCK,
+            "block_phase_2": 2 * LAYERS - 2 * LAYERS // BLOCK,
+            "depth_mix": 1,
+        },
+    ),
 }
 
 
@@ -73,14 +88,17 @@ def run_both(variant: str, dtype, trace=None):
 
 # A first-layer read over a single source (AttnRes: the embedding; depth read: h^(0)) gives it
 # weight 1 whatever the query: the query has no gradient by the formula.
-INERT = {"attnres": "layers.0.attn_residual.query",
-         "block_attnres": "layers.0.attn_residual.query",
-         "depth_attn": "layers.0.layer_entry.linear_q.weight"}
+INERT = {
+    "attnres": "layers.0.attn_residual.query",
+    "block_attnres": "layers.0.attn_residual.query",
+    "depth_attn": "layers.0.layer_entry.linear_q.weight",
+}
 
 
 def assert_same(variant, out, expected, got, want, tol):
     """Within ``tol`` times the largest magnitude (per tensor); every parameter but the inert
     one has a gradient well above that."""
+
     def close(a, b, what):
         bound = tol * max(1.0, b.abs().max().item())
         torch.testing.assert_close(a.double(), b, atol=bound, rtol=0, msg=lambda m: f"{what}: {m}")

@@ -48,10 +48,17 @@ def test_fp32_linear_ignores_autocast():
 
 @pytest.fixture
 def ddl_bf16():
-    config = load_config(overrides=["data.path=unused", "model.num_layers=2",
-                                    "model.hidden_size=48", "model.num_attention_heads=4",
-                                    "model.residual=ddl", "model.ddl.dv=2",
-                                    "train.precision=bf16"])
+    config = load_config(
+        overrides=[
+            "data.path=unused",
+            "model.num_layers=2",
+            "model.hidden_size=48",
+            "model.num_attention_heads=4",
+            "model.residual=ddl",
+            "model.ddl.dv=2",
+            "train.precision=bf16",
+        ]
+    )
     torch.manual_seed(0)
     return ddl.DeltaResidual(transformer_config(config), layer_number=1, position=0)
 
@@ -66,11 +73,18 @@ def test_ddl_gate_logits_are_fp32_with_bf16_parameters(ddl_bf16):
     def fp32(linear, inputs):
         return F.linear(inputs.float(), linear.weight.float(), linear.bias.float())
 
-    want = ddl.delta_write(state, out, fp32(residual.beta_proj, normed),
-                           fp32(residual.v_proj, x), residual.k_eps, residual.v_scale)
+    want = ddl.delta_write(
+        state,
+        out,
+        fp32(residual.beta_proj, normed),
+        fp32(residual.v_proj, x),
+        residual.k_eps,
+        residual.v_scale,
+    )
     assert got.dtype == BF16 and torch.equal(got, want)
-    bf16_logits = ddl.delta_write(state, out, residual.beta_proj(normed),
-                                  residual.v_proj(x), residual.k_eps, residual.v_scale)
+    bf16_logits = ddl.delta_write(
+        state, out, residual.beta_proj(normed), residual.v_proj(x), residual.k_eps, residual.v_scale
+    )
     assert not torch.equal(got, bf16_logits)
 
 
@@ -86,13 +100,17 @@ def test_ddl_gate_logits_are_fp32_under_autocast(ddl_bf16):
 def test_attnres_scores_and_softmax_are_fp32_under_autocast_and_bf16():
     sources = [_randn(5, 2, 48, seed=n) * (1 + n) for n in range(4)]
     queries, partial = _randn(3, 48, seed=9), _randn(5, 2, 48, seed=10)
-    plain = (attnres.depth_mix(queries[0], sources, 1e-6),
-             attnres.block_phase_1(queries, torch.stack(sources), 1e-6),
-             attnres.mixing_weights(queries[0], sources, 1e-6))
+    plain = (
+        attnres.depth_mix(queries[0], sources, 1e-6),
+        attnres.block_phase_1(queries, torch.stack(sources), 1e-6),
+        attnres.mixing_weights(queries[0], sources, 1e-6),
+    )
     with torch.autocast("cpu", dtype=BF16):
-        mixed = (attnres.depth_mix(queries[0], sources, 1e-6),
-                 attnres.block_phase_1(queries, torch.stack(sources), 1e-6),
-                 attnres.mixing_weights(queries[0], sources, 1e-6))
+        mixed = (
+            attnres.depth_mix(queries[0], sources, 1e-6),
+            attnres.block_phase_1(queries, torch.stack(sources), 1e-6),
+            attnres.mixing_weights(queries[0], sources, 1e-6),
+        )
         out, lse = mixed[1]
         merged = attnres.block_phase_2(partial, queries[1], out[1], lse[1], 1e-6)
     assert torch.equal(mixed[0], plain[0]) and torch.equal(mixed[2], plain[2])
@@ -111,5 +129,5 @@ def test_rmsnorm_statistics_are_fp32_for_bf16_inputs():
         norm.weight.normal_()
     x = _randn(5, 2, 48, dtype=BF16) * 3
     xf = x.float()
-    want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.float())
+    want = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.float()
     assert torch.equal(norm(x), want.to(BF16))

@@ -44,8 +44,11 @@ def use_layout(tensor: int, pipeline: int, virtual: int):
     from t2train.parallel.init import init_model_parallel
 
     def snapshot() -> dict:
-        return {name: value for name, value in vars(parallel_state).items()
-                if name.startswith("_") and name.isupper()}
+        return {
+            name: value
+            for name, value in vars(parallel_state).items()
+            if name.startswith("_") and name.isupper()
+        }
 
     key = (tensor, pipeline, virtual)
     if parallel_state.model_parallel_is_initialized():

@@ -44,8 +44,9 @@ def _save_metadata(engine) -> None:
     from megatron.core.dist_checkpointing import serialization
 
     if dist.get_rank() == 0:
-        serialization.save_config = lambda _config, directory: _fail(OSError(
-            errno.ENOSPC, os.strerror(errno.ENOSPC), f"{directory}/metadata.json"))
+        serialization.save_config = lambda _config, directory: _fail(
+            OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{directory}/metadata.json")
+        )
 
 
 def _save_state(engine) -> None:
@@ -53,12 +54,17 @@ def _save_state(engine) -> None:
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
     if dist.get_rank() == dist.get_world_size() - 1:
-        serialization.save_preprocess = lambda *args: _fail(CheckpointingException(
-            "cannot collect this rank's sharded state"))
+        serialization.save_preprocess = lambda *args: _fail(
+            CheckpointingException("cannot collect this rank's sharded state")
+        )
 
 
-FAULTS = {"nan_gradient": _nan_gradient, "hang": _hang, "save_metadata": _save_metadata,
-          "save_state": _save_state}
+FAULTS = {
+    "nan_gradient": _nan_gradient,
+    "hang": _hang,
+    "save_metadata": _save_metadata,
+    "save_state": _save_state,
+}
 
 
 def main() -> int:

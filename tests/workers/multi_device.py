@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from common import parse_args, use_layout, write_result
 from engine_equivalence import ENGINES, TINY
 from layout_equivalence import run_layout
+
 from t2train.config.loader import load_config
 from t2train.parallel.init import init_distributed
 from t2train.train.loop import train
@@ -27,8 +27,15 @@ ENGINE_STEPS = 3  # each saves its last step: the ZeRO checkpoint's collectives 
 
 
 def main() -> None:
-    args = parse_args([("--scratch", Path), ("--runs", str), ("--data", Path),
-                       ("--design", str), ("--overrides", str)])
+    args = parse_args(
+        [
+            ("--scratch", Path),
+            ("--runs", str),
+            ("--data", Path),
+            ("--design", str),
+            ("--overrides", str),
+        ]
+    )
     init_distributed()
     extra = args.overrides.split(",")
     devices = [None] * dist.get_world_size()
@@ -38,17 +45,27 @@ def main() -> None:
     for number, run in enumerate(args.runs.split(";")):
         names, overrides = run.split("|")
         checkpoint = args.scratch / str(number) / "step_00000000"
-        layouts[run] = {layout: run_layout(layout, [*overrides.split(","), *extra], checkpoint,
-                                           load=index > 0)
-                        for index, layout in enumerate(names.split(","))}
+        layouts[run] = {
+            layout: run_layout(layout, [*overrides.split(","), *extra], checkpoint, load=index > 0)
+            for index, layout in enumerate(names.split(","))
+        }
         dist.barrier()
     use_layout(1, 1, 1)  # Megatron's globals of a layout without virtual stages
     engines = {}
     for name, engine in ENGINES.items():
-        config = load_config(overrides=[
-            *TINY, f"model.residual={args.design}", f"data.path={args.data}", *engine, *extra,
-            f"train.steps={ENGINE_STEPS}", "log.diagnostics_interval=0",
-            f"log.run_dir={args.scratch / name}", "checkpoint.resume=none"])
+        config = load_config(
+            overrides=[
+                *TINY,
+                f"model.residual={args.design}",
+                f"data.path={args.data}",
+                *engine,
+                *extra,
+                f"train.steps={ENGINE_STEPS}",
+                "log.diagnostics_interval=0",
+                f"log.run_dir={args.scratch / name}",
+                "checkpoint.resume=none",
+            ]
+        )
         engines[name] = train(config).losses
     write_result(args.out, {"devices": devices, "layouts": layouts, "engines": engines})
 

@@ -8,9 +8,9 @@ written the same way and read back into one TP=1 layout for an element-wise comp
 from __future__ import annotations
 
 import torch.distributed as dist
+from common import fixed_batch, parse_args, use_layout, write_result
 from megatron.core import dist_checkpointing
 
-from common import fixed_batch, parse_args, use_layout, write_result
 from t2train.config.loader import load_config
 from t2train.model.build import build_model_chunks, transformer_config
 from t2train.parallel.init import init_distributed, set_seed
@@ -21,8 +21,10 @@ VOCAB = 256
 def build(tp: int, extra: list[str]):
     topology = use_layout(tp, 1, 1)
     set_seed(7, topology)
-    config = load_config("tiny", overrides=["data.path=unused", "model.seq_length=32",
-                                            f"parallel.tensor={tp}", *extra])
+    config = load_config(
+        "tiny",
+        overrides=["data.path=unused", "model.seq_length=32", f"parallel.tensor={tp}", *extra],
+    )
     [model] = build_model_chunks(config, transformer_config(config), VOCAB)
     return model
 
@@ -33,14 +35,16 @@ def save(model, path: str, grads: bool) -> None:
             p.data.copy_(p.grad)
     if dist.get_rank() == 0:
         import os
+
         os.makedirs(path, exist_ok=True)
     dist.barrier()
     dist_checkpointing.save({"model": model.sharded_state_dict()}, path)
 
 
 def load(model, path: str) -> None:
-    model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()},
-                                                  path)["model"])
+    model.load_state_dict(
+        dist_checkpointing.load({"model": model.sharded_state_dict()}, path)["model"]
+    )
 
 
 def loss_and_backward(model) -> float:
@@ -70,8 +74,10 @@ def main() -> None:
     load(view, f"{args.scratch}/grads_tp2")
     diffs = {n: float((p.detach() - grads_tp1[n]).abs().max()) for n, p in view.named_parameters()}
     scale = max(float(g.abs().max()) for g in grads_tp1.values())
-    write_result(args.out, {"loss_tp1": loss_tp1, "loss_tp2": loss_tp2, "grad_diffs": diffs,
-                            "grad_scale": scale})
+    write_result(
+        args.out,
+        {"loss_tp1": loss_tp1, "loss_tp2": loss_tp2, "grad_diffs": diffs, "grad_scale": scale},
+    )
 
 
 if __name__ == "__main__":

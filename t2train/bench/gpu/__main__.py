@@ -28,14 +28,28 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.cwd() / ".cache" / "torch_extensions"))
-    installed = subprocess.run([sys.executable, "-m", "t2train.bench.gpu.install", "--bundle",
-                                BUNDLE], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env=env)
+    installed = subprocess.run(
+        [sys.executable, "-m", "t2train.bench.gpu.install", "--bundle", BUNDLE],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     (out / "gpu-check.log").write_text(installed.stdout)
     print(installed.stdout, end="", flush=True)
-    status = subprocess.call([sys.executable, "-m", "t2train.bench.gpu.check", "--out", str(out),
-                              "--data", f"{BUNDLE}/data/shakespeare-bpe4k-s4096", *flags],
-                             env=env)
+    status = subprocess.call(
+        [
+            sys.executable,
+            "-m",
+            "t2train.bench.gpu.check",
+            "--out",
+            str(out),
+            "--data",
+            f"{BUNDLE}/data/shakespeare-bpe4k-s4096",
+            *flags,
+        ],
+        env=env,
+    )
     report = out / "gpu-report.md"
     if report.is_file():  # the verdicts: the report's head, up to its environment section
         print(report.read_text().split("## Environment")[0], end="")

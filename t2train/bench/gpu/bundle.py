@@ -1,12 +1,13 @@
-"""Build ``.gpu-bundle/``: what a bare, offline GPU machine needs to run ``python3 -m t2train.bench.gpu``.
+"""Build ``.gpu-bundle/``: what a bare, offline GPU machine needs for the GPU check.
 
 The target machine (see docs/gpu/README.md) has CPython 3.12 on manylinux x86_64 with PyTorch,
 Triton, NumPy, TensorBoard, transformers, tokenizers, psutil and PyYAML preinstalled, and no
-network. This downloads, here, the wheels it lacks, builds DeepSpeed's (a source package on
-PyPI), a setuptools wheel as the offline build
-backend of ``pip install -e .``, and two prepared datasets with their tokenizers (the check's,
-and the GPU comparison's held-out split), then prints the bundle's size and fails above the limit (the device runner carries at most 64 MiB with the
-checkout). ``t2train/bench/gpu/install.py`` installs it there.
+network. This downloads, on a machine with network, the wheels it lacks, builds DeepSpeed's (a
+source package on PyPI), a setuptools wheel as the offline build backend of ``pip install -e
+.``, and two prepared datasets with their tokenizers (the check's, and the GPU comparison's
+held-out split), then prints the bundle's size and fails above ``--max-mib`` (the bundle
+travels with the checkout to the GPU node). ``t2train/bench/gpu/install.py`` installs it
+there.
 
     python t2train/bench/gpu/bundle.py [--out .gpu-bundle] [--max-mib 48]
 """
@@ -25,7 +26,10 @@ PYTHON_VERSION = "3.12"
 GLIBC_MINOR = 39  # the machine's glibc is 2.39 (Ubuntu 24.04, Python 3.12.3): any older tag runs
 # pip matches manylinux tags exactly, so every glibc the machine can run is listed.
 PLATFORMS = tuple(f"manylinux_2_{minor}_x86_64" for minor in range(GLIBC_MINOR, 4, -1)) + (
-    "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64")
+    "manylinux2014_x86_64",
+    "manylinux2010_x86_64",
+    "manylinux1_x86_64",
+)
 
 # (pinned requirement, why it travels). Versions follow constraints/cpu.txt, the tested lock.
 # t2train/bench/gpu/install.py installs a wheel only when its distribution is missing there, so the
@@ -63,41 +67,92 @@ BUILD_WHEELS = (("setuptools==80.9.0", "build backend of `pip install -e .`, off
 # The validation plays of `make heldout-data` (the CPU comparisons' split), both editions each.
 HELDOUT_PLAYS = ("hamlet_*", "macbeth_*", "tempest_*")
 # (name, seq_length, extra `t2train data prepare` arguments, what reads it)
-DATASETS = (
-    ("shakespeare-bpe4k-s4096", 4096, [],
-     "the check: samples of 4096 + 1 tokens, the 1b preset's length; shorter presets read a "
-     "prefix"),
-    ("shakespeare-heldout-bpe4k-s1024", 1024,
-     [arg for plays in HELDOUT_PLAYS for arg in ("--val-files", plays)],
-     "the GPU comparison (t2train/bench/gpu/compare.py, the 20m preset): whole plays held out"),
+DATASETS: tuple[tuple[str, int, list[str], str], ...] = (
+    (
+        "shakespeare-bpe4k-s4096",
+        4096,
+        [],
+        "the check: samples of 4096 + 1 tokens, the 1b preset's length; shorter presets read a "
+        "prefix",
+    ),
+    (
+        "shakespeare-heldout-bpe4k-s1024",
+        1024,
+        [arg for plays in HELDOUT_PLAYS for arg in ("--val-files", plays)],
+        "the GPU comparison (t2train/bench/gpu/compare.py, the 20m preset): whole plays held out",
+    ),
 )
 
 
 def download(requirements: list[str], dest: Path) -> None:
     platforms = [arg for tag in PLATFORMS for arg in ("--platform", tag)]
-    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                    "--only-binary=:all:", "--python-version", PYTHON_VERSION,
-                    "--implementation", "cp", *platforms, "--dest", str(dest), *requirements],
-                   check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            PYTHON_VERSION,
+            "--implementation",
+            "cp",
+            *platforms,
+            "--dest",
+            str(dest),
+            *requirements,
+        ],
+        check=True,
+    )
 
 
 def build_wheels(requirements: list[str], dest: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
-                    "--no-build-isolation", "--wheel-dir", str(dest), *requirements],
-                   check=True, env=dict(os.environ, DS_BUILD_OPS="0"))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(dest),
+            *requirements,
+        ],
+        check=True,
+        env=dict(os.environ, DS_BUILD_OPS="0"),
+    )
 
 
 def prepare_datasets(dest: Path) -> None:
     """Shakespeare with a 4k byte-level BPE, once per entry of ``DATASETS``."""
     for name, seq_length, extra, _ in DATASETS:
-        subprocess.run([sys.executable, "-m", "t2train.cli", "data", "prepare",
-                        "--corpus", "shakespeare", "--out", str(dest / name),
-                        "--seq-length", str(seq_length), "--vocab-size", "4096", *extra],
-                       check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "t2train.cli",
+                "data",
+                "prepare",
+                "--corpus",
+                "shakespeare",
+                "--out",
+                str(dest / name),
+                "--seq-length",
+                str(seq_length),
+                "--vocab-size",
+                "4096",
+                *extra,
+            ],
+            check=True,
+        )
 
 
 def size_mib(path: Path) -> float:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2 ** 20
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
 
 def build(out: Path, max_mib: float) -> float:
@@ -108,7 +163,8 @@ def build(out: Path, max_mib: float) -> float:
     download([req for req, _ in BUILD_WHEELS], staging / "build")
     prepare_datasets(staging / "data")
     manifest = {
-        "python": PYTHON_VERSION, "platforms": PLATFORMS,
+        "python": PYTHON_VERSION,
+        "platforms": PLATFORMS,
         "wheels": {req: why for req, why in RUNTIME_WHEELS + BUILT_WHEELS},
         "build": {req: why for req, why in BUILD_WHEELS},
         "datasets": {f"data/{name}": why for name, _, _, why in DATASETS},
@@ -117,8 +173,10 @@ def build(out: Path, max_mib: float) -> float:
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     mib = size_mib(staging)
     if mib > max_mib:
-        raise SystemExit(f"error: {staging}: {mib:.1f} MiB, over the {max_mib:g} MiB limit "
-                         "(checkout + carried paths must stay under 64 MiB)")
+        raise SystemExit(
+            f"error: {staging}: {mib:.1f} MiB, over the {max_mib:g} MiB limit "
+            "(checkout + carried paths must stay under 64 MiB)"
+        )
     shutil.rmtree(out, ignore_errors=True)
     staging.rename(out)
     return mib

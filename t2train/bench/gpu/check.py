@@ -29,10 +29,16 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from t2train.bench.gpu.plan import (ALL_SECTIONS, QUICK_SECTIONS, SECTIONS, STACK_SECTIONS,
-                                    Plan, make_plan)
+from t2train.bench.gpu.plan import (
+    ALL_SECTIONS,
+    QUICK_SECTIONS,
+    SECTIONS,
+    STACK_SECTIONS,
+    Plan,
+    make_plan,
+)
 from t2train.nn.compiling import BACKEND_VARIABLE
 
 GRACE = 20.0  # seconds past its end before a section's worker is stopped
@@ -45,8 +51,15 @@ class Section:
 
     def __init__(self, name: str, path: Path, end: float, scratch: Path):
         self.path, self.end, self.scratch = path, end, scratch
-        self.result = {"name": name, "status": "running", "reason": "", "seconds": 0.0,
-                       "started": time.time(), "items": [], "data": {}}
+        self.result: dict[str, Any] = {
+            "name": name,
+            "status": "running",
+            "reason": "",
+            "seconds": 0.0,
+            "started": time.time(),
+            "items": [],
+            "data": {},
+        }
 
     @property
     def data(self) -> dict:
@@ -69,16 +82,21 @@ class Section:
         return timed[-1]["seconds"] - warmups[-1] + statistics.median(warmups)
 
     def no_time(self, estimate: float) -> str:
-        return (f"would overrun the section's time: needs about {estimate:.0f}s (the previous "
-                f"item's time less its warm-up plus the median warm-up, or a prior), "
-                f"{max(self.left(), 0):.0f}s left")
+        return (
+            f"would overrun the section's time: needs about {estimate:.0f}s (the previous "
+            f"item's time less its warm-up plus the median warm-up, or a prior), "
+            f"{max(self.left(), 0):.0f}s left"
+        )
 
     @staticmethod
     def error(err: Exception) -> dict:
         """An item's fields for an exception being handled: the message and where it came
         from (a kernel's launch error names no kernel without its traceback)."""
-        return {"status": "error", "reason": f"{type(err).__name__}: {err}",
-                "traceback": traceback.format_exc()[-2000:]}
+        return {
+            "status": "error",
+            "reason": f"{type(err).__name__}: {err}",
+            "traceback": traceback.format_exc()[-2000:],
+        }
 
     def add(self, item: dict) -> None:
         self.result["items"].append(item)
@@ -97,11 +115,20 @@ def _section_runner(name: str):
     from t2train.bench import kernels
     from t2train.bench.gpu import correctness, engines, env, memory, outputs, perf, profile, resume
 
-    return {"env": env.run, "correctness": correctness.run, "step_cost": perf.step_cost,
-            "mfu": perf.mfu, "kernels": kernels.run, "profile": profile.run,
-            "gpu_tests": correctness.all_gpu_tests, "resume": resume.run,
-            "deepspeed": engines.run, "memory": memory.run, "outputs": outputs.run,
-            "multi_gpu": correctness.multi_gpu_tests}[name]
+    return {
+        "env": env.run,
+        "correctness": correctness.run,
+        "step_cost": perf.step_cost,
+        "mfu": perf.mfu,
+        "kernels": kernels.run,
+        "profile": profile.run,
+        "gpu_tests": correctness.all_gpu_tests,
+        "resume": resume.run,
+        "deepspeed": engines.run,
+        "memory": memory.run,
+        "outputs": outputs.run,
+        "multi_gpu": correctness.multi_gpu_tests,
+    }[name]
 
 
 def work(plan: Plan, names: list[str], ends: dict, results: Path) -> int:
@@ -110,8 +137,10 @@ def work(plan: Plan, names: list[str], ends: dict, results: Path) -> int:
         section = Section(name, results / f"{name}.json", ends[name], results / name)
         section.scratch.mkdir(exist_ok=True)
         if section.left() < MIN_SECTION:
-            section.result.update(status="skipped", reason=(
-                "no time left: the sections before it used the plan's budget up to here"))
+            section.result.update(
+                status="skipped",
+                reason=("no time left: the sections before it used the plan's budget up to here"),
+            )
             section.save()
             continue
         section.save()
@@ -122,11 +151,16 @@ def work(plan: Plan, names: list[str], ends: dict, results: Path) -> int:
             for status in ("error", "skipped"):
                 items = [item for item in section.result["items"] if item.get("status") == status]
                 if items:
-                    section.result.update(status="partial", reason=(
-                        f"{len(items)} item(s) {status}, the first: {items[0]['reason']}"))
+                    section.result.update(
+                        status="partial",
+                        reason=(f"{len(items)} item(s) {status}, the first: {items[0]['reason']}"),
+                    )
         except Exception as err:  # noqa: BLE001 - reported, and the next section runs
-            section.result.update(status="failed", reason=f"{type(err).__name__}: {err}",
-                                  traceback=traceback.format_exc()[-3000:])
+            section.result.update(
+                status="failed",
+                reason=f"{type(err).__name__}: {err}",
+                traceback=traceback.format_exc()[-3000:],
+            )
         section.save()
     return 0
 
@@ -139,15 +173,21 @@ def _load(path: Path) -> Optional[dict]:
 
 
 def _finish_interrupted(results: Path, name: str, status: str, reason: str) -> None:
-    result = _load(results / f"{name}.json") or {"name": name, "items": [], "data": {},
-                                                 "seconds": 0.0}
-    result.update(status=status, reason=reason,
-                  seconds=time.time() - result.get("started", time.time()))
+    result = _load(results / f"{name}.json") or {
+        "name": name,
+        "items": [],
+        "data": {},
+        "seconds": 0.0,
+    }
+    result.update(
+        status=status, reason=reason, seconds=time.time() - result.get("started", time.time())
+    )
     (results / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
 
 
-def orchestrate(plan: Plan, names: list[str], results: Path, log, started: float,
-                on_progress) -> None:
+def orchestrate(
+    plan: Plan, names: list[str], results: Path, log, started: float, on_progress
+) -> None:
     """Run the sections in workers, restarting past a section whose worker died or overran;
     ``on_progress()`` after each section ends, so a run stopped from outside still reports."""
     ends, total = {}, started
@@ -156,18 +196,31 @@ def orchestrate(plan: Plan, names: list[str], results: Path, log, started: float
         ends[name] = total
     pending, reported = list(names), 0
     while pending:
-        args = [sys.executable, "-m", "t2train.bench.gpu.check", "--worker", str(results),
-                "--data", plan.data, "--sections", ",".join(pending),
-                "--ends", json.dumps({name: ends[name] for name in pending})]
+        args = [
+            sys.executable,
+            "-m",
+            "t2train.bench.gpu.check",
+            "--worker",
+            str(results),
+            "--data",
+            plan.data,
+            "--sections",
+            ",".join(pending),
+            "--ends",
+            json.dumps({name: ends[name] for name in pending}),
+        ]
         # Its own process group, so that stopping it also stops its children (the CPU
         # reference, pytest, compile workers).
         flags = ["--dry-run"] * plan.dry_run + ["--quick"] * plan.quick + ["--stack"] * plan.stack
-        worker = subprocess.Popen(args + flags,
-                                  stdout=log, stderr=subprocess.STDOUT, preexec_fn=os.setpgrp)
+        worker = subprocess.Popen(
+            args + flags, stdout=log, stderr=subprocess.STDOUT, preexec_fn=os.setpgrp
+        )
         while worker.poll() is None:
             statuses = [(_load(results / f"{n}.json") or {}).get("status") for n in pending]
-            if "running" in statuses and time.time() > ends[pending[statuses.index(
-                    "running")]] + GRACE:
+            if (
+                "running" in statuses
+                and time.time() > ends[pending[statuses.index("running")]] + GRACE
+            ):
                 os.killpg(worker.pid, signal.SIGKILL)
                 worker.wait()
                 break
@@ -176,21 +229,30 @@ def orchestrate(plan: Plan, names: list[str], results: Path, log, started: float
                 reported = finished
                 on_progress()
             time.sleep(0.5)
-        done = [n for n in pending if (_load(results / f"{n}.json") or {}).get("status")
-                not in (None, "running")]
+        done = [
+            n
+            for n in pending
+            if (_load(results / f"{n}.json") or {}).get("status") not in (None, "running")
+        ]
         stuck = [n for n in pending if n not in done]
         if not stuck:
             return
         name = stuck[0]
         if worker.returncode not in (0, None) and time.time() <= ends[name] + GRACE:
-            _finish_interrupted(results, name, "failed",
-                                f"the worker process died (exit {worker.returncode}); see "
-                                "gpu-check.log")
+            _finish_interrupted(
+                results,
+                name,
+                "failed",
+                f"the worker process died (exit {worker.returncode}); see gpu-check.log",
+            )
         else:
-            _finish_interrupted(results, name, "timeout",
-                                f"stopped {GRACE:.0f}s after the end of its time "
-                                f"({plan.budgets[name]}s budget)")
-        pending, reported = pending[pending.index(name) + 1:], 0
+            _finish_interrupted(
+                results,
+                name,
+                "timeout",
+                f"stopped {GRACE:.0f}s after the end of its time ({plan.budgets[name]}s budget)",
+            )
+        pending, reported = pending[pending.index(name) + 1 :], 0
         on_progress()
 
 
@@ -199,8 +261,10 @@ def check(plan: Plan, out: Path, names: list[str]) -> dict:
 
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    with tempfile.TemporaryDirectory(prefix="t2train-gpu-check-") as tmp, \
-            open(out / "gpu-check.log", "a") as log:
+    with (
+        tempfile.TemporaryDirectory(prefix="t2train-gpu-check-") as tmp,
+        open(out / "gpu-check.log", "a") as log,
+    ):
         results = Path(tmp)
         # Reading decompresses shards beside them: a copy keeps the bundle as it was built.
         plan = dataclasses.replace(plan, data=str(shutil.copytree(plan.data, results / "data")))
@@ -208,10 +272,15 @@ def check(plan: Plan, out: Path, names: list[str]) -> dict:
         def report() -> dict:
             sections = {name: _load(results / f"{name}.json") for name in plan.report_sections}
             not_asked = {"status": "skipped", "reason": NOT_ASKED}
-            return write_report(plan, {name: sections[name] or (None if name in names else
-                                                                 not_asked)
-                                       for name in plan.report_sections}, out,
-                                time.time() - started)
+            return write_report(
+                plan,
+                {
+                    name: sections[name] or (None if name in names else not_asked)
+                    for name in plan.report_sections
+                },
+                out,
+                time.time() - started,
+            )
 
         orchestrate(plan, names, results, log, started, report)
         return report()
@@ -220,19 +289,35 @@ def check(plan: Plan, out: Path, names: list[str]) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="folder for gpu-report.md/.json and the log")
-    parser.add_argument("--data", default=DEFAULT_DATA,
-                        help=f"prepared dataset (default: the bundle's, {DEFAULT_DATA})")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="the whole plan on the CPU at tiny shapes (kernels interpreted)")
-    parser.add_argument("--quick", action="store_true",
-                        help="the baseline and the targeted variants only, sections "
-                             f"{', '.join(QUICK_SECTIONS)} (about 3.5 minutes on a GPU)")
-    parser.add_argument("--stack", action="store_true",
-                        help="the rest of the stack instead, sections "
-                             f"{', '.join(STACK_SECTIONS)} (its own 10-minute command)")
-    parser.add_argument("--only", choices=ALL_SECTIONS, action="append",
-                        help="run only these sections (repeatable; default all, in the order "
-                             f"{', '.join(SECTIONS)}, or with --stack {', '.join(STACK_SECTIONS)})")
+    parser.add_argument(
+        "--data",
+        default=DEFAULT_DATA,
+        help=f"prepared dataset (default: the bundle's, {DEFAULT_DATA})",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="the whole plan on the CPU at tiny shapes (kernels interpreted)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the baseline and the targeted variants only, sections "
+        f"{', '.join(QUICK_SECTIONS)} (about 3.5 minutes on a GPU)",
+    )
+    parser.add_argument(
+        "--stack",
+        action="store_true",
+        help="the rest of the stack instead, sections "
+        f"{', '.join(STACK_SECTIONS)} (its own 10-minute command)",
+    )
+    parser.add_argument(
+        "--only",
+        choices=ALL_SECTIONS,
+        action="append",
+        help="run only these sections (repeatable; default all, in the order "
+        f"{', '.join(SECTIONS)}, or with --stack {', '.join(STACK_SECTIONS)})",
+    )
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--sections", help=argparse.SUPPRESS)
     parser.add_argument("--ends", help=argparse.SUPPRESS)
@@ -251,11 +336,17 @@ def main(argv=None) -> int:
     if args.out is None:
         parser.error("--out is required")
     if not Path(plan.data, "index.json").exists():
-        print(f"error: --data {plan.data}: no prepared dataset there (make gpu-bundle builds "
-              "one into .gpu-bundle/)", file=sys.stderr)
+        print(
+            f"error: --data {plan.data}: no prepared dataset there (make gpu-bundle builds "
+            "one into .gpu-bundle/)",
+            file=sys.stderr,
+        )
         return 2
-    report = check(plan, args.out, [name for name in plan.report_sections
-                                    if name in (args.only or plan.sections)])
+    report = check(
+        plan,
+        args.out,
+        [name for name in plan.report_sections if name in (args.only or plan.sections)],
+    )
     print(f"gpu_check: wrote {args.out}/gpu-report.md ({report['verdict']})")
     return 0
 

@@ -2,8 +2,9 @@
 GPU job.
 
 The comparison at GPU scale (docs/benchmarks.md) trains the batch of ``comparison.yaml`` (ten
-variants x three seeds of the ``20m`` preset) on the bundle's held-out split. One H100/H200 needs longer than one 10-minute
-job for all of it, so it can be completed over several short jobs, and only the runs' records
+variants x three seeds of the ``20m`` preset) on the bundle's held-out split. One H100/H200
+needs longer than one 10-minute job for all of it, so it can be completed over several short
+jobs, and only the runs' records
 travel between them (a few kB each), never checkpoints:
 
 1. install ``.gpu-bundle/`` (as the GPU check does);
@@ -14,9 +15,9 @@ travel between them (a few kB each), never checkpoints:
 4. copy every run finished now (records only) and the batch's ``compare.md`` and figures into
    ``OUT/records``; checkpoints and TensorBoard events stay in the scratch directory.
 
-Back in the checkout: ``python -m t2train.bench.gpu.compare --merge OUT/records`` adds the new records to
-``docs/compare-gpu/`` and writes its ``compare.md`` and figures over every finished run
-(``--report-only``: nothing is trained; the report lists the runs still missing).
+Back in the checkout: ``python -m t2train.bench.gpu.compare --merge OUT/records`` adds the
+new records to ``docs/compare-gpu/`` and writes its ``compare.md`` and figures over every
+finished run (``--report-only``: nothing is trained; the report lists the runs still missing).
 
 ``--dry-run`` does the same on the CPU at tiny shapes with ``--data`` (the tests' dataset).
 """
@@ -49,9 +50,20 @@ def batch_spec(dry_run: bool) -> dict:
 def compare_args(data: str, dry_run: bool) -> list[str]:
     """``t2train experiment compare``'s arguments for the batch, without ``--out``."""
     spec = batch_spec(dry_run)
-    return ["experiment", "compare", "--preset", spec["preset"], f"data.path={data}",
-            *spec["overrides"], "--designs", spec["designs"], "--seeds", str(spec["seeds"]),
-            "--steps", str(spec["steps"])]
+    return [
+        "experiment",
+        "compare",
+        "--preset",
+        spec["preset"],
+        f"data.path={data}",
+        *spec["overrides"],
+        "--designs",
+        spec["designs"],
+        "--seeds",
+        str(spec["seeds"]),
+        "--steps",
+        str(spec["steps"]),
+    ]
 
 
 def copy_finished(source: Path, dest: Path, steps: int) -> list[str]:
@@ -82,8 +94,9 @@ def run_compare(args: list[str]) -> int:
 def run_share(out: Path, records: Path, budget_min: float, data: str, dry_run: bool) -> int:
     """One GPU job's share: the batch resumed from ``records``, new records into OUT."""
     if not dry_run:
-        subprocess.run([sys.executable, "-m", "t2train.bench.gpu.install", "--bundle", BUNDLE],
-                       check=True)
+        subprocess.run(
+            [sys.executable, "-m", "t2train.bench.gpu.install", "--bundle", BUNDLE], check=True
+        )
     steps = batch_spec(dry_run)["steps"]
     kept = out / "records"
     kept.mkdir(parents=True, exist_ok=True)
@@ -91,12 +104,21 @@ def run_share(out: Path, records: Path, budget_min: float, data: str, dry_run: b
         batch = Path(scratch)
         earlier = copy_finished(records, batch, steps) if records.is_dir() else []
         print(f"{len(earlier)} run(s) finished in earlier jobs ({records})", flush=True)
-        code = run_compare([*compare_args(data, dry_run), "--out", str(batch),
-                            "--time-budget-min", f"{budget_min:g}"])
+        code = run_compare(
+            [
+                *compare_args(data, dry_run),
+                "--out",
+                str(batch),
+                "--time-budget-min",
+                f"{budget_min:g}",
+            ]
+        )
         new = [name for name in copy_finished(batch, kept, steps) if name not in earlier]
         copy_report(batch, kept)
-    print(f"this job finished {len(new)} run(s): {', '.join(new) or 'none'}; their records "
-          f"are in {kept}; in the checkout: python -m t2train.bench.gpu.compare --merge {kept}")
+    print(
+        f"this job finished {len(new)} run(s): {', '.join(new) or 'none'}; their records "
+        f"are in {kept}; in the checkout: python -m t2train.bench.gpu.compare --merge {kept}"
+    )
     return code
 
 
@@ -111,23 +133,34 @@ def merge(new_records: Path, records: Path, data: str, dry_run: bool) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", nargs="?", type=Path,
-                        help="(on the GPU) where this job's records go (OUT/records)")
-    parser.add_argument("--merge", type=Path, metavar="NEW_RECORDS",
-                        help="(in the checkout) add a job's records to --records and write "
-                             "the report")
-    parser.add_argument("--records", type=Path, default=RECORDS,
-                        help=f"the batch's finished runs so far (default {RECORDS})")
-    parser.add_argument("--budget-min", type=float, default=8.5,
-                        help="start no run that would end later than this (default 8.5, "
-                             "inside a 10-minute job)")
+    parser.add_argument(
+        "out", nargs="?", type=Path, help="(on the GPU) where this job's records go (OUT/records)"
+    )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        metavar="NEW_RECORDS",
+        help="(in the checkout) add a job's records to --records and write the report",
+    )
+    parser.add_argument(
+        "--records",
+        type=Path,
+        default=RECORDS,
+        help=f"the batch's finished runs so far (default {RECORDS})",
+    )
+    parser.add_argument(
+        "--budget-min",
+        type=float,
+        default=8.5,
+        help="start no run that would end later than this (default 8.5, inside a 10-minute job)",
+    )
     parser.add_argument("--data", default=DATA, help=f"the held-out dataset (default {DATA})")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="the same procedure on the CPU at tiny shapes")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="the same procedure on the CPU at tiny shapes"
+    )
     args = parser.parse_args(argv)
     if (args.out is None) == (args.merge is None):
-        parser.error("give OUT (a GPU job) or --merge NEW_RECORDS (in the checkout), not "
-                     "both")
+        parser.error("give OUT (a GPU job) or --merge NEW_RECORDS (in the checkout), not both")
     if not Path(args.data, "index.json").is_file():
         parser.error(f"--data {args.data}: no prepared dataset there (make gpu-bundle builds it)")
     if args.merge is not None:

@@ -40,9 +40,17 @@ def child_env(**extra: str) -> dict:
 def train_config(plan: Plan, variant: str, precision: str):
     from t2train.bench.variants import variant_config
 
-    return variant_config(plan.train_preset, None, [
-        f"data.path={plan.data}", *plan.train_overrides, f"train.precision={precision}",
-        f"train.steps={plan.train_steps}"], variant)
+    return variant_config(
+        plan.train_preset,
+        None,
+        [
+            f"data.path={plan.data}",
+            *plan.train_overrides,
+            f"train.precision={precision}",
+            f"train.steps={plan.train_steps}",
+        ],
+        variant,
+    )
 
 
 def _train(objs, batches) -> list[float]:
@@ -84,24 +92,39 @@ def device_run(plan: Plan, variant: str, reference: Path) -> list[float]:
     for chunk, state in zip(objs.model, torch.load(reference / f"{variant}.pt")):
         chunk.module.load_state_dict(state)
     objs.optimizer.reload_model_params()  # the fp32 main copies follow the loaded weights
-    batches = [[{key: t.to(device) for key, t in mb.items()} for mb in step]
-               for step in torch.load(reference / "batches.pt")]
+    batches = [
+        [{key: t.to(device) for key, t in mb.items()} for mb in step]
+        for step in torch.load(reference / "batches.pt")
+    ]
     return _train(objs, batches)
 
 
 def compare(reference: list[float], losses: list[float], rtol: float) -> dict:
     worst = max(abs(a - b) / abs(a) for a, b in zip(reference, losses))
     ok = len(losses) == len(reference) and worst <= rtol
-    return {"reference": reference, "losses": losses, "max_rel_diff": worst, "rtol": rtol,
-            "status": "pass" if ok else "fail"}
+    return {
+        "reference": reference,
+        "losses": losses,
+        "max_rel_diff": worst,
+        "rtol": rtol,
+        "status": "pass" if ok else "fail",
+    }
 
 
 def _start_reference(plan: Plan, out: Path) -> subprocess.Popen:
-    args = [sys.executable, "-m", "t2train.bench.gpu.correctness", "--reference", str(out),
-            "--data", plan.data] + (["--dry-run"] if plan.dry_run else [])
+    args = [
+        sys.executable,
+        "-m",
+        "t2train.bench.gpu.correctness",
+        "--reference",
+        str(out),
+        "--data",
+        plan.data,
+    ] + (["--dry-run"] if plan.dry_run else [])
     log = open(out / "reference.log", "w")
-    return subprocess.Popen(args, env=child_env(CUDA_VISIBLE_DEVICES=""), stdout=log,
-                            stderr=subprocess.STDOUT, cwd=REPO)
+    return subprocess.Popen(
+        args, env=child_env(CUDA_VISIBLE_DEVICES=""), stdout=log, stderr=subprocess.STDOUT, cwd=REPO
+    )
 
 
 def _junit_items(path: Path) -> list[dict]:
@@ -114,8 +137,13 @@ def _junit_items(path: Path) -> list[dict]:
                 # assert_close's message: what, how many elements, the largest differences
                 lines = [line for line in (child.get("message") or "").splitlines() if line]
                 message = " | ".join(lines[:MESSAGE_LINES])[:MESSAGE_CHARS]
-        items.append({"test": f"{case.get('classname')}::{case.get('name')}",
-                      "outcome": outcome, "message": message})
+        items.append(
+            {
+                "test": f"{case.get('classname')}::{case.get('name')}",
+                "outcome": outcome,
+                "message": message,
+            }
+        )
     return items
 
 
@@ -124,8 +152,14 @@ def _verbose_items(output) -> list[dict]:
     text = output.decode(errors="replace") if isinstance(output, bytes) else output
     outcomes = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped"}
     found = re.findall(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)\b", text, re.MULTILINE)
-    return [{"test": test.replace("/", ".").replace(".py::", "::"),
-             "outcome": outcomes[word], "message": ""} for test, word in found]
+    return [
+        {
+            "test": test.replace("/", ".").replace(".py::", "::"),
+            "outcome": outcomes[word],
+            "message": "",
+        }
+        for test, word in found
+    ]
 
 
 # One GPU: every test that needs CUDA but not several devices; several: tests/test_multi_gpu.py.
@@ -139,11 +173,17 @@ def selected_count(output: str) -> Optional[int]:
     if not found:
         return None
     collected, deselected, selected = (int(n) if n else None for n in found.groups())
-    return selected if selected is not None else collected - (deselected or 0)
+    return selected if selected is not None else (collected or 0) - (deselected or 0)
 
 
-def gpu_tests(section, plan: Plan, scratch: Path, share: float = PYTEST_SHARE,
-              marker: str = ONE_GPU, key: str = "gpu_tests") -> None:
+def gpu_tests(
+    section,
+    plan: Plan,
+    scratch: Path,
+    share: float = PYTEST_SHARE,
+    marker: str = ONE_GPU,
+    key: str = "gpu_tests",
+) -> None:
     """``pytest -m MARKER`` over the suite (the dry run: the kernel tests); on CPU they skip.
     Within ``share`` of the section's time left; the report counts what ran, what skipped and
     what was not reached."""
@@ -152,27 +192,54 @@ def gpu_tests(section, plan: Plan, scratch: Path, share: float = PYTEST_SHARE,
     started = time.monotonic()
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-v", "-m", marker, *plan.gpu_tests,
-             "-p", "no:cacheprovider",
-             "--continue-on-collection-errors", f"--junitxml={junit}"],
-            env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-v",
+                "-m",
+                marker,
+                *plan.gpu_tests,
+                "-p",
+                "no:cacheprovider",
+                "--continue-on-collection-errors",
+                f"--junitxml={junit}",
+            ],
+            env=child_env(),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         summary = (proc.stdout.strip().splitlines() or [""])[-1]
         output = proc.stdout
         tests = _junit_items(junit) if junit.exists() else []
     except subprocess.TimeoutExpired as stopped:  # no junit file: read the verbose lines
-        output = stopped.stdout.decode(errors="replace") if isinstance(
-            stopped.stdout, bytes) else (stopped.stdout or "")
+        output = (
+            stopped.stdout.decode(errors="replace")
+            if isinstance(stopped.stdout, bytes)
+            else (stopped.stdout or "")
+        )
         tests = _verbose_items(output)
-        summary = (f"stopped after {timeout:.0f}s (its share of the section's budget); "
-                   f"{len(tests)} results read from its output")
-    counts = {outcome: sum(t["outcome"] == outcome for t in tests)
-              for outcome in ("passed", "failed", "error", "skipped")}
+        summary = (
+            f"stopped after {timeout:.0f}s (its share of the section's budget); "
+            f"{len(tests)} results read from its output"
+        )
+    counts = {
+        outcome: sum(t["outcome"] == outcome for t in tests)
+        for outcome in ("passed", "failed", "error", "skipped")
+    }
     selected = selected_count(output)
     counts["not reached"] = max(selected - len(tests), 0) if selected is not None else None
-    section.data[key] = {"paths": plan.gpu_tests, "marker": marker, "summary": summary,
-                         "counts": counts, "selected": selected,
-                         "seconds": time.monotonic() - started,
-                         "not_passed": [t for t in tests if t["outcome"] != "passed"]}
+    section.data[key] = {
+        "paths": plan.gpu_tests,
+        "marker": marker,
+        "summary": summary,
+        "counts": counts,
+        "selected": selected,
+        "seconds": time.monotonic() - started,
+        "not_passed": [t for t in tests if t["outcome"] != "passed"],
+    }
     section.save()
 
 
@@ -188,8 +255,10 @@ def multi_gpu_tests(section, plan: Plan) -> Optional[str]:
 
     count = torch.cuda.device_count()
     if count < 2:
-        return (f"{count} CUDA device(s) here: the multi-GPU tests (TP, PP, DP and ZeRO across "
-                "2 GPUs, `make gpu-check-multi`) need 2 or more")
+        return (
+            f"{count} CUDA device(s) here: the multi-GPU tests (TP, PP, DP and ZeRO across "
+            "2 GPUs, `make gpu-check-multi`) need 2 or more"
+        )
     gpu_tests(section, plan, section.scratch, share=1.0, marker=MULTI_GPU, key="gpu_tests")
     return None
 
@@ -210,8 +279,12 @@ def run(section, plan: Plan) -> None:
     reference = _start_reference(plan, scratch)
     try:
         gpu_tests(section, plan, scratch)
-        section.data["training"] = {"preset": plan.train_preset, "steps": plan.train_steps,
-                                    "overrides": plan.train_overrides, "rtol": plan.loss_rtol}
+        section.data["training"] = {
+            "preset": plan.train_preset,
+            "steps": plan.train_steps,
+            "overrides": plan.train_overrides,
+            "rtol": plan.loss_rtol,
+        }
         for variant in correctness_variants(registered()):
             _compare_variant(section, plan, variant, reference)
     finally:
@@ -224,15 +297,20 @@ def _compare_variant(section, plan: Plan, variant: str, reference: subprocess.Po
     estimate = section.next_item_seconds(default=10.0)
     if not _reference_ready(expected, reference, section, estimate):
         log = (section.scratch / "reference.log").read_text().strip().splitlines() or [""]
-        why = (section.no_time(estimate) + " (the fp32 reference was not ready)"
-               if reference.poll() is None else
-               f"no fp32 reference (exit {reference.poll()}): {log[-1]}")
+        why = (
+            section.no_time(estimate) + " (the fp32 reference was not ready)"
+            if reference.poll() is None
+            else f"no fp32 reference (exit {reference.poll()}): {log[-1]}"
+        )
         section.add({"variant": variant, "status": "skipped", "reason": why})
         return
     started = time.monotonic()
     try:
-        result = compare(json.loads(expected.read_text()),
-                         device_run(plan, variant, section.scratch), plan.loss_rtol)
+        result = compare(
+            json.loads(expected.read_text()),
+            device_run(plan, variant, section.scratch),
+            plan.loss_rtol,
+        )
     except Exception as err:  # noqa: BLE001 - reported; the other designs still run
         result = section.error(err)
     section.add(dict(result, variant=variant, seconds=time.monotonic() - started))

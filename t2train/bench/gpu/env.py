@@ -12,8 +12,19 @@ import platform
 import subprocess
 import time
 
-PACKAGES = ("torch", "triton", "megatron-core", "mosaicml-streaming", "numpy", "transformers",
-            "tokenizers", "tensorboard", "flash-attn", "deepspeed", "t2train")
+PACKAGES = (
+    "torch",
+    "triton",
+    "megatron-core",
+    "mosaicml-streaming",
+    "numpy",
+    "transformers",
+    "tokenizers",
+    "tensorboard",
+    "flash-attn",
+    "deepspeed",
+    "t2train",
+)
 
 
 def versions() -> dict:
@@ -28,8 +39,12 @@ def versions() -> dict:
 
 def _driver() -> str:
     try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30).stdout.strip()
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"unknown ({type(err).__name__})"
 
@@ -40,9 +55,14 @@ def device_facts() -> dict:
     if not torch.cuda.is_available():
         return {"device": f"CPU ({platform.processor() or platform.machine()}), no CUDA"}
     props = torch.cuda.get_device_properties(0)
-    return {"device": props.name, "driver": _driver(), "cuda": torch.version.cuda,
-            "capability": f"{props.major}.{props.minor}", "sms": props.multi_processor_count,
-            "memory_gib": round(props.total_memory / 2 ** 30, 1)}
+    return {
+        "device": props.name,
+        "driver": _driver(),
+        "cuda": torch.version.cuda,
+        "capability": f"{props.major}.{props.minor}",
+        "sms": props.multi_processor_count,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+    }
 
 
 def matmul_tflops(n: int, repeats: int = 10) -> float:
@@ -60,7 +80,7 @@ def matmul_tflops(n: int, repeats: int = 10) -> float:
         a @ b
     if device == "cuda":
         torch.cuda.synchronize()
-    return 2 * n ** 3 * repeats / (time.perf_counter() - started) / 1e12
+    return 2 * n**3 * repeats / (time.perf_counter() - started) / 1e12
 
 
 def run(section, plan) -> None:
@@ -71,8 +91,9 @@ def run(section, plan) -> None:
     data = section.data
     data["versions"] = versions()
     data.update(device_facts())
-    data["datasheet_bf16_tflops"] = (peak_tflops(data["device"], torch.bfloat16)
-                                     if torch.cuda.is_available() else None)
+    data["datasheet_bf16_tflops"] = (
+        peak_tflops(data["device"], torch.bfloat16) if torch.cuda.is_available() else None
+    )
     section.save()
     data["matmul"] = {"n": plan.matmul_size, "tflops": matmul_tflops(plan.matmul_size)}
     section.save()

@@ -33,9 +33,22 @@ def installed_version(name: str) -> str | None:
 
 
 def pip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index",
-                           "--no-deps", "--no-compile", "--disable-pip-version-check", *args],
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--disable-pip-version-check",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+    )
 
 
 def install_wheels(wheels: list[Path]) -> list[str]:
@@ -48,8 +61,10 @@ def install_wheels(wheels: list[Path]) -> list[str]:
             continue
         result = pip(str(wheel))
         status = "installed" if result.returncode == 0 else "FAILED  "
-        lines.append(f"{status} {wheel.name}" + (
-            "" if result.returncode == 0 else f": {result.stderr.strip().splitlines()[-1:]}"))
+        lines.append(
+            f"{status} {wheel.name}"
+            + ("" if result.returncode == 0 else f": {result.stderr.strip().splitlines()[-1:]}")
+        )
     return lines
 
 
@@ -66,8 +81,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     wheels = sorted((args.bundle / "wheels").glob("*.whl"))
     if not wheels:
-        print(f"gpu_install: no wheels under {args.bundle}/wheels (run `make gpu-bundle` where "
-              "there is network, and carry the folder)", file=sys.stderr)
+        print(
+            f"gpu_install: no wheels under {args.bundle}/wheels (run `make gpu-bundle` where "
+            "there is network, and carry the folder)",
+            file=sys.stderr,
+        )
         return 1
     for line in install_wheels(wheels) + [install_project(args.bundle)]:
         print(f"gpu_install: {line}", flush=True)

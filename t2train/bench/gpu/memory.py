@@ -15,7 +15,7 @@ import time
 
 from t2train.bench.gpu.plan import Plan
 
-GIB = 2 ** 30
+GIB = 2**30
 
 
 def plan_gib(config, vocab_size: int) -> float:
@@ -31,9 +31,15 @@ def judged(measured_gib: float, estimate_gib: float, max_error: float) -> dict:
     import torch
 
     ratio = measured_gib / estimate_gib
-    return {"plan_gib": estimate_gib, "plan_ratio": ratio,
-            "plan_verdict": (("met" if abs(ratio - 1) <= max_error else "missed")
-                             if torch.cuda.is_available() else "not measured")}
+    return {
+        "plan_gib": estimate_gib,
+        "plan_ratio": ratio,
+        "plan_verdict": (
+            ("met" if abs(ratio - 1) <= max_error else "missed")
+            if torch.cuda.is_available()
+            else "not measured"
+        ),
+    }
 
 
 def run(section, plan: Plan) -> None:
@@ -43,26 +49,41 @@ def run(section, plan: Plan) -> None:
     settings = plan.settings.stack["memory"]
     max_error = float(settings["max_error"])
     preset, overrides = plan.stack_run("memory")
-    section.data.update(preset=preset, overrides=overrides, max_error=max_error,
-                        step_preset=plan.step_preset, step_overrides=plan.step_overrides)
+    section.data.update(
+        preset=preset,
+        overrides=overrides,
+        max_error=max_error,
+        step_preset=plan.step_preset,
+        step_overrides=plan.step_overrides,
+    )
     shapes = [(preset, overrides, name) for name in settings["variants"]] + [
-        (plan.step_preset, plan.step_overrides, name) for name in settings["step_variants"]]
+        (plan.step_preset, plan.step_overrides, name) for name in settings["step_variants"]
+    ]
     batches = {}
     for at, extra, name in shapes:
         config = variant_config(plan, at, extra, name)
         vocab = model_vocab_size(config)
         estimate = section.next_item_seconds(default=40.0)
         if not section.fits(estimate):
-            section.add({"name": name, "preset": at, "status": "skipped",
-                         "reason": section.no_time(estimate)})
+            section.add(
+                {
+                    "name": name,
+                    "preset": at,
+                    "status": "skipped",
+                    "reason": section.no_time(estimate),
+                }
+            )
             continue
         started = time.monotonic()
         try:
             if at not in batches:
                 batches[at] = real_batches(config, plan.step_warmup + 2)
             timing = time_design(config, vocab, batches[at], plan.step_warmup, name)
-            item = dict(timing_item(name, timing), status="ok",
-                        **judged(timing.memory_gib, plan_gib(config, vocab), max_error))
+            item = dict(
+                timing_item(name, timing),
+                status="ok",
+                **judged(timing.memory_gib, plan_gib(config, vocab), max_error),
+            )
         except Exception as err:  # noqa: BLE001 - reported; the next variant still runs
             item = dict(section.error(err), name=name)
         section.add(dict(item, preset=at, seconds=time.monotonic() - started))

@@ -26,9 +26,15 @@ def variant_config(plan: Plan, preset: str, overrides: tuple, variant: str):
 
 
 def timing_item(name: str, timing, **extra) -> dict:
-    return dict(extra, name=name, params=timing.params, step_ms=timing.step_seconds * 1e3,
-                tokens_per_s=timing.tokens_per_sec, memory_gib=timing.memory_gib,
-                warmup_s=timing.warmup_seconds)
+    return dict(
+        extra,
+        name=name,
+        params=timing.params,
+        step_ms=timing.step_seconds * 1e3,
+        tokens_per_s=timing.tokens_per_sec,
+        memory_gib=timing.memory_gib,
+        warmup_s=timing.warmup_seconds,
+    )
 
 
 def _timed(section, name: str, measure, estimate: float, **extra) -> None:
@@ -50,10 +56,16 @@ def _references(section, config, vocab: int, batches: list, warmup: int) -> None
     from t2train.bench.step import COMPILED_REFERENCE, REFERENCE, reference_timing
 
     for name, compiled in ((COMPILED_REFERENCE, True), (REFERENCE, False)):
-        _timed(section, name,
-               lambda compiled=compiled: reference_timing(config, vocab, batches, warmup,
-                                                          compiled=compiled),
-               section.next_item_seconds(default=30.0), reference=True, compiled=compiled)
+        _timed(
+            section,
+            name,
+            lambda compiled=compiled: reference_timing(
+                config, vocab, batches, warmup, compiled=compiled
+            ),
+            section.next_item_seconds(default=30.0),
+            reference=True,
+            compiled=compiled,
+        )
 
 
 def step_cost(section, plan: Plan) -> None:
@@ -64,19 +76,26 @@ def step_cost(section, plan: Plan) -> None:
     designs = registered()
     first = variant_config(plan, plan.step_preset, plan.step_overrides, baseline())
     vocab = model_vocab_size(first)
-    section.data.update(preset=plan.step_preset, overrides=plan.step_overrides,
-                        warmup=plan.step_warmup, steps=plan.step_steps,
-                        tokens_per_step=first.train.global_batch_size * first.model.seq_length)
+    section.data.update(
+        preset=plan.step_preset,
+        overrides=plan.step_overrides,
+        warmup=plan.step_warmup,
+        steps=plan.step_steps,
+        tokens_per_step=first.train.global_batch_size * first.model.seq_length,
+    )
     batches = real_batches(first, plan.step_warmup + plan.step_steps)
 
     max_error = float(plan.settings.stack["memory"]["max_error"])
 
     def time_variant(name: str) -> None:
         config = variant_config(plan, plan.step_preset, plan.step_overrides, name)
-        _timed(section, name,
-               lambda: time_design(config, vocab, batches, plan.step_warmup, name),
-               section.next_item_seconds(default=30.0),
-               max_ratio=plan.settings.step_targets.get(name))
+        _timed(
+            section,
+            name,
+            lambda: time_design(config, vocab, batches, plan.step_warmup, name),
+            section.next_item_seconds(default=30.0),
+            max_ratio=plan.settings.step_targets.get(name),
+        )
         item = section.result["items"][-1]
         if item.get("status") == "ok":  # the planner's estimate beside the measured peak
             item.update(judged(item["memory_gib"], plan_gib(config, vocab), max_error))
@@ -101,11 +120,19 @@ def mfu(section, plan: Plan) -> None:
     dtype = compute_dtype(config)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     section.data.update(
-        preset=plan.mfu_preset, overrides=plan.mfu_overrides, warmup=plan.mfu_warmup,
-        steps=plan.mfu_steps, precision=str(dtype).removeprefix("torch."),
+        preset=plan.mfu_preset,
+        overrides=plan.mfu_overrides,
+        warmup=plan.mfu_warmup,
+        steps=plan.mfu_steps,
+        precision=str(dtype).removeprefix("torch."),
         flops_per_token=model_flops_per_token(config.model, vocab),
-        datasheet_tflops=peak_tflops(device, dtype) if device else None)
+        datasheet_tflops=peak_tflops(device, dtype) if device else None,
+    )
     batches = real_batches(config, plan.mfu_warmup + plan.mfu_steps)
-    _timed(section, variant,
-           lambda: time_design(config, vocab, batches, plan.mfu_warmup, variant), 60.0)
+    _timed(
+        section,
+        variant,
+        lambda: time_design(config, vocab, batches, plan.mfu_warmup, variant),
+        60.0,
+    )
     _references(section, config, vocab, batches, plan.mfu_warmup)

@@ -48,13 +48,16 @@ def load_settings(path: Path = SETTINGS_FILE) -> Settings:
         step_preset=raw["step_cost"]["preset"],
         step_targets={str(k): float(v) for k, v in raw["step_cost"]["targets"].items()},
         kernel_min_vs_best_peer=float(raw["kernels"]["min_vs_best_peer"]),
-        kernel_options=raw["kernels"]["options"], mfu_preset=raw["mfu"]["preset"],
+        kernel_options=raw["kernels"]["options"],
+        mfu_preset=raw["mfu"]["preset"],
         mfu_min=float(raw["mfu"]["min_mfu"]),
         reference_min_speed=float(raw["reference"]["min_speed"]),
         reference_max_memory=float(raw["reference"]["max_memory"]),
         dry_run_overrides=tuple(raw["dry_run"]["overrides"]),
-        dry_run_kernel_options=raw["dry_run"]["kernel_options"], stack=raw["stack"],
-        cost=raw.get("cost") or {})
+        dry_run_kernel_options=raw["dry_run"]["kernel_options"],
+        stack=raw["stack"],
+        cost=raw.get("cost") or {},
+    )
 
 
 def baseline() -> str:
@@ -83,8 +86,11 @@ def step_variants(settings: Settings, designs: tuple[str, ...], quick: bool = Fa
 def mixer_variants(settings: Settings, designs: tuple[str, ...], quick: bool = False) -> list[str]:
     if quick:
         return []
-    return [name for name in _unique(with_mixer(d) for d in designs)
-            if name not in step_variants(settings, designs)]
+    return [
+        name
+        for name in _unique(with_mixer(d) for d in designs)
+        if name not in step_variants(settings, designs)
+    ]
 
 
 def correctness_variants(designs: tuple[str, ...]) -> list[str]:
@@ -144,15 +150,20 @@ class Plan:
 
     @property
     def kernel_options(self) -> dict:
-        return (self.settings.dry_run_kernel_options if self.dry_run
-                else self.settings.kernel_options)
+        return (
+            self.settings.dry_run_kernel_options if self.dry_run else self.settings.kernel_options
+        )
 
 
 # The correctness runs compare trajectories, so they train where the tiny model is stable: at
 # the preset's lr 3e-3 a loss bump near step 12 amplified bf16 rounding to 4% on the CPU. One
 # micro-batch of 8 per step halves the CPU reference's work.
-CORRECTNESS_RUN = ("train.warmup_steps=5", "train.lr=1e-3", "train.min_lr=1e-4",
-                   "train.global_batch_size=8")
+CORRECTNESS_RUN = (
+    "train.warmup_steps=5",
+    "train.lr=1e-3",
+    "train.min_lr=1e-4",
+    "train.global_batch_size=8",
+)
 # Two micro-batches per step keep ~20 steps of every variant inside the budget; a 32k
 # vocabulary (the dataset's is 4k) gives the presets their intended embedding and output cost.
 GPU_STEP = ("train.global_batch_size=32", "model.vocab_size=32000")
@@ -163,11 +174,25 @@ GPU_MFU = ("train.global_batch_size=8", "model.vocab_size=32000")
 # included, about 30 s) fits 10 minutes with time to spare. Not yet measured on a GPU: guesses
 # from the check's sections (the GPU-marked tests took 59 s of pytest on an H100; a process
 # start with CUDA and a compiled 20m model, about 20 s).
-STACK_BUDGETS = {"env": 20, "gpu_tests": 100, "resume": 120, "deepspeed": 70, "memory": 60,
-                 "outputs": 50, "multi_gpu": 20}
+STACK_BUDGETS = {
+    "env": 20,
+    "gpu_tests": 100,
+    "resume": 120,
+    "deepspeed": 70,
+    "memory": 60,
+    "outputs": 50,
+    "multi_gpu": 20,
+}
 # The dry run: tiny shapes on the CPU, each section well inside its time.
-DRY_RUN_STACK_BUDGETS = {"env": 60, "gpu_tests": 120, "resume": 180, "deepspeed": 180,
-                         "memory": 60, "outputs": 60, "multi_gpu": 30}
+DRY_RUN_STACK_BUDGETS = {
+    "env": 60,
+    "gpu_tests": 120,
+    "resume": 180,
+    "deepspeed": 180,
+    "memory": 60,
+    "outputs": 60,
+    "multi_gpu": 30,
+}
 
 
 def make_plan(dry_run: bool, data: str, quick: bool = False, stack: bool = False) -> Plan:
@@ -175,24 +200,48 @@ def make_plan(dry_run: bool, data: str, quick: bool = False, stack: bool = False
     if dry_run:
         tiny = settings.dry_run_overrides
         return Plan(
-            dry_run=True, data=data, settings=settings, quick=quick, stack=stack,
-            budgets={"env": 60, "correctness": 240, "step_cost": 120, "mfu": 60, "kernels": 120,
-                     "profile": 60, **DRY_RUN_STACK_BUDGETS},
-            matmul_size=256, gpu_tests=("tests/kernels/test_ddl_kernel.py",),
-            train_preset="tiny", train_overrides=tiny + ("train.warmup_steps=1",),
-            train_steps=2, loss_rtol=0.01,
-            kernel_presets=(("tiny", "tiny", tiny + ("model.seq_length=8",
-                                                     "train.micro_batch_size=1")),),
+            dry_run=True,
+            data=data,
+            settings=settings,
+            quick=quick,
+            stack=stack,
+            budgets={
+                "env": 60,
+                "correctness": 240,
+                "step_cost": 120,
+                "mfu": 60,
+                "kernels": 120,
+                "profile": 60,
+                **DRY_RUN_STACK_BUDGETS,
+            },
+            matmul_size=256,
+            gpu_tests=("tests/kernels/test_ddl_kernel.py",),
+            train_preset="tiny",
+            train_overrides=tiny + ("train.warmup_steps=1",),
+            train_steps=2,
+            loss_rtol=0.01,
+            kernel_presets=(
+                ("tiny", "tiny", tiny + ("model.seq_length=8", "train.micro_batch_size=1")),
+            ),
             # The fused path (compiled with aot_eager, check.py) in the MFU section, and in the
             # quick run's step-cost section, with the kernels under the interpreter, as the GPU
             # runs them: a section whose compiles would not fit shows here. The full run's
             # step cost stays eager: compiling its 16 items takes this CPU about 5 minutes.
-            step_overrides=tiny + (("model.fusions=all",) if quick else ()), step_warmup=1,
-            step_steps=1, mfu_overrides=tiny + ("model.fusions=all",), mfu_warmup=1,
+            step_overrides=tiny + (("model.fusions=all",) if quick else ()),
+            step_warmup=1,
+            step_steps=1,
+            mfu_overrides=tiny + ("model.fusions=all",),
+            mfu_warmup=1,
             mfu_steps=1,
-            profile_warmup=1, profile_steps=1)
+            profile_warmup=1,
+            profile_steps=1,
+        )
     return Plan(
-        dry_run=False, data=data, settings=settings, quick=quick, stack=stack,
+        dry_run=False,
+        data=data,
+        settings=settings,
+        quick=quick,
+        stack=stack,
         # 580 s in all (quick: 210 s). Eager, on an H100 the sections took 17, 108-119,
         # 113-118, 45, 85 and 64 s, and on an H200 338 s for the first four; with the
         # bundle's install and the start-up the first run (470 s planned) took 390 s of its
@@ -200,13 +249,32 @@ def make_plan(dry_run: bool, data: str, quick: bool = False, stack: bool = False
         # 10 s for the plain loop's blocks at 125m on an H200), not yet measured for t2train's
         # layers: the variants that do not fit are skipped and named. A run stopped at 10
         # minutes keeps every finished section's report.
-        budgets=({"env": 15, "correctness": 0, "step_cost": 90, "mfu": 75, "kernels": 0,
-                  "profile": 30} if quick else
-                 {"env": 20, "correctness": 170, "step_cost": 160, "mfu": 80, "kernels": 100,
-                  "profile": 50}) | {name: STACK_BUDGETS[name] for name in STACK_SECTIONS
-                                     if name != "env"},
-        matmul_size=8192, gpu_tests=("tests",), train_preset="tiny",
-        train_overrides=CORRECTNESS_RUN, train_steps=20, loss_rtol=0.01,
+        budgets=(
+            {"env": 15, "correctness": 0, "step_cost": 90, "mfu": 75, "kernels": 0, "profile": 30}
+            if quick
+            else {
+                "env": 20,
+                "correctness": 170,
+                "step_cost": 160,
+                "mfu": 80,
+                "kernels": 100,
+                "profile": 50,
+            }
+        )
+        | {name: STACK_BUDGETS[name] for name in STACK_SECTIONS if name != "env"},
+        matmul_size=8192,
+        gpu_tests=("tests",),
+        train_preset="tiny",
+        train_overrides=CORRECTNESS_RUN,
+        train_steps=20,
+        loss_rtol=0.01,
         kernel_presets=(("125m", "125m", ()), ("1b", "1b", ())),
-        step_overrides=GPU_STEP, step_warmup=3, step_steps=10,
-        mfu_overrides=GPU_MFU, mfu_warmup=4, mfu_steps=16, profile_warmup=2, profile_steps=2)
+        step_overrides=GPU_STEP,
+        step_warmup=3,
+        step_steps=10,
+        mfu_overrides=GPU_MFU,
+        mfu_warmup=4,
+        mfu_steps=16,
+        profile_warmup=2,
+        profile_steps=2,
+    )

@@ -36,7 +36,7 @@ def kernel_times(prof, on_cuda: bool) -> dict:
     """Kernel (CUDA) or operator (CPU) name -> self time in microseconds, summed over steps."""
     from torch.autograd import DeviceType
 
-    times = {}
+    times: dict[str, float] = {}
     for event in prof.key_averages():
         if on_cuda and event.device_type == DeviceType.CUDA:
             spent = event.self_device_time_total
@@ -56,10 +56,19 @@ def summarize(times: dict, steps: int) -> dict:
     for kernel, spent in times.items():
         kinds[kind_of(kernel)] = kinds.get(kind_of(kernel), 0.0) + spent / steps / 1e3
     top = sorted(times.items(), key=lambda item: -item[1])[:TOP_KERNELS]
-    return {"ms_per_step": total / steps / 1e3,
-            "kinds": dict(sorted(kinds.items(), key=lambda item: -item[1])),
-            "top": [{"kernel": kernel, "kind": kind_of(kernel), "ms": spent / steps / 1e3,
-                     "share": spent / total} for kernel, spent in top]}
+    return {
+        "ms_per_step": total / steps / 1e3,
+        "kinds": dict(sorted(kinds.items(), key=lambda item: -item[1])),
+        "top": [
+            {
+                "kernel": kernel,
+                "kind": kind_of(kernel),
+                "ms": spent / steps / 1e3,
+                "share": spent / total,
+            }
+            for kernel, spent in top
+        ],
+    }
 
 
 def profile_variant(config, vocab: int, batches: list, warmup: int) -> dict:
@@ -94,8 +103,12 @@ def run(section, plan: Plan) -> None:
 
     first = variant_config(plan, plan.step_preset, plan.step_overrides, baseline())
     vocab = model_vocab_size(first)
-    section.data.update(preset=plan.step_preset, overrides=plan.step_overrides,
-                        warmup=plan.profile_warmup, steps=plan.profile_steps)
+    section.data.update(
+        preset=plan.step_preset,
+        overrides=plan.step_overrides,
+        warmup=plan.profile_warmup,
+        steps=plan.profile_steps,
+    )
     batches = real_batches(first, plan.profile_warmup + plan.profile_steps)
     for name in step_variants(plan.settings, registered(), plan.quick):  # not the mixer ones
         estimate = section.next_item_seconds(default=15.0)
@@ -105,8 +118,9 @@ def run(section, plan: Plan) -> None:
         started = time.monotonic()
         config = variant_config(plan, plan.step_preset, plan.step_overrides, name)
         try:
-            item = dict(profile_variant(config, vocab, batches, plan.profile_warmup),
-                        name=name, status="ok")
+            item = dict(
+                profile_variant(config, vocab, batches, plan.profile_warmup), name=name, status="ok"
+            )
         except Exception as err:  # noqa: BLE001 - reported; the other variants still run
             item = dict(section.error(err), name=name)
         section.add(dict(item, seconds=time.monotonic() - started))

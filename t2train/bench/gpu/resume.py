@@ -46,13 +46,26 @@ def _specs(plan: Plan, root: Path, n: int, label: str, resume_from: dict | None 
     preset, overrides = plan.stack_run("resume")
     specs = []
     for variant in _variants(plan):
-        start = (f"checkpoint.resume={resume_from[variant]}" if resume_from
-                 else "checkpoint.resume=none")
-        specs.append(run_spec(f"{variant} {label}", preset, variant, [
-            f"data.path={plan.data}", *overrides, f"train.steps={2 * n}",
-            f"checkpoint.interval={n}", "train.eval_interval=100000",
-            f"log.run_dir={root / label / variant.replace('+', '_')}", start,
-            *["train.warmup_steps=0"] * plan.dry_run]))  # the dry run's 2 steps
+        start = (
+            f"checkpoint.resume={resume_from[variant]}" if resume_from else "checkpoint.resume=none"
+        )
+        specs.append(
+            run_spec(
+                f"{variant} {label}",
+                preset,
+                variant,
+                [
+                    f"data.path={plan.data}",
+                    *overrides,
+                    f"train.steps={2 * n}",
+                    f"checkpoint.interval={n}",
+                    "train.eval_interval=100000",
+                    f"log.run_dir={root / label / variant.replace('+', '_')}",
+                    start,
+                    *["train.warmup_steps=0"] * plan.dry_run,
+                ],
+            )
+        )  # the dry run's 2 steps
     return specs
 
 
@@ -61,22 +74,36 @@ def _compare(straight: dict, resumed: dict, n: int, rtol: float | None) -> dict:
     (``rtol`` None) or within ``rtol`` relative."""
     tail = {step: loss for step, loss in straight["losses"].items() if int(step) > n}
     got = resumed["losses"]
-    worst = max((abs(got[s] - want) / abs(want) for s, want in tail.items() if s in got),
-                default=float("inf"))
+    worst = max(
+        (abs(got[s] - want) / abs(want) for s, want in tail.items() if s in got),
+        default=float("inf"),
+    )
     same_steps = sorted(got, key=int) == sorted(tail, key=int)
     bitwise = same_steps and all(got[s] == tail[s] for s in tail)
     ok = bitwise if rtol is None else same_steps and worst <= rtol
-    return {"status": "pass" if ok else "fail", "bitwise": bitwise, "max_rel_diff": worst,
-            "rtol": rtol, "expected": tail, "losses": got,
-            "load_seconds": resumed["load_seconds"], "device": resumed["device"]}
+    return {
+        "status": "pass" if ok else "fail",
+        "bitwise": bitwise,
+        "max_rel_diff": worst,
+        "rtol": rtol,
+        "expected": tail,
+        "losses": got,
+        "load_seconds": resumed["load_seconds"],
+        "device": resumed["device"],
+    }
 
 
 def _checkpoint_facts(run: dict, n: int) -> dict:
     """Size of the step-N checkpoint, and each save's time (total and training blocked)."""
     logged = scalars(Path(run["run_dir"]))
-    saves = {step: {"save_s": logged[step].get(SAVE_SECONDS),
-                    "blocked_s": logged[step].get(BLOCKED_SECONDS)}
-             for step in (n, 2 * n) if step in logged}
+    saves = {
+        step: {
+            "save_s": logged[step].get(SAVE_SECONDS),
+            "blocked_s": logged[step].get(BLOCKED_SECONDS),
+        }
+        for step in (n, 2 * n)
+        if step in logged
+    }
     return {"checkpoint_mib": size_mib(checkpoint_dir(run["run_dir"], n)), "saves": saves}
 
 
@@ -86,8 +113,12 @@ def run(section, plan: Plan) -> None:
     n = 1 if plan.dry_run else settings["steps_before_save"]
     rtol = float(settings["cross_device_rtol"])
     root = section.scratch
-    section.data.update(variants=_variants(plan), steps_before_save=n,
-                        cross_device_rtol=rtol, overrides=plan.stack_run("resume")[1])
+    section.data.update(
+        variants=_variants(plan),
+        steps_before_save=n,
+        cross_device_rtol=rtol,
+        overrides=plan.stack_run("resume")[1],
+    )
 
     def process(label: str, specs: list, cpu: bool = False) -> dict:
         started = time.monotonic()
@@ -97,14 +128,20 @@ def run(section, plan: Plan) -> None:
         return result
 
     straight = process("device", _specs(plan, root, n, "straight"))
-    on_device = {variant: checkpoint_dir(straight[f"{variant} straight"]["run_dir"], n)
-                 for variant in _variants(plan)}
-    on_cpu = {variant: checkpoint_dir(root / "cpu-straight" / variant.replace("+", "_"), n)
-              for variant in _variants(plan)}
-    cpu_runs = (_specs(plan, root, n, "device-to-cpu", on_device)
-                + _specs(plan, root, n, "cpu-straight"))
-    resume_runs = (_specs(plan, root, n, "resumed", on_device)
-                   + _specs(plan, root, n, "cpu-to-device", on_cpu))
+    on_device = {
+        variant: checkpoint_dir(straight[f"{variant} straight"]["run_dir"], n)
+        for variant in _variants(plan)
+    }
+    on_cpu = {
+        variant: checkpoint_dir(root / "cpu-straight" / variant.replace("+", "_"), n)
+        for variant in _variants(plan)
+    }
+    cpu_runs = _specs(plan, root, n, "device-to-cpu", on_device) + _specs(
+        plan, root, n, "cpu-straight"
+    )
+    resume_runs = _specs(plan, root, n, "resumed", on_device) + _specs(
+        plan, root, n, "cpu-to-device", on_cpu
+    )
     if plan.dry_run:  # every process is on the CPU: one fresh process does both (13 s less)
         resumed = cpu = process("device-resume", cpu_runs + resume_runs)
     else:
@@ -114,9 +151,20 @@ def run(section, plan: Plan) -> None:
         reference = straight[f"{variant} straight"]
         facts = _checkpoint_facts(reference, n)
         for kind, got, want, tolerance in (
-                ("same device", resumed[f"{variant} resumed"], reference, None),
-                ("device -> cpu", cpu[f"{variant} device-to-cpu"], reference, rtol),
-                ("cpu -> device", resumed[f"{variant} cpu-to-device"],
-                 cpu[f"{variant} cpu-straight"], rtol)):
-            section.add(dict(_compare(want, got, n, tolerance), variant=variant, kind=kind,
-                             **(facts if kind == "same device" else {})))
+            ("same device", resumed[f"{variant} resumed"], reference, None),
+            ("device -> cpu", cpu[f"{variant} device-to-cpu"], reference, rtol),
+            (
+                "cpu -> device",
+                resumed[f"{variant} cpu-to-device"],
+                cpu[f"{variant} cpu-straight"],
+                rtol,
+            ),
+        ):
+            section.add(
+                dict(
+                    _compare(want, got, n, tolerance),
+                    variant=variant,
+                    kind=kind,
+                    **(facts if kind == "same device" else {}),
+                )
+            )

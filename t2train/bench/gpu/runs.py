@@ -25,8 +25,13 @@ LOADED = re.compile(r"loaded in ([0-9.]+)s")  # the trainer's console line after
 
 
 def run_spec(name: str, preset: str, variant: str, overrides, **extra) -> dict:
-    return {"name": name, "preset": preset, "variant": variant, "overrides": list(overrides),
-            **extra}
+    return {
+        "name": name,
+        "preset": preset,
+        "variant": variant,
+        "overrides": list(overrides),
+        **extra,
+    }
 
 
 def train_run(spec: dict) -> dict:
@@ -43,24 +48,32 @@ def train_run(spec: dict) -> dict:
     with contextlib.redirect_stdout(console):
         summary = train(config)
     loaded = LOADED.search(console.getvalue())
-    return {"losses": {str(step): loss for step, loss in summary.losses.items()},
-            "seconds": time.monotonic() - started,
-            "load_seconds": float(loaded.group(1)) if loaded else None,
-            "run_dir": str(summary.run_dir),
-            "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    return {
+        "losses": {str(step): loss for step, loss in summary.losses.items()},
+        "seconds": time.monotonic() - started,
+        "load_seconds": float(loaded.group(1)) if loaded else None,
+        "run_dir": str(summary.run_dir),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+    }
 
 
-def train_in_process(specs: list[dict], scratch: Path, label: str, timeout: float,
-                     cpu: bool = False) -> dict:
+def train_in_process(
+    specs: list[dict], scratch: Path, label: str, timeout: float, cpu: bool = False
+) -> dict:
     """Train ``specs`` in a fresh process (on the CPU only with ``cpu``); its results by name.
     Raises with the log's tail if it fails or overruns ``timeout``."""
     runs, out, log = (scratch / f"{label}.{kind}" for kind in ("runs.json", "json", "log"))
     runs.write_text(json.dumps(specs))
     env = child_env(**({"CUDA_VISIBLE_DEVICES": ""} if cpu else {}))
     with log.open("w") as stream:
-        proc = subprocess.run([sys.executable, "-m", "t2train.bench.gpu.runs", str(runs),
-                               str(out)], env=env, cwd=REPO, stdout=stream,
-                              stderr=subprocess.STDOUT, timeout=max(timeout, 1.0))
+        proc = subprocess.run(
+            [sys.executable, "-m", "t2train.bench.gpu.runs", str(runs), str(out)],
+            env=env,
+            cwd=REPO,
+            stdout=stream,
+            stderr=subprocess.STDOUT,
+            timeout=max(timeout, 1.0),
+        )
     if proc.returncode != 0:
         tail = " | ".join(log.read_text().strip().splitlines()[-6:])
         raise RuntimeError(f"{label}: the process failed (exit {proc.returncode}): {tail[-1500:]}")
@@ -77,7 +90,7 @@ def scalars(run_dir: Path) -> dict[int, dict]:
 
 
 def size_mib(path: Path) -> float:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) / 2 ** 20
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) / 2**20
 
 
 def main(argv=None) -> int:

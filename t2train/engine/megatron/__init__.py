@@ -27,8 +27,14 @@ class MegatronEngine:
     def evaluate(self, batches: list[list[MicroBatch]]) -> float:
         return evaluate(self.objs, batches)
 
-    def save(self, root: Path, step: int, train_state: dict, async_queue=None,
-             on_published: Optional[Callable[[Path], None]] = None) -> Path:
+    def save(
+        self,
+        root: Path,
+        step: int,
+        train_state: dict,
+        async_queue=None,
+        on_published: Optional[Callable[[Path], None]] = None,
+    ) -> Path:
         return save_checkpoint(root, step, self.objs, train_state, async_queue, on_published)
 
     def load(self, path: Path) -> dict:

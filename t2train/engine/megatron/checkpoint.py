@@ -24,12 +24,17 @@ from t2train.checkpoint.compatibility import check_same_model, check_shard_files
 from t2train.checkpoint.errors import CheckpointError
 from t2train.checkpoint.integrity import check_finite, optimizer_tensors, recorded_checksums
 from t2train.checkpoint.paths import INCOMPLETE, step_dir_name
-from t2train.checkpoint.store import (capture_rng, check_engine, current_layout, publish_checkpoint,
-                                      read_checkpoint, restore_rng)
+from t2train.checkpoint.store import (
+    capture_rng,
+    check_engine,
+    current_layout,
+    publish_checkpoint,
+    read_checkpoint,
+    restore_rng,
+)
 from t2train.compat.megatron_writer import start_results_queue
 from t2train.engine.megatron.setup import TrainingObjects
 from t2train.processes import die_with_parent
-
 
 # Reshardable optimizer state so a checkpoint loads into another (TP, PP, DP) layout.
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -41,18 +46,25 @@ def _model_keys(objs: TrainingObjects) -> list[str]:
 
 def _model_state(objs: TrainingObjects) -> dict:
     """Sharded state of the unwrapped chunks (keys independent of the DDP wrapper)."""
-    return {key: chunk.module.sharded_state_dict()
-            for key, chunk in zip(_model_keys(objs), objs.model)}
+    return {
+        key: chunk.module.sharded_state_dict() for key, chunk in zip(_model_keys(objs), objs.model)
+    }
 
 
 def rng_sharded_object(state: Optional[list]) -> ShardedObject:
     """This rank's RNG streams, one object per (pp, tp, dp) position."""
     layout = current_layout()
     return ShardedObject(
-        "rng_state", state, (layout["pp"], layout["tp"], layout["dp"]),
-        (parallel_state.get_pipeline_model_parallel_rank(),
-         parallel_state.get_tensor_model_parallel_rank(),
-         parallel_state.get_data_parallel_rank()), replica_id=0)
+        "rng_state",
+        state,
+        (layout["pp"], layout["tp"], layout["dp"]),
+        (
+            parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_data_parallel_rank(),
+        ),
+        replica_id=0,
+    )
 
 
 def _has_optimizer_state(optimizer) -> bool:
@@ -63,16 +75,24 @@ def _has_optimizer_state(optimizer) -> bool:
 
 def _state_tensors(objs: TrainingObjects) -> list[tuple[str, torch.Tensor]]:
     """This rank's parameters and optimizer state (main parameters and moments)."""
-    tensors = [(f"{key}.{name}", param) for key, chunk in zip(_model_keys(objs), objs.model)
-               for name, param in chunk.module.named_parameters()]
+    tensors = [
+        (f"{key}.{name}", param)
+        for key, chunk in zip(_model_keys(objs), objs.model)
+        for name, param in chunk.module.named_parameters()
+    ]
     for part in getattr(objs.optimizer, "chained_optimizers", [objs.optimizer]):
         tensors += optimizer_tensors(part.optimizer)
     return tensors
 
 
-def save_checkpoint(root: Path, step: int, objs: TrainingObjects, train_state: dict,
-                    async_queue=None, on_published: Optional[Callable[[Path], None]] = None
-                    ) -> Path:
+def save_checkpoint(
+    root: Path,
+    step: int,
+    objs: TrainingObjects,
+    train_state: dict,
+    async_queue=None,
+    on_published: Optional[Callable[[Path], None]] = None,
+) -> Path:
     """Collective: every rank calls it. Returns the checkpoint directory it publishes.
 
     Without ``async_queue`` it returns once the checkpoint is published. With one (Megatron's
@@ -94,11 +114,15 @@ def save_checkpoint(root: Path, step: int, objs: TrainingObjects, train_state: d
     state = _model_state(objs)
     has_optimizer = _has_optimizer_state(objs.optimizer)
     if has_optimizer:
-        state["optimizer"] = objs.optimizer.sharded_state_dict(state,
-                                                               metadata=_OPTIMIZER_METADATA)
+        state["optimizer"] = objs.optimizer.sharded_state_dict(state, metadata=_OPTIMIZER_METADATA)
     state["scheduler"] = objs.scheduler.state_dict()
-    state["train_state"] = dict(train_state, step=step, layout=current_layout(),
-                                has_optimizer=has_optimizer, **recorded_checksums())
+    state["train_state"] = dict(
+        train_state,
+        step=step,
+        layout=current_layout(),
+        has_optimizer=has_optimizer,
+        **recorded_checksums(),
+    )
     state["rng_state"] = rng_sharded_object(capture_rng())
 
     def publish() -> None:
@@ -132,8 +156,9 @@ def load_checkpoint(path: Path, objs: TrainingObjects, config=None) -> dict:
     state = _model_state(objs)
     has_optimizer = common["train_state"]["has_optimizer"]
     if has_optimizer:
-        state["optimizer"] = objs.optimizer.sharded_state_dict(state, is_loading=True,
-                                                               metadata=_OPTIMIZER_METADATA)
+        state["optimizer"] = objs.optimizer.sharded_state_dict(
+            state, is_loading=True, metadata=_OPTIMIZER_METADATA
+        )
     if same_layout:
         state["rng_state"] = rng_sharded_object(None)
     loaded = read_checkpoint(path, lambda: dist_checkpointing.load(state, str(path)))
@@ -147,8 +172,11 @@ def load_checkpoint(path: Path, objs: TrainingObjects, config=None) -> dict:
     if same_layout:
         restore_rng(loaded["rng_state"])
     elif dist.get_rank() == 0:
-        warnings.warn(f"checkpoint layout {saved_layout} differs from {current_layout()}: "
-                      "RNG streams start fresh")
+        warnings.warn(
+            f"checkpoint layout {saved_layout} differs from {current_layout()}: "
+            "RNG streams start fresh",
+            stacklevel=2,
+        )
     return common["train_state"]
 
 
@@ -160,10 +188,12 @@ def load_weights(path: Path, objs: TrainingObjects, config, tokenizer_sha256: st
     check_same_model(path, common["train_state"], config.model)
     theirs = common["train_state"].get("tokenizer_sha256")
     if theirs and theirs != tokenizer_sha256:
-        raise CheckpointError(f"{path}: trained with tokenizer {theirs[:12]}, but data.path="
-                              f"{config.data.path} was prepared with {tokenizer_sha256[:12]}; "
-                              "prepare the data with that model's tokenizer (t2train data "
-                              "prepare --tokenizer)")
+        raise CheckpointError(
+            f"{path}: trained with tokenizer {theirs[:12]}, but data.path="
+            f"{config.data.path} was prepared with {tokenizer_sha256[:12]}; "
+            "prepare the data with that model's tokenizer (t2train data "
+            "prepare --tokenizer)"
+        )
     check_shard_files(path)
     loaded = read_checkpoint(path, lambda: dist_checkpointing.load(_model_state(objs), str(path)))
     for key, chunk in zip(_model_keys(objs), objs.model):

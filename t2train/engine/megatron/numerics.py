@@ -27,8 +27,10 @@ class UpdateGuard:
         if self.spike_factor and len(self.recent) == self.recent.maxlen:
             mean = sum(self.recent) / len(self.recent)
             if loss > self.spike_factor * mean:
-                return (f"loss spike ({loss:.4f} > train.loss_spike_factor="
-                        f"{self.spike_factor} x mean {mean:.4f} of the last {len(self.recent)})")
+                return (
+                    f"loss spike ({loss:.4f} > train.loss_spike_factor="
+                    f"{self.spike_factor} x mean {mean:.4f} of the last {len(self.recent)})"
+                )
         self.recent.append(loss)
         return None
 
@@ -40,8 +42,7 @@ def grads_not_finite(chunks) -> torch.Tensor:
     With the distributed optimizer a rank's buffer holds reduced gradients only for its own
     shard; a non-finite value anywhere still leaves some rank's buffer non-finite.
     """
-    bad = torch.zeros(1, dtype=torch.int32,
-                      device="cuda" if torch.cuda.is_available() else "cpu")
+    bad = torch.zeros(1, dtype=torch.int32, device="cuda" if torch.cuda.is_available() else "cpu")
     for chunk in chunks:
         for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
             bad |= (~torch.isfinite(buffer.grad_data).all()).to(torch.int32)

@@ -10,7 +10,7 @@ from megatron.core.distributed import (
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from t2train.compat import megatron_optimizer
@@ -29,7 +29,7 @@ class TrainingObjects:
     config: Config
     tf_config: T2TransformerConfig
     model: list  # DDP-wrapped chunks, one per virtual pipeline stage
-    optimizer: object
+    optimizer: MegatronOptimizer
     scheduler: OptimizerParamScheduler
     vocab_size: int
     hops: HopPlan  # what crosses each pipeline hop: the chunks send by it, the step sizes by it
@@ -59,11 +59,18 @@ def build_training_objects(config: Config, vocab_size: int) -> TrainingObjects:
 def optimizer_config(config: Config) -> OptimizerConfig:
     train = config.train
     return OptimizerConfig(
-        optimizer="adam", lr=train.lr, min_lr=train.min_lr, weight_decay=train.weight_decay,
-        adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps,
-        clip_grad=train.clip_grad, bf16=compute_dtype(config) == torch.bfloat16,
+        optimizer="adam",
+        lr=train.lr,
+        min_lr=train.min_lr,
+        weight_decay=train.weight_decay,
+        adam_beta1=train.adam_beta1,
+        adam_beta2=train.adam_beta2,
+        adam_eps=train.adam_eps,
+        clip_grad=train.clip_grad,
+        bf16=compute_dtype(config) == torch.bfloat16,
         params_dtype=compute_dtype(config),
-        use_distributed_optimizer=config.parallel.distributed_optimizer)
+        use_distributed_optimizer=config.parallel.distributed_optimizer,
+    )
 
 
 def fuse_adam(optimizer) -> None:
@@ -84,12 +91,20 @@ def lr_scheduler(optimizer, config: Config) -> OptimizerParamScheduler:
     a checkpoint keeps its schedule or this config's, as ``train.schedule_on_resume`` says."""
     train = config.train
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=train.lr, min_lr=train.min_lr,
-        lr_warmup_steps=train.warmup_steps, lr_decay_steps=train.steps,
-        lr_decay_style="cosine", start_wd=train.weight_decay, end_wd=train.weight_decay,
-        wd_incr_steps=train.steps, wd_incr_style="constant",
+        optimizer,
+        init_lr=0.0,
+        max_lr=train.lr,
+        min_lr=train.min_lr,
+        lr_warmup_steps=train.warmup_steps,
+        lr_decay_steps=train.steps,
+        lr_decay_style="cosine",
+        start_wd=train.weight_decay,
+        end_wd=train.weight_decay,
+        wd_incr_steps=train.steps,
+        wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=train.schedule_on_resume == "checkpoint",
-        override_opt_param_scheduler=train.schedule_on_resume == "config")
+        override_opt_param_scheduler=train.schedule_on_resume == "config",
+    )
 
 
 def _wire_schedule_hooks(tf_config, model, optimizer) -> None:

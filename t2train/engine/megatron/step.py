@@ -67,8 +67,11 @@ def _loss_total(losses_reduced: list[dict]) -> torch.Tensor:
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         total[:] = data_parallel_sum([item["lm loss"] for item in losses_reduced])
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(total, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                       group=parallel_state.get_pipeline_model_parallel_group())
+        dist.broadcast(
+            total,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
     return total
 
 
@@ -79,8 +82,11 @@ def _mean_loss(losses_reduced: list[dict]) -> float:
 
 
 def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
         else torch.device("cpu")
+    )
 
 
 def data_parallel_sum(losses: list) -> torch.Tensor:
@@ -88,15 +94,17 @@ def data_parallel_sum(losses: list) -> torch.Tensor:
     data-parallel replicas."""
     total = torch.zeros(2, dtype=torch.float64, device=_device())
     if losses:
-        total[0] = torch.stack([torch.as_tensor(loss, dtype=torch.float64, device=_device())
-                                for loss in losses]).sum()
+        total[0] = torch.stack(
+            [torch.as_tensor(loss, dtype=torch.float64, device=_device()) for loss in losses]
+        ).sum()
         total[1] = len(losses)
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
     return total
 
 
-def train_step(objs: TrainingObjects, micro_batches: list[MicroBatch],
-               guard: Optional[UpdateGuard] = None) -> StepResult:
+def train_step(
+    objs: TrainingObjects, micro_batches: list[MicroBatch], guard: Optional[UpdateGuard] = None
+) -> StepResult:
     """Forward, backward and (unless ``guard`` says skip) the optimizer update."""
     for chunk in objs.model:
         chunk.train()
@@ -116,9 +124,14 @@ def train_step(objs: TrainingObjects, micro_batches: list[MicroBatch],
         reason = "" if updated else "the optimizer found non-finite gradients"
     if updated:
         objs.scheduler.step(increment=1)
-    return StepResult(loss=loss, read_grad_norm=lambda: _as_float(grad_norm),
-                      lr=objs.optimizer.param_groups[0]["lr"], skipped=not updated,
-                      read_traffic=collect_traffic(objs.model), skip_reason=reason)
+    return StepResult(
+        loss=loss,
+        read_grad_norm=lambda: _as_float(grad_norm),
+        lr=objs.optimizer.param_groups[0]["lr"],
+        skipped=not updated,
+        read_traffic=collect_traffic(objs.model),
+        skip_reason=reason,
+    )
 
 
 def _as_float(grad_norm) -> float:
@@ -131,8 +144,10 @@ def _as_float(grad_norm) -> float:
 def evaluate(objs: TrainingObjects, batches: list[list[MicroBatch]]) -> float:
     for chunk in objs.model:
         chunk.eval()
-    losses = [_mean_loss(_run_schedule(objs, micro_batches, forward_only=True))
-              for micro_batches in batches]
+    losses = [
+        _mean_loss(_run_schedule(objs, micro_batches, forward_only=True))
+        for micro_batches in batches
+    ]
     for chunk in objs.model:
         chunk.train()
     return sum(losses) / len(losses)
