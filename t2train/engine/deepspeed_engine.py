@@ -19,15 +19,22 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core.optimizer import _get_param_groups
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 from t2train.checkpoint.compatibility import check_same_model
 from t2train.checkpoint.errors import CheckpointError
 from t2train.checkpoint.integrity import check_finite, optimizer_tensors, recorded_checksums
 from t2train.checkpoint.paths import ENGINE_FILE, INCOMPLETE, step_dir_name
-from t2train.checkpoint.store import (capture_rng, check_engine, current_layout,
-                                      publish_checkpoint, restore_rng)
+from t2train.checkpoint.store import (
+    capture_rng,
+    check_engine,
+    current_layout,
+    publish_checkpoint,
+    restore_rng,
+)
 from t2train.compat.library_noise import known_prints_dropped
-from t2train.config.schema import Config
+from t2train.config.schema import Config, ConfigError
 from t2train.engine import MicroBatch, StepResult
 from t2train.engine.deepspeed_config import deepspeed_config
 from t2train.engine.megatron.setup import lr_scheduler, optimizer_config
@@ -57,13 +64,22 @@ class MegatronGroups:
     get_data_parallel_world_size = staticmethod(ps.get_data_parallel_world_size)
     get_pipeline_model_parallel_group = staticmethod(ps.get_pipeline_model_parallel_group)
     get_pipeline_model_parallel_rank = staticmethod(ps.get_pipeline_model_parallel_rank)
-    get_pipeline_model_parallel_world_size = staticmethod(
-        ps.get_pipeline_model_parallel_world_size)
+    get_pipeline_model_parallel_world_size = staticmethod(ps.get_pipeline_model_parallel_world_size)
+
+
+def _own_elements(param) -> torch.Tensor:
+    """The elements of ``param`` this rank holds: all of them, or under ZeRO-3 its partition
+    less the padding after the parameter's last element (DeepSpeed allocates partitions with
+    ``torch.empty`` and copies only real elements, so the padding is arbitrary memory)."""
+    part = getattr(param, "ds_tensor", None)
+    if part is None:
+        return param
+    start = part.ds_numel * dist.get_rank(group=param.ds_process_group)
+    return part.narrow(0, 0, max(0, min(part.ds_numel, param.ds_numel - start)))
 
 
 def _parameter_groups(chunk, config: Config) -> list[dict]:
     """Megatron's optimizer parameter groups (``wd_mult`` 0 for biases and 1-D parameters)."""
-    from megatron.core.optimizer import _get_param_groups  # the groups its own optimizer uses
 
     groups = _get_param_groups([chunk], optimizer_config(config), None)
     return [group for group in groups if group["params"]]
@@ -71,19 +87,24 @@ def _parameter_groups(chunk, config: Config) -> list[dict]:
 
 class DeepSpeedEngine:
     def __init__(self, config: Config, vocab_size: int):
-        import deepspeed
+        import deepspeed  # noqa: PLC0415 - deepspeed: when the engine is built (its import probes CUDA)
 
         # DeepSpeed compiles some ops on first use: into the project, not the home cache.
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR",
-                              str(Path.cwd() / ".cache" / "torch_extensions"))
+        os.environ.setdefault(
+            "TORCH_EXTENSIONS_DIR", str(Path.cwd() / ".cache" / "torch_extensions")
+        )
         self.config, self.vocab_size = config, vocab_size
         self.zero_stage = config.deepspeed.zero_stage
-        chunk, = build_model_chunks(config, transformer_config(config), vocab_size)
+        (chunk,) = build_model_chunks(config, transformer_config(config), vocab_size)
         self.ds_config = deepspeed_config(config, ps.get_data_parallel_world_size())
         with known_prints_dropped():
             self.ds, optimizer, _, _ = deepspeed.initialize(
-                model=chunk, model_parameters=_parameter_groups(chunk, config),
-                config=self.ds_config, mpu=MegatronGroups(), dist_init_required=False)
+                model=chunk,
+                model_parameters=_parameter_groups(chunk, config),
+                config=self.ds_config,
+                mpu=MegatronGroups(),
+                dist_init_required=False,
+            )
         self.scheduler = lr_scheduler(optimizer, config)
         self.model = [self.ds]  # like a DDP chunk: ``.module`` is the T2GPTModel
 
@@ -107,12 +128,22 @@ class DeepSpeedEngine:
             self.scheduler.step(increment=1)
         loss_sum, count = data_parallel_sum(losses).tolist()
         loss = loss_sum / count
-        reason = "" if updated else (f"non-finite loss ({loss})" if not math.isfinite(loss)
-                                     else "non-finite gradients")
+        reason = (
+            ""
+            if updated
+            else (
+                f"non-finite loss ({loss})" if not math.isfinite(loss) else "non-finite gradients"
+            )
+        )
         grad_norm = self.ds.get_global_grad_norm()
-        return StepResult(loss=loss, read_grad_norm=lambda: float(grad_norm or 0.0),
-                          lr=self.ds.optimizer.param_groups[0]["lr"], skipped=not updated,
-                          read_traffic=collect_traffic(self.model), skip_reason=reason)
+        return StepResult(
+            loss=loss,
+            read_grad_norm=lambda: float(grad_norm or 0.0),
+            lr=self.ds.optimizer.param_groups[0]["lr"],
+            skipped=not updated,
+            read_traffic=collect_traffic(self.model),
+            skip_reason=reason,
+        )
 
     @torch.no_grad()
     def evaluate(self, batches: list[list[MicroBatch]]) -> float:
@@ -120,8 +151,9 @@ class DeepSpeedEngine:
         means = []
         for micro_batches in batches:
             self.ds.module.decoder.start_schedule()
-            total = data_parallel_sum([float(model_loss(self.ds, batch).float().mean())
-                                       for batch in micro_batches])
+            total = data_parallel_sum(
+                [float(model_loss(self.ds, batch).float().mean()) for batch in micro_batches]
+            )
             means.append(float(total[0] / total[1]))
         self.ds.train()
         return sum(means) / len(means)
@@ -132,13 +164,21 @@ class DeepSpeedEngine:
 
     def _state_tensors(self) -> list:
         """This rank's parameters (its ZeRO-3 partitions) and ZeRO optimizer state."""
-        tensors = [(name, getattr(param, "ds_tensor", param))
-                   for name, param in self.ds.module.named_parameters()]
-        return tensors + optimizer_tensors(getattr(self.ds.optimizer, "optimizer",
-                                                   self.ds.optimizer))
+        tensors = [
+            (name, _own_elements(param)) for name, param in self.ds.module.named_parameters()
+        ]
+        return tensors + optimizer_tensors(
+            getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)
+        )
 
-    def save(self, root: Path, step: int, train_state: dict, async_queue=None,
-             on_published: Optional[Callable[[Path], None]] = None) -> Path:
+    def save(
+        self,
+        root: Path,
+        step: int,
+        train_state: dict,
+        async_queue=None,
+        on_published: Optional[Callable[[Path], None]] = None,
+    ) -> Path:
         """Collective. DeepSpeed writes its shards into ``step_N.incomplete``; the engine file
         goes in last and the directory is published like a Megatron checkpoint."""
         if async_queue is not None:
@@ -152,18 +192,36 @@ class DeepSpeedEngine:
                 shutil.rmtree(staging)
         dist.barrier()
         state = dict(train_state, step=step, layout=self._layout(), **recorded_checksums())
-        self.ds.save_checkpoint(str(root), tag=staging.name, save_latest=False, client_state={
-            "train_state": state, "scheduler": self.scheduler.state_dict(),
-            "rng_state": capture_rng()})
+        self.ds.save_checkpoint(
+            str(root),
+            tag=staging.name,
+            save_latest=False,
+            client_state={
+                "train_state": state,
+                "scheduler": self.scheduler.state_dict(),
+                "rng_state": capture_rng(),
+            },
+        )
         dist.barrier()
         if dist.get_rank() == 0:
             # What `t2train ckpt inspect` and the resume checks read, without unpickling.
-            summary = {key: state.get(key) for key in ("step", "tokens", "layout", "config",
-                                                        "config_format", "code_version",
-                                                        "tokenizer_sha256", "bos_id",
-                                                        "checksums")}
-            (staging / ENGINE_FILE).write_text(json.dumps(
-                dict(summary, engine="deepspeed", has_optimizer=True), indent=1))
+            summary = {
+                key: state.get(key)
+                for key in (
+                    "step",
+                    "tokens",
+                    "layout",
+                    "config",
+                    "config_format",
+                    "code_version",
+                    "tokenizer_sha256",
+                    "bos_id",
+                    "checksums",
+                )
+            }
+            (staging / ENGINE_FILE).write_text(
+                json.dumps(dict(summary, engine="deepspeed", has_optimizer=True), indent=1)
+            )
         publish_checkpoint(root, staging, final, on_published)
         return final
 
@@ -177,16 +235,20 @@ class DeepSpeedEngine:
         written = json.loads((path / ENGINE_FILE).read_text())
         check_same_model(path, written, self.config.model)
         if written["layout"] != self._layout():
-            raise CheckpointError(f"{path}: DeepSpeed checkpoint of layout {written['layout']}, "
-                                  f"this run is {self._layout()}; DeepSpeed engine checkpoints "
-                                  "resume at the layout (and deepspeed.zero_stage) they were "
-                                  "written with")
+            raise CheckpointError(
+                f"{path}: DeepSpeed checkpoint of layout {written['layout']}, "
+                f"this run is {self._layout()}; DeepSpeed engine checkpoints "
+                "resume at the layout (and deepspeed.zero_stage) they were "
+                "written with"
+            )
         try:
-            loaded, client = self.ds.load_checkpoint(str(path.parent), tag=path.name,
-                                                     load_lr_scheduler_states=False)
+            loaded, client = self.ds.load_checkpoint(
+                str(path.parent), tag=path.name, load_lr_scheduler_states=False
+            )
         except Exception as err:  # DeepSpeed raises many types for unreadable shards
-            raise CheckpointError(f"{path}: cannot load the DeepSpeed checkpoint "
-                                  f"({type(err).__name__}: {err})") from err
+            raise CheckpointError(
+                f"{path}: cannot load the DeepSpeed checkpoint ({type(err).__name__}: {err})"
+            ) from err
         if loaded is None:
             raise CheckpointError(f"{path}: DeepSpeed found no checkpoint to load")
         self.scheduler.num_steps = 0  # Megatron's scheduler load advances from the current count
@@ -194,18 +256,25 @@ class DeepSpeedEngine:
         restore_rng(client["rng_state"])
         return client["train_state"]
 
+    def load_weights(self, path: Path, tokenizer_sha256: str) -> None:
+        """Not yet: ``Config.validate`` refuses ``checkpoint.init_from`` with this engine."""
+        raise ConfigError(
+            f"checkpoint.init_from={str(path)!r} is not supported with train.engine=deepspeed "
+            "yet: start from the weights with train.engine=megatron"
+        )
+
     # --- facts for logging -----------------------------------------------------------
     def param_norm(self) -> float:
         """Below ZeRO-3 every rank holds whole parameters; ZeRO-3 sums the partitions."""
         if self.zero_stage < 3:
             return param_norm(self.model)
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         squares = torch.zeros((), dtype=torch.float64, device=self.ds.device)
         for param in self.ds.module.parameters():
             if param_is_not_tensor_parallel_duplicate(param):
-                squares += torch.linalg.vector_norm(param.ds_tensor.detach(),
-                                                    dtype=torch.float32) ** 2
+                squares += (
+                    torch.linalg.vector_norm(param.ds_tensor.detach(), dtype=torch.float32) ** 2
+                )
         dist.all_reduce(squares, group=ps.get_data_parallel_group())
         dist.all_reduce(squares, group=ps.get_tensor_model_parallel_group())
         return float(squares) ** 0.5

@@ -11,30 +11,66 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch.distributed as dist
 from common import parse_args, write_result
 
 from t2train.checkpoint.errors import CheckpointError
 from t2train.config.loader import load_config
+from t2train.engine.deepspeed_engine import DeepSpeedEngine
 from t2train.train.loop import train
 
 STEPS, SAVE_AT = 5, 3
-TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-        "model.seq_length=64", "train.micro_batch_size=2", "train.global_batch_size=8",
-        "train.lr=3e-3", "train.min_lr=3e-4", "train.warmup_steps=2", "train.eval_batches=1",
-        "train.log_interval=1", "log.diagnostics_interval=2", f"train.steps={STEPS}",
-        f"checkpoint.interval={SAVE_AT}"]
-ENGINES = {"megatron": ["train.engine=megatron"],
-           **{f"zero{stage}": ["train.engine=deepspeed", f"deepspeed.zero_stage={stage}"]
-              for stage in (1, 2, 3)}}
+TINY = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.seq_length=64",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+    "train.lr=3e-3",
+    "train.min_lr=3e-4",
+    "train.warmup_steps=2",
+    "train.eval_batches=1",
+    "train.log_interval=1",
+    "log.diagnostics_interval=2",
+    f"train.steps={STEPS}",
+    f"checkpoint.interval={SAVE_AT}",
+]
+ENGINES = {
+    "megatron": ["train.engine=megatron"],
+    **{
+        f"zero{stage}": ["train.engine=deepspeed", f"deepspeed.zero_stage={stage}"]
+        for stage in (1, 2, 3)
+    },
+}
 
 
 def _checkpoint(run_dir: Path) -> Path:
     return run_dir / "checkpoints" / f"step_{SAVE_AT:08d}"
 
 
+def _save_with_arbitrary_padding(save):
+    """ZeRO-3 pads a parameter's last partition with uninitialised memory (NaN by chance):
+    written NaN here before every save, it must not count as the model's state."""
+
+    def saving(engine, *args, **kwargs):
+        for param in engine.ds.module.parameters():
+            if getattr(param, "ds_tensor", None) is not None and _padded(param):
+                param.ds_tensor[-1] = float("nan")  # the partition's last element: padding
+        return save(engine, *args, **kwargs)
+
+    return saving
+
+
+def _padded(param) -> bool:
+    """Whether this rank's partition of ``param`` ends in padding."""
+    part = param.ds_tensor
+    return part.ds_numel * (dist.get_rank(group=param.ds_process_group) + 1) > param.ds_numel
+
+
 def main() -> None:
-    args = parse_args([("--data", Path), ("--root", Path), ("--phase", str),
-                       ("--designs", str)])
+    DeepSpeedEngine.save = _save_with_arbitrary_padding(DeepSpeedEngine.save)
+    args = parse_args([("--data", Path), ("--root", Path), ("--phase", str), ("--designs", str)])
     designs = args.designs.split(",")
     if args.phase == "resume":
         designs = designs[:1]
@@ -49,14 +85,23 @@ def main() -> None:
             elif name == "megatron":
                 continue
             else:
-                run = [f"log.run_dir={run_dir}-resumed",
-                       f"checkpoint.resume={_checkpoint(run_dir)}"]
+                run = [
+                    f"log.run_dir={run_dir}-resumed",
+                    f"checkpoint.resume={_checkpoint(run_dir)}",
+                ]
             losses[name] = train(load_config(overrides=[*common, *engine, *run])).losses
         if args.phase == "resume":
             try:
-                train(load_config(overrides=[
-                    *common, *ENGINES["zero2"], f"log.run_dir={args.root / 'zero2-from-zero1'}",
-                    f"checkpoint.resume={_checkpoint(args.root / design / 'zero1')}"]))
+                train(
+                    load_config(
+                        overrides=[
+                            *common,
+                            *ENGINES["zero2"],
+                            f"log.run_dir={args.root / 'zero2-from-zero1'}",
+                            f"checkpoint.resume={_checkpoint(args.root / design / 'zero1')}",
+                        ]
+                    )
+                )
             except CheckpointError as err:
                 result["refused"] = str(err)
     write_result(args.out, result)
