@@ -287,7 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from t2train.errors import TrainingHalted, UserInputError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the usage of the command that was given, not the top-level one
+        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.handler(args)
     except (UserInputError, TrainingHalted) as err:
@@ -300,6 +303,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             file=sys.stderr,
         )
         return INTERRUPTED_EXIT_CODE
+
+
+def _command_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
+    """The (sub)command's parser ``args`` came through, e.g. ``t2train data prepare``'s."""
+    while True:
+        commands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, commands[0].dest, None) if commands else None
+        if chosen is None:
+            return parser
+        parser = commands[0].choices[chosen]
 
 
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports it

@@ -84,6 +84,29 @@ def test_bad_input_fails_fast_before_any_output(tmp_path, args, cause):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize(
+    "argv, usage",
+    [
+        (["train", "--presett", "tiny"], "t2train train"),
+        (
+            ["data", "prepare", "--corpus", "shakespeare", "--out", "x", "--inptu"],
+            "t2train data prepare",
+        ),
+        (["export", "hf", "ckpt", "out", "--dtpye"], "t2train export hf"),
+    ],
+)
+def test_a_misspelt_flag_shows_its_commands_usage(capsys, argv, usage):
+    """argparse would print the top-level usage for a flag a subcommand does not know."""
+    from t2train.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2
+    assert err.startswith(f"usage: {usage} "), err
+    assert f"{usage}: error: unrecognized arguments: --" in err, err
+
+
 def test_config_prints_resolved_yaml(tmp_path):
     proc = t2train("config", "--preset", "tiny", "model.num_layers=2", cwd=tmp_path)
     assert proc.returncode == 0
