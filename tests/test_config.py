@@ -36,6 +36,20 @@ def test_yaml_file_between_preset_and_overrides(tmp_path):
     assert (config.model.num_layers, config.model.hidden_size) == (2, 128)
 
 
+def test_a_smoke_run_shortens_the_presets_warmup_but_not_a_given_one(tmp_path):
+    """tiny warms up for 30 steps: a 10-step run warms up for 1 instead; a warm-up given in an
+    override or a config file is the user's and is checked as given."""
+    assert load_config("tiny", overrides=DATA).train.warmup_steps == 30
+    assert load_config("tiny", overrides=[*DATA, "train.steps=10"]).train.warmup_steps == 1
+    assert load_config(overrides=[*DATA, "train.steps=5"]).train.warmup_steps == 0
+    with pytest.raises(ConfigError, match="train.warmup_steps=30: must be in"):
+        load_config("tiny", overrides=[*DATA, "train.steps=10", "train.warmup_steps=30"])
+    file = tmp_path / "run.yaml"
+    file.write_text("train:\n  warmup_steps: 12\n")
+    with pytest.raises(ConfigError, match="train.warmup_steps=12: must be in"):
+        load_config("tiny", str(file), [*DATA, "train.steps=10"])
+
+
 def test_dump_round_trips(tmp_path):
     config = load_config("tiny", overrides=DATA)
     file = tmp_path / "dumped.yaml"
@@ -94,7 +108,7 @@ def test_a_run_shorter_than_the_warmup_is_told_the_fix():
         r"train.steps=20\); for a run this short set "
         r"train.warmup_steps=2",
     ):
-        load_config("tiny", overrides=DATA + ["train.steps=20"])
+        load_config("tiny", overrides=DATA + ["train.steps=20", "train.warmup_steps=30"])
 
 
 def test_unknown_preset():

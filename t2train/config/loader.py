@@ -19,7 +19,7 @@ from typing import Any, Iterable, Literal, Optional, Union
 import yaml
 
 from t2train.config.arguments import PRESET_PACKAGE, preset_names
-from t2train.config.schema import CONFIG_FORMAT, Config, ConfigError
+from t2train.config.schema import CONFIG_FORMAT, Config, ConfigError, TrainConfig
 from t2train.residual import resolve_aliases
 
 
@@ -242,16 +242,31 @@ def load_config(
 ) -> Config:
     """Return a validated config or raise ``ConfigError`` naming the offending field."""
     data: dict = {}
+    given: dict = {}  # what the config file and the overrides set, not the preset
     if preset is not None:
         data = _merge(data, load_preset(preset))
     if config_file is not None:
-        data = _merge(data, load_yaml_file(config_file))
+        given = _merge(given, load_yaml_file(config_file))
     for item in overrides:
         path, value = parse_override(item)
-        data = _merge(data, _nest(path, value))
+        given = _merge(given, _nest(path, value))
+    data = _warmup_within_the_run(_merge(data, given), given)
     if isinstance(data.get("model"), dict):
         data["model"] = resolve_aliases(data["model"], CONFIG_FORMAT)
     return _build(Config, data, "").validate()
+
+
+def _warmup_within_the_run(data: dict, given: dict) -> dict:
+    """A warm-up nobody asked for (the preset's or the default) that is as long as the run
+    becomes a tenth of it, so ``train.steps=10`` is a smoke run; one given is checked."""
+    train = data.get("train")
+    if not isinstance(train, dict) or "warmup_steps" in (given.get("train") or {}):
+        return data
+    steps = train.get("steps", TrainConfig.steps)
+    warmup = train.get("warmup_steps", TrainConfig.warmup_steps)
+    if isinstance(steps, int) and isinstance(warmup, int) and 1 <= steps <= warmup:
+        data = dict(data, train=dict(train, warmup_steps=steps // 10))
+    return data
 
 
 def config_from_dict(data: dict, config_format: int = CONFIG_FORMAT) -> Config:
