@@ -38,10 +38,12 @@ def test_scalars_are_logged_to_an_offline_wandb_run(tmp_path):
         text=True,
         timeout=300,
         cwd=tmp_path,
-        env=dict(os.environ, WANDB_SILENT="true", WANDB_API_KEY=""),
+        env=dict(os.environ, WANDB_API_KEY=""),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "wandb:" not in proc.stdout + proc.stderr  # W&B's banner and summary: not shown
     run_id, name = proc.stdout.split()[-2:]
+    assert f"W&B: run {run_id} (offline) in " in proc.stdout
     assert name == "run" and len(run_id) == 16  # named after the run directory
     (offline,) = (run_dir / "wandb").glob("offline-run-*")
     records = next(offline.glob("run-*.wandb")).read_bytes()
