@@ -14,6 +14,7 @@ start of each document too (``bos_id``), as its models were trained.
 from __future__ import annotations
 
 import hashlib
+import threading
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -54,7 +55,22 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(texts, trainer)
+    # The BPE merges run in Rust, where Python's signal handlers wait: a Ctrl-C would land only
+    # when training ends. Training in a thread leaves the main thread free to take it.
+    failed: list[BaseException] = []
+
+    def learn() -> None:
+        try:
+            tokenizer.train_from_iterator(texts, trainer)
+        except BaseException as err:  # noqa: BLE001 - raised again in the caller
+            failed.append(err)
+
+    learning = threading.Thread(target=learn, name="t2train-bpe", daemon=True)
+    learning.start()
+    while learning.is_alive():
+        learning.join(0.2)
+    if failed:
+        raise failed[0]
     return tokenizer
 
 

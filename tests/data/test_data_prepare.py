@@ -636,3 +636,46 @@ def test_tokenizing_workers_keep_order_and_raise_a_workers_error_here():
             )
         )
     assert set(multiprocessing.active_children()) == others
+
+
+BPE_TRAINING = """
+import random
+from t2train.data.tokenizer import train_tokenizer
+letters = "abcdefghijklmnopqrstuvwxyz"
+words = ["".join(random.Random(i).choices(letters, k=10)) for i in range(200_000)]
+def texts():
+    for n in range(200):
+        yield " ".join(random.Random(n).choices(words, k=2_000))
+    print("read", flush=True)  # the merges (seconds, in Rust) come next
+train_tokenizer(texts(), 60_000)
+print("trained", flush=True)
+"""
+
+
+def test_ctrl_c_while_bpe_merges_stops_at_once(tmp_path):
+    """The merges run in Rust, where Python's signal handlers wait until they end; a Ctrl-C
+    during them stops the command within a second all the same."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BPE_TRAINING],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        assert proc.stdout.readline() == "read\n"
+        time.sleep(0.5)
+        pressed = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - pressed
+    finally:
+        proc.kill()
+    assert "trained" not in out, "the merges ended before the Ctrl-C: make the corpus larger"
+    assert proc.returncode == -signal.SIGINT and "KeyboardInterrupt" in err, err[-2000:]
+    assert took < 2, f"{took:.1f} s after Ctrl-C"
