@@ -53,12 +53,17 @@ check: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy --python-executable $(PY)
 
+# Two workers, each given whole test files (module fixtures are built once); the multi-process
+# tests leave a core idle much of the time. TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadfile
+
 test: $(VENV)/.installed
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q $(XDIST) --durations=25
 
 # The fast tier while you work: no multi-process runs, no SLURM, no long training (docs/testing.md).
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not slow and not slurm" --durations=10
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not slurm" --durations=10
 
 # Each named mistake of tests/mutations/catalog.py against the fast math tests (docs/testing.md).
 test-mutations: $(VENV)/.installed

