@@ -21,7 +21,7 @@ from t2train.checkpoint.inspect import describe
 from t2train.checkpoint.store import check_engine
 from t2train.config.loader import load_config
 from t2train.config.schema import ConfigError
-from t2train.engine.deepspeed_config import deepspeed_config
+from t2train.engine.deepspeed.config import deepspeed_config
 
 from torchrun_helper import run_torchrun
 

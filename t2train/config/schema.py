@@ -496,7 +496,7 @@ class CheckpointConfig:
 
 @dataclass
 class DeepSpeedConfig:
-    """``train.engine=deepspeed``: what t2train/engine/deepspeed_config.py writes into
+    """``train.engine=deepspeed``: what t2train/engine/deepspeed/config.py writes into
     DeepSpeed's JSON config, beside batch sizes, optimizer, clipping and precision."""
 
     # What ZeRO shards over data-parallel ranks: 1 optimizer states, 2 + gradients,

@@ -5,8 +5,11 @@ and logging; they differ in how gradients, optimizer state and checkpoints are h
 
 * ``megatron`` (megatron/): Megatron-core DDP or distributed optimizer and its pipeline
   schedules; every TP/SP/PP/VPP layout; reshardable dist-checkpointing checkpoints.
-* ``deepspeed`` (deepspeed_engine.py): DeepSpeed ZeRO stages 1-3 with optional host offload,
+* ``deepspeed`` (deepspeed/): DeepSpeed ZeRO stages 1-3 with optional host offload,
   Megatron-core TP as DeepSpeed's model-parallel unit, PP = 1; DeepSpeed's sharded checkpoints.
+
+Each engine folder also reads its own checkpoints back for export (``export.py``,
+``export_reader``); helpers both engines use are in ``shared.py``.
 """
 
 from __future__ import annotations
@@ -75,9 +78,19 @@ class Engine(Protocol):
 def build_engine(config: Config, vocab_size: int) -> Engine:
     """Collective: every rank builds its part of the model and optimizer."""
     if config.train.engine == "deepspeed":
-        from t2train.engine.deepspeed_engine import DeepSpeedEngine  # noqa: PLC0415 - each engine's library loads when it is chosen
+        from t2train.engine.deepspeed.engine import DeepSpeedEngine  # noqa: PLC0415 - each engine's library loads when it is chosen
 
         return DeepSpeedEngine(config, vocab_size)
     from t2train.engine.megatron import MegatronEngine  # noqa: PLC0415 - each engine's library loads when it is chosen
 
     return MegatronEngine(config, vocab_size)
+
+
+def export_reader(engine: str) -> Callable:
+    """``load_for_export(path, train_state, build) -> (model, stored dtype)`` of the engine
+    that wrote a checkpoint (``t2train.checkpoint.paths.checkpoint_engine``)."""
+    if engine == "deepspeed":
+        from t2train.engine.deepspeed.export import load_for_export  # noqa: PLC0415 - each engine's library loads when it is chosen
+    else:
+        from t2train.engine.megatron.export import load_for_export  # noqa: PLC0415 - each engine's library loads when it is chosen
+    return load_for_export

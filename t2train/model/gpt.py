@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
@@ -23,6 +24,9 @@ from torch import Tensor
 from t2train.model.decoder import ResidualDecoder
 from t2train.model.kv_cache import KVCache
 from t2train.nn.cross_entropy import vocab_parallel_cross_entropy
+from t2train.parallel.traffic import HopTraffic
+
+EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"  # its rows: the (padded) vocabulary
 
 
 class T2GPTModel(LanguageModule):
@@ -90,6 +94,27 @@ class T2GPTModel(LanguageModule):
             )
         if pre_process or post_process:
             self.setup_embeddings_and_output_layer()
+
+    # --- The run-time interface: what engines, parallel/ and monitor/ call on a chunk. -----
+    # Nothing outside t2train/model/ reaches into the decoder (tests/test_layering.py).
+
+    def start_schedule(self) -> None:
+        """Before each pipeline schedule (a training step, an evaluation): micro-batches are
+        numbered from 0 again, which the depth cache's entries are keyed by."""
+        self.decoder.start_schedule()
+
+    @property
+    def traffic(self) -> HopTraffic:
+        """This chunk's pipeline-hop byte and hop counters (``t2train/parallel/traffic.py``)."""
+        return self.decoder.traffic
+
+    def stream_norms(self) -> list[tuple[int, torch.nn.Module]]:
+        """The norms that read the residual stream, by layer number: each layer's first
+        pre-norm, and on the last stage the final norm numbered ``num_layers + 1``."""
+        norms = [(layer.layer_number, layer.input_layernorm) for layer in self.decoder.layers]
+        if self.post_process:
+            norms.append((self.config.num_layers + 1, self.decoder.final_layernorm))
+        return norms
 
     def set_input_tensor(self, input_tensor) -> None:
         if isinstance(input_tensor, list):

@@ -59,17 +59,8 @@ class Diagnostics:
     def _record(self) -> probe.Records:
         hooks = []
         for chunk in self.engine.model:
-            decoder = chunk.module.decoder
-            for layer in decoder.layers:
-                hooks.append(
-                    layer.input_layernorm.register_forward_pre_hook(_rms_hook(layer.layer_number))
-                )
-            if decoder.post_process:
-                hooks.append(
-                    decoder.final_layernorm.register_forward_pre_hook(
-                        _rms_hook(self.num_layers + 1)
-                    )
-                )
+            for number, norm in chunk.module.stream_norms():
+                hooks.append(norm.register_forward_pre_hook(_rms_hook(number)))
         try:
             with probe.recording() as records:
                 self.engine.evaluate([self.micro_batches])

@@ -61,7 +61,7 @@ def collect_traffic(chunks) -> Callable[[], dict[str, float]]:
     names = [field.name for field in fields(HopTraffic)]
     counts = [0] * len(names)
     for chunk in chunks:
-        traffic = chunk.module.decoder.traffic
+        traffic = chunk.module.traffic
         counts = [count + getattr(traffic, name) for count, name in zip(counts, names)]
         traffic.reset()
 

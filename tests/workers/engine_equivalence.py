@@ -16,7 +16,7 @@ from common import parse_args, write_result
 
 from t2train.checkpoint.errors import CheckpointError
 from t2train.config.loader import load_config
-from t2train.engine.deepspeed_engine import DeepSpeedEngine
+from t2train.engine.deepspeed.engine import DeepSpeedEngine
 from t2train.train.loop import train
 
 STEPS, SAVE_AT = 5, 3

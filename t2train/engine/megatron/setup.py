@@ -10,15 +10,15 @@ from megatron.core.distributed import (
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
-from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from t2train.compat import megatron_optimizer
 from t2train.config.schema import Config
+from t2train.engine.shared import lr_scheduler, optimizer_config
 from t2train.model.build import (
     T2TransformerConfig,
     build_model_chunks,
-    compute_dtype,
     transformer_config,
 )
 from t2train.parallel.depth_cache import HopPlan, plan_hops
@@ -56,23 +56,6 @@ def build_training_objects(config: Config, vocab_size: int) -> TrainingObjects:
     return TrainingObjects(config, tf_config, model, optimizer, scheduler, vocab_size, hops)
 
 
-def optimizer_config(config: Config) -> OptimizerConfig:
-    train = config.train
-    return OptimizerConfig(
-        optimizer="adam",
-        lr=train.lr,
-        min_lr=train.min_lr,
-        weight_decay=train.weight_decay,
-        adam_beta1=train.adam_beta1,
-        adam_beta2=train.adam_beta2,
-        adam_eps=train.adam_eps,
-        clip_grad=train.clip_grad,
-        bf16=compute_dtype(config) == torch.bfloat16,
-        params_dtype=compute_dtype(config),
-        use_distributed_optimizer=config.parallel.distributed_optimizer,
-    )
-
-
 def fuse_adam(optimizer) -> None:
     """The torch AdamW inside Megatron's optimizer (without Apex or TransformerEngine) as one
     fused kernel per step: megatron-core builds it with torch's default, a loop of foreach
@@ -83,28 +66,6 @@ def fuse_adam(optimizer) -> None:
         if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
             for group in inner.param_groups:
                 group.update(fused=True, foreach=False)
-
-
-def lr_scheduler(optimizer, config: Config) -> OptimizerParamScheduler:
-    """Linear warm-up then cosine decay to ``train.min_lr`` (Megatron's scheduler, which also
-    applies each parameter group's ``wd_mult``: no weight decay on biases and norms). Loading
-    a checkpoint keeps its schedule or this config's, as ``train.schedule_on_resume`` says."""
-    train = config.train
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=train.lr,
-        min_lr=train.min_lr,
-        lr_warmup_steps=train.warmup_steps,
-        lr_decay_steps=train.steps,
-        lr_decay_style="cosine",
-        start_wd=train.weight_decay,
-        end_wd=train.weight_decay,
-        wd_incr_steps=train.steps,
-        wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=train.schedule_on_resume == "checkpoint",
-        override_opt_param_scheduler=train.schedule_on_resume == "config",
-    )
 
 
 def _wire_schedule_hooks(tf_config, model, optimizer) -> None:

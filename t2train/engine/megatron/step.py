@@ -13,6 +13,7 @@ from megatron.core.utils import get_model_config
 from t2train.engine import MicroBatch, StepResult
 from t2train.engine.megatron.numerics import UpdateGuard, grads_not_finite
 from t2train.engine.megatron.setup import TrainingObjects
+from t2train.engine.shared import current_device, data_parallel_sum, model_loss
 from t2train.parallel.hops import planned_shape_arguments
 from t2train.parallel.traffic import collect_traffic
 
@@ -23,14 +24,6 @@ def _loss(per_token_loss: torch.Tensor):
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def model_loss(model, batch: MicroBatch) -> torch.Tensor:
-    """One micro-batch through a model (chunk): per-token loss [b, s] on the last stage."""
-    tokens, labels = batch["tokens"], batch["labels"]
-    b, s = tokens.shape
-    position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-    return model(tokens, position_ids, None, labels=labels)
-
-
 def forward_step(data_iterator, model):
     """Megatron's forward_step_func: run one micro-batch through one model chunk."""
     return model_loss(model, next(data_iterator)), _loss
@@ -39,7 +32,7 @@ def forward_step(data_iterator, model):
 def _run_schedule(objs: TrainingObjects, micro_batches: list[MicroBatch], forward_only: bool):
     train, model = objs.config.train, objs.config.model
     for chunk in objs.model:
-        chunk.module.decoder.start_schedule()
+        chunk.module.start_schedule()
     iterators = [iter(micro_batches) for _ in objs.model]
     hops, config = objs.hops, get_model_config(objs.model[0])
     varying = {}
@@ -63,7 +56,7 @@ def _run_schedule(objs: TrainingObjects, micro_batches: list[MicroBatch], forwar
 def _loss_total(losses_reduced: list[dict]) -> torch.Tensor:
     """(sum, count) of the micro-batch losses over data-parallel replicas, on the device of
     every rank (nothing is read back here)."""
-    total = torch.zeros(2, dtype=torch.float64, device=_device())
+    total = torch.zeros(2, dtype=torch.float64, device=current_device())
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         total[:] = data_parallel_sum([item["lm loss"] for item in losses_reduced])
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
@@ -81,27 +74,6 @@ def _mean_loss(losses_reduced: list[dict]) -> float:
     return loss_sum / count
 
 
-def _device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
-
-
-def data_parallel_sum(losses: list) -> torch.Tensor:
-    """(sum, count) of these micro-batch losses (floats or 0-dim tensors) over all
-    data-parallel replicas."""
-    total = torch.zeros(2, dtype=torch.float64, device=_device())
-    if losses:
-        total[0] = torch.stack(
-            [torch.as_tensor(loss, dtype=torch.float64, device=_device()) for loss in losses]
-        ).sum()
-        total[1] = len(losses)
-    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-    return total
-
-
 def train_step(
     objs: TrainingObjects, micro_batches: list[MicroBatch], guard: Optional[UpdateGuard] = None
 ) -> StepResult:
@@ -109,7 +81,7 @@ def train_step(
     for chunk in objs.model:
         chunk.train()
         chunk.zero_grad_buffer()
-        chunk.module.decoder.traffic.reset()
+        chunk.module.traffic.reset()
     objs.optimizer.zero_grad()
     total = _loss_total(_run_schedule(objs, micro_batches, forward_only=False))
     # The step's one read from the device: the loss, and whether every gradient is finite

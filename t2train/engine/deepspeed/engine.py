@@ -2,7 +2,7 @@
 
 The model is the one the Megatron engine trains (Megatron-core TP layers, any residual
 design); DeepSpeed owns gradient averaging, ZeRO sharding, clipping, the optimizer (built
-from its JSON config, t2train/engine/deepspeed_config.py) and checkpoint shards. t2train
+from its JSON config, t2train/engine/deepspeed/config.py) and checkpoint shards. t2train
 keeps what must match the Megatron engine: Megatron's parameter groups (no weight decay on
 biases and norms) and LR schedule, the loss, the data order, RNG and logging.
 """
@@ -36,9 +36,8 @@ from t2train.checkpoint.store import (
 from t2train.compat.library_noise import known_prints_dropped
 from t2train.config.schema import Config, ConfigError
 from t2train.engine import MicroBatch, StepResult
-from t2train.engine.deepspeed_config import deepspeed_config
-from t2train.engine.megatron.setup import lr_scheduler, optimizer_config
-from t2train.engine.megatron.step import data_parallel_sum, model_loss
+from t2train.engine.deepspeed.config import deepspeed_config
+from t2train.engine.shared import data_parallel_sum, lr_scheduler, model_loss, optimizer_config
 from t2train.model.build import build_model_chunks, transformer_config
 from t2train.monitor.step_metrics import param_norm
 from t2train.parallel.traffic import collect_traffic
@@ -112,9 +111,8 @@ class DeepSpeedEngine:
     def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
         """Gradient accumulation over the micro-batches; DeepSpeed steps at the last one."""
         self.ds.train()
-        decoder = self.ds.module.decoder
-        decoder.start_schedule()
-        decoder.traffic.reset()
+        self.ds.module.start_schedule()
+        self.ds.module.traffic.reset()
         losses = []
         for batch in micro_batches:
             loss = model_loss(self.ds, batch).float().mean()
@@ -150,7 +148,7 @@ class DeepSpeedEngine:
         self.ds.eval()
         means = []
         for micro_batches in batches:
-            self.ds.module.decoder.start_schedule()
+            self.ds.module.start_schedule()
             total = data_parallel_sum(
                 [float(model_loss(self.ds, batch).float().mean()) for batch in micro_batches]
             )

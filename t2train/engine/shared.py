@@ -1,0 +1,83 @@
+"""What both engines use: the loss of one micro-batch, the loss summed over data-parallel
+replicas, and the optimizer's settings and LR schedule (Megatron-core's, whichever engine
+steps the optimizer)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from t2train.config.schema import Config
+from t2train.engine import MicroBatch
+from t2train.model.build import compute_dtype
+
+
+def model_loss(model, batch: MicroBatch) -> torch.Tensor:
+    """One micro-batch through a model (chunk): per-token loss [b, s] on the last stage."""
+    tokens, labels = batch["tokens"], batch["labels"]
+    b, s = tokens.shape
+    position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    return model(tokens, position_ids, None, labels=labels)
+
+
+def current_device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+def data_parallel_sum(losses: list) -> torch.Tensor:
+    """(sum, count) of these micro-batch losses (floats or 0-dim tensors) over all
+    data-parallel replicas."""
+    total = torch.zeros(2, dtype=torch.float64, device=current_device())
+    if losses:
+        total[0] = torch.stack(
+            [torch.as_tensor(loss, dtype=torch.float64, device=current_device()) for loss in losses]
+        ).sum()
+        total[1] = len(losses)
+    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return total
+
+
+def optimizer_config(config: Config) -> OptimizerConfig:
+    train = config.train
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=train.lr,
+        min_lr=train.min_lr,
+        weight_decay=train.weight_decay,
+        adam_beta1=train.adam_beta1,
+        adam_beta2=train.adam_beta2,
+        adam_eps=train.adam_eps,
+        clip_grad=train.clip_grad,
+        bf16=compute_dtype(config) == torch.bfloat16,
+        params_dtype=compute_dtype(config),
+        use_distributed_optimizer=config.parallel.distributed_optimizer,
+    )
+
+
+def lr_scheduler(optimizer, config: Config) -> OptimizerParamScheduler:
+    """Linear warm-up then cosine decay to ``train.min_lr`` (Megatron's scheduler, which also
+    applies each parameter group's ``wd_mult``: no weight decay on biases and norms). Loading
+    a checkpoint keeps its schedule or this config's, as ``train.schedule_on_resume`` says."""
+    train = config.train
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=train.lr,
+        min_lr=train.min_lr,
+        lr_warmup_steps=train.warmup_steps,
+        lr_decay_steps=train.steps,
+        lr_decay_style="cosine",
+        start_wd=train.weight_decay,
+        end_wd=train.weight_decay,
+        wd_incr_steps=train.steps,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=train.schedule_on_resume == "checkpoint",
+        override_opt_param_scheduler=train.schedule_on_resume == "config",
+    )
