@@ -1,12 +1,60 @@
-"""Fixtures of the data-layer tests: small generated English-ish corpora."""
+"""Fixtures of the data-layer tests: small generated English-ish corpora, and a /dev/shm of
+its own for a test that must be the only streaming user of its host."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from textgen import english_ish
+
+INSIDE_OWN_DEV_SHM = "T2TRAIN_TEST_OWN_DEV_SHM"
+# A private mount namespace with a fresh tmpfs on /dev/shm: as on a host of its own.
+OWN_DEV_SHM = [
+    "unshare",
+    "--mount",
+    "--propagation",
+    "private",
+    "sh",
+    "-c",
+    'mount -t tmpfs -o size=1g,mode=1777 tmpfs /dev/shm && exec "$@"',
+    "sh",
+]
+
+
+def _own_dev_shm_works() -> bool:
+    try:
+        probe = subprocess.run([*OWN_DEV_SHM, "true"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A test marked ``own_dev_shm`` runs in a pytest of its own with a private /dev/shm:
+    what it asserts about the host's streaming segments (which files a cleaning removes)
+    must not see another test worker's readers, which map other prefixes' segments while
+    choosing their own. Without ``unshare`` (not root) it runs here, alone or not."""
+    if not pyfuncitem.get_closest_marker("own_dev_shm") or os.environ.get(INSIDE_OWN_DEV_SHM):
+        return None
+    if not _own_dev_shm_works():
+        return None
+    proc = subprocess.run(
+        [*OWN_DEV_SHM, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        + ["-p", "no:xdist", pyfuncitem.nodeid],
+        cwd=pyfuncitem.config.rootpath,
+        env=dict(os.environ, **{INSIDE_OWN_DEV_SHM: "1"}),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return True
 
 
 @pytest.fixture

@@ -41,6 +41,7 @@ def prefix(path: Path) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.own_dev_shm
 def test_files_of_a_killed_run_are_removed_and_live_ones_kept(dataset, tmp_path, monkeypatch):
     locks = tmp_path / "locks"
     locks.mkdir()
