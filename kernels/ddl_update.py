@@ -1,6 +1,6 @@
 """Fused Deep Delta Learning write, forward and backward (one pass over the state).
 
-Exact counterpart of ``t2train.residual.ddl.delta_write``: per token, with the sublayer
+Exact counterpart of ``t2train.residual.ddl.layers.delta_write``: per token, with the sublayer
 output k~, gate logits a (beta) and b_j (v) and the state columns X_j (d_v of them),
 
     r = (|k~|^2 + eps^2)^-1/2,  k = r k~,  beta = 2 sigma(a),  v_j = v_scale sigma(b_j)
@@ -206,7 +206,7 @@ _delta_write.register_autograd(_backward, setup_context=_save_inputs)
 def delta_write(
     state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor, k_eps: float, v_scale: float
 ) -> Tensor:
-    """Triton ``t2train.residual.ddl.delta_write`` (same arguments, same result)."""
+    """Triton ``t2train.residual.ddl.layers.delta_write`` (same arguments, same result)."""
     expected = (v_logit.shape[-1], *out.shape) if state.dim() == out.dim() + 1 else out.shape
     if state.shape != expected or beta_logit.shape[-1] != 1:
         raise ValueError(

@@ -1,6 +1,6 @@
 """Two-phase Block Attention Residuals (arXiv 2603.15031 Sec. 4.2), forward and backward.
 
-Exact counterpart of ``t2train.residual.attnres.depth_mix`` over the completed sources v_n
+Exact counterpart of ``t2train.residual.attnres.layers.depth_mix`` over the completed sources v_n
 (embedding and block sums, each [..., h], read in place through a table of their addresses)
 and the current block's partial sum p:
 
@@ -551,7 +551,7 @@ def phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float
 
 
 def depth_mix(query: Tensor, sources: list[Tensor], partial: Tensor | None, eps: float) -> Tensor:
-    """``t2train.residual.attnres.depth_mix(query, sources + [partial], eps)`` in two phases.
+    """``t2train.residual.attnres.layers.depth_mix(query, sources + [partial], eps)`` in two phases.
 
     Both phases read one fp32 copy of the query, so its two gradients are summed in fp32 and
     rounded to the query's dtype once, as the reference's are (in bf16 the two halves,

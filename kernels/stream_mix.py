@@ -1,6 +1,6 @@
 """Fused mHC (and HC) stream read and write, forward and backward (one pass over the stream each).
 
-Exact counterparts of ``t2train.residual.mhc.stream_read`` and ``stream_write``. Per token,
+Exact counterparts of ``t2train.residual.mhc.layers.stream_read`` and ``stream_write``. Per token,
 with the streams x_j (j < n, each of width h), the read logits p_j, the write logits q_i and
 the mixing logits L (n x n):
 
@@ -445,7 +445,7 @@ _stream_write.register_autograd(_write_grads, setup_context=_save_write)
 
 
 def stream_read(state: Tensor, pre_logit: Tensor) -> Tensor:
-    """Triton ``t2train.residual.mhc.stream_read`` (same arguments, same result)."""
+    """Triton ``t2train.residual.mhc.layers.stream_read`` (same arguments, same result)."""
     n, s, b, _ = state.shape
     _check(state, pre_logit=(pre_logit, (s, b, n)))
     return _stream_read(state, pre_logit.contiguous(), False)
@@ -454,7 +454,7 @@ def stream_read(state: Tensor, pre_logit: Tensor) -> Tensor:
 def stream_write(
     state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor, iterations: int
 ) -> Tensor:
-    """Triton ``t2train.residual.mhc.stream_write`` (same arguments, same result)."""
+    """Triton ``t2train.residual.mhc.layers.stream_write`` (same arguments, same result)."""
     n, s, b, h = state.shape
     _check(
         state,
@@ -468,7 +468,7 @@ def stream_write(
 
 
 def width_read(state: Tensor, weights: Tensor) -> Tensor:
-    """Triton ``t2train.residual.hc.width_read``: sum_i weights[..., i] h_i, the weights as
+    """Triton ``t2train.residual.hc.layers.width_read``: sum_i weights[..., i] h_i, the weights as
     given (HC's read)."""
     n, s, b, _ = state.shape
     _check(state, weights=(weights, (s, b, n)))
@@ -476,7 +476,7 @@ def width_read(state: Tensor, weights: Tensor) -> Tensor:
 
 
 def depth_write(state: Tensor, residual: Tensor, beta: Tensor, out: Tensor) -> Tensor:
-    """Triton ``t2train.residual.hc.depth_write``: h'_j = sum_i residual[..., i, j] h_i +
+    """Triton ``t2train.residual.hc.layers.depth_write``: h'_j = sum_i residual[..., i, j] h_i +
     beta[..., j] out (HC's write: stream j takes column j, the transpose of mHC's row)."""
     n, s, b, h = state.shape
     _check(state, out=(out, (s, b, h)), beta=(beta, (s, b, n)), residual=(residual, (s, b, n, n)))

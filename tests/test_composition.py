@@ -176,7 +176,7 @@ def test_attnres_with_shortswa_makes_the_mixer_output_a_source(megatron_world):
     """h_l = sum_i softmax_i(w_l . RMSNorm(v_i)) v_i over the embedding and every earlier
     sublayer output, ShortSWA's included (three reads and three sources per layer)."""
     layer, hidden, rope = _layer_and_inputs("attnres")
-    from t2train.residual.attnres import AttnResState
+    from t2train.residual.attnres.layers import AttnResState
 
     def mix(query, sources):
         stacked = torch.stack(sources)

@@ -100,7 +100,7 @@ def test_an_export_part_may_not_import_the_trainer(tmp_path, monkeypatch):
 
     part = tmp_path / "standard_hf.py"
     part.write_text(
-        '"""A part."""\nfrom t2train.residual.standard import AdditiveResidual\n'
+        '"""A part."""\nfrom t2train.residual.standard.layers import AdditiveResidual\n'
         'EXPORTED = {"standard": (AdditiveResidual, AdditiveResidual, None)}\n'
     )
     monkeypatch.setattr(hf, "export_parts", lambda: [part])

@@ -95,7 +95,7 @@ def test_a_standard_layer_runs_within_its_operator_budget(megatron_world):
 def test_the_count_sees_one_extra_operator(megatron_world, monkeypatch):
     """What the budget guards against: one gratuitous copy in the layer's forward is one
     more operator (its backward passes the gradient through)."""
-    from t2train.residual.standard import AdditiveResidual
+    from t2train.residual.standard.layers import AdditiveResidual
 
     layer, hidden, rotary = _layer_and_inputs(megatron_world)
     before = sum(_count(layer, hidden, rotary).values())
@@ -111,7 +111,7 @@ def test_the_count_sees_one_extra_operator(megatron_world, monkeypatch):
 def test_the_budget_sees_an_fp32_round_trip(megatron_world, monkeypatch):
     """A residual write that goes through fp32 and back, free in an fp32 model, costs six
     casts per sublayer in bf16 (three forward, three backward) and breaks the budget."""
-    from t2train.residual.standard import AdditiveResidual
+    from t2train.residual.standard.layers import AdditiveResidual
 
     monkeypatch.setattr(
         AdditiveResidual,

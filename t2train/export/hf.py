@@ -70,7 +70,7 @@ def export_hf(
         raise UserInputError(
             f"{checkpoint.path}: model.residual={model_config.residual!r} has "
             "no Hugging Face modeling code yet (no export part "
-            "t2train/residual/<module>_hf.py; the modeling file implements "
+            "t2train/residual/<design>/hf.py; the modeling file implements "
             + ", ".join(sorted(residual_hf.modeling_designs()))
             + ")"
         )

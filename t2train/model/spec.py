@@ -13,7 +13,7 @@ from t2train.residual import get_design, mixer, sublayer_names
 def decoder_layer_spec(model) -> ModuleSpec:
     """The layer spec for a ``ModelConfig``: Megatron's local modules, the residual design's
     operator on every sublayer, its layer entry, and the local mixer's sublayer when on."""
-    design = get_design(model.residual)
+    design = get_design(model.residual).modules()
     names = sublayer_names(model)
     mixes = len(names) == 3  # the mixer's sublayer comes first
     residual = {
@@ -31,7 +31,7 @@ def decoder_layer_spec(model) -> ModuleSpec:
             mlp_residual=residual["mlp"],
             layer_entry=design.layer_entry,
             pre_attention_layernorm=RMSNorm if mixes else None,
-            pre_attention=mixer().spec() if mixes else None,
+            pre_attention=mixer().module_spec() if mixes else None,
             pre_attention_residual=residual[names[0]] if mixes else None,
         ),
     )

@@ -99,7 +99,7 @@ def plan_hops(tf_config) -> HopPlan:
 
     The stream that names the units is built without its first and last chunks' modules, so
     making the plan creates no parameters and draws no random numbers."""
-    stream = get_design(tf_config.t2_model.residual).stream(tf_config, False, False, 0)
+    stream = get_design(tf_config.t2_model.residual).modules().stream(tf_config, False, False, 0)
     pipeline = tf_config.pipeline_model_parallel_size
     chunks = pipeline * (tf_config.virtual_pipeline_model_parallel_size or 1)
     return HopPlan(

@@ -3,24 +3,33 @@
 Two independent choices make a model's residual stream:
 
 * the residual operator, ``model.residual``: how each sublayer reads its input from the stream
-  and writes its output back, and what the stream carries (a ``ResidualDesign``, ``base.py``);
+  and writes its output back, and what the stream carries (a ``ResidualDesign``);
 * the local mixer: a sequence-axis ShortSWA sublayer before attention, on when
   ``model.shortswa.window > 0``, written through the chosen operator like any sublayer.
 
 A combination is labelled ``<design>`` or ``<design>+shortswa`` (``variant_label``); the
 same spelling selects it in ``t2train bench step`` and ``t2train experiment compare``.
 
-Adding a design: one module here with a ``ResidualDesign``, one line in ``_DESIGNS``, its
-export part ``<module>_hf.py`` beside it, and its tests (docs/residuals.md, "How to add a
-design"); a fused kernel adds its ``Kernel`` declaration to the design's module and one entry
-in ``kernel_table()``. Modules are imported on first use.
+A design is a folder here: ``<design>/__init__.py`` declares it (a ``ResidualDesign``: its
+options, config rules, counts and diagnostics; light, no torch), ``<design>/layers.py`` holds
+its training modules and the ``Kernel`` declarations of its fused kernels (``KERNELS``), and
+``<design>/hf.py`` its export part. Adding one: the folder, one line in ``_DESIGNS``, and its
+tests (docs/residuals.md, "How to add a design"). Shared pieces: ``declaration.py`` (what a
+design declares), ``base.py`` (the module interfaces), ``sublayers.py`` (the mixer switch
+and the sublayer order), ``streams.py`` (the n-stream pieces `hc` and `mhc` share),
+``window_attention.py`` (the window-attention operator of the mixer and `depth_attn`).
 """
 
 from __future__ import annotations
 
 import importlib
 
-_DESIGNS = {  # name -> (module, attribute)
+from t2train.residual.declaration import ResidualDesign
+from t2train.residual.sublayers import mixer as mixer
+from t2train.residual.sublayers import mixer_on as mixer_on
+from t2train.residual.sublayers import sublayer_names as sublayer_names
+
+_DESIGNS = {  # name -> (folder package, its declaration)
     "standard": ("t2train.residual.standard", "DESIGN"),
     "ddl": ("t2train.residual.ddl", "DESIGN"),
     "depth_attn": ("t2train.residual.depth_attn", "DESIGN"),
@@ -30,7 +39,6 @@ _DESIGNS = {  # name -> (module, attribute)
     "mhc": ("t2train.residual.mhc", "DESIGN"),
 }
 BASELINE = "standard"  # the default design, and the one benchmarks compare against
-_MIXER = ("t2train.residual.shortswa", "MIXER")
 # Old spellings: name -> (design, window the mixer gets when the config leaves it at 0).
 _ALIASES = {"shortswa": ("standard", 128)}  # shortswa was a design of its own (config format 1)
 
@@ -39,12 +47,12 @@ def registered() -> tuple[str, ...]:
     return tuple(_DESIGNS)
 
 
-def design_module(name: str) -> str:
-    """The module that implements design ``name`` (its export part is ``<module>_hf.py``)."""
+def design_folder(name: str) -> str:
+    """The package (folder) of design ``name``: its declaration; ``.layers``, ``.hf``."""
     return _DESIGNS[name][0]
 
 
-def get_design(name: str):
+def get_design(name: str) -> ResidualDesign:
     """The ``ResidualDesign`` registered under ``name``."""
     if name not in _DESIGNS:
         raise KeyError(
@@ -54,32 +62,17 @@ def get_design(name: str):
     return getattr(importlib.import_module(module), attribute)
 
 
-def mixer():
-    """The ``LocalMixer`` (ShortSWA)."""
-    module, attribute = _MIXER
-    return getattr(importlib.import_module(module), attribute)
-
-
 def kernel_table() -> dict:
     """The kernel table: every fused Triton kernel by name, a ``t2train.kernels.dispatch.
-    Kernel`` (name, Triton function, PyTorch reference) declared once beside its reference.
-    The dispatch routes each declaration; the tests and ``t2train.bench.kernels`` read this."""
-    from t2train.nn import precision  # noqa: PLC0415 - the designs import this registry
-    from t2train.residual import attnres, ddl, hc, mhc, window_attention  # noqa: PLC0415 - the designs import this registry
+    Kernel`` (name, Triton function, PyTorch reference) declared once beside its reference:
+    the shared ones, then each design's and the mixer's ``layers.KERNELS``. The dispatch
+    routes each declaration; the tests and ``t2train.bench.kernels`` read this."""
+    from t2train.nn import precision  # noqa: PLC0415 - torch: not for the config's readers
+    from t2train.residual import window_attention  # noqa: PLC0415 - torch: not for the config's readers
 
-    table = [
-        window_attention.WINDOW_ATTENTION,
-        ddl.DELTA_WRITE,
-        precision.FP32_LINEAR,
-        precision.RMS_FP32_LINEAR,
-        attnres.DEPTH_MIX,
-        attnres.BLOCK_PHASE_1,
-        attnres.BLOCK_PHASE_2,
-        mhc.STREAM_READ,
-        mhc.STREAM_WRITE,
-        hc.HC_READ,
-        hc.HC_WRITE,
-    ]
+    table = [window_attention.WINDOW_ATTENTION, precision.FP32_LINEAR, precision.RMS_FP32_LINEAR]
+    for layers in dict.fromkeys([get_design(name).layers for name in _DESIGNS] + [mixer().layers]):
+        table += importlib.import_module(layers).KERNELS
     return {kernel.name: kernel for kernel in table}
 
 
@@ -87,26 +80,14 @@ def option_sections() -> dict[str, type]:
     """``model.<section>`` -> its options dataclass, for every design and the mixer."""
     sections: dict[str, type] = {}
     for component in [get_design(name) for name in _DESIGNS] + [mixer()]:
-        if component.section is not None:
+        if component.section is not None and component.options is not None:
             sections.setdefault(component.section, component.options)
     return sections
-
-
-def mixer_on(model) -> bool:
-    """``model``: a ``ModelConfig``, or the ``model`` mapping of a saved config."""
-    if isinstance(model, dict):
-        return mixer().options(**(model.get(mixer().section) or {})).enabled()
-    return getattr(model, mixer().section).enabled()
 
 
 def components(model) -> list:
     """The residual design and, when on, the local mixer: what a model adds to `standard`."""
     return [get_design(model.residual)] + ([mixer()] if mixer_on(model) else [])
-
-
-def sublayer_names(model) -> tuple[str, ...]:
-    """The sublayers of every layer, in order (``SublayerResidual.position`` indexes them)."""
-    return ((mixer().name,) if mixer_on(model) else ()) + ("attn", "mlp")
 
 
 def variant_label(model) -> str:

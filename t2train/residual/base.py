@@ -16,16 +16,15 @@ recompute. ``unit_ids`` names each unit: an id for a unit that never changes onc
 (an earlier layer's state, an AttnRes source), which a rank may keep and not receive again
 (the depth cache, ``t2train/parallel/depth_cache.py``); None for one that changes.
 
-Everything else a design needs is reached through its ``ResidualDesign``: its config section
-(``options``, read from ``model.<section>``), the rules it adds to the config, its parameter
-and FLOP counts, and how its diagnostics are written. Nothing outside ``t2train/residual/``
-names a design (``tests/test_design_names.py``).
+Everything else a design needs is in its declaration (``ResidualDesign``,
+``declaration.py``): its config section (``options``, read from ``model.<section>``), the
+rules it adds to the config, its parameter and FLOP counts, and how its diagnostics are
+written. Nothing outside ``t2train/residual/`` names a design (``tests/test_design_names.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any
 
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
@@ -100,75 +99,3 @@ def mark_replicated(module, config) -> None:
     """
     for param in module.parameters():
         param.sequence_parallel = config.sequence_parallel
-
-
-class DiagnosticsWriter(Protocol):
-    """What a design's diagnostics writer may emit (``t2train/monitor/diagnostics.py``)."""
-
-    def scalars(self, step: int, values: dict) -> None: ...
-
-    def histogram(self, step: int, tag: str, values) -> None: ...
-
-    def heatmap(
-        self,
-        step: int,
-        tag: str,
-        matrix,
-        rows: list,
-        columns: list,
-        title: str,
-        xlabel: str,
-        ylabel: str,
-    ) -> None: ...
-
-
-def no_extra(_model_config) -> int:
-    return 0
-
-
-def no_rules(_config) -> None:
-    return None
-
-
-def no_diagnostics(_writer: DiagnosticsWriter, _step: int, _records: dict, _model) -> None:
-    return None
-
-
-@dataclass(frozen=True)
-class ResidualDesign:
-    """A named residual operator: its modules, config section, cost model and source.
-
-    Counts take the ``ModelConfig`` (the local mixer adds a sublayer per layer, which a
-    design that works per sublayer also pays for); ``tensor_parallel_parameters`` is the part
-    of ``extra_parameters`` split across tensor-parallel ranks (for the planner).
-    """
-
-    name: str
-    stream: type
-    sublayer: type
-    reference: str
-    extra_parameters: Callable = no_extra
-    extra_flops_per_token: Callable = no_extra
-    tensor_parallel_parameters: Callable = no_extra
-    layer_entry: Optional[type] = None  # module whose begin(state) runs before the sublayers
-    section: Optional[str] = None  # its options live in model.<section> (shared by siblings)
-    options: Optional[type] = None  # dataclass with validate(prefix); one per section
-    check: Callable = no_rules  # (Config) -> None: rules across sections, ConfigError if broken
-    write_diagnostics: Callable = no_diagnostics  # (writer, step, records, ModelConfig)
-
-
-@dataclass(frozen=True)
-class LocalMixer:
-    """A sequence-axis sublayer placed before attention in every layer, combinable with every
-    residual design: its output is written to the stream through the design's operator."""
-
-    name: str
-    section: str
-    options: type  # dataclass with validate(prefix) and enabled()
-    spec: Callable  # () -> ModuleSpec of the sublayer (built with config, layer_number, ...)
-    reference: str
-    extra_parameters: Callable = no_extra
-    extra_flops_per_token: Callable = no_extra
-    tensor_parallel_parameters: Callable = no_extra
-    check: Callable = no_rules
-    write_diagnostics: Callable = no_diagnostics

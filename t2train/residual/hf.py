@@ -4,8 +4,8 @@
   architecture, which transformers loads with no code of ours;
 * every other design and combination runs through one standalone modeling file, written
   next to the weights. ``modeling_source()`` assembles it from ``hf_modeling.py`` (the
-  config, the shared blocks, the decoder) and each design's export part, ``<module>_hf.py``
-  beside the design's training module, so a design's math has one place;
+  config, the shared blocks, the decoder) and each design's export part, ``hf.py`` in the
+  design's folder beside its training modules;
   ``config_fields(model)`` are the fields its config reads, ``modeling_designs()`` the
   designs it implements, ``modeling_module()`` the assembled file imported in-process.
 
@@ -25,7 +25,7 @@ import types
 from dataclasses import asdict
 from pathlib import Path
 
-from t2train.residual import BASELINE, design_module, get_design, mixer, mixer_on, registered
+from t2train.residual import BASELINE, design_folder, get_design, mixer, mixer_on, registered
 
 MODELING_FILE = Path(__file__).with_name("hf_modeling.py")
 DESIGNS_LINE = "DESIGNS: dict = {}"  # in hf_modeling.py; the parts' code goes after it
@@ -50,10 +50,10 @@ def config_fields(model) -> dict:
 
 
 def export_parts() -> list[Path]:
-    """The export part of each registered design's module that has one, in registry order (a
+    """The export part of each registered design's folder that has one, in registry order (a
     part may use the names of the parts before it)."""
-    names = dict.fromkeys(design_module(name).rsplit(".", 1)[-1] for name in registered())
-    paths = [MODELING_FILE.with_name(f"{name}_hf.py") for name in names]
+    folders = dict.fromkeys(design_folder(name).rsplit(".", 1)[-1] for name in registered())
+    paths = [MODELING_FILE.parent / folder / "hf.py" for folder in folders]
     return [path for path in paths if path.exists()]
 
 
@@ -90,7 +90,8 @@ def _defined_in_the_file(node: ast.ImportFrom, path: Path) -> bool:
     if node.level or not module.startswith("t2train"):
         return False
     last = module.rsplit(".", 1)[-1]
-    if module.startswith("t2train.residual.") and (last == "hf_modeling" or last.endswith("_hf")):
+    folder_part = module.startswith("t2train.residual.") and module.count(".") == 3 and last == "hf"
+    if module == "t2train.residual.hf_modeling" or folder_part:
         return True
     raise RuntimeError(
         f"{path}: imports {module}; an export part may import only torch, the "
@@ -119,7 +120,9 @@ def _part(path: Path) -> tuple[Imports, str]:
         + lines[table.end_lineno :]
     )
     designs = ", ".join(_table_keys(table))
-    return imports, "\n".join([f"# --- {designs}: t2train/residual/{path.name}", *code]).strip()
+    return imports, "\n".join(
+        [f"# --- {designs}: t2train/residual/{path.parent.name}/{path.name}", *code]
+    ).strip()
 
 
 def _import_block(imports: Imports) -> list[str]:

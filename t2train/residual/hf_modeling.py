@@ -1,7 +1,7 @@
 """A t2train decoder for Hugging Face transformers (``trust_remote_code=True``).
 
 `t2train export hf` writes this file next to the exported weights as ``modeling_t2train.py``,
-with every design's export part (``t2train/residual/<module>_hf.py``, beside the design's
+with every design's export part (``t2train/residual/<design>/hf.py``, beside the design's
 training module) inserted where the designs go (``t2train.residual.hf.modeling_source``); it
 imports only torch and transformers. It is the math of t2train's training modules
 (``t2train/residual/*.py`` and Megatron's attention and MLP) written out for reading, on
@@ -161,7 +161,7 @@ def at_least_fp32(t: Tensor) -> Tensor:
 
 
 # --- the designs: each one's export part, beside its training module -------------------------
-# (t2train/residual/<module>_hf.py; ``t2train.residual.hf`` inserts them below this line)
+# (t2train/residual/<design>/hf.py; ``t2train.residual.hf`` inserts them below this line)
 
 DESIGNS: dict = {}  # model.residual -> (stream, sublayer residual, layer entry or None)
 

@@ -1,9 +1,9 @@
-"""Triton two-phase Block AttnRes vs ``t2train.residual.attnres.depth_mix`` (interpreter)."""
+"""Triton two-phase Block AttnRes vs ``t2train.residual.attnres.layers.depth_mix`` (interpreter)."""
 
 import pytest
 import torch
 
-from t2train.residual.attnres import depth_mix, mix_sources
+from t2train.residual.attnres.layers import depth_mix, mix_sources
 
 from kernel_checks import DEVICE, assert_matches
 

@@ -1,9 +1,9 @@
-"""Triton DDL write vs ``t2train.residual.ddl.delta_write`` (interpreter on CPU)."""
+"""Triton DDL write vs ``t2train.residual.ddl.layers.delta_write`` (interpreter on CPU)."""
 
 import pytest
 import torch
 
-from t2train.residual.ddl import delta_write, write_delta
+from t2train.residual.ddl.layers import delta_write, write_delta
 
 from kernel_checks import DEVICE, assert_matches
 

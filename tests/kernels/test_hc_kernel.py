@@ -41,13 +41,13 @@ def _paper_write(state, residual, beta, out):
 
 
 def _read(state, read):
-    from t2train.residual.hc import HC_READ
+    from t2train.residual.hc.layers import HC_READ
 
     return dispatch.route(HC_READ, state)(state, read)
 
 
 def _write(state, residual, beta, out):
-    from t2train.residual.hc import HC_WRITE
+    from t2train.residual.hc.layers import HC_WRITE
 
     return dispatch.route(HC_WRITE, state, out)(state, residual, beta, out)
 

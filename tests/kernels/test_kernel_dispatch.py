@@ -6,8 +6,8 @@ import torch
 
 from t2train.kernels import dispatch
 from t2train.nn.precision import fp32_linear
-from t2train.residual.attnres import mix_sources
-from t2train.residual.ddl import write_delta
+from t2train.residual.attnres.layers import mix_sources
+from t2train.residual.ddl.layers import write_delta
 from t2train.residual.window_attention import attend_window
 
 from kernel_checks import BACKWARD_NODES, graph_nodes

@@ -6,7 +6,7 @@ the kernel and the design's PyTorch reference fails here."""
 import pytest
 import torch
 
-from t2train.residual.mhc import read_streams, stream_read, stream_write, write_streams
+from t2train.residual.mhc.layers import read_streams, stream_read, stream_write, write_streams
 
 from kernel_checks import DEVICE, assert_matches, run_kernels
 

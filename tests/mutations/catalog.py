@@ -13,11 +13,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-REF_DDL = "t2train/residual/ddl.py"
+REF_DDL = "t2train/residual/ddl/layers.py"
 REF_WINDOW = "t2train/residual/window_attention.py"
-REF_DEPTH = "t2train/residual/depth_attn.py"
-REF_ATTNRES = "t2train/residual/attnres.py"
-REF_STANDARD = "t2train/residual/standard.py"
+REF_DEPTH = "t2train/residual/depth_attn/layers.py"
+REF_ATTNRES = "t2train/residual/attnres/layers.py"
+REF_STANDARD = "t2train/residual/standard/layers.py"
 DISPATCH = "kernels/dispatch.py"
 K_DDL = "kernels/ddl_update.py"
 K_WINDOW = "kernels/window_attention.py"
@@ -25,8 +25,9 @@ K_ATTNRES = "kernels/depth_mix.py"
 K_GATES = "kernels/fp32_linear.py"
 K_STREAMS = "kernels/stream_mix.py"
 LAYER = "t2train/model/layer.py"
-REF_HC = "t2train/residual/hc.py"
-REF_MHC = "t2train/residual/mhc.py"
+REF_HC = "t2train/residual/hc/layers.py"
+REF_MHC = "t2train/residual/mhc/layers.py"
+STREAMS = "t2train/residual/streams.py"
 
 
 @dataclass(frozen=True)
@@ -405,7 +406,7 @@ MUTATIONS = [
         "hc",
         "the HC/mHC write drops the sublayer output out again after the layer did",
         (
-            REF_HC,
+            STREAMS,
             "        return self.depth_connection(state, pending, out)",
             "        out = torch.nn.functional.dropout(out, p=self.config.hidden_dropout,\n"
             "                                          training=self.training)\n"

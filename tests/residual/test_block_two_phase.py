@@ -14,7 +14,7 @@ import torch
 from t2train.config.loader import load_config
 from t2train.kernels import dispatch
 from t2train.model.build import build_model_chunks, transformer_config
-from t2train.residual.attnres import BlockAttnResidual, mix_sources
+from t2train.residual.attnres.layers import BlockAttnResidual, mix_sources
 
 BASE = [
     "data.path=unused",

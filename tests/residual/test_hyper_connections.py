@@ -196,7 +196,7 @@ def test_mhc_residual_mixing_is_doubly_stochastic(megatron_world):
     """After 20 iterations on logits spread over about 2 (gates 0.2, biases moved by 0.5):
     rows and columns sum to 1 within 1e-6. (Rows are exact by construction, T_r runs last;
     columns converge more slowly for wider spreads, arXiv 2601.05732.)"""
-    from t2train.residual.mhc import sinkhorn
+    from t2train.residual.mhc.layers import sinkhorn
 
     layer = _model("mhc", "model.shortswa.window=3").decoder.layers[0]
     H = _streams(4)
@@ -217,7 +217,7 @@ def test_mhc_residual_mixing_is_doubly_stochastic(megatron_world):
 def test_with_one_stream_both_are_gated_standard_residuals(megatron_world):
     """n = 1: HC is h' = A_r h + B F(Norm(A_m h)) with three (dynamic) scalar gates; mHC is
     x' = x + 2 sigmoid(q) F(Norm(sigmoid(p) x)), since Sinkhorn of a 1 x 1 matrix is 1."""
-    from t2train.residual.mhc import sinkhorn
+    from t2train.residual.mhc.layers import sinkhorn
 
     torch.testing.assert_close(
         sinkhorn(torch.randn(5, 1, 1, dtype=torch.float64), 20),
@@ -305,7 +305,7 @@ def test_the_stream_crosses_a_hop_as_n_units(megatron_world, design, n):
             "train.global_batch_size=2",
         ]
     )
-    stream = get_design(design).stream(transformer_config(config), False, False, 2)
+    stream = get_design(design).modules().stream(transformer_config(config), False, False, 2)
     state = _streams(n)
     units = stream.to_units(state)
     assert len(units) == n == len(stream.unit_ids(2)) and stream.unit_ids(2) == [None] * n

@@ -13,7 +13,7 @@ import torch
 from t2train.config.loader import load_config
 from t2train.config.schema import ConfigError
 from t2train.model.build import build_model_chunks, transformer_config
-from t2train.residual import mhc
+from t2train.residual.mhc import layers as mhc
 
 SHAPE = [
     "data.path=unused",

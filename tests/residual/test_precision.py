@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from t2train.config.loader import load_config
 from t2train.model.build import transformer_config
 from t2train.nn.precision import fp32_linear
-from t2train.residual import attnres, ddl
+from t2train.residual.attnres import layers as attnres
+from t2train.residual.ddl import layers as ddl
 
 BF16 = torch.bfloat16
 

@@ -1,13 +1,10 @@
-"""`standard`: the pre-norm additive residual, x <- x + f(Norm(x)).
-
-The stream state is the hidden tensor [s, b, h]; one unit crosses each pipeline hop.
-"""
+"""The training modules of `standard` (the design and its math: ``__init__.py``)."""
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from t2train.residual.base import ResidualDesign, ResidualStream, SublayerResidual, no_extra
+from t2train.residual.base import ResidualStream, SublayerResidual
 
 
 class AdditiveResidual(SublayerResidual):
@@ -34,11 +31,4 @@ class HiddenStateStream(ResidualStream):
         return units[0]
 
 
-DESIGN = ResidualDesign(
-    name="standard",
-    stream=HiddenStateStream,
-    sublayer=AdditiveResidual,
-    reference="pre-norm residual (Xiong et al. 2020, arXiv 2002.04745)",
-    extra_parameters=no_extra,
-    extra_flops_per_token=no_extra,
-)
+KERNELS = ()  # the fused kernels this design declares (the registry's kernel table)

@@ -2,7 +2,7 @@
 (arXiv 2603.15031), on [batch, seq, hidden].
 
 An export part (``t2train/residual/hf.py`` says how it is assembled); its parameters are
-named as in ``attnres.py``.
+named as in ``layers.py``.
 """
 
 from __future__ import annotations

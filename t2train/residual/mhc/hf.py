@@ -1,8 +1,8 @@
 """``mhc`` for the Hugging Face export: Manifold-constrained Hyper-Connections
-(arXiv 2512.24880), on [n, batch, seq, hidden] states (the streams of ``hc_hf.py``).
+(arXiv 2512.24880), on [n, batch, seq, hidden] states (the streams of ``hc/hf.py``).
 
 An export part (``t2train/residual/hf.py`` says how it is assembled); its parameters are
-named as in ``mhc.py``.
+named as in ``layers.py``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from t2train.residual.hc_hf import StreamCopies, StreamMixResidual
+from t2train.residual.hc.hf import StreamCopies, StreamMixResidual
 from t2train.residual.hf_modeling import T2TrainConfig, at_least_fp32
 
 

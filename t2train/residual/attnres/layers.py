@@ -1,82 +1,17 @@
-"""`attnres` and `block_attnres`: Attention Residuals (Kimi Team, arXiv 2603.15031).
-
-Every sublayer (attention and MLP each count as a layer l) reads its input as a softmax
-mixture over depth sources instead of the running sum:
-
-    h_l = sum_i alpha_{i->l} v_i,  alpha_{i->l} = softmax_i(w_l . RMSNorm(v_i))
-
-with w_l a learned pseudo-query, zero-initialised (uniform weights at the start), RMSNorm
-weight-free and on the keys only, no temperature. The sublayer output f_l(Norm(h_l)) becomes
-a new source.
-
-* `attnres` (Full): sources are the embedding v_0 and every earlier sublayer output.
-* `block_attnres` (Block): sublayer outputs are summed within blocks of S sublayers
-  (``model.attnres.block_size``); sources are the embedding, the completed block sums and
-  the current block's partial sum. S = 1 is Full.
-
-With the local mixer on, its ShortSWA sublayer is a sublayer like attention and the MLP: it
-reads a mixture and its output is a source (three sublayers per layer instead of two).
-
-The final norm reads a last mixture with its own pseudo-query. The stream state is
-``AttnResState(sources, partial)``; a pipeline hop carries all of it.
-"""
+"""The training modules of `attnres` (the design and its math: ``__init__.py``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from t2train.errors import require
 from t2train.kernels import dispatch
 from t2train.nn import probe
 from t2train.nn.precision import at_least_fp32
-from t2train.residual import mixer, mixer_on, sublayer_names
-from t2train.residual.base import (
-    ResidualDesign,
-    ResidualStream,
-    SublayerResidual,
-    mark_replicated,
-)
-
-
-@dataclass
-class AttnResOptions:
-    """``model.attnres`` (both AttnRes designs): softmax mixing over earlier sublayer outputs."""
-
-    block_size: int = 4  # `block_attnres`: sublayers per block (every sublayer counts)
-    eps: float = 1e-6  # of the weight-free RMSNorm on keys
-
-    def validate(self, prefix: str) -> None:
-        require(self.block_size >= 1, f"{prefix}.block_size", self.block_size, "must be >= 1")
-        require(self.eps > 0, f"{prefix}.eps", self.eps, "must be > 0")
-
-
-def _sublayers_per_layer(model) -> int:
-    return len(sublayer_names(model))
-
-
-def check_blocks(config) -> None:
-    """Blocks tile the sublayers exactly (the last one closes at the final read)."""
-    model = config.model
-    per_layer = _sublayers_per_layer(model)
-    mixing = (
-        f"; model.{mixer().section}.window={getattr(model, mixer().section).window} adds "
-        "a sublayer per layer"
-        if mixer_on(model)
-        else ""
-    )
-    require(
-        (per_layer * model.num_layers) % model.attnres.block_size == 0,
-        "model.attnres.block_size",
-        model.attnres.block_size,
-        f"must divide the number of sublayers {per_layer} x model.num_layers = "
-        f"{per_layer * model.num_layers} ({', '.join(sublayer_names(model))} per layer"
-        f"{mixing})",
-    )
+from t2train.residual.attnres import sublayers_per_layer
+from t2train.residual.base import ResidualStream, SublayerResidual, mark_replicated
 
 
 class AttnResState(NamedTuple):
@@ -192,7 +127,7 @@ class BlockAttnResidual(SublayerResidual):
         super().__init__(config, layer_number, position)
         self.query = _pseudo_query(config)
         self.eps = config.t2_model.attnres.eps
-        per_layer = _sublayers_per_layer(config.t2_model)
+        per_layer = sublayers_per_layer(config.t2_model)
         self.index = per_layer * (layer_number - 1) + position  # 0-based, global
         self.block_size = config.t2_model.attnres.block_size
         self.block_mates = [self]  # this and the block's later reads in the chunk, in order
@@ -267,7 +202,7 @@ class AttnResStream(ResidualStream):
         super().__init__(config, pre_process, post_process, first_layer)
         self.block_size = block_size or config.t2_model.attnres.block_size
         self.eps = config.t2_model.attnres.eps
-        self.per_layer = _sublayers_per_layer(config.t2_model)
+        self.per_layer = sublayers_per_layer(config.t2_model)
         if post_process:
             self.final_query = _pseudo_query(config)
         mark_replicated(self, config)
@@ -311,80 +246,8 @@ class FullAttnResStream(AttnResStream):
         super().__init__(config, pre_process, post_process, first_layer, block_size=1)
 
 
-def _source_counts(model, block_size: int) -> list[int]:
-    """Sources each sublayer reads, and the final read last."""
-    counts = []
-    for index in range(_sublayers_per_layer(model) * model.num_layers + 1):
-        counts.append(1 + index // block_size + (1 if index % block_size else 0))
-    return counts
-
-
-def extra_parameters(model) -> int:
-    reads = _sublayers_per_layer(model) * model.num_layers + 1  # and the final norm's
-    return reads * model.hidden_size  # one pseudo-query per read
-
-
-def extra_flops_for(block_size_of):
-    def extra_flops_per_token(model) -> int:
-        """Per read and source: RMS (2h), score (2h), weighted sum (2h)."""
-        return sum(6 * model.hidden_size * n for n in _source_counts(model, block_size_of(model)))
-
-    return extra_flops_per_token
-
-
-def diagnostics_for(source_names):
-    def write_diagnostics(writer, step: int, records: dict, model) -> None:
-        """``diagnostics/depth_attention``: the mean weight of each read (every sublayer, then
-        the final norm; rows) on each source (columns; 0 is the embedding)."""
-        if "attnres" not in records:
-            return
-        weights = records["attnres"]
-        names = sublayer_names(model)
-        sublayer = [
-            f"layer_{i // len(names) + 1:02d}.{names[i % len(names)]}"
-            for i in range(len(names) * model.num_layers)
-        ]
-        sources = max(len(row) for row in weights.values())
-        matrix = np.full((len(sublayer) + 1, sources), np.nan)
-        for read, row in weights.items():
-            matrix[read, : len(row)] = row.numpy()
-        writer.heatmap(
-            step,
-            "diagnostics/depth_attention",
-            matrix,
-            sublayer + ["final"],
-            ["emb"] + source_names(sublayer, sources - 1),
-            f"{model.residual}: mean attention over depth, step {step}",
-            "source",
-            "reading sublayer",
-        )
-
-    return write_diagnostics
-
-
-FULL = ResidualDesign(
-    name="attnres",
-    stream=FullAttnResStream,
-    sublayer=FullAttnResidual,
-    reference="Attention Residuals (Full), Kimi Team, arXiv 2603.15031",
-    extra_parameters=extra_parameters,
-    extra_flops_per_token=extra_flops_for(lambda model: 1),
-    section="attnres",
-    options=AttnResOptions,
-    write_diagnostics=diagnostics_for(lambda sublayers, count: sublayers[:count]),
-)
-
-BLOCK = ResidualDesign(
-    name="block_attnres",
-    stream=AttnResStream,
-    sublayer=BlockAttnResidual,
-    reference="Attention Residuals (Block), Kimi Team, arXiv 2603.15031",
-    extra_parameters=extra_parameters,
-    extra_flops_per_token=extra_flops_for(lambda model: model.attnres.block_size),
-    section="attnres",
-    options=AttnResOptions,
-    check=check_blocks,
-    write_diagnostics=diagnostics_for(
-        lambda sublayers, count: [f"block {i}" for i in range(1, count + 1)]
-    ),
-)
+KERNELS = (
+    DEPTH_MIX,
+    BLOCK_PHASE_1,
+    BLOCK_PHASE_2,
+)  # the fused kernels this design declares (the registry's kernel table)

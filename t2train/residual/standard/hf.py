@@ -1,7 +1,7 @@
 """``standard`` for the Hugging Face export: x <- x + f(norm(x)), on [batch, seq, hidden].
 
 An export part (``t2train/residual/hf.py`` says how it is assembled); its parameters are
-named as in ``standard.py``.
+named as in ``layers.py``.
 """
 
 from __future__ import annotations

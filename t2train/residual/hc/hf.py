@@ -2,7 +2,7 @@
 (arXiv 2409.19606), on [n, batch, seq, hidden] states.
 
 An export part (``t2train/residual/hf.py`` says how it is assembled); its parameters are
-named as in ``hc.py``.
+named as in ``layers.py``.
 """
 
 from __future__ import annotations

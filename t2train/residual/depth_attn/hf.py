@@ -2,7 +2,7 @@
 states (arXiv 2603.16039), on [batch, seq, hidden].
 
 An export part (``t2train/residual/hf.py`` says how it is assembled); its parameters are
-named as in ``depth_attn.py``.
+named as in ``layers.py``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,149 @@
+"""`attnres` and `block_attnres`: Attention Residuals (Kimi Team, arXiv 2603.15031).
+
+Every sublayer (attention and MLP each count as a layer l) reads its input as a softmax
+mixture over depth sources instead of the running sum:
+
+    h_l = sum_i alpha_{i->l} v_i,  alpha_{i->l} = softmax_i(w_l . RMSNorm(v_i))
+
+with w_l a learned pseudo-query, zero-initialised (uniform weights at the start), RMSNorm
+weight-free and on the keys only, no temperature. The sublayer output f_l(Norm(h_l)) becomes
+a new source.
+
+* `attnres` (Full): sources are the embedding v_0 and every earlier sublayer output.
+* `block_attnres` (Block): sublayer outputs are summed within blocks of S sublayers
+  (``model.attnres.block_size``); sources are the embedding, the completed block sums and
+  the current block's partial sum. S = 1 is Full.
+
+With the local mixer on, its ShortSWA sublayer is a sublayer like attention and the MLP: it
+reads a mixture and its output is a source (three sublayers per layer instead of two).
+
+The final norm reads a last mixture with its own pseudo-query. The stream state is
+``AttnResState(sources, partial)``; a pipeline hop carries all of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from t2train.errors import require
+from t2train.residual.declaration import ResidualDesign
+from t2train.residual.sublayers import mixer, mixer_on, sublayer_names
+
+
+@dataclass
+class AttnResOptions:
+    """``model.attnres`` (both AttnRes designs): softmax mixing over earlier sublayer outputs."""
+
+    block_size: int = 4  # `block_attnres`: sublayers per block (every sublayer counts)
+    eps: float = 1e-6  # of the weight-free RMSNorm on keys
+
+    def validate(self, prefix: str) -> None:
+        require(self.block_size >= 1, f"{prefix}.block_size", self.block_size, "must be >= 1")
+        require(self.eps > 0, f"{prefix}.eps", self.eps, "must be > 0")
+
+
+def sublayers_per_layer(model) -> int:
+    return len(sublayer_names(model))
+
+
+def check_blocks(config) -> None:
+    """Blocks tile the sublayers exactly (the last one closes at the final read)."""
+    model = config.model
+    per_layer = sublayers_per_layer(model)
+    mixing = (
+        f"; model.{mixer().section}.window={getattr(model, mixer().section).window} adds "
+        "a sublayer per layer"
+        if mixer_on(model)
+        else ""
+    )
+    require(
+        (per_layer * model.num_layers) % model.attnres.block_size == 0,
+        "model.attnres.block_size",
+        model.attnres.block_size,
+        f"must divide the number of sublayers {per_layer} x model.num_layers = "
+        f"{per_layer * model.num_layers} ({', '.join(sublayer_names(model))} per layer"
+        f"{mixing})",
+    )
+
+
+def _source_counts(model, block_size: int) -> list[int]:
+    """Sources each sublayer reads, and the final read last."""
+    counts = []
+    for index in range(sublayers_per_layer(model) * model.num_layers + 1):
+        counts.append(1 + index // block_size + (1 if index % block_size else 0))
+    return counts
+
+
+def extra_parameters(model) -> int:
+    reads = sublayers_per_layer(model) * model.num_layers + 1  # and the final norm's
+    return reads * model.hidden_size  # one pseudo-query per read
+
+
+def extra_flops_for(block_size_of):
+    def extra_flops_per_token(model) -> int:
+        """Per read and source: RMS (2h), score (2h), weighted sum (2h)."""
+        return sum(6 * model.hidden_size * n for n in _source_counts(model, block_size_of(model)))
+
+    return extra_flops_per_token
+
+
+def diagnostics_for(source_names):
+    def write_diagnostics(writer, step: int, records: dict, model) -> None:
+        """``diagnostics/depth_attention``: the mean weight of each read (every sublayer, then
+        the final norm; rows) on each source (columns; 0 is the embedding)."""
+        if "attnres" not in records:
+            return
+        weights = records["attnres"]
+        names = sublayer_names(model)
+        sublayer = [
+            f"layer_{i // len(names) + 1:02d}.{names[i % len(names)]}"
+            for i in range(len(names) * model.num_layers)
+        ]
+        sources = max(len(row) for row in weights.values())
+        matrix = np.full((len(sublayer) + 1, sources), np.nan)
+        for read, row in weights.items():
+            matrix[read, : len(row)] = row.numpy()
+        writer.heatmap(
+            step,
+            "diagnostics/depth_attention",
+            matrix,
+            sublayer + ["final"],
+            ["emb"] + source_names(sublayer, sources - 1),
+            f"{model.residual}: mean attention over depth, step {step}",
+            "source",
+            "reading sublayer",
+        )
+
+    return write_diagnostics
+
+
+FULL = ResidualDesign(
+    name="attnres",
+    layers="t2train.residual.attnres.layers",
+    stream="FullAttnResStream",
+    sublayer="FullAttnResidual",
+    reference="Attention Residuals (Full), Kimi Team, arXiv 2603.15031",
+    extra_parameters=extra_parameters,
+    extra_flops_per_token=extra_flops_for(lambda model: 1),
+    section="attnres",
+    options=AttnResOptions,
+    write_diagnostics=diagnostics_for(lambda sublayers, count: sublayers[:count]),
+)
+
+BLOCK = ResidualDesign(
+    name="block_attnres",
+    layers="t2train.residual.attnres.layers",
+    stream="AttnResStream",
+    sublayer="BlockAttnResidual",
+    reference="Attention Residuals (Block), Kimi Team, arXiv 2603.15031",
+    extra_parameters=extra_parameters,
+    extra_flops_per_token=extra_flops_for(lambda model: model.attnres.block_size),
+    section="attnres",
+    options=AttnResOptions,
+    check=check_blocks,
+    write_diagnostics=diagnostics_for(
+        lambda sublayers, count: [f"block {i}" for i in range(1, count + 1)]
+    ),
+)

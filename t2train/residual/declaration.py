@@ -1,0 +1,103 @@
+"""What a residual design (and the local mixer) declares: its name, config section and
+options, config rules, parameter and FLOP counts, diagnostics, and where its training modules
+are (``layers``). A declaration imports neither torch nor Megatron-core: the config, the
+planner and the CLI read it without building a model (``tests/test_deferred_import.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Optional, Protocol
+
+
+class DesignModules(NamedTuple):
+    """A design's training modules (``t2train/residual/base.py`` says what each does)."""
+
+    stream: type  # ResidualStream
+    sublayer: type  # SublayerResidual
+    layer_entry: Optional[type]  # a module whose begin(state) runs before the sublayers
+
+
+class DiagnosticsWriter(Protocol):
+    """What a design's diagnostics writer may emit (``t2train/monitor/diagnostics.py``)."""
+
+    def scalars(self, step: int, values: dict) -> None: ...
+
+    def histogram(self, step: int, tag: str, values) -> None: ...
+
+    def heatmap(
+        self,
+        step: int,
+        tag: str,
+        matrix,
+        rows: list,
+        columns: list,
+        title: str,
+        xlabel: str,
+        ylabel: str,
+    ) -> None: ...
+
+
+def no_extra(_model_config) -> int:
+    return 0
+
+
+def no_rules(_config) -> None:
+    return None
+
+
+def no_diagnostics(_writer: DiagnosticsWriter, _step: int, _records: dict, _model) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class ResidualDesign:
+    """A named residual operator: its modules, config section, cost model and source.
+
+    Counts take the ``ModelConfig`` (the local mixer adds a sublayer per layer, which a
+    design that works per sublayer also pays for); ``tensor_parallel_parameters`` is the part
+    of ``extra_parameters`` split across tensor-parallel ranks (for the planner).
+    """
+
+    name: str
+    layers: str  # the module of its training modules, imported when a model is built
+    stream: str  # names in ``layers``: the ResidualStream, the SublayerResidual
+    sublayer: str
+    reference: str
+    extra_parameters: Callable = no_extra
+    extra_flops_per_token: Callable = no_extra
+    tensor_parallel_parameters: Callable = no_extra
+    layer_entry: Optional[str] = None  # in ``layers``: begin(state) runs before the sublayers
+    section: Optional[str] = None  # its options live in model.<section> (shared by siblings)
+    options: Optional[type] = None  # dataclass with validate(prefix); one per section
+    check: Callable = no_rules  # (Config) -> None: rules across sections, ConfigError if broken
+    write_diagnostics: Callable = no_diagnostics  # (writer, step, records, ModelConfig)
+
+    def modules(self) -> DesignModules:
+        """The training modules (imports ``layers``: torch and Megatron-core)."""
+        module = importlib.import_module(self.layers)
+        entry = getattr(module, self.layer_entry) if self.layer_entry else None
+        return DesignModules(getattr(module, self.stream), getattr(module, self.sublayer), entry)
+
+
+@dataclass(frozen=True)
+class LocalMixer:
+    """A sequence-axis sublayer placed before attention in every layer, combinable with every
+    residual design: its output is written to the stream through the design's operator."""
+
+    name: str
+    section: str
+    layers: str  # the module of its training modules
+    options: Any  # dataclass with validate(prefix), enabled() and a default_window
+    spec: str  # in ``layers``: () -> ModuleSpec of the sublayer (config, layer_number, ...)
+    reference: str
+    extra_parameters: Callable = no_extra
+    extra_flops_per_token: Callable = no_extra
+    tensor_parallel_parameters: Callable = no_extra
+    check: Callable = no_rules
+    write_diagnostics: Callable = no_diagnostics
+
+    def module_spec(self):
+        """The sublayer's ModuleSpec (imports ``layers``: torch and Megatron-core)."""
+        return getattr(importlib.import_module(self.layers), self.spec)()

@@ -1,0 +1,96 @@
+"""`depth_attn`: a causal QKV attention read over depth (the dual of ShortSWA).
+
+Residual Stream Duality (arXiv 2603.16039, Sec. 2.2). For token t at layer l, with the
+residual states h^(i) entering layer i (h^(0) = embedding):
+
+    W = [h^(max(0, l-K+1)), ..., h^(l)]              inclusive of the current state,
+    z = softmax(q K^T / sqrt(d_k)) V,  q = W_Q n(h^(l)),  K = n(W) W_K,  V = n(W) W_V
+
+where n is one RMSNorm (the paper leaves normalisation open; pre-norm keeps the projections
+on the same footing as attention's). This is ``short_window_attention`` with window K over
+the depth axis: ``K >= L + 1`` is the full-depth limit.
+
+Where the read enters (the paper leaves it open): as an extra branch at the start of every
+layer, h^(l) <- h^(l) + W_O z, with W_O zero-initialised so the model starts exactly as
+`standard`. Heads are split across tensor-parallel ranks like attention.
+
+The stream state is ``DepthState(history, current)``: the up to K-1 earlier layer inputs
+and the current hidden state. A pipeline hop carries all of them (the depth cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from t2train.errors import require
+from t2train.residual.declaration import ResidualDesign
+
+
+@dataclass
+class DepthAttnOptions:
+    """``model.depth_attn``: a causal QKV read over the token's last K residual states."""
+
+    window: int = 4  # K; >= num_layers + 1 reads the full depth
+
+    def validate(self, prefix: str) -> None:
+        require(self.window >= 1, f"{prefix}.window", self.window, "must be >= 1")
+
+
+def _window_sizes(model) -> list[int]:
+    return [min(model.depth_attn.window, layer + 1) for layer in range(model.num_layers)]
+
+
+def extra_parameters(model) -> int:
+    h = model.hidden_size
+    return model.num_layers * (4 * h * h + h)  # W_Q, W_K, W_V, W_O, norm
+
+
+def tensor_parallel_parameters(model) -> int:
+    """The projections are split across tensor ranks like attention's; the norm is not."""
+    return model.num_layers * 4 * model.hidden_size**2
+
+
+def extra_flops_per_token(model) -> int:
+    """Per layer: q and output projections, K/V projections of n states, scores and mix."""
+    h = model.hidden_size
+    return sum(4 * h * h + 4 * h * h * n + 4 * h * n for n in _window_sizes(model))
+
+
+def write_diagnostics(writer, step: int, records: dict, model) -> None:
+    """``diagnostics/depth_attention``: the mean weight of each reading layer (rows) on each
+    state in its window (columns). Layer l reads h^(l-n) .. h^(l-1), the states entering
+    layers l-n+1 .. l."""
+    if "depth_attn" not in records:
+        return
+    layers = model.num_layers
+    matrix = np.full((layers, layers), np.nan)
+    for layer, row in records["depth_attn"].items():
+        matrix[layer - 1, layer - len(row) : layer] = row.numpy()
+    writer.heatmap(
+        step,
+        "diagnostics/depth_attention",
+        matrix,
+        [f"layer_{n + 1:02d}" for n in range(layers)],
+        ["h0 (emb)"] + [f"h{i}" for i in range(1, layers)],
+        f"depth_attn: mean attention over depth, step {step}",
+        "state entering layer i (h_i)",
+        "reading layer",
+    )
+
+
+DESIGN = ResidualDesign(
+    name="depth_attn",
+    layers="t2train.residual.depth_attn.layers",
+    stream="DepthStream",
+    sublayer="DepthAdditive",
+    reference="Residual Stream Duality, Zhang, arXiv 2603.16039, Sec. 2.2",
+    extra_parameters=extra_parameters,
+    extra_flops_per_token=extra_flops_per_token,
+    tensor_parallel_parameters=tensor_parallel_parameters,
+    layer_entry="DepthRead",
+    section="depth_attn",
+    options=DepthAttnOptions,
+    write_diagnostics=write_diagnostics,
+)

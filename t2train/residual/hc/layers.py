@@ -1,0 +1,96 @@
+"""The training modules of `hc` (the design and its math: ``__init__.py``)."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+from torch import Tensor
+
+from t2train.kernels import dispatch
+from t2train.nn.norm import RMSNorm
+from t2train.nn.precision import at_least_fp32, rms_fp32_logits
+from t2train.residual.base import mark_replicated
+from t2train.residual.streams import StreamCopies as StreamCopies  # hc's stream, as is
+from t2train.residual.streams import StreamMixResidual, record_weights, sublayer_index
+
+
+def width_read(state: Tensor, weights: Tensor) -> Tensor:
+    """x = sum_i weights[..., i] h_i; state [n, s, b, h], weights [s, b, n]."""
+    x = at_least_fp32(state)
+    return torch.einsum("sbi,isbh->sbh", weights.to(x.dtype), x).to(state.dtype)
+
+
+def depth_write(state: Tensor, residual: Tensor, beta: Tensor, out: Tensor) -> Tensor:
+    """h'_j = sum_i residual[..., i, j] h_i + beta[..., j] out; residual [s, b, n, n]."""
+    x = at_least_fp32(state)
+    mixed = torch.einsum("sbij,isbh->jsbh", residual.to(x.dtype), x)
+    return (mixed + torch.einsum("sbj,sbh->jsbh", beta.to(x.dtype), at_least_fp32(out))).to(
+        state.dtype
+    )
+
+
+HC_READ = dispatch.Kernel("hc_read", "t2train.kernels.stream_mix:width_read", width_read)
+HC_WRITE = dispatch.Kernel("hc_write", "t2train.kernels.stream_mix:depth_write", depth_write)
+
+
+class HyperConnection(StreamMixResidual):
+    def __init__(self, config, layer_number: int = 1, position: int = 0):
+        super().__init__(config, layer_number, position)
+        options = config.t2_model.hc
+        n, h, dtype = options.expansion_rate, config.hidden_size, config.params_dtype
+        self.n, self.dynamic = n, options.dynamic
+        alpha = torch.zeros(n, n + 1, dtype=dtype)  # [A_m | A_r]
+        alpha[sublayer_index(config, layer_number, position) % n, 0] = 1.0
+        alpha[:, 1:] = torch.eye(n, dtype=dtype)
+        self.static_alpha = torch.nn.Parameter(alpha)
+        self.static_beta = torch.nn.Parameter(torch.ones(n, dtype=dtype))
+        if self.dynamic:
+            self.norm = RMSNorm(config, h, eps=config.layernorm_epsilon)
+            self.dynamic_alpha = torch.nn.Parameter(torch.zeros(h, n + 1, dtype=dtype))
+            self.dynamic_beta = torch.nn.Parameter(torch.zeros(h, dtype=dtype))
+            scale = options.dynamic_scale_init
+            self.dynamic_alpha_scale = torch.nn.Parameter(torch.full((1,), scale, dtype=dtype))
+            self.dynamic_beta_scale = torch.nn.Parameter(torch.full((1,), scale, dtype=dtype))
+        mark_replicated(self, config)
+
+    def weights(self, state: Tensor) -> tuple[Tensor, Tensor]:
+        """alpha [s, b, n, n + 1] (A_m, then A_r; row i from stream i) and beta [s, b, n]."""
+        n, s, b, _ = state.shape
+        alpha = at_least_fp32(self.static_alpha).expand(s, b, n, n + 1)
+        beta = at_least_fp32(self.static_beta).expand(s, b, n)
+        if not self.dynamic:
+            return alpha, beta
+        # Both projections of each stream (normed on its own) at once, in fp32 without an
+        # fp32 copy of the n streams: [n, s, b, n + 2], alpha's n + 1 logits, then beta's.
+        # Norm(H) W = r (H (g W)) per stream, r its rsqrt: the norm's weight g folds into
+        # the projections and r applies after them, so the normed streams are never written
+        # (nor saved for the backward).
+        projections = torch.cat([self.dynamic_alpha.t(), self.dynamic_beta[None]])
+        folded = at_least_fp32(projections) * at_least_fp32(self.norm.weight)
+        logits = rms_fp32_logits(state, folded, None, cast(float, self.norm.eps))
+        scale_a, scale_b = (
+            at_least_fp32(p) for p in (self.dynamic_alpha_scale, self.dynamic_beta_scale)
+        )
+        alpha = alpha + scale_a * torch.tanh(logits[..., : n + 1]).permute(1, 2, 0, 3)
+        beta = beta + scale_b * torch.tanh(logits[..., n + 1]).permute(1, 2, 0)
+        return alpha, beta
+
+    def width_connection(self, state: Tensor) -> tuple[Tensor, tuple]:
+        alpha, beta = self.weights(state)
+        read, residual = alpha[..., 0], alpha[..., 1:]
+        record_weights(
+            "hc", (self.layer_number, self.position), read, beta, lambda: residual.transpose(-1, -2)
+        )
+        return dispatch.route(HC_READ, state)(state, read), (residual, beta)
+
+    def depth_connection(self, state: Tensor, pending: tuple, out: Tensor) -> Tensor:
+        residual, beta = pending
+        write = dispatch.route(HC_WRITE, state, out)
+        return write(state, residual, beta, out)
+
+
+KERNELS = (
+    HC_READ,
+    HC_WRITE,
+)  # the fused kernels this design declares (the registry's kernel table)
