@@ -42,7 +42,7 @@ def test_a_yaml_config_with_a_python_tag_is_refused(tmp_path: Path):
 def test_a_checkpoint_whose_common_pt_runs_code_is_refused(megatron_world, tmp_path: Path):
     """Megatron's common.pt is read with torch.load's weights_only unpickler (torch >= 2.6):
     a pickled callable is refused before it runs, by the loader and by `ckpt inspect`."""
-    from t2train.checkpoint.inspect import read_train_state
+    from t2train.checkpoint.train_state import read_train_state
     from t2train.engine.megatron.checkpoint import load_checkpoint, save_checkpoint
 
     objs = _objects(seed=1)

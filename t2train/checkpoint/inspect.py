@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 from t2train.checkpoint.errors import CheckpointError
-from t2train.checkpoint.paths import CHECKSUMS, ENGINE_FILE, LATEST, checkpoint_engine, is_complete
+from t2train.checkpoint.paths import CHECKSUMS, LATEST, checkpoint_engine, is_complete
+from t2train.checkpoint.train_state import read_train_state
 from t2train.residual import resolve_aliases, variant_label
 
 
@@ -32,37 +33,6 @@ def resolve_checkpoint(path: Path) -> Path:
     raise CheckpointError(
         f"{path}: not a complete t2train checkpoint, nor a run or checkpoints directory holding one"
     )
-
-
-def _read_json(file: Path) -> dict:
-    try:
-        return json.loads(file.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{file}: cannot read ({type(err).__name__}: {err})") from None
-
-
-def read_train_state(path: Path) -> dict:
-    """The checkpoint's train state (step, tokens, layout, config, ...) from Megatron's
-    common.pt, or the DeepSpeed engine's summary file."""
-    from megatron.core import dist_checkpointing  # noqa: PLC0415 - megatron-core: not for `t2train ckpt --help`
-
-    if not is_complete(path):
-        raise CheckpointError(f"{path}: not a complete t2train checkpoint (no metadata.json)")
-    if (path / ENGINE_FILE).is_file():
-        state = _read_json(path / ENGINE_FILE)
-        if checkpoint_engine(path) == "deepspeed":
-            return state
-    _read_json(path / "metadata.json")  # read first: Megatron's errors would blame common.pt
-    try:
-        return dist_checkpointing.load_common_state_dict(str(path))["train_state"]
-    except Exception as err:
-        # torch.load's weights_only refusal spans lines; the one naming the object says why
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        why = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "")
-        raise CheckpointError(
-            f"{path}/common.pt: cannot read ({type(err).__name__}: {why}; "
-            "checkpoints are loaded as data only)"
-        ) from err
 
 
 def describe(path: Path) -> str:

@@ -30,6 +30,7 @@ import xxhash
 
 from t2train.checkpoint.errors import CheckpointError, NonFiniteState
 from t2train.checkpoint.paths import CHECKSUMS, LATEST, complete_steps, is_complete, step_dir_name
+from t2train.checkpoint.train_state import read_train_state
 
 ALGORITHM = "xxh3_64"
 _CHUNK = 8 << 20
@@ -110,8 +111,6 @@ def recorded_checksums() -> dict:
 def _missing_manifest(directory: Path) -> Optional[str]:
     """Why a checkpoint without ``CHECKSUMS`` is damaged, or None if it was saved before
     checksums were recorded."""
-    from t2train.checkpoint.inspect import read_train_state  # noqa: PLC0415 - inspect imports this module
-
     try:
         algorithm = read_train_state(directory).get("checksums")
     except CheckpointError as err:

@@ -14,9 +14,10 @@ from typing import Literal, Optional
 import torch
 
 from t2train.checkpoint.errors import CheckpointError
-from t2train.checkpoint.inspect import read_train_state, resolve_checkpoint
+from t2train.checkpoint.inspect import resolve_checkpoint
 from t2train.checkpoint.integrity import require_intact
 from t2train.checkpoint.paths import checkpoint_engine
+from t2train.checkpoint.train_state import read_train_state
 from t2train.config.schema import Config, ParallelConfig
 from t2train.engine import export_reader
 from t2train.errors import UserInputError

@@ -43,7 +43,7 @@ def judged(measured_gib: float, estimate_gib: float, max_error: float) -> dict:
 
 
 def run(section, plan: Plan) -> None:
-    from t2train.bench.gpu.perf import timing_item, variant_config
+    from t2train.bench.gpu.items import timing_item, variant_config
     from t2train.bench.step import model_vocab_size, real_batches, time_design
 
     settings = plan.settings.stack["memory"]

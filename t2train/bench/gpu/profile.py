@@ -97,7 +97,7 @@ def profile_variant(config, vocab: int, batches: list, warmup: int) -> dict:
 
 
 def run(section, plan: Plan) -> None:
-    from t2train.bench.gpu.perf import variant_config
+    from t2train.bench.gpu.items import variant_config
     from t2train.bench.step import model_vocab_size, real_batches
     from t2train.residual import registered
 
