@@ -148,14 +148,11 @@ class Batch:
         import torch  # deferred, as the imports above: the CLI imports this module for --help
         import torch.distributed as dist
 
+        from t2train.parallel.init import current_device
+
         needed = time.monotonic() - self.started + self.slowest_s
         if dist.is_initialized():
-            device = (
-                torch.device("cuda", torch.cuda.current_device())
-                if torch.cuda.is_available()
-                else torch.device("cpu")
-            )
-            agreed = torch.tensor([needed], dtype=torch.float64, device=device)
+            agreed = torch.tensor([needed], dtype=torch.float64, device=current_device())
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             needed = float(agreed.item())
         return needed <= self.budget_s

@@ -13,6 +13,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from t2train.config.schema import Config
 from t2train.engine import MicroBatch
 from t2train.model.build import compute_dtype
+from t2train.parallel.init import current_device
 
 
 def model_loss(model, batch: MicroBatch) -> torch.Tensor:
@@ -21,14 +22,6 @@ def model_loss(model, batch: MicroBatch) -> torch.Tensor:
     b, s = tokens.shape
     position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
     return model(tokens, position_ids, None, labels=labels)
-
-
-def current_device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
 
 
 def data_parallel_sum(losses: list) -> torch.Tensor:

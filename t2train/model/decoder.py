@@ -65,15 +65,12 @@ class ResidualDecoder(TransformerBlock):
             pg_collection=pg_collection,
             vp_stage=vp_stage,
         )
-        self.stream = (
-            get_design(config.t2_model.residual)
-            .modules()
-            .stream(
-                config,
-                pre_process,
-                post_process,
-                first_layer=get_transformer_layer_offset(config, vp_stage, pp_rank),
-            )
+        stream = get_design(config.t2_model.residual).modules().stream
+        self.stream = stream(
+            config,
+            pre_process,
+            post_process,
+            first_layer=get_transformer_layer_offset(config, vp_stage, pp_rank),
         )
         self.stream.connect(
             [residual for layer in self.layers for residual in layer.sublayer_residuals()]

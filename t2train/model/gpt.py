@@ -96,7 +96,7 @@ class T2GPTModel(LanguageModule):
             self.setup_embeddings_and_output_layer()
 
     # --- The run-time interface: what engines, parallel/ and monitor/ call on a chunk. -----
-    # Nothing outside t2train/model/ reaches into the decoder (tests/test_layering.py).
+    # Nothing outside t2train/model/ reaches into the decoder (tests/test_interfaces.py).
 
     def start_schedule(self) -> None:
         """Before each pipeline schedule (a training step, an evaluation): micro-batches are

@@ -59,6 +59,15 @@ def init_distributed(timeout_minutes: float = 10.0) -> None:
     dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
 
 
+def current_device() -> torch.device:
+    """This rank's device: its CUDA device, or the CPU without one (tensors for collectives)."""
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
 def _free_port() -> int:
 
     with socket.socket() as sock:

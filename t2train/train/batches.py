@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from t2train.engine import MicroBatch
+from t2train.parallel.init import current_device
 
 
 def is_reader() -> bool:
@@ -50,11 +51,7 @@ class GlobalBatchFeeder:
         self.group = parallel_state.get_model_parallel_group()
         self.shared = dist.get_world_size(self.group) > 1
         self.src = _reader_rank_in(self.group) if self.shared else dist.get_rank()
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
+        self.device = current_device()
 
     def next_step(self) -> list[MicroBatch]:
         if self.loader is not None:

@@ -27,6 +27,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from t2train.parallel.init import current_device
 from t2train.signals import REQUEUE_EXIT_CODE, block, take_pending
 from t2train.train.ctrl_c import CtrlC, announces
 
@@ -87,12 +88,7 @@ class StopGuard:
 
     def should_stop(self) -> Optional[str]:
         """Collective: why every rank stops now (a signal name or the time limit), or None."""
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
-        flag = torch.tensor([self._local_request()], dtype=torch.int64, device=device)
+        flag = torch.tensor([self._local_request()], dtype=torch.int64, device=current_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         code = int(flag.item())
         if code == 0:

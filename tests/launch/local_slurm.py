@@ -37,16 +37,20 @@ OWN_HOST = [
 ]
 
 
+def _installed() -> bool:
+    return all(shutil.which(name) or Path("/usr/sbin", name).exists() for name in DAEMONS)
+
+
 def install_reason() -> Optional[str]:
     """Install SLURM and munge with apt when missing; a reason string when impossible."""
-    if all(shutil.which(name) or Path("/usr/sbin", name).exists() for name in DAEMONS):
+    if _installed():
         return None
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         return "slurm-wlm/munge are not installed and cannot be (needs root and apt-get)"
     # Both test workers may ask at once; apt would refuse the second (dpkg's lock).
     with open("/tmp/t2train-tests-apt.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if all(shutil.which(name) or Path("/usr/sbin", name).exists() for name in DAEMONS):
+        if _installed():
             return None  # the other worker installed them
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
         for cmd in (

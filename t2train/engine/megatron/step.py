@@ -13,8 +13,9 @@ from megatron.core.utils import get_model_config
 from t2train.engine import MicroBatch, StepResult
 from t2train.engine.megatron.numerics import UpdateGuard, grads_not_finite
 from t2train.engine.megatron.setup import TrainingObjects
-from t2train.engine.shared import current_device, data_parallel_sum, model_loss
+from t2train.engine.shared import data_parallel_sum, model_loss
 from t2train.parallel.hops import planned_shape_arguments
+from t2train.parallel.init import current_device
 from t2train.parallel.traffic import collect_traffic
 
 
