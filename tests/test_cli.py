@@ -50,21 +50,28 @@ def test_help_and_version_import_nothing_heavy(tmp_path):
     assert imported == "[]"
 
 
-def test_config_reads_every_design_without_torch(tmp_path):
-    """``t2train config`` validates each design's options and rules from its declaration
-    (``t2train/residual/<design>/__init__.py``) without importing torch or Megatron-core
-    (they took 4 s of every config-only command on a busy machine)."""
+def test_config_and_plan_read_every_design_without_torch(tmp_path):
+    """``t2train config`` validates each design's options and rules, and ``t2train plan``
+    plans its pipeline hops, from its declaration (``t2train/residual/<design>/__init__.py``)
+    without importing torch or Megatron-core (they took 4 s of every config-only command on a
+    busy machine)."""
     check = (
         "import contextlib, io, sys\n"
         "from t2train.cli import main\n"
         "from t2train.residual import registered\n"
         "for design in registered():\n"
         "    for window in (0, 4):\n"
+        "        given = ['--preset', 'tiny', f'model.residual={design}',\n"
+        "                 f'model.shortswa.window={window}']\n"
         "        out = io.StringIO()\n"
         "        with contextlib.redirect_stdout(out):\n"
-        "            code = main(['config', '--preset', 'tiny', f'model.residual={design}',\n"
-        "                         f'model.shortswa.window={window}'])\n"
+        "            code = main(['config', *given])\n"
         "        assert code == 0 and f'residual: {design}' in out.getvalue(), design\n"
+        "        out = io.StringIO()\n"
+        "        with contextlib.redirect_stdout(out):\n"
+        "            code = main(['plan', *given, 'model.num_layers=8', 'parallel.pipeline=2',\n"
+        "                         'parallel.virtual_pipeline=2'])\n"
+        "        assert code == 0 and 'units per hop' in out.getvalue(), design\n"
         "from t2train.compat.deferred_import import DeferredModule\n"
         "heavy = {'torch', 'megatron', 'deepspeed', 'streaming', 'transformers'}\n"
         "loaded = {name.split('.')[0] for name, module in sys.modules.items()\n"

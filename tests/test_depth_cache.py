@@ -5,7 +5,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from t2train.parallel.depth_cache import DepthCache, HopPlan, plan_hops
+from t2train.parallel.depth_cache import DepthCache
+from t2train.parallel.hop_plan import HopPlan, plan_hops
 
 
 def test_gradient_of_a_cached_unit_reaches_its_owner_once():
@@ -62,7 +63,6 @@ MINIMUM_LAYOUTS = [(2, 2), (4, 2), (2, 4), (4, 1)]  # (PP, VPP); 8 layers
 
 def _hop_plans(overrides, pipeline, virtual):
     from t2train.config.loader import load_config
-    from t2train.model.build import transformer_config
 
     config = load_config(
         overrides=[
@@ -76,7 +76,7 @@ def _hop_plans(overrides, pipeline, virtual):
             *overrides,
         ]
     )
-    run = plan_hops(transformer_config(config))  # the run's plan, as the engine makes it
+    run = plan_hops(config)  # the run's plan, as the engine makes it
     return config.model, {
         (cached, shapes): replace(run, cached=cached, shapes=shapes)
         for cached in (False, True)
@@ -102,13 +102,12 @@ def test_every_hop_carries_exactly_the_minimum(design):
 
 def test_a_hop_unit_is_the_sequence_or_a_tensor_ranks_slice_of_it():
     from t2train.config.loader import load_config
-    from t2train.model.build import transformer_config
 
     def rows(*overrides):
         config = load_config(
             overrides=["data.path=unused", "model.seq_length=8", "parallel.tensor=2", *overrides]
         )
-        return plan_hops(transformer_config(config)).unit_rows
+        return plan_hops(config).unit_rows
 
     assert rows() == 8
     assert rows("parallel.sequence_parallel=true") == 4

@@ -164,11 +164,10 @@ def _tokens_per_step(config) -> int:
 
 def _variant_runs(variant: str, curves: list[dict[int, float]], config) -> VariantRuns:
     from t2train.bench.compare_report import VariantRuns
-    from t2train.model.build import padded_vocab_size
     from t2train.model.flops import parameters, train_flops_per_token
     from t2train.train.inputs import dataset_facts
 
-    vocab_size = padded_vocab_size(dataset_facts(config)["vocab_size"], config)
+    vocab_size = config.padded_vocab_size(dataset_facts(config)["vocab_size"])
     return VariantRuns(
         variant,
         curves,

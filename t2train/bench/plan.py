@@ -27,12 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-import torch
-
 from t2train.config.schema import Config
-from t2train.model.build import compute_dtype, padded_vocab_size, transformer_config
 from t2train.model.flops import extra_parameters, extra_tensor_parallel_parameters
-from t2train.parallel.depth_cache import HopPlan, plan_hops
+from t2train.parallel.hop_plan import HopPlan, plan_hops
 from t2train.residual import mixer_on, sublayer_names, variant_label
 
 
@@ -129,8 +126,8 @@ def plan_layout(config: Config, vocab_size: int, world_size: int) -> LayoutPlan:
     dp = config.validate_world(world_size)
     tp, pp, vp = parallel.tensor, parallel.pipeline, parallel.virtual_pipeline
     micro_batches = config.micro_batches_per_step(dp)
-    element = compute_dtype(config).itemsize
-    run_hops = plan_hops(transformer_config(config))
+    element = ELEMENT_BYTES[_precision_in_use(config)]
+    run_hops = plan_hops(config)
     hop_plans = {cached: replace(run_hops, cached=cached) for cached in (False, True)}
     unit_shape = (run_hops.unit_rows, train.micro_batch_size, model.hidden_size)
     unit_bytes = run_hops.unit_rows * train.micro_batch_size * model.hidden_size * element
@@ -141,7 +138,7 @@ def plan_layout(config: Config, vocab_size: int, world_size: int) -> LayoutPlan:
         for uid in run_hops.unit_ids(layers)
     )
 
-    vocab = padded_vocab_size(vocab_size, config)
+    vocab = config.padded_vocab_size(vocab_size)
     per_layer, _ = _layer_parameters(config, tp)
     h = model.hidden_size
     activation_units = (34 / tp) if parallel.sequence_parallel else (10 + 24 / tp)
@@ -155,7 +152,7 @@ def plan_layout(config: Config, vocab_size: int, world_size: int) -> LayoutPlan:
     )
     if model.recompute == "full":
         per_layer_activation = unit_bytes
-    logits_bytes = 2 * tokens * padded_vocab_size(vocab_size, config) // tp * element
+    logits_bytes = 2 * tokens * vocab // tp * element
     stages = []
     for rank in range(pp):
         chunk_ids = [v * pp + rank for v in range(vp)]
@@ -264,9 +261,22 @@ def _hop_lines(config: Config, plan: LayoutPlan) -> list[str]:
     return lines
 
 
+ELEMENT_BYTES = {"bf16": 2, "fp32": 4}
+
+
+def _precision_in_use(config: Config) -> str:
+    """``train.precision`` as the run resolves it."""
+    if config.train.precision != "auto":
+        return config.train.precision
+    # Only a run's --dry-run plans `auto`; `t2train plan` plans a GPU's bf16 without torch.
+    import torch
+
+    return config.train.precision_on(torch.cuda.is_available())
+
+
 def _precision(config: Config) -> str:
-    name = str(compute_dtype(config)).replace("torch.", "")
-    if config.train.precision != "auto" or compute_dtype(config) == torch.bfloat16:
+    name = {"bf16": "bfloat16", "fp32": "float32"}[_precision_in_use(config)]
+    if config.train.precision != "auto" or name == "bfloat16":
         return name
     return f"{name} (train.precision=auto without CUDA)"
 

@@ -133,10 +133,9 @@ def time_design(config, vocab_size: int, steps: list, warmup: int, variant: str)
 
 def model_vocab_size(config) -> int:
     """The dataset's (or the config's larger) vocabulary, padded as Megatron pads it."""
-    from t2train.model.build import padded_vocab_size
     from t2train.train.inputs import dataset_facts
 
-    return padded_vocab_size(dataset_facts(config)["vocab_size"], config)
+    return config.padded_vocab_size(dataset_facts(config)["vocab_size"])
 
 
 def _tokens_per_step(config) -> int:

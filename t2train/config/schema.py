@@ -270,6 +270,12 @@ class TrainConfig:
     loss_spike_factor: float = 0.0
     loss_spike_window: int = 20
 
+    def precision_on(self, cuda: bool) -> str:
+        """``precision`` with ``auto`` resolved: bf16 on CUDA, fp32 on the CPU."""
+        if self.precision != "auto":
+            return self.precision
+        return "bf16" if cuda else "fp32"
+
     def validate(self) -> None:
         for name in (
             "steps",
@@ -712,6 +718,11 @@ class Config:
                 f"needs a multiple of parallel.pipeline={self.parallel.pipeline}",
             )
         return dp
+
+    def padded_vocab_size(self, vocab_size: int) -> int:
+        """Megatron pads the vocabulary so every tensor-parallel shard has the same size."""
+        multiple = self.model.make_vocab_size_divisible_by * self.parallel.tensor
+        return -(-vocab_size // multiple) * multiple
 
     def micro_batches_per_step(self, data_parallel: int) -> int:
         """Micro-batches each data-parallel replica runs per optimizer step."""

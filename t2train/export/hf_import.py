@@ -150,7 +150,6 @@ def import_hf(
     from t2train.data.tokenizer import default_bos_id, load_tokenizer, save_tokenizer
     from t2train.export.hf import _check_out, megatron_state_dict
     from t2train.export.load import build_model, single_process_world
-    from t2train.model.build import padded_vocab_size
     from t2train.version import code_version
 
     folder, out = Path(given), Path(out)
@@ -171,7 +170,7 @@ def import_hf(
 
     single_process_world()
     vocab = config.model.vocab_size or 0  # the imported config always gives it
-    model = build_model(config, padded_vocab_size(vocab, config), dtype)
+    model = build_model(config, config.padded_vocab_size(vocab), dtype)
     own = model.state_dict()
     for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         if name in state:  # Megatron pads the vocabulary: the extra rows stay zero

@@ -11,7 +11,8 @@ from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from t2train.config.schema import Config, ModelConfig
-from t2train.parallel.depth_cache import DepthCache, HopPlan, plan_hops
+from t2train.parallel.depth_cache import DepthCache
+from t2train.parallel.hop_plan import HopPlan, plan_hops
 
 if TYPE_CHECKING:
     from t2train.model.gpt import T2GPTModel  # noqa: PLC0415 - the model's modules: not for the config helpers `t2train plan` reads
@@ -30,9 +31,7 @@ class T2TransformerConfig(TransformerConfig):
 
 def compute_dtype(config: Config) -> torch.dtype:
     """bf16 on CUDA and fp32 on CPU unless ``train.precision`` says otherwise."""
-    precision = config.train.precision
-    if precision == "auto":
-        precision = "bf16" if torch.cuda.is_available() else "fp32"
+    precision = config.train.precision_on(torch.cuda.is_available())
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
@@ -40,12 +39,6 @@ def fusions_on(config: Config) -> bool:
     """``model.fusions`` resolved: ``auto`` is ``all`` with CUDA, ``none`` on the CPU."""
     fusions = config.model.fusions
     return fusions == "all" or (fusions == "auto" and torch.cuda.is_available())
-
-
-def padded_vocab_size(vocab_size: int, config: Config) -> int:
-    """Megatron pads the vocabulary so every tensor-parallel shard has the same size."""
-    multiple = config.model.make_vocab_size_divisible_by * config.parallel.tensor
-    return -(-vocab_size // multiple) * multiple
 
 
 def transformer_config(config: Config) -> T2TransformerConfig:
@@ -111,7 +104,7 @@ def build_model_chunks(
     from t2train.nn.compiling import compile_modules  # noqa: PLC0415 - the model's modules: not for the config helpers `t2train plan` reads
     from t2train.residual import kernel_table  # noqa: PLC0415 - the model's modules: not for the config helpers `t2train plan` reads
 
-    hops = hops or plan_hops(tf_config)
+    hops = hops or plan_hops(config)
     virtual = config.parallel.virtual_pipeline
     cache = DepthCache() if config.parallel.caches_depth_units() else None
     chunks = []

@@ -23,7 +23,8 @@ from torch import Tensor
 
 from t2train.model.spec import decoder_layer_spec
 from t2train.nn.norm import RMSNorm
-from t2train.parallel.depth_cache import DepthCache, HopPlan
+from t2train.parallel.depth_cache import DepthCache
+from t2train.parallel.hop_plan import HopPlan
 from t2train.parallel.traffic import HopTraffic
 from t2train.residual import get_design
 from t2train.residual.base import State
@@ -153,7 +154,7 @@ class ResidualDecoder(TransformerBlock):
             make_viewless_tensor(hop, True, True)[: len(arriving) * seq].chunk(len(arriving))
         )
         cache, units = self.depth_cache, []
-        for uid in self.stream.unit_ids(layers_done):
+        for uid in self.hops.unit_ids(layers_done):
             if cache is not None and uid not in arriving:
                 units.append(cache.read(self.micro_batch, uid))
             elif cache is not None and uid is not None:
@@ -170,7 +171,7 @@ class ResidualDecoder(TransformerBlock):
         view of the state or of a cached unit.
         """
         units = self.stream.to_units(state)
-        ids = self.stream.unit_ids(self.stream.first_layer + len(self.layers))
+        ids = self.hops.unit_ids(self.stream.first_layer + len(self.layers))
         cache = self.depth_cache
         if cache is not None:
             units = [
@@ -201,7 +202,7 @@ class ResidualDecoder(TransformerBlock):
             return torch.cat(self.stream.to_units(chunk_state))
 
         def unpack(packed: Tensor, layers_done: int) -> State:
-            units = packed.chunk(len(self.stream.unit_ids(layers_done)))
+            units = packed.chunk(len(self.hops.unit_ids(layers_done)))
             return self.stream.from_units(list(units), layers_done)
 
         def run(start: int, end: int):

@@ -1,8 +1,8 @@
-"""The depth cache: which residual-state units cross each pipeline hop, and the rank-local
-store that lets a hop skip units the receiving rank already holds.
+"""The depth cache: the rank-local store that lets a pipeline hop skip residual-state units
+the receiving rank already holds (which units cross each hop: ``hop_plan.py``).
 
 Depth reads need earlier layers' states, so a pipeline hop carries the residual stream's
-units (see ``ResidualStream.unit_ids``). With virtual stages, rank r runs chunks
+units (named by the design's ``unit_ids``). With virtual stages, rank r runs chunks
 r, r + P, r + 2P, ... on the same micro-batch; every unit that never changes and was in the
 state rank r produced at the end of chunk c - P is still there when chunk c starts, so the
 hop into chunk c need not carry it (the Attention Residuals paper's cache-based pipeline
@@ -14,107 +14,15 @@ unit's slot; the owner's copy adds the slot to its own gradient when its backwar
 which the schedule guarantees is later (backward visits the chunks of a micro-batch in
 reverse). No graph is traversed twice and the sent (deallocated) tensor is never cached.
 
-The run's ``HopPlan`` is made once, by ``plan_hops`` (``engine/megatron/setup.py`` and
-``t2train/model/build.py``), and handed to every decoder chunk and to the step; ``t2train
-plan`` makes it the same way, so its byte predictions are those of the run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
-
-from t2train.residual import get_design
-
-
-@dataclass(frozen=True)
-class HopPlan:
-    """Which unit ids cross the hop into each chunk, and how many units each hop puts on the
-    wire, for a layout, a transfer mode and a hop-shape mode.
-
-    ``shapes``: ``exact`` sends each hop with just its own units (the schedule is told each
-    receive's size, ``t2train/parallel/hops.py``); ``padded`` zero-pads every hop to the
-    layout's largest, the one shape Megatron's schedules send by default.
-    """
-
-    unit_ids: Callable[[int], list]  # (layers_done) -> ids, the stream's ``unit_ids``
-    pipeline: int
-    chunks: int  # pipeline * virtual stages
-    layers_per_chunk: int
-    cached: bool
-    shapes: str = "exact"
-    unit_rows: int = 0  # rows of one unit on the wire (``unit_rows``); 0: not planned
-
-    def held(self, chunk: int) -> set:
-        """Ids the rank running ``chunk`` kept from its previous chunk of the micro-batch."""
-        if not self.cached or chunk < self.pipeline:
-            return set()
-        boundary = (chunk - self.pipeline + 1) * self.layers_per_chunk
-        return {uid for uid in self.unit_ids(boundary) if uid is not None}
-
-    def sent_ids(self, chunk: int) -> list:
-        """Ids carried by the hop into ``chunk`` (None: a changing unit, always sent)."""
-        held = self.held(chunk)
-        return [
-            uid
-            for uid in self.unit_ids(chunk * self.layers_per_chunk)
-            if uid is None or uid not in held
-        ]
-
-    def hop_units(self) -> list[int]:
-        """Units of data each hop carries, hops into chunks 1 .. chunks-1."""
-        return [len(self.sent_ids(c)) for c in range(1, self.chunks)]
-
-    @property
-    def padded_units(self) -> int:
-        """The largest hop of the layout: what every hop carries when padded."""
-        return max([1] + self.hop_units())
-
-    def wire_units(self, chunk: int) -> int:
-        """Units on the wire into ``chunk``: its data, zero-padded unless shapes are exact."""
-        return len(self.sent_ids(chunk)) if self.shapes == "exact" else self.padded_units
-
-    def wire_hop_units(self) -> list[int]:
-        return [self.wire_units(c) for c in range(1, self.chunks)]
-
-    @property
-    def shapes_vary(self) -> bool:
-        """Whether hops go out at different sizes, so the schedule must be told each
-        receive's shape (``t2train/parallel/hops.py``)."""
-        return len(set(self.wire_hop_units())) > 1
-
-
-def unit_rows(seq_length: int, tensor: int, sequence_parallel: bool) -> int:
-    """Rows (tokens) of one hop unit: the sequence, split over the tensor ranks when they
-    hold sequence-parallel slices of it."""
-    return seq_length // tensor if sequence_parallel else seq_length
-
-
-def plan_hops(tf_config) -> HopPlan:
-    """The run's hop plan, from its Megatron config (a ``T2TransformerConfig``: the layout,
-    ``t2_model``, ``t2_cached_hops``, ``t2_hop_shapes``).
-
-    The stream that names the units is built without its first and last chunks' modules, so
-    making the plan creates no parameters and draws no random numbers."""
-    stream = get_design(tf_config.t2_model.residual).modules().stream(tf_config, False, False, 0)
-    pipeline = tf_config.pipeline_model_parallel_size
-    chunks = pipeline * (tf_config.virtual_pipeline_model_parallel_size or 1)
-    return HopPlan(
-        stream.unit_ids,
-        pipeline,
-        chunks,
-        tf_config.num_layers // chunks,
-        cached=tf_config.t2_cached_hops,
-        shapes=tf_config.t2_hop_shapes,
-        unit_rows=unit_rows(
-            tf_config.t2_model.seq_length,
-            tf_config.tensor_model_parallel_size,
-            tf_config.sequence_parallel,
-        ),
-    )
 
 
 class _AddSlotGradient(torch.autograd.Function):

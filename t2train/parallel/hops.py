@@ -32,7 +32,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_schedule_table
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from t2train.parallel.depth_cache import HopPlan
+from t2train.parallel.hop_plan import HopPlan
 
 
 def schedule_order(num_microbatches: int, virtual: int, group_size) -> list[int]:

@@ -12,9 +12,7 @@ A decoder layer is a sequence of pre-norm sublayers: the local mixer when it is 
 ``ResidualStream`` owns the state between layers: it turns the embedding into the initial
 state (``enter``), reads the final hidden state for the last norm (``exit``), and splits the
 state into [s, b, h] units (``to_units``/``from_units``) for pipeline hops and activation
-recompute. ``unit_ids`` names each unit: an id for a unit that never changes once made
-(an earlier layer's state, an AttnRes source), which a rank may keep and not receive again
-(the depth cache, ``t2train/parallel/depth_cache.py``); None for one that changes.
+recompute, in the order the design's declaration names them (``ResidualDesign.unit_ids``).
 
 Everything else a design needs is in its declaration (``ResidualDesign``,
 ``declaration.py``): its config section (``options``, read from ``model.<section>``), the
@@ -68,10 +66,6 @@ class ResidualStream(MegatronModule):
         self.post_process = post_process
         self.first_layer = first_layer
 
-    def unit_ids(self, layers_done: int) -> list:
-        """Ids of the state's units after ``layers_done`` layers (None: changes per layer)."""
-        return [None]
-
     def connect(self, sublayers: list[SublayerResidual]) -> None:
         """Called once with this chunk's sublayer residuals, in the order they run (a design
         whose reads share work across sublayers links them here)."""
@@ -83,7 +77,7 @@ class ResidualStream(MegatronModule):
         raise NotImplementedError
 
     def to_units(self, state: State) -> list[Tensor]:
-        """The state as [s, b, h] units, in ``unit_ids`` order."""
+        """The state as [s, b, h] units, in the order of the design's ``unit_ids``."""
         raise NotImplementedError
 
     def from_units(self, units: list[Tensor], layers_done: int) -> State:

@@ -43,6 +43,10 @@ def no_extra(_model_config) -> int:
     return 0
 
 
+def one_changing_unit(_model_config, _layers_done: int) -> list:
+    return [None]
+
+
 def no_rules(_config) -> None:
     return None
 
@@ -58,6 +62,12 @@ class ResidualDesign:
     Counts take the ``ModelConfig`` (the local mixer adds a sublayer per layer, which a
     design that works per sublayer also pays for); ``tensor_parallel_parameters`` is the part
     of ``extra_parameters`` split across tensor-parallel ranks (for the planner).
+
+    ``unit_ids(model, layers_done)`` names the [s, b, h] units of the stream state after
+    ``layers_done`` layers (global count), in the order of the stream's ``to_units``: an id
+    for a unit that never changes once made (an earlier layer's state, an AttnRes source),
+    which a rank may keep and not receive again (the depth cache), None for one that changes.
+    Pipeline hops are planned from it (``t2train/parallel/hop_plan.py``).
     """
 
     name: str
@@ -68,6 +78,7 @@ class ResidualDesign:
     extra_parameters: Callable = no_extra
     extra_flops_per_token: Callable = no_extra
     tensor_parallel_parameters: Callable = no_extra
+    unit_ids: Callable = one_changing_unit
     layer_entry: Optional[str] = None  # in ``layers``: begin(state) runs before the sublayers
     section: Optional[str] = None  # its options live in model.<section> (shared by siblings)
     options: Optional[type] = None  # dataclass with validate(prefix); one per section

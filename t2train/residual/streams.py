@@ -67,9 +67,6 @@ class StreamCopies(ResidualStream):
         super().__init__(config, pre_process, post_process, first_layer)
         self.n = getattr(config.t2_model, self.section).expansion_rate
 
-    def unit_ids(self, layers_done: int) -> list:
-        return [None] * self.n
-
     def enter(self, embedding: Tensor) -> Tensor:
         return embedding.unsqueeze(0).expand(self.n, *embedding.shape)
 

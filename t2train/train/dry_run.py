@@ -36,7 +36,6 @@ def dry_run(config: Config) -> DryRun:
     from t2train.checkpoint.integrity import require_intact
     from t2train.data.prepare import read_index
     from t2train.engine import build_engine
-    from t2train.model.build import padded_vocab_size
     from t2train.train.batches import GlobalBatchFeeder
     from t2train.train.data import open_streams
     from t2train.train.trainer import start_ranks, verified
@@ -49,7 +48,7 @@ def dry_run(config: Config) -> DryRun:
     elif config.checkpoint.init_from:
         init_from = resolve_checkpoint(Path(config.checkpoint.init_from))
         require_intact(init_from, f"checkpoint.init_from={config.checkpoint.init_from}")
-    engine = build_engine(config, padded_vocab_size(facts["vocab_size"], config))
+    engine = build_engine(config, config.padded_vocab_size(facts["vocab_size"]))
     streams = open_streams(config, topology, dp_size, None)
     try:
         GlobalBatchFeeder(

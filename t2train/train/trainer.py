@@ -33,7 +33,6 @@ from t2train.config.loader import dump_config
 from t2train.config.schema import Config
 from t2train.engine import build_engine
 from t2train.errors import TrainingHalted
-from t2train.model.build import padded_vocab_size
 from t2train.monitor.diagnostics import Diagnostics, diagnostic_micro_batches
 from t2train.monitor.metrics import Monitor
 from t2train.monitor.profiler import StepProfiler
@@ -151,7 +150,7 @@ class Trainer:
         skipped = ""
         if resume_from is not None:
             resume_from, skipped = verified(config, self.run_dir, resume_from)
-        self.engine = build_engine(config, padded_vocab_size(self.facts["vocab_size"], config))
+        self.engine = build_engine(config, config.padded_vocab_size(self.facts["vocab_size"]))
         train_state, start = self._load(resume_from, skipped)
         self.start_step = train_state.get("step", 0)
         self.resumed = resume_from is not None

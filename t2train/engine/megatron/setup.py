@@ -21,7 +21,7 @@ from t2train.model.build import (
     build_model_chunks,
     transformer_config,
 )
-from t2train.parallel.depth_cache import HopPlan, plan_hops
+from t2train.parallel.hop_plan import HopPlan, plan_hops
 
 
 @dataclass
@@ -37,7 +37,7 @@ class TrainingObjects:
 
 def build_training_objects(config: Config, vocab_size: int) -> TrainingObjects:
     tf_config = transformer_config(config)
-    hops = plan_hops(tf_config)
+    hops = plan_hops(config)
     chunks = build_model_chunks(config, tf_config, vocab_size, hops)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,

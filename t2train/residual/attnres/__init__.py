@@ -76,6 +76,29 @@ def _source_counts(model, block_size: int) -> list[int]:
     return counts
 
 
+def source_unit_ids(sublayers: int, block_size: int) -> list:
+    """Sources 0 .. n-1 (embedding, completed blocks) and None for an open block's partial,
+    after ``sublayers`` sublayers."""
+    sources = list(range(1 + sublayers // block_size))
+    return sources + ([None] if sublayers % block_size else [])
+
+
+def one_sublayer(_model) -> int:
+    """`attnres`: every sublayer output is a source (blocks of one)."""
+    return 1
+
+
+def configured_block(model) -> int:
+    return model.attnres.block_size
+
+
+def unit_ids_for(block_size_of):
+    def unit_ids(model, layers_done: int) -> list:
+        return source_unit_ids(sublayers_per_layer(model) * layers_done, block_size_of(model))
+
+    return unit_ids
+
+
 def extra_parameters(model) -> int:
     reads = sublayers_per_layer(model) * model.num_layers + 1  # and the final norm's
     return reads * model.hidden_size  # one pseudo-query per read
@@ -126,7 +149,8 @@ FULL = ResidualDesign(
     sublayer="FullAttnResidual",
     reference="Attention Residuals (Full), Kimi Team, arXiv 2603.15031",
     extra_parameters=extra_parameters,
-    extra_flops_per_token=extra_flops_for(lambda model: 1),
+    extra_flops_per_token=extra_flops_for(one_sublayer),
+    unit_ids=unit_ids_for(one_sublayer),
     section="attnres",
     options=AttnResOptions,
     write_diagnostics=diagnostics_for(lambda sublayers, count: sublayers[:count]),
@@ -139,7 +163,8 @@ BLOCK = ResidualDesign(
     sublayer="BlockAttnResidual",
     reference="Attention Residuals (Block), Kimi Team, arXiv 2603.15031",
     extra_parameters=extra_parameters,
-    extra_flops_per_token=extra_flops_for(lambda model: model.attnres.block_size),
+    extra_flops_per_token=extra_flops_for(configured_block),
+    unit_ids=unit_ids_for(configured_block),
     section="attnres",
     options=AttnResOptions,
     check=check_blocks,

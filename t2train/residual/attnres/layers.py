@@ -181,13 +181,6 @@ class FullAttnResidual(BlockAttnResidual):
         return AttnResState(state.sources + (out,), None, {})
 
 
-def source_unit_ids(sublayers: int, block_size: int) -> list:
-    """Sources 0 .. n-1 (embedding, completed blocks) and None for an open block's partial,
-    after ``sublayers`` sublayers."""
-    sources = list(range(1 + sublayers // block_size))
-    return sources + ([None] if sublayers % block_size else [])
-
-
 class AttnResStream(ResidualStream):
     """Units [sources..., partial]: sources (ids 0, 1, ...) never change; the partial does."""
 
@@ -206,9 +199,6 @@ class AttnResStream(ResidualStream):
         if post_process:
             self.final_query = _pseudo_query(config)
         mark_replicated(self, config)
-
-    def unit_ids(self, layers_done: int) -> list:
-        return source_unit_ids(self.per_layer * layers_done, self.block_size)
 
     def connect(self, sublayers: list) -> None:
         """Each read learns the later reads of its block in this chunk (its phase-1 batch)."""

@@ -110,6 +110,11 @@ def write_diagnostics(writer, step: int, records: dict, model) -> None:
             )
 
 
+def unit_ids(model, _layers_done: int) -> list:
+    """The dv columns of the state, each changing at every sublayer."""
+    return [None] * model.ddl.dv
+
+
 DESIGN = ResidualDesign(
     name="ddl",
     layers="t2train.residual.ddl.layers",
@@ -118,6 +123,7 @@ DESIGN = ResidualDesign(
     reference="Deep Delta Learning, Zhang et al., arXiv 2601.00417",
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_per_token,
+    unit_ids=unit_ids,
     section="ddl",
     options=DDLOptions,
     check=check,

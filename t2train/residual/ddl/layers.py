@@ -126,9 +126,6 @@ class DeltaStream(ResidualStream):
             self.final_read = ChannelMixRead(h, self.dv, config.params_dtype)
         mark_replicated(self, config)
 
-    def unit_ids(self, layers_done: int) -> list:
-        return [None] * self.dv
-
     def enter(self, embedding: Tensor) -> Tensor:
         if self.expander is None:
             return embedding

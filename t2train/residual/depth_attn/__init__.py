@@ -80,6 +80,13 @@ def write_diagnostics(writer, step: int, records: dict, model) -> None:
     )
 
 
+def unit_ids(model, layers_done: int) -> list:
+    """The states entering the last ``window - 1`` layers (ids: their layer numbers) and the
+    current one: a state never changes once made."""
+    count = min(layers_done, model.depth_attn.window - 1) + 1
+    return list(range(layers_done - count + 1, layers_done + 1))
+
+
 DESIGN = ResidualDesign(
     name="depth_attn",
     layers="t2train.residual.depth_attn.layers",
@@ -90,6 +97,7 @@ DESIGN = ResidualDesign(
     extra_flops_per_token=extra_flops_per_token,
     tensor_parallel_parameters=tensor_parallel_parameters,
     layer_entry="DepthRead",
+    unit_ids=unit_ids,
     section="depth_attn",
     options=DepthAttnOptions,
     write_diagnostics=write_diagnostics,

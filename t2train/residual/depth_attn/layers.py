@@ -93,10 +93,6 @@ class DepthStream(ResidualStream):
     Every unit is the input of a finished layer and never changes, so all can be cached.
     """
 
-    def unit_ids(self, layers_done: int) -> list:
-        count = min(layers_done, self.config.t2_model.depth_attn.window - 1) + 1
-        return list(range(layers_done - count + 1, layers_done + 1))
-
     def enter(self, embedding: Tensor) -> DepthState:
         return DepthState((), embedding)
 

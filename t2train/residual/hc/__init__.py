@@ -101,6 +101,14 @@ def extra_flops_per_token(model) -> int:
     return sublayers(model) * per_sublayer + 2 * n * h
 
 
+def copies_of(section: str):
+    def unit_ids(model, _layers_done: int) -> list:
+        """The n copies, each changing at every sublayer."""
+        return [None] * getattr(model, section).expansion_rate
+
+    return unit_ids
+
+
 def diagnostics_for(name: str):
     def write_diagnostics(writer, step: int, records: dict, model) -> None:
         """Histograms ``diagnostics/<design>_read/layer_NN.<sublayer>`` (the weights reading
@@ -137,6 +145,7 @@ DESIGN = ResidualDesign(
     reference="Hyper-Connections, Zhu et al., ICLR 2025, arXiv 2409.19606",
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_per_token,
+    unit_ids=copies_of("hc"),
     section="hc",
     options=HCOptions,
     write_diagnostics=diagnostics_for("hc"),

@@ -68,7 +68,7 @@ from typing import ClassVar
 
 from t2train.errors import require
 from t2train.residual.declaration import ResidualDesign
-from t2train.residual.hc import diagnostics_for, sublayers
+from t2train.residual.hc import copies_of, diagnostics_for, sublayers
 
 
 @dataclass
@@ -140,6 +140,7 @@ DESIGN = ResidualDesign(
     reference="Manifold-Constrained Hyper-Connections, Xie et al., DeepSeek-AI, arXiv 2512.24880",
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_per_token,
+    unit_ids=copies_of("mhc"),
     section="mhc",
     options=MHCOptions,
     write_diagnostics=diagnostics_for("mhc"),
