@@ -138,3 +138,28 @@ def test_interleaving_needs_micro_batches_divisible_by_pipeline():
     )
     with pytest.raises(ConfigError, match="gives 3 micro-batches per step"):
         config.validate_world(2)
+
+
+def test_every_design_section_is_a_declared_field_of_the_model_config():
+    """``ModelConfig`` declares each design's and the mixer's options as a typed field (no
+    class built at import time), and each field's type is the options class the design's own
+    declaration names: a section missing or of another class fails here."""
+    import typing
+    from dataclasses import fields
+
+    from t2train.config.schema import ModelConfig
+    from t2train.residual import get_design, mixer, registered
+    from t2train.residual.options import DesignOptions
+
+    declared = {mixer().section: mixer().options}
+    for name in registered():
+        design = get_design(name)
+        if design.section is not None:
+            assert declared.setdefault(design.section, design.options) is design.options, name
+    hints = typing.get_type_hints(ModelConfig)
+    assert {f.name: hints[f.name] for f in fields(DesignOptions)} == declared
+    assert ModelConfig.__module__ == "t2train.config.schema"  # a class in the source, not made
+    config = load_config("tiny", overrides=DATA + ["model.hc.expansion_rate=2"])
+    assert config.model.hc.expansion_rate == 2 and config.model.mhc.expansion_rate == 4
+    with pytest.raises(ConfigError, match="model.ddl.dv"):
+        load_config("tiny", overrides=DATA + ["model.ddl.dv=0"])

@@ -10,19 +10,21 @@ import dataclasses
 import importlib.util
 import os
 import re
-from dataclasses import dataclass, field, make_dataclass
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from dataclasses import dataclass, field
+from typing import Literal, Optional
 
 # ConfigError: the config's own error, re-exported
 from t2train.errors import ConfigError as ConfigError
 from t2train.errors import require
-from t2train.residual import BASELINE, components, option_sections, registered
+from t2train.residual import BASELINE, components, registered
+from t2train.residual.options import DesignOptions
 from t2train.signals import parse_signals
 
 
 @dataclass
 class ModelShape:
-    """Decoder shape and the residual design (``residual``); see ``ModelConfig``."""
+    """Decoder shape and the residual design (``residual``); ``ModelConfig`` adds the
+    designs' option sections."""
 
     residual: str = BASELINE
     num_layers: int = 4
@@ -123,30 +125,16 @@ class ModelShape:
             self.init_method_std > 0, "model.init_method_std", self.init_method_std, "must be > 0"
         )
         require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
-        for section in option_sections():
-            getattr(self, section).validate(f"model.{section}")
 
 
-# The designs and the local mixer own their config sections (t2train/residual/): each is a
-# field of ModelConfig named after its section, e.g. ``model.ddl.dv``.
-if TYPE_CHECKING:  # a type checker sees the shape's fields and a section per design name
+@dataclass
+class ModelConfig(DesignOptions, ModelShape):
+    """Decoder shape, residual design and local mixer: the shape's fields, then one section
+    per design option set (``model.ddl.dv``; ``t2train/residual/options.py``)."""
 
-    class ModelConfig(ModelShape):
-        def __getattr__(self, section: str) -> Any: ...
-
-else:
-    ModelConfig = make_dataclass(
-        "ModelConfig",
-        [
-            (section, options, field(default_factory=options))
-            for section, options in option_sections().items()
-        ],
-        bases=(ModelShape,),
-    )
-    ModelConfig.__doc__ = (
-        "Decoder shape, residual design and local mixer; one section per design "
-        "option set (``t2train.residual.option_sections``)."
-    )
+    def validate(self) -> None:
+        ModelShape.validate(self)
+        self.validate_sections()
 
 
 @dataclass

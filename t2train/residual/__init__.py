@@ -76,15 +76,6 @@ def kernel_table() -> dict:
     return {kernel.name: kernel for kernel in table}
 
 
-def option_sections() -> dict[str, type]:
-    """``model.<section>`` -> its options dataclass, for every design and the mixer."""
-    sections: dict[str, type] = {}
-    for component in [get_design(name) for name in _DESIGNS] + [mixer()]:
-        if component.section is not None and component.options is not None:
-            sections.setdefault(component.section, component.options)
-    return sections
-
-
 def components(model) -> list:
     """The residual design and, when on, the local mixer: what a model adds to `standard`."""
     return [get_design(model.residual)] + ([mixer()] if mixer_on(model) else [])
