@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from t2train.checkpoint.errors import CheckpointError
-from t2train.checkpoint.paths import CHECKSUMS, LATEST, checkpoint_engine, is_complete
+from t2train.checkpoint.paths import CHECKSUMS, LATEST, is_complete
 from t2train.checkpoint.train_state import read_train_state
 from t2train.residual import resolve_aliases, variant_label
 
@@ -84,7 +84,8 @@ def _cmd_verify(args) -> int:
     if path != given:
         print(f"{given}: its newest complete checkpoint is {path}")
     if not (path / CHECKSUMS).is_file() and "checksums" not in read_train_state(path):
-        indexed = checkpoint_engine(path) == "megatron"  # torch DCP's index names the shards
+        # dist-checkpointing (metadata.json) names every shard in torch DCP's index
+        indexed = (path / "metadata.json").is_file()
         if indexed:
             check_shard_files(path)
         print(

@@ -1,5 +1,7 @@
 """A checkpoint's train state (step, tokens, layout, config, ...) read back from its files,
-whichever engine wrote it. Light: megatron-core loads only when a Megatron checkpoint is read."""
+whichever engine wrote it: an engine file carrying it as JSON (``ENGINE_FILE``, which the
+DeepSpeed engine writes last), else the ``common.pt`` of a dist-checkpointing checkpoint.
+Light: megatron-core loads only when a ``common.pt`` is read."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import json
 from pathlib import Path
 
 from t2train.checkpoint.errors import CheckpointError
-from t2train.checkpoint.paths import ENGINE_FILE, checkpoint_engine, is_complete
+from t2train.checkpoint.paths import ENGINE_FILE, is_complete
 
 
 def _read_json(file: Path) -> dict:
@@ -18,17 +20,14 @@ def _read_json(file: Path) -> dict:
 
 
 def read_train_state(path: Path) -> dict:
-    """The checkpoint's train state (step, tokens, layout, config, ...) from Megatron's
-    common.pt, or the DeepSpeed engine's summary file."""
-    from megatron.core import dist_checkpointing  # noqa: PLC0415 - megatron-core: not for `t2train ckpt --help`
-
+    """The checkpoint's train state (step, tokens, layout, config, ...)."""
     if not is_complete(path):
         raise CheckpointError(f"{path}: not a complete t2train checkpoint (no metadata.json)")
     if (path / ENGINE_FILE).is_file():
-        state = _read_json(path / ENGINE_FILE)
-        if checkpoint_engine(path) == "deepspeed":
-            return state
+        return _read_json(path / ENGINE_FILE)
     _read_json(path / "metadata.json")  # read first: Megatron's errors would blame common.pt
+    from megatron.core import dist_checkpointing  # noqa: PLC0415 - megatron-core: not for a checkpoint with its state in JSON, nor `t2train ckpt --help`
+
     try:
         return dist_checkpointing.load_common_state_dict(str(path))["train_state"]
     except Exception as err:

@@ -74,6 +74,8 @@ class Engine(Protocol):
 
     def num_parameters(self) -> int: ...
 
+    def describe(self) -> str: ...  # the engine as the run's first line names it
+
 
 def build_engine(config: Config, vocab_size: int) -> Engine:
     """Collective: every rank builds its part of the model and optimizer."""

@@ -257,16 +257,11 @@ class Trainer:
             prefix=f"[rank {topology.rank}] " if config.log.all_ranks else "",
         )
         self.resources.callback(self.monitor.close)
-        engine_name = (
-            f"deepspeed ZeRO-{config.deepspeed.zero_stage}"
-            if config.train.engine == "deepspeed"
-            else "megatron"
-        )
         self.monitor.print(
             f"t2train: {variant_label(config.model)} residual, {config.model.num_layers} "
             f"layers, {self.engine.num_parameters() / 1e6:.2f}M parameters on rank 0 | world "
             f"{topology.world_size} = TP {topology.tp_size} x PP {topology.pp_size} x DP "
-            f"{self.dp_size} | engine {engine_name} | {start}"
+            f"{self.dp_size} | engine {self.engine.describe()} | {start}"
         )
         if config.log.tensorboard:
             self.monitor.print(

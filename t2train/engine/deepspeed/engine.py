@@ -279,3 +279,6 @@ class DeepSpeedEngine:
 
     def num_parameters(self) -> int:
         return sum(getattr(p, "ds_numel", p.numel()) for p in self.ds.module.parameters())
+
+    def describe(self) -> str:
+        return f"deepspeed ZeRO-{self.config.deepspeed.zero_stage}"

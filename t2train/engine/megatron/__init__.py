@@ -48,3 +48,6 @@ class MegatronEngine:
 
     def num_parameters(self) -> int:
         return sum(p.numel() for chunk in self.model for p in chunk.parameters())
+
+    def describe(self) -> str:
+        return "megatron"
