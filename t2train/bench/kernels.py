@@ -1,12 +1,12 @@
 """``python -m t2train.bench.kernels``: the Triton kernels against their peers at preset shapes,
 and the GPU check's kernel section.
 
-Shapes: one micro-batch of the preset (sequence, width, heads, query groups), with the design
-options of ``targets.yaml`` (ShortSWA window, depth_attn window, DDL widths d_v, Block AttnRes
-block size; the largest Block AttnRes read has one source per completed block). On the GPU in
-bf16 against eager, ``torch.compile`` and FlexAttention; in the check's dry run in fp32 on the
-CPU with the Triton interpreter (its bf16 ``tl.dot`` is wrong) and dynamo's eager backend,
-which only proves the harness runs.
+Shapes: one micro-batch of the preset (sequence, width, heads, query groups) with its design
+options (each design's defaults unless the preset or the overrides set them; each design
+folder's ``benchmarks.py`` says which it reads). On the GPU in bf16 against eager,
+``torch.compile`` and the peers a case adds; in the check's dry run in fp32 on the CPU with
+the Triton interpreter (its bf16 ``tl.dot`` is wrong) and dynamo's eager backend, which only
+proves the harness runs.
 """
 
 from __future__ import annotations
@@ -20,38 +20,23 @@ from pathlib import Path
 
 from t2train.bench import kernel_cases as bench
 from t2train.bench.gpu.plan import Plan, load_settings
+from t2train.kernels.benchmark import KernelShapes, Runtime
+from t2train.residual import kernel_benchmarks
 
 CHECK_MODE = "fwd+bwd"
 
 
-def preset_shapes(label: str, preset: str, overrides, options: dict):
+def preset_shapes(label: str, preset: str, overrides) -> KernelShapes:
     from t2train.config.loader import load_config
 
     config = load_config(preset, None, ["data.path=unused", *overrides])
-    model, train = config.model, config.train
-    return bench.KernelShapes(
-        label=label,
-        batch=train.micro_batch_size,
-        seq=model.seq_length,
-        hidden=model.hidden_size,
-        heads=model.num_attention_heads,
-        kv_heads=model.num_query_groups or model.num_attention_heads,
-        window=options["window"],
-        depth_window=options["depth_window"],
-        ddl_widths=tuple(options["ddl_widths"]),
-        sources=2 * model.num_layers // options["block_size"],
-        block=options["block_size"],
-    )
+    return KernelShapes(label=label, batch=config.train.micro_batch_size, model=config.model)
 
 
 def run(section, plan: Plan) -> None:
     import torch
 
-    rt = (
-        bench.Runtime("cpu", torch.float32)
-        if plan.dry_run
-        else bench.Runtime("cuda", torch.bfloat16)
-    )
+    rt = Runtime("cpu", torch.float32) if plan.dry_run else Runtime("cuda", torch.bfloat16)
     section.data.update(
         mode=CHECK_MODE,
         dtype=str(rt.dtype).removeprefix("torch."),
@@ -60,8 +45,8 @@ def run(section, plan: Plan) -> None:
     )
     torch.manual_seed(0)
     for label, preset, overrides in plan.kernel_presets:
-        shapes = preset_shapes(label, preset, overrides, plan.kernel_options)
-        section.data["shapes"][label] = vars(shapes) | {"ddl_widths": list(shapes.ddl_widths)}
+        shapes = preset_shapes(label, preset, overrides)
+        section.data["shapes"][label] = shapes.describe()
         for case in bench.cases(shapes, rt):
             estimate = section.next_item_seconds(default=30.0)
             if not section.fits(estimate):
@@ -103,7 +88,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--only",
-        choices=list(bench.BUILDERS),
+        choices=list(kernel_benchmarks()),
         action="append",
         help="benchmark only these kernels (repeatable)",
     )
@@ -128,7 +113,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     settings = load_settings()
     if args.dry_run:
-        rt, options = bench.Runtime("cpu", torch.float32), settings.dry_run_kernel_options
+        rt = Runtime("cpu", torch.float32)
         presets = [
             (
                 "tiny",
@@ -146,7 +131,7 @@ def main(argv=None) -> int:
     else:
         import triton
 
-        rt, options = bench.Runtime(), settings.kernel_options
+        rt = Runtime()
         presets = [(name, name, ()) for name in args.preset or ["125m", "1b"]]
         header = (
             f"# Kernel benchmark: {torch.cuda.get_device_name()}, torch "
@@ -157,7 +142,7 @@ def main(argv=None) -> int:
     print(header, flush=True)
     rows, started = [], time.monotonic()
     for label, preset, overrides in presets:
-        for case in bench.cases(preset_shapes(label, preset, overrides, options), rt, args.only):
+        for case in bench.cases(preset_shapes(label, preset, overrides), rt, args.only):
             case_started = time.monotonic()
             rows += bench.run_case(case, rt, args.mode or bench.MODES)
             print(

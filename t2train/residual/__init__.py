@@ -12,17 +12,20 @@ same spelling selects it in ``t2train bench step`` and ``t2train experiment comp
 
 A design is a folder here: ``<design>/__init__.py`` declares it (a ``ResidualDesign``: its
 options, config rules, counts and diagnostics; light, no torch), ``<design>/layers.py`` holds
-its training modules and the ``Kernel`` declarations of its fused kernels (``KERNELS``), and
-``<design>/hf.py`` its export part. Adding one: the folder, one line in ``_DESIGNS``, and its
-tests (docs/residuals.md, "How to add a design"). Shared pieces: ``declaration.py`` (what a
-design declares), ``base.py`` (the module interfaces), ``sublayers.py`` (the mixer switch
-and the sublayer order), ``streams.py`` (the n-stream pieces `hc` and `mhc` share),
-``window_attention.py`` (the window-attention operator of the mixer and `depth_attn`).
+its training modules and the ``Kernel`` declarations of its fused kernels (``KERNELS``),
+``<design>/hf.py`` its export part and ``<design>/benchmarks.py`` its kernels' benchmark
+cases. Adding one: the folder, one line in ``_DESIGNS`` (and its option section in
+``options.py``), and its tests (docs/residuals.md, "How to add a design"). Shared pieces:
+``declaration.py`` (what a design declares), ``base.py`` (the module interfaces),
+``sublayers.py`` (the mixer switch and the sublayer order), ``streams.py`` (the n-stream
+pieces `hc` and `mhc` share), ``window_attention.py`` (the window-attention operator of the
+mixer and `depth_attn`).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 from t2train.residual.declaration import ResidualDesign
 from t2train.residual.sublayers import mixer as mixer
@@ -74,6 +77,17 @@ def kernel_table() -> dict:
     for layers in dict.fromkeys([get_design(name).layers for name in _DESIGNS] + [mixer().layers]):
         table += importlib.import_module(layers).KERNELS
     return {kernel.name: kernel for kernel in table}
+
+
+def kernel_benchmarks() -> dict:
+    """Benchmark name (``python -m t2train.bench.kernels --only``) -> (its case builder,
+    the kernels of the table it times), from each folder's ``benchmarks.BENCHMARKS``."""
+    folders = [design_folder(name) for name in _DESIGNS] + [mixer().layers.rpartition(".")[0]]
+    found: dict = {}
+    for folder in dict.fromkeys(folders):
+        if importlib.util.find_spec(f"{folder}.benchmarks") is not None:
+            found.update(importlib.import_module(f"{folder}.benchmarks").BENCHMARKS)
+    return found
 
 
 def components(model) -> list:

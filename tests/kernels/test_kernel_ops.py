@@ -13,8 +13,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from t2train.bench.kernel_cases import KernelShapes, Runtime, cases
+from t2train.bench.kernel_cases import cases
+from t2train.config.loader import load_config
 from t2train.kernels import ops
+from t2train.kernels.benchmark import KernelShapes, Runtime
 from t2train.residual import kernel_table
 
 for _kernel in kernel_table().values():  # registers every operator, before they are listed
@@ -22,15 +24,21 @@ for _kernel in kernel_table().values():  # registers every operator, before they
 SHAPES = KernelShapes(
     label="tiny",
     batch=1,
-    seq=8,
-    hidden=32,
-    heads=2,
-    kv_heads=1,
-    window=4,
-    depth_window=3,
-    ddl_widths=(1, 2),
-    sources=3,
-    block=2,
+    model=load_config(
+        "tiny",
+        overrides=[
+            "data.path=unused",
+            "model.num_layers=3",
+            "model.seq_length=8",
+            "model.hidden_size=32",
+            "model.num_attention_heads=2",
+            "model.num_query_groups=1",
+            "model.shortswa.window=4",
+            "model.depth_attn.window=3",
+            "model.attnres.block_size=3",
+            "model.hc.expansion_rate=3",
+        ],
+    ).model,
 )
 
 

@@ -26,18 +26,16 @@ ALL_SECTIONS = SECTIONS + tuple(name for name in STACK_SECTIONS if name not in S
 
 @dataclass(frozen=True)
 class Settings:
-    """``targets.yaml``: targets and design options."""
+    """``targets.yaml``: the targets, and the presets and overrides the check runs at."""
 
     step_preset: str
     step_targets: dict  # variant -> max step time / the baseline's
     kernel_min_vs_best_peer: float
-    kernel_options: dict  # window, depth_window, ddl_widths, block_size
     mfu_preset: str
     mfu_min: float
     reference_min_speed: float  # baseline tokens/s / the compiled plain-PyTorch loop's
     reference_max_memory: float  # baseline peak memory / the compiled loop's
     dry_run_overrides: tuple[str, ...]
-    dry_run_kernel_options: dict
     stack: dict  # the --stack sections' variants, steps and tolerances
     cost: dict = field(default_factory=dict)  # step_time, max_time_over_flops, peak_memory
 
@@ -48,13 +46,11 @@ def load_settings(path: Path = SETTINGS_FILE) -> Settings:
         step_preset=raw["step_cost"]["preset"],
         step_targets={str(k): float(v) for k, v in raw["step_cost"]["targets"].items()},
         kernel_min_vs_best_peer=float(raw["kernels"]["min_vs_best_peer"]),
-        kernel_options=raw["kernels"]["options"],
         mfu_preset=raw["mfu"]["preset"],
         mfu_min=float(raw["mfu"]["min_mfu"]),
         reference_min_speed=float(raw["reference"]["min_speed"]),
         reference_max_memory=float(raw["reference"]["max_memory"]),
         dry_run_overrides=tuple(raw["dry_run"]["overrides"]),
-        dry_run_kernel_options=raw["dry_run"]["kernel_options"],
         stack=raw["stack"],
         cost=raw.get("cost") or {},
     )
@@ -147,12 +143,6 @@ class Plan:
     @property
     def mfu_preset(self) -> str:
         return "tiny" if self.dry_run else self.settings.mfu_preset
-
-    @property
-    def kernel_options(self) -> dict:
-        return (
-            self.settings.dry_run_kernel_options if self.dry_run else self.settings.kernel_options
-        )
 
 
 # The correctness runs compare trajectories, so they train where the tiny model is stable: at
