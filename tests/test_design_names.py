@@ -4,8 +4,9 @@ The trainer, planner, monitoring, checkpointing, kernels, data and launch code r
 through the ``ResidualDesign`` interface and the registry, so adding a design is one file
 there (docs/residuals.md, "How to add a design"). Scanned, from the syntax tree (the same on
 every Python version, f-strings included): identifiers and every string literal but
-docstrings (docstrings and comments may mention designs). Presets and tests may name them.
-The collector is tested on planted names at the end.
+docstrings (docstrings and comments may mention designs), compound names included (``hc_read``,
+``ddl_widths``: a name is found as any run of a word's underscore-separated parts). Presets
+and tests may name them. The collector is tested on planted names at the end.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from t2train.residual import mixer, registered
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = ["t2train", "data", "kernels", "launch"]
 EXEMPT = REPO / "t2train" / "residual"
+ENGLISH = ("standard_error",)  # statistics' term, not the baseline design
 
 
 def _names() -> set[str]:
@@ -58,16 +60,19 @@ def _code_tokens(path: Path):
 
 
 def _mentions(text: str, names: set[str]) -> set[str]:
-    words = set(
-        text.strip("'\"fbr")
-        .replace(".", " ")
-        .replace("=", " ")
-        .replace("+", " ")
-        .replace("/", " ")
-        .replace(",", " ")
-        .split()
-    )
-    return words & names
+    text = text.strip("'\"")  # a string literal comes quoted by repr()
+    for phrase in ENGLISH:
+        text = text.replace(phrase, " ")
+    for separator in ".=+/,-:":
+        text = text.replace(separator, " ")
+    found = set()
+    for word in text.split():
+        parts = word.split("_")
+        for name in names:
+            run = name.split("_")
+            if any(parts[i : i + len(run)] == run for i in range(len(parts))):
+                found.add(name)
+    return found
 
 
 def _found(paths, names: set[str]) -> list[str]:
@@ -103,6 +108,9 @@ PLANTED = {
     "an attribute": "x = config.ddl\n",
     "a keyword argument": "run(ddl=1)\n",
     "an import": "from t2train.residual import ddl\n",
+    "a compound identifier": "ddl_widths = (1, 4)\n",
+    "a compound string": 'table["fused_ddl_write"]\n',
+    "a file name": 'run("tests/kernels/test_ddl_kernel.py")\n',
 }
 
 
@@ -114,6 +122,12 @@ def test_every_planted_name_is_found(tmp_path):
         if not _found([sample], {"ddl"}):
             missed.append(form)
     assert missed == []
+
+
+def test_a_word_containing_a_name_is_not_the_name(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text('addle = 1\nladder = "shc_ddlx"\nstandard_error = 0.1\n')
+    assert _found([sample], {"ddl", "hc", "standard"}) == []
 
 
 def test_docstrings_and_comments_may_name_a_design(tmp_path):

@@ -173,7 +173,7 @@ def reference_timing(
 
     from t2train.bench.reference_gpt import time_reference_steps
     from t2train.model.build import compute_dtype
-    from t2train.model.flops import standard_parameters
+    from t2train.model.flops import plain_parameters
     from t2train.nn.compiling import compile_backend
 
     torch._dynamo.reset()
@@ -190,7 +190,7 @@ def reference_timing(
     )
     return DesignTiming(
         COMPILED_REFERENCE if compiled else REFERENCE,
-        standard_parameters(config.model, vocab_size),
+        plain_parameters(config.model, vocab_size),
         seconds[warmup:],
         _tokens_per_step(config),
         _memory_gib(),

@@ -12,7 +12,9 @@ from t2train.config.schema import ModelConfig
 from t2train.residual import components
 
 
-def standard_parameters(model: ModelConfig, vocab_size: int) -> int:
+def plain_parameters(model: ModelConfig, vocab_size: int) -> int:
+    """A plain pre-norm decoder's (the baseline design, no mixer): embedding, layers, final
+    norm and an untied output layer."""
     h, f = model.hidden_size, model.resolved_ffn_hidden_size()
     per_layer = h * (h + 2 * model.kv_dim()) + h * h + 3 * h * f + 2 * h
     head = 0 if model.tie_embeddings else vocab_size * h
@@ -29,10 +31,11 @@ def extra_tensor_parallel_parameters(model: ModelConfig) -> int:
 
 
 def parameters(model: ModelConfig, vocab_size: int) -> int:
-    return standard_parameters(model, vocab_size) + extra_parameters(model)
+    return plain_parameters(model, vocab_size) + extra_parameters(model)
 
 
-def standard_forward_flops_per_token(model: ModelConfig, vocab_size: int) -> float:
+def plain_forward_flops_per_token(model: ModelConfig, vocab_size: int) -> float:
+    """A plain pre-norm decoder's (the baseline design, no mixer); the designs add theirs."""
     h, f, s = model.hidden_size, model.resolved_ffn_hidden_size(), model.seq_length
     projections = 2 * h * (h + 2 * model.kv_dim()) + 2 * h * h + 2 * 3 * h * f
     attention = 4 * h * (s + 1) / 2  # QK^T and AV over the causal average of keys
@@ -40,7 +43,7 @@ def standard_forward_flops_per_token(model: ModelConfig, vocab_size: int) -> flo
 
 
 def forward_flops_per_token(model: ModelConfig, vocab_size: int) -> float:
-    return standard_forward_flops_per_token(model, vocab_size) + sum(
+    return plain_forward_flops_per_token(model, vocab_size) + sum(
         part.extra_flops_per_token(model) for part in components(model)
     )
 

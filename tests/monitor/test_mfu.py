@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from t2train.config.loader import load_config
-from t2train.model.flops import forward_flops_per_token, standard_forward_flops_per_token
+from t2train.model.flops import forward_flops_per_token, plain_forward_flops_per_token
 from t2train.monitor.mfu import (
     model_flops_per_token,
     peak_tflops,
@@ -86,7 +86,7 @@ def test_standard_model_flops_are_6n_plus_causal_attention():
 def test_each_design_adds_its_hand_counted_flops(variant):
     design, overrides, extra = EXTRA_FORWARD_FLOPS[variant]
     model = _model(design, *overrides)
-    assert forward_flops_per_token(model, VOCAB) - standard_forward_flops_per_token(
+    assert forward_flops_per_token(model, VOCAB) - plain_forward_flops_per_token(
         model, VOCAB
     ) == pytest.approx(extra)
     assert model_flops_per_token(model, VOCAB) == pytest.approx(STANDARD_TRAIN_FLOPS + 3 * extra)

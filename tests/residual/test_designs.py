@@ -13,7 +13,7 @@ from t2train.model.build import build_model_chunks, transformer_config
 from t2train.model.flops import (
     forward_flops_per_token,
     parameters,
-    standard_forward_flops_per_token,
+    plain_forward_flops_per_token,
 )
 from t2train.residual import registered
 
@@ -133,7 +133,7 @@ def test_a_step_at_init_reaches_exactly_the_parameters_it_should(megatron_world,
 def test_extra_flops_are_zero_only_for_standard():
     for variant in VARIANTS:
         model = _config(variant).model
-        extra = forward_flops_per_token(model, 128) - standard_forward_flops_per_token(model, 128)
+        extra = forward_flops_per_token(model, 128) - plain_forward_flops_per_token(model, 128)
         assert (extra == 0) == (variant == "standard"), variant
         assert forward_flops_per_token(model, 128) > 0
 

@@ -205,7 +205,7 @@ def make_plan(dry_run: bool, data: str, quick: bool = False, stack: bool = False
                 **DRY_RUN_STACK_BUDGETS,
             },
             matmul_size=256,
-            gpu_tests=("tests/kernels/test_ddl_kernel.py",),
+            gpu_tests=("tests/kernels/test_fp32_linear_kernel.py",),
             train_preset="tiny",
             train_overrides=tiny + ("train.warmup_steps=1",),
             train_steps=2,
