@@ -23,7 +23,7 @@ class T2TransformerConfig(TransformerConfig):
     """Megatron's config plus the fields t2train's own modules read."""
 
     t2_attention_backend: str = "auto"
-    t2_model: Optional[ModelConfig] = None  # residual designs read their options here
+    t2_model: Optional[ModelConfig] = None  # the decoder hands it to the designs' modules
     t2_cached_hops: bool = False  # hops skip units the receiving rank kept (depth cache)
     t2_hop_shapes: str = "exact"  # parallel.hop_shapes: exact or padded
     t2_fused_loss: bool = False  # model.fusions: the loss without an fp32 copy of the logits

@@ -69,6 +69,7 @@ class ResidualDecoder(TransformerBlock):
         stream = get_design(config.t2_model.residual).modules().stream
         self.stream = stream(
             config,
+            config.t2_model,
             pre_process,
             post_process,
             first_layer=get_transformer_layer_offset(config, vp_stage, pp_rank),

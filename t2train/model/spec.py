@@ -17,9 +17,11 @@ def decoder_layer_spec(model) -> ModuleSpec:
     names = sublayer_names(model)
     mixes = len(names) == 3  # the mixer's sublayer comes first
     residual = {
-        name: ModuleSpec(module=design.sublayer, params={"position": position})
+        name: ModuleSpec(module=design.sublayer, params={"model": model, "position": position})
         for position, name in enumerate(names)
     }
+    entry = design.layer_entry
+
     return ModuleSpec(
         module=ResidualTransformerLayer,
         submodules=ResidualLayerSubmodules(
@@ -29,9 +31,11 @@ def decoder_layer_spec(model) -> ModuleSpec:
             mlp=mlp_spec(),
             attn_residual=residual["attn"],
             mlp_residual=residual["mlp"],
-            layer_entry=design.layer_entry,
+            layer_entry=None
+            if entry is None
+            else ModuleSpec(module=entry, params={"model": model}),
             pre_attention_layernorm=RMSNorm if mixes else None,
-            pre_attention=mixer().module_spec() if mixes else None,
+            pre_attention=mixer().module_spec(model) if mixes else None,
             pre_attention_residual=residual[names[0]] if mixes else None,
         ),
     )

@@ -12,12 +12,14 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from t2train.nn.attention import CausalCoreAttention
 
 
-def self_attention_spec(core_attention=CausalCoreAttention, module=SelfAttention) -> ModuleSpec:
-    """Megatron's tensor-parallel self-attention (or a subclass) around a core attention of
-    our choice."""
+def self_attention_spec(
+    core_attention=CausalCoreAttention, module=SelfAttention, **params
+) -> ModuleSpec:
+    """Megatron's tensor-parallel self-attention (or a subclass, given ``params``) around a
+    core attention of our choice (a module or a ModuleSpec)."""
     return ModuleSpec(
         module=module,
-        params={"attn_mask_type": AttnMaskType.causal},
+        params={"attn_mask_type": AttnMaskType.causal, **params},
         submodules=SelfAttentionSubmodules(
             linear_qkv=ColumnParallelLinear,
             core_attention=core_attention,

@@ -22,10 +22,13 @@ written. Nothing outside ``t2train/residual/`` names a design (``tests/test_desi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from t2train.config.schema import ModelConfig
 
 State = Any  # a design's stream state: a Tensor for `standard`, richer for others
 
@@ -33,12 +36,15 @@ State = Any  # a design's stream state: a Tensor for `standard`, richer for othe
 class SublayerResidual(MegatronModule):
     """How one sublayer reads from and writes to the residual stream.
 
-    ``position`` is the sublayer's index within its layer (``sublayer_names(model)``: the
-    mixer first when it is on, then attention, then the MLP).
+    ``model`` is the run's ``ModelConfig`` (the design reads its options there, e.g.
+    ``model.hc``; ``config`` is Megatron's). ``position`` is the sublayer's index within its
+    layer (``sublayer_names(model)``: the mixer first when it is on, then attention, then the
+    MLP).
     """
 
-    def __init__(self, config, layer_number: int = 1, position: int = 0):
+    def __init__(self, config, model: ModelConfig, layer_number: int = 1, position: int = 0):
         super().__init__(config=config)
+        self.model = model
         self.layer_number = layer_number
         self.position = position
 
@@ -53,15 +59,19 @@ class ResidualStream(MegatronModule):
     """The stream state between layers and across pipeline hops, for one model chunk.
 
     ``first_layer`` is the 0-based global index of the chunk's first layer, so a chunk
-    knows which depth states exist when its input arrives.
+    knows which depth states exist when its input arrives; ``model`` is the run's
+    ``ModelConfig``.
     """
 
     # Earlier tokens' embeddings that ``enter`` reads for each token (a causal convolution
     # over tokens); 0: each token's state starts from its own embedding alone.
     entry_context: int = 0
 
-    def __init__(self, config, pre_process: bool, post_process: bool, first_layer: int):
+    def __init__(
+        self, config, model: ModelConfig, pre_process: bool, post_process: bool, first_layer: int
+    ):
         super().__init__(config=config)
+        self.model = model
         self.pre_process = pre_process
         self.post_process = post_process
         self.first_layer = first_layer

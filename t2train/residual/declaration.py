@@ -101,7 +101,7 @@ class LocalMixer:
     section: str
     layers: str  # the module of its training modules
     options: Any  # dataclass with validate(prefix), enabled() and a default_window
-    spec: str  # in ``layers``: () -> ModuleSpec of the sublayer (config, layer_number, ...)
+    spec: str  # in ``layers``: (its options) -> ModuleSpec of the sublayer
     reference: str
     extra_parameters: Callable = no_extra
     extra_flops_per_token: Callable = no_extra
@@ -109,6 +109,9 @@ class LocalMixer:
     check: Callable = no_rules
     write_diagnostics: Callable = no_diagnostics
 
-    def module_spec(self):
-        """The sublayer's ModuleSpec (imports ``layers``: torch and Megatron-core)."""
-        return getattr(importlib.import_module(self.layers), self.spec)()
+    def module_spec(self, model):
+        """The sublayer's ModuleSpec for ``model``'s options (imports ``layers``: torch and
+        Megatron-core)."""
+        return getattr(importlib.import_module(self.layers), self.spec)(
+            getattr(model, self.section)
+        )

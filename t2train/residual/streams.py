@@ -14,9 +14,9 @@ from t2train.residual.base import ResidualStream, SublayerResidual
 from t2train.residual.sublayers import sublayer_names
 
 
-def sublayer_index(config, layer_number: int, position: int) -> int:
+def sublayer_index(model, layer_number: int, position: int) -> int:
     """0-based index of a sublayer over the whole model (every sublayer counts)."""
-    return len(sublayer_names(config.t2_model)) * (layer_number - 1) + position
+    return len(sublayer_names(model)) * (layer_number - 1) + position
 
 
 def record_weights(name: str, sublayer: tuple, read: Tensor, write: Tensor, mix) -> None:
@@ -35,8 +35,8 @@ class StreamMixResidual(SublayerResidual):
     (the layer calls them in that order on the same state, also when recomputing).
     """
 
-    def __init__(self, config, layer_number: int = 1, position: int = 0):
-        super().__init__(config, layer_number, position)
+    def __init__(self, config, model, layer_number: int = 1, position: int = 0):
+        super().__init__(config, model, layer_number, position)
         self._pending: Optional[tuple] = None  # the read's mappings, for the write
 
     def read(self, state: Tensor) -> Tensor:
@@ -63,9 +63,9 @@ class StreamCopies(ResidualStream):
 
     section = "hc"  # where the expansion rate is configured
 
-    def __init__(self, config, pre_process: bool, post_process: bool, first_layer: int):
-        super().__init__(config, pre_process, post_process, first_layer)
-        self.n = getattr(config.t2_model, self.section).expansion_rate
+    def __init__(self, config, model, pre_process: bool, post_process: bool, first_layer: int):
+        super().__init__(config, model, pre_process, post_process, first_layer)
+        self.n = getattr(self.model, self.section).expansion_rate
 
     def enter(self, embedding: Tensor) -> Tensor:
         return embedding.unsqueeze(0).expand(self.n, *embedding.shape)

@@ -439,7 +439,7 @@ MUTATIONS = [
         "A_m starts at e_(layer mod n) instead of e_(sublayer index mod n)",
         (
             REF_HC,
-            "alpha[sublayer_index(config, layer_number, position) % n, 0] = 1.0",
+            "alpha[sublayer_index(self.model, layer_number, position) % n, 0] = 1.0",
             "alpha[layer_number % n, 0] = 1.0",
         ),
     ),

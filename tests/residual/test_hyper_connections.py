@@ -305,7 +305,11 @@ def test_the_stream_crosses_a_hop_as_n_units(megatron_world, design, n):
             "train.global_batch_size=2",
         ]
     )
-    stream = get_design(design).modules().stream(transformer_config(config), False, False, 2)
+    stream = (
+        get_design(design)
+        .modules()
+        .stream(transformer_config(config), config.model, False, False, 2)
+    )
     state = _streams(n)
     units = stream.to_units(state)
     assert len(units) == n and get_design(design).unit_ids(config.model, 2) == [None] * n

@@ -61,7 +61,7 @@ def ddl_bf16():
         ]
     )
     torch.manual_seed(0)
-    return ddl.DeltaResidual(transformer_config(config), layer_number=1, position=0)
+    return ddl.DeltaResidual(transformer_config(config), config.model, layer_number=1, position=0)
 
 
 def test_ddl_gate_logits_are_fp32_with_bf16_parameters(ddl_bf16):

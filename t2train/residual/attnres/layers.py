@@ -123,13 +123,13 @@ class BlockAttnResidual(SublayerResidual):
     its row with the partial sum (phase 2).
     """
 
-    def __init__(self, config, layer_number: int = 1, position: int = 0):
-        super().__init__(config, layer_number, position)
+    def __init__(self, config, model, layer_number: int = 1, position: int = 0):
+        super().__init__(config, model, layer_number, position)
         self.query = _pseudo_query(config)
-        self.eps = config.t2_model.attnres.eps
-        per_layer = sublayers_per_layer(config.t2_model)
+        self.eps = self.model.attnres.eps
+        per_layer = sublayers_per_layer(self.model)
         self.index = per_layer * (layer_number - 1) + position  # 0-based, global
-        self.block_size = config.t2_model.attnres.block_size
+        self.block_size = self.model.attnres.block_size
         self.block_mates = [self]  # this and the block's later reads in the chunk, in order
         mark_replicated(self, config)
 
@@ -187,15 +187,16 @@ class AttnResStream(ResidualStream):
     def __init__(
         self,
         config,
+        model,
         pre_process: bool,
         post_process: bool,
         first_layer: int,
         block_size: Optional[int] = None,
     ):
-        super().__init__(config, pre_process, post_process, first_layer)
-        self.block_size = block_size or config.t2_model.attnres.block_size
-        self.eps = config.t2_model.attnres.eps
-        self.per_layer = sublayers_per_layer(config.t2_model)
+        super().__init__(config, model, pre_process, post_process, first_layer)
+        self.block_size = block_size or self.model.attnres.block_size
+        self.eps = self.model.attnres.eps
+        self.per_layer = sublayers_per_layer(self.model)
         if post_process:
             self.final_query = _pseudo_query(config)
         mark_replicated(self, config)
@@ -232,8 +233,8 @@ class AttnResStream(ResidualStream):
 
 
 class FullAttnResStream(AttnResStream):
-    def __init__(self, config, pre_process: bool, post_process: bool, first_layer: int):
-        super().__init__(config, pre_process, post_process, first_layer, block_size=1)
+    def __init__(self, config, model, pre_process: bool, post_process: bool, first_layer: int):
+        super().__init__(config, model, pre_process, post_process, first_layer, block_size=1)
 
 
 KERNELS = (

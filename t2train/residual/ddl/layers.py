@@ -71,9 +71,9 @@ class ChannelMixRead(torch.nn.Module):
 
 
 class DeltaResidual(SublayerResidual):
-    def __init__(self, config, layer_number: int = 1, position: int = 0):
-        super().__init__(config, layer_number, position)
-        options = config.t2_model.ddl
+    def __init__(self, config, model, layer_number: int = 1, position: int = 0):
+        super().__init__(config, model, layer_number, position)
+        options = self.model.ddl
         self.dv, self.k_eps, self.v_scale = options.dv, options.k_eps, options.v_scale
         h, dtype = config.hidden_size, config.params_dtype
         self.beta_proj = torch.nn.Linear(h, 1, dtype=dtype)
@@ -108,9 +108,9 @@ class DeltaResidual(SublayerResidual):
 class DeltaStream(ResidualStream):
     """d_v = 1: the state is [s, b, h]. d_v > 1: [d_v, s, b, h], d_v units per hop."""
 
-    def __init__(self, config, pre_process: bool, post_process: bool, first_layer: int):
-        super().__init__(config, pre_process, post_process, first_layer)
-        options = config.t2_model.ddl
+    def __init__(self, config, model, pre_process: bool, post_process: bool, first_layer: int):
+        super().__init__(config, model, pre_process, post_process, first_layer)
+        options = self.model.ddl
         self.dv, h = options.dv, config.hidden_size
         self.expander = self.final_read = None
         if self.dv > 1 and pre_process:

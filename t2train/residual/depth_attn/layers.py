@@ -25,10 +25,10 @@ class DepthState(NamedTuple):
 class DepthRead(MegatronModule):
     """The layer entry: read the depth window, add W_O z, remember h^(l) for later layers."""
 
-    def __init__(self, config, layer_number: int = 1):
+    def __init__(self, config, model, layer_number: int = 1):
         super().__init__(config=config)
         self.layer_number = layer_number
-        self.window = config.t2_model.depth_attn.window
+        self.window = model.depth_attn.window
         h = config.hidden_size
         self.heads = divide(config.num_attention_heads, config.tensor_model_parallel_size)
         self.head_dim = h // config.num_attention_heads

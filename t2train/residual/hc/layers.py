@@ -35,13 +35,13 @@ HC_WRITE = dispatch.Kernel("hc_write", "t2train.kernels.stream_mix:depth_write",
 
 
 class HyperConnection(StreamMixResidual):
-    def __init__(self, config, layer_number: int = 1, position: int = 0):
-        super().__init__(config, layer_number, position)
-        options = config.t2_model.hc
+    def __init__(self, config, model, layer_number: int = 1, position: int = 0):
+        super().__init__(config, model, layer_number, position)
+        options = self.model.hc
         n, h, dtype = options.expansion_rate, config.hidden_size, config.params_dtype
         self.n, self.dynamic = n, options.dynamic
         alpha = torch.zeros(n, n + 1, dtype=dtype)  # [A_m | A_r]
-        alpha[sublayer_index(config, layer_number, position) % n, 0] = 1.0
+        alpha[sublayer_index(self.model, layer_number, position) % n, 0] = 1.0
         alpha[:, 1:] = torch.eye(n, dtype=dtype)
         self.static_alpha = torch.nn.Parameter(alpha)
         self.static_beta = torch.nn.Parameter(torch.ones(n, dtype=dtype))

@@ -167,14 +167,14 @@ DROPPED_STATES = _DroppedStates()
 
 
 class ManifoldHyperConnection(StreamMixResidual):
-    def __init__(self, config, layer_number: int = 1, position: int = 0):
-        super().__init__(config, layer_number, position)
-        options = config.t2_model.mhc
+    def __init__(self, config, model, layer_number: int = 1, position: int = 0):
+        super().__init__(config, model, layer_number, position)
+        options = self.model.mhc
         n, h, dtype = options.expansion_rate, config.hidden_size, config.params_dtype
         self.n, self.eps, self.iterations = n, options.eps, options.sinkhorn_iterations
         # with recompute_streams: the states between this layer's sublayers are dropped
         # (the last sublayer's output, the next layer's input, is kept)
-        last = position == len(sublayer_names(config.t2_model)) - 1
+        last = position == len(sublayer_names(self.model)) - 1
         self.dropped = DROPPED_STATES if options.recompute_streams else None
         self.drops_its_output = options.recompute_streams and not last
         outputs = n * n + 2 * n  # H~pre, H~post, H~res (row-major)

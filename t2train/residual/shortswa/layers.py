@@ -23,9 +23,9 @@ class ShortWindowCoreAttention(CausalCoreAttention):
     runs over the window's band instead (an s x s mask).
     """
 
-    def __init__(self, config, *args, **kwargs):
+    def __init__(self, config, *args, window: int, **kwargs):
         super().__init__(config, *args, **kwargs)
-        self.window = config.t2_model.shortswa.window
+        self.window = window
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, dropout: float) -> Tensor:
         probe.record(
@@ -69,15 +69,22 @@ class ShortSWAAttention(SelfAttention):
     """Megatron's ``SelfAttention``; its output projection starts at zero with
     ``model.shortswa.zero_init_output``."""
 
-    def __init__(self, config, *args, **kwargs):
+    def __init__(self, config, *args, zero_init_output: bool, **kwargs):
         super().__init__(config, *args, **kwargs)
-        if config.t2_model.shortswa.zero_init_output:
+        if zero_init_output:
             with torch.no_grad():
                 self.linear_proj.weight.zero_()
 
 
-def short_attention_spec() -> ModuleSpec:
-    return self_attention_spec(core_attention=ShortWindowCoreAttention, module=ShortSWAAttention)
+def short_attention_spec(options) -> ModuleSpec:
+    """The sublayer for ``model.shortswa`` (a ``ShortSWAOptions``)."""
+    return self_attention_spec(
+        core_attention=ModuleSpec(
+            module=ShortWindowCoreAttention, params={"window": options.window}
+        ),
+        module=ShortSWAAttention,
+        zero_init_output=options.zero_init_output,
+    )
 
 
 KERNELS = ()  # the fused kernels this design declares (the registry's kernel table)
