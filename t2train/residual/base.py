@@ -28,7 +28,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from t2train.config.schema import ModelConfig
+    from t2train.residual.options import DesignOptions
 
 State = Any  # a design's stream state: a Tensor for `standard`, richer for others
 
@@ -36,13 +36,13 @@ State = Any  # a design's stream state: a Tensor for `standard`, richer for othe
 class SublayerResidual(MegatronModule):
     """How one sublayer reads from and writes to the residual stream.
 
-    ``model`` is the run's ``ModelConfig`` (the design reads its options there, e.g.
-    ``model.hc``; ``config`` is Megatron's). ``position`` is the sublayer's index within its
-    layer (``sublayer_names(model)``: the mixer first when it is on, then attention, then the
-    MLP).
+    ``model`` is the run's ``ModelConfig`` (a ``DesignOptions``: the design reads its
+    options there, e.g. ``model.hc``; ``config`` is Megatron's). ``position`` is the
+    sublayer's index within its layer (``sublayer_names(model)``: the mixer first when it is
+    on, then attention, then the MLP).
     """
 
-    def __init__(self, config, model: ModelConfig, layer_number: int = 1, position: int = 0):
+    def __init__(self, config, model: DesignOptions, layer_number: int = 1, position: int = 0):
         super().__init__(config=config)
         self.model = model
         self.layer_number = layer_number
@@ -68,7 +68,7 @@ class ResidualStream(MegatronModule):
     entry_context: int = 0
 
     def __init__(
-        self, config, model: ModelConfig, pre_process: bool, post_process: bool, first_layer: int
+        self, config, model: DesignOptions, pre_process: bool, post_process: bool, first_layer: int
     ):
         super().__init__(config=config)
         self.model = model
