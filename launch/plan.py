@@ -13,6 +13,7 @@ from typing import Optional
 
 from t2train.errors import UserInputError
 from t2train.launch.slurm_env import SlurmStep, node_address
+from t2train.ports import free_port
 
 # SLURM jobs derive their rendezvous port from the job id (every node must agree on it
 # without talking first); below Linux's ephemeral range so clients rarely hold it.
@@ -85,12 +86,6 @@ def processes_per_node(
             "CUDA device(s) visible on this node"
         )
     return count
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def check_port_free(port: int, what: str) -> None:

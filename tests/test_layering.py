@@ -45,9 +45,16 @@ LAYERS = [
 # counts as importing what they reach).
 STANDALONE = {
     "t2train.data": {"t2train.errors", "t2train.compat"},
-    "t2train.launch": {"t2train.config", "t2train.errors", "t2train.signals", "t2train.processes"},
+    "t2train.launch": {
+        "t2train.config",
+        "t2train.errors",
+        "t2train.signals",
+        "t2train.processes",
+        "t2train.ports",
+    },
     "t2train.signals": {"t2train.errors"},
     "t2train.processes": set(),
+    "t2train.ports": set(),
     "t2train.errors": set(),
     "t2train.version": set(),
     "t2train.compat": set(),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from t2train.compat import megatron_cpu
+from t2train.ports import free_port
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def init_distributed(timeout_minutes: float = 10.0) -> None:
             raise RuntimeError(
                 "WORLD_SIZE > 1 but MASTER_PORT is unset: launch with torchrun or `t2train launch`"
             )
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port("127.0.0.1"))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         backend = "nccl"
@@ -66,13 +66,6 @@ def current_device() -> torch.device:
         if torch.cuda.is_available()
         else torch.device("cpu")
     )
-
-
-def _free_port() -> int:
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def init_model_parallel(tensor: int, pipeline: int, virtual_pipeline: int) -> Topology:

@@ -7,7 +7,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -21,6 +20,7 @@ import torch.multiprocessing as mp
 
 from t2train.data.loader import StreamingWorld, TokenBatches, reader_world
 from t2train.data.prepare import DataError, read_index
+from t2train.ports import free_port
 
 ONE = StreamingWorld(0, 1, 0, 1)
 
@@ -215,12 +215,6 @@ def test_reader_world_without_torch_distributed(monkeypatch):
     assert reader_world(False, 0, 1) is None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank, world_size, readers, port, path, out_dir):
     """One process; the ranks in ``readers`` read (data-parallel rank = position), as tensor
     rank 0 of a replica does; the others idle, as its model-parallel peers do."""
@@ -254,7 +248,7 @@ def _rank_main(rank, world_size, readers, port, path, out_dir):
 def test_data_parallel_readers_see_disjoint_halves(dataset, tmp_path, world_size, readers):
     mp.spawn(
         _rank_main,
-        args=(world_size, readers, _free_port(), str(dataset), str(tmp_path)),
+        args=(world_size, readers, free_port("127.0.0.1"), str(dataset), str(tmp_path)),
         nprocs=world_size,
     )
     results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world_size)]

@@ -13,7 +13,6 @@ import io
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import pytest
 import torch
 
 from t2train.config.loader import load_config
+from t2train.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -271,12 +271,6 @@ def test_pipeline_stages_send_their_diagnostics_and_other_ranks_stay_quiet(shake
         assert (quiet / "stdout.log").read_text() == "" == (quiet / "stderr.log").read_text()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _get_json(url: str):
     with urllib.request.urlopen(url, timeout=5) as response:
         return json.loads(response.read())
@@ -284,7 +278,7 @@ def _get_json(url: str):
 
 def test_a_tensorboard_server_serves_the_training_loss(runs):
     run_dir, summary, _ = runs["standard"]
-    port = _free_port()
+    port = free_port("127.0.0.1")
     server = subprocess.Popen(
         [
             str(Path(sys.executable).parent / "tensorboard"),
