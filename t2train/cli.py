@@ -27,12 +27,12 @@ def _load(args):
 
 
 def _cmd_train(args) -> int:
+    config = _load(args)  # a config error answers before torch is imported
     from t2train.export.on_finish import export_on_finish
     from t2train.parallel.init import is_rank_zero
     from t2train.signals import REQUEUE_EXIT_CODE
     from t2train.train.loop import train
 
-    config = _load(args)
     if args.dry_run:
         return _dry_run(config)
     summary = train(config)

@@ -50,11 +50,14 @@ def test_help_and_version_import_nothing_heavy(tmp_path):
     assert imported == "[]"
 
 
-def test_config_and_plan_read_every_design_without_torch(tmp_path):
+def test_config_only_commands_answer_without_torch(tmp_path):
     """``t2train config`` validates each design's options and rules, and ``t2train plan``
-    plans its pipeline hops, from its declaration (``t2train/residual/<design>/__init__.py``)
-    without importing torch or Megatron-core (they took 4 s of every config-only command on a
-    busy machine)."""
+    plans its pipeline hops, from its declaration (``t2train/residual/<design>/__init__.py``);
+    a misspelt key in ``train`` and a refused ``import hf`` answer from the config alone: none
+    imports torch or Megatron-core (they took 4 s of every config-only command on a busy
+    machine)."""
+    (tmp_path / "neox").mkdir()
+    (tmp_path / "neox" / "config.json").write_text('{"architectures": ["GPTNeoXForCausalLM"]}')
     check = (
         "import contextlib, io, sys\n"
         "from t2train.cli import main\n"
@@ -72,6 +75,12 @@ def test_config_and_plan_read_every_design_without_torch(tmp_path):
         "            code = main(['plan', *given, 'model.num_layers=8', 'parallel.pipeline=2',\n"
         "                         'parallel.virtual_pipeline=2'])\n"
         "        assert code == 0 and 'units per hop' in out.getvalue(), design\n"
+        "for argv, said in ((['train', '--preset', 'tiny', 'data.path=d', 'model.layerz=2'],\n"
+        "                    'model.layerz: unknown field'),\n"
+        "                   (['import', 'hf', 'neox', 'out'], 'GPTNeoX')):\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        assert main(argv) == 2 and said in err.getvalue(), err.getvalue()\n"
         "from t2train.compat.deferred_import import DeferredModule\n"
         "heavy = {'torch', 'megatron', 'deepspeed', 'streaming', 'transformers'}\n"
         "loaded = {name.split('.')[0] for name, module in sys.modules.items()\n"

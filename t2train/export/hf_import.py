@@ -25,13 +25,15 @@ import json
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-import torch
 import yaml
 
 from t2train.errors import UserInputError
 from t2train.residual import BASELINE
+
+if TYPE_CHECKING:
+    import torch
 
 # The families that map onto the `standard` design, and the value each must have of the
 # config fields the design does not implement otherwise (refused by name).
@@ -140,17 +142,7 @@ def import_hf(
     overwrite: bool = False,
     progress: Callable[[str], None] = lambda stage: None,
 ) -> Imported:
-    from megatron.core import dist_checkpointing
-
-    from t2train.checkpoint.integrity import recorded_checksums
-    from t2train.checkpoint.paths import INCOMPLETE, step_dir_name
-    from t2train.checkpoint.store import current_layout, publish_checkpoint
     from t2train.config.loader import config_from_dict
-    from t2train.config.schema import CONFIG_FORMAT
-    from t2train.data.tokenizer import default_bos_id, load_tokenizer, save_tokenizer
-    from t2train.export.hf import _check_out, megatron_state_dict
-    from t2train.export.load import build_model, single_process_world
-    from t2train.version import code_version
 
     folder, out = Path(given), Path(out)
     if not (folder / "config.json").is_file():
@@ -159,6 +151,19 @@ def import_hf(
         json.loads((folder / "config.json").read_text()), folder / "config.json", seq_length
     )
     config = config_from_dict({"model": section})
+    # torch, Megatron and transformers once the config maps: a refusal answers at once
+    import torch
+    from megatron.core import dist_checkpointing
+
+    from t2train.checkpoint.integrity import recorded_checksums
+    from t2train.checkpoint.paths import INCOMPLETE, step_dir_name
+    from t2train.checkpoint.store import current_layout, publish_checkpoint
+    from t2train.config.schema import CONFIG_FORMAT
+    from t2train.data.tokenizer import default_bos_id, load_tokenizer, save_tokenizer
+    from t2train.export.hf import _check_out, megatron_state_dict
+    from t2train.export.load import build_model, single_process_world
+    from t2train.version import code_version
+
     tokenizer = load_tokenizer(folder)
     _check_out(out, overwrite)
     progress(f"reading the weights of {folder}")
