@@ -94,6 +94,25 @@ def test_the_assembled_modeling_file_stands_alone(monkeypatch):
     assert set(namespace["DESIGNS"]) == set(registered())
 
 
+def test_parts_are_assembled_after_the_parts_they_import(monkeypatch):
+    """``mhc``'s part uses ``hc``'s names: it follows it whatever the registry's order, and a
+    cycle of parts is named."""
+    from t2train.residual import hf
+
+    in_order = [path.parent.name for path in hf.export_parts()]
+    assert in_order.index("hc") < in_order.index("mhc")
+    monkeypatch.setattr(hf, "registered", lambda: tuple(reversed(registered())))
+    reordered = [path.parent.name for path in hf.export_parts()]
+    assert reordered.index("hc") < reordered.index("mhc") and reordered != in_order
+    namespace = {"__name__": "modeling_t2train"}
+    exec(compile(hf.modeling_source(), "modeling_t2train.py", "exec"), namespace)
+    assert set(namespace["DESIGNS"]) == set(registered())
+    real = hf._parts_imported
+    monkeypatch.setattr(hf, "_parts_imported", lambda path: real(path) or ["mhc"])
+    with pytest.raises(RuntimeError, match="in a cycle: .*mhc -> hc -> mhc"):
+        hf.export_parts()
+
+
 def test_an_export_part_may_not_import_the_trainer(tmp_path, monkeypatch):
     """A part's other t2train imports would not resolve next to the weights: refused."""
     from t2train.residual import hf

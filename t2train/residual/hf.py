@@ -50,11 +50,45 @@ def config_fields(model) -> dict:
 
 
 def export_parts() -> list[Path]:
-    """The export part of each registered design's folder that has one, in registry order (a
-    part may use the names of the parts before it)."""
+    """The export part of each registered design's folder that has one, each after the parts
+    it imports (it uses their names); otherwise in registry order."""
     folders = dict.fromkeys(design_folder(name).rsplit(".", 1)[-1] for name in registered())
-    paths = [MODELING_FILE.parent / folder / "hf.py" for folder in folders]
-    return [path for path in paths if path.exists()]
+    parts = {
+        folder: path
+        for folder in folders
+        if (path := MODELING_FILE.parent / folder / "hf.py").exists()
+    }
+    ordered: list[str] = []
+
+    def place(folder: str, importers: tuple[str, ...]) -> None:
+        if folder in ordered:
+            return
+        if folder in importers:
+            cycle = " -> ".join([*importers, folder])
+            raise RuntimeError(f"export parts import each other in a cycle: {cycle}")
+        for needed in _parts_imported(parts[folder]):
+            if needed not in parts:
+                raise RuntimeError(
+                    f"{parts[folder]}: imports the export part of {needed!r}, which no "
+                    "registered design has"
+                )
+            place(needed, (*importers, folder))
+        ordered.append(folder)
+
+    for folder in parts:
+        place(folder, ())
+    return [parts[folder] for folder in ordered]
+
+
+def _parts_imported(path: Path) -> list[str]:
+    """The folders whose export part ``path`` imports (``t2train.residual.<folder>.hf``)."""
+    found = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            pieces = node.module.split(".")
+            if pieces[:2] == ["t2train", "residual"] and len(pieces) == 4 and pieces[3] == "hf":
+                found.append(pieces[2])
+    return found
 
 
 def _exported(tree: ast.Module, path: Path) -> ast.Assign:
@@ -95,7 +129,7 @@ def _defined_in_the_file(node: ast.ImportFrom, path: Path) -> bool:
         return True
     raise RuntimeError(
         f"{path}: imports {module}; an export part may import only torch, the "
-        "standard library, hf_modeling and the parts before it"
+        "standard library, hf_modeling and other designs' export parts"
     )
 
 
