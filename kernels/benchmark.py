@@ -93,11 +93,15 @@ class Case:
     unit: str  # "TFLOP/s" or "GB/s"
 
 
-def peers(rt: Runtime, fused: Callable, reference: Callable, call: Callable, inputs) -> list:
-    """The Triton kernel against its PyTorch reference, eager and compiled: ``call(f)`` runs
-    one of them on the case's tensors."""
-    compiled = rt.compile(reference)
+def peers(rt: Runtime, kernel, call: Callable, inputs) -> list:
+    """A ``Kernel``'s Triton function against its PyTorch reference, eager and compiled:
+    ``call(f)`` runs one of them on the case's tensors."""
+    compiled = rt.compile(kernel.reference)
     return [
         Impl(name, lambda f=f: call(f), inputs)
-        for name, f in (("triton", fused), ("eager", reference), ("torch.compile", compiled))
+        for name, f in (
+            ("triton", kernel.triton_function()),
+            ("eager", kernel.reference),
+            ("torch.compile", compiled),
+        )
     ]

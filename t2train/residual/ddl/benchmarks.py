@@ -28,13 +28,7 @@ def delta_write_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
             "delta_write",
             shapes.label,
             f"s={tokens[0]} b={tokens[1]} h={hidden} d_v={dv}",
-            peers(
-                rt,
-                DELTA_WRITE.triton_function(),
-                DELTA_WRITE.reference,
-                lambda f, args=tuple(inputs): f(*args, k_eps, v_scale),
-                inputs,
-            ),
+            peers(rt, DELTA_WRITE, lambda f, args=tuple(inputs): f(*args, k_eps, v_scale), inputs),
             {"fwd": (2 * dv + 1) * unit, "fwd+bwd": (5 * dv + 3) * unit},
             "GB/s",
         )
@@ -52,13 +46,7 @@ def gate_logit_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
             "fp32_linear",
             shapes.label,
             f"s={tokens[0]} b={tokens[1]} h={hidden} outputs={outputs}",
-            peers(
-                rt,
-                FP32_LINEAR.triton_function(),
-                FP32_LINEAR.reference,
-                lambda f, args=tuple(inputs): f(*args),
-                inputs,
-            ),
+            peers(rt, FP32_LINEAR, lambda f, args=tuple(inputs): f(*args), inputs),
             {"fwd": unit, "fwd+bwd": 3 * unit},
             "GB/s",
         )

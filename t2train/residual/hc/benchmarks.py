@@ -23,31 +23,32 @@ def stream_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
     state, out = rt.leaf(n, *tokens, hidden), rt.leaf(*tokens, hidden)
     read, beta = _fp32_leaf(rt, *tokens, n), _fp32_leaf(rt, *tokens, n)
     residual = _fp32_leaf(rt, *tokens, n, n)
-    unit = out.numel() * out.element_size()
-    shape = f"s={tokens[0]} b={tokens[1]} h={hidden} n={n}"
-    yield Case(
-        "hc_read",
-        shapes.label,
-        shape,
-        peers(
-            rt,
-            HC_READ.triton_function(),
-            HC_READ.reference,
-            lambda f: f(state, read),
-            [state, read],
+    yield from read_and_write(
+        shapes, rt, (HC_READ, HC_WRITE), [state, read], [state, residual, beta, out], ()
+    )
+
+
+def read_and_write(shapes, rt, kernels, read: list, write: list, write_options: tuple):
+    """An n-stream read ([n, s, b, h] in, [s, b, h] out) and write (the stream and the
+    sublayer output in, the new stream out), each given its inputs; ``write_options`` follow
+    the write's tensors. Bytes: the streams and the output, read or written once."""
+    state = read[0]
+    n, unit = state.shape[0], state[0].numel() * state.element_size()
+    shape = f"s={shapes.seq} b={shapes.batch} h={shapes.hidden} n={n}"
+    for kernel, inputs, options, work in (
+        (kernels[0], read, (), {"fwd": (n + 1) * unit, "fwd+bwd": (3 * n + 2) * unit}),
+        (
+            kernels[1],
+            write,
+            write_options,
+            {"fwd": (2 * n + 1) * unit, "fwd+bwd": (5 * n + 3) * unit},
         ),
-        {"fwd": (n + 1) * unit, "fwd+bwd": (3 * n + 2) * unit},
-        "GB/s",
-    )
-    write = [state, residual, beta, out]
-    yield Case(
-        "hc_write",
-        shapes.label,
-        shape,
-        peers(rt, HC_WRITE.triton_function(), HC_WRITE.reference, lambda f: f(*write), write),
-        {"fwd": (2 * n + 1) * unit, "fwd+bwd": (5 * n + 3) * unit},
-        "GB/s",
-    )
+    ):
+        suffix = "".join(f" {name}={value}" for name, value in options)
+        call = lambda f, inputs=inputs, options=options: f(*inputs, *(v for _, v in options))  # noqa: E731
+        yield Case(
+            kernel.name, shapes.label, shape + suffix, peers(rt, kernel, call, inputs), work, "GB/s"
+        )
 
 
 def dynamic_weight_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
@@ -62,13 +63,7 @@ def dynamic_weight_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
         "rms_fp32_linear",
         shapes.label,
         f"n={n} s={shapes.seq} b={shapes.batch} h={shapes.hidden} outputs={outputs}",
-        peers(
-            rt,
-            RMS_FP32_LINEAR.triton_function(),
-            RMS_FP32_LINEAR.reference,
-            lambda f: f(state, weight, None, eps),
-            [state, weight],
-        ),
+        peers(rt, RMS_FP32_LINEAR, lambda f: f(state, weight, None, eps), [state, weight]),
         {"fwd": unit, "fwd+bwd": 3 * unit},
         "GB/s",
     )

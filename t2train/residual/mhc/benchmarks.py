@@ -9,7 +9,8 @@ from typing import Iterator
 
 import torch
 
-from t2train.kernels.benchmark import Case, KernelShapes, Runtime, peers
+from t2train.kernels.benchmark import Case, KernelShapes, Runtime
+from t2train.residual.hc.benchmarks import read_and_write
 from t2train.residual.mhc.layers import STREAM_READ, STREAM_WRITE
 
 
@@ -22,30 +23,13 @@ def stream_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
         torch.randn(*tokens, *shape, device=rt.device).requires_grad_()
         for shape in ((n,), (n,), (n, n))
     )
-    unit = out.numel() * out.element_size()
-    read = [state, pre]
-    yield Case(
-        "stream_read",
-        shapes.label,
-        f"s={tokens[0]} b={tokens[1]} h={hidden} n={n}",
-        peers(rt, STREAM_READ.triton_function(), STREAM_READ.reference, lambda f: f(*read), read),
-        {"fwd": (n + 1) * unit, "fwd+bwd": (3 * n + 2) * unit},
-        "GB/s",
-    )
-    write = [state, out, post, res]
-    yield Case(
-        "stream_write",
-        shapes.label,
-        f"s={tokens[0]} b={tokens[1]} h={hidden} n={n} iterations={iterations}",
-        peers(
-            rt,
-            STREAM_WRITE.triton_function(),
-            STREAM_WRITE.reference,
-            lambda f: f(*write, iterations),
-            write,
-        ),
-        {"fwd": (2 * n + 1) * unit, "fwd+bwd": (5 * n + 3) * unit},
-        "GB/s",
+    yield from read_and_write(
+        shapes,
+        rt,
+        (STREAM_READ, STREAM_WRITE),
+        [state, pre],
+        [state, out, post, res],
+        (("iterations", iterations),),
     )
 
 
