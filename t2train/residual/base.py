@@ -22,13 +22,10 @@ written. Nothing outside ``t2train/residual/`` names a design (``tests/test_desi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from t2train.residual.options import DesignOptions
 
 State = Any  # a design's stream state: a Tensor for `standard`, richer for others
 
@@ -36,13 +33,13 @@ State = Any  # a design's stream state: a Tensor for `standard`, richer for othe
 class SublayerResidual(MegatronModule):
     """How one sublayer reads from and writes to the residual stream.
 
-    ``model`` is the run's ``ModelConfig`` (a ``DesignOptions``: the design reads its
-    options there, e.g. ``model.hc``; ``config`` is Megatron's). ``position`` is the
+    ``model`` is the run's ``ModelConfig`` (the design reads its options there, e.g.
+    ``model.hc``, typed in ``options.py``; ``config`` is Megatron's). ``position`` is the
     sublayer's index within its layer (``sublayer_names(model)``: the mixer first when it is
     on, then attention, then the MLP).
     """
 
-    def __init__(self, config, model: DesignOptions, layer_number: int = 1, position: int = 0):
+    def __init__(self, config, model, layer_number: int = 1, position: int = 0):
         super().__init__(config=config)
         self.model = model
         self.layer_number = layer_number
@@ -67,9 +64,7 @@ class ResidualStream(MegatronModule):
     # over tokens); 0: each token's state starts from its own embedding alone.
     entry_context: int = 0
 
-    def __init__(
-        self, config, model: DesignOptions, pre_process: bool, post_process: bool, first_layer: int
-    ):
+    def __init__(self, config, model, pre_process: bool, post_process: bool, first_layer: int):
         super().__init__(config=config)
         self.model = model
         self.pre_process = pre_process
