@@ -23,6 +23,8 @@ def test_dry_run_runs_every_asked_case_on_the_cpu(tmp_path, capsys):
                 "--dry-run",
                 "--only",
                 "stream_mix",
+                "--only",
+                "hc_stream",
                 "--mode",
                 "fwd+bwd",
                 "--json",
