@@ -33,6 +33,7 @@ from streaming import MDSWriter
 from streaming.base.compression import get_compressions, is_compression
 
 from t2train.data.errors import DataError
+from t2train.data.index import FORMAT, INDEX_FILE, VERSION
 from t2train.data.inputs import PATTERNS, InputFile, check_encoding, encoding_name, resolve_inputs
 from t2train.data.progress import progress_meter
 from t2train.data.tokenize import Batch, encode_batches
@@ -46,11 +47,8 @@ from t2train.data.tokenizer import (
     train_tokenizer,
 )
 
-__all__ = ["DataError", "prepare_dataset", "read_index", "resolve_inputs"]
+__all__ = ["DataError", "prepare_dataset", "resolve_inputs"]
 
-FORMAT = "t2train-mds"
-VERSION = 1
-INDEX_FILE = "index.json"
 SPLITS = ("train", "val")
 DEFAULT_VAL_FRACTION = 0.05
 SHARD_HASH = "xxh64"  # recorded per shard file by MDSWriter (fast; streaming ships xxhash)
@@ -159,39 +157,6 @@ def prepare_dataset(
                 "another encoding? give it with --encoding)",
                 stacklevel=2,
             )
-    return index
-
-
-def read_index(path: str | Path) -> dict:
-    """The index of a prepared dataset directory; ``DataError`` if it is not one."""
-    path = Path(path)
-    if not path.is_dir():
-        raise DataError(f"dataset {path}: no such directory")
-    file = path / INDEX_FILE
-    if not file.is_file():
-        raise DataError(
-            f"{path}: not a prepared dataset (no {INDEX_FILE}); run `t2train data prepare`"
-        )
-    try:
-        index = json.loads(file.read_text())
-    except (ValueError, UnicodeDecodeError) as err:
-        raise DataError(f"{file}: malformed ({err})") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise DataError(f"{file}: malformed (expected a {FORMAT!r} index)")
-    if index.get("version") != VERSION:
-        raise DataError(
-            f"{file}: format version {index.get('version')!r}, expected {VERSION}; "
-            "prepare the dataset again"
-        )
-    for field in ("seq_length", "vocab_size", "eos_id"):
-        if not isinstance(index.get(field), int) or index[field] < 0:
-            raise DataError(
-                f"{file}: malformed ({field}={index.get(field)!r}, expected an integer >= 0)"
-            )
-    if index.get("token_dtype") not in ("uint16", "uint32") or not isinstance(
-        index.get("splits"), dict
-    ):
-        raise DataError(f"{file}: malformed (token_dtype or splits missing or invalid)")
     return index
 
 

@@ -20,7 +20,7 @@ from streaming import Stream
 from streaming.base.storage import CloudDownloader
 
 from t2train.data.errors import DataError
-from t2train.data.prepare import INDEX_FILE, read_index
+from t2train.data.index import INDEX_FILE, read_index
 
 
 @dataclass(frozen=True)

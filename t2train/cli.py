@@ -27,7 +27,10 @@ def _load(args):
 
 
 def _cmd_train(args) -> int:
-    config = _load(args)  # a config error answers before torch is imported
+    from t2train.train.inputs import dataset_facts
+
+    config = _load(args)  # a config or dataset error answers before torch is imported
+    dataset_facts(config)
     from t2train.export.on_finish import export_on_finish
     from t2train.parallel.init import is_rank_zero
     from t2train.signals import REQUEUE_EXIT_CODE

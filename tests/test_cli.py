@@ -53,9 +53,9 @@ def test_help_and_version_import_nothing_heavy(tmp_path):
 def test_config_only_commands_answer_without_torch(tmp_path):
     """``t2train config`` validates each design's options and rules, and ``t2train plan``
     plans its pipeline hops, from its declaration (``t2train/residual/<design>/__init__.py``);
-    a misspelt key in ``train`` and a refused ``import hf`` answer from the config alone: none
-    imports torch or Megatron-core (they took 4 s of every config-only command on a busy
-    machine)."""
+    a misspelt key or a missing dataset in ``train`` and a refused ``import hf`` answer from
+    the config (and the dataset's index) alone: none imports torch or Megatron-core (they took
+    4 s of every config-only command on a busy machine)."""
     (tmp_path / "neox").mkdir()
     (tmp_path / "neox" / "config.json").write_text('{"architectures": ["GPTNeoXForCausalLM"]}')
     check = (
@@ -77,6 +77,8 @@ def test_config_only_commands_answer_without_torch(tmp_path):
         "        assert code == 0 and 'units per hop' in out.getvalue(), design\n"
         "for argv, said in ((['train', '--preset', 'tiny', 'data.path=d', 'model.layerz=2'],\n"
         "                    'model.layerz: unknown field'),\n"
+        "                   (['train', '--preset', 'tiny', 'data.path=no/such/dir'],\n"
+        "                    'dataset no/such/dir: no such directory'),\n"
         "                   (['import', 'hf', 'neox', 'out'], 'GPTNeoX')):\n"
         "    err = io.StringIO()\n"
         "    with contextlib.redirect_stderr(err):\n"

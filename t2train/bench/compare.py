@@ -179,7 +179,7 @@ def _variant_runs(variant: str, curves: list[dict[int, float]], config) -> Varia
 
 def _context(batch: Batch, argv: list[str]) -> list[str]:
     """How the numbers were measured, for the top of ``compare.md``."""
-    from t2train.data.prepare import read_index
+    from t2train.data.index import read_index
     from t2train.model.build import compute_dtype
 
     config = batch.configs[batch.variants[0], batch.seeds[0]]

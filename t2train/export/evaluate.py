@@ -31,7 +31,7 @@ class Evaluation:
 
 def check_same_tokenizer(checkpoint: Checkpoint, data: Path, run_hash: Optional[str]) -> dict:
     """The dataset's index; refused unless its tokenizer is the run's (both hashes named)."""
-    from t2train.data.prepare import read_index
+    from t2train.data.index import read_index
 
     index = read_index(data)
     theirs = index["tokenizer"]["sha256"]

@@ -46,7 +46,7 @@ def run_tokenizer_hash(checkpoint: Checkpoint) -> Optional[str]:
     recorded = checkpoint.train_state.get("tokenizer_sha256")
     if recorded:
         return recorded
-    from t2train.data.prepare import read_index
+    from t2train.data.index import read_index
 
     try:
         return read_index(checkpoint.config.data.path)["tokenizer"]["sha256"]

@@ -34,7 +34,7 @@ def dry_run(config: Config) -> DryRun:
 
     from t2train.checkpoint.inspect import resolve_checkpoint
     from t2train.checkpoint.integrity import require_intact
-    from t2train.data.prepare import read_index
+    from t2train.data.index import read_index
     from t2train.engine import build_engine
     from t2train.train.batches import GlobalBatchFeeder
     from t2train.train.data import open_streams

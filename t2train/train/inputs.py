@@ -9,7 +9,7 @@ from typing import Optional
 
 from t2train.checkpoint.paths import is_complete
 from t2train.config.schema import Config, ConfigError
-from t2train.data.prepare import read_index
+from t2train.data.index import read_index
 
 
 def dataset_facts(config: Config) -> dict:

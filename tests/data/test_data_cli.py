@@ -16,7 +16,8 @@ import pytest
 from t2train.data import corpora
 from t2train.data.cli import main_data, register
 from t2train.data.corpora import COMPLETE, fetch_corpus
-from t2train.data.prepare import DataError, read_index
+from t2train.data.index import read_index
+from t2train.data.prepare import DataError
 
 
 def run(*argv) -> int:

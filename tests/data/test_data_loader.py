@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from t2train.data.index import read_index
 from t2train.data.loader import StreamingWorld, TokenBatches, reader_world
-from t2train.data.prepare import DataError, read_index
+from t2train.data.prepare import DataError
 from t2train.ports import free_port
 
 ONE = StreamingWorld(0, 1, 0, 1)

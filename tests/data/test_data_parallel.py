@@ -20,8 +20,8 @@ import pytest
 import torch.multiprocessing as mp
 
 from t2train.data.errors import DataError
+from t2train.data.index import read_index
 from t2train.data.loader import StreamingWorld, TokenBatches, check_node_count
-from t2train.data.prepare import read_index
 
 MBS, SEQ, GLOBAL = 2, 32, 8  # micro-batch, sequence length, samples per step (all layouts)
 STEPS = 46  # the test dataset's 309 samples make epochs of 38 steps: this crosses one

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from t2train.data.index import read_index
 from t2train.data.loader import StreamingWorld, TokenBatches
-from t2train.data.prepare import DataError, prepare_dataset, read_index
+from t2train.data.prepare import DataError, prepare_dataset
 from t2train.data.tokenizer import EOS, file_sha256, token_dtype
 
 from textgen import english_ish

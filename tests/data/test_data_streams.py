@@ -12,8 +12,9 @@ import torch
 
 from t2train.config.loader import load_config
 from t2train.config.schema import ConfigError
+from t2train.data.index import read_index
 from t2train.data.loader import StreamingWorld, TokenBatches
-from t2train.data.prepare import DataError, prepare_dataset, read_index
+from t2train.data.prepare import DataError, prepare_dataset
 from t2train.data.streams import DataStream
 from t2train.train.data import train_and_val_streams
 
