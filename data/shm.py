@@ -12,12 +12,16 @@ the first one without leftovers (missing later ones, which is where the prefixes
 skipped lock files are), unlinks the segments of live datasets too (other jobs on the host),
 and never removes lock files. Here a prefix is stale when no process on the host maps any of
 its segments, as read from ``/proc/<pid>/maps``: a live dataset keeps its segments mapped from
-construction to destruction. Files of other users are left alone (they cannot be unlinked).
+construction to destruction. Only mappings on this ``/dev/shm``'s device count: a process in
+another mount namespace (a container, a job with a private ``/dev/shm``) maps its own
+``/dev/shm/000000_...``, which protects nothing here. Files of other users are left alone
+(they cannot be unlinked).
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import re
 import tempfile
 from pathlib import Path
@@ -57,20 +61,38 @@ def clean_stale_streaming_files(lock_dir: Optional[str | Path] = None) -> list[P
 
 
 def _mapped_prefixes() -> set[str]:
-    """The prefixes of the streaming segments that some process on this host maps now.
+    """The prefixes of the streaming segments that some process on this host maps now, from
+    this ``/dev/shm`` (the maps' device field, ``major:minor`` in hex).
 
     A mapping of an unlinked segment (``... (deleted)`` in the maps) protects no file: the
     prefix's files now on disk are a later dataset's, live only if mapped themselves.
     """
-    mapped = re.compile(rf"{re.escape(str(SHM_DIR))}/{_SEGMENT.pattern}$", re.MULTILINE)
+    if not SHM_DIR.is_dir():
+        return set()
+    device = os.stat(SHM_DIR).st_dev
     prefixes: set[str] = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
             text = maps.read_text()
         except OSError:  # the process ended, or is another user's
             continue
-        prefixes.update(match.group(1) for match in mapped.finditer(text))
+        prefixes |= prefixes_mapped(text, (os.major(device), os.minor(device)))
     return prefixes
+
+
+_MAPPED = re.compile(
+    rf"^\S+ \S+ \S+ ([0-9a-f]+):([0-9a-f]+) \d+ +{re.escape(str(SHM_DIR))}/{_SEGMENT.pattern}$",
+    re.MULTILINE,
+)
+
+
+def prefixes_mapped(maps: str, device: tuple[int, int]) -> set[str]:
+    """The prefixes of the segments one process's ``maps`` holds on ``device`` (major, minor)."""
+    return {
+        match.group(3)
+        for match in _MAPPED.finditer(maps)
+        if (int(match.group(1), 16), int(match.group(2), 16)) == device
+    }
 
 
 def release_shared_memory(dataset) -> None:

@@ -168,3 +168,28 @@ def test_a_mapping_of_an_unlinked_segment_protects_no_later_file(tmp_path):
     finally:
         unlinked.close()
         path.unlink(missing_ok=True)
+
+
+def test_only_mappings_of_this_dev_shm_keep_a_prefix_alive():
+    """A process in another mount namespace (a container, a job with a private /dev/shm)
+    maps its own /dev/shm/000000_...: the same path, another device, and it protects nothing
+    here (the other test worker's live dataset once kept a killed run's prefix here)."""
+    from t2train.data.shm import prefixes_mapped
+
+    maps = (
+        "7f0000000000-7f0000001000 rw-s 00000000 00:1a 4242 /dev/shm/000000_locals\n"
+        "7f0000001000-7f0000002000 rw-s 00000000 00:2b 4243 /dev/shm/000001_barrier\n"
+        "7f0000002000-7f0000003000 rw-s 00000000 00:1a 4244 /dev/shm/000002_epoch_data (deleted)\n"
+        "7f0000003000-7f0000004000 r-xp 00000000 08:01 77 /usr/lib/libc.so.6\n"
+    )
+    assert prefixes_mapped(maps, (0, 0x1A)) == {"000000"}
+    assert prefixes_mapped(maps, (0, 0x2B)) == {"000001"}
+    with open(SHM_DIR / "999998_locals", "wb") as segment:  # mapped here: alive
+        segment.write(b"\0" * mmap.PAGESIZE)
+    try:
+        with open(SHM_DIR / "999998_locals", "r+b") as segment, mmap.mmap(segment.fileno(), 0):
+            from t2train.data.shm import _mapped_prefixes
+
+            assert "999998" in _mapped_prefixes()
+    finally:
+        (SHM_DIR / "999998_locals").unlink()
