@@ -70,13 +70,14 @@ def _mapped_prefixes() -> set[str]:
     if not SHM_DIR.is_dir():
         return set()
     device = os.stat(SHM_DIR).st_dev
+    ours = (os.major(device), os.minor(device))
     prefixes: set[str] = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
             text = maps.read_text()
         except OSError:  # the process ended, or is another user's
             continue
-        prefixes |= prefixes_mapped(text, (os.major(device), os.minor(device)))
+        prefixes |= prefixes_mapped(text, ours)
     return prefixes
 
 

@@ -74,17 +74,22 @@ def kernel_table() -> dict:
     from t2train.residual import window_attention  # noqa: PLC0415 - torch: not for the config's readers
 
     table = [window_attention.WINDOW_ATTENTION, precision.FP32_LINEAR, precision.RMS_FP32_LINEAR]
-    for layers in dict.fromkeys([get_design(name).layers for name in _DESIGNS] + [mixer().layers]):
+    for layers in _layers_modules():
         table += importlib.import_module(layers).KERNELS
     return {kernel.name: kernel for kernel in table}
+
+
+def _layers_modules() -> list[str]:
+    """The training-module module of every design and of the mixer, once each (one folder
+    may hold two designs)."""
+    return list(dict.fromkeys([get_design(name).layers for name in _DESIGNS] + [mixer().layers]))
 
 
 def kernel_benchmarks() -> dict:
     """Benchmark name (``python -m t2train.bench.kernels --only``) -> (its case builder,
     the kernels of the table it times), from each folder's ``benchmarks.BENCHMARKS``."""
-    folders = [design_folder(name) for name in _DESIGNS] + [mixer().layers.rpartition(".")[0]]
     found: dict = {}
-    for folder in dict.fromkeys(folders):
+    for folder in (layers.rpartition(".")[0] for layers in _layers_modules()):
         if importlib.util.find_spec(f"{folder}.benchmarks") is not None:
             found.update(importlib.import_module(f"{folder}.benchmarks").BENCHMARKS)
     return found

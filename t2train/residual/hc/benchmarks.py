@@ -24,31 +24,34 @@ def stream_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
     read, beta = _fp32_leaf(rt, *tokens, n), _fp32_leaf(rt, *tokens, n)
     residual = _fp32_leaf(rt, *tokens, n, n)
     yield from read_and_write(
-        shapes, rt, (HC_READ, HC_WRITE), [state, read], [state, residual, beta, out], ()
+        shapes, rt, (HC_READ, HC_WRITE), [state, read], [state, residual, beta, out]
     )
 
 
-def read_and_write(shapes, rt, kernels, read: list, write: list, write_options: tuple):
+def read_and_write(shapes, rt, kernels, read: list, write: list, write_extra=(), write_label=""):
     """An n-stream read ([n, s, b, h] in, [s, b, h] out) and write (the stream and the
-    sublayer output in, the new stream out), each given its inputs; ``write_options`` follow
-    the write's tensors. Bytes: the streams and the output, read or written once."""
+    sublayer output in, the new stream out), each given its tensors; ``write_extra`` follow
+    the write's tensors, ``write_label`` names them in its shape. Bytes: the streams and the
+    output, read or written once."""
     state = read[0]
     n, unit = state.shape[0], state[0].numel() * state.element_size()
     shape = f"s={shapes.seq} b={shapes.batch} h={shapes.hidden} n={n}"
-    for kernel, inputs, options, work in (
-        (kernels[0], read, (), {"fwd": (n + 1) * unit, "fwd+bwd": (3 * n + 2) * unit}),
-        (
-            kernels[1],
-            write,
-            write_options,
-            {"fwd": (2 * n + 1) * unit, "fwd+bwd": (5 * n + 3) * unit},
-        ),
-    ):
-        suffix = "".join(f" {name}={value}" for name, value in options)
-        call = lambda f, inputs=inputs, options=options: f(*inputs, *(v for _, v in options))  # noqa: E731
-        yield Case(
-            kernel.name, shapes.label, shape + suffix, peers(rt, kernel, call, inputs), work, "GB/s"
-        )
+    yield Case(
+        kernels[0].name,
+        shapes.label,
+        shape,
+        peers(rt, kernels[0], lambda f: f(*read), read),
+        {"fwd": (n + 1) * unit, "fwd+bwd": (3 * n + 2) * unit},
+        "GB/s",
+    )
+    yield Case(
+        kernels[1].name,
+        shapes.label,
+        shape + write_label,
+        peers(rt, kernels[1], lambda f: f(*write, *write_extra), write),
+        {"fwd": (2 * n + 1) * unit, "fwd+bwd": (5 * n + 3) * unit},
+        "GB/s",
+    )
 
 
 def dynamic_weight_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:

@@ -29,7 +29,8 @@ def stream_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
         (STREAM_READ, STREAM_WRITE),
         [state, pre],
         [state, out, post, res],
-        (("iterations", iterations),),
+        (iterations,),
+        f" iterations={iterations}",
     )
 
 
