@@ -1,7 +1,8 @@
 """Checkpoints outside the trainer: Hugging Face export, generation, evaluation.
 
 * the modeling file (``t2train/residual/hf_modeling.py`` with the designs' export parts,
-  ``t2train/residual/<module>_hf.py``) and the Llama mapping give
+  ``t2train/residual/<design>/hf.py``, and the functional modules they share with the
+  trainer) and the Llama mapping give
   t2train's logits for every design alone and with the local mixer, with random non-trivial
   weights (fp32, within 1e-5), and a wrong mapping is seen;
 * one 4-rank launch trains every design at TP = 2 x PP = 2 (and `depth_attn` under DeepSpeed
@@ -113,6 +114,47 @@ def test_parts_are_assembled_after_the_parts_they_import(monkeypatch):
         hf.export_parts()
 
 
+# Functions the export takes from a functional module that the trainer computes another way,
+# and where the two are compared.
+EXPORT_ONLY = {
+    "flat_rms_projection": "mhc's normed_projection (its own backward): "
+    "tests/residual/test_hyper_connections.py",
+}
+
+
+def test_the_export_computes_with_the_trainers_functions():
+    """Each design's math is written once: an export part defines no module-level function,
+    and every function it takes from a functional module is one a training module calls."""
+    import ast
+
+    from t2train.residual import hf
+
+    parts = set(hf.export_parts())
+
+    def functional_imports(path: Path) -> set[tuple[str, str]]:
+        return {
+            (node.module, alias.name)
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and hf._is_functional(node.module or "")
+            for alias in node.names
+        }
+
+    trainer = set().union(
+        *(
+            functional_imports(path)
+            for path in hf.PACKAGE.rglob("*.py")
+            if path not in parts and path.name not in ("functional.py", "hf_modeling.py")
+        )
+    )
+    taken = set()
+    for part in parts:
+        tree = ast.parse(part.read_text())
+        assert [node.name for node in tree.body if isinstance(node, ast.FunctionDef)] == []
+        taken |= functional_imports(part)
+    assert taken, "no export part uses a functional module"
+    assert {name for _, name in taken - trainer} == set(EXPORT_ONLY)
+
+
 def test_an_export_part_may_not_import_the_trainer(tmp_path, monkeypatch):
     """A part's other t2train imports would not resolve next to the weights: refused."""
     from t2train.residual import hf
@@ -125,6 +167,32 @@ def test_an_export_part_may_not_import_the_trainer(tmp_path, monkeypatch):
     monkeypatch.setattr(hf, "export_parts", lambda: [part])
     with pytest.raises(RuntimeError, match="t2train.residual.standard"):
         hf.modeling_source()
+
+
+def test_a_functional_module_may_import_only_torch(tmp_path, monkeypatch):
+    """A functional module is copied into the file as it is: one that imports the trainer
+    (here the kernel dispatch) is refused, naming the file and the import."""
+    from t2train.residual import hf
+
+    math = tmp_path / "functional.py"
+    math.write_text(
+        '"""Math."""\nimport torch\nfrom t2train.kernels.dispatch import route\n'
+        "def double(x):\n    return 2 * x\n"
+    )
+    part = tmp_path / "hf.py"
+    part.write_text(
+        '"""A part."""\nfrom t2train.residual.toy.functional import double\n'
+        'EXPORTED = {"toy": (double, double, None)}\n'
+    )
+    real = hf._module_path
+    monkeypatch.setattr(
+        hf, "_module_path", lambda m: math if m == "t2train.residual.toy.functional" else real(m)
+    )
+    monkeypatch.setattr(hf, "export_parts", lambda: [part])
+    with pytest.raises(RuntimeError, match=r"functional.py: imports t2train.kernels.dispatch"):
+        hf.modeling_source()
+    math.write_text('"""Math."""\nimport torch\ndef double(x):\n    return 2 * x\n')
+    assert "def double(x):" in hf.modeling_source()
 
 
 # --- the math, with random weights (in-process, TP = 1) ---------------------------------------

@@ -11,11 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from t2train.kernels.dispatch import Kernel, route
-
-
-def at_least_fp32(t: Tensor) -> Tensor:
-    """``t`` in fp32, or kept in fp64 (the gradient checks run in fp64)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+from t2train.nn.functional import at_least_fp32, rms_normalize
 
 
 class _Fp32Linear(torch.autograd.Function):
@@ -81,11 +77,8 @@ def rms_fp32_logits(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) 
 
 def rms_linear_in_fp32(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
     """The PyTorch reference of ``rms_fp32_logits`` (and of its Triton kernel)."""
-    x32 = at_least_fp32(x)
     with torch.autocast(x.device.type, enabled=False):
-        return linear_in_fp32(
-            x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps), weight, bias
-        )
+        return linear_in_fp32(rms_normalize(x, eps), weight, bias)
 
 
 RMS_FP32_LINEAR = Kernel(

@@ -4,8 +4,10 @@
   architecture, which transformers loads with no code of ours;
 * every other design and combination runs through one standalone modeling file, written
   next to the weights. ``modeling_source()`` assembles it from ``hf_modeling.py`` (the
-  config, the shared blocks, the decoder) and each design's export part, ``hf.py`` in the
-  design's folder beside its training modules;
+  config, the shared blocks, the decoder), each design's export part, ``hf.py`` in the
+  design's folder beside its training modules, and the ``functional`` modules both import:
+  torch-only functions holding each design's math, which the training modules call too,
+  so the math is written once;
   ``config_fields(model)`` are the fields its config reads, ``modeling_designs()`` the
   designs it implements, ``modeling_module()`` the assembled file imported in-process.
 
@@ -27,7 +29,10 @@ from pathlib import Path
 
 from t2train.residual import BASELINE, design_folder, get_design, mixer, mixer_on, registered
 
+PACKAGE = Path(__file__).parents[1]  # t2train/
 MODELING_FILE = Path(__file__).with_name("hf_modeling.py")
+FUNCTIONAL = "functional"  # the name of a module of torch-only math the file copies
+SHARED_MATH = "# --- the math the trainer calls: t2train's functional modules " + "-" * 28
 DESIGNS_LINE = "DESIGNS: dict = {}"  # in hf_modeling.py; the parts' code goes after it
 EXPORTED = "EXPORTED"  # a part's table: model.residual -> (stream, residual, layer entry)
 
@@ -117,29 +122,86 @@ def modeling_designs() -> set[str]:
     }
 
 
+def _is_functional(module: str) -> bool:
+    """A ``functional`` module: torch-only math the trainer calls, copied into the file."""
+    return module.startswith("t2train.") and module.rsplit(".", 1)[-1] == FUNCTIONAL
+
+
 def _defined_in_the_file(node: ast.ImportFrom, path: Path) -> bool:
-    """An import of ``hf_modeling`` or of another part: names the assembled file defines.
-    Any other t2train import could not be resolved where the file is loaded."""
+    """An import of ``hf_modeling``, of another part or of a functional module: names the
+    assembled file defines. Any other t2train import could not be resolved where the file
+    is loaded."""
     module = node.module or ""
     if node.level or not module.startswith("t2train"):
         return False
     last = module.rsplit(".", 1)[-1]
     folder_part = module.startswith("t2train.residual.") and module.count(".") == 3 and last == "hf"
-    if module == "t2train.residual.hf_modeling" or folder_part:
+    if module == "t2train.residual.hf_modeling" or folder_part or _is_functional(module):
         return True
     raise RuntimeError(
-        f"{path}: imports {module}; an export part may import only torch, the "
-        "standard library, hf_modeling and other designs' export parts"
+        f"{path}: imports {module}; an export part may import only torch, the standard "
+        "library, hf_modeling, other designs' export parts and functional modules"
     )
+
+
+def _module_path(module: str) -> Path:
+    return PACKAGE.parent.joinpath(*module.split(".")).with_suffix(".py")
+
+
+def _t2train_imports(path: Path) -> list[str]:
+    modules = [
+        node.module or ""
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.ImportFrom)
+    ]
+    return [module for module in modules if module.startswith("t2train")]
+
+
+def functional_modules() -> list[Path]:
+    """The functional modules the frame and the parts import, each after the functional
+    modules it imports. One may import only torch, the standard library and other
+    functional modules (it is copied as it is)."""
+    ordered: list[Path] = []
+
+    def place(module: str, importers: tuple[str, ...]) -> None:
+        path = _module_path(module)
+        if path in ordered:
+            return
+        if module in importers:
+            raise RuntimeError(f"functional modules import each other in a cycle: {module}")
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = (
+                    [alias.name for alias in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                )
+                for name in names:
+                    top = name.split(".")[0]
+                    if _is_functional(name):
+                        place(name, (*importers, module))
+                    elif top != "torch" and top not in sys.stdlib_module_names:
+                        raise RuntimeError(
+                            f"{path}: imports {name}; a functional module may import only "
+                            "torch, the standard library and other functional modules"
+                        )
+        ordered.append(path)
+
+    for path in [MODELING_FILE, *export_parts()]:
+        for module in _t2train_imports(path):
+            if _is_functional(module):
+                place(module, ())
+    return ordered
 
 
 Imports = list[ast.Import | ast.ImportFrom]
 
 
-def _part(path: Path) -> tuple[Imports, str]:
-    """A part's imports, and its code after them with ``EXPORTED`` added to ``DESIGNS``."""
+def _split(path: Path) -> tuple[Imports, int, ast.Module, str]:
+    """A module's imports the file needs (not those of names it defines), the number of its
+    lines up to its last import, its tree and its text."""
     text = path.read_text()
-    tree, lines = ast.parse(text), text.splitlines()
+    tree = ast.parse(text)
     imports: Imports = []
     code_start = 0
     for node in tree.body:
@@ -147,16 +209,33 @@ def _part(path: Path) -> tuple[Imports, str]:
             code_start = node.end_lineno or node.lineno
             if isinstance(node, ast.Import) or not _defined_in_the_file(node, path):
                 imports.append(node)
-    table = _exported(tree, path)
+    return imports, code_start, tree, text
+
+
+def _label(path: Path) -> str:
+    """The path a section of the file names: from the repository root where it is inside."""
+    return (
+        path.relative_to(PACKAGE.parent).as_posix() if path.is_relative_to(PACKAGE) else str(path)
+    )
+
+
+def _part(path: Path) -> tuple[Imports, str]:
+    """A part's imports, and its code after them with ``EXPORTED`` added to ``DESIGNS``."""
+    imports, code_start, tree, text = _split(path)
+    lines, table = text.splitlines(), _exported(tree, path)
     code = (
         lines[code_start : table.lineno - 1]
         + [f"DESIGNS.update({ast.get_source_segment(text, table.value)})"]
-        + lines[table.end_lineno :]
+        + lines[table.end_lineno or table.lineno :]
     )
     designs = ", ".join(_table_keys(table))
-    return imports, "\n".join(
-        [f"# --- {designs}: t2train/residual/{path.parent.name}/{path.name}", *code]
-    ).strip()
+    return imports, "\n".join([f"# --- {designs}: {_label(path)}", *code]).strip()
+
+
+def _functional(path: Path) -> tuple[Imports, str]:
+    imports, code_start, _, text = _split(path)
+    code = text.splitlines()[code_start:]
+    return imports, "\n".join([f"# --- {_label(path)}", *code]).strip()
 
 
 def _import_block(imports: Imports) -> list[str]:
@@ -190,25 +269,33 @@ def _import_block(imports: Imports) -> list[str]:
 
 
 def modeling_source() -> str:
-    """The standalone modeling file: ``hf_modeling.py`` with the parts' imports merged into
-    its own and the parts' code after its ``DESIGNS`` line."""
+    """The standalone modeling file: ``hf_modeling.py`` with its imports and the inserted
+    modules' merged, the functional modules' code after the imports and the parts' code
+    after its ``DESIGNS`` line."""
     frame = MODELING_FILE.read_text()
     tree, lines = ast.parse(frame), frame.splitlines()
-    imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
-    first, last = imports[0].lineno - 1, imports[-1].end_lineno
-    codes = []
+    frame_imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    first, last = frame_imports[0].lineno - 1, frame_imports[-1].end_lineno
+    imports, _, _, _ = _split(MODELING_FILE)
+    functions, parts = [], []
+    for path in functional_modules():
+        needed, code = _functional(path)
+        imports += needed
+        functions.append(code)
     for path in export_parts():
-        part_imports, code = _part(path)
-        imports += part_imports
-        codes.append(code)
+        needed, code = _part(path)
+        imports += needed
+        parts.append(code)
     designs = next(i for i, line in enumerate(lines) if line.startswith(DESIGNS_LINE)) + 1
     return (
         "\n".join(
             lines[:first]
             + _import_block(imports)
+            + ["", "", SHARED_MATH, "", ""]
+            + ["\n\n\n".join(functions)]
             + lines[last:designs]
             + ["", ""]
-            + ["\n\n\n".join(codes)]
+            + ["\n\n\n".join(parts)]
             + lines[designs:]
         )
         + "\n"

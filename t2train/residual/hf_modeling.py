@@ -2,10 +2,10 @@
 
 `t2train export hf` writes this file next to the exported weights as ``modeling_t2train.py``,
 with every design's export part (``t2train/residual/<design>/hf.py``, beside the design's
-training module) inserted where the designs go (``t2train.residual.hf.modeling_source``); it
-imports only torch and transformers. It is the math of t2train's training modules
-(``t2train/residual/*.py`` and Megatron's attention and MLP) written out for reading, on
-[batch, seq, hidden] tensors:
+training module) inserted where the designs go and the functions they compute with (the
+trainer's own ``functional`` modules) after the imports (``modeling_source`` in
+``t2train/residual/hf.py``); it imports only torch and transformers. It is t2train's decoder
+(Megatron's attention and MLP written out) on [batch, seq, hidden] tensors:
 
     state = stream.enter(embed(tokens))
     for every layer:
@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from t2train.residual.functional import short_window_attention
 
 
 class T2TrainConfig(PretrainedConfig):
@@ -103,14 +105,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
-def window_mask(q_len: int, k_len: int, window: int, device=None) -> Tensor:
-    """True where query i (at position k_len - q_len + i) may see key j: the last ``window``
-    positions up to and including its own."""
-    pos = torch.arange(k_len - q_len, k_len, device=device).unsqueeze(1)
-    keys = torch.arange(k_len, device=device).unsqueeze(0)
-    return (keys <= pos) & (keys > pos - window)
-
-
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads and RoPE, no biases; with ``window``
     each token attends to its last ``window`` tokens only (the local attention sublayer)."""
@@ -135,10 +129,12 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, s, self.groups, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.groups, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        mask = None if self.window is None else window_mask(s, s, self.window, x.device)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.groups != self.heads
-        )
+        if self.window is None:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=self.groups != self.heads
+            )
+        else:
+            out = short_window_attention(q, k, v, self.window)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
@@ -154,10 +150,6 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def at_least_fp32(t: Tensor) -> Tensor:
-    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 # --- the designs: each one's export part, beside its training module -------------------------

@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from t2train.nn import probe
-from t2train.nn.precision import at_least_fp32
 from t2train.residual.base import ResidualStream, SublayerResidual
+from t2train.residual.functional import mean_of_streams
 from t2train.residual.sublayers import sublayer_names
 
 
@@ -71,7 +71,7 @@ class StreamCopies(ResidualStream):
         return embedding.unsqueeze(0).expand(self.n, *embedding.shape)
 
     def exit(self, state: Tensor) -> Tensor:
-        return at_least_fp32(state).mean(0).to(state.dtype)
+        return mean_of_streams(state)
 
     def to_units(self, state: Tensor) -> list[Tensor]:
         return list(state.unbind(0))

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from t2train.residual.attnres.layers import depth_mix, mix_sources
+from t2train.residual.attnres.functional import depth_mix
+from t2train.residual.attnres.layers import mix_sources
 
 from kernel_checks import DEVICE, assert_matches
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from t2train.residual.ddl.layers import delta_write, write_delta
+from t2train.residual.ddl.functional import delta_write
+from t2train.residual.ddl.layers import write_delta
 
 from kernel_checks import DEVICE, assert_matches
 

@@ -6,7 +6,8 @@ the kernel and the design's PyTorch reference fails here."""
 import pytest
 import torch
 
-from t2train.residual.mhc.layers import read_streams, stream_read, stream_write, write_streams
+from t2train.residual.mhc.functional import stream_read, stream_write
+from t2train.residual.mhc.layers import read_streams, write_streams
 
 from kernel_checks import DEVICE, assert_matches, run_kernels
 

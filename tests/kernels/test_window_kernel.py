@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from t2train.residual.window_attention import attend_window, short_window_attention
+from t2train.residual.functional import short_window_attention
+from t2train.residual.window_attention import attend_window
 
 from kernel_checks import DEVICE, assert_matches
 

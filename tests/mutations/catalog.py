@@ -28,6 +28,11 @@ LAYER = "t2train/model/layer.py"
 REF_HC = "t2train/residual/hc/layers.py"
 REF_MHC = "t2train/residual/mhc/layers.py"
 STREAMS = "t2train/residual/streams.py"
+FN_SHARED = "t2train/residual/functional.py"
+FN_DDL = "t2train/residual/ddl/functional.py"
+FN_DEPTH = "t2train/residual/depth_attn/functional.py"
+FN_ATTNRES = "t2train/residual/attnres/functional.py"
+FN_MHC = "t2train/residual/mhc/functional.py"
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,7 @@ MUTATIONS = [
         "ddl",
         "beta = sigmoid(.) in (0, 1) instead of 2 sigmoid(.) in (0, 2), reference and kernel",
         (
-            REF_DDL,
+            FN_DDL,
             "beta = 2 * torch.sigmoid(at_least_fp32(beta_logit))",
             "beta = torch.sigmoid(at_least_fp32(beta_logit))",
         ),
@@ -103,7 +108,7 @@ MUTATIONS = [
         "ddl",
         "X - beta k (v - k^T X): the update's sign flipped",
         (
-            REF_DDL,
+            FN_DDL,
             "return (x + beta * error * k).to(state.dtype)",
             "return (x - beta * error * k).to(state.dtype)",
         ),
@@ -113,7 +118,7 @@ MUTATIONS = [
         "ddl",
         "X + k (beta v - k^T X): beta scales the write of v but not the erase of k^T X",
         (
-            REF_DDL,
+            FN_DDL,
             "return (x + beta * error * k).to(state.dtype)",
             "return (x + (beta * v - (k * x).sum(-1, keepdim=True)) * k).to(state.dtype)",
         ),
@@ -123,7 +128,7 @@ MUTATIONS = [
         "ddl",
         "k = k~ / RMS(k~) (mean of squares) instead of k~ / |k~| (sum): |k| = sqrt(d)",
         (
-            REF_DDL,
+            FN_DDL,
             "return k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + eps * eps)",
             "return k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps * eps)",
         ),
@@ -133,7 +138,7 @@ MUTATIONS = [
         "ddl",
         "v = sigmoid(.) without the v_scale (4) factor",
         (
-            REF_DDL,
+            FN_DDL,
             "v = v_scale * torch.sigmoid(at_least_fp32(v_logit))",
             "v = torch.sigmoid(at_least_fp32(v_logit))",
         ),
@@ -169,8 +174,8 @@ MUTATIONS = [
         "ddl",
         "the CC read ignores its learned mix and averages the columns",
         (
-            REF_DDL,
-            'return torch.einsum("jsbh,jh->sbh", state, self.weight)',
+            FN_DDL,
+            'return torch.einsum("j...h,jh->...h", state, weight)',
             "return state.mean(0)",
         ),
     ),
@@ -179,9 +184,9 @@ MUTATIONS = [
         "ddl",
         "every state column is written with v_0",
         (
-            REF_DDL,
-            "v = v.permute(2, 0, 1).unsqueeze(-1)",
-            "v = v[..., :1].permute(2, 0, 1).unsqueeze(-1)",
+            FN_DDL,
+            "v = v.movedim(-1, 0).unsqueeze(-1)",
+            "v = v[..., :1].movedim(-1, 0).unsqueeze(-1)",
         ),
     ),
     # --- ShortSWA and the shared window operator -----------------------------------------------
@@ -189,25 +194,25 @@ MUTATIONS = [
         "window-plus-one",
         "shortswa",
         "the window holds w + 1 tokens (t - w .. t)",
-        (REF_WINDOW, "(keys > pos - window)", "(keys > pos - window - 1)"),
+        (FN_SHARED, "(keys > pos - window)", "(keys > pos - window - 1)"),
     ),
     m(
         "window-minus-one",
         "shortswa",
         "the window holds w - 1 tokens",
-        (REF_WINDOW, "(keys > pos - window)", "(keys > pos - window + 1)"),
+        (FN_SHARED, "(keys > pos - window)", "(keys > pos - window + 1)"),
     ),
     m(
         "window-excludes-current-token",
         "shortswa",
         "keys strictly before the query (j < t)",
-        (REF_WINDOW, "(keys <= pos)", "(keys < pos)"),
+        (FN_SHARED, "(keys <= pos)", "(keys < pos)"),
     ),
     m(
         "window-queries-start-aligned",
         "depth_attn",
         "the band mask aligns fewer queries than keys to the first key, not the last",
-        (REF_WINDOW, "pos = torch.arange(k_len - q_len, k_len,", "pos = torch.arange(0, q_len,"),
+        (FN_SHARED, "pos = torch.arange(k_len - q_len, k_len,", "pos = torch.arange(0, q_len,"),
     ),
     m(
         "window-single-query-first-keys",
@@ -215,7 +220,7 @@ MUTATIONS = [
         "a one-query read (the depth read's shape) attends to the first `window` keys, "
         "not the last",
         (
-            REF_WINDOW,
+            FN_SHARED,
             "k, v = k[..., -window:, :], v[..., -window:, :]",
             "k, v = k[..., :window, :], v[..., :window, :]",
         ),
@@ -225,7 +230,7 @@ MUTATIONS = [
         "depth_attn",
         "the one-query read's softmax runs over the head dimension instead of the keys",
         (
-            REF_WINDOW,
+            FN_SHARED,
             "weights = torch.softmax(scores, dim=-2)",
             "weights = torch.softmax(scores, dim=-1)",
         ),
@@ -245,7 +250,7 @@ MUTATIONS = [
         "depth-window-plus-one",
         "depth_attn",
         "the read keeps and attends to K + 1 states",
-        (REF_DEPTH, "keep = self.window - 1", "keep = self.window"),
+        (FN_DEPTH, "keep = size - 1", "keep = size"),
         (
             REF_DEPTH,
             "attend_window(q, k, v, self.window, scale)",
@@ -273,9 +278,9 @@ MUTATIONS = [
         "depth_attn",
         "the K and V halves of W_KV swapped",
         (
-            REF_DEPTH,
-            "k, v = (t.reshape(s * b, self.heads, n, self.head_dim) for t in kv)",
-            "v, k = (t.reshape(s * b, self.heads, n, self.head_dim) for t in kv)",
+            FN_DEPTH,
+            "k, v = kv.reshape(-1, n, heads, 2, d).permute(3, 0, 2, 1, 4)",
+            "v, k = kv.reshape(-1, n, heads, 2, d).permute(3, 0, 2, 1, 4)",
         ),
     ),
     m(
@@ -284,8 +289,8 @@ MUTATIONS = [
         "the window remembers h^(l) + W_O z (after the read) instead of the layer input h^(l)",
         (
             REF_DEPTH,
-            "history = tuple(window[-keep:]) if keep else ()",
-            "history = tuple(window[:-1] + [current])[-keep:] if keep else ()",
+            "return DepthState(slide(window, self.window), current)",
+            "return DepthState(slide(window[:-1] + [current], self.window), current)",
         ),
     ),
     m(
@@ -300,22 +305,22 @@ MUTATIONS = [
         "attnres",
         "RMSNorm on the values instead of the keys (scores from raw sources, normalised sum)",
         (
-            REF_ATTNRES,
+            FN_ATTNRES,
             "(x @ queries.T).movedim(-1, 0) * _inverse_rms(x, eps) for x in xs",
             "(x @ queries.T).movedim(-1, 0) for x in xs",
         ),
         (
-            REF_ATTNRES,
+            FN_ATTNRES,
             "gamma = torch.sigmoid((p @ query.to(p.dtype)) * _inverse_rms(p, eps) - lse)",
             "gamma = torch.sigmoid(p @ query.to(p.dtype) - lse)",
         ),
         (
-            REF_ATTNRES,
+            FN_ATTNRES,
             "out = query_weights[0] * xs[0]",
             "out = query_weights[0] * xs[0] * _inverse_rms(xs[0], 1e-6).unsqueeze(-1)",
         ),
         (
-            REF_ATTNRES,
+            FN_ATTNRES,
             "out = torch.addcmul(out, weight, x)",
             "out = torch.addcmul(out, weight, x * _inverse_rms(x, 1e-6).unsqueeze(-1))",
         ),
@@ -325,7 +330,7 @@ MUTATIONS = [
         "attnres",
         "the pseudo-query applied to unnormalised keys",
         (
-            REF_ATTNRES,
+            FN_ATTNRES,
             "return torch.rsqrt(x.pow(2).mean(-1) + eps)",
             "return torch.ones_like(x[..., 0])",
         ),
@@ -335,7 +340,7 @@ MUTATIONS = [
         "attnres",
         "a 1/sqrt(d) temperature the paper does not have",
         (
-            REF_ATTNRES,
+            FN_ATTNRES,
             "return torch.rsqrt(x.pow(2).mean(-1) + eps)",
             "return torch.rsqrt(x.pow(2).mean(-1) + eps) / x.shape[-1] ** 0.5",
         ),
@@ -345,7 +350,7 @@ MUTATIONS = [
         "attnres",
         "softmax over the last axis (batch), not sources",
         (
-            REF_ATTNRES,
+            FN_ATTNRES,
             "weights = torch.softmax(z, dim=0).unsqueeze(-1)",
             "weights = torch.softmax(z, dim=-1).unsqueeze(-1)",
         ),
@@ -571,7 +576,7 @@ MUTATIONS = [
         "each Sinkhorn iteration normalises rows, then columns (columns exact), in the reference "
         "and the kernel alike, where Eq. 9 has T_r(T_c(M))",
         (
-            REF_MHC,
+            FN_MHC,
             "        m = m / m.sum(-2, keepdim=True)\n        m = m / m.sum(-1, keepdim=True)",
             "        m = m / m.sum(-1, keepdim=True)\n        m = m / m.sum(-2, keepdim=True)",
         ),

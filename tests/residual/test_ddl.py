@@ -7,7 +7,7 @@ import pytest
 import torch
 from built import BATCH, HIDDEN, SEQ, build_decoder, random
 
-from t2train.residual.ddl.layers import delta_update, normalized_direction
+from t2train.residual.ddl.functional import delta_update, normalized_direction
 
 
 def _inputs(dv: int, seed: int = 0, dtype=torch.float64):

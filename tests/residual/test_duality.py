@@ -21,7 +21,7 @@ import torch
 from built import EPS, HEADS, HIDDEN, build_decoder, random
 
 from t2train.residual.depth_attn.layers import DepthState
-from t2train.residual.window_attention import short_window_attention, window_mask
+from t2train.residual.functional import short_window_attention, window_mask
 
 L, T, B = 5, 3, 2
 D = HIDDEN // HEADS

@@ -196,7 +196,7 @@ def test_mhc_residual_mixing_is_doubly_stochastic(megatron_world):
     """After 20 iterations on logits spread over about 2 (gates 0.2, biases moved by 0.5):
     rows and columns sum to 1 within 1e-6. (Rows are exact by construction, T_r runs last;
     columns converge more slowly for wider spreads, arXiv 2601.05732.)"""
-    from t2train.residual.mhc.layers import sinkhorn
+    from t2train.residual.mhc.functional import sinkhorn
 
     layer = _model("mhc", "model.shortswa.window=3").decoder.layers[0]
     H = _streams(4)
@@ -214,10 +214,35 @@ def test_mhc_residual_mixing_is_doubly_stochastic(megatron_world):
         torch.testing.assert_close(mixing, sinkhorn_knopp(res_logits, 20), atol=1e-12, rtol=0)
 
 
+def test_the_trainers_normed_projection_is_the_exports_formula():
+    """The trainer's memory-saving RMSNorm(vec x) phi^T (its own backward) equals the
+    formula the export computes with (``flat_rms_projection``), forward and every gradient,
+    in fp64; both against the formula written out here."""
+    from t2train.residual.mhc.functional import flat_rms_projection
+    from t2train.residual.mhc.layers import normed_projection
+
+    g = torch.Generator().manual_seed(3)
+    n, eps = 3, 1e-6
+    state = torch.randn(n, SEQ, BATCH, HIDDEN, generator=g, dtype=torch.float64)
+    phi = torch.randn(n * n + 2 * n, n * HIDDEN, generator=g, dtype=torch.float64)
+    flat = state.permute(1, 2, 0, 3).reshape(SEQ, BATCH, n * HIDDEN)
+    written_out = flat / flat.pow(2).mean(-1, keepdim=True).add(eps).sqrt() @ phi.T
+    upstream = torch.randn(written_out.shape, generator=g, dtype=torch.float64)
+    results = []
+    for projection in (normed_projection, flat_rms_projection):
+        x, w = state.clone().requires_grad_(), phi.clone().requires_grad_()
+        out = projection(x, w, eps)
+        (out * upstream).sum().backward()
+        results.append((out.detach(), x.grad, w.grad))
+    torch.testing.assert_close(results[0][0], written_out, atol=1e-12, rtol=0)
+    for ours, formula in zip(results[0], results[1]):
+        torch.testing.assert_close(ours, formula, atol=1e-12, rtol=1e-12)
+
+
 def test_with_one_stream_both_are_gated_standard_residuals(megatron_world):
     """n = 1: HC is h' = A_r h + B F(Norm(A_m h)) with three (dynamic) scalar gates; mHC is
     x' = x + 2 sigmoid(q) F(Norm(sigmoid(p) x)), since Sinkhorn of a 1 x 1 matrix is 1."""
-    from t2train.residual.mhc.layers import sinkhorn
+    from t2train.residual.mhc.functional import sinkhorn
 
     torch.testing.assert_close(
         sinkhorn(torch.randn(5, 1, 1, dtype=torch.float64), 20),

@@ -2,7 +2,7 @@
 (arXiv 2603.15031), on [batch, seq, hidden].
 
 An export part (``t2train/residual/hf.py`` says how it is assembled); its parameters are
-named as in ``layers.py``.
+named as in ``layers.py``, its math is ``functional.py``'s.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from t2train.residual.hf_modeling import T2TrainConfig, at_least_fp32
+from t2train.residual.attnres.functional import depth_mix
+from t2train.residual.hf_modeling import T2TrainConfig
 
 
 class AttnResState(NamedTuple):
@@ -21,15 +22,6 @@ class AttnResState(NamedTuple):
 
     def values(self) -> list[Tensor]:
         return list(self.sources) + ([self.partial] if self.partial is not None else [])
-
-
-def depth_mix(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
-    """sum_i softmax_i(query . RMSNorm(v_i)) v_i (weight-free RMSNorm on keys, fp32)."""
-    stacked = torch.stack(values)
-    x = at_least_fp32(stacked)
-    keys = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    weights = torch.softmax(keys @ query.to(x.dtype), dim=0)
-    return (weights.unsqueeze(-1) * x).sum(0).to(stacked.dtype)
 
 
 class AttnResStream(nn.Module):

@@ -9,8 +9,13 @@ from torch import Tensor
 
 from t2train.kernels import dispatch
 from t2train.nn import probe
-from t2train.nn.precision import at_least_fp32
 from t2train.residual.attnres import sublayers_per_layer
+from t2train.residual.attnres.functional import (
+    block_phase_1,
+    block_phase_2,
+    depth_mix,
+    mixing_weights,
+)
 from t2train.residual.base import ResidualStream, SublayerResidual, mark_replicated
 
 
@@ -25,46 +30,6 @@ class AttnResState(NamedTuple):
         return list(self.sources) + ([self.partial] if self.partial is not None else [])
 
 
-def _inverse_rms(x: Tensor, eps: float) -> Tensor:
-    return torch.rsqrt(x.pow(2).mean(-1) + eps)
-
-
-def _logits(queries: Tensor, xs: list[Tensor], eps: float) -> Tensor:
-    """z [N, S, s, b]: each query [S, h] against each RMS-normalised source [s, b, h]. The
-    RMSNorm is weight-free, so query . RMSNorm(v) = (query . v) rsqrt(mean(v^2) + eps) and
-    the normalised keys are never materialised."""
-    return torch.stack([(x @ queries.T).movedim(-1, 0) * _inverse_rms(x, eps) for x in xs])
-
-
-def _mixtures(queries: Tensor, sources, eps: float) -> tuple[list[Tensor], Tensor]:
-    """Each query's softmax mixture of the sources (S tensors [s, b, h]) and the logits z,
-    in fp32 whatever the inputs' dtype or autocast.
-
-    The sources stay separate tensors: stacking them copied every source on every read, and
-    a weighted sum of the stack materialised [N, s, b, h] products (forward and backward);
-    one multiply-add per source costs neither. (As a contraction over N the sum is a batched
-    [1, N] x [N, h] matmul per token, which the CPU runs token by token.)"""
-    xs = [at_least_fp32(v) for v in sources]
-    z = _logits(queries.to(xs[0].dtype), xs, eps)
-    weights = torch.softmax(z, dim=0).unsqueeze(-1)  # [N, S, s, b, 1]
-    outs = []
-    for query_weights in weights.unbind(1):
-        out = query_weights[0] * xs[0]
-        for weight, x in zip(query_weights[1:], xs[1:]):
-            out = torch.addcmul(out, weight, x)
-        outs.append(out)
-    return outs, z
-
-
-def depth_mix(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
-    """sum_i softmax_i(query . RMSNorm(v_i)) v_i over the sources (each [s, b, h]).
-
-    Logits, softmax and sum in fp32 whatever the inputs' dtype or autocast."""
-    with torch.autocast(values[0].device.type, enabled=False):
-        [out], _ = _mixtures(query[None], values, eps)
-        return out.to(values[0].dtype)
-
-
 def mix_sources(query: Tensor, sources, partial: Optional[Tensor], eps: float) -> Tensor:
     """``depth_mix`` over the sources and the open block's partial sum (if any), through the
     two-phase Triton kernel where ``T2_KERNELS`` routes it."""
@@ -77,32 +42,6 @@ def mix_with_partial(query: Tensor, sources: list, partial: Optional[Tensor], ep
     """``depth_mix`` over the sources and the partial sum, taking the arguments of the fused
     kernel (``DEPTH_MIX``) that computes it in two phases."""
     return depth_mix(query, sources + ([] if partial is None else [partial]), eps)
-
-
-def mixing_weights(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
-    """The softmax weights of ``depth_mix`` [n_sources, s, b] (for diagnostics)."""
-    with torch.autocast(values[0].device.type, enabled=False):
-        return torch.softmax(_logits(query[None].float(), [v.float() for v in values], eps), dim=0)[
-            :, 0
-        ]
-
-
-def block_phase_1(queries: Tensor, sources, eps: float) -> tuple[Tensor, Tensor]:
-    """Phase 1 of Block AttnRes (arXiv 2603.15031 Sec. 4.2): S pseudo-queries [S, h] over the
-    N completed sources (each [s, b, h]) at once, one read of the sources. O [S, s, b, h] is
-    each query's mixture of the sources, LSE [S, s, b] its logsumexp (both fp32)."""
-    with torch.autocast(sources[0].device.type, enabled=False):
-        outs, z = _mixtures(queries, sources, eps)
-        return torch.stack(outs), torch.logsumexp(z, dim=0)
-
-
-def block_phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float) -> Tensor:
-    """Phase 2: merge one query's phase-1 result with the block's partial sum p, the online
-    softmax (e^LSE O + e^z_p p) / (e^LSE + e^z_p), in fp32; returned in p's dtype."""
-    with torch.autocast(partial.device.type, enabled=False):
-        p = at_least_fp32(partial)
-        gamma = torch.sigmoid((p @ query.to(p.dtype)) * _inverse_rms(p, eps) - lse)
-        return (out + gamma.unsqueeze(-1) * (p - out)).to(partial.dtype)
 
 
 DEPTH_MIX = dispatch.Kernel("depth_mix", "t2train.kernels.depth_mix:depth_mix", mix_with_partial)

@@ -2,7 +2,7 @@
 (arXiv 2601.00417), on [batch, seq, hidden].
 
 An export part (``t2train/residual/hf.py`` says how it is assembled); its parameters are
-named as in ``layers.py``.
+named as in ``layers.py``, its math is ``functional.py``'s.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from t2train.residual.hf_modeling import T2TrainConfig, at_least_fp32
+from t2train.residual.ddl.functional import channel_mix, delta_write
+from t2train.residual.hf_modeling import T2TrainConfig
 
 
 class ChannelMixRead(nn.Module):
@@ -22,7 +23,7 @@ class ChannelMixRead(nn.Module):
         self.weight = nn.Parameter(torch.full((dv, hidden), 1.0 / dv))
 
     def forward(self, state: Tensor) -> Tensor:
-        return torch.einsum("jbsh,jh->bsh", state, self.weight)
+        return channel_mix(state, self.weight)
 
 
 class DeltaStream(nn.Module):
@@ -50,9 +51,7 @@ class DeltaStream(nn.Module):
 
 
 class DeltaResidual(nn.Module):
-    """k = out / sqrt(|out|^2 + k_eps^2), beta = 2 sigmoid(w_beta . normed + b_beta),
-    v = v_scale sigmoid(W_v x + b_v), then X <- X + beta k (v^T - k^T X) column by column;
-    computed in (at least) fp32."""
+    """beta_logit = w_beta . normed + b_beta, v_logit = W_v x + b_v, and ``delta_write``."""
 
     def __init__(self, config: T2TrainConfig, layer: int, position: int):
         super().__init__()
@@ -67,15 +66,8 @@ class DeltaResidual(nn.Module):
         return state if self.compressor is None else self.compressor(state)
 
     def write(self, state: Tensor, x: Tensor, normed: Tensor, out: Tensor) -> Tensor:
-        k = at_least_fp32(out)
-        k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + self.k_eps * self.k_eps)
-        beta = 2 * torch.sigmoid(at_least_fp32(self.beta_proj(normed)))
-        v = self.v_scale * torch.sigmoid(at_least_fp32(self.v_proj(x)))
-        if self.dv > 1:
-            v = v.permute(2, 0, 1).unsqueeze(-1)  # one value per state column
-        current = at_least_fp32(state)
-        error = v - (k * current).sum(-1, keepdim=True)
-        return (current + beta * error * k).to(state.dtype)
+        beta_logit, v_logit = self.beta_proj(normed), self.v_proj(x)
+        return delta_write(state, out, beta_logit, v_logit, self.k_eps, self.v_scale)
 
 
 # model.residual -> (stream, sublayer residual, layer entry or None)

@@ -10,42 +10,10 @@ from torch import Tensor
 
 from t2train.kernels import dispatch
 from t2train.nn import probe
-from t2train.nn.precision import at_least_fp32, fp32_linear
+from t2train.nn.functional import at_least_fp32
+from t2train.nn.precision import fp32_linear
 from t2train.residual.base import ResidualStream, SublayerResidual, mark_replicated
-
-
-def normalized_direction(k: Tensor, eps: float) -> Tensor:
-    """k / sqrt(|k|^2 + eps^2): unit length for |k| >> eps, smooth at 0."""
-    k = at_least_fp32(k)
-    return k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + eps * eps)
-
-
-def delta_update(state: Tensor, k: Tensor, beta: Tensor, v: Tensor) -> Tensor:
-    """X + beta k (v^T - k^T X), column by column.
-
-    state [s, b, h] or [d_v, s, b, h]; k [s, b, h]; beta [s, b, 1]; v [s, b, 1] or
-    [d_v, s, b, 1]. Computed in (at least) fp32, returned in the state's dtype.
-    """
-    x = at_least_fp32(state)
-    error = v - (k * x).sum(-1, keepdim=True)
-    return (x + beta * error * k).to(state.dtype)
-
-
-def delta_write(
-    state: Tensor, out: Tensor, beta_logit: Tensor, v_logit: Tensor, k_eps: float, v_scale: float
-) -> Tensor:
-    """The sublayer write: k = normalized_direction(out), beta = 2 sigmoid(beta_logit),
-    v = v_scale sigmoid(v_logit) (logits in fp32), then ``delta_update``.
-
-    out [s, b, h]; beta_logit [s, b, 1]; v_logit [s, b, d_v] (column j of a [d_v, s, b, h]
-    state gets v[..., j]).
-    """
-    k = normalized_direction(out, k_eps)
-    beta = 2 * torch.sigmoid(at_least_fp32(beta_logit))
-    v = v_scale * torch.sigmoid(at_least_fp32(v_logit))
-    if state.dim() == out.dim() + 1:
-        v = v.permute(2, 0, 1).unsqueeze(-1)  # one value per state column
-    return delta_update(state, k, beta, v)
+from t2train.residual.ddl.functional import channel_mix, delta_write, normalized_direction
 
 
 def write_delta(
@@ -67,7 +35,7 @@ class ChannelMixRead(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.full((dv, hidden), 1.0 / dv, dtype=dtype))
 
     def forward(self, state: Tensor) -> Tensor:
-        return torch.einsum("jsbh,jh->sbh", state, self.weight)
+        return channel_mix(state, self.weight)
 
 
 class DeltaResidual(SublayerResidual):

@@ -2,7 +2,7 @@
 states (arXiv 2603.16039), on [batch, seq, hidden].
 
 An export part (``t2train/residual/hf.py`` says how it is assembled); its parameters are
-named as in ``layers.py``.
+named as in ``layers.py``, its math is ``functional.py``'s.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from t2train.residual.depth_attn.functional import depth_heads, slide
+from t2train.residual.functional import short_window_attention
 from t2train.residual.hf_modeling import T2TrainConfig
 
 
@@ -48,8 +49,8 @@ class DepthAdditive(nn.Module):
 
 class DepthRead(nn.Module):
     """Before each layer: current += W_O softmax(q K^T / sqrt(d)) V over the window
-    [history..., current], q = W_Q n(current), K, V = n(window) W_K, W_V, one RMSNorm n.
-    ``linear_kv`` holds each head's key rows then its value rows."""
+    [history..., current], q = W_Q n(current), K, V = n(window) W_K, W_V, one RMSNorm n
+    (``depth_heads`` splits the heads); the next layer's window keeps the last K - 1."""
 
     def __init__(self, config: T2TrainConfig, layer: int):
         super().__init__()
@@ -62,20 +63,16 @@ class DepthRead(nn.Module):
         self.linear_proj = nn.Linear(h, h, bias=False)
 
     def read(self, states: list[Tensor]) -> Tensor:
-        b, s, h = states[-1].shape
-        n = len(states)
-        q = self.linear_q(self.norm(states[-1])).view(b, s, self.heads, 1, self.head_dim)
+        current = self.linear_q(self.norm(states[-1]))
         kv = self.linear_kv(self.norm(torch.stack(states, dim=2)))  # [b, s, n, 2h]
-        kv = kv.view(b, s, n, self.heads, 2, self.head_dim).permute(4, 0, 1, 3, 2, 5)
-        k, v = kv[0], kv[1]  # [b, s, heads, n, d]
-        z = F.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(self.head_dim))
-        return self.linear_proj(z.reshape(b, s, h))
+        q, k, v = depth_heads(current, kv, self.heads)
+        z = short_window_attention(q, k, v, self.window, 1 / math.sqrt(self.head_dim))
+        return self.linear_proj(z.reshape(current.shape))
 
     def begin(self, state: DepthState) -> DepthState:
         window = list(state.history) + [state.current]
         current = state.current + self.read(window)
-        keep = self.window - 1
-        return DepthState(tuple(window[-keep:]) if keep else (), current)
+        return DepthState(slide(window, self.window), current)
 
 
 # model.residual -> (stream, sublayer residual, layer entry or None)

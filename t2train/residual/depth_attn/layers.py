@@ -14,6 +14,7 @@ from torch import Tensor
 from t2train.nn import probe
 from t2train.nn.norm import RMSNorm
 from t2train.residual.base import ResidualStream, SublayerResidual
+from t2train.residual.depth_attn.functional import depth_heads, slide
 from t2train.residual.window_attention import attend_window, window_attention_probs
 
 
@@ -55,9 +56,7 @@ class DepthRead(MegatronModule):
         stacked = self.norm(torch.stack(states, dim=2).flatten(1, 2))
         kv, _ = self.linear_kv(stacked)
         s, b = current.shape[:2]
-        q = current.reshape(s * b, self.heads, 1, self.head_dim)
-        kv = kv.view(s, b, n, self.heads, 2, self.head_dim).permute(4, 0, 1, 3, 2, 5)
-        k, v = (t.reshape(s * b, self.heads, n, self.head_dim) for t in kv)
+        q, k, v = depth_heads(current, kv.view(s, b, n, -1), self.heads)
         scale = 1 / math.sqrt(self.head_dim)
         # Weights over the states entering layers l-n+1 .. l (0-based), averaged.
         probe.record(
@@ -72,9 +71,7 @@ class DepthRead(MegatronModule):
     def begin(self, state: DepthState) -> DepthState:
         window = list(state.history) + [state.current]
         current = state.current + self.read(window)
-        keep = self.window - 1
-        history = tuple(window[-keep:]) if keep else ()
-        return DepthState(history, current)
+        return DepthState(slide(window, self.window), current)
 
 
 class DepthAdditive(SublayerResidual):

@@ -9,26 +9,16 @@ from torch import Tensor
 
 from t2train.kernels import dispatch
 from t2train.nn.norm import RMSNorm
-from t2train.nn.precision import at_least_fp32, rms_fp32_logits
+from t2train.nn.precision import rms_fp32_logits
 from t2train.residual.base import mark_replicated
+from t2train.residual.hc.functional import (
+    connection_weights,
+    depth_write,
+    folded_projections,
+    width_read,
+)
 from t2train.residual.streams import StreamCopies as StreamCopies  # hc's stream, as is
 from t2train.residual.streams import StreamMixResidual, record_weights, sublayer_index
-
-
-def width_read(state: Tensor, weights: Tensor) -> Tensor:
-    """x = sum_i weights[..., i] h_i; state [n, s, b, h], weights [s, b, n]."""
-    x = at_least_fp32(state)
-    return torch.einsum("sbi,isbh->sbh", weights.to(x.dtype), x).to(state.dtype)
-
-
-def depth_write(state: Tensor, residual: Tensor, beta: Tensor, out: Tensor) -> Tensor:
-    """h'_j = sum_i residual[..., i, j] h_i + beta[..., j] out; residual [s, b, n, n]."""
-    x = at_least_fp32(state)
-    mixed = torch.einsum("sbij,isbh->jsbh", residual.to(x.dtype), x)
-    return (mixed + torch.einsum("sbj,sbh->jsbh", beta.to(x.dtype), at_least_fp32(out))).to(
-        state.dtype
-    )
-
 
 HC_READ = dispatch.Kernel("hc_read", "t2train.kernels.stream_mix:width_read", width_read)
 HC_WRITE = dispatch.Kernel("hc_write", "t2train.kernels.stream_mix:depth_write", depth_write)
@@ -56,25 +46,17 @@ class HyperConnection(StreamMixResidual):
 
     def weights(self, state: Tensor) -> tuple[Tensor, Tensor]:
         """alpha [s, b, n, n + 1] (A_m, then A_r; row i from stream i) and beta [s, b, n]."""
-        n, s, b, _ = state.shape
-        alpha = at_least_fp32(self.static_alpha).expand(s, b, n, n + 1)
-        beta = at_least_fp32(self.static_beta).expand(s, b, n)
+        tokens = state.shape[1:-1]
         if not self.dynamic:
-            return alpha, beta
+            return connection_weights(self.static_alpha, self.static_beta, tokens)
         # Both projections of each stream (normed on its own) at once, in fp32 without an
-        # fp32 copy of the n streams: [n, s, b, n + 2], alpha's n + 1 logits, then beta's.
-        # Norm(H) W = r (H (g W)) per stream, r its rsqrt: the norm's weight g folds into
-        # the projections and r applies after them, so the normed streams are never written
-        # (nor saved for the backward).
-        projections = torch.cat([self.dynamic_alpha.t(), self.dynamic_beta[None]])
-        folded = at_least_fp32(projections) * at_least_fp32(self.norm.weight)
+        # fp32 copy of the n streams: [n, s, b, n + 2], alpha's n + 1 logits, then beta's;
+        # r (the rsqrt) applies after the projection, so the normed streams are never
+        # written (nor saved for the backward).
+        folded = folded_projections(self.dynamic_alpha, self.dynamic_beta, self.norm.weight)
         logits = rms_fp32_logits(state, folded, None, cast(float, self.norm.eps))
-        scale_a, scale_b = (
-            at_least_fp32(p) for p in (self.dynamic_alpha_scale, self.dynamic_beta_scale)
-        )
-        alpha = alpha + scale_a * torch.tanh(logits[..., : n + 1]).permute(1, 2, 0, 3)
-        beta = beta + scale_b * torch.tanh(logits[..., n + 1]).permute(1, 2, 0)
-        return alpha, beta
+        scales = (self.dynamic_alpha_scale, self.dynamic_beta_scale)
+        return connection_weights(self.static_alpha, self.static_beta, tokens, logits, *scales)
 
     def width_connection(self, state: Tensor) -> tuple[Tensor, tuple]:
         alpha, beta = self.weights(state)

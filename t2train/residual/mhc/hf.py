@@ -2,32 +2,30 @@
 (arXiv 2512.24880), on [n, batch, seq, hidden] states (the streams of ``hc/hf.py``).
 
 An export part (``t2train/residual/hf.py`` says how it is assembled); its parameters are
-named as in ``layers.py``.
+named as in ``layers.py``, its math is ``functional.py``'s.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor, nn
 
-from t2train.residual.hc.hf import StreamCopies, StreamMixResidual
-from t2train.residual.hf_modeling import T2TrainConfig, at_least_fp32
+from t2train.residual.hc.hf import StreamCopies
+from t2train.residual.hf_modeling import T2TrainConfig
+from t2train.residual.mhc.functional import (
+    flat_rms_projection,
+    mapping_logits,
+    stream_read,
+    stream_write,
+)
 
 
-def sinkhorn(logits: Tensor, iterations: int) -> Tensor:
-    """exp, then ``iterations`` times: divide each column, then each row, by its sum."""
-    m = torch.exp(logits - logits.amax((-2, -1), keepdim=True))
-    for _ in range(iterations):
-        m = m / m.sum(-2, keepdim=True)
-        m = m / m.sum(-1, keepdim=True)
-    return m
-
-
-class ManifoldHyperConnection(StreamMixResidual):
-    """mHC: from the flattened stream x~' = RMSNorm(vec(H)) (no weight), H_pre =
-    sigmoid(a_pre x~' phi_pre + b_pre), H_post = 2 sigmoid(a_post x~' phi_post + b_post),
-    H_res = Sinkhorn(a_res x~' phi_res + b_res); the sublayer reads sum_j H_pre[j] h_j and
-    stream i becomes sum_j H_res[i, j] h_j + H_post[i] out."""
+class ManifoldHyperConnection(nn.Module):
+    """mHC: H~pre, H~post, H~res from the flattened, normed streams (``mapping_logits``);
+    the sublayer reads sum_j sigmoid(H~pre[j]) h_j (``stream_read``) and stream i becomes
+    sum_j Sinkhorn(H~res)[i, j] h_j + 2 sigmoid(H~post[i]) out (``stream_write``)."""
 
     def __init__(self, config: T2TrainConfig, layer: int, position: int):
         super().__init__()
@@ -38,21 +36,18 @@ class ManifoldHyperConnection(StreamMixResidual):
         self.projection = nn.Parameter(torch.zeros(outputs, n * h))
         self.bias = nn.Parameter(torch.zeros(outputs))
         self.gates = nn.Parameter(torch.zeros(3))
+        self.pending: Optional[tuple] = None
 
-    def weights(self, state: Tensor) -> tuple[Tensor, tuple]:
-        n = self.n
-        x = at_least_fp32(state)
-        inv_rms = torch.rsqrt(x.pow(2).mean((0, 3)) + self.eps)  # over all n x h: [b, s]
-        phi = at_least_fp32(self.projection).view(-1, n, x.shape[-1])
-        raw = torch.einsum("jbsh,kjh->bsk", x, phi) * inv_rms.unsqueeze(-1)
-        gates, bias = at_least_fp32(self.gates), at_least_fp32(self.bias)
-        pre = torch.sigmoid(gates[0] * raw[..., :n] + bias[:n])
-        post = 2 * torch.sigmoid(gates[1] * raw[..., n : 2 * n] + bias[n : 2 * n])
-        res = sinkhorn(
-            (gates[2] * raw[..., 2 * n :] + bias[2 * n :]).unflatten(-1, (n, n)), self.iterations
-        )
-        # ``write`` mixes with [i, j] -> stream j; H_res is [new i, old j]: transpose
-        return pre, (res.transpose(-1, -2), post)
+    def read(self, state: Tensor) -> Tensor:
+        raw = flat_rms_projection(state, self.projection, self.eps)
+        pre, post, res = mapping_logits(raw, self.gates, self.bias, self.n)
+        self.pending = (post, res)
+        return stream_read(state, pre)
+
+    def write(self, state: Tensor, x: Tensor, normed: Tensor, out: Tensor) -> Tensor:
+        assert self.pending is not None, "write without its read"
+        (post, res), self.pending = self.pending, None
+        return stream_write(state, out, post, res, self.iterations)
 
 
 # model.residual -> (stream, sublayer residual, layer entry or None)

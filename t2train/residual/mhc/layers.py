@@ -11,8 +11,9 @@ from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from t2train.kernels import dispatch
-from t2train.nn.precision import at_least_fp32
+from t2train.nn.functional import at_least_fp32
 from t2train.residual.base import mark_replicated
+from t2train.residual.mhc.functional import mapping_logits, sinkhorn, stream_read, stream_write
 from t2train.residual.streams import StreamCopies, StreamMixResidual, record_weights
 from t2train.residual.sublayers import sublayer_names
 
@@ -58,46 +59,9 @@ class _NormedProjection(torch.autograd.Function):
 
 
 def normed_projection(state: Tensor, projection: Tensor, eps: float) -> Tensor:
-    """RMSNorm(vec x) phi^T [s, b, outputs] in fp32: state [n, s, b, h], projection
-    [outputs, n h] (stream after stream), the RMSNorm weight-free over all n h."""
+    """``flat_rms_projection`` [s, b, outputs] (state [n, s, b, h]), saving the
+    stream as it came."""
     return _NormedProjection.apply(state, projection, eps)
-
-
-def sinkhorn(logits: Tensor, iterations: int) -> Tensor:
-    """Sinkhorn-Knopp on [..., n, n] logits (Eq. 9): exp, then ``iterations`` times columns,
-    then rows, divided by their sums."""
-    m = torch.exp(logits - logits.amax((-2, -1), keepdim=True))
-    for _ in range(iterations):
-        m = m / m.sum(-2, keepdim=True)
-        m = m / m.sum(-1, keepdim=True)
-    return m
-
-
-def stream_read(state: Tensor, pre_logit: Tensor) -> Tensor:
-    """The sublayer's input sum_j sigmoid(pre_logit[..., j]) x_j.
-
-    state [n, s, b, h]; pre_logit [s, b, n]. Computed in (at least) fp32, returned in the
-    state's dtype.
-    """
-    x = at_least_fp32(state)
-    weights = torch.sigmoid(pre_logit.to(x.dtype))
-    return torch.einsum("sbj,jsbh->sbh", weights, x).to(state.dtype)
-
-
-def stream_write(
-    state: Tensor, out: Tensor, post_logit: Tensor, res_logit: Tensor, iterations: int
-) -> Tensor:
-    """Stream i <- sum_j SK(res_logit)[i, j] x_j + 2 sigmoid(post_logit[i]) out.
-
-    state [n, s, b, h]; out [s, b, h]; post_logit [s, b, n]; res_logit [s, b, n, n].
-    """
-    x = at_least_fp32(state)
-    mixing = sinkhorn(res_logit.to(x.dtype), iterations)
-    post = 2 * torch.sigmoid(post_logit.to(x.dtype))
-    y = torch.einsum("sbij,jsbh->isbh", mixing, x) + torch.einsum(
-        "sbi,sbh->isbh", post, at_least_fp32(out)
-    )
-    return y.to(state.dtype)
 
 
 def read_streams(state: Tensor, pre_logit: Tensor) -> Tensor:
@@ -188,13 +152,8 @@ class ManifoldHyperConnection(StreamMixResidual):
 
     def logits(self, state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """H~pre [s, b, n], H~post [s, b, n], H~res [s, b, n, n] from the flattened stream."""
-        n = self.n
         raw = normed_projection(state, self.projection, self.eps)
-        gates, bias = at_least_fp32(self.gates), at_least_fp32(self.bias)
-        pre = gates[0] * raw[..., :n] + bias[:n]
-        post = gates[1] * raw[..., n : 2 * n] + bias[n : 2 * n]
-        res = (gates[2] * raw[..., 2 * n :] + bias[2 * n :]).unflatten(-1, (n, n))
-        return pre, post, res
+        return mapping_logits(raw, self.gates, self.bias, self.n)
 
     def width_connection(self, state: Tensor) -> tuple[Tensor, tuple]:
         with self._saving():

@@ -1,0 +1,77 @@
+"""The math of Attention Residuals (Full and Block, arXiv 2603.15031), written once for the
+trainer and the exported modeling file (a ``functional`` module: torch only). Sources are
+tensors [..., h]; the token dims ``...`` are [s, b] in training, [b, s] in the export.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from t2train.nn.functional import at_least_fp32
+
+
+def _inverse_rms(x: Tensor, eps: float) -> Tensor:
+    return torch.rsqrt(x.pow(2).mean(-1) + eps)
+
+
+def _logits(queries: Tensor, xs: list[Tensor], eps: float) -> Tensor:
+    """z [N, S, ...]: each query [S, h] against each RMS-normalised source [..., h]. The
+    RMSNorm is weight-free, so query . RMSNorm(v) = (query . v) rsqrt(mean(v^2) + eps) and
+    the normalised keys are never materialised."""
+    return torch.stack([(x @ queries.T).movedim(-1, 0) * _inverse_rms(x, eps) for x in xs])
+
+
+def _mixtures(queries: Tensor, sources, eps: float) -> tuple[list[Tensor], Tensor]:
+    """Each query's softmax mixture of the sources (S tensors [..., h]) and the logits z,
+    in fp32 whatever the inputs' dtype or autocast.
+
+    The sources stay separate tensors: stacking them copied every source on every read, and
+    a weighted sum of the stack materialised [N, s, b, h] products (forward and backward);
+    one multiply-add per source costs neither. (As a contraction over N the sum is a batched
+    [1, N] x [N, h] matmul per token, which the CPU runs token by token.)"""
+    xs = [at_least_fp32(v) for v in sources]
+    z = _logits(queries.to(xs[0].dtype), xs, eps)
+    weights = torch.softmax(z, dim=0).unsqueeze(-1)  # [N, S, s, b, 1]
+    outs = []
+    for query_weights in weights.unbind(1):
+        out = query_weights[0] * xs[0]
+        for weight, x in zip(query_weights[1:], xs[1:]):
+            out = torch.addcmul(out, weight, x)
+        outs.append(out)
+    return outs, z
+
+
+def depth_mix(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
+    """sum_i softmax_i(query . RMSNorm(v_i)) v_i over the sources (each [..., h]).
+
+    Logits, softmax and sum in fp32 whatever the inputs' dtype or autocast."""
+    with torch.autocast(values[0].device.type, enabled=False):
+        [out], _ = _mixtures(query[None], values, eps)
+        return out.to(values[0].dtype)
+
+
+def mixing_weights(query: Tensor, values: list[Tensor], eps: float) -> Tensor:
+    """The softmax weights of ``depth_mix`` [n_sources, ...] (for diagnostics)."""
+    with torch.autocast(values[0].device.type, enabled=False):
+        return torch.softmax(_logits(query[None].float(), [v.float() for v in values], eps), dim=0)[
+            :, 0
+        ]
+
+
+def block_phase_1(queries: Tensor, sources, eps: float) -> tuple[Tensor, Tensor]:
+    """Phase 1 of Block AttnRes (arXiv 2603.15031 Sec. 4.2): S pseudo-queries [S, h] over the
+    N completed sources (each [..., h]) at once, one read of the sources. O [S, ..., h] is
+    each query's mixture of the sources, LSE [S, ...] its logsumexp (both fp32)."""
+    with torch.autocast(sources[0].device.type, enabled=False):
+        outs, z = _mixtures(queries, sources, eps)
+        return torch.stack(outs), torch.logsumexp(z, dim=0)
+
+
+def block_phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float) -> Tensor:
+    """Phase 2: merge one query's phase-1 result with the block's partial sum p, the online
+    softmax (e^LSE O + e^z_p p) / (e^LSE + e^z_p), in fp32; returned in p's dtype."""
+    with torch.autocast(partial.device.type, enabled=False):
+        p = at_least_fp32(partial)
+        gamma = torch.sigmoid((p @ query.to(p.dtype)) * _inverse_rms(p, eps) - lse)
+        return (out + gamma.unsqueeze(-1) * (p - out)).to(partial.dtype)
