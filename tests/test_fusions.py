@@ -130,11 +130,13 @@ def test_fusions_default_to_all_with_cuda_only(monkeypatch, fusions, cuda, expec
 # inside Megatron's attention: the call that used to split a layer into most pieces), and
 # `standard` alone. A design alone makes a subset of the same calls.
 COMPILED_VARIANTS = ["standard"] + [f"{design}+shortswa" for design in registered()]
-# Depth reads whose inputs (the earlier states) grow with the layer: one graph per layer
-# (depth_attn: until its window is full). Every other design compiles the same graphs at
-# any depth: one, or two for hc and mhc (the first layer's stream is the embedding
-# broadcast to n streams, a stride-0 view).
+# Depth reads whose inputs (the earlier states) grow with the layer: one graph per layer,
+# except that depth_attn's window stops growing at K states (K graphs at any depth from K
+# layers on). Every other design compiles the same graphs at any depth: one, or two for hc
+# and mhc (the first layer's stream is the embedding broadcast to n streams, a stride-0
+# view).
 DEPTH_READS = {"depth_attn", "attnres", "block_attnres"}
+DEPTH_WINDOW = 4
 KERNEL_SHAPE = [
     "data.path=unused",
     "model.hidden_size=32",
@@ -142,7 +144,7 @@ KERNEL_SHAPE = [
     "model.num_query_groups=1",
     "model.seq_length=8",
     "model.attnres.block_size=3",
-    "model.depth_attn.window=4",
+    f"model.depth_attn.window={DEPTH_WINDOW}",
     "model.mhc.sinkhorn_iterations=3",
 ]
 
@@ -150,6 +152,8 @@ KERNEL_SHAPE = [
 def layer_graphs(variant: str, layers: int) -> int:
     """Distinct graphs a ``layers``-layer decoder of ``variant`` compiles."""
     design = variant.partition("+")[0]
+    if design == "depth_attn":
+        return min(layers, DEPTH_WINDOW)
     if design in DEPTH_READS:
         return layers
     return 2 if design in ("hc", "mhc") else 1
@@ -222,11 +226,13 @@ def test_with_the_kernels_every_layer_is_one_graph(megatron_world, monkeypatch, 
 
 
 @pytest.mark.parametrize(
-    "variant", [v for v in COMPILED_VARIANTS[1:] if v.partition("+")[0] not in DEPTH_READS]
+    "variant",
+    [v for v in COMPILED_VARIANTS[1:] if v.partition("+")[0] not in {"attnres", "block_attnres"}],
 )
 def test_the_graphs_do_not_multiply_with_depth(megatron_world, monkeypatch, variant):
-    """At 12 layers a design compiles the graphs it compiles at 3 (forward: the count of
-    graphs is dynamo's, and each has one backward)."""
+    """At 12 layers a design compiles the graphs it compiles at 3 (depth_attn: at most
+    its window's K; forward: the count of graphs is dynamo's, and each has one backward).
+    AttnRes' sources grow with every block: one graph per layer (not yet bounded)."""
     decoder, rotary = _decoder_with_kernels(variant, layers=12)
     counters = _compile_with_kernels(decoder, monkeypatch)
     with torch.no_grad():
