@@ -87,13 +87,18 @@ def export_parts() -> list[Path]:
 
 def _parts_imported(path: Path) -> list[str]:
     """The folders whose export part ``path`` imports (``t2train.residual.<folder>.hf``)."""
-    found = []
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.ImportFrom) and node.module:
-            pieces = node.module.split(".")
-            if pieces[:2] == ["t2train", "residual"] and len(pieces) == 4 and pieces[3] == "hf":
-                found.append(pieces[2])
-    return found
+    pieces = [module.split(".") for module in _t2train_imports(path)]
+    return [p[2] for p in pieces if p[:2] == ["t2train", "residual"] and p[3:] == ["hf"]]
+
+
+def _t2train_imports(path: Path) -> list[str]:
+    """The t2train modules ``path`` imports from (``from t2train... import``)."""
+    modules = [
+        node.module or ""
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.ImportFrom)
+    ]
+    return [module for module in modules if module.startswith("t2train")]
 
 
 def _exported(tree: ast.Module, path: Path) -> ast.Assign:
@@ -148,17 +153,8 @@ def _module_path(module: str) -> Path:
     return PACKAGE.parent.joinpath(*module.split(".")).with_suffix(".py")
 
 
-def _t2train_imports(path: Path) -> list[str]:
-    modules = [
-        node.module or ""
-        for node in ast.parse(path.read_text()).body
-        if isinstance(node, ast.ImportFrom)
-    ]
-    return [module for module in modules if module.startswith("t2train")]
-
-
-def functional_modules() -> list[Path]:
-    """The functional modules the frame and the parts import, each after the functional
+def functional_modules(parts: list[Path]) -> list[Path]:
+    """The functional modules the frame and ``parts`` import, each after the functional
     modules it imports. One may import only torch, the standard library and other
     functional modules (it is copied as it is)."""
     ordered: list[Path] = []
@@ -187,7 +183,7 @@ def functional_modules() -> list[Path]:
                         )
         ordered.append(path)
 
-    for path in [MODELING_FILE, *export_parts()]:
+    for path in [MODELING_FILE, *parts]:
         for module in _t2train_imports(path):
             if _is_functional(module):
                 place(module, ())
@@ -272,30 +268,29 @@ def modeling_source() -> str:
     """The standalone modeling file: ``hf_modeling.py`` with its imports and the inserted
     modules' merged, the functional modules' code after the imports and the parts' code
     after its ``DESIGNS`` line."""
-    frame = MODELING_FILE.read_text()
-    tree, lines = ast.parse(frame), frame.splitlines()
-    frame_imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
-    first, last = frame_imports[0].lineno - 1, frame_imports[-1].end_lineno
-    imports, _, _, _ = _split(MODELING_FILE)
-    functions, parts = [], []
-    for path in functional_modules():
+    imports, last, tree, frame = _split(MODELING_FILE)
+    lines = frame.splitlines()
+    first = next(node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom)))
+    parts = export_parts()
+    functions, part_codes = [], []
+    for path in functional_modules(parts):
         needed, code = _functional(path)
         imports += needed
         functions.append(code)
-    for path in export_parts():
+    for path in parts:
         needed, code = _part(path)
         imports += needed
-        parts.append(code)
+        part_codes.append(code)
     designs = next(i for i, line in enumerate(lines) if line.startswith(DESIGNS_LINE)) + 1
     return (
         "\n".join(
-            lines[:first]
+            lines[: first.lineno - 1]
             + _import_block(imports)
             + ["", "", SHARED_MATH, "", ""]
             + ["\n\n\n".join(functions)]
             + lines[last:designs]
             + ["", ""]
-            + ["\n\n\n".join(parts)]
+            + ["\n\n\n".join(part_codes)]
             + lines[designs:]
         )
         + "\n"
