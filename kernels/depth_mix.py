@@ -1,8 +1,8 @@
 """Two-phase Block Attention Residuals (arXiv 2603.15031 Sec. 4.2), forward and backward.
 
-Exact counterpart of ``t2train.residual.attnres.layers.depth_mix`` over the completed sources v_n
-(embedding and block sums, each [..., h], read in place through a table of their addresses)
-and the current block's partial sum p:
+Exact counterpart of ``t2train.residual.attnres.functional.depth_mix`` over the completed
+sources v_n (embedding and block sums: the rows of stacks [k, ..., h], read in place through
+a table of their addresses) and the current block's partial sum p:
 
 Phase 1 (the S pseudo-queries w_s of a block at once, one read of the sources):
 
@@ -359,37 +359,50 @@ def _phase2_blocks(hidden: int) -> dict:
     return dict(BLOCK_H=block_h, ROWS=ROWS, num_warps=min(16, max(4, block_h // 512)))
 
 
-def _address_table(sources: list[Tensor]) -> tuple[Tensor, dict]:
-    """The sources' data pointers as an int64 tensor on their device (the kernels' table),
-    and whether all are 16-byte aligned (a fresh tensor is; a view may not be)."""
-    addresses = [t.data_ptr() for t in sources]
-    table = torch.tensor(addresses, dtype=torch.int64, device=sources[0].device)
+def _address_table(stacks: list[Tensor]) -> tuple[Tensor, dict]:
+    """The data pointers of the stacks' rows (the sources) as an int64 tensor on their device
+    (the kernels' table), and whether all are 16-byte aligned (a fresh tensor is; a view may
+    not be)."""
+    addresses = [
+        stack.data_ptr() + row * stack.stride(0) * stack.element_size()
+        for stack in stacks
+        for row in range(stack.shape[0])
+    ]
+    table = torch.tensor(addresses, dtype=torch.int64, device=stacks[0].device)
     return table, {"ALIGNED": all(address % 16 == 0 for address in addresses)}
 
 
-@kernel_op("block_phase_1")
-def _phase_1(queries: Tensor, sources: list[Tensor], eps: float) -> tuple[Tensor, Tensor]:
-    """queries [S, h], the N sources (each [..., h]) -> O [S, ..., h] and LSE [S, ...], both
-    fp32. The kernels read each source where it is (a table of their addresses): no stacked
-    copy is made, and none is saved for the backward (the sources are the stream's, alive
-    anyway)."""
-    queries = queries.contiguous()
-    sources = [t.contiguous() for t in sources]
-    first = sources[0]
+def _checked(stacks: list[Tensor]) -> list[Tensor]:
+    """The stacks, each contiguous, after checking that their sources match."""
+    stacks = [t.contiguous() for t in stacks]
+    first = stacks[0]
     if any(
-        (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device) for t in sources
+        (t.shape[1:], t.dtype, t.device) != (first.shape[1:], first.dtype, first.device)
+        for t in stacks
     ):
         raise ValueError(
-            "phase 1: the sources must share one shape, dtype and device, got "
-            f"{[(tuple(t.shape), t.dtype) for t in sources]}"
+            "phase 1: the sources must share one shape, dtype and device, got stacks "
+            f"{[(tuple(t.shape), t.dtype) for t in stacks]}"
         )
+    return stacks
+
+
+@kernel_op("block_phase_1")
+def _phase_1(queries: Tensor, stacks: list[Tensor], eps: float) -> tuple[Tensor, Tensor]:
+    """queries [S, h], the N sources (the rows of the stacks, each [k, ..., h]) -> O
+    [S, ..., h] and LSE [S, ...], both fp32. The kernels read each source where it is (a
+    table of their addresses): no stacked copy is made, and none is saved for the backward
+    (the sources are the stream's, alive anyway)."""
+    queries = queries.contiguous()
+    stacks = _checked(stacks)
+    first = stacks[0][0]
     out = torch.empty((queries.shape[0], *first.shape), device=queries.device, dtype=torch.float32)
     lse = torch.empty(out.shape[:-1], device=queries.device, dtype=torch.float32)
     if tracing(queries):
         return out, lse
-    n_src, hidden, n_q = len(sources), first.shape[-1], queries.shape[0]
+    n_src, hidden, n_q = sum(t.shape[0] for t in stacks), first.shape[-1], queries.shape[0]
     rows = first.numel() // hidden
-    table, aligned = _address_table(sources)
+    table, aligned = _address_table(stacks)
     _phase1_fwd_kernel[(rows,)](
         table,
         first,
@@ -409,22 +422,23 @@ def _phase_1(queries: Tensor, sources: list[Tensor], eps: float) -> tuple[Tensor
 
 @kernel_op("block_phase_1_backward")
 def _phase_1_backward(
-    queries: Tensor, sources: list[Tensor], lse: Tensor, d_out: Tensor, d_lse: Tensor, eps: float
+    queries: Tensor, stacks: list[Tensor], lse: Tensor, d_out: Tensor, d_lse: Tensor, eps: float
 ) -> tuple[Tensor, Tensor]:
     """dQ [S, h] and the sources' gradients as one [N, ..., h] buffer."""
     queries = queries.contiguous()
-    sources = [t.contiguous() for t in sources]
-    first = sources[0]
-    d_sources = torch.empty((len(sources), *first.shape), device=lse.device, dtype=first.dtype)
+    stacks = _checked(stacks)
+    first = stacks[0][0]
+    n_src = sum(t.shape[0] for t in stacks)
+    d_sources = torch.empty((n_src, *first.shape), device=lse.device, dtype=first.dtype)
     if tracing(queries):
         return torch.empty_like(queries), d_sources
-    n_src, hidden, n_q = len(sources), first.shape[-1], queries.shape[0]
+    hidden, n_q = first.shape[-1], queries.shape[0]
     rows = first.numel() // hidden
     d_out, d_lse = d_out.float().contiguous(), d_lse.float().contiguous()
     w = torch.empty(rows, n_src, n_q, device=lse.device, dtype=torch.float32)
     dzr, coef = torch.empty_like(w), torch.empty(rows, n_src, device=lse.device)
     blocks = _phase1_blocks(n_src, n_q, hidden)
-    table, aligned = _address_table(sources)
+    table, aligned = _address_table(stacks)
     _phase1_bwd_scores_kernel[(rows,)](
         table,
         first,
@@ -467,16 +481,15 @@ def _phase_1_backward(
 
 
 def _save_phase_1(ctx, inputs: tuple, output: tuple) -> None:
-    queries, sources, ctx.eps = inputs
-    ctx.sources = len(sources)
-    ctx.save_for_backward(queries, output[1], *sources)
+    queries, stacks, ctx.eps = inputs
+    ctx.save_for_backward(queries, output[1], *stacks)
 
 
 def _phase_1_grads(ctx, d_out: Tensor, d_lse: Tensor) -> tuple:
-    """The sources' gradients are handed to autograd as views of one buffer."""
-    queries, lse, *sources = ctx.saved_tensors
-    d_queries, d_sources = _phase_1_backward(queries, sources, lse, d_out, d_lse, ctx.eps)
-    return d_queries, list(d_sources.unbind(0)), None
+    """The stacks' gradients are handed to autograd as views of one buffer."""
+    queries, lse, *stacks = ctx.saved_tensors
+    d_queries, d_sources = _phase_1_backward(queries, stacks, lse, d_out, d_lse, ctx.eps)
+    return d_queries, list(d_sources.split([t.shape[0] for t in stacks])), None
 
 
 _phase_1.register_autograd(_phase_1_grads, setup_context=_save_phase_1)
@@ -539,10 +552,10 @@ def _phase_2_grads(ctx, grad: Tensor) -> tuple:
 _phase_2.register_autograd(_phase_2_grads, setup_context=_save_phase_2)
 
 
-def phase_1(queries: Tensor, sources, eps: float) -> tuple[Tensor, Tensor]:
-    """O [S, ..., h] and LSE [S, ...] (fp32) of S pseudo-queries over the N sources (a list
-    of [..., h] tensors, or one stacked [N, ..., h] tensor)."""
-    return _phase_1(queries, list(sources), eps)
+def phase_1(queries: Tensor, stacks: list[Tensor], eps: float) -> tuple[Tensor, Tensor]:
+    """O [S, ..., h] and LSE [S, ...] (fp32) of S pseudo-queries over the N sources (the rows
+    of the stacks, each [k, ..., h])."""
+    return _phase_1(queries, list(stacks), eps)
 
 
 def phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float) -> Tensor:
@@ -550,14 +563,15 @@ def phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float
     return _phase_2(partial, query, out, lse, eps)
 
 
-def depth_mix(query: Tensor, sources: list[Tensor], partial: Tensor | None, eps: float) -> Tensor:
-    """``t2train.residual.attnres.layers.depth_mix(query, sources + [partial], eps)`` in two phases.
+def depth_mix(query: Tensor, stacks: list[Tensor], partial: Tensor | None, eps: float) -> Tensor:
+    """``t2train.residual.attnres.functional.depth_mix(query, stacks + [partial[None]], eps)``
+    in two phases.
 
     Both phases read one fp32 copy of the query, so its two gradients are summed in fp32 and
     rounded to the query's dtype once, as the reference's are (in bf16 the two halves,
     rounded apart, nearly cancel: up to 4% off the exact gradient)."""
     query = query.float()
-    out, lse = phase_1(query[None], sources, eps)
+    out, lse = phase_1(query[None], stacks, eps)
     if partial is None:
-        return out[0].to(sources[0].dtype)
+        return out[0].to(stacks[0].dtype)
     return phase_2(partial, query, out[0], lse[0], eps)

@@ -176,6 +176,7 @@ def test_attnres_with_shortswa_makes_the_mixer_output_a_source(megatron_world):
     """h_l = sum_i softmax_i(w_l . RMSNorm(v_i)) v_i over the embedding and every earlier
     sublayer output, ShortSWA's included (three reads and three sources per layer)."""
     layer, hidden, rope = _layer_and_inputs("attnres")
+    from t2train.residual.attnres import sources as source_buffer
     from t2train.residual.attnres.layers import AttnResState
 
     def mix(query, sources):
@@ -199,9 +200,9 @@ def test_attnres_with_shortswa_makes_the_mixer_output_a_source(megatron_world):
         (layer.mlp_residual, layer.pre_mlp_layernorm, lambda n: layer.mlp(n)[0]),
     ):
         sources.append(run(norm(mix(residual.query, sources))))
-    state = layer(AttnResState((hidden,), None), None, rope)
-    assert len(state.sources) == 4 and state.partial is None
-    for got, want in zip(state.sources, sources):
+    state = layer(AttnResState(*source_buffer.start([hidden], 4)), None, rope)
+    assert (state.earlier.shape[0], len(state.new), state.partial) == (1, 3, None)
+    for got, want in zip([*state.earlier, *state.new], sources):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     assert [
         r.index for r in (layer.pre_attention_residual, layer.attn_residual, layer.mlp_residual)

@@ -9,6 +9,8 @@ Inductor's code generation; ``test_op_budget.py`` compiles one layer with Induct
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -58,12 +60,12 @@ def _train(overrides: list[str], topology) -> list[float]:
 
 # (overrides, distinct layer graphs): a layer compiles once for all layers of a chunk unless
 # its inputs differ: hc's first layer gets the embedding broadcast to n streams (a stride-0
-# view), attnres' second layer reads one more source than its first.
+# view); attnres' layers read more sources each, one graph for any count.
 VARIANTS = {
     "standard": ([], 1),
     "hc": (["model.residual=hc"], 2),
     "standard+shortswa": (["model.shortswa.window=4"], 1),
-    "attnres": (["model.residual=attnres"], 2),
+    "attnres": (["model.residual=attnres"], 1),
 }
 
 
@@ -130,20 +132,20 @@ def test_fusions_default_to_all_with_cuda_only(monkeypatch, fusions, cuda, expec
 # inside Megatron's attention: the call that used to split a layer into most pieces), and
 # `standard` alone. A design alone makes a subset of the same calls.
 COMPILED_VARIANTS = ["standard"] + [f"{design}+shortswa" for design in registered()]
-# Depth reads whose inputs (the earlier states) grow with the layer: one graph per layer,
-# except that depth_attn's window stops growing at K states (K graphs at any depth from K
-# layers on). Every other design compiles the same graphs at any depth: one, or two for hc
-# and mhc (the first layer's stream is the embedding broadcast to n streams, a stride-0
-# view).
-DEPTH_READS = {"depth_attn", "attnres", "block_attnres"}
+# Every design compiles the same graphs at any depth: one, or two for hc and mhc (the first
+# layer's stream is the embedding broadcast to n streams, a stride-0 view); depth_attn one
+# per length of its window until the window is full (K); block_attnres one per place a
+# layer can take in a block (its reads open, continue or close blocks differently). AttnRes'
+# growing sources are one tensor with a dynamic number of rows.
 DEPTH_WINDOW = 4
+BLOCK_SIZE = 3
 KERNEL_SHAPE = [
     "data.path=unused",
     "model.hidden_size=32",
     "model.num_attention_heads=2",
     "model.num_query_groups=1",
     "model.seq_length=8",
-    "model.attnres.block_size=3",
+    f"model.attnres.block_size={BLOCK_SIZE}",
     f"model.depth_attn.window={DEPTH_WINDOW}",
     "model.mhc.sinkhorn_iterations=3",
 ]
@@ -151,11 +153,12 @@ KERNEL_SHAPE = [
 
 def layer_graphs(variant: str, layers: int) -> int:
     """Distinct graphs a ``layers``-layer decoder of ``variant`` compiles."""
-    design = variant.partition("+")[0]
+    design, _, mixer = variant.partition("+")
     if design == "depth_attn":
         return min(layers, DEPTH_WINDOW)
-    if design in DEPTH_READS:
-        return layers
+    if design == "block_attnres":
+        per_layer = 3 if mixer else 2
+        return BLOCK_SIZE // math.gcd(per_layer, BLOCK_SIZE)
     return 2 if design in ("hc", "mhc") else 1
 
 
@@ -225,14 +228,12 @@ def test_with_the_kernels_every_layer_is_one_graph(megatron_world, monkeypatch, 
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max())
 
 
-@pytest.mark.parametrize(
-    "variant",
-    [v for v in COMPILED_VARIANTS[1:] if v.partition("+")[0] not in {"attnres", "block_attnres"}],
-)
+@pytest.mark.parametrize("variant", COMPILED_VARIANTS[1:] + ["block_attnres"])
 def test_the_graphs_do_not_multiply_with_depth(megatron_world, monkeypatch, variant):
     """At 12 layers a design compiles the graphs it compiles at 3 (depth_attn: at most
     its window's K; forward: the count of graphs is dynamo's, and each has one backward).
-    AttnRes' sources grow with every block: one graph per layer (not yet bounded)."""
+    block_attnres alone: 2 sublayers per layer in blocks of 3, so its layers take 3 places
+    in a block (with the mixer, 3 per layer: one)."""
     decoder, rotary = _decoder_with_kernels(variant, layers=12)
     counters = _compile_with_kernels(decoder, monkeypatch)
     with torch.no_grad():

@@ -115,6 +115,7 @@ class ResidualDecoder(TransformerBlock):
                 for layer in self.layers:
                     with torch.profiler.record_function(f"t2train layer {layer.layer_number}"):
                         state = layer(state, attention_mask, rotary_pos_emb, kv_cache)
+                    state = self.stream.between_layers(state)
 
         if self.post_process:
             output = self.final_layernorm(self.stream.exit(state))
@@ -210,7 +211,7 @@ class ResidualDecoder(TransformerBlock):
             def forward(packed: Tensor, mask, rope) -> Tensor:
                 chunk_state = unpack(packed, first + start)
                 for layer in self.layers[start:end]:
-                    chunk_state = layer(chunk_state, mask, rope)
+                    chunk_state = self.stream.between_layers(layer(chunk_state, mask, rope))
                 return pack(chunk_state)
 
             return forward

@@ -9,9 +9,10 @@ so parameter names, state dicts and checkpoints are those of the eager model.
 What dynamo makes of a layer (torch 2.14, megatron-core 0.16.1; ``tests/test_fusions.py``
 checks the counts): one graph per layer without a graph break for every design, with the
 PyTorch references and with the Triton kernels (custom operators, ``t2train/kernels/ops.py``),
-once megatron-core's deprecation warning is ignored (below). A design whose layers differ in
-structure (a depth read over a growing list of earlier states) compiles once per layer, so
-the recompile limit grows with the layer count.
+once megatron-core's deprecation warning is ignored (below). Layers share their graphs: the
+number a model compiles does not grow with its depth (a few where layers differ: hc's first
+layer, depth_attn's window until it is full, Block AttnRes' places in a block; AttnRes'
+growing sources are one tensor with a dynamic row count, ``residual/attnres/sources.py``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ A decoder layer is a sequence of pre-norm sublayers: the local mixer when it is 
 ``ResidualStream`` owns the state between layers: it turns the embedding into the initial
 state (``enter``), reads the final hidden state for the last norm (``exit``), and splits the
 state into [s, b, h] units (``to_units``/``from_units``) for pipeline hops and activation
-recompute, in the order the design's declaration names them (``ResidualDesign.unit_ids``).
+recompute, in the order the design's declaration names them (``ResidualDesign.unit_ids``),
+and may reshape the state between layers, outside compiled code (``between_layers``).
 
 Everything else a design needs is in its declaration (``ResidualDesign``,
 ``declaration.py``): its config section (``options``, read from ``model.<section>``), the
@@ -80,6 +81,12 @@ class ResidualStream(MegatronModule):
 
     def exit(self, state: State) -> Tensor:
         raise NotImplementedError
+
+    def between_layers(self, state: State) -> State:
+        """The state after a layer, as the next layer gets it. Runs eagerly between compiled
+        layers: a design whose state grows with depth moves what the layer added into a
+        preallocated buffer here, so that every layer is compiled for the same structure."""
+        return state
 
     def to_units(self, state: State) -> list[Tensor]:
         """The state as [s, b, h] units, in the order of the design's ``unit_ids``."""

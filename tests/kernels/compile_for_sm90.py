@@ -98,9 +98,10 @@ def launch_every_kernel(dtype) -> None:
         _backward(fp32_linear.fp32_linear(x, weight, bias))
         _backward(fp32_linear.rms_fp32_linear(x, weight.float(), None, 1e-5))
     query, partial, *sources = _leaves(dtype, (256,), (8, 2, 256), *[(8, 2, 256)] * 3)
-    _backward(depth_mix.depth_mix(query, sources, partial, 1e-6))
+    stacks = [torch.stack(sources[:2]), sources[2].unsqueeze(0)]
+    _backward(depth_mix.depth_mix(query, stacks, partial, 1e-6))
     queries = _leaves(dtype, (4, 256))[0]
-    _backward(depth_mix.phase_1(queries, sources, 1e-6))
+    _backward(depth_mix.phase_1(queries, stacks, 1e-6))
     state, out = _leaves(dtype, (4, 8, 2, 256), (8, 2, 256))
     pre, post, res = _leaves(torch.float32, (8, 2, 4), (8, 2, 4), (8, 2, 4, 4))
     _backward(stream_mix.stream_read(state, pre))

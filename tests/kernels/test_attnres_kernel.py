@@ -1,4 +1,6 @@
-"""Triton two-phase Block AttnRes vs ``t2train.residual.attnres.layers.depth_mix`` (interpreter)."""
+"""Triton two-phase Block AttnRes vs ``t2train.residual.attnres.functional.depth_mix``
+(interpreter). The sources come as the trainer passes them: the earlier layers' sources as
+one stack, this layer's as stacks of one."""
 
 import pytest
 import torch
@@ -19,12 +21,19 @@ def _inputs(n_sources, dtype, tokens=(3, 2), hidden=24):
     return query, make(*tokens, hidden), *sources
 
 
+def _stacks(sources):
+    """The first sources as one stack (the earlier layers'), the last one alone."""
+    earlier = [torch.stack(sources[:-1])] if len(sources) > 1 else []
+    return earlier + [sources[-1].unsqueeze(0)]
+
+
 def _check(n_sources, with_partial, dtype):
     def kernel(query, partial, *sources):
-        return mix_sources(query, list(sources), partial if with_partial else None, EPS)
+        return mix_sources(query, _stacks(sources), partial if with_partial else None, EPS)
 
     def reference(query, partial, *sources):
-        return depth_mix(query, list(sources) + ([partial] if with_partial else []), EPS)
+        values = list(sources) + ([partial] if with_partial else [])
+        return depth_mix(query, [v.unsqueeze(0) for v in values], EPS)
 
     assert_matches(kernel, reference, _inputs(n_sources, dtype), dtype, "depth_mix")
 
@@ -46,19 +55,22 @@ def test_bf16(with_partial):
 
 
 def test_phase_1_batches_the_block_queries():
-    """S queries at once equal S separate mixtures; the LSE is the softmax normaliser."""
+    """S queries at once equal S separate mixtures; the LSE is the softmax normaliser. The
+    earlier sources are the first rows of a larger buffer whose other rows are not read."""
     from t2train.kernels.depth_mix import phase_1
 
     query, _, *sources = _inputs(5, torch.float32)
     queries = torch.stack([query, -query, 0.5 * query])
-    out, lse = phase_1(queries, torch.stack(sources), EPS)
-    for s, q in enumerate(queries):
-        torch.testing.assert_close(out[s], depth_mix(q, sources, EPS), atol=1e-5, rtol=1e-5)
+    buffer = torch.full((6, *sources[0].shape), float("nan"))
+    buffer[:4] = torch.stack(sources[:4])
+    out, lse = phase_1(queries, [buffer[:4], sources[4].unsqueeze(0)], EPS)
     stacked = torch.stack(sources)
+    for s, q in enumerate(queries):
+        torch.testing.assert_close(out[s], depth_mix(q, [stacked], EPS), atol=1e-5, rtol=1e-5)
     keys = stacked * torch.rsqrt(stacked.pow(2).mean(-1, keepdim=True) + EPS)
     torch.testing.assert_close(lse, torch.logsumexp(keys @ queries.T, 0).permute(2, 0, 1))
 
 
 def test_reference_passes_gradcheck():
     inputs = [t.double().requires_grad_() for t in _inputs(3, torch.float32, (2, 1), 6)]
-    assert torch.autograd.gradcheck(lambda q, *v: depth_mix(q, list(v), EPS), inputs)
+    assert torch.autograd.gradcheck(lambda q, *v: depth_mix(q, _stacks(v), EPS), inputs)

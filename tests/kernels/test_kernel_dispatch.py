@@ -39,7 +39,7 @@ def _call_each_kernel():
     return {
         "window_attention": attend_window(r(1, 1, 4, 16), r(1, 1, 4, 16), r(1, 1, 4, 16), 2),
         "delta_write": write_delta(r(3, 1, 8), r(3, 1, 8), r(3, 1, 1), r(3, 1, 1), 1e-5, 4.0),
-        "depth_mix": mix_sources(r(8), [r(3, 1, 8)], r(3, 1, 8), 1e-6),
+        "depth_mix": mix_sources(r(8), [r(1, 3, 1, 8)], r(3, 1, 8), 1e-6),
         "fp32_linear": fp32_linear(r(3, 1, 8), torch.nn.Linear(8, 2)),
     }
 

@@ -306,8 +306,8 @@ MUTATIONS = [
         "RMSNorm on the values instead of the keys (scores from raw sources, normalised sum)",
         (
             FN_ATTNRES,
-            "(x @ queries.T).movedim(-1, 0) * _inverse_rms(x, eps) for x in xs",
-            "(x @ queries.T).movedim(-1, 0) for x in xs",
+            "(x @ queries.T).movedim(-1, 1) * _inverse_rms(x, eps).unsqueeze(1) for x in stacks",
+            "(x @ queries.T).movedim(-1, 1) for x in stacks",
         ),
         (
             FN_ATTNRES,
@@ -316,13 +316,13 @@ MUTATIONS = [
         ),
         (
             FN_ATTNRES,
-            "out = query_weights[0] * xs[0]",
-            "out = query_weights[0] * xs[0] * _inverse_rms(xs[0], 1e-6).unsqueeze(-1)",
+            "out = (parts[0] * xs[0]).sum(0)",
+            "out = (parts[0] * xs[0] * _inverse_rms(xs[0], 1e-6).unsqueeze(-1)).sum(0)",
         ),
         (
             FN_ATTNRES,
-            "out = torch.addcmul(out, weight, x)",
-            "out = torch.addcmul(out, weight, x * _inverse_rms(x, 1e-6).unsqueeze(-1))",
+            "out = out + (weight * x).sum(0)",
+            "out = out + (weight * x * _inverse_rms(x, 1e-6).unsqueeze(-1)).sum(0)",
         ),
     ),
     m(
@@ -361,8 +361,8 @@ MUTATIONS = [
         "Full AttnRes stores the running state h_l + f_l instead of the output f_l",
         (
             REF_ATTNRES,
-            "return AttnResState(state.sources + (out,), None, {})",
-            "return AttnResState(state.sources + (x + out,), None, {})",
+            "return state._replace(new=state.new + (out,))",
+            "return state._replace(new=state.new + (x + out,))",
         ),
     ),
     m(
@@ -371,8 +371,8 @@ MUTATIONS = [
         "a block closes one sublayer early",
         (
             REF_ATTNRES,
-            "if (self.index + 1) % self.block_size == 0:",
-            "if self.index % self.block_size == 0:",
+            "self.closes_block = (self.index + 1) % self.block_size == 0",
+            "self.closes_block = self.index % self.block_size == 0",
         ),
     ),
     m(
@@ -401,8 +401,8 @@ MUTATIONS = [
         "the final norm reads the last source instead of a mixture with its own query",
         (
             REF_ATTNRES,
-            "return mix_sources(self.final_query, state.sources, state.partial, self.eps)",
-            "return state.values()[-1]",
+            "return mix_sources(self.final_query, state.stacks(), state.partial, self.eps)",
+            "return state.stacks()[-1][-1]",
         ),
     ),
     # --- hidden dropout and initial values -----------------------------------------------------

@@ -33,7 +33,7 @@ CASES = {  # name: (overrides, blocks of the 4-layer model)
 
 
 def _one_read_at_a_time(self, state):
-    return mix_sources(self.query, state.sources, state.partial, self.eps)
+    return mix_sources(self.query, state.stacks(), state.partial, self.eps)
 
 
 def _run(overrides, monkeypatch, batched: bool):

@@ -179,8 +179,8 @@ def test_attnres_sources_after_each_layer(megatron_world, variant, expected):
     decoder = _build(_config(variant)).decoder
     state = decoder.stream.enter(torch.randn(16, 2, 64))
     for layer, (sources, partial) in zip(decoder.layers, expected):
-        state = layer(state, None, None)
-        assert (len(state.sources), state.partial is not None) == (sources, partial)
+        state = decoder.stream.between_layers(layer(state, None, None))
+        assert (len(state.earlier), state.partial is not None) == (sources, partial)
 
 
 def _core_attentions(window: int):

@@ -101,16 +101,17 @@ def test_ddl_gate_logits_are_fp32_under_autocast(ddl_bf16):
 def test_attnres_scores_and_softmax_are_fp32_under_autocast_and_bf16():
     sources = [_randn(5, 2, 48, seed=n) * (1 + n) for n in range(4)]
     queries, partial = _randn(3, 48, seed=9), _randn(5, 2, 48, seed=10)
+    stacks = [torch.stack(sources[:3]), sources[3].unsqueeze(0)]
     plain = (
-        attnres.depth_mix(queries[0], sources, 1e-6),
-        attnres.block_phase_1(queries, torch.stack(sources), 1e-6),
-        attnres.mixing_weights(queries[0], sources, 1e-6),
+        attnres.depth_mix(queries[0], stacks, 1e-6),
+        attnres.block_phase_1(queries, stacks, 1e-6),
+        attnres.mixing_weights(queries[0], stacks, 1e-6),
     )
     with torch.autocast("cpu", dtype=BF16):
         mixed = (
-            attnres.depth_mix(queries[0], sources, 1e-6),
-            attnres.block_phase_1(queries, torch.stack(sources), 1e-6),
-            attnres.mixing_weights(queries[0], sources, 1e-6),
+            attnres.depth_mix(queries[0], stacks, 1e-6),
+            attnres.block_phase_1(queries, stacks, 1e-6),
+            attnres.mixing_weights(queries[0], stacks, 1e-6),
         )
         out, lse = mixed[1]
         merged = attnres.block_phase_2(partial, queries[1], out[1], lse[1], 1e-6)
@@ -118,7 +119,7 @@ def test_attnres_scores_and_softmax_are_fp32_under_autocast_and_bf16():
     assert all(torch.equal(a, b) for a, b in zip(mixed[1], plain[1]))
     assert torch.equal(merged, attnres.block_phase_2(partial, queries[1], out[1], lse[1], 1e-6))
     # bf16 sources: the mixture is computed from their fp32 values and rounded once.
-    low, query = [s.to(BF16) for s in sources], queries[0].to(BF16)
+    low, query = [s.to(BF16) for s in stacks], queries[0].to(BF16)
     want = attnres.depth_mix(query.float(), [s.float() for s in low], 1e-6).to(BF16)
     assert torch.equal(attnres.depth_mix(query, low, 1e-6), want)
 

@@ -26,12 +26,12 @@ def depth_mix_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
     queries = rt.leaf(n_q, hidden, scale=hidden**-0.5)
     inputs = [sources, queries, *partials]
 
-    def two_phase(first, second):
-        out, lse = first(queries, sources, eps)
+    def two_phase(first, second, stacked=lambda: [sources]):
+        out, lse = first(queries, stacked(), eps)
         return [second(partials[i], queries[i], out[i], lse[i], eps) for i in range(n_q)]
 
     def per_read(mix):
-        return [mix(queries[i], list(sources.unbind(0)), partials[i], eps) for i in range(n_q)]
+        return [mix(queries[i], [sources], partials[i], eps) for i in range(n_q)]
 
     depth_mix = DEPTH_MIX.reference
     compiled = rt.compile(depth_mix)
@@ -50,6 +50,7 @@ def depth_mix_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
                 lambda: two_phase(
                     far.phase_1_batched_attention_triton_op,
                     far.phase_2_online_softmax_merge_triton_op,
+                    stacked=lambda: sources,  # one [N, ...] tensor
                 ),
                 inputs,
             )

@@ -20,8 +20,10 @@ class AttnResState(NamedTuple):
     sources: tuple  # the embedding, then completed blocks (Full: every sublayer output)
     partial: Optional[Tensor]  # the open block's running sum
 
-    def values(self) -> list[Tensor]:
-        return list(self.sources) + ([self.partial] if self.partial is not None else [])
+    def stacks(self) -> list[Tensor]:
+        """The sources and the open block as stacks of one (``depth_mix``'s arguments)."""
+        values = list(self.sources) + ([self.partial] if self.partial is not None else [])
+        return [v.unsqueeze(0) for v in values]
 
 
 class AttnResStream(nn.Module):
@@ -36,7 +38,7 @@ class AttnResStream(nn.Module):
         return AttnResState((embedding,), None)
 
     def exit(self, state: AttnResState) -> Tensor:
-        return depth_mix(self.final_query, state.values(), self.eps)
+        return depth_mix(self.final_query, state.stacks(), self.eps)
 
 
 class BlockAttnResidual(nn.Module):
@@ -51,7 +53,7 @@ class BlockAttnResidual(nn.Module):
         self.query = nn.Parameter(torch.zeros(config.hidden_size))
 
     def read(self, state: AttnResState) -> Tensor:
-        return depth_mix(self.query, state.values(), self.eps)
+        return depth_mix(self.query, state.stacks(), self.eps)
 
     def write(self, state: AttnResState, x: Tensor, normed: Tensor, out: Tensor) -> AttnResState:
         partial = out if state.partial is None else state.partial + out

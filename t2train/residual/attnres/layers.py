@@ -9,7 +9,7 @@ from torch import Tensor
 
 from t2train.kernels import dispatch
 from t2train.nn import probe
-from t2train.residual.attnres import sublayers_per_layer
+from t2train.residual.attnres import sources, sublayers_per_layer
 from t2train.residual.attnres.functional import (
     block_phase_1,
     block_phase_2,
@@ -20,28 +20,38 @@ from t2train.residual.base import ResidualStream, SublayerResidual, mark_replica
 
 
 class AttnResState(NamedTuple):
-    sources: tuple  # embedding, then completed block sums (Full: every sublayer output)
-    partial: Optional[Tensor]  # the current block's running sum (None at a block start)
-    # Phase-1 results of the open block's later reads in this chunk, by sublayer index
-    # (filled by the block's first read here; None: each read computes its own).
-    reads: Optional[dict] = None
+    buffer: Tensor  # the chunk's store of completed sources (``sources.py``)
+    earlier: Tensor  # [n, s, b, h]: the sources earlier layers made, rows of ``buffer``
+    new: tuple = ()  # sources this layer made, moved into ``buffer`` after the layer
+    partial: Optional[Tensor] = None  # the open block's running sum (None at a block start)
+    reads: tuple = ()  # phase-1 (O, LSE) of the open block's next reads in this chunk, in order
 
-    def values(self) -> list[Tensor]:
-        return list(self.sources) + ([self.partial] if self.partial is not None else [])
+    def stacks(self) -> list[Tensor]:
+        """The completed sources (embedding, then block sums; Full: every sublayer output) as
+        stacks [k, s, b, h]: the earlier layers' rows, then this layer's own."""
+        return [self.earlier] + [source.unsqueeze(0) for source in self.new]
+
+    def with_partial(self) -> list[Tensor]:
+        """The stacks and the open block's partial sum: every value a read mixes."""
+        return self.stacks() + ([] if self.partial is None else [self.partial.unsqueeze(0)])
 
 
-def mix_sources(query: Tensor, sources, partial: Optional[Tensor], eps: float) -> Tensor:
+def mix_sources(
+    query: Tensor, stacks: list[Tensor], partial: Optional[Tensor], eps: float
+) -> Tensor:
     """``depth_mix`` over the sources and the open block's partial sum (if any), through the
     two-phase Triton kernel where ``T2_KERNELS`` routes it."""
-    values = list(sources) + ([] if partial is None else [partial])
+    values = stacks + ([] if partial is None else [partial])
     mix = dispatch.route(DEPTH_MIX, query, *values)
-    return mix(query, list(sources), partial, eps)
+    return mix(query, stacks, partial, eps)
 
 
-def mix_with_partial(query: Tensor, sources: list, partial: Optional[Tensor], eps: float) -> Tensor:
+def mix_with_partial(
+    query: Tensor, stacks: list[Tensor], partial: Optional[Tensor], eps: float
+) -> Tensor:
     """``depth_mix`` over the sources and the partial sum, taking the arguments of the fused
     kernel (``DEPTH_MIX``) that computes it in two phases."""
-    return depth_mix(query, sources + ([] if partial is None else [partial]), eps)
+    return depth_mix(query, stacks + ([] if partial is None else [partial.unsqueeze(0)]), eps)
 
 
 DEPTH_MIX = dispatch.Kernel("depth_mix", "t2train.kernels.depth_mix:depth_mix", mix_with_partial)
@@ -59,7 +69,8 @@ class BlockAttnResidual(SublayerResidual):
     The reads of one block share their sources (embedding and completed blocks), so the
     block's first read in a chunk runs phase 1 for itself and the block's later reads in the
     chunk at once (``block_mates``, set by the stream's ``connect``); each read then merges
-    its row with the partial sum (phase 2).
+    its row with the partial sum (phase 2). The later reads' rows travel in the state, in
+    order, so a read never needs to know its index (a compiled layer would specialise on it).
     """
 
     def __init__(self, config, model, layer_number: int = 1, position: int = 0):
@@ -69,39 +80,40 @@ class BlockAttnResidual(SublayerResidual):
         per_layer = sublayers_per_layer(self.model)
         self.index = per_layer * (layer_number - 1) + position  # 0-based, global
         self.block_size = self.model.attnres.block_size
+        self.closes_block = (self.index + 1) % self.block_size == 0
         self.block_mates = [self]  # this and the block's later reads in the chunk, in order
+        self._later_reads: tuple = ()  # the read's leftover phase-1 rows, for the write
         mark_replicated(self, config)
 
     def read(self, state: AttnResState) -> Tensor:
-        values = state.values()
         probe.record(
-            "attnres", self.index, lambda: mixing_weights(self.query, values, self.eps).mean((1, 2))
+            "attnres",
+            self.index,
+            lambda: mixing_weights(self.query, state.with_partial(), self.eps).mean((1, 2)),
         )
-        out, lse = self._phase_1_row(state)
+        (out, lse), self._later_reads = self._phase_1_rows(state)
         if state.partial is None:
-            return out.to(state.sources[0].dtype)
+            return out.to(state.earlier.dtype)
         phase_2 = dispatch.route(BLOCK_PHASE_2, state.partial, out)
         return phase_2(state.partial, self.query, out, lse, self.eps)
 
-    def _phase_1_row(self, state: AttnResState) -> tuple[Tensor, Tensor]:
-        """This read's phase-1 result, computed with its block mates' if not yet done."""
-        if state.reads is not None and self.index in state.reads:
-            return state.reads.pop(self.index)
-        mates = self.block_mates if state.reads is not None else [self]
-        queries = torch.stack([mate.query for mate in mates])
-        phase_1 = dispatch.route(BLOCK_PHASE_1, queries, *state.sources)
-        out, lse = phase_1(queries, list(state.sources), self.eps)
-        rows = {mate.index: (out[i], lse[i]) for i, mate in enumerate(mates)}
-        row = rows.pop(self.index)
-        if state.reads is not None:
-            state.reads.update(rows)
-        return row
+    def _phase_1_rows(self, state: AttnResState) -> tuple[tuple, tuple]:
+        """This read's phase-1 (O, LSE) and its later block mates', computed if not yet done."""
+        if state.reads:
+            return state.reads[0], state.reads[1:]
+        queries = torch.stack([mate.query for mate in self.block_mates])
+        stacks = state.stacks()
+        phase_1 = dispatch.route(BLOCK_PHASE_1, queries, *stacks)
+        out, lse = phase_1(queries, stacks, self.eps)
+        rows = tuple(zip(out.unbind(0), lse.unbind(0)))
+        return rows[0], rows[1:]
 
     def write(self, state: AttnResState, x: Tensor, normed: Tensor, out: Tensor) -> AttnResState:
+        reads, self._later_reads = self._later_reads, ()
         partial = out if state.partial is None else state.partial + out
-        if (self.index + 1) % self.block_size == 0:
-            return AttnResState(state.sources + (partial,), None, {})
-        return AttnResState(state.sources, partial, state.reads)
+        if self.closes_block:
+            return state._replace(new=state.new + (partial,), partial=None, reads=())
+        return state._replace(partial=partial, reads=reads)
 
 
 class FullAttnResidual(BlockAttnResidual):
@@ -112,16 +124,20 @@ class FullAttnResidual(BlockAttnResidual):
         probe.record(
             "attnres",
             self.index,
-            lambda: mixing_weights(self.query, list(state.sources), self.eps).mean((1, 2)),
+            lambda: mixing_weights(self.query, state.stacks(), self.eps).mean((1, 2)),
         )
-        return mix_sources(self.query, state.sources, None, self.eps)
+        return mix_sources(self.query, state.stacks(), None, self.eps)
 
     def write(self, state: AttnResState, x: Tensor, normed: Tensor, out: Tensor) -> AttnResState:
-        return AttnResState(state.sources + (out,), None, {})
+        return state._replace(new=state.new + (out,))
 
 
 class AttnResStream(ResidualStream):
-    """Units [sources..., partial]: sources (ids 0, 1, ...) never change; the partial does."""
+    """Units [sources..., partial]: sources (ids 0, 1, ...) never change; the partial does.
+
+    The completed sources live in one buffer per chunk and micro-batch (``sources.py``):
+    ``between_layers`` moves each layer's new ones into it.
+    """
 
     def __init__(
         self,
@@ -136,39 +152,51 @@ class AttnResStream(ResidualStream):
         self.block_size = block_size or self.model.attnres.block_size
         self.eps = self.model.attnres.eps
         self.per_layer = sublayers_per_layer(self.model)
+        self.capacity = self._sources_after(self.per_layer * self.model.num_layers)
         if post_process:
             self.final_query = _pseudo_query(config)
         mark_replicated(self, config)
 
+    def _sources_after(self, sublayers: int) -> int:
+        """Completed sources (embedding and blocks) after ``sublayers`` sublayers."""
+        return 1 + sublayers // self.block_size
+
     def connect(self, sublayers: list) -> None:
-        """Each read learns the later reads of its block in this chunk (its phase-1 batch)."""
+        """Each read learns the later reads of its block in this chunk (its phase-1 batch);
+        the buffer holds the sources up to the chunk's end."""
         for i, read in enumerate(sublayers):
             read.block_mates = [
                 mate
                 for mate in sublayers[i:]
                 if mate.index // self.block_size == read.index // self.block_size
             ]
+        self.capacity = self._sources_after(self.per_layer * self.first_layer + len(sublayers))
 
     def enter(self, embedding: Tensor) -> AttnResState:
-        return AttnResState((embedding,), None, {})
+        return AttnResState(*sources.start([embedding], self.capacity))
+
+    def between_layers(self, state: AttnResState) -> AttnResState:
+        earlier = sources.extend(state.buffer, state.earlier, state.new)
+        return state._replace(earlier=earlier, new=())
 
     def exit(self, state: AttnResState) -> Tensor:
-        values = state.values()
         final = self.per_layer * self.config.num_layers  # numbered after the last sublayer
         probe.record(
             "attnres",
             final,
-            lambda: mixing_weights(self.final_query, values, self.eps).mean((1, 2)),
+            lambda: mixing_weights(self.final_query, state.with_partial(), self.eps).mean((1, 2)),
         )
-        return mix_sources(self.final_query, state.sources, state.partial, self.eps)
+        return mix_sources(self.final_query, state.stacks(), state.partial, self.eps)
 
     def to_units(self, state: AttnResState) -> list[Tensor]:
-        return state.values()
+        partial = [] if state.partial is None else [state.partial]
+        return list(state.earlier.unbind(0)) + list(state.new) + partial
 
     def from_units(self, units: list[Tensor], layers_done: int) -> AttnResState:
-        if (self.per_layer * layers_done) % self.block_size:
-            return AttnResState(tuple(units[:-1]), units[-1], {})
-        return AttnResState(tuple(units), None, {})
+        open_block = (self.per_layer * layers_done) % self.block_size != 0
+        completed = units[:-1] if open_block else units
+        buffer, earlier = sources.start(completed, self.capacity)
+        return AttnResState(buffer, earlier, partial=units[-1] if open_block else None)
 
 
 class FullAttnResStream(AttnResStream):
