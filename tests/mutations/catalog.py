@@ -17,6 +17,7 @@ REF_DDL = "t2train/residual/ddl/layers.py"
 REF_WINDOW = "t2train/residual/window_attention.py"
 REF_DEPTH = "t2train/residual/depth_attn/layers.py"
 REF_ATTNRES = "t2train/residual/attnres/layers.py"
+REF_ATTNRES_SOURCES = "t2train/residual/attnres/sources.py"
 REF_STANDARD = "t2train/residual/standard/layers.py"
 DISPATCH = "kernels/dispatch.py"
 K_DDL = "kernels/ddl_update.py"
@@ -366,6 +367,16 @@ MUTATIONS = [
         ),
     ),
     m(
+        "attnres-buffer-drops-earlier-gradients",
+        "attnres",
+        "moving a layer's sources into the buffer cuts the earlier sources' gradient path",
+        (
+            REF_ATTNRES_SOURCES,
+            "return None, grad[: ctx.n], *grad[ctx.n :].unbind(0)",
+            "return None, None, *grad[ctx.n :].unbind(0)",
+        ),
+    ),
+    m(
         "block-boundary-off-by-one",
         "block_attnres",
         "a block closes one sublayer early",
@@ -478,8 +489,8 @@ MUTATIONS = [
         "the kernel route calls the Block AttnRes kernel without the partial sum",
         (
             REF_ATTNRES,
-            "return mix(query, list(sources), partial, eps)",
-            "return mix(query, list(sources), None, eps)",
+            "return mix(query, stacks, partial, eps)",
+            "return mix(query, stacks, None, eps)",
         ),
     ),
     m(
