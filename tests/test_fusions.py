@@ -132,6 +132,7 @@ def test_fusions_default_to_all_with_cuda_only(monkeypatch, fusions, cuda, expec
 # inside Megatron's attention: the call that used to split a layer into most pieces), and
 # `standard` alone. A design alone makes a subset of the same calls.
 COMPILED_VARIANTS = ["standard"] + [f"{design}+shortswa" for design in registered()]
+ALL_VARIANTS = [variant for design in registered() for variant in (design, f"{design}+shortswa")]
 # Every design compiles the same graphs at any depth: one, or two for hc and mhc (the first
 # layer's stream is the embedding broadcast to n streams, a stride-0 view); depth_attn one
 # per length of its window until the window is full (K); block_attnres one per place a
@@ -228,18 +229,22 @@ def test_with_the_kernels_every_layer_is_one_graph(megatron_world, monkeypatch, 
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max())
 
 
-@pytest.mark.parametrize("variant", COMPILED_VARIANTS[1:] + ["block_attnres"])
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_the_graphs_do_not_multiply_with_depth(megatron_world, monkeypatch, variant):
-    """At 12 layers a design compiles the graphs it compiles at 3 (depth_attn: at most
-    its window's K; forward: the count of graphs is dynamo's, and each has one backward).
-    block_attnres alone: 2 sublayers per layer in blocks of 3, so its layers take 3 places
-    in a block (with the mixer, 3 per layer: one)."""
-    decoder, rotary = _decoder_with_kernels(variant, layers=12)
-    counters = _compile_with_kernels(decoder, monkeypatch)
-    with torch.no_grad():
-        decoder(torch.randn(8, 2, 32), None, rotary_pos_emb=rotary)
-    assert dict(counters["graph_break"]) == {}
-    assert counters["stats"]["unique_graphs"] == layer_graphs(variant, 12)
+    """Every design, alone and with the mixer, compiles the graphs ``layer_graphs`` says at 3
+    layers and at 12, without a graph break (forward: the count of graphs is dynamo's, and
+    each has one backward; a short sequence of one sample: the kernels run under the
+    interpreter)."""
+    for layers in (3, 12):
+        decoder, rotary = _decoder_with_kernels(variant, layers=layers)
+        counters = _compile_with_kernels(decoder, monkeypatch)
+        with torch.no_grad():
+            decoder(torch.randn(4, 1, 32), None, rotary_pos_emb=rotary[:4])
+        assert (layers, dict(counters["graph_break"])) == (layers, {})
+        assert (layers, counters["stats"]["unique_graphs"]) == (
+            layers,
+            layer_graphs(variant, layers),
+        )
 
 
 def test_diagnostics_reach_a_compiled_layer(megatron_world):
