@@ -140,6 +140,7 @@ ALL_VARIANTS = [variant for design in registered() for variant in (design, f"{de
 # growing sources are one tensor with a dynamic number of rows.
 DEPTH_WINDOW = 4
 BLOCK_SIZE = 3
+SEQ = 4  # tokens per sample: short, as the kernels run under the interpreter
 KERNEL_SHAPE = [
     "data.path=unused",
     "model.hidden_size=32",
@@ -181,7 +182,7 @@ def _decoder_with_kernels(variant: str, layers: int):
     with torch.no_grad():  # zero-initialised parts (pseudo-queries, out projections) count too
         for param in model.decoder.parameters():
             param.add_(0.05 * torch.randn_like(param))
-    return model.decoder, model.rotary_pos_emb(8)
+    return model.decoder, model.rotary_pos_emb(SEQ)
 
 
 def _compile_with_kernels(decoder, monkeypatch):
@@ -216,7 +217,7 @@ def test_with_the_kernels_every_layer_is_one_graph(megatron_world, monkeypatch, 
     the same layers run eagerly with the kernels (tests/kernels/test_kernel_training.py
     compares the kernels with the references)."""
     decoder, rotary = _decoder_with_kernels(variant, layers=3)
-    hidden = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(1))
+    hidden = torch.randn(SEQ, 2, 32, generator=torch.Generator().manual_seed(1))
     monkeypatch.setenv("T2_KERNELS", "triton")
     eager, eager_grads = _forward_backward(decoder, rotary, hidden)
     counters = _compile_with_kernels(decoder, monkeypatch)
@@ -233,13 +234,12 @@ def test_with_the_kernels_every_layer_is_one_graph(megatron_world, monkeypatch, 
 def test_the_graphs_do_not_multiply_with_depth(megatron_world, monkeypatch, variant):
     """Every design, alone and with the mixer, compiles the graphs ``layer_graphs`` says at 3
     layers and at 12, without a graph break (forward: the count of graphs is dynamo's, and
-    each has one backward; a short sequence of one sample: the kernels run under the
-    interpreter)."""
+    each has one backward; one sample)."""
     for layers in (3, 12):
         decoder, rotary = _decoder_with_kernels(variant, layers=layers)
         counters = _compile_with_kernels(decoder, monkeypatch)
         with torch.no_grad():
-            decoder(torch.randn(4, 1, 32), None, rotary_pos_emb=rotary[:4])
+            decoder(torch.randn(SEQ, 1, 32), None, rotary_pos_emb=rotary)
         assert (layers, dict(counters["graph_break"])) == (layers, {})
         assert (layers, counters["stats"]["unique_graphs"]) == (
             layers,
