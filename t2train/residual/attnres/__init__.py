@@ -72,14 +72,19 @@ def _source_counts(model, block_size: int) -> list[int]:
     """Sources each sublayer reads, and the final read last."""
     counts = []
     for index in range(sublayers_per_layer(model) * model.num_layers + 1):
-        counts.append(1 + index // block_size + (1 if index % block_size else 0))
+        counts.append(len(source_unit_ids(index, block_size)))
     return counts
+
+
+def completed_sources(sublayers: int, block_size: int) -> int:
+    """The embedding and the blocks completed after ``sublayers`` sublayers."""
+    return 1 + sublayers // block_size
 
 
 def source_unit_ids(sublayers: int, block_size: int) -> list:
     """Sources 0 .. n-1 (embedding, completed blocks) and None for an open block's partial,
     after ``sublayers`` sublayers."""
-    sources = list(range(1 + sublayers // block_size))
+    sources = list(range(completed_sources(sublayers, block_size)))
     return sources + ([None] if sublayers % block_size else [])
 
 

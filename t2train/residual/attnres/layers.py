@@ -9,7 +9,7 @@ from torch import Tensor
 
 from t2train.kernels import dispatch
 from t2train.nn import probe
-from t2train.residual.attnres import sources, sublayers_per_layer
+from t2train.residual.attnres import completed_sources, sources, sublayers_per_layer
 from t2train.residual.attnres.functional import (
     block_phase_1,
     block_phase_2,
@@ -33,7 +33,11 @@ class AttnResState(NamedTuple):
 
     def with_partial(self) -> list[Tensor]:
         """The stacks and the open block's partial sum: every value a read mixes."""
-        return self.stacks() + ([] if self.partial is None else [self.partial.unsqueeze(0)])
+        return _with_partial(self.stacks(), self.partial)
+
+
+def _with_partial(stacks: list[Tensor], partial: Optional[Tensor]) -> list[Tensor]:
+    return stacks + ([] if partial is None else [partial.unsqueeze(0)])
 
 
 def mix_sources(
@@ -51,7 +55,7 @@ def mix_with_partial(
 ) -> Tensor:
     """``depth_mix`` over the sources and the partial sum, taking the arguments of the fused
     kernel (``DEPTH_MIX``) that computes it in two phases."""
-    return depth_mix(query, stacks + ([] if partial is None else [partial.unsqueeze(0)]), eps)
+    return depth_mix(query, _with_partial(stacks, partial), eps)
 
 
 DEPTH_MIX = dispatch.Kernel("depth_mix", "t2train.kernels.depth_mix:depth_mix", mix_with_partial)
@@ -152,14 +156,10 @@ class AttnResStream(ResidualStream):
         self.block_size = block_size or self.model.attnres.block_size
         self.eps = self.model.attnres.eps
         self.per_layer = sublayers_per_layer(self.model)
-        self.capacity = self._sources_after(self.per_layer * self.model.num_layers)
+        self.capacity = completed_sources(self.per_layer * self.model.num_layers, self.block_size)
         if post_process:
             self.final_query = _pseudo_query(config)
         mark_replicated(self, config)
-
-    def _sources_after(self, sublayers: int) -> int:
-        """Completed sources (embedding and blocks) after ``sublayers`` sublayers."""
-        return 1 + sublayers // self.block_size
 
     def connect(self, sublayers: list) -> None:
         """Each read learns the later reads of its block in this chunk (its phase-1 batch);
@@ -170,7 +170,9 @@ class AttnResStream(ResidualStream):
                 for mate in sublayers[i:]
                 if mate.index // self.block_size == read.index // self.block_size
             ]
-        self.capacity = self._sources_after(self.per_layer * self.first_layer + len(sublayers))
+        self.capacity = completed_sources(
+            self.per_layer * self.first_layer + len(sublayers), self.block_size
+        )
 
     def enter(self, embedding: Tensor) -> AttnResState:
         return AttnResState(*sources.start([embedding], self.capacity))
