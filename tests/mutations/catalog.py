@@ -377,6 +377,16 @@ MUTATIONS = [
         ),
     ),
     m(
+        "attnres-buffer-view-one-row-long",
+        "attnres",
+        "the view after a layer takes one row past the sources it holds (an unwritten row)",
+        (
+            REF_ATTNRES_SOURCES,
+            "return buffer[: n + len(new)]",
+            "return buffer[: n + len(new) + 1]",
+        ),
+    ),
+    m(
         "block-boundary-off-by-one",
         "block_attnres",
         "a block closes one sublayer early",
