@@ -9,7 +9,8 @@ as it must (a SIGTERM to every process of a job would otherwise kill it in the m
 final save, ``t2train/signals.py``), so when the trainer is killed nothing ends it: it lived on,
 re-parented to pid 1, after the job. ``start_results_queue`` makes that queue first, from a
 Manager whose server runs ``initializer`` before serving (t2train gives it a parent-death
-signal, ``t2train.processes.die_with_parent``).
+signal, ``t2train.processes.die_with_parent``). The server is spawned without the trainer's
+``__main__`` (see ``_main_module_hidden``).
 
 ``PATCHED`` is the contract with megatron-core; ``tests/test_compat.py`` fails if the name moves
 or megatron-core stops using it.
@@ -20,6 +21,10 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+import sys
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.managers import SyncManager
 from typing import Callable
 
@@ -36,5 +41,21 @@ def start_results_queue(initializer: Callable[[int], None]) -> None:
     if getattr(writer, "_results_queue") is not None:
         return
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer, (os.getpid(),))
+    with _main_module_hidden():
+        manager.start(initializer, (os.getpid(),))
     setattr(writer, "_results_queue", manager.Queue())  # the proxy keeps its manager alive
+
+
+@contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """A spawned process first imports its parent's ``__main__`` again (by module name, or by
+    path for a script), which the queue's server never uses: a script that imports the stack
+    at its top cost every saving process seconds more (5 s here), and one without a
+    ``__main__`` guard would run again in the server. While the server is started,
+    ``__main__`` is an empty module, so spawn has nothing to import."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")  # no __spec__, no __file__
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main

@@ -54,3 +54,30 @@ def test_megatron_still_makes_its_result_queue_only_when_none_exists():
         assert hasattr(writer, name), f"{module}.{name} is gone: revisit compat/megatron_writer"
         source = inspect.getsource(writer._get_write_results_queue)
         assert f"if {name} is None" in source and f"return {name}" in source, source
+
+
+UNGUARDED_SAVER = """
+import importlib, os, sys
+from t2train.compat.megatron_writer import MODULE, start_results_queue
+from t2train.processes import die_with_parent
+
+with open(sys.argv[1], "a") as runs:  # every execution of this file's top level
+    print(os.getpid(), file=runs)
+start_results_queue(die_with_parent)
+queue = importlib.import_module(MODULE)._results_queue
+queue.put("written")
+print(queue.get(timeout=30))
+"""
+
+
+def test_the_result_queue_server_does_not_run_the_trainers_main_again(tmp_path):
+    """spawn would import the script again in the queue's server: a script without a
+    ``__main__`` guard would run again there (and one importing the stack pays its imports)."""
+    script, runs = tmp_path / "saver.py", tmp_path / "runs.txt"
+    script.write_text(UNGUARDED_SAVER)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(runs)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["written"]
+    assert len(runs.read_text().split()) == 1, runs.read_text()

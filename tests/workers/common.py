@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import t2train  # noqa: F401 - first, as in a trainer: its import shims apply before megatron-core's
+
 
 def parse_args(extra=()) -> argparse.Namespace:
     parser = argparse.ArgumentParser()

@@ -11,9 +11,11 @@ import torch.distributed as dist
 from common import fixed_batch, parse_args, use_layout, write_result
 from megatron.core import dist_checkpointing
 
+from t2train.compat.megatron_writer import start_results_queue
 from t2train.config.loader import load_config
 from t2train.model.build import build_model_chunks, transformer_config
 from t2train.parallel.init import init_distributed, set_seed
+from t2train.processes import die_with_parent
 
 VOCAB = 256
 
@@ -58,6 +60,7 @@ def main() -> None:
     args = parse_args([("--scratch", str), ("--extra", str)])
     extra = args.extra.split(",") if args.extra else []
     init_distributed()
+    start_results_queue(die_with_parent)  # as a trainer does: its server skips this script
     reference = build(1, extra)
     save(reference, f"{args.scratch}/weights", grads=False)
     loss_tp1 = loss_and_backward(reference)
