@@ -9,7 +9,7 @@ their memory and shared memory after the job. Three things prevent that (Linux `
 
 - ``become_subreaper``: ``t2train launch`` adopts the orphans of its tree instead of pid 1,
   and ``end_descendants`` ends whatever is left once its workers have ended, or when it exits;
-- ``die_with_parent``: a worker dies with its launcher, and the result queue's server with its
+- ``die_with_parent``: a worker dies with its launcher, and an async save's result server with its
   trainer (a parent-death signal), even when the parent is killed with SIGKILL;
 - multiprocessing's resource tracker is left a moment to end by itself (it unlinks the shared
   memory its dead clients left) before it is killed too.

@@ -55,6 +55,12 @@ def _steps(objs, count: int, seed: int) -> list[float]:
     return losses
 
 
+def _spawned_children() -> list:
+    import psutil
+
+    return [c for c in psutil.Process().children() if "spawn_main" in " ".join(c.cmdline())]
+
+
 def _params(objs):
     return {n: p.detach().clone() for n, p in objs.model[0].module.named_parameters()}
 
@@ -67,6 +73,7 @@ def test_save_then_load_into_a_fresh_model(megatron_world, tmp_path: Path):
     _steps(trained, 3, seed=0)
     path = save_checkpoint(tmp_path, 3, trained, {"tokens": 192})
     assert path.name == "step_00000003" and find_latest(tmp_path) == path
+    assert not _spawned_children()  # a synchronous save keeps its results in this process
     assert (tmp_path / "latest").read_text().strip() == path.name
 
     fresh = _objects(seed=2)  # different initial weights

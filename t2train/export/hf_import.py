@@ -158,6 +158,7 @@ def import_hf(
     from t2train.checkpoint.integrity import recorded_checksums
     from t2train.checkpoint.paths import INCOMPLETE, step_dir_name
     from t2train.checkpoint.store import current_layout, publish_checkpoint
+    from t2train.compat.megatron_writer import results_in_process
     from t2train.config.schema import CONFIG_FORMAT
     from t2train.data.tokenizer import default_bos_id, load_tokenizer, save_tokenizer
     from t2train.export.hf import _check_out, megatron_state_dict
@@ -213,9 +214,10 @@ def import_hf(
         "imported_from": str(folder.resolve()),
         **recorded_checksums(),
     }
-    dist_checkpointing.save(
-        {"model": model.sharded_state_dict(), "train_state": train_state}, str(staging)
-    )
+    with results_in_process():
+        dist_checkpointing.save(
+            {"model": model.sharded_state_dict(), "train_state": train_state}, str(staging)
+        )
     publish_checkpoint(root, staging, final, None)
     config_file = out / "t2train.yaml"
     config_file.write_text(

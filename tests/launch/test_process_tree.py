@@ -81,3 +81,34 @@ def test_the_result_queue_server_does_not_run_the_trainers_main_again(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["written"]
     assert len(runs.read_text().split()) == 1, runs.read_text()
+
+
+ASYNC_SAVER = """
+import time
+import psutil
+from t2train.compat.megatron_writer import start_results_queue
+from t2train.processes import die_with_parent
+start_results_queue(die_with_parent)
+children = psutil.Process().children()
+print(*[c.pid for c in children if "spawn_main" in " ".join(c.cmdline())], flush=True)
+time.sleep(300)
+"""
+
+
+def test_the_result_queue_server_dies_with_its_trainer():
+    """The server of an asynchronous save's results blocks stop signals, as the trainer does;
+    when the trainer is killed, its parent-death signal ends it."""
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", ASYNC_SAVER], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        [server] = map(int, trainer.stdout.readline().split())
+        assert psutil.Process(server).ppid() == trainer.pid
+    finally:
+        trainer.kill()
+        trainer.wait(timeout=30)
+    try:
+        psutil.Process(server).wait(timeout=30)
+    except psutil.NoSuchProcess:
+        pass  # already reaped
+    assert not psutil.pid_exists(server) or psutil.Process(server).status() == psutil.STATUS_ZOMBIE

@@ -11,11 +11,10 @@ import torch.distributed as dist
 from common import fixed_batch, parse_args, use_layout, write_result
 from megatron.core import dist_checkpointing
 
-from t2train.compat.megatron_writer import start_results_queue
+from t2train.compat.megatron_writer import results_in_process
 from t2train.config.loader import load_config
 from t2train.model.build import build_model_chunks, transformer_config
 from t2train.parallel.init import init_distributed, set_seed
-from t2train.processes import die_with_parent
 
 VOCAB = 256
 
@@ -40,7 +39,8 @@ def save(model, path: str, grads: bool) -> None:
 
         os.makedirs(path, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save({"model": model.sharded_state_dict()}, path)
+    with results_in_process():  # as a trainer's synchronous save
+        dist_checkpointing.save({"model": model.sharded_state_dict()}, path)
 
 
 def load(model, path: str) -> None:
@@ -60,7 +60,6 @@ def main() -> None:
     args = parse_args([("--scratch", str), ("--extra", str)])
     extra = args.extra.split(",") if args.extra else []
     init_distributed()
-    start_results_queue(die_with_parent)  # as a trainer does: its server skips this script
     reference = build(1, extra)
     save(reference, f"{args.scratch}/weights", grads=False)
     loss_tp1 = loss_and_backward(reference)

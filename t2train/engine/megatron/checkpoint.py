@@ -32,7 +32,7 @@ from t2train.checkpoint.store import (
     read_checkpoint,
     restore_rng,
 )
-from t2train.compat.megatron_writer import start_results_queue
+from t2train.compat.megatron_writer import results_in_process, start_results_queue
 from t2train.engine.megatron.setup import TrainingObjects
 from t2train.processes import die_with_parent
 
@@ -128,11 +128,12 @@ def save_checkpoint(
     def publish() -> None:
         publish_checkpoint(root, staging, final, on_published)
 
-    start_results_queue(die_with_parent)  # its server dies with this trainer
     if async_queue is None:
-        dist_checkpointing.save(state, str(staging))
+        with results_in_process():
+            dist_checkpointing.save(state, str(staging))
         publish()
     else:
+        start_results_queue(die_with_parent)  # its server dies with this trainer
         request = dist_checkpointing.save(state, str(staging), async_sharded_save=True)
         request.add_finalize_fn(publish)
         async_queue.schedule_async_request(request)
