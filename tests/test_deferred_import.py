@@ -42,10 +42,18 @@ from megatron.core.fusions import fused_bias_geglu
 from t2train.compat.deferred_import import DeferredModule, compile_at_first_call
 for name in ("streaming.multimodal", "streaming.text", "streaming.vision"):
     assert isinstance(sys.modules[name], DeferredModule), (name, sys.modules[name])
-loaded = [name for name in ("torch._inductor.compile_fx", "torchvision") if name in sys.modules]
+import t2train.data.loader  # streaming's StreamingDataLoader, as every rank imports it
+loaded = [
+    name for name in ("torch._inductor.compile_fx", "torchvision", "transformers")
+    if name in sys.modules
+]
 assert not loaded, f"importing the trainer loaded {loaded}: re-check deferred_import.py"
 assert jit.jit_fuser is compile_at_first_call, jit.jit_fuser
 assert streaming.vision.StreamingCIFAR10.__module__ == "streaming.vision.cifar10"  # loads on use
+assert streaming.StreamingDataLoader([])._get_batch_size({"tokens": [[1], [2], [3]]}) == 3
+from transformers.tokenization_utils_base import BatchEncoding  # the real one, on first use
+assert BatchEncoding.__module__ == "transformers.tokenization_utils_base"
+assert hasattr(BatchEncoding, "char_to_token"), BatchEncoding
 import torch
 y = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
 a, b = y.chunk(2, -1)
@@ -65,10 +73,28 @@ assert compiled == [fused_bias_geglu.geglu.__wrapped__], compiled
 
 
 def test_streaming_datasets_and_megatron_fusions_compile_at_first_use():
-    """streaming's text, vision and multimodal datasets (torchvision) and megatron-core's
-    ``torch.compile``-decorated fusions (Inductor) cost about 1 s of every process's start;
-    deferred, they load at first use and compute the same."""
+    """streaming's text, vision and multimodal datasets (torchvision), the transformers
+    classes its data loader imports, and megatron-core's ``torch.compile``-decorated fusions
+    (Inductor) cost about 2 s of every process's start; deferred, they load at first use and
+    compute the same."""
     proc = subprocess.run(
         [sys.executable, "-c", DEFERRED_AT_START], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_streaming_loader_imports_from_transformers_what_the_stand_ins_replace():
+    """An upgrade of mosaicml-streaming that imports more of transformers in its data loader
+    (or none) must revisit ``STREAMING_LOADER_IMPORTS``."""
+    import ast
+    import importlib.util
+
+    from t2train.compat.deferred_import import STREAMING_LOADER, STREAMING_LOADER_IMPORTS
+
+    tree = ast.parse(open(importlib.util.find_spec(STREAMING_LOADER).origin).read())
+    imported = {
+        node.module: ",".join(alias.name for alias in node.names)
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("transformers")
+    }
+    assert imported == STREAMING_LOADER_IMPORTS

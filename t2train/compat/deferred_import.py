@@ -16,6 +16,12 @@ megatron-core's ``jit_fuser`` is ``torch.compile``, applied as a decorator to it
 when ``megatron.core`` is imported: that imports Inductor (0.8 s of every start) for functions
 compiled at their first call anyway. ``megatron.core.jit`` is therefore loaded with a
 ``jit_fuser`` that calls ``torch.compile`` at that first call instead.
+
+mosaicml-streaming's ``StreamingDataLoader`` module imports transformers (0.9 s of every
+rank's start) for two classes, ``BatchEncoding`` and ``BatchFeature``, that it only tests
+batches against when it counts their samples. t2train's batches are dicts of tensors, so the
+module is loaded with stand-in classes in their place (nothing is an instance of them), and
+transformers loads when something else needs it (the Hugging Face export).
 """
 
 from __future__ import annotations
@@ -31,6 +37,12 @@ import types
 
 DEFERRED = ("wandb", "streaming.multimodal", "streaming.text", "streaming.vision")
 MEGATRON_JIT = "megatron.core.jit"
+STREAMING_LOADER = "streaming.base.dataloader"
+# what STREAMING_LOADER imports from transformers: module -> class
+STREAMING_LOADER_IMPORTS = {
+    "transformers.feature_extraction_utils": "BatchFeature",
+    "transformers.tokenization_utils_base": "BatchEncoding",
+}
 _LOCK = threading.Lock()
 # Attributes that tools probe on every module they meet (inspect.unwrap, warnings): absent,
 # not a reason to load the package.
@@ -94,40 +106,68 @@ def compile_at_first_call(fn=None, **options):
     return call
 
 
-class _MegatronJitFinder(importlib.abc.MetaPathFinder):
-    """Loads ``megatron.core.jit`` as it is, then swaps its ``jit_fuser`` if it is
-    ``torch.compile`` (before any fusion module imports it)."""
+class _LoadedThrough(importlib.abc.MetaPathFinder):
+    """Loads the module ``name`` from its file as usual, through ``load(run, module)``, where
+    ``run(module)`` executes the file."""
+
+    def __init__(self, name: str, load):
+        self.name, self.load = name, load
 
     def find_spec(self, name, path, target=None):
-        if name != MEGATRON_JIT:
+        if name != self.name:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None:
             return None
         run = spec.loader.exec_module
-
-        def exec_module(module):
-            import torch  # noqa: PLC0415 - runs before torch is imported: at the first call
-
-            run(module)
-            if module.jit_fuser is torch.compile:
-                module.jit_fuser = compile_at_first_call
-
-        spec.loader.exec_module = exec_module
+        spec.loader.exec_module = functools.partial(self.load, run)
         return spec
+
+
+def _jit_fuser_at_first_call(run, module) -> None:
+    """``megatron.core.jit`` as it is, its ``jit_fuser`` swapped if it is ``torch.compile``
+    (before any fusion module imports it)."""
+    import torch  # noqa: PLC0415 - runs before torch is imported: at the first call
+
+    run(module)
+    if module.jit_fuser is torch.compile:
+        module.jit_fuser = compile_at_first_call
+
+
+def _without_transformers(run, module) -> None:
+    """``streaming.base.dataloader`` with stand-ins for the transformers classes it imports,
+    unless transformers is loaded already. The stand-in modules leave ``sys.modules`` once the
+    file has run, so a later ``import transformers`` loads the real package."""
+    if "transformers" in sys.modules:
+        run(module)
+        return
+    stand_ins = {}
+    for name, cls in STREAMING_LOADER_IMPORTS.items():
+        stand_ins[name] = types.ModuleType(name)
+        setattr(stand_ins[name], cls, type(cls, (), {"__module__": name}))
+    sys.modules.update(stand_ins)
+    try:
+        run(module)
+    finally:
+        for name, stand_in in stand_ins.items():
+            if sys.modules.get(name) is stand_in:
+                del sys.modules[name]
+
+
+LOADED_THROUGH = {MEGATRON_JIT: _jit_fuser_at_first_call, STREAMING_LOADER: _without_transformers}
 
 
 def defer() -> None:
     """Put a DeferredModule in ``sys.modules`` for each installed, not yet imported package of
-    DEFERRED, and load megatron-core's ``jit_fuser`` deferred (idempotent; call before
-    megatron.core and streaming are imported)."""
+    DEFERRED, and load the modules of LOADED_THROUGH through their patch (idempotent; call
+    before megatron.core and streaming are imported)."""
     for name in DEFERRED:
         if name in sys.modules or name.partition(".")[0] in sys.modules:
             continue
         spec = _spec_unimported(name)
         if spec is not None:
             sys.modules[name] = DeferredModule(spec)
-    if MEGATRON_JIT not in sys.modules and not any(
-        isinstance(finder, _MegatronJitFinder) for finder in sys.meta_path
-    ):
-        sys.meta_path.insert(0, _MegatronJitFinder())
+    installed = {f.name for f in sys.meta_path if isinstance(f, _LoadedThrough)}
+    for name, load in LOADED_THROUGH.items():
+        if name not in sys.modules and name not in installed:
+            sys.meta_path.insert(0, _LoadedThrough(name, load))
