@@ -402,9 +402,10 @@ def _tree(root: int) -> dict[psutil.Process, str]:
 
 @pytest.mark.slow
 def test_sigterm_to_every_process_of_the_tree_saves_the_current_step(shakespeare, tmp_path):
-    """The launcher, the trainer, multiprocessing's resource tracker and the checkpoint
-    writer processes started by the step-2 save all get SIGTERM at once: none of them dies
-    of it, and the checkpoint of the step the trainer was in is published (exit code 75)."""
+    """The launcher, the trainer, multiprocessing's resource tracker and the processes of the
+    asynchronous checkpoint writer (its results' server, started by the step-2 save) all get
+    SIGTERM at once: none of them dies of it, and the checkpoint of the step the trainer was
+    in is published (exit code 75)."""
     run_dir, log = tmp_path / "run", tmp_path / "launch.log"
     proc = _start(
         shakespeare,
@@ -414,6 +415,7 @@ def test_sigterm_to_every_process_of_the_tree_saves_the_current_step(shakespeare
         "train.steps=400",
         "train.eval_interval=400",
         "checkpoint.interval=2",
+        "checkpoint.async_save=true",
         "log.diagnostics_interval=0",
     )
     latest, published = run_dir / "checkpoints" / "latest", {}
@@ -421,7 +423,7 @@ def test_sigterm_to_every_process_of_the_tree_saves_the_current_step(shakespeare
         _wait_for_step(proc, run_dir, log, 3)
         tree = _tree(proc.pid)
         assert any("resource_tracker" in c for c in tree.values()), tree
-        assert any("spawn_main" in c for c in tree.values()), tree  # the writers' queue
+        assert any("spawn_main" in c for c in tree.values()), tree  # the results' server
         assert [c for p, c in tree.items() if killed_by_sigterm(p.pid)] == []
         signalled = time.monotonic()
         for process in tree:
