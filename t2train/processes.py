@@ -11,6 +11,10 @@ their memory and shared memory after the job. Three things prevent that (Linux `
   and ``end_descendants`` ends whatever is left once its workers have ended, or when it exits;
 - ``die_with_parent``: a worker dies with its launcher, and an async save's result server with its
   trainer (a parent-death signal), even when the parent is killed with SIGKILL;
+  ``forked_children_die_with_this_process`` gives the same signal to what the trainer forks (a
+  fork does not inherit it): a checkpoint writer forked by a trainer killed mid-save lived
+  on, blocked, holding the trainer's sockets, so the ranks of other nodes waited for it in
+  their collectives instead of failing;
 - multiprocessing's resource tracker is left a moment to end by itself (it unlinks the shared
   memory its dead clients left) before it is killed too.
 
@@ -23,6 +27,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Iterable
 
@@ -51,6 +56,30 @@ def die_with_parent(parent_pid: int) -> None:
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:
         os._exit(128 + signal.SIGKILL)
+
+
+_forks_die_with_parent: list = []  # the hook, once registered in this process
+
+
+def forked_children_die_with_this_process() -> None:
+    """Every child this process forks from its main thread (which lives as long as the
+    process) dies with it: megatron-core's checkpoint writers, data loader workers. A
+    parent-death signal follows the thread that forked, so forks from other threads are left
+    alone. Registered once per process."""
+    if _forks_die_with_parent:
+        return
+    fork = {}
+
+    def before() -> None:
+        fork["pid"] = os.getpid()
+        fork["main_thread"] = threading.current_thread() is threading.main_thread()
+
+    def after_in_child() -> None:
+        if fork.get("main_thread"):
+            die_with_parent(fork["pid"])
+
+    os.register_at_fork(before=before, after_in_child=after_in_child)
+    _forks_die_with_parent.append(after_in_child)
 
 
 def die_with_launcher() -> None:

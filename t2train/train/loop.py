@@ -10,7 +10,7 @@ from __future__ import annotations
 from t2train.config.schema import Config
 from t2train.errors import RankFailure
 from t2train.monitor.metrics import quiet_other_ranks
-from t2train.processes import die_with_launcher
+from t2train.processes import die_with_launcher, forked_children_die_with_this_process
 from t2train.signals import parse_signals
 from t2train.train.summary import RunSummary
 
@@ -19,6 +19,7 @@ def train(config: Config) -> RunSummary:
     """Run to ``train.steps``, or stop early with a checkpoint (``RunSummary.stopped``)."""
     config = config.with_absolute_paths()  # as the run records them: usable from anywhere
     die_with_launcher()
+    forked_children_die_with_this_process()
     quiet_other_ranks(config.log.all_ranks)
     # Deferred until the other ranks are quiet: the trainer imports the data and export
     # libraries (mosaicml-streaming, torchvision, transformers, matplotlib), whose

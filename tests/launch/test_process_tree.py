@@ -112,3 +112,42 @@ def test_the_result_queue_server_dies_with_its_trainer():
     except psutil.NoSuchProcess:
         pass  # already reaped
     assert not psutil.pid_exists(server) or psutil.Process(server).status() == psutil.STATUS_ZOMBIE
+
+
+FORKING_TRAINER = """
+import multiprocessing, threading, time
+from t2train.processes import forked_children_die_with_this_process
+forked_children_die_with_this_process()
+context = multiprocessing.get_context("fork")
+main = context.Process(target=time.sleep, args=(300,), daemon=True)  # as a checkpoint writer
+main.start()
+other = [context.Process(target=time.sleep, args=(300,))]
+thread = threading.Thread(target=other[0].start)  # forked from another thread: left alone
+thread.start(); thread.join()
+print(main.pid, other[0].pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_what_a_trainer_forks_dies_with_it():
+    """A child forked from the trainer's main thread (megatron-core's checkpoint writers) dies
+    when the trainer is killed; one forked from another thread is left alone."""
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", FORKING_TRAINER], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        main, other = map(int, trainer.stdout.readline().split())
+    finally:
+        trainer.kill()
+        trainer.wait(timeout=30)
+    try:
+        try:
+            psutil.Process(main).wait(timeout=30)
+        except psutil.NoSuchProcess:
+            pass
+        assert not psutil.pid_exists(main) or psutil.Process(main).status() == psutil.STATUS_ZOMBIE
+        assert psutil.pid_exists(other) and psutil.Process(other).status() != psutil.STATUS_ZOMBIE
+    finally:
+        for pid in (main, other):
+            if psutil.pid_exists(pid):
+                psutil.Process(pid).kill()
