@@ -12,11 +12,24 @@ With the host gone no node can join, so ``HostMayEndFirst`` answers "none waitin
 agent goes on waiting for its workers; the launcher then exits with their code. It is
 registered as a rendezvous backend of its own (torch's documented extension point), which
 ``t2train launch`` names instead of ``c10d``.
+
+After a run that succeeded, the agents meet in an exit barrier in the same store: each adds
+itself, then waits for the last one's key. The host's agent can see that key and its launcher
+exit while another agent is between the two calls, whose wait then fails on the gone store
+("Error waiting on exit barrier", a traceback; pytorch/pytorch#69520). So the nodes leave
+together (``leave_together``): the host keeps its store until every other node's launcher has
+said that its agent is done.
 """
 
 from __future__ import annotations
 
+import sys
+from datetime import timedelta
+
 BACKEND = "t2train-c10d"
+# How long the host waits for the other nodes to leave a run that succeeded; they only have to
+# finish the exit barrier, so this bounds a node that died after training.
+LEAVE_TIMEOUT = 30.0
 
 
 class HostMayEndFirst:
@@ -65,3 +78,38 @@ def register() -> None:
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
     rendezvous_handler_registry.register(BACKEND, _create_handler)
+
+
+def _left_key(rdzv_id: str, attempt: int, node_rank: int) -> str:
+    return f"t2train/left/{rdzv_id}/{attempt}/{node_rank}"
+
+
+def leave_together(plan, attempt: int, store, timeout: float = LEAVE_TIMEOUT) -> None:
+    """Call once the node's agent has returned from a successful ``attempt``.
+
+    The host (which passes the ``store`` it serves) waits up to ``timeout`` seconds for each
+    other node to say it has left; another node says so, and never waits: if the host is
+    already gone, nothing is lost."""
+    from torch.distributed import DistError, TCPStore
+
+    if plan.nnodes == 1:
+        return
+    if plan.is_rdzv_host:
+        others = [_left_key(plan.rdzv_id, attempt, rank) for rank in range(1, plan.nnodes)]
+        try:
+            store.wait(others, timedelta(seconds=timeout))
+        except DistError:  # timed out: a node died after the barrier
+            print(
+                f"t2train launch: not every node left within {timeout:.0f} s of the run's "
+                "end; closing the rendezvous store",
+                file=sys.stderr,
+                flush=True,
+            )
+        return
+    try:
+        client = TCPStore(
+            plan.rdzv_host, plan.rdzv_port, is_master=False, timeout=timedelta(seconds=10)
+        )
+        client.set(_left_key(plan.rdzv_id, attempt, plan.node_rank), "")
+    except DistError:  # the host has ended already
+        pass

@@ -129,12 +129,14 @@ def run(
     quiet_libtorch_warnings()  # the workers' (this process may have imported torch already)
     become_subreaper()  # the orphans of a killed worker become ours, not pid 1's
     os.environ[LAUNCHER_PID] = str(os.getpid())  # workers die with this launcher
-    store = _rendezvous_store(plan) if max_restarts else None
+    store = _rendezvous_store(plan) if max_restarts or plan.nnodes > 1 else None
+    attempt = 0
     try:
         code, workers_failed = _run_once(plan, train_argv, agent_signals)
         for restart in range(1, max_restarts + 1):
             if not workers_failed:
                 break
+            attempt = restart
             _end_leftovers()
             print(
                 f"t2train launch: workers failed (exit code {code}); restart {restart} of "
@@ -149,6 +151,8 @@ def run(
                 restart_timeout,
                 code,
             )
+        if code == 0:
+            rendezvous.leave_together(plan, attempt, store)
     finally:
         _end_leftovers()
         del store
@@ -156,11 +160,13 @@ def run(
 
 
 def _rendezvous_store(plan: LaunchPlan):
-    """On the rendezvous host, the c10d store's server, kept for every attempt of the run.
+    """On the rendezvous host, the c10d store's server, kept for every attempt of the run and
+    until the other nodes have left it.
 
     Each attempt's torchrun agent opens the store on the same port in this process, which
     shares this server (``multi_tenant``) instead of starting its own: a server that ended
-    with an attempt would drop the other nodes, which may already wait in the next one."""
+    with an attempt would drop the other nodes, which may already wait in the next one, or
+    still finish the attempt's exit barrier."""
     if not plan.is_rdzv_host:
         return None
     from datetime import timedelta

@@ -4,9 +4,14 @@ launcher's torchrun run with the plan SLURM would give node ``NODE_RANK`` (world
 MAX_RESTARTS times (each restart waiting RESTART_TIMEOUT seconds for the other node).
 
     python node_launcher.py NODE_RANK PORT MAX_RESTARTS RESTART_TIMEOUT [t2train train args]
+
+With ``EXIT_BARRIER_DELAY`` (seconds) in its environment, the node's torchrun agent pauses that
+long between joining the agents' exit barrier and waiting on it: a slow node.
 """
 
+import os
 import sys
+import time
 
 from t2train.launch import torchrun
 
@@ -16,7 +21,25 @@ from t2train.config.schema import TrainConfig  # noqa: E402 (imports torch)
 from t2train.launch.plan import LaunchPlan  # noqa: E402
 from t2train.signals import parse_signals  # noqa: E402
 
+EXIT_BARRIER_DELAY = "EXIT_BARRIER_DELAY"
+
+
+def _delay_exit_barrier(seconds: float) -> None:
+    from torch.distributed.elastic.utils import store
+
+    join = store._barrier_nonblocking
+
+    def join_then_pause(*args, **kwargs):
+        last_member_key = join(*args, **kwargs)
+        time.sleep(seconds)
+        return last_member_key
+
+    store._barrier_nonblocking = join_then_pause
+
+
 if __name__ == "__main__":
+    if EXIT_BARRIER_DELAY in os.environ:
+        _delay_exit_barrier(float(os.environ.pop(EXIT_BARRIER_DELAY)))
     node_rank, port, max_restarts, restart_timeout, *train_argv = sys.argv[1:]
     plan = LaunchPlan(
         mode="slurm",

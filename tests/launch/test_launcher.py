@@ -186,10 +186,11 @@ def _start_nodes(
     restarts=(0, 0),
     restart_timeout: float = 60.0,
     label: str = "",
+    node_env: tuple[dict, dict] = ({}, {}),
 ) -> tuple[list[subprocess.Popen], list[Path]]:
     """Two node launchers of one run on this host (tests/launch/node_launcher.py), each in
     its own session, their output in ``tmp_path/<label>node<N>.log``; node N restarts its
-    workers up to ``restarts[N]`` times."""
+    workers up to ``restarts[N]`` times, with ``node_env[N]`` added to its environment."""
     port, nodes, logs = plan_standalone(1, None).rdzv_port, [], []
     for node in (0, 1):
         logs.append(tmp_path / f"{label}node{node}.log")
@@ -208,7 +209,7 @@ def _start_nodes(
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     cwd=REPO,
-                    env=dict(_env(), **{RUN_TAG: str(run_dir)}),
+                    env=dict(_env(), **{RUN_TAG: str(run_dir)}, **node_env[node]),
                     start_new_session=True,
                 )
             )
@@ -262,6 +263,37 @@ def test_a_node_that_outlives_the_rendezvous_host_exits_with_its_workers_code(
         rf"exit code {code}",
         last,
     ), (last, code)
+    wait_until_none_left(str(run_dir))
+
+
+@pytest.mark.slow
+def test_the_rendezvous_host_waits_for_a_slow_node_to_leave_the_exit_barrier(shakespeare, tmp_path):
+    """When training ends, torchrun's agents meet in an exit barrier kept in the store that
+    node 0's launcher hosts. Node 1's agent is slow: it pauses 3 s between joining the
+    barrier and waiting on it. Node 0's launcher must keep the store until node 1 has left
+    (it exited at once, and node 1's agent logged "Error waiting on exit barrier" with a
+    traceback: pytorch/pytorch#69520, seen once in six two-node runs under load)."""
+    run_dir = tmp_path / "run"
+    train = _train_args(
+        shakespeare,
+        run_dir,
+        "parallel.tensor=2",
+        "train.steps=2",
+        "train.warmup_steps=0",
+        "train.eval_interval=2",
+    )
+    nodes, logs = _start_nodes(tmp_path, run_dir, train, node_env=({}, {"EXIT_BARRIER_DELAY": "3"}))
+    try:
+        codes = [node.wait(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    texts = [log.read_text() for log in logs]
+    assert codes == [0, 0], [text[-4000:] for text in texts]
+    for text in texts:
+        assert "Error waiting on exit barrier" not in text, text[-4000:]
+        assert "Traceback" not in text, text[-4000:]
     wait_until_none_left(str(run_dir))
 
 
