@@ -216,6 +216,13 @@ def _start_nodes(
     return nodes, logs
 
 
+def _kill_running(nodes: list[subprocess.Popen]) -> None:
+    """After a test's node launchers, whether it passed or not: none may run on."""
+    for node in nodes:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+
+
 @pytest.mark.slow
 def test_a_node_that_outlives_the_rendezvous_host_exits_with_its_workers_code(
     shakespeare, tmp_path
@@ -250,9 +257,7 @@ def test_a_node_that_outlives_the_rendezvous_host_exits_with_its_workers_code(
     finally:
         if paused is not None and paused.is_running():
             paused.resume()
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
+        _kill_running(nodes)
     output = logs[1].read_text()
     assert "rendezvous.api.RendezvousConnectionError:" not in output, output[-6000:]
     # libtorch's store warnings, a C++ stack each, are off (TORCH_CPP_LOG_LEVEL=ERROR)
@@ -286,9 +291,7 @@ def test_the_rendezvous_host_waits_for_a_slow_node_to_leave_the_exit_barrier(sha
     try:
         codes = [node.wait(timeout=300) for node in nodes]
     finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
+        _kill_running(nodes)
     texts = [log.read_text() for log in logs]
     assert codes == [0, 0], [text[-4000:] for text in texts]
     for text in texts:
@@ -315,7 +318,10 @@ def two_node_reference(shakespeare, tmp_path_factory) -> dict[int, float]:
     tmp_path = tmp_path_factory.mktemp("two-nodes")
     run_dir = tmp_path / "run"
     nodes, logs = _start_nodes(tmp_path, run_dir, _train_args(shakespeare, run_dir, *TWO_NODE_RUN))
-    codes = [node.wait(timeout=600) for node in nodes]
+    try:
+        codes = [node.wait(timeout=600) for node in nodes]
+    finally:
+        _kill_running(nodes)
     assert codes == [0, 0], [log.read_text()[-3000:] for log in logs]
     return _losses(run_dir)
 
@@ -350,9 +356,7 @@ def test_a_restart_budget_restarts_every_node_when_a_rank_dies_on_either(
         _worker(nodes[killed_node], rank=killed_node).send_signal(signal.SIGKILL)
         codes = [node.wait(timeout=600) for node in nodes]
     finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
+        _kill_running(nodes)
     texts = [log.read_text() for log in logs]
     assert codes == [0, 0], [text[-4000:] for text in texts]
     for text in texts:
@@ -391,9 +395,7 @@ def test_a_restart_that_the_other_node_never_joins_ends_in_one_line(shakespeare,
         waited = time.monotonic() - started
         nodes[1].wait(timeout=120)
     finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
+        _kill_running(nodes)
     text = logs[0].read_text()
     assert code == 128 + signal.SIGKILL, text[-4000:]
     assert waited < 120, text[-4000:]
