@@ -54,9 +54,11 @@ check: $(VENV)/.installed
 	$(VENV)/bin/mypy --python-executable $(PY)
 
 # Two workers, each given whole test files (module fixtures are built once); the multi-process
-# tests leave a core idle much of the time. TEST_WORKERS=0 runs in this process.
+# tests leave a core idle much of the time. TEST_WORKERS=0 runs in this process. Files go out
+# in collection order (tests/conftest.py puts the longest first), not xdist's default of the
+# files with the most tests first, which left the one-test soak file to run alone at the end.
 TEST_WORKERS ?= 2
-XDIST = -n $(TEST_WORKERS) --dist loadfile
+XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(XDIST) --durations=25

@@ -20,22 +20,22 @@ if not torch.cuda.is_available():
 
 
 # The files that take over a minute on two cores (``--durations=0``), longest first. ``make
-# test`` hands whole files to its two workers (pytest-xdist, ``--dist loadfile``) in collection
-# order, so these start first instead of ending the run alone; the order changes nothing else.
+# test`` hands whole files to its two workers (pytest-xdist, ``--dist loadfile
+# --no-loadscope-reorder``) in collection order, so these start first instead of ending the run
+# alone; the order changes nothing else.
 LONGEST_FIRST = (
+    "test_fusions.py",
     "launch/test_launcher.py",
     "bench/test_gpu_check.py",
     "launch/test_slurm_jobs.py",
-    "test_fusions.py",
+    "test_export.py",
     "test_resume.py",
     "test_pipeline_4ranks.py",
-    "test_export.py",
-    "test_layouts.py",
     "launch/test_soak.py",
-    "kernels/test_sm90_compile.py",
-    "test_rank_faults.py",
-    "test_tensor_parallel.py",
-    "monitor/test_profile.py",
+    "test_layouts.py",
+    "test_training.py",
+    "test_deepspeed_engine.py",
+    "monitor/test_tensorboard.py",
 )
 
 
