@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from t2train.launch.plan import RESTART_TIMEOUT
+from t2train.launch.plan import JOIN_TIMEOUT, RESTART_TIMEOUT
 
 LAUNCH_EPILOG = """\
 examples:
@@ -49,6 +49,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the node's workers up to N times; each restart resumes from the "
         "newest checkpoint (checkpoint.resume=auto). Every node restarts "
         "(each node's launcher needs it). Default 0",
+    )
+    parser.add_argument(
+        "--join-timeout",
+        type=float,
+        default=JOIN_TIMEOUT,
+        metavar="SECONDS",
+        help="how long the start waits for every node's launcher to join the "
+        f"rendezvous; then the node stops with one error line (default {JOIN_TIMEOUT:.0f})",
     )
     parser.add_argument(
         "--restart-timeout",
@@ -109,12 +117,14 @@ def launch(args: argparse.Namespace) -> int:
     print(plan.describe(), flush=True)
     if args.max_restarts < 0:
         raise plans.LaunchError(f"--max-restarts={args.max_restarts}: must be >= 0")
-    if args.restart_timeout <= 0:
-        raise plans.LaunchError(f"--restart-timeout={args.restart_timeout}: must be > 0")
+    for flag, seconds in (("join", args.join_timeout), ("restart", args.restart_timeout)):
+        if seconds <= 0:
+            raise plans.LaunchError(f"--{flag}-timeout={seconds}: must be > 0")
     return torchrun.run(
         plan,
         train_argv(args),
         parse_signals(config.train.exit_signals),
         args.max_restarts,
         args.restart_timeout,
+        args.join_timeout,
     )

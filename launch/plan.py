@@ -18,6 +18,8 @@ from t2train.ports import free_port
 # SLURM jobs derive their rendezvous port from the job id (every node must agree on it
 # without talking first); below Linux's ephemeral range so clients rarely hold it.
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 10000
+# How long the first rendezvous waits for every node's launcher (--join-timeout; torchrun's).
+JOIN_TIMEOUT = 600.0
 # How long a restart waits for every node's launcher to restart too (--restart-timeout).
 RESTART_TIMEOUT = 180.0
 

@@ -14,7 +14,7 @@ import threading
 from typing import Iterable
 
 from t2train.launch import rendezvous
-from t2train.launch.plan import RESTART_TIMEOUT, LaunchPlan
+from t2train.launch.plan import JOIN_TIMEOUT, RESTART_TIMEOUT, LaunchError, LaunchPlan
 from t2train.processes import LAUNCHER_PID, become_subreaper, end_descendants
 from t2train.signals import REQUEUE_EXIT_CODE, block
 
@@ -114,8 +114,12 @@ def run(
     exit_signals: list[signal.Signals],
     max_restarts: int = 0,
     restart_timeout: float = RESTART_TIMEOUT,
+    join_timeout: float = JOIN_TIMEOUT,
 ) -> int:
     """Start the node's workers and wait for them; returns the node's exit code.
+
+    The start waits ``join_timeout`` seconds for every node's launcher to join; a start that
+    cannot gather them raises ``LaunchError`` saying where it waited and for which nodes.
 
     Restarts are this loop's, not torchrun's ``--max-restarts``: torchrun would also restart
     workers that stopped on purpose to be requeued (REQUEUE_EXIT_CODE), and they would then
@@ -132,7 +136,7 @@ def run(
     store = _rendezvous_store(plan) if max_restarts or plan.nnodes > 1 else None
     attempt = 0
     try:
-        code, workers_failed = _run_once(plan, train_argv, agent_signals)
+        code, workers_failed = _run_once(plan, train_argv, agent_signals, 0, join_timeout)
         for restart in range(1, max_restarts + 1):
             if not workers_failed:
                 break
@@ -199,6 +203,27 @@ def _end_leftovers() -> None:
         )
 
 
+def _not_gathered(plan: LaunchPlan, err: Exception, join_timeout: float | None) -> str:
+    """Why the first rendezvous did not gather every node, for one error line."""
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
+
+    where = f"the rendezvous at {plan.rdzv_host}:{plan.rdzv_port}"
+    expected = (
+        f"{plan.nnodes} nodes expected ({', '.join(plan.nodes)}), one `t2train launch` "
+        f"on each; this is node {plan.node_rank}"
+    )
+    if isinstance(err, RendezvousTimeoutError):
+        why = f"not every node joined {where} within {join_timeout:.0f} s (--join-timeout)"
+    elif isinstance(err, RendezvousConnectionError):
+        why = f"node 0 ({plan.nodes[0]}), which hosts {where}, could not be reached"
+    else:
+        why = f"{where} failed ({type(err).__name__}: {err})"
+    return f"{why}: {expected}"
+
+
 def _how_it_ended(exitcode: int) -> str:
     return (
         f"exited with code {exitcode}"
@@ -229,7 +254,7 @@ def _run_once(
         torchrun(parse_args(torchrun_argv(plan, train_argv, agent_signals, attempt, join_timeout)))
     except RendezvousError as err:
         if not attempt:
-            raise
+            raise LaunchError(_not_gathered(plan, err, join_timeout)) from None
         print(
             f"t2train launch: restart {attempt}: not every node restarted within "
             f"{join_timeout:.0f} s ({type(err).__name__}); exit code {failed_code}",

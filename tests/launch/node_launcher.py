@@ -6,7 +6,9 @@ MAX_RESTARTS times (each restart waiting RESTART_TIMEOUT seconds for the other n
     python node_launcher.py NODE_RANK PORT MAX_RESTARTS RESTART_TIMEOUT [t2train train args]
 
 With ``EXIT_BARRIER_DELAY`` (seconds) in its environment, the node's torchrun agent pauses that
-long between joining the agents' exit barrier and waiting on it: a slow node.
+long between joining the agents' exit barrier and waiting on it: a slow node. ``JOIN_TIMEOUT``
+(seconds) is ``--join-timeout``. A launch error ends it as it ends ``t2train launch``: one
+``error:`` line and its exit code.
 """
 
 import os
@@ -18,7 +20,8 @@ from t2train.launch import torchrun
 torchrun.quiet_libtorch_warnings()  # before torch is imported, as `t2train launch` does
 
 from t2train.config.schema import TrainConfig  # noqa: E402 (imports torch)
-from t2train.launch.plan import LaunchPlan  # noqa: E402
+from t2train.errors import UserInputError  # noqa: E402
+from t2train.launch.plan import JOIN_TIMEOUT, LaunchPlan  # noqa: E402
 from t2train.signals import parse_signals  # noqa: E402
 
 EXIT_BARRIER_DELAY = "EXIT_BARRIER_DELAY"
@@ -50,12 +53,16 @@ if __name__ == "__main__":
         rdzv_port=int(port),
         rdzv_id="two-nodes",
     )
-    sys.exit(
-        torchrun.run(
+    try:
+        code = torchrun.run(
             plan,
             train_argv,
             parse_signals(TrainConfig().exit_signals),
             int(max_restarts),
             float(restart_timeout),
+            float(os.environ.get("JOIN_TIMEOUT", JOIN_TIMEOUT)),
         )
-    )
+    except UserInputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        code = err.exit_code
+    sys.exit(code)

@@ -187,12 +187,14 @@ def _start_nodes(
     restart_timeout: float = 60.0,
     label: str = "",
     node_env: tuple[dict, dict] = ({}, {}),
+    started: tuple[int, ...] = (0, 1),
 ) -> tuple[list[subprocess.Popen], list[Path]]:
     """Two node launchers of one run on this host (tests/launch/node_launcher.py), each in
     its own session, their output in ``tmp_path/<label>node<N>.log``; node N restarts its
-    workers up to ``restarts[N]`` times, with ``node_env[N]`` added to its environment."""
+    workers up to ``restarts[N]`` times, with ``node_env[N]`` added to its environment.
+    Only the nodes in ``started`` start."""
     port, nodes, logs = plan_standalone(1, None).rdzv_port, [], []
-    for node in (0, 1):
+    for node in started:
         logs.append(tmp_path / f"{label}node{node}.log")
         with logs[-1].open("w") as out:
             nodes.append(
@@ -269,6 +271,39 @@ def test_a_node_that_outlives_the_rendezvous_host_exits_with_its_workers_code(
         last,
     ), (last, code)
     wait_until_none_left(str(run_dir))
+
+
+@pytest.mark.slow
+def test_a_start_that_a_node_never_joins_ends_in_one_line(shakespeare, tmp_path):
+    """Node 0 of two starts alone (node 1's launcher never runs): after ``--join-timeout``
+    it stops with one error line saying where it waited and for which nodes, exit code 2,
+    and nothing of it runs on (it was torchrun's RendezvousTimeoutError traceback)."""
+    run_dir = tmp_path / "run"
+    nodes, logs = _start_nodes(
+        tmp_path,
+        run_dir,
+        _train_args(shakespeare, run_dir),
+        node_env=({"JOIN_TIMEOUT": "3"}, {}),
+        started=(0,),
+    )
+    try:
+        code = nodes[0].wait(timeout=120)
+    finally:
+        _kill_running(nodes)
+    text = logs[0].read_text()
+    assert code == 2, text[-4000:]
+    assert "Traceback" not in text, text[-4000:]
+    assert text.strip().splitlines()[-1] == (
+        f"error: not every node joined the rendezvous at 127.0.0.1:{_port(nodes[0])} within "
+        "3 s (--join-timeout): 2 nodes expected (node0, node1), one `t2train launch` on each; "
+        "this is node 0"
+    ), text[-4000:]
+    assert not run_dir.exists()
+    wait_until_none_left(str(run_dir))
+
+
+def _port(node: subprocess.Popen) -> str:
+    return node.args[3]  # python node_launcher.py NODE_RANK PORT ...
 
 
 @pytest.mark.slow

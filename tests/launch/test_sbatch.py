@@ -35,14 +35,15 @@ def _launch_argv(tmp_path: Path, **env: str) -> list[str]:
     return (tmp_path / "argv").read_text().splitlines()
 
 
-def test_max_restarts_reaches_the_launchers(tmp_path):
-    argv = _launch_argv(tmp_path, MAX_RESTARTS="2", RESTART_TIMEOUT="90")
+def test_max_restarts_and_timeouts_reach_the_launchers(tmp_path):
+    argv = _launch_argv(tmp_path, MAX_RESTARTS="2", RESTART_TIMEOUT="90", JOIN_TIMEOUT="120")
     assert argv[argv.index("--max-restarts") + 1] == "2", argv
     assert argv[argv.index("--restart-timeout") + 1] == "90", argv
+    assert argv[argv.index("--join-timeout") + 1] == "120", argv
     assert "model.num_layers=2" in argv
 
 
 def test_without_max_restarts_a_dead_rank_fails_the_job(tmp_path):
     argv = _launch_argv(tmp_path)
     assert argv[argv.index("--max-restarts") + 1] == "0", argv
-    assert "--restart-timeout" not in argv  # the launcher's default
+    assert "--restart-timeout" not in argv and "--join-timeout" not in argv  # the defaults
