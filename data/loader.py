@@ -32,7 +32,7 @@ from typing import Any, Iterator, Optional, Sequence, cast
 import numpy as np
 import torch
 import torch.distributed as dist
-from streaming import StreamingDataLoader, StreamingDataset
+from streaming import StreamingDataLoader
 from streaming.base.dataset import _ShardState
 from streaming.base.hashing import get_hash, is_hash
 
@@ -40,6 +40,7 @@ from t2train.compat.streaming_prefix import (
     prefix_probes_closed_when_dropped,
     prefix_registration_serialised,
 )
+from t2train.compat.streaming_resume import ResumeFromObject
 from t2train.data.errors import DataError
 from t2train.data.shm import clean_stale_streaming_files, release_shared_memory
 from t2train.data.streams import DataStream, split_streams
@@ -392,10 +393,11 @@ def check_node_count(canonical_nodes: int, layout: dict, saved: Optional[dict]) 
     )
 
 
-class _NumberedDataset(StreamingDataset):
+class _NumberedDataset(ResumeFromObject):
     """A ``StreamingDataset`` whose samples carry their ``sample_id``: the sample's index in
     the loader's datasets (stream after stream, each in stored order), so a test or tool can
-    name exactly which samples a reader saw, across resumption and reader counts.
+    name exactly which samples a reader saw, across resumption and reader counts. A loaded
+    position is kept on the dataset (``ResumeFromObject``).
 
     A shard's files are checked against the hashes the index records (``data prepare`` writes
     them) when this process first reads from it, before any of its samples is returned; a

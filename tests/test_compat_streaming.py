@@ -48,3 +48,20 @@ def test_a_patch_holds_only_inside_its_block_and_is_undone_by_an_error(module, n
         assert getattr(owner, name) is not original
         raise KeyError("made the dataset fail")
     assert getattr(owner, name) is original
+
+
+def test_streaming_still_reads_a_loaded_position_back_through_the_overridden_method():
+    """``ResumeFromObject`` answers ``_resume``: it must still exist with these arguments, and
+    be what a pass's start and ``state_dict`` call to learn the position (else the position
+    would again come from the shared segment another process can remove)."""
+    from streaming import StreamingDataset
+
+    from t2train.compat.streaming_resume import RESUME_READER
+
+    name, arguments = RESUME_READER
+    reader = getattr(StreamingDataset, name)
+    assert list(inspect.signature(reader).parameters)[1:] == arguments
+    assert "_get_path(self._shm_prefix_int, RESUME)" in inspect.getsource(reader)
+    for caller in (StreamingDataset._resume_incr_epoch, StreamingDataset.state_dict):
+        assert f"self.{name}(" in inspect.getsource(caller), caller.__name__
+    assert list(inspect.signature(StreamingDataset.load_state_dict).parameters) == ["self", "obj"]

@@ -95,6 +95,32 @@ def test_state_dict_resumes_with_exactly_the_next_batches(dataset):
         assert len(set(this_epoch)) == len(this_epoch)  # an epoch repeats no sample
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_resumed_position_survives_the_loss_of_streamings_shared_copy(dataset, workers):
+    """mosaicml-streaming keeps a loaded position in a shared-memory segment named by the
+    dataset's prefix (``<prefix>_resume``) and reads it back by name when a pass starts and at
+    every ``state_dict``. A process that ended leaves its resource tracker to unlink, by
+    name, the segments it created, also after a new dataset has taken the same prefix. Without
+    the segment streaming starts the epoch at its first sample, silently, and records offset
+    0 at the next save: a two-node restart trained its resumed steps on the epoch's first
+    samples. Here the segment is unlinked as such a tracker would, right after the load and
+    again after the pass began; with DataLoader workers too, which read it when they start."""
+    batches = TokenBatches(dataset, "train", 8, 32, ONE, seed=5)
+    take_ids(batches, 3)
+    state = batches.state_dict()
+    following = take_ids(batches, 4)
+
+    resumed = TokenBatches(dataset, "train", 8, 32, ONE, seed=5, num_workers=workers)
+    resumed.load_state_dict(state)
+    segment = Path("/dev/shm") / f"{resumed.dataset._shm_prefix_int:06d}_resume"
+    segment.unlink()
+    assert take_ids(resumed, 2) == following[:16]
+    segment.unlink(missing_ok=True)
+    assert resumed.state_dict()["sample_in_epoch"] == state["sample_in_epoch"] + 16
+    assert take_ids(resumed, 2) == following[16:]
+    resumed.close()
+
+
 def test_finite_mode_is_one_pass_per_loop(dataset):
     samples = read_index(dataset)["splits"]["val"]["samples"]
     val = TokenBatches(dataset, "val", 8, 32, ONE, seed=0, shuffle=False, finite=True)
