@@ -15,7 +15,9 @@ its segments, as read from ``/proc/<pid>/maps``: a live dataset keeps its segmen
 construction to destruction. Only mappings on this ``/dev/shm``'s device count: a process in
 another mount namespace (a container, a job with a private ``/dev/shm``) maps its own
 ``/dev/shm/000000_...``, which protects nothing here. Files of other users are left alone
-(they cannot be unlinked).
+(they cannot be unlinked). A file changed since shortly before the scan began is left too: it
+may be a dataset's that registered its prefix while the scan ran (made after the scan read
+its process's maps), and unlinking it would free that live dataset's prefix for another.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import atexit
 import os
 import re
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -33,6 +36,9 @@ from streaming.base.shared.memory import SharedMemory
 SHM_DIR = Path("/dev/shm")
 _SEGMENT = re.compile(r"(\d{6})_(?:%s)" % "|".join(sorted({*SHM_TO_CLEAN, LOCALS})))
 _LOCK = re.compile(rf"(\d{{6}})_(?:{BARRIER_FILELOCK}|{CACHE_FILELOCK})")
+# Files changed less than this before a scan began are not judged by it: a segment is mapped
+# right after it is made, and file times come from a clock a few ticks coarse.
+SETTLING_S = 0.5
 
 
 def clean_stale_streaming_files(lock_dir: Optional[str | Path] = None) -> list[Path]:
@@ -42,6 +48,7 @@ def clean_stale_streaming_files(lock_dir: Optional[str | Path] = None) -> list[P
     streaming does). Returns what was removed.
     """
     lock_dir = Path(lock_dir or tempfile.gettempdir())
+    settled = time.time() - SETTLING_S
     live = _mapped_prefixes()
     removed = []
     for folder, pattern in ((SHM_DIR, _SEGMENT), (lock_dir, _LOCK)):
@@ -49,7 +56,7 @@ def clean_stale_streaming_files(lock_dir: Optional[str | Path] = None) -> list[P
             continue
         for path in folder.iterdir():
             match = pattern.fullmatch(path.name)
-            if match and match.group(1) not in live:
+            if match and match.group(1) not in live and _changed_before(path, settled):
                 try:
                     path.unlink()
                 except FileNotFoundError:  # removed meanwhile by another cleaner
@@ -58,6 +65,13 @@ def clean_stale_streaming_files(lock_dir: Optional[str | Path] = None) -> list[P
                     continue
                 removed.append(path)
     return removed
+
+
+def _changed_before(path: Path, moment: float) -> bool:
+    try:
+        return path.stat().st_mtime < moment
+    except FileNotFoundError:  # removed meanwhile
+        return False
 
 
 def _mapped_prefixes() -> set[str]:

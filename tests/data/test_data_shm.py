@@ -70,6 +70,7 @@ def test_files_of_a_killed_run_are_removed_and_live_ones_kept(dataset, tmp_path,
         reader.wait()
     dead = dead_segments | set(locks.iterdir())
     assert dead_segments and all(p.exists() for p in dead_segments)  # left behind
+    aged(dead)  # the next job starts seconds after the kill, not within the settling time
     assert {p.name[7:] for p in locks.iterdir()} == {"barrier_filelock", "cache_filelock"}
 
     # A new reader process cleans at start (lock files go to tempfile.gettempdir()), so the
@@ -150,6 +151,38 @@ def test_two_jobs_starting_together_get_their_own_prefixes(dataset, tmp_path):
     assert len(set(locked)) == 2, locked
 
 
+def aged(paths, seconds: float = 10.0) -> None:
+    """Files as a run killed ``seconds`` ago left them."""
+    then = time.time() - seconds
+    for path in paths:
+        os.utime(path, (then, then))
+
+
+def test_a_file_made_while_the_scan_runs_is_left_to_its_dataset(tmp_path, monkeypatch):
+    """A dataset of another process registers its prefix while a clean scans the processes'
+    maps, after the scan read that process's: its new segment is mapped by nobody the scan
+    saw. It is left (it was unlinked, which freed the live dataset's prefix for the next);
+    once old and still unmapped, a later clean removes it."""
+    from t2train.data import shm
+
+    path = SHM_DIR / "999997_locals"
+    scan = shm._mapped_prefixes
+
+    def scan_while_a_dataset_registers() -> set[str]:
+        live = scan()
+        path.write_bytes(b"\0" * 4096)
+        return live
+
+    monkeypatch.setattr(shm, "_mapped_prefixes", scan_while_a_dataset_registers)
+    try:
+        assert path not in clean_stale_streaming_files(tmp_path) and path.exists()
+        monkeypatch.setattr(shm, "_mapped_prefixes", scan)
+        aged([path])
+        assert path in clean_stale_streaming_files(tmp_path) and not path.exists()
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def test_a_mapping_of_an_unlinked_segment_protects_no_later_file(tmp_path):
     """A process still maps a prefix's segment that was unlinked since; files of that prefix
     left later by a killed run are stale all the same, and a live mapping keeps them."""
@@ -161,6 +194,7 @@ def test_a_mapping_of_an_unlinked_segment_protects_no_later_file(tmp_path):
     path.unlink()
     try:
         path.write_bytes(b"\0" * 4096)  # a killed run's leftover of the same name
+        aged([path])
         assert path in clean_stale_streaming_files(tmp_path) and not path.exists()
         path.write_bytes(b"\0" * 4096)
         with path.open("r+b") as live_file, mmap.mmap(live_file.fileno(), 4096):
