@@ -6,6 +6,7 @@ import gc
 import os
 import re
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,10 @@ def isolated_streaming(tmp_path_factory):
     streaming puts ``<prefix>_*_filelock`` files in ``tempfile.gettempdir()`` (also in spawned
     children, hence TMPDIR) and segments in /dev/shm; segments that appeared during this session
     and that no live process uses are removed at the end (another session may be running).
+    The processes are read before the files are listed, and a file changed since shortly
+    before is left: the other test worker's trainers make segments meanwhile, with the names
+    of segments listed here (a restarted trainer reuses its predecessor's prefix), and this
+    cleaning once unlinked a resumed trainer's segments by name.
     """
     scratch = str(tmp_path_factory.mktemp("streaming-tmp"))
     before = set(os.listdir("/dev/shm"))
@@ -72,11 +77,20 @@ def isolated_streaming(tmp_path_factory):
     else:
         os.environ["TMPDIR"] = saved_env
     gc.collect()
+    from t2train.data.shm import SETTLING_S
+
+    settled = time.time() - SETTLING_S
+    in_use = _shm_in_use()
     left = {
         name for name in set(os.listdir("/dev/shm")) - before if re.fullmatch(r"\d{6}_\w+", name)
     }
-    for name in left - _shm_in_use():  # another session's live segments are not ours
-        Path("/dev/shm", name).unlink(missing_ok=True)
+    for name in left - in_use:  # another session's live segments are not ours
+        path = Path("/dev/shm", name)
+        try:
+            if path.stat().st_mtime < settled:
+                path.unlink()
+        except FileNotFoundError:
+            continue
 
 
 def _shm_in_use() -> set:
