@@ -12,7 +12,10 @@ sample, silently, and records offset 0 at the next save: a two-node restart trai
 resumed steps on the epoch's first samples again.
 
 ``ResumeFromObject`` keeps the loaded state on the dataset and answers ``_resume`` from it,
-as streaming's own ``_resume`` does from the segment. A DataLoader worker gets the state with
+as streaming's own ``_resume`` does from the segment. That also ends a leak: streaming's
+``_resume`` attached to the segment at every call and kept the attachment until the process
+exits (an ``atexit`` cleanup), two file descriptors per ``state_dict``, which a trainer calls
+at every save. A DataLoader worker gets the state with
 its copy of the dataset: t2train's workers are made for each pass (not persistent), after the
 load. ``RESUME_READER`` is the contract with streaming, checked in
 ``tests/test_compat_streaming.py``; the fault itself is reproduced in
