@@ -8,13 +8,18 @@ the launcher under srun and two torchrun workers: a world of 4 with ``parallel.t
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import pytest
 from tiny_run import TINY_MODEL
+
+from proc_signals import has, signal_masks
 
 pytestmark = pytest.mark.slow
 
@@ -121,6 +126,41 @@ def _wait_for(condition, job: str, cluster, log: Path) -> None:
         time.sleep(0.2)
 
 
+def _trainers(job: str) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if "t2train.cli" in process.cmdline() and process.environ().get("SLURM_JOB_ID") == job:
+                found.append(process)
+        except psutil.Error:  # ended, or another user's
+            continue
+    return found
+
+
+@contextmanager
+def _paused_until_pending(job: str, signum: int, trainers: int = 4):
+    """The job's trainers stopped (SIGSTOP) until each holds ``signum`` pending, then
+    continued: a signal sent meanwhile reaches them before their next step, however long
+    SLURM takes to pass it on. A tiny model trains a step in 0.2 s and the USR1 once took
+    1.5 s from ``scancel`` to the trainers, so the stop landed on the periodic save's step."""
+    paused = _trainers(job)
+    assert len(paused) == trainers, [p.cmdline() for p in paused]
+    for process in paused:
+        process.suspend()
+    try:
+        yield
+        deadline = time.monotonic() + 60
+        while not all(
+            has(masks["SigPnd"] | masks["ShdPnd"], signum)
+            for masks in (signal_masks(p.pid) for p in paused)
+        ):
+            assert time.monotonic() < deadline, "the signal did not reach every trainer"
+            time.sleep(0.05)
+    finally:
+        for process in paused:
+            process.resume()
+
+
 def test_usr1_requeues_and_scancel_saves_and_both_resume_with_the_same_losses(
     slurm_cluster, shakespeare, tmp_path, reference
 ):
@@ -134,9 +174,14 @@ def test_usr1_requeues_and_scancel_saves_and_both_resume_with_the_same_losses(
     job, log = _submit(slurm_cluster, shakespeare, tmp_path, "preempted", saves)
     run_dir = tmp_path / "runs" / "preempted"
     _wait_for(lambda: len(_losses(run_dir)) >= 3, job, slurm_cluster, log)
-    subprocess.run(
-        ["scancel", "--signal=USR1", "--batch", job], check=True, env=slurm_cluster.env, timeout=60
-    )
+    with _paused_until_pending(job, signal.SIGUSR1):
+        paused_after = max(_losses(run_dir))
+        subprocess.run(
+            ["scancel", "--signal=USR1", "--batch", job],
+            check=True,
+            env=slurm_cluster.env,
+            timeout=60,
+        )
 
     # The job requeues itself; SLURM holds a requeued job ~2 min (BeginTime): release it a few
     # seconds on. Not at once: the requeue revokes the job's credential with a timestamp in
@@ -153,7 +198,10 @@ def test_usr1_requeues_and_scancel_saves_and_both_resume_with_the_same_losses(
     )
     text = log.read_text()
     stopped = int(text.split("| stopping early: received SIGUSR1")[0].rsplit("step", 1)[1])
-    assert 3 <= stopped < 10 and _latest(run_dir) == stopped
+    # the last step logged when the trainers were paused, or a step in flight then (rank 0
+    # logs a step's loss after the step; its peers may have begun the next)
+    assert paused_after <= stopped <= paused_after + 2 < 10, (paused_after, stopped)
+    assert _latest(run_dir) == stopped
     assert f"job {job}: checkpoint saved, requeueing" in text
 
     _wait_for(
