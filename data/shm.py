@@ -56,7 +56,7 @@ def clean_stale_streaming_files(lock_dir: Optional[str | Path] = None) -> list[P
             continue
         for path in folder.iterdir():
             match = pattern.fullmatch(path.name)
-            if match and match.group(1) not in live and _changed_before(path, settled):
+            if match and match.group(1) not in live and changed_before(path, settled):
                 try:
                     path.unlink()
                 except FileNotFoundError:  # removed meanwhile by another cleaner
@@ -67,7 +67,8 @@ def clean_stale_streaming_files(lock_dir: Optional[str | Path] = None) -> list[P
     return removed
 
 
-def _changed_before(path: Path, moment: float) -> bool:
+def changed_before(path: Path, moment: float) -> bool:
+    """Whether ``path`` was last changed before ``moment`` (False once it is gone)."""
     try:
         return path.stat().st_mtime < moment
     except FileNotFoundError:  # removed meanwhile

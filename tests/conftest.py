@@ -77,7 +77,7 @@ def isolated_streaming(tmp_path_factory):
     else:
         os.environ["TMPDIR"] = saved_env
     gc.collect()
-    from t2train.data.shm import SETTLING_S
+    from t2train.data.shm import SETTLING_S, changed_before
 
     settled = time.time() - SETTLING_S
     in_use = _shm_in_use()
@@ -86,11 +86,8 @@ def isolated_streaming(tmp_path_factory):
     }
     for name in left - in_use:  # another session's live segments are not ours
         path = Path("/dev/shm", name)
-        try:
-            if path.stat().st_mtime < settled:
-                path.unlink()
-        except FileNotFoundError:
-            continue
+        if changed_before(path, settled):
+            path.unlink(missing_ok=True)
 
 
 def _shm_in_use() -> set:

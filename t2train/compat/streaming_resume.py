@@ -15,11 +15,10 @@ resumed steps on the epoch's first samples again.
 as streaming's own ``_resume`` does from the segment. That also ends a leak: streaming's
 ``_resume`` attached to the segment at every call and kept the attachment until the process
 exits (an ``atexit`` cleanup), two file descriptors per ``state_dict``, which a trainer calls
-at every save. A DataLoader worker gets the state with
-its copy of the dataset: t2train's workers are made for each pass (not persistent), after the
-load. ``RESUME_READER`` is the contract with streaming, checked in
-``tests/test_compat_streaming.py``; the fault itself is reproduced in
-``tests/data/test_data_loader.py``.
+at every save. A DataLoader worker gets the state with its copy of the dataset: t2train's
+workers are made for each pass (not persistent), after the load. ``RESUME_READER`` is the
+contract with streaming, checked in ``tests/test_compat_streaming.py``; the fault itself is
+reproduced in ``tests/data/test_data_loader.py``.
 """
 
 from __future__ import annotations

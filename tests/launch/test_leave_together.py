@@ -7,10 +7,9 @@ from __future__ import annotations
 import threading
 import time
 
-from torch.distributed import TCPStore
-
 from t2train.launch.plan import LaunchPlan, plan_standalone
 from t2train.launch.rendezvous import leave_together
+from t2train.launch.torchrun import _rendezvous_store
 
 
 def _plan(node_rank: int, port: int, nnodes: int = 3) -> LaunchPlan:
@@ -25,13 +24,9 @@ def _plan(node_rank: int, port: int, nnodes: int = 3) -> LaunchPlan:
     )
 
 
-def _host_store(port: int) -> TCPStore:
-    return TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False)
-
-
 def test_the_host_returns_once_every_other_node_has_left():
     port = plan_standalone(1, None).rdzv_port
-    store = _host_store(port)
+    store = _rendezvous_store(_plan(0, port))  # as node 0's launcher serves it
     host = threading.Thread(target=leave_together, args=(_plan(0, port), 2, store, 60.0))
     host.start()
     leave_together(_plan(1, port), 2, None)
@@ -47,7 +42,7 @@ def test_the_host_returns_once_every_other_node_has_left():
 
 def test_a_node_that_never_leaves_holds_the_host_for_the_timeout_only(capsys):
     port = plan_standalone(1, None).rdzv_port
-    store = _host_store(port)
+    store = _rendezvous_store(_plan(0, port, nnodes=2))
     started = time.monotonic()
     leave_together(_plan(0, port, nnodes=2), 0, store, timeout=1.0)
     assert 1.0 <= time.monotonic() - started < 10
