@@ -4,13 +4,16 @@
   ``t2train/residual/<design>/hf.py``, and the functional modules they share with the
   trainer) and the Llama mapping give
   t2train's logits for every design alone and with the local mixer, with random non-trivial
-  weights (fp32, within 1e-5), and a wrong mapping is seen;
+  weights (fp32, within 1e-5), and a wrong mapping is seen; through transformers' KV cache
+  and on batches padded on either side, every position gets its sequence's logits, and
+  transformers' ``generate`` on left-padded prompts gives the trainer's own greedy tokens;
 * one 4-rank launch trains every design at TP = 2 x PP = 2 (and `depth_attn` under DeepSpeed
   ZeRO-3 at TP = 2 x DP = 2) and saves; each checkpoint is exported, loaded by transformers
   on the CPU (`standard` with no remote code), and its logits on a real batch equal
   t2train's own forward within 1e-5, the loaded weights reproduce the run's last validation
   loss, `generate` runs, the tokenizer encodes as the run's, and
-  ``checkpoint.export_hf_on_finish`` wrote the same model;
+  ``checkpoint.export_hf_on_finish`` wrote the same model; lm-eval scores the export with
+  its own Hugging Face model as ``t2train eval --tasks`` scores the checkpoint;
 * bad inputs (no or a malformed checkpoint, a missing shard, an unknown design or one without
   modeling code, a missing tokenizer or one of another hash, a dataset of another tokenizer,
   a non-empty OUT) stop with one line naming the cause, and a failed export leaves no OUT.
@@ -279,6 +282,132 @@ def test_a_kv_cache_gives_the_logits_of_the_whole_sequence(megatron_world, varia
     cached = generate(model, prompt, 9, 128, config.model.seq_length)
     assert cached == generate(model, prompt, 9, 128, config.model.seq_length, cache=False)
     assert len(cached) == 9
+
+
+MODELING_FILE_VARIANTS = [name for name in RANDOM_VARIANTS if not name.startswith("standard")] + [
+    "standard+mixer"
+]  # the rest export as transformers' own Llama
+
+
+def _prompts(lengths: list[int], vocab: int = 128) -> list[torch.Tensor]:
+    """Token rows of these lengths, without token 0 (the padding, and the end of text)."""
+    generator = torch.Generator().manual_seed(2)
+    return [torch.randint(1, vocab, (n,), generator=generator) for n in lengths]
+
+
+def _padded(rows: list[torch.Tensor], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` padded with 0 to one length, and the attention mask (1: a token)."""
+    longest = max(len(row) for row in rows)
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        where = slice(longest - len(row), longest) if left else slice(0, len(row))
+        ids[i, where], mask[i, where] = row, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("variant", RANDOM_VARIANTS)
+def test_the_export_gives_a_kv_cache_the_logits_of_the_whole_sequence(megatron_world, variant):
+    """The exported model with transformers' ``DynamicCache`` (made from its config, as
+    ``generate`` makes it): a prefix, then 3 tokens, then one at a time give every position
+    the logits of one forward over the whole sequence (fp32, 1e-5)."""
+    from transformers import DynamicCache
+
+    from t2train.export.hf import hf_state_dict
+
+    config, model = _t2train_model(RANDOM_VARIANTS[variant])
+    hf = _hf_model(config.model, hf_state_dict(model.state_dict(), config.model))
+    tokens = _tokens(batch=2, seq=12)
+    with torch.no_grad():
+        whole = hf(tokens, use_cache=False).logits
+        cache = DynamicCache(config=hf.config)
+        cuts = [0, 5, 8, 9, 10, 11, 12]
+        parts = [
+            hf(tokens[:, start:end], past_key_values=cache, use_cache=True).logits
+            for start, end in zip(cuts, cuts[1:])
+        ]
+    assert cache.get_seq_length() == 12
+    torch.testing.assert_close(torch.cat(parts, dim=1), whole, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", MODELING_FILE_VARIANTS)
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_padded_batch_gives_each_row_its_own_logits(megatron_world, variant, side):
+    """Rows of 12, 7 and 3 tokens padded to one length, with their attention mask: each real
+    position gets the logits of its row run alone (fp32, 1e-5), through a cache too (the
+    padded prompt, then two tokens one at a time)."""
+    from transformers import DynamicCache
+
+    from t2train.export.hf import hf_state_dict
+
+    config, model = _t2train_model(RANDOM_VARIANTS[variant])
+    hf = _hf_model(config.model, hf_state_dict(model.state_dict(), config.model))
+    rows = _prompts([12, 7, 3])
+    ids, mask = _padded(rows, left=side == "left")
+    with torch.no_grad():
+        padded = hf(ids, attention_mask=mask, use_cache=False).logits
+        alone = [hf(row[None], use_cache=False).logits[0] for row in rows]
+        for i in range(len(rows)):
+            torch.testing.assert_close(padded[i][mask[i].bool()], alone[i], atol=1e-5, rtol=1e-5)
+        if side == "right":
+            return
+        cache = DynamicCache(config=hf.config)
+        hf(ids[:, :-2], attention_mask=mask[:, :-2], past_key_values=cache, use_cache=True)
+        steps = [
+            hf(ids[:, i : i + 1], attention_mask=mask[:, : i + 1], past_key_values=cache).logits
+            for i in (ids.shape[1] - 2, ids.shape[1] - 1)
+        ]
+    for i in range(len(rows)):
+        torch.testing.assert_close(torch.cat(steps, dim=1)[i], alone[i][-2:], atol=1e-5, rtol=1e-5)
+
+
+def test_the_export_refuses_a_mask_or_positions_it_cannot_follow(megatron_world):
+    """An attention mask of the wrong length and the positions of packed documents are
+    refused naming what was expected; the positions it counts itself are accepted."""
+    from t2train.export.hf import hf_state_dict
+
+    config, model = _t2train_model(RANDOM_VARIANTS["ddl+mixer"])
+    hf = _hf_model(config.model, hf_state_dict(model.state_dict(), config.model))
+    tokens = _tokens(batch=2, seq=8)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"shape \(2, 7\); expected \(2, 8\)"):
+            hf(tokens, attention_mask=torch.ones(2, 7, dtype=torch.long))
+        packed = torch.arange(4).repeat(2).expand(2, 8)
+        with pytest.raises(ValueError, match="packed documents are not supported"):
+            hf(tokens, position_ids=packed)
+        counted = hf(tokens, position_ids=torch.arange(8).expand(2, 8)).logits
+        torch.testing.assert_close(counted, hf(tokens).logits, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("variant", RANDOM_VARIANTS)
+def test_generate_on_padded_prompts_gives_the_trainers_tokens(megatron_world, variant):
+    """transformers' ``generate`` (greedy) on prompts of 9, 5 and 2 tokens padded on the left
+    gives each prompt the tokens that t2train's own generation gives it alone, with the cache
+    and without it."""
+    from t2train.export.generate import generate
+    from t2train.export.hf import hf_state_dict
+
+    config, model = _t2train_model(RANDOM_VARIANTS[variant])
+    hf = _hf_model(config.model, hf_state_dict(model.state_dict(), config.model))
+    prompts = _prompts([9, 5, 2])
+    ids, mask = _padded(prompts, left=True)
+    new_tokens = 6
+    outputs = [
+        hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            use_cache=use_cache,
+        )[:, ids.shape[1] :].tolist()
+        for use_cache in (True, False)
+    ]
+    assert outputs[0] == outputs[1]
+    for prompt, row in zip(prompts, outputs[0]):
+        ours = generate(model, prompt.tolist(), new_tokens, 128, config.model.seq_length, eos_id=0)
+        assert row[: len(ours)] == ours, (row, ours)
+        assert set(row[len(ours) :]) <= {0}  # padding after the end of text
 
 
 def test_a_wrong_mapping_is_seen(megatron_world):
@@ -677,6 +806,31 @@ def test_lm_eval_tasks_score_as_computed_by_hand(
     assert scores["t2_choice"]["acc,none"] == pytest.approx(acc)
     assert scores["t2_choice"]["acc_norm,none"] == pytest.approx(acc_norm)
     assert scores["t2_continue"]["exact_match,none"] == pytest.approx(2 / 3)
+
+    # The export, under lm-eval's own Hugging Face model: batched, its generation on prompts
+    # padded on the left through transformers' cache.
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from t2train.export.hf import export_hf
+
+    exported = tmp_path / "exported"
+    export_hf(run_dir, exported)
+    hf_scores = simple_evaluate(
+        model="hf",
+        model_args={"pretrained": str(exported), "trust_remote_code": True, "dtype": "float32"},
+        tasks=["t2_choice", "t2_continue"],
+        task_manager=TaskManager(include_path=str(tasks)),
+        batch_size=3,
+        device="cpu",
+    )["results"]
+    for task, metric in [
+        ("t2_choice", "acc"),
+        ("t2_choice", "acc_norm"),
+        ("t2_continue", "exact_match"),
+    ]:
+        assert hf_scores[task][f"{metric},none"] == pytest.approx(scores[task][f"{metric},none"])
+    capsys.readouterr()  # lm-eval's progress bars
 
     err = _one_line_error(
         capsys,

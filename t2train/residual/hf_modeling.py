@@ -22,19 +22,25 @@ export part adds to ``DESIGNS``. Parameter names follow t2train's
 (``attn_residual.beta_proj.weight``, ``stream.final_query``, ``layer_entry.linear_q.weight``),
 the shared parts Llama's.
 
-There is no KV cache: every generation step runs the whole sequence again (plain and
-exact; fine for the small models this is meant to look at). Padding is not supported.
+Generation keeps the earlier tokens' keys and values in transformers' ``DynamicCache`` (a
+slot per attention and local attention, ``T2TrainConfig.layer_types``): every design reads
+and writes the stream at one position at a time (the depth reads mix a token's own layer
+states), so attention is the only part that looks at earlier tokens, and the cache is exact
+for every design. A stream whose entry reads earlier tokens (``Stream.entry_context``) keeps
+their embeddings in a slot of its own. Batches may be padded on either side: positions count
+each row's real tokens (``attention_mask``), padding is never attended to, and it enters the
+stream as zeros, as the positions before a sequence do in training.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers import DynamicCache, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from t2train.residual.functional import short_window_attention
 
@@ -62,6 +68,7 @@ class T2TrainConfig(PretrainedConfig):
         residual_options: Optional[dict] = None,
         local_window: int = 0,
         tie_word_embeddings: bool = True,
+        use_cache: bool = True,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -77,26 +84,77 @@ class T2TrainConfig(PretrainedConfig):
         self.residual = residual
         self.residual_options = dict(residual_options or {})
         self.local_window = local_window
+        self.use_cache = use_cache
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     def sublayers(self) -> list[str]:
         """Each layer's sublayers in order; a residual's ``position`` indexes this list."""
         return (["local_attn"] if self.local_window > 0 else []) + ["attn", "mlp"]
 
+    # The KV cache's slots: each layer's attention, each layer's local attention, then the
+    # embeddings that a stream entry reading earlier tokens needs (empty for the others).
+    def attention_slot(self, layer: int, local: bool = False) -> int:
+        return layer + (self.num_hidden_layers if local else 0)
 
-# --- shared building blocks: RoPE, attention, MLP ------------------------------------------
+    @property
+    def entry_slot(self) -> int:
+        return self.num_hidden_layers * (2 if self.local_window > 0 else 1)
+
+    @property
+    def layer_types(self) -> list[str]:
+        """One per cache slot: what ``DynamicCache(config=...)`` (as ``generate`` makes it)
+        allocates. Every slot keeps all tokens; the local attention masks by distance."""
+        return ["full_attention"] * (self.entry_slot + 1)
 
 
-def rope_tables(config: T2TrainConfig, seq_len: int, device) -> tuple[Tensor, Tensor]:
-    """cos and sin [seq, head_dim] of non-interleaved rotary embeddings (Megatron's and
-    Llama's: the two halves of each head are rotated together)."""
+# --- shared building blocks: where tokens sit, RoPE, attention, MLP -------------------------
+
+
+class Tokens(NamedTuple):
+    """The new tokens of a forward: their rotary tables and, unless they are one unpadded
+    batch with nothing cached, which keys (every token so far, cached first) each may read."""
+
+    positions: Tensor  # [b, s]: the real tokens before each in its row
+    cos: Tensor  # [b, 1, s, head_dim]
+    sin: Tensor
+    allowed: Optional[Tensor]  # [b, 1, s, keys]: earlier or itself, and not padding
+    distance: Optional[Tensor]  # [b, 1, s, keys]: query position - key position
+
+    def mask(self, window: Optional[int]) -> Optional[Tensor]:
+        """The keys each new token reads, within ``window`` positions if given (None: plain
+        causal attention over the new tokens)."""
+        if self.allowed is None or self.distance is None or window is None:
+            return self.allowed
+        return self.allowed & (self.distance < window)
+
+
+def rope_tables(config: T2TrainConfig, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """cos and sin [b, 1, s, head_dim] at ``positions`` [b, s] of non-interleaved rotary
+    embeddings (Megatron's and Llama's: the two halves of each head are rotated together)."""
     dim = config.hidden_size // config.num_attention_heads
     inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+        config.rope_theta
+        ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim)
     )
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    angles = positions[:, None, :, None].float() * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
+
+
+def locate(config: T2TrainConfig, attention_mask: Tensor, cached: int) -> Tokens:
+    """Where the new tokens sit: ``attention_mask`` [b, cached + s] marks every token so far
+    that is not padding. A token's position counts the real tokens before it in its row."""
+    valid = attention_mask.bool()
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    cos, sin = rope_tables(config, positions[:, cached:])
+    if cached == 0 and bool(valid.all()):
+        return Tokens(positions, cos, sin, None, None)
+    keys = torch.arange(valid.shape[1], device=valid.device)
+    queries = keys[cached:, None]
+    # padding reads itself only, so that no row is empty (its output is never used)
+    allowed = ((keys <= queries) & valid[:, None, :]) | (keys == queries)
+    distance = positions[:, cached:, None] - positions[:, None, :]
+    return Tokens(positions[:, cached:], cos, sin, allowed[:, None], distance[:, None])
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -123,16 +181,20 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, groups * self.head_dim, bias=False)
         self.o_proj = nn.Linear(heads * self.head_dim, h, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, tokens: Tokens, cache=None, slot: int = 0) -> Tensor:
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.groups, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.groups, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.window is None:
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=self.groups != self.heads
-            )
+        q, k = apply_rope(q, tokens.cos, tokens.sin), apply_rope(k, tokens.cos, tokens.sin)
+        if cache is not None:
+            k, v = cache.update(k, v, slot)
+        gqa = self.groups != self.heads
+        mask = tokens.mask(self.window)
+        if mask is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        elif self.window is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             out = short_window_attention(q, k, v, self.window)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
@@ -150,6 +212,15 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Stream(nn.Module):
+    """What a design's residual state is: ``enter`` makes it from the embedding, ``exit``
+    gives what the final norm reads. A stream whose entry reads the ``entry_context``
+    tokens before each one is also given their embeddings: ``enter(embedding, earlier)``,
+    ``earlier`` [b, <= entry_context, h] (fewer at a sequence's start, None for none)."""
+
+    entry_context = 0
 
 
 # --- the designs: each one's export part, beside its training module -------------------------
@@ -174,6 +245,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         _, residual, entry = design(config)
         h, eps, position = config.hidden_size, config.rms_norm_eps, config.sublayers().index
+        self.config, self.layer = config, layer
         self.layer_entry = entry(config, layer) if entry is not None else None
         self.local_attn = None
         if config.local_window > 0:
@@ -193,21 +265,24 @@ class DecoderLayer(nn.Module):
         normed = norm(x)
         return residual.write(state, x, normed, function(normed))
 
-    def forward(self, state, cos: Tensor, sin: Tensor):
+    def forward(self, state, tokens: Tokens, cache=None):
+        config = self.config
         if self.layer_entry is not None:
             state = self.layer_entry.begin(state)
         if self.local_attn is not None:
+            slot = config.attention_slot(self.layer, local=True)
             state = self.sublayer(
                 state,
                 self.local_attn_residual,
                 self.local_attn_layernorm,
-                lambda normed: self.local_attn(normed, cos, sin),
+                lambda normed: self.local_attn(normed, tokens, cache, slot),
             )
+        slot = config.attention_slot(self.layer)
         state = self.sublayer(
             state,
             self.attn_residual,
             self.input_layernorm,
-            lambda normed: self.self_attn(normed, cos, sin),
+            lambda normed: self.self_attn(normed, tokens, cache, slot),
         )
         return self.sublayer(state, self.mlp_residual, self.post_attention_layernorm, self.mlp)
 
@@ -241,12 +316,61 @@ class T2TrainModel(T2TrainPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:  # type: ignore[override]
         self.embed_tokens = value
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        cos, sin = rope_tables(self.config, input_ids.shape[1], input_ids.device)  # type: ignore[arg-type]
-        state = self.stream.enter(self.embed_tokens(input_ids))
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Optional[Tensor] = None,
+        past_key_values: Optional[DynamicCache] = None,
+        use_cache: Optional[bool] = None,
+        position_ids: Optional[Tensor] = None,
+    ) -> BaseModelOutputWithPast:
+        """The final norm's output for ``input_ids`` [b, s], the tokens after those cached in
+        ``past_key_values``; ``attention_mask`` [b, cached + s] (1: a token, 0: padding)
+        covers the cached tokens too. The cache given, or a new one with ``use_cache``, is
+        returned holding these tokens as well. Positions are counted from the mask;
+        ``position_ids``, if given, must be those."""
+        config: T2TrainConfig = self.config  # type: ignore[assignment]
+        use_cache = config.use_cache if use_cache is None else use_cache
+        cache = past_key_values
+        if use_cache and cache is None:
+            cache = DynamicCache(config=config)
+        b, s = input_ids.shape
+        cached = cache.get_seq_length() if cache is not None else 0
+        if attention_mask is None:
+            attention_mask = input_ids.new_ones(b, cached + s)
+        if tuple(attention_mask.shape) != (b, cached + s):
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}; expected "
+                f"{(b, cached + s)}: {cached} cached and {s} new tokens per row"
+            )
+        tokens = locate(config, attention_mask, cached)
+        if position_ids is not None and not torch.equal(position_ids, tokens.positions):
+            raise ValueError(
+                "position_ids differ from the positions attention_mask gives (each row's "
+                "real tokens counted from 0): packed documents are not supported"
+            )
+        embedding = self.embed_tokens(input_ids)
+        if tokens.allowed is not None:  # padding enters as zeros (a stream entry reads them)
+            embedding = embedding * attention_mask[:, cached:, None].to(embedding.dtype)
+        state = self.enter(embedding, cache)
         for layer in self.layers:
-            state = layer(state, cos, sin)
-        return self.norm(self.stream.exit(state))
+            state = layer(state, tokens, cache)
+        return BaseModelOutputWithPast(
+            last_hidden_state=self.norm(self.stream.exit(state)), past_key_values=cache
+        )
+
+    def enter(self, embedding: Tensor, cache: Optional[DynamicCache]):
+        """The stream's state of the new tokens; a stream entry that reads earlier tokens gets
+        their embeddings, kept in the cache's entry slot."""
+        context = self.stream.entry_context
+        if context == 0:
+            return self.stream.enter(embedding)
+        earlier = None
+        if cache is not None:
+            slot = self.config.entry_slot
+            every, _ = cache.update(embedding[:, None], embedding[:, None], slot)
+            earlier = every[:, 0, : -embedding.shape[1]][:, -context:]
+        return self.stream.enter(embedding, earlier)
 
 
 class T2TrainForCausalLM(T2TrainPreTrainedModel, GenerationMixin):  # type: ignore[misc]
@@ -270,22 +394,52 @@ class T2TrainForCausalLM(T2TrainPreTrainedModel, GenerationMixin):  # type: igno
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
-    def prepare_inputs_for_generation(self, input_ids: Tensor, **kwargs) -> dict:  # type: ignore[override]
-        return {"input_ids": input_ids, "attention_mask": kwargs.get("attention_mask")}
+    def prepare_inputs_for_generation(  # type: ignore[override]
+        self,
+        input_ids: Tensor,
+        past_key_values: Optional[DynamicCache] = None,
+        attention_mask: Optional[Tensor] = None,
+        use_cache: Optional[bool] = None,
+        **kwargs,
+    ) -> dict:
+        """The tokens the cache lacks (all of them without a cache), and the last position's
+        logits only."""
+        if past_key_values is not None:
+            input_ids = input_ids[:, past_key_values.get_seq_length() :]
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "past_key_values": past_key_values,
+            "use_cache": use_cache,
+            "logits_to_keep": 1,
+        }
 
     def forward(
         self,
         input_ids: Tensor,
         attention_mask: Optional[Tensor] = None,
+        past_key_values: Optional[DynamicCache] = None,
+        use_cache: Optional[bool] = None,
+        position_ids: Optional[Tensor] = None,
         labels: Optional[Tensor] = None,
+        logits_to_keep: int = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("padded batches are not supported: give sequences of one length")
-        logits = self.lm_head(self.model(input_ids))
+        """Logits of every new position (the last ``logits_to_keep`` if > 0), and with
+        ``labels`` the mean next-token loss (-100 marks positions to ignore, such as
+        padding)."""
+        out = self.model(input_ids, attention_mask, past_key_values, use_cache, position_ids)
+        hidden = out.last_hidden_state
+        if logits_to_keep > 0 and labels is None:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.lm_head(hidden)
         loss = None
         if labels is not None:  # labels are the inputs; position t predicts token t + 1
             loss = F.cross_entropy(
                 logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
             )
-        return CausalLMOutputWithPast(loss=loss, logits=logits)  # type: ignore[arg-type]
+        return CausalLMOutputWithPast(
+            loss=loss,  # type: ignore[arg-type]
+            logits=logits,
+            past_key_values=out.past_key_values,
+        )

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from t2train.residual.attnres.functional import depth_mix
-from t2train.residual.hf_modeling import T2TrainConfig
+from t2train.residual.hf_modeling import Stream, T2TrainConfig
 
 
 class AttnResState(NamedTuple):
@@ -26,7 +26,7 @@ class AttnResState(NamedTuple):
         return [v.unsqueeze(0) for v in values]
 
 
-class AttnResStream(nn.Module):
+class AttnResStream(Stream):
     """Sources start with the embedding; the final norm reads a mixture with its own query."""
 
     def __init__(self, config: T2TrainConfig):

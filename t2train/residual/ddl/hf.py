@@ -7,12 +7,14 @@ named as in ``layers.py``, its math is ``functional.py``'s.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from t2train.residual.ddl.functional import channel_mix, delta_write
-from t2train.residual.hf_modeling import T2TrainConfig
+from t2train.residual.hf_modeling import Stream, T2TrainConfig
 
 
 class ChannelMixRead(nn.Module):
@@ -26,9 +28,10 @@ class ChannelMixRead(nn.Module):
         return channel_mix(state, self.weight)
 
 
-class DeltaStream(nn.Module):
+class DeltaStream(Stream):
     """d_v = 1: the state is [b, s, h]. d_v > 1: [d_v, b, s, h], made from the embedding by a
-    causal depthwise convolution over tokens (``expander``) and read by a channel mix."""
+    causal depthwise convolution over tokens (``expander``, reading the kernel's size - 1
+    tokens before each) and read by a channel mix."""
 
     def __init__(self, config: T2TrainConfig):
         super().__init__()
@@ -37,12 +40,15 @@ class DeltaStream(nn.Module):
             kernel = config.residual_options["embed_conv_kernel"]
             self.expander = nn.Conv1d(h, h * self.dv, kernel, groups=h, bias=False)
             self.final_read = ChannelMixRead(h, self.dv)
+            self.entry_context = kernel - 1
 
-    def enter(self, embedding: Tensor) -> Tensor:
+    def enter(self, embedding: Tensor, earlier: Optional[Tensor] = None) -> Tensor:
         if self.dv == 1:
             return embedding
         b, s, h = embedding.shape
-        tokens = F.pad(embedding.transpose(1, 2), (self.expander.kernel_size[0] - 1, 0))
+        joined = embedding if earlier is None else torch.cat([earlier, embedding], dim=1)
+        before = joined.shape[1] - s  # zeros stand for the tokens before the sequence
+        tokens = F.pad(joined.transpose(1, 2), (self.entry_context - before, 0))
         # output channel i * d_v + j is column j of feature i
         return self.expander(tokens).view(b, h, self.dv, s).permute(2, 0, 3, 1)
 

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from t2train.residual.depth_attn.functional import depth_heads, slide
 from t2train.residual.functional import short_window_attention
-from t2train.residual.hf_modeling import T2TrainConfig
+from t2train.residual.hf_modeling import Stream, T2TrainConfig
 
 
 class DepthState(NamedTuple):
@@ -23,7 +23,7 @@ class DepthState(NamedTuple):
     current: Tensor
 
 
-class DepthStream(nn.Module):
+class DepthStream(Stream):
     def __init__(self, config: T2TrainConfig):
         super().__init__()
 

@@ -20,10 +20,10 @@ from t2train.residual.hc.functional import (
     folded_projections,
     width_read,
 )
-from t2train.residual.hf_modeling import T2TrainConfig
+from t2train.residual.hf_modeling import Stream, T2TrainConfig
 
 
-class StreamCopies(nn.Module):
+class StreamCopies(Stream):
     """n streams [n, b, s, h]: the embedding enters as n copies, the final norm reads their
     mean."""
 

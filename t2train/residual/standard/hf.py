@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from t2train.residual.hf_modeling import T2TrainConfig
+from t2train.residual.hf_modeling import Stream, T2TrainConfig
 
 
-class HiddenStateStream(nn.Module):
+class HiddenStateStream(Stream):
     """The state is the hidden tensor [b, s, h]."""
 
     def __init__(self, config: T2TrainConfig):
