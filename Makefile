@@ -4,6 +4,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip -q
 LOCK   := constraints/cpu.txt
+# transformers 5 beside the lock's 4.x, for the test that exports load under both
+TRANSFORMERS5 := constraints/transformers5.txt
 DEMO_DATA ?= .cache/data/shakespeare-bpe4k-s128
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
@@ -13,12 +15,14 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 # The pinned CPU stack. torch and deepspeed go first: deepspeed builds against the
 # installed torch (no build isolation, no compiled ops), and the lock keeps every later
 # install from replacing torch.
-$(VENV)/.installed: pyproject.toml setup.py $(LOCK)
+$(VENV)/.installed: pyproject.toml setup.py $(LOCK) $(TRANSFORMERS5)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install -c $(LOCK) torch torchvision
 	DS_BUILD_OPS=0 $(PIP) install -c $(LOCK) --no-build-isolation deepspeed
 	$(PIP) install -c $(LOCK) -e '.[test,check,hf,eval,wandb]'
+	rm -rf $(VENV)/transformers5
+	$(PIP) install --no-deps --target $(VENV)/transformers5 -r $(TRANSFORMERS5)
 	touch $@
 
 install: $(VENV)/.installed

@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -408,6 +411,77 @@ def test_generate_on_padded_prompts_gives_the_trainers_tokens(megatron_world, va
         ours = generate(model, prompt.tolist(), new_tokens, 128, config.model.seq_length, eos_id=0)
         assert row[: len(ours)] == ours, (row, ours)
         assert set(row[len(ours) :]) <= {0}  # padding after the end of text
+
+
+TRANSFORMERS5 = Path(sys.prefix) / "transformers5"  # `make install` puts transformers 5 there
+LOAD_EXPORTS = Path(__file__).parent / "workers" / "load_exports.py"
+# every stream and residual of the modeling file (with the mixer), tied and untied embeddings,
+# and transformers' own Llama, tied and untied with grouped-query attention
+ACROSS_VERSIONS = [
+    *(name for name in RANDOM_VARIANTS if name.endswith("+mixer") and name != "hc_static+mixer"),
+    "attnres_gqa_untied",
+    "standard",
+    "standard_gqa_untied",
+]
+
+
+def _folder(variant: str) -> str:
+    """An export folder's name: transformers imports its modeling file under it."""
+    return variant.replace("+", "_")
+
+
+@pytest.mark.slow
+def test_exports_compute_the_same_under_transformers_4_and_5(megatron_world, tmp_path):
+    """Exports with random non-trivial weights, loaded by the environment's transformers 4
+    here and by transformers 5 (``.venv/transformers5``) in a process that imports no
+    t2train, through the same code (``workers/load_exports.py``): the logits of left-padded
+    prompts agree within 1e-6 (fp32), ``generate``'s greedy tokens through the cache are the
+    same, and transformers 5 warns of nothing deprecated."""
+    import importlib.util
+
+    import transformers
+    from safetensors.torch import save_file
+
+    from t2train.export.hf import hf_state_dict
+    from t2train.residual.hf import modeling_source
+
+    assert TRANSFORMERS5.is_dir(), f"{TRANSFORMERS5}: missing; `make install` puts it there"
+    root = tmp_path / "exports"
+    for variant in ACROSS_VERSIONS:
+        config, model = _t2train_model(RANDOM_VARIANTS[variant])
+        state = hf_state_dict(model.state_dict(), config.model)
+        hf = _hf_model(config.model, state)
+        folder = root / _folder(variant)
+        hf.config.save_pretrained(folder)
+        save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+        if hf.config.architectures != ["LlamaForCausalLM"]:
+            (folder / "modeling_t2train.py").write_text(modeling_source())
+
+    spec = importlib.util.spec_from_file_location("load_exports", LOAD_EXPORTS)
+    assert spec is not None and spec.loader is not None
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    assert transformers.__version__.startswith("4.")
+    ours = {_folder(variant): worker.run(root / _folder(variant)) for variant in ACROSS_VERSIONS}
+
+    out = tmp_path / "five.pt"
+    done = subprocess.run(
+        [sys.executable, str(LOAD_EXPORTS), str(root), str(out)],
+        env={**os.environ, "PYTHONPATH": str(TRANSFORMERS5), "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "deprecated" not in done.stderr, done.stderr  # nothing a later 5.x may remove
+    five = torch.load(out)
+    assert five["transformers"].startswith("5.")
+    assert set(five["models"]) == set(ours)
+    for variant, theirs in five["models"].items():
+        torch.testing.assert_close(
+            theirs["logits"], ours[variant]["logits"], atol=1e-6, rtol=1e-6, msg=variant
+        )
+        assert theirs["generated"].tolist() == ours[variant]["generated"].tolist(), variant
 
 
 def test_a_wrong_mapping_is_seen(megatron_world):

@@ -23,13 +23,16 @@ export part adds to ``DESIGNS``. Parameter names follow t2train's
 the shared parts Llama's.
 
 Generation keeps the earlier tokens' keys and values in transformers' ``DynamicCache`` (a
-slot per attention and local attention, ``T2TrainConfig.layer_types``): every design reads
+layer of it per attention and local attention, ``T2TrainConfig.attention_slot``): every design reads
 and writes the stream at one position at a time (the depth reads mix a token's own layer
 states), so attention is the only part that looks at earlier tokens, and the cache is exact
 for every design. A stream whose entry reads earlier tokens (``Stream.entry_context``) keeps
 their embeddings in a slot of its own. Batches may be padded on either side: positions count
 each row's real tokens (``attention_mask``), padding is never attended to, and it enters the
 stream as zeros, as the positions before a sequence do in training.
+
+It runs under transformers 4.56 and later, 5.x included (``CACHE`` below is the one name
+that differs between them).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from t2train.residual.functional import short_window_attention
@@ -91,8 +95,10 @@ class T2TrainConfig(PretrainedConfig):
         """Each layer's sublayers in order; a residual's ``position`` indexes this list."""
         return (["local_attn"] if self.local_window > 0 else []) + ["attn", "mlp"]
 
-    # The KV cache's slots: each layer's attention, each layer's local attention, then the
-    # embeddings that a stream entry reading earlier tokens needs (empty for the others).
+    # The KV cache's layers ("slots"): each layer's attention (the ones transformers allocates,
+    # one per decoder layer), each layer's local attention, then the embeddings that a stream
+    # entry reading earlier tokens needs (empty for the others). Every slot keeps all tokens;
+    # the local attention masks by distance.
     def attention_slot(self, layer: int, local: bool = False) -> int:
         return layer + (self.num_hidden_layers if local else 0)
 
@@ -100,11 +106,17 @@ class T2TrainConfig(PretrainedConfig):
     def entry_slot(self) -> int:
         return self.num_hidden_layers * (2 if self.local_window > 0 else 1)
 
-    @property
-    def layer_types(self) -> list[str]:
-        """One per cache slot: what ``DynamicCache(config=...)`` (as ``generate`` makes it)
-        allocates. Every slot keeps all tokens; the local attention masks by distance."""
-        return ["full_attention"] * (self.entry_slot + 1)
+
+# transformers 5 calls the KV cache ``cache`` (an argument, an output field) where 4.x said
+# ``past_key_values``; this file answers to both and speaks the running version's.
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def with_slots(cache: DynamicCache, config: T2TrainConfig) -> DynamicCache:
+    """``cache`` with a layer for every slot: ``generate`` makes one per decoder layer."""
+    while len(cache.layers) <= config.entry_slot:
+        cache.layers.append(DynamicLayer())
+    return cache
 
 
 # --- shared building blocks: where tokens sit, RoPE, attention, MLP -------------------------
@@ -323,17 +335,20 @@ class T2TrainModel(T2TrainPreTrainedModel):
         past_key_values: Optional[DynamicCache] = None,
         use_cache: Optional[bool] = None,
         position_ids: Optional[Tensor] = None,
+        cache: Optional[DynamicCache] = None,
     ) -> BaseModelOutputWithPast:
         """The final norm's output for ``input_ids`` [b, s], the tokens after those cached in
-        ``past_key_values``; ``attention_mask`` [b, cached + s] (1: a token, 0: padding)
-        covers the cached tokens too. The cache given, or a new one with ``use_cache``, is
-        returned holding these tokens as well. Positions are counted from the mask;
-        ``position_ids``, if given, must be those."""
+        ``cache`` (``past_key_values`` before transformers 5); ``attention_mask`` [b, cached +
+        s] (1: a token, 0: padding) covers the cached tokens too. The cache given, or a new
+        one with ``use_cache``, is returned holding these tokens as well. Positions are
+        counted from the mask; ``position_ids``, if given, must be those."""
         config: T2TrainConfig = self.config  # type: ignore[assignment]
         use_cache = config.use_cache if use_cache is None else use_cache
-        cache = past_key_values
+        cache = cache if cache is not None else past_key_values
         if use_cache and cache is None:
             cache = DynamicCache(config=config)
+        if cache is not None:
+            cache = with_slots(cache, config)
         b, s = input_ids.shape
         cached = cache.get_seq_length() if cache is not None else 0
         if attention_mask is None:
@@ -355,9 +370,8 @@ class T2TrainModel(T2TrainPreTrainedModel):
         state = self.enter(embedding, cache)
         for layer in self.layers:
             state = layer(state, tokens, cache)
-        return BaseModelOutputWithPast(
-            last_hidden_state=self.norm(self.stream.exit(state)), past_key_values=cache
-        )
+        hidden = self.norm(self.stream.exit(state))
+        return BaseModelOutputWithPast(last_hidden_state=hidden, **{CACHE: cache})  # type: ignore[arg-type]
 
     def enter(self, embedding: Tensor, cache: Optional[DynamicCache]):
         """The stream's state of the new tokens; a stream entry that reads earlier tokens gets
@@ -374,7 +388,8 @@ class T2TrainModel(T2TrainPreTrainedModel):
 
 
 class T2TrainForCausalLM(T2TrainPreTrainedModel, GenerationMixin):  # type: ignore[misc]
-    _tied_weights_keys = ["lm_head.weight"]  # type: ignore[assignment]
+    # (transformers 5 reads the mapping; 4.x, the names it maps)
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # type: ignore[assignment]
 
     def __init__(self, config: T2TrainConfig):
         super().__init__(config)
@@ -404,12 +419,13 @@ class T2TrainForCausalLM(T2TrainPreTrainedModel, GenerationMixin):  # type: igno
     ) -> dict:
         """The tokens the cache lacks (all of them without a cache), and the last position's
         logits only."""
-        if past_key_values is not None:
-            input_ids = input_ids[:, past_key_values.get_seq_length() :]
+        cache = kwargs.get("cache", past_key_values)
+        if cache is not None:
+            input_ids = input_ids[:, cache.get_seq_length() :]
         return {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
-            "past_key_values": past_key_values,
+            CACHE: cache,
             "use_cache": use_cache,
             "logits_to_keep": 1,
         }
@@ -423,12 +439,13 @@ class T2TrainForCausalLM(T2TrainPreTrainedModel, GenerationMixin):  # type: igno
         position_ids: Optional[Tensor] = None,
         labels: Optional[Tensor] = None,
         logits_to_keep: int = 0,
+        cache: Optional[DynamicCache] = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Logits of every new position (the last ``logits_to_keep`` if > 0), and with
         ``labels`` the mean next-token loss (-100 marks positions to ignore, such as
         padding)."""
-        out = self.model(input_ids, attention_mask, past_key_values, use_cache, position_ids)
+        out = self.model(input_ids, attention_mask, past_key_values, use_cache, position_ids, cache)
         hidden = out.last_hidden_state
         if logits_to_keep > 0 and labels is None:
             hidden = hidden[:, -logits_to_keep:]
@@ -441,5 +458,5 @@ class T2TrainForCausalLM(T2TrainPreTrainedModel, GenerationMixin):  # type: igno
         return CausalLMOutputWithPast(
             loss=loss,  # type: ignore[arg-type]
             logits=logits,
-            past_key_values=out.past_key_values,
+            **{CACHE: getattr(out, CACHE)},
         )
