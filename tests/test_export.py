@@ -365,8 +365,11 @@ def test_a_padded_batch_gives_each_row_its_own_logits(megatron_world, variant, s
 
 
 def test_the_export_refuses_a_mask_or_positions_it_cannot_follow(megatron_world):
-    """An attention mask of the wrong length and the positions of packed documents are
-    refused naming what was expected; the positions it counts itself are accepted."""
+    """An attention mask of the wrong length, the positions of packed documents and a cache
+    other than transformers' dynamic one are refused naming what was expected; the positions
+    it counts itself are accepted."""
+    from transformers import StaticCache
+
     from t2train.export.hf import hf_state_dict
 
     config, model = _t2train_model(RANDOM_VARIANTS["ddl+mixer"])
@@ -380,6 +383,9 @@ def test_the_export_refuses_a_mask_or_positions_it_cannot_follow(megatron_world)
             hf(tokens, position_ids=packed)
         counted = hf(tokens, position_ids=torch.arange(8).expand(2, 8)).logits
         torch.testing.assert_close(counted, hf(tokens).logits, atol=0, rtol=0)
+        static = StaticCache(config=hf.config, max_cache_len=16)
+        with pytest.raises(ValueError, match="a StaticCache: .* DynamicCache"):
+            hf(tokens, past_key_values=static)
 
 
 @pytest.mark.parametrize("variant", RANDOM_VARIANTS)

@@ -114,6 +114,11 @@ CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "
 
 def with_slots(cache: DynamicCache, config: T2TrainConfig) -> DynamicCache:
     """``cache`` with a layer for every slot: ``generate`` makes one per decoder layer."""
+    if not isinstance(cache, DynamicCache):
+        raise ValueError(
+            f"a {type(cache).__name__}: this model keeps keys and values in a DynamicCache "
+            "(generate's default cache_implementation), whose layers grow with the tokens"
+        )
     while len(cache.layers) <= config.entry_slot:
         cache.layers.append(DynamicLayer())
     return cache
