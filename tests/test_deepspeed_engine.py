@@ -4,6 +4,10 @@
   steps within 1e-4 (fp32), for ``standard`` and ``ddl``; TensorBoard tags are the same;
 * a fresh process resumes each ZeRO run (``standard``) from its step-3 checkpoint and
   continues with bitwise the losses of the uninterrupted run;
+* a run of either engine starts from the other engine's checkpoint at another layout
+  (``checkpoint.init_from``: ZeRO-3 at TP = 2 from the Megatron engine, the Megatron engine
+  at PP = 2 and ZeRO-1 at TP = 2 from ZeRO-3): its step 0 holds the checkpoint's weights
+  exactly, and the two runs from one checkpoint lose alike within 1e-4;
 * the generated DeepSpeed config, user JSON overrides and conflicts, and the refusals
   (PP > 1, offload without CUDA, a checkpoint of the other engine or another layout).
 """
@@ -74,7 +78,15 @@ def test_zero_stages_match_megatron_and_resume_exactly(shakespeare, tmp_path):
             step: loss for step, loss in straight["standard"][run].items() if int(step) > SAVE_AT
         }
         assert losses == tail, run  # exact float equality
-    for log in ("straight.log", "resumed.log"):  # DeepSpeed's known chatter stays silent
+    started = run_torchrun(
+        "engine_equivalence.py",
+        2,
+        [*args, "--phase", "init"],
+        tmp_path / "started.json",
+        timeout=900,
+    )
+    _assert_started_from_the_weights(tmp_path / "ddl", started)
+    for log in ("straight.log", "resumed.log", "started.log"):  # DeepSpeed's chatter stays silent
         text = (tmp_path / log).read_text()
         for noise in (
             "all_gather_into_tensor` is deprecated",
@@ -83,6 +95,33 @@ def test_zero_stages_match_megatron_and_resume_exactly(shakespeare, tmp_path):
             "built successfully",
         ):
             assert noise not in text, (log, noise, text[-3000:])
+
+
+def _assert_started_from_the_weights(root: Path, started: dict) -> None:
+    """Each run's step 0 equals the checkpoint it started from, both read back whole by their
+    engines' export readers (so a TP split and its join could agree and still be wrong: the
+    losses of a Megatron PP = 2 run and a ZeRO-1 TP = 2 run from one checkpoint rule that out)."""
+    from t2train.export.load import load_model, open_checkpoint
+
+    def weights(checkpoint: Path) -> dict:
+        model = load_model(open_checkpoint(checkpoint), device="cpu").model
+        return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+
+    sources = {
+        "zero3-tp2-from-megatron": "megatron",
+        "megatron-pp2-from-zero3": "zero3",
+        "zero1-tp2-from-zero3": "zero3",
+    }
+    assert started.keys() == sources.keys()
+    for run, source in sources.items():
+        ours = weights(root / run / "checkpoints" / "step_00000000")
+        theirs = weights(root / source / "checkpoints" / f"step_{SAVE_AT:08d}")
+        assert ours.keys() == theirs.keys(), run
+        differ = [name for name in ours if not torch.equal(ours[name], theirs[name])]
+        assert not differ, (run, differ)
+    pipeline, zero = started["megatron-pp2-from-zero3"], started["zero1-tp2-from-zero3"]
+    assert pipeline.keys() == zero.keys() == {"1", "2"}
+    assert max(abs(pipeline[step] - zero[step]) for step in pipeline) < TOLERANCE
 
 
 def _config(*overrides: str):

@@ -1,7 +1,8 @@
 """The seams between layers that imports do not show.
 
 * The model's run-time interface: code outside ``t2train/model/`` calls a chunk's
-  ``start_schedule()``, ``traffic`` and ``stream_norms()`` (``T2GPTModel``), never an attribute
+  ``start_schedule()``, ``traffic``, ``stream_norms()`` and ``whole_model_name()``
+  (``T2GPTModel``), never an attribute
   of its decoder: an attribute chain into the decoder couples an engine to the decoder's
   internals without an import for the layer check (tests/test_layering.py) to see.
 * Every engine implements the whole ``Engine`` protocol.
@@ -15,9 +16,9 @@ from pathlib import Path
 
 from test_layering import REPO
 
-from t2train.engine import Engine
+from t2train.engine import Engine, build_engine
 
-INTERFACE = ("start_schedule", "traffic", "stream_norms")
+INTERFACE = ("start_schedule", "traffic", "stream_norms", "whole_model_name")
 
 
 def _decoder_reaches(root: Path) -> list[str]:
@@ -35,7 +36,8 @@ def _decoder_reaches(root: Path) -> list[str]:
 
 def test_nothing_outside_the_model_reaches_into_the_decoder():
     assert _decoder_reaches(REPO) == [], (
-        "call the chunk's interface (T2GPTModel: start_schedule, traffic, stream_norms) or add "
+        "call the chunk's interface (T2GPTModel: start_schedule, traffic, stream_norms, "
+        "whole_model_name) or add "
         "a method there"
     )
 
@@ -65,11 +67,14 @@ def test_every_engine_implements_the_whole_protocol():
     from t2train.engine.megatron import MegatronEngine
 
     members = _protocol_members(Engine)
-    assert {"train_step", "evaluate", "save", "load", "load_weights", "model"} <= members
+    assert {"train_step", "evaluate", "save", "load", "model"} <= members
     methods = {name for name in members if callable(getattr(Engine, name, None))}
+    built_with = list(inspect.signature(build_engine).parameters)
     for engine in (MegatronEngine, DeepSpeedEngine):
         missing = [name for name in methods if not inspect.isfunction(_own(engine, name))]
         assert missing == [], f"{engine.__name__} lacks {missing}"
+        # build_engine hands each engine what it was given, init_from's weights included
+        assert list(inspect.signature(engine).parameters) == built_with, engine.__name__
 
 
 def _own(cls: type, name: str):

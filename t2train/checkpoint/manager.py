@@ -44,8 +44,8 @@ def describe_save_error(err: BaseException) -> str:
     if isinstance(seen, OSError):
         where = f": {seen.filename!r}" if seen.filename else ""
         return f"{type(seen).__name__}: [Errno {seen.errno}] {seen.strerror or seen}{where}"
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[-1] if lines else ''}"
+    lines = str(err).strip().splitlines()  # a long message's first line says what failed
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
 
 
 def _write_probe(directory: Path, size: int) -> None:

@@ -450,8 +450,9 @@ class CheckpointConfig:
     keep_every: int = 0
     # Write shards from a forked process while training continues; published when done.
     async_save: bool = False
-    # Save again right after loading, in this run's layout: with train.steps equal to the
-    # checkpoint's step this reshards a checkpoint for another (TP, PP, DP) without training.
+    # Save again right after loading, in this run's layout and engine: with train.steps equal
+    # to the checkpoint's step this reshards a checkpoint for another (TP, PP, DP) without
+    # training; after loading init_from's weights it saves them as step 0.
     save_on_resume: bool = False
     # A save that fails (read-only or full disk, a rank's write error) leaves the previous
     # checkpoint published; then `stop` ends the run (exit code 3) naming the path and the OS
@@ -462,8 +463,9 @@ class CheckpointConfig:
     # (checkpoints/step_N-hf, as `t2train export hf` does); not after a run stopped early.
     export_hf_on_finish: bool = False
     # A fresh start (no checkpoint of this run to resume) begins from the model weights of this
-    # checkpoint or run directory, of any layout: e.g. a Hugging Face Llama brought in with
-    # `t2train import hf`. Optimizer, LR schedule, data position and step start anew.
+    # checkpoint or run directory, of any layout and either engine: e.g. a Hugging Face Llama
+    # brought in with `t2train import hf`. Optimizer, LR schedule, data position and step
+    # start anew.
     init_from: str = ""
 
     def validate(self) -> None:
@@ -659,12 +661,6 @@ class Config:
             f"{why}: ZeRO (deepspeed.zero_stage) shards the optimizer instead",
         )
         require(not self.checkpoint.async_save, "checkpoint.async_save", True, why)
-        require(
-            not self.checkpoint.init_from,
-            "checkpoint.init_from",
-            self.checkpoint.init_from,
-            f"{why} yet: start from the weights with train.engine=megatron",
-        )
         require(
             self.train.loss_spike_factor == 0,
             "train.loss_spike_factor",

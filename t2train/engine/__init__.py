@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 from t2train.config.schema import Config
+from t2train.engine.start_weights import StartWeights
 
 MicroBatch = dict  # {"tokens": LongTensor[b, s], "labels": LongTensor[b, s]}
 
@@ -68,8 +69,6 @@ class Engine(Protocol):
 
     def load(self, path: Path) -> dict: ...
 
-    def load_weights(self, path: Path, tokenizer_sha256: str) -> None: ...  # Megatron only
-
     def param_norm(self) -> float: ...
 
     def num_parameters(self) -> int: ...
@@ -77,15 +76,18 @@ class Engine(Protocol):
     def describe(self) -> str: ...  # the engine as the run's first line names it
 
 
-def build_engine(config: Config, vocab_size: int) -> Engine:
-    """Collective: every rank builds its part of the model and optimizer."""
+def build_engine(
+    config: Config, vocab_size: int, start_weights: Optional[StartWeights] = None
+) -> Engine:
+    """Collective: every rank builds its part of the model and optimizer, the model filled
+    with ``start_weights`` when given (a fresh run's ``checkpoint.init_from``)."""
     if config.train.engine == "deepspeed":
         from t2train.engine.deepspeed.engine import DeepSpeedEngine  # noqa: PLC0415 - each engine's library loads when it is chosen
 
-        return DeepSpeedEngine(config, vocab_size)
+        return DeepSpeedEngine(config, vocab_size, start_weights)
     from t2train.engine.megatron import MegatronEngine  # noqa: PLC0415 - each engine's library loads when it is chosen
 
-    return MegatronEngine(config, vocab_size)
+    return MegatronEngine(config, vocab_size, start_weights)
 
 
 def export_reader(engine: str) -> Callable:

@@ -8,6 +8,7 @@ chunk: ``pre_process`` holds the embedding, ``post_process`` the final norm and 
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 import torch
@@ -115,6 +116,15 @@ class T2GPTModel(LanguageModule):
         if self.post_process:
             norms.append((self.config.num_layers + 1, self.decoder.final_layernorm))
         return norms
+
+    def whole_model_name(self, name: str) -> str:
+        """A state-dict key of this chunk as a PP = 1 model names it: a pipeline stage numbers
+        its layers from 0, ``layer_number`` is a layer's place in the whole model (from 1)."""
+        found = re.match(r"decoder\.layers\.(\d+)\.", name)
+        if found is None:
+            return name
+        layer = self.decoder.layers[int(found.group(1))].layer_number - 1
+        return f"decoder.layers.{layer}.{name[found.end() :]}"
 
     def set_input_tensor(self, input_tensor) -> None:
         if isinstance(input_tensor, list):

@@ -71,6 +71,12 @@ def current_device() -> torch.device:
 def init_model_parallel(tensor: int, pipeline: int, virtual_pipeline: int) -> Topology:
     from megatron.core import parallel_state as ps  # noqa: PLC0415 - megatron-core: not for the CLI's is_rank_zero
 
+    if ps.model_parallel_is_initialized() and (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+    ) != (tensor, pipeline, virtual_pipeline):
+        ps.destroy_model_parallel()  # an earlier run in this process had another layout
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tensor,

@@ -32,22 +32,19 @@ class DryRun:
 def dry_run(config: Config) -> DryRun:
     import torch.distributed as dist
 
-    from t2train.checkpoint.inspect import resolve_checkpoint
-    from t2train.checkpoint.integrity import require_intact
     from t2train.data.index import read_index
     from t2train.engine import build_engine
     from t2train.train.batches import GlobalBatchFeeder
     from t2train.train.data import open_streams
-    from t2train.train.trainer import start_ranks, verified
+    from t2train.train.trainer import start_ranks, verified, weights_to_start_from
 
     config = config.with_absolute_paths()  # as train() runs it
     facts, resume_from, dp_size, topology = start_ranks(config)
     skipped, init_from = "", None
     if resume_from is not None:
         resume_from, skipped = verified(config, Path(config.run_dir), resume_from)
-    elif config.checkpoint.init_from:
-        init_from = resolve_checkpoint(Path(config.checkpoint.init_from))
-        require_intact(init_from, f"checkpoint.init_from={config.checkpoint.init_from}")
+    elif (weights := weights_to_start_from(config, facts)) is not None:
+        init_from = weights.path
     engine = build_engine(config, config.padded_vocab_size(facts["vocab_size"]))
     streams = open_streams(config, topology, dp_size, None)
     try:

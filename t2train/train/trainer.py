@@ -32,6 +32,7 @@ from t2train.checkpoint.store import find_latest
 from t2train.config.loader import dump_config
 from t2train.config.schema import Config
 from t2train.engine import build_engine
+from t2train.engine.start_weights import StartWeights
 from t2train.errors import TrainingHalted
 from t2train.monitor.diagnostics import Diagnostics, diagnostic_micro_batches
 from t2train.monitor.metrics import Monitor
@@ -62,6 +63,16 @@ def start_ranks(config: Config) -> tuple[dict, Optional[Path], int, Topology]:
     )
     set_seed(config.train.seed, topology)
     return facts, resume_from, dp_size, topology
+
+
+def weights_to_start_from(config: Config, facts: dict) -> Optional[StartWeights]:
+    """The checkpoint a fresh run starts from (``checkpoint.init_from``), its files verified
+    against their checksums; None without one."""
+    if not config.checkpoint.init_from:
+        return None
+    path = resolve_checkpoint(Path(config.checkpoint.init_from))
+    require_intact(path, f"checkpoint.init_from={config.checkpoint.init_from}")
+    return StartWeights(path, facts["tokenizer_sha256"])
 
 
 def verified(config: Config, run_dir: Path, resume_from: Path) -> tuple[Path, str]:
@@ -147,13 +158,18 @@ class Trainer:
         self.run_dir = Path(config.run_dir)
         self.facts, resume_from, self.dp_size, self.topology = start_ranks(config)
         self._lock_run_directory()
-        skipped = ""
+        skipped, start_weights = "", None
         if resume_from is not None:
             resume_from, skipped = verified(config, self.run_dir, resume_from)
-        self.engine = build_engine(config, config.padded_vocab_size(self.facts["vocab_size"]))
-        train_state, start = self._load(resume_from, skipped)
+        else:
+            start_weights = weights_to_start_from(config, self.facts)
+        self.engine = build_engine(
+            config, config.padded_vocab_size(self.facts["vocab_size"]), start_weights
+        )
+        train_state, start = self._load(resume_from, skipped, start_weights)
         self.start_step = train_state.get("step", 0)
         self.resumed = resume_from is not None
+        self.loaded = self.resumed or start_weights is not None  # a checkpoint or its weights
         self._open_data(train_state)
         self._open_monitor(start)
         self.meter, mfu_note = step_meter(
@@ -202,8 +218,11 @@ class Trainer:
         if box[0] is not None:
             raise RunDirectoryInUse(box[0])
 
-    def _load(self, resume_from: Optional[Path], skipped: str) -> tuple[dict, str]:
-        """The train state to continue (empty for a fresh start) and how the run starts."""
+    def _load(
+        self, resume_from: Optional[Path], skipped: str, start_weights: Optional[StartWeights]
+    ) -> tuple[dict, str]:
+        """The train state to continue (empty for a fresh start) and how the run starts (the
+        engine loaded ``start_weights`` as it was built)."""
         if resume_from is not None:
             loading_started = time.monotonic()
             train_state = self.engine.load(resume_from)
@@ -212,11 +231,8 @@ class Trainer:
                 f"{time.monotonic() - loading_started:.1f}s){skipped} | "
                 f"{schedule_in_force(self.config, self.engine.scheduler)}"
             )
-        if self.config.checkpoint.init_from:
-            weights = resolve_checkpoint(Path(self.config.checkpoint.init_from))
-            require_intact(weights, f"checkpoint.init_from={self.config.checkpoint.init_from}")
-            self.engine.load_weights(weights, self.facts["tokenizer_sha256"])
-            return {}, f"fresh start from the weights of {weights}"
+        if start_weights is not None:
+            return {}, f"fresh start from the weights of {start_weights.path}"
         return {}, "fresh start"
 
     def _open_data(self, train_state: dict) -> None:
@@ -272,7 +288,7 @@ class Trainer:
     # --- the run -------------------------------------------------------------------------
     def run(self) -> RunSummary:
         """Train to ``train.steps`` or an agreed stop; returns the run's summary."""
-        if self.resumed and self.config.checkpoint.save_on_resume:
+        if self.loaded and self.config.checkpoint.save_on_resume:
             self.save(self.start_step)
         if self.start_step == 0:
             self.evaluate(0)

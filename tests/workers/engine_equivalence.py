@@ -5,6 +5,10 @@ steps, saving at SAVE_AT. ``--phase resume`` (a fresh process): each ZeRO run of
 design resumes from its SAVE_AT checkpoint, and a ZeRO-2 run is pointed at the ZeRO-1
 checkpoint (refused: another layout). Writes {design: {run: {step: loss}}}, runs named
 ``megatron`` and ``zero1`` .. ``zero3``; the refusal's message is under ``refused``.
+
+``--phase init`` (a fresh process): runs of the last design start from the weights of its
+SAVE_AT checkpoints (``checkpoint.init_from``) in another engine and layout, each saving
+them again as its step 0 (``START_FROM``: run -> source run, engine and layout).
 """
 
 from __future__ import annotations
@@ -45,6 +49,13 @@ ENGINES = {
 }
 
 
+START_FROM = {
+    "zero3-tp2-from-megatron": ("megatron", [*ENGINES["zero3"], "parallel.tensor=2"]),
+    "megatron-pp2-from-zero3": ("zero3", [*ENGINES["megatron"], "parallel.pipeline=2"]),
+    "zero1-tp2-from-zero3": ("zero3", [*ENGINES["zero1"], "parallel.tensor=2"]),
+}
+
+
 def _checkpoint(run_dir: Path) -> Path:
     return run_dir / "checkpoints" / f"step_{SAVE_AT:08d}"
 
@@ -72,6 +83,9 @@ def main() -> None:
     DeepSpeedEngine.save = _save_with_arbitrary_padding(DeepSpeedEngine.save)
     args = parse_args([("--data", Path), ("--root", Path), ("--phase", str), ("--designs", str)])
     designs = args.designs.split(",")
+    if args.phase == "init":
+        write_result(args.out, _start_from_other_runs(args.root, designs[-1], args.data))
+        return
     if args.phase == "resume":
         designs = designs[:1]
     result = {}
@@ -105,6 +119,24 @@ def main() -> None:
             except CheckpointError as err:
                 result["refused"] = str(err)
     write_result(args.out, result)
+
+
+def _start_from_other_runs(root: Path, design: str, data: Path) -> dict:
+    losses = {}
+    for run, (source, engine) in START_FROM.items():
+        config = [
+            *TINY,
+            f"model.residual={design}",
+            f"data.path={data}",
+            *engine,
+            f"log.run_dir={root / design / run}",
+            f"checkpoint.init_from={_checkpoint(root / design / source)}",
+            "checkpoint.save_on_resume=true",
+            "train.steps=2",
+            "train.warmup_steps=1",
+        ]
+        losses[run] = train(load_config(overrides=config)).losses
+    return losses
 
 
 if __name__ == "__main__":

@@ -34,10 +34,11 @@ from t2train.checkpoint.store import (
     restore_rng,
 )
 from t2train.compat.library_noise import known_prints_dropped
-from t2train.config.schema import Config, ConfigError
+from t2train.config.schema import Config
 from t2train.engine import MicroBatch, StepResult
 from t2train.engine.deepspeed.config import deepspeed_config
 from t2train.engine.shared import data_parallel_sum, lr_scheduler, model_loss, optimizer_config
+from t2train.engine.start_weights import StartWeights
 from t2train.model.build import build_model_chunks, transformer_config
 from t2train.monitor.step_metrics import param_norm
 from t2train.parallel.traffic import collect_traffic
@@ -85,7 +86,9 @@ def _parameter_groups(chunk, config: Config) -> list[dict]:
 
 
 class DeepSpeedEngine:
-    def __init__(self, config: Config, vocab_size: int):
+    def __init__(
+        self, config: Config, vocab_size: int, start_weights: Optional[StartWeights] = None
+    ):
         import deepspeed  # noqa: PLC0415 - deepspeed: when the engine is built (its import probes CUDA)
 
         # DeepSpeed compiles some ops on first use: into the project, not the home cache.
@@ -95,6 +98,8 @@ class DeepSpeedEngine:
         self.config, self.vocab_size = config, vocab_size
         self.zero_stage = config.deepspeed.zero_stage
         (chunk,) = build_model_chunks(config, transformer_config(config), vocab_size)
+        if start_weights is not None:  # before ZeRO partitions the model and copies it to fp32
+            start_weights.load_into([chunk], config)
         self.ds_config = deepspeed_config(config, ps.get_data_parallel_world_size())
         with known_prints_dropped():
             self.ds, optimizer, _, _ = deepspeed.initialize(
@@ -253,13 +258,6 @@ class DeepSpeedEngine:
         self.scheduler.load_state_dict(client["scheduler"])
         restore_rng(client["rng_state"])
         return client["train_state"]
-
-    def load_weights(self, path: Path, tokenizer_sha256: str) -> None:
-        """Not yet: ``Config.validate`` refuses ``checkpoint.init_from`` with this engine."""
-        raise ConfigError(
-            f"checkpoint.init_from={str(path)!r} is not supported with train.engine=deepspeed "
-            "yet: start from the weights with train.engine=megatron"
-        )
 
     # --- facts for logging -----------------------------------------------------------
     def param_norm(self) -> float:

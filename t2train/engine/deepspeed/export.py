@@ -1,5 +1,8 @@
-"""A DeepSpeed engine checkpoint read for export: each tensor-parallel rank's ZeRO shards
-gathered (DeepSpeed's ``zero_to_fp32``), the ranks joined, into a model at TP = PP = 1."""
+"""A DeepSpeed engine checkpoint's weights read outside DeepSpeed: each tensor-parallel
+rank's ZeRO shards gathered (DeepSpeed's ``zero_to_fp32``), the ranks joined, and the parts
+a model of another layout holds taken from them. For export that model is TP = PP = 1
+(``load_for_export``); a run starting from the checkpoint (``checkpoint.init_from``) takes
+this rank's parts at its own TP and PP (``read_weights``)."""
 
 from __future__ import annotations
 
@@ -12,23 +15,40 @@ from typing import Callable
 
 import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from megatron.core import parallel_state as ps
 from megatron.core.transformer.mlp import MLP
 
 from t2train.checkpoint.errors import CheckpointError
 from t2train.model.gpt import EMBEDDING_WEIGHT
 
+OUTPUT_WEIGHT = "output_layer.weight"  # with tied embeddings, held only by a later stage
+VOCAB_ROWS = {EMBEDDING_WEIGHT, OUTPUT_WEIGHT}  # padded per tensor-parallel size
+
 
 def load_for_export(path: Path, train_state: dict, build: Callable) -> tuple:
     """(model, stored dtype): ``build(rows, dtype)`` makes the model, the gathered weights
     fill it (fp32 for ZeRO-3)."""
+    shards = _gathered_shards(path, train_state)
+    stored = shards[0][EMBEDDING_WEIGHT].dtype
+    model = build(sum(shard[EMBEDDING_WEIGHT].shape[0] for shard in shards.values()), stored)
+    model.load_state_dict(_parts_of(model, shards, path))
+    return model, stored
+
+
+def read_weights(path: Path, train_state: dict, chunks: list) -> list[dict]:
+    """Each bare chunk's weights at this rank's layout (``t2train.engine.start_weights``).
+    Every rank gathers the whole model in fp32 on the host, as zero_to_fp32 does."""
+    shards = _gathered_shards(path, train_state)
+    return [_parts_of(chunk, shards, path) for chunk in chunks]
+
+
+def _gathered_shards(path: Path, train_state: dict) -> dict[int, dict]:
+    """Tensor-parallel rank -> that rank's whole (un-ZeRO-ed) state dict."""
     ranks = (train_state.get("layout") or {}).get("tp", 1)
     shards = {rank: _zero_gathered(path, rank) for rank in range(ranks)}
     if EMBEDDING_WEIGHT not in shards[0]:
         raise CheckpointError(f"{path}: holds no model weights ({EMBEDDING_WEIGHT} is missing)")
-    stored = shards[0][EMBEDDING_WEIGHT].dtype
-    model = build(sum(shard[EMBEDDING_WEIGHT].shape[0] for shard in shards.values()), stored)
-    _load_gathered(model, _join_tensor_parallel(model, shards), path)
-    return model, stored
+    return shards
 
 
 def _zero_gathered(path: Path, tp_rank: int) -> dict:
@@ -59,48 +79,59 @@ def _zero_gathered(path: Path, tp_rank: int) -> dict:
             ) from err
 
 
-def _join_tensor_parallel(model, shards: dict[int, dict]) -> dict:
-    """Whole tensors from each tensor-parallel rank's shards.
-
-    A Megatron parallel parameter is split along its ``partition_dim``; the gated MLP's fc1
-    holds [gate; up] on each rank, so its halves are joined separately.
-    """
-    if len(shards) == 1:
-        return shards[0]
+def _parts_of(chunk, shards: dict[int, dict], path: Path) -> dict:
+    """``chunk``'s state dict from the checkpoint's shards (written at PP = 1): its layers
+    found by their number in the whole model, each tensor-parallel parameter joined across
+    the checkpoint's ranks and this rank's part taken."""
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    tp_rank = ps.get_tensor_model_parallel_rank()
     gated = {
         f"{name}.linear_fc1.weight"
-        for name, module in model.named_modules()
+        for name, module in chunk.named_modules()
         if isinstance(module, MLP) and module.config.gated_linear_unit
     }
-    parameters = dict(model.named_parameters())
-    joined = {}
-    for key, first in shards[0].items():
-        parts = [shards[rank][key] for rank in sorted(shards)]
-        param = parameters.get(key)
-        if param is None or not getattr(param, "tensor_model_parallel", False):
-            joined[key] = first
+    parameters = dict(chunk.named_parameters())
+    own_state = chunk.state_dict()
+    state, missing = {}, []
+    for name, own in own_state.items():
+        if name.endswith("_extra_state"):
+            state[name] = own  # the chunk's own: DeepSpeed's files hold no extra state
             continue
-        dim = param.partition_dim
-        if key in gated:
-            halves = [part.chunk(2, dim=dim) for part in parts]
-            joined[key] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
-        else:
-            joined[key] = torch.cat(parts, dim=dim)
-    return joined
-
-
-def _load_gathered(model, weights: dict, path: Path) -> None:
-    expected = {key for key in model.state_dict() if not key.endswith("_extra_state")}
-    missing = sorted(expected - weights.keys())
+        source = chunk.whole_model_name(name)
+        if source == OUTPUT_WEIGHT and source not in shards[0]:
+            source = EMBEDDING_WEIGHT  # tied: a later stage's copy of the embedding
+        if source not in shards[0]:
+            missing.append(name)
+            continue
+        param = parameters.get(name)
+        parts = [shards[rank][source] for rank in sorted(shards)]
+        if param is None or not getattr(param, "tensor_model_parallel", False):
+            state[name] = parts[0]
+            continue
+        dim, halves = param.partition_dim, 2 if name in gated else 1
+        # The gated MLP's fc1 holds [gate; up] on each rank: each half is joined and split.
+        pieces = [torch.cat(half, dim=dim) for half in zip(*(p.chunk(halves, dim) for p in parts))]
+        if source in VOCAB_ROWS:
+            pieces = [_rows(piece, own.shape[0] * tp_size) for piece in pieces]
+        state[name] = torch.cat([piece.chunk(tp_size, dim)[tp_rank] for piece in pieces], dim)
     if missing:
         raise CheckpointError(
             f"{path}: the DeepSpeed weights lack {missing[0]}"
             f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}"
         )
-    try:
-        model.load_state_dict({key: weights[key] for key in expected}, strict=False)
-    except RuntimeError as err:
-        raise CheckpointError(
-            f"{path}: the DeepSpeed weights do not fit the recorded model "
-            f"({str(err).strip().splitlines()[-1]})"
-        ) from None
+    for name, own in own_state.items():
+        if torch.is_tensor(own) and state[name].shape != own.shape:
+            raise CheckpointError(
+                f"{path}: the DeepSpeed weights do not fit the recorded model "
+                f"({name}: {tuple(state[name].shape)}, this rank holds {tuple(own.shape)})"
+            )
+    return state
+
+
+def _rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """The vocabulary padded to ``rows`` (another tensor-parallel size pads it to another
+    multiple): the real rows kept, added padding rows zero, as dist-checkpointing loads an
+    embedding of another padding."""
+    if weight.shape[0] >= rows:
+        return weight[:rows]
+    return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])])

@@ -7,16 +7,19 @@ from typing import Callable, Optional
 
 from t2train.config.schema import Config
 from t2train.engine import MicroBatch, StepResult
-from t2train.engine.megatron.checkpoint import load_checkpoint, load_weights, save_checkpoint
+from t2train.engine.megatron.checkpoint import load_checkpoint, save_checkpoint
 from t2train.engine.megatron.numerics import UpdateGuard
 from t2train.engine.megatron.setup import build_training_objects
 from t2train.engine.megatron.step import evaluate, train_step
+from t2train.engine.start_weights import StartWeights
 from t2train.monitor.step_metrics import param_norm
 
 
 class MegatronEngine:
-    def __init__(self, config: Config, vocab_size: int):
-        self.objs = build_training_objects(config, vocab_size)
+    def __init__(
+        self, config: Config, vocab_size: int, start_weights: Optional[StartWeights] = None
+    ):
+        self.objs = build_training_objects(config, vocab_size, start_weights)
         self.config, self.vocab_size, self.model = config, vocab_size, self.objs.model
         self.scheduler = self.objs.scheduler
         self.guard = UpdateGuard(config.train)
@@ -39,9 +42,6 @@ class MegatronEngine:
 
     def load(self, path: Path) -> dict:
         return load_checkpoint(path, self.objs, self.config)
-
-    def load_weights(self, path: Path, tokenizer_sha256: str) -> None:
-        load_weights(path, self.objs, self.config, tokenizer_sha256)
 
     def param_norm(self) -> float:
         return param_norm(self.model)

@@ -21,7 +21,6 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from t2train.checkpoint.compatibility import check_same_model, check_shard_files
-from t2train.checkpoint.errors import CheckpointError
 from t2train.checkpoint.integrity import check_finite, optimizer_tensors, recorded_checksums
 from t2train.checkpoint.paths import INCOMPLETE, step_dir_name
 from t2train.checkpoint.store import (
@@ -40,14 +39,15 @@ from t2train.processes import die_with_parent
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _model_keys(objs: TrainingObjects) -> list[str]:
-    return ["model"] if len(objs.model) == 1 else [f"model{i}" for i in range(len(objs.model))]
+def _chunk_keys(chunks: int) -> list[str]:
+    return ["model"] if chunks == 1 else [f"model{i}" for i in range(chunks)]
 
 
 def _model_state(objs: TrainingObjects) -> dict:
     """Sharded state of the unwrapped chunks (keys independent of the DDP wrapper)."""
     return {
-        key: chunk.module.sharded_state_dict() for key, chunk in zip(_model_keys(objs), objs.model)
+        key: chunk.module.sharded_state_dict()
+        for key, chunk in zip(_chunk_keys(len(objs.model)), objs.model)
     }
 
 
@@ -77,7 +77,7 @@ def _state_tensors(objs: TrainingObjects) -> list[tuple[str, torch.Tensor]]:
     """This rank's parameters and optimizer state (main parameters and moments)."""
     tensors = [
         (f"{key}.{name}", param)
-        for key, chunk in zip(_model_keys(objs), objs.model)
+        for key, chunk in zip(_chunk_keys(len(objs.model)), objs.model)
         for name, param in chunk.module.named_parameters()
     ]
     for part in getattr(objs.optimizer, "chained_optimizers", [objs.optimizer]):
@@ -164,7 +164,7 @@ def load_checkpoint(path: Path, objs: TrainingObjects, config=None) -> dict:
         state["rng_state"] = rng_sharded_object(None)
     loaded = read_checkpoint(path, lambda: dist_checkpointing.load(state, str(path)))
 
-    for key, chunk in zip(_model_keys(objs), objs.model):
+    for key, chunk in zip(_chunk_keys(len(objs.model)), objs.model):
         chunk.module.load_state_dict(loaded[key])
     if has_optimizer:
         objs.optimizer.load_state_dict(loaded["optimizer"])
@@ -181,22 +181,11 @@ def load_checkpoint(path: Path, objs: TrainingObjects, config=None) -> dict:
     return common["train_state"]
 
 
-def load_weights(path: Path, objs: TrainingObjects, config, tokenizer_sha256: str) -> None:
-    """Collective: the model weights of ``path`` (any layout) and nothing else, for a fresh
-    start (``checkpoint.init_from``). Its model and tokenizer must be the run's."""
-    check_engine(path, "megatron")
-    common = read_checkpoint(path, lambda: dist_checkpointing.load_common_state_dict(str(path)))
-    check_same_model(path, common["train_state"], config.model)
-    theirs = common["train_state"].get("tokenizer_sha256")
-    if theirs and theirs != tokenizer_sha256:
-        raise CheckpointError(
-            f"{path}: trained with tokenizer {theirs[:12]}, but data.path="
-            f"{config.data.path} was prepared with {tokenizer_sha256[:12]}; "
-            "prepare the data with that model's tokenizer (t2train data "
-            "prepare --tokenizer)"
-        )
+def read_weights(path: Path, train_state: dict, chunks: list) -> list[dict]:
+    """Collective: each bare chunk's weights from a checkpoint of any layout, resharded for
+    this rank by dist-checkpointing (``t2train.engine.start_weights``)."""
     check_shard_files(path)
-    loaded = read_checkpoint(path, lambda: dist_checkpointing.load(_model_state(objs), str(path)))
-    for key, chunk in zip(_model_keys(objs), objs.model):
-        chunk.module.load_state_dict(loaded[key])
-    objs.optimizer.reload_model_params()  # low-precision runs: the fp32 master copies too
+    keys = _chunk_keys(len(chunks))
+    wanted = {key: chunk.sharded_state_dict() for key, chunk in zip(keys, chunks)}
+    loaded = read_checkpoint(path, lambda: dist_checkpointing.load(wanted, str(path)))
+    return [loaded[key] for key in keys]

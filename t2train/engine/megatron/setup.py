@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from megatron.core.distributed import (
@@ -16,6 +17,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from t2train.compat import megatron_optimizer
 from t2train.config.schema import Config
 from t2train.engine.shared import lr_scheduler, optimizer_config
+from t2train.engine.start_weights import StartWeights
 from t2train.model.build import (
     T2TransformerConfig,
     build_model_chunks,
@@ -35,10 +37,15 @@ class TrainingObjects:
     hops: HopPlan  # what crosses each pipeline hop: the chunks send by it, the step sizes by it
 
 
-def build_training_objects(config: Config, vocab_size: int) -> TrainingObjects:
+def build_training_objects(
+    config: Config, vocab_size: int, start_weights: Optional[StartWeights] = None
+) -> TrainingObjects:
+    """Collective. ``start_weights`` fill the chunks before DDP and the optimizer copy them."""
     tf_config = transformer_config(config)
     hops = plan_hops(config)
     chunks = build_model_chunks(config, tf_config, vocab_size, hops)
+    if start_weights is not None:
+        start_weights.load_into(chunks, config)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
