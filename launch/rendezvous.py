@@ -23,8 +23,11 @@ said that its agent is done.
 
 from __future__ import annotations
 
+import socket
 import sys
+import time
 from datetime import timedelta
+from typing import Optional
 
 BACKEND = "t2train-c10d"
 # How long the host waits for the other nodes to leave a run that succeeded; they only have to
@@ -78,6 +81,24 @@ def register() -> None:
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
     rendezvous_handler_registry.register(BACKEND, _create_handler)
+
+
+def wait_for_host(plan, timeout: float) -> Optional[OSError]:
+    """On a node other than the host: wait up to ``timeout`` seconds (``--join-timeout``) until
+    the host's launcher accepts connections; returns the last connection error if it never
+    did. torchrun's agent would try for its own fixed 60 s (whatever ``--join-timeout``
+    says), and log each failed try with a C++ stack."""
+    if plan.is_rdzv_host:
+        return None
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((plan.rdzv_host, plan.rdzv_port), timeout=5).close()
+            return None
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                return err
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
 def _left_key(rdzv_id: str, attempt: int, node_rank: int) -> str:

@@ -134,6 +134,9 @@ def run(
     become_subreaper()  # the orphans of a killed worker become ours, not pid 1's
     os.environ[LAUNCHER_PID] = str(os.getpid())  # workers die with this launcher
     store = _rendezvous_store(plan) if max_restarts or plan.nnodes > 1 else None
+    unreachable = rendezvous.wait_for_host(plan, join_timeout)
+    if unreachable is not None:
+        raise LaunchError(_host_unreachable(plan, unreachable, join_timeout))
     attempt = 0
     try:
         code, workers_failed = _run_once(plan, train_argv, agent_signals, 0, join_timeout)
@@ -203,6 +206,22 @@ def _end_leftovers() -> None:
         )
 
 
+def _expected(plan: LaunchPlan) -> str:
+    return (
+        f"{plan.nnodes} nodes expected ({', '.join(plan.nodes)}), one `t2train launch` "
+        f"on each; this is node {plan.node_rank}"
+    )
+
+
+def _host_unreachable(plan: LaunchPlan, err: OSError, join_timeout: float) -> str:
+    """The host's launcher never answered within ``--join-timeout``, for one error line."""
+    return (
+        f"node 0 ({plan.nodes[0]}), which hosts the rendezvous at {plan.rdzv_host}:"
+        f"{plan.rdzv_port}, could not be reached within {join_timeout:.0f} s (--join-timeout; "
+        f"{type(err).__name__}: {err.strerror or err}): {_expected(plan)}"
+    )
+
+
 def _not_gathered(plan: LaunchPlan, err: Exception, join_timeout: float | None) -> str:
     """Why the first rendezvous did not gather every node, for one error line."""
     from torch.distributed.elastic.rendezvous import (
@@ -211,10 +230,7 @@ def _not_gathered(plan: LaunchPlan, err: Exception, join_timeout: float | None) 
     )
 
     where = f"the rendezvous at {plan.rdzv_host}:{plan.rdzv_port}"
-    expected = (
-        f"{plan.nnodes} nodes expected ({', '.join(plan.nodes)}), one `t2train launch` "
-        f"on each; this is node {plan.node_rank}"
-    )
+    expected = _expected(plan)
     if isinstance(err, RendezvousTimeoutError):
         why = f"not every node joined {where} within {join_timeout:.0f} s (--join-timeout)"
     elif isinstance(err, RendezvousConnectionError):

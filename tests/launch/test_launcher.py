@@ -188,13 +188,16 @@ def _start_nodes(
     label: str = "",
     node_env: tuple[dict, dict] = ({}, {}),
     started: tuple[int, ...] = (0, 1),
+    stagger: float = 0.0,
 ) -> tuple[list[subprocess.Popen], list[Path]]:
     """Two node launchers of one run on this host (tests/launch/node_launcher.py), each in
     its own session, their output in ``tmp_path/<label>node<N>.log``; node N restarts its
     workers up to ``restarts[N]`` times, with ``node_env[N]`` added to its environment.
-    Only the nodes in ``started`` start."""
+    Only the nodes in ``started`` start, in that order, ``stagger`` seconds apart."""
     port, nodes, logs = plan_standalone(1, None).rdzv_port, [], []
     for node in started:
+        if nodes:
+            time.sleep(stagger)
         logs.append(tmp_path / f"{label}node{node}.log")
         with logs[-1].open("w") as out:
             nodes.append(
@@ -302,6 +305,35 @@ def test_a_start_that_a_node_never_joins_ends_in_one_line(shakespeare, tmp_path)
     wait_until_none_left(str(run_dir))
 
 
+@pytest.mark.slow
+def test_a_node_whose_rendezvous_host_never_starts_ends_in_one_line(shakespeare, tmp_path):
+    """Node 1 of two starts alone (node 0's launcher, which hosts the rendezvous, never runs):
+    after ``--join-timeout`` it stops with one error line naming the host it waited for and
+    why it failed, exit code 2, and nothing of it runs on. It waited torchrun's own 60 s
+    whatever --join-timeout said, and logged the failed connection with a C++ stack."""
+    run_dir = tmp_path / "run"
+    nodes, logs = _start_nodes(
+        tmp_path,
+        run_dir,
+        _train_args(shakespeare, run_dir),
+        node_env=({}, {"JOIN_TIMEOUT": "3"}),
+        started=(1,),
+    )
+    try:
+        code = nodes[0].wait(timeout=120)
+    finally:
+        _kill_running(nodes)
+    text = logs[0].read_text()
+    assert code == 2, text[-4000:]
+    assert text.strip().splitlines() == [
+        f"error: node 0 (node0), which hosts the rendezvous at 127.0.0.1:{_port(nodes[0])}, "
+        "could not be reached within 3 s (--join-timeout; ConnectionRefusedError: Connection "
+        "refused): 2 nodes expected (node0, node1), one `t2train launch` on each; this is node 1"
+    ], text[-4000:]
+    assert not run_dir.exists()
+    wait_until_none_left(str(run_dir))
+
+
 def _port(node: subprocess.Popen) -> str:
     return node.args[3]  # python node_launcher.py NODE_RANK PORT ...
 
@@ -312,7 +344,10 @@ def test_the_rendezvous_host_waits_for_a_slow_node_to_leave_the_exit_barrier(sha
     node 0's launcher hosts. Node 1's agent is slow: it pauses 3 s between joining the
     barrier and waiting on it. Node 0's launcher must keep the store until node 1 has left
     (it exited at once, and node 1's agent logged "Error waiting on exit barrier" with a
-    traceback: pytorch/pytorch#69520, seen once in six two-node runs under load)."""
+    traceback: pytorch/pytorch#69520, seen once in six two-node runs under load).
+
+    Node 1 also starts 3 s before the host: it waits for the host's launcher to come up
+    (--join-timeout) rather than failing its first connection."""
     run_dir = tmp_path / "run"
     train = _train_args(
         shakespeare,
@@ -322,7 +357,14 @@ def test_the_rendezvous_host_waits_for_a_slow_node_to_leave_the_exit_barrier(sha
         "train.warmup_steps=0",
         "train.eval_interval=2",
     )
-    nodes, logs = _start_nodes(tmp_path, run_dir, train, node_env=({}, {"EXIT_BARRIER_DELAY": "3"}))
+    nodes, logs = _start_nodes(
+        tmp_path,
+        run_dir,
+        train,
+        node_env=({}, {"EXIT_BARRIER_DELAY": "3"}),
+        started=(1, 0),
+        stagger=3.0,
+    )
     try:
         codes = [node.wait(timeout=300) for node in nodes]
     finally:
