@@ -8,7 +8,8 @@ checkpoint (refused: another layout). Writes {design: {run: {step: loss}}}, runs
 
 ``--phase init`` (a fresh process): runs of the last design start from the weights of its
 SAVE_AT checkpoints (``checkpoint.init_from``) in another engine and layout, each saving
-them again as its step 0 (``START_FROM``: run -> source run, engine and layout).
+them again as its step 0 (``START_FROM``: run -> source run, engine and layout). One process
+runs the three, so each ``train()`` also sets up another layout than the one before it did.
 """
 
 from __future__ import annotations
