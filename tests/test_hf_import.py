@@ -175,7 +175,13 @@ def test_the_import_train_export_sequence_works_from_other_directories(
         f"fresh start from the weights of {weights} (verified, not loaded now)"
         in capsys.readouterr().out
     )
+    # Another model is refused by the dry run, as the run would refuse it: before a job starts
+    different = "written by a different model; model.num_layers: checkpoint 2, this run 3"
+    assert main([*train, "model.num_layers=3", "--dry-run"]) == 2
+    assert f"error: {weights}: {different}" in capsys.readouterr().err
     assert main(train) == 0
+    assert main([*train, "model.num_layers=3", "--dry-run"]) == 2  # now it would resume
+    assert capsys.readouterr().err == f"error: run/checkpoints/step_00000001: {different}\n"
     monkeypatch.chdir(tmp_path / "c" / "d")
     assert main(["export", "hf", "../../b/run", "hf"]) == 0
     assert (tmp_path / "c" / "d" / "hf" / "model.safetensors").is_file()

@@ -25,9 +25,9 @@ class StartWeights:
     path: Path  # a complete checkpoint, its checksums verified
     tokenizer_sha256: str  # of the tokenizer this run's data was prepared with
 
-    def load_into(self, chunks: list, config: Config) -> None:
-        """Collective: every chunk of this rank gets the checkpoint's weights. Its model and
-        tokenizer must be the run's."""
+    def check(self, config: Config) -> dict:
+        """The checkpoint's train state, once its model and tokenizer are found to be the
+        run's (``train --dry-run`` checks this much)."""
         train_state = read_train_state(self.path)
         check_same_model(self.path, train_state, config.model)
         theirs = train_state.get("tokenizer_sha256")
@@ -38,6 +38,11 @@ class StartWeights:
                 "prepare the data with that model's tokenizer (t2train data "
                 "prepare --tokenizer)"
             )
+        return train_state
+
+    def load_into(self, chunks: list, config: Config) -> None:
+        """Collective: every chunk of this rank gets the checkpoint's weights."""
+        train_state = self.check(config)
         if checkpoint_engine(self.path) == "deepspeed":
             from t2train.engine.deepspeed.export import read_weights  # noqa: PLC0415 - each engine's library loads when its checkpoint is read
         else:

@@ -1,10 +1,11 @@
 """``t2train train --dry-run``: everything a run sets up, then no training.
 
 The same checks and objects as a run's start (``loop.py``): the dataset, the resume target
-or the ``checkpoint.init_from`` weights (each verified against its checksums, as the run
-would), the process groups against the world size, the engine with its model and optimizer,
-and one step's micro-batches read through the loaders. Nothing is written to the run
-directory and no checkpoint is loaded (the one that would be is named).
+or the ``checkpoint.init_from`` weights (each verified against its checksums, and its model,
+engine or tokenizer against the run's, as the run would), the process groups against the
+world size, the engine with its model and optimizer, and one step's micro-batches read
+through the loaders. Nothing is written to the run directory and no checkpoint is loaded
+(the one that would be is named).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class DryRun:
 def dry_run(config: Config) -> DryRun:
     import torch.distributed as dist
 
+    from t2train.checkpoint.compatibility import check_same_model
+    from t2train.checkpoint.store import check_engine
+    from t2train.checkpoint.train_state import read_train_state
     from t2train.data.index import read_index
     from t2train.engine import build_engine
     from t2train.train.batches import GlobalBatchFeeder
@@ -43,7 +47,10 @@ def dry_run(config: Config) -> DryRun:
     skipped, init_from = "", None
     if resume_from is not None:
         resume_from, skipped = verified(config, Path(config.run_dir), resume_from)
+        check_engine(resume_from, config.train.engine)
+        check_same_model(resume_from, read_train_state(resume_from), config.model)
     elif (weights := weights_to_start_from(config, facts)) is not None:
+        weights.check(config)
         init_from = weights.path
     engine = build_engine(config, config.padded_vocab_size(facts["vocab_size"]))
     streams = open_streams(config, topology, dp_size, None)
