@@ -6,8 +6,8 @@ design resumes from its SAVE_AT checkpoint, and a ZeRO-2 run is pointed at the Z
 checkpoint (refused: another layout). Writes {design: {run: {step: loss}}}, runs named
 ``megatron`` and ``zero1`` .. ``zero3``; the refusal's message is under ``refused``.
 
-``--phase init`` (a fresh process): runs of the last design start from the weights of its
-SAVE_AT checkpoints (``checkpoint.init_from``) in another engine and layout, each saving
+``--phase init`` (a fresh process): runs of the last design start from the weights of the
+newest checkpoint of another run (``checkpoint.init_from``) in another engine or layout, each saving
 them again as its step 0 (``START_FROM``: run -> source run, engine and layout). One process
 runs the three, so each ``train()`` also sets up another layout than the one before it did.
 """
@@ -54,6 +54,8 @@ START_FROM = {
     "zero3-tp2-from-megatron": ("megatron", [*ENGINES["zero3"], "parallel.tensor=2"]),
     "megatron-pp2-from-zero3": ("zero3", [*ENGINES["megatron"], "parallel.pipeline=2"]),
     "zero1-tp2-from-zero3": ("zero3", [*ENGINES["zero1"], "parallel.tensor=2"]),
+    # the checkpoint's TP size: each rank reads only its own tensor-parallel rank's files
+    "zero2-tp2-from-zero1-tp2": ("zero1-tp2-from-zero3", [*ENGINES["zero2"], "parallel.tensor=2"]),
 }
 
 
@@ -131,7 +133,7 @@ def _start_from_other_runs(root: Path, design: str, data: Path) -> dict:
             f"data.path={data}",
             *engine,
             f"log.run_dir={root / design / run}",
-            f"checkpoint.init_from={_checkpoint(root / design / source)}",
+            f"checkpoint.init_from={root / design / source}",  # its newest checkpoint
             "checkpoint.save_on_resume=true",
             "train.steps=2",
             "train.warmup_steps=1",

@@ -11,7 +11,7 @@ import io
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -28,24 +28,32 @@ VOCAB_ROWS = {EMBEDDING_WEIGHT, OUTPUT_WEIGHT}  # padded per tensor-parallel siz
 def load_for_export(path: Path, train_state: dict, build: Callable) -> tuple:
     """(model, stored dtype): ``build(rows, dtype)`` makes the model, the gathered weights
     fill it (fp32 for ZeRO-3)."""
-    shards = _gathered_shards(path, train_state)
+    shards = _gathered_shards(path, range(_written_tp(train_state)))
     stored = shards[0][EMBEDDING_WEIGHT].dtype
-    model = build(sum(shard[EMBEDDING_WEIGHT].shape[0] for shard in shards.values()), stored)
-    model.load_state_dict(_parts_of(model, shards, path))
+    model = build(sum(shard[EMBEDDING_WEIGHT].shape[0] for shard in shards), stored)
+    model.load_state_dict(_parts_of(model, shards, path, (1, 0)))
     return model, stored
 
 
 def read_weights(path: Path, train_state: dict, chunks: list) -> list[dict]:
     """Each bare chunk's weights at this rank's layout (``t2train.engine.start_weights``).
-    Every rank gathers the whole model in fp32 on the host, as zero_to_fp32 does."""
-    shards = _gathered_shards(path, train_state)
-    return [_parts_of(chunk, shards, path) for chunk in chunks]
+    Every rank gathers the checkpoint's tensor-parallel ranks in fp32 on the host, as
+    zero_to_fp32 does: only its own when the run has the checkpoint's TP size, else all."""
+    tp = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    if _written_tp(train_state) == tp[0]:
+        own = _gathered_shards(path, [tp[1]])
+        return [_parts_of(chunk, own, path, (1, 0)) for chunk in chunks]
+    shards = _gathered_shards(path, range(_written_tp(train_state)))
+    return [_parts_of(chunk, shards, path, tp) for chunk in chunks]
 
 
-def _gathered_shards(path: Path, train_state: dict) -> dict[int, dict]:
-    """Tensor-parallel rank -> that rank's whole (un-ZeRO-ed) state dict."""
-    ranks = (train_state.get("layout") or {}).get("tp", 1)
-    shards = {rank: _zero_gathered(path, rank) for rank in range(ranks)}
+def _written_tp(train_state: dict) -> int:
+    return (train_state.get("layout") or {}).get("tp", 1)
+
+
+def _gathered_shards(path: Path, tp_ranks: Iterable[int]) -> list[dict]:
+    """The whole (un-ZeRO-ed) state dict of each of these tensor-parallel ranks."""
+    shards = [_zero_gathered(path, rank) for rank in tp_ranks]
     if EMBEDDING_WEIGHT not in shards[0]:
         raise CheckpointError(f"{path}: holds no model weights ({EMBEDDING_WEIGHT} is missing)")
     return shards
@@ -79,12 +87,12 @@ def _zero_gathered(path: Path, tp_rank: int) -> dict:
             ) from err
 
 
-def _parts_of(chunk, shards: dict[int, dict], path: Path) -> dict:
-    """``chunk``'s state dict from the checkpoint's shards (written at PP = 1): its layers
-    found by their number in the whole model, each tensor-parallel parameter joined across
-    the checkpoint's ranks and this rank's part taken."""
-    tp_size = ps.get_tensor_model_parallel_world_size()
-    tp_rank = ps.get_tensor_model_parallel_rank()
+def _parts_of(chunk, shards: list[dict], path: Path, split: tuple[int, int]) -> dict:
+    """``chunk``'s state dict from consecutive tensor-parallel shards of the checkpoint
+    (written at PP = 1): its layers found by their number in the whole model, each
+    tensor-parallel parameter joined across the shards and split in ``split`` = (parts,
+    which) for this rank."""
+    tp_size, tp_rank = split
     gated = {
         f"{name}.linear_fc1.weight"
         for name, module in chunk.named_modules()
@@ -104,7 +112,7 @@ def _parts_of(chunk, shards: dict[int, dict], path: Path) -> dict:
             missing.append(name)
             continue
         param = parameters.get(name)
-        parts = [shards[rank][source] for rank in sorted(shards)]
+        parts = [shard[source] for shard in shards]
         if param is None or not getattr(param, "tensor_model_parallel", False):
             state[name] = parts[0]
             continue
