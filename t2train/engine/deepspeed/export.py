@@ -39,12 +39,12 @@ def read_weights(path: Path, train_state: dict, chunks: list) -> list[dict]:
     """Each bare chunk's weights at this rank's layout (``t2train.engine.start_weights``).
     Every rank gathers the checkpoint's tensor-parallel ranks in fp32 on the host, as
     zero_to_fp32 does: only its own when the run has the checkpoint's TP size, else all."""
-    tp = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    if _written_tp(train_state) == tp[0]:
-        own = _gathered_shards(path, [tp[1]])
-        return [_parts_of(chunk, own, path, (1, 0)) for chunk in chunks]
-    shards = _gathered_shards(path, range(_written_tp(train_state)))
-    return [_parts_of(chunk, shards, path, tp) for chunk in chunks]
+    written = _written_tp(train_state)
+    size, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    # At the written size this rank's part is one written rank's, taken whole.
+    ranks, split = ([rank], (1, 0)) if written == size else (range(written), (size, rank))
+    shards = _gathered_shards(path, ranks)
+    return [_parts_of(chunk, shards, path, split) for chunk in chunks]
 
 
 def _written_tp(train_state: dict) -> int:
