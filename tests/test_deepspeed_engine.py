@@ -42,6 +42,14 @@ def _tags(run_dir: Path) -> set[str]:
     return set(events.Tags()["scalars"]) | set(events.Tags()["histograms"])
 
 
+def _forward_ms(run_dir: Path) -> float:
+    """The slowest rank's forward time per step at the run's last log step."""
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [r for r in records if "stragglers/forward_ms_slowest" in r][-1][
+        "stragglers/forward_ms_slowest"
+    ]
+
+
 @pytest.mark.slow
 def test_zero_stages_match_megatron_and_resume_exactly(shakespeare, tmp_path):
     args = ["--data", str(shakespeare), "--root", str(tmp_path), "--designs", "standard,ddl"]
@@ -60,6 +68,7 @@ def test_zero_stages_match_megatron_and_resume_exactly(shakespeare, tmp_path):
             gaps = {step: abs(losses[step] - megatron[step]) for step in megatron}
             assert max(gaps.values()) < TOLERANCE, (design, run, gaps)
             assert _tags(tmp_path / design / run) == _tags(tmp_path / design / "megatron")
+            assert _forward_ms(tmp_path / design / run) > 0, run  # the slow-rank report's clock
 
     checkpoint = tmp_path / "standard" / "zero3" / "checkpoints" / f"step_{SAVE_AT:08d}"
     assert "DeepSpeed ZeRO-3" in describe(checkpoint)

@@ -14,14 +14,13 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 
 from proc_signals import has, signal_masks
-from torchrun_helper import REPO, child_env
+from torchrun_helper import REPO, child_env, faulty_train_command
 
 pytestmark = pytest.mark.slow
 
@@ -66,21 +65,17 @@ def _kill_the_frozen_rank_once_asked_to_stop(launcher_pid: int) -> int:
 
 
 def test_a_hung_rank_times_out_naming_the_collective_and_rank(shakespeare, tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(REPO / "tests" / "workers" / "faulty_train.py"),
+    cmd = faulty_train_command(
+        2,
         "hang",
-        "2",
-        "--",
-        *TINY,
-        f"data.path={shakespeare}",
-        f"log.run_dir={tmp_path / 'run'}",
-        "parallel.collective_timeout_mins=0.1",
-    ]
+        2,
+        [
+            *TINY,
+            f"data.path={shakespeare}",
+            f"log.run_dir={tmp_path / 'run'}",
+            "parallel.collective_timeout_mins=0.1",
+        ],
+    )
     started, killed = time.monotonic(), 0
     with open(tmp_path / "out", "w+") as out:
         launcher = subprocess.Popen(
@@ -115,24 +110,20 @@ def test_a_save_fault_one_rank_sees_ends_every_rank_with_its_error(
     shakespeare, tmp_path, nproc, fault, rank, cause
 ):
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(REPO / "tests" / "workers" / "faulty_train.py"),
+    cmd = faulty_train_command(
+        nproc,
         fault,
-        "1",
-        "--",
-        *TINY,
-        f"data.path={shakespeare}",
-        f"log.run_dir={run_dir}",
-        "train.micro_batch_size=2",
-        "train.steps=2",
-        "checkpoint.interval=1",
-        "checkpoint.on_save_error=continue",
-    ]
+        1,
+        [
+            *TINY,
+            f"data.path={shakespeare}",
+            f"log.run_dir={run_dir}",
+            "train.micro_batch_size=2",
+            "train.steps=2",
+            "checkpoint.interval=1",
+            "checkpoint.on_save_error=continue",
+        ],
+    )
     proc = subprocess.run(
         cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600
     )

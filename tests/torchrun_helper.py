@@ -42,3 +42,22 @@ def run_torchrun(
             f"{worker} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
         )
     return json.loads(out.read_text())
+
+
+def faulty_train_command(
+    nproc: int, fault: str, first_step: int, train_args: list[str]
+) -> list[str]:
+    """torchrun starting ``nproc`` ranks of ``t2train train train_args`` with ``fault``
+    injected from the ``first_step``-th step (tests/workers/faulty_train.py)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(WORKERS / "faulty_train.py"),
+        fault,
+        str(first_step),
+        "--",
+        *train_args,
+    ]

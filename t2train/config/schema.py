@@ -529,6 +529,9 @@ class LogConfig:
     # Peak TFLOP/s of one device for MFU; 0 = look the GPU up in t2train/monitor/mfu.py.
     peak_tflops: float = 0.0
     all_ranks: bool = False  # every rank prints its console lines (debugging); else rank 0
+    # At log steps, name on the console a rank whose forward passes took this many times the
+    # median of the other ranks of its pipeline stage (t2train/monitor/stragglers.py); 0 = never.
+    straggler_factor: float = 1.25
     # Also log the scalars to Weights & Biases (t2train/monitor/wandb_sink.py): online, or
     # offline into <run_dir>/wandb (wandb sync uploads it later); needs t2train[wandb].
     wandb: Literal["off", "online", "offline"] = "off"
@@ -574,6 +577,12 @@ class LogConfig:
 
     def validate(self) -> None:
         require(bool(self.run_dir), "log.run_dir", self.run_dir, "must be a directory path")
+        require(
+            self.straggler_factor == 0 or self.straggler_factor > 1,
+            "log.straggler_factor",
+            self.straggler_factor,
+            "must be 0 (never warn) or above 1",
+        )
         self.profile_window()
         self.profiles_rank(0)
         require(

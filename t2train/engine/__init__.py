@@ -21,6 +21,7 @@ from typing import Callable, Optional, Protocol
 
 from t2train.config.schema import Config
 from t2train.engine.start_weights import StartWeights
+from t2train.monitor.stragglers import ForwardClock
 
 MicroBatch = dict  # {"tokens": LongTensor[b, s], "labels": LongTensor[b, s]}
 
@@ -53,6 +54,7 @@ class Engine(Protocol):
     vocab_size: int
     model: list  # this rank's chunks; each has ``.module``, the T2GPTModel
     scheduler: object  # Megatron's OptimizerParamScheduler: the LR schedule in force
+    forward_clock: ForwardClock  # the time of this rank's training forward passes
 
     def train_step(self, micro_batches: list[MicroBatch]) -> StepResult: ...
 

@@ -38,6 +38,7 @@ from t2train.monitor.diagnostics import Diagnostics, diagnostic_micro_batches
 from t2train.monitor.metrics import Monitor
 from t2train.monitor.profiler import StepProfiler
 from t2train.monitor.step_metrics import loss_scalars, step_meter
+from t2train.monitor.stragglers import StragglerMeter, straggler_scalars, straggler_warning
 from t2train.monitor.wandb_sink import wandb_settings
 from t2train.parallel.init import Topology, init_distributed, init_model_parallel, set_seed
 from t2train.residual import variant_label
@@ -176,6 +177,7 @@ class Trainer:
             config, self.engine.vocab_size, self.topology.world_size, train_state
         )
         self.monitor.print(mfu_note)
+        self.stragglers = StragglerMeter(self.topology.pp_rank)
         self.diagnostics = Diagnostics(
             self.engine,
             config.log.diagnostics_interval,
@@ -320,15 +322,7 @@ class Trainer:
         self.summary.losses[step] = result.loss
         self._count_skipped(step, result)
         if step % train_cfg.log_interval == 0 or step == train_cfg.steps:
-            scalars = self.meter.scalars(result, self.engine.param_norm())
-            self.monitor.scalars(step, scalars)
-            self.monitor.progress(
-                step,
-                result.loss,
-                result.lr,
-                scalars["throughput/tokens_per_sec"],
-                step - self.start_step,
-            )
+            self._log(step, result)
         if self.diagnostics.due(step):
             self.diagnostics.log(step)
         if step % train_cfg.eval_interval == 0 or step == train_cfg.steps:
@@ -339,6 +333,27 @@ class Trainer:
             self.save(step)
         self.summary.final_step = step
         return saved
+
+    def _log(self, step: int, result) -> None:
+        """The interval's scalars, its progress line and, when one rank is slower than its
+        peers, a line naming it (collective: every rank logs at the same steps)."""
+        times = self.stragglers.gather(
+            self.engine.forward_clock.take(), self.meter.data_wait, self.meter.steps
+        )
+        scalars = self.meter.scalars(result, self.engine.param_norm())
+        if times:
+            scalars.update(straggler_scalars(times))
+        self.monitor.scalars(step, scalars)
+        self.monitor.progress(
+            step,
+            result.loss,
+            result.lr,
+            scalars["throughput/tokens_per_sec"],
+            step - self.start_step,
+        )
+        warning = straggler_warning(times, self.config.log.straggler_factor)
+        if warning:
+            self.monitor.print(f"step {step:>6} | {warning}")
 
     def _count_skipped(self, step: int, result) -> None:
         """Updates skipped in a row (non-finite or spiking loss); too many halt the run."""

@@ -7,6 +7,8 @@ fault that one rank alone sees in the first checkpoint save after its STEP-th st
 ``save_metadata`` (rank 0 cannot write the checkpoint's metadata.json: disk full) or
 ``save_state`` (Megatron's save fails on the highest rank while it collects its sharded
 state). A save fault prints ``fault on rank R at T`` (T: time.time()) to stderr as it fires.
+``slow_forward``: the highest rank's model sleeps 0.25 s at the start of each forward pass
+(a rank on a slow device).
 """
 
 from __future__ import annotations
@@ -59,11 +61,27 @@ def _save_state(engine) -> None:
         )
 
 
+SLOW_FORWARD_SECONDS = 0.25
+
+
+def _slow_forward(engine) -> None:
+    if dist.get_rank() == dist.get_world_size() - 1:
+        model = engine.model[0].module
+        forward = model.forward
+
+        def slowed(*args, **kwargs):
+            time.sleep(SLOW_FORWARD_SECONDS)
+            return forward(*args, **kwargs)
+
+        model.forward = slowed
+
+
 FAULTS = {
     "nan_gradient": _nan_gradient,
     "hang": _hang,
     "save_metadata": _save_metadata,
     "save_state": _save_state,
+    "slow_forward": _slow_forward,
 }
 
 

@@ -41,6 +41,7 @@ from t2train.engine.shared import data_parallel_sum, lr_scheduler, model_loss, o
 from t2train.engine.start_weights import StartWeights
 from t2train.model.build import build_model_chunks, transformer_config
 from t2train.monitor.step_metrics import param_norm
+from t2train.monitor.stragglers import ForwardClock
 from t2train.parallel.traffic import collect_traffic
 
 
@@ -111,6 +112,7 @@ class DeepSpeedEngine:
             )
         self.scheduler = lr_scheduler(optimizer, config)
         self.model = [self.ds]  # like a DDP chunk: ``.module`` is the T2GPTModel
+        self.forward_clock = ForwardClock()
 
     # --- training --------------------------------------------------------------------
     def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
@@ -120,7 +122,8 @@ class DeepSpeedEngine:
         self.ds.module.traffic.reset()
         losses = []
         for batch in micro_batches:
-            loss = model_loss(self.ds, batch).float().mean()
+            with self.forward_clock.timing():
+                loss = model_loss(self.ds, batch).float().mean()
             self.ds.backward(loss)  # scaled by 1 / gradient_accumulation_steps
             self.ds.step()
             losses.append(loss.detach())

@@ -13,6 +13,7 @@ from t2train.engine.megatron.setup import build_training_objects
 from t2train.engine.megatron.step import evaluate, train_step
 from t2train.engine.start_weights import StartWeights
 from t2train.monitor.step_metrics import param_norm
+from t2train.monitor.stragglers import ForwardClock
 
 
 class MegatronEngine:
@@ -23,9 +24,10 @@ class MegatronEngine:
         self.config, self.vocab_size, self.model = config, vocab_size, self.objs.model
         self.scheduler = self.objs.scheduler
         self.guard = UpdateGuard(config.train)
+        self.forward_clock = ForwardClock()
 
     def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
-        return train_step(self.objs, micro_batches, self.guard)
+        return train_step(self.objs, micro_batches, self.guard, self.forward_clock)
 
     def evaluate(self, batches: list[list[MicroBatch]]) -> float:
         return evaluate(self.objs, batches)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -14,6 +15,7 @@ from t2train.engine import MicroBatch, StepResult
 from t2train.engine.megatron.numerics import UpdateGuard, grads_not_finite
 from t2train.engine.megatron.setup import TrainingObjects
 from t2train.engine.shared import data_parallel_sum, model_loss
+from t2train.monitor.stragglers import ForwardClock
 from t2train.parallel.hops import planned_shape_arguments
 from t2train.parallel.init import current_device
 from t2train.parallel.traffic import collect_traffic
@@ -30,7 +32,18 @@ def forward_step(data_iterator, model):
     return model_loss(model, next(data_iterator)), _loss
 
 
-def _run_schedule(objs: TrainingObjects, micro_batches: list[MicroBatch], forward_only: bool):
+def timed_forward_step(clock: ForwardClock, data_iterator, model):
+    """``forward_step``, its time counted on ``clock`` (training steps)."""
+    with clock.timing():
+        return forward_step(data_iterator, model)
+
+
+def _run_schedule(
+    objs: TrainingObjects,
+    micro_batches: list[MicroBatch],
+    forward_only: bool,
+    clock: Optional[ForwardClock] = None,
+):
     train, model = objs.config.train, objs.config.model
     for chunk in objs.model:
         chunk.module.start_schedule()
@@ -41,7 +54,9 @@ def _run_schedule(objs: TrainingObjects, micro_batches: list[MicroBatch], forwar
         unit = (hops.unit_rows, train.micro_batch_size, model.hidden_size)
         varying = planned_shape_arguments(config, hops, unit, len(micro_batches), forward_only)
     return get_forward_backward_func()(
-        forward_step_func=forward_step,
+        forward_step_func=forward_step
+        if clock is None
+        else functools.partial(timed_forward_step, clock),
         data_iterator=iterators if len(iterators) > 1 else iterators[0],
         model=objs.model,
         num_microbatches=len(micro_batches),
@@ -76,15 +91,19 @@ def _mean_loss(losses_reduced: list[dict]) -> float:
 
 
 def train_step(
-    objs: TrainingObjects, micro_batches: list[MicroBatch], guard: Optional[UpdateGuard] = None
+    objs: TrainingObjects,
+    micro_batches: list[MicroBatch],
+    guard: Optional[UpdateGuard] = None,
+    clock: Optional[ForwardClock] = None,
 ) -> StepResult:
-    """Forward, backward and (unless ``guard`` says skip) the optimizer update."""
+    """Forward, backward and (unless ``guard`` says skip) the optimizer update; ``clock``
+    counts the time of the forward passes."""
     for chunk in objs.model:
         chunk.train()
         chunk.zero_grad_buffer()
         chunk.module.traffic.reset()
     objs.optimizer.zero_grad()
-    total = _loss_total(_run_schedule(objs, micro_batches, forward_only=False))
+    total = _loss_total(_run_schedule(objs, micro_batches, forward_only=False, clock=clock))
     # The step's one read from the device: the loss, and whether every gradient is finite
     # (all ranks) when the guard asks.
     read = torch.cat([total, grads_not_finite(objs.model).to(total)]) if guard else total
