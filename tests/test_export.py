@@ -287,6 +287,43 @@ def test_a_kv_cache_gives_the_logits_of_the_whole_sequence(megatron_world, varia
     assert len(cached) == 9
 
 
+# each design with the mixer (alone, a design's reads are a subset: one position at a time),
+# and grouped-query attention
+WITH_THE_MIXER = [name for name in RANDOM_VARIANTS if name.endswith("+mixer") or "gqa" in name]
+
+
+@pytest.mark.parametrize("variant", WITH_THE_MIXER)
+def test_a_batch_of_prompts_generates_for_each_what_it_generates_alone(megatron_world, variant):
+    """``generate_batch`` on prompts of 9, 2 and 5 tokens gives each the tokens ``generate``
+    gives it alone: greedy with the cache and without it, past ``seq_length`` (9 + 9 tokens
+    slide the window), with rows that end apart (at the end-of-text token, or at a stop that
+    reads the tokens), and sampled (each row with its own generator of the seed)."""
+    from t2train.export.generate import generate, generate_batch
+
+    config, model = _t2train_model(RANDOM_VARIANTS[variant])
+    prompts = [prompt.tolist() for prompt in _prompts([9, 2, 5])]
+    context = config.model.seq_length
+    first = generate(model, prompts[1], 1, 128, context)[0]  # the end of text for the 2nd row
+
+    def stop(new: list[int]) -> bool:
+        return len(new) >= 3 and new[-1] % 3 == 0
+
+    lengths = {}
+    for name, options in {
+        "greedy": {},
+        "without the cache": {"cache": False},
+        "end of text": {"eos_id": first},
+        "stop": {"stop": stop},
+        "sampled": {"top_p": 0.9, "temperature": 1.5, "seed": 7},
+    }.items():
+        batched = generate_batch(model, prompts, 9, 128, context, **options)
+        alone = [generate(model, prompt, 9, 128, context, **options) for prompt in prompts]
+        assert batched == alone, name
+        lengths[name] = [len(new) for new in batched]
+    assert lengths["greedy"] == [9, 9, 9]
+    assert lengths["end of text"][1] == 1 and max(lengths["end of text"]) > 1
+
+
 MODELING_FILE_VARIANTS = [name for name in RANDOM_VARIANTS if not name.startswith("standard")] + [
     "standard+mixer"
 ]  # the rest export as transformers' own Llama

@@ -9,9 +9,10 @@ that trained it, not by an export. It answers lm-eval's three request types:
   batched longest first and padded on the right, which changes no earlier position (every
   design is causal along the sequence, and the depth reads mix layers at one position);
 - rolling log-likelihood (perplexity tasks): lm-eval's disjoint windows of ``seq_length``;
-- generation up to the task's stop strings (greedy, or sampled when the task asks), one
-  request at a time, each new token fed alone against a KV cache of the earlier ones
-  (``t2train/model/kv_cache.py``, exact for every design).
+- generation up to the task's stop strings (greedy, or sampled when the task asks):
+  requests that share their options are batched longest first, each new token fed alone
+  against a KV cache of the earlier ones (``t2train/model/kv_cache.py``, exact for every
+  design); each request gets the tokens it would get alone (``generate_batch``).
 
 The run's BOS convention (``bos_id`` of its dataset) starts every context, as it started
 every training document.
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 
 from t2train.errors import UserInputError
-from t2train.export.generate import generate
+from t2train.export.generate import generate_batch
 from t2train.export.load import LoadedModel
 from t2train.export.tokenizer import RunTokenizer
 
@@ -127,29 +128,38 @@ class RunModel(TemplateLM):
         return lambda ids: any(stop in self.tok_decode(ids) for stop in until)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        texts = []
-        for request in requests:
-            context, options = request.args
+        texts: list[str] = [""] * len(requests)
+        groups: dict[str, list[int]] = {}  # requests with the same generation options
+        for i, request in enumerate(requests):
+            key = json.dumps(request.args[1], sort_keys=True, default=str)
+            groups.setdefault(key, []).append(i)
+        for members in groups.values():
+            options = requests[members[0]].args[1]
             until = options.get("until") or [self.tok.eos_token]
             until = [until] if isinstance(until, str) else list(until)
             sampled = bool(options.get("do_sample")) or options.get("temperature", 0) > 0
-            new = generate(
-                self.model,
-                self.tok_encode(context),
-                int(options.get("max_gen_toks", 256)),
-                self.vocab,
-                self.context,
-                self.tok.eos_id,
-                top_p=float(options.get("top_p", 1.0)) if sampled else None,
-                temperature=float(options.get("temperature") or 1.0),
-                seed=int(options.get("seed", 0)),
-                stop=self._stops_at(until),
-            )
-            text = self.tok.tokenizer.decode(new, skip_special_tokens=True)
-            for stop in until:
-                text = text.split(stop)[0]
-            texts.append(text)
-            self.cache_hook.add_partial("generate_until", (context, options), text)
+            prompts = {i: self.tok_encode(requests[i].args[0]) for i in members}
+            order = sorted(members, key=lambda i: -len(prompts[i]))
+            for start in range(0, len(order), self.batch_size):
+                batch = order[start : start + self.batch_size]
+                generated = generate_batch(
+                    self.model,
+                    [prompts[i] for i in batch],
+                    int(options.get("max_gen_toks", 256)),
+                    self.vocab,
+                    self.context,
+                    self.tok.eos_id,
+                    top_p=float(options.get("top_p", 1.0)) if sampled else None,
+                    temperature=float(options.get("temperature") or 1.0),
+                    seed=int(options.get("seed", 0)),
+                    stop=self._stops_at(until),
+                )
+                for i, new in zip(batch, generated):
+                    text = self.tok.tokenizer.decode(new, skip_special_tokens=True)
+                    for stop in until:
+                        text = text.split(stop)[0]
+                    texts[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return texts
 
 
