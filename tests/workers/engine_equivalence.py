@@ -9,7 +9,7 @@ checkpoint (refused: another layout). Writes {design: {run: {step: loss}}}, runs
 ``--phase init`` (a fresh process): runs of the last design start from the weights of the
 newest checkpoint of another run (``checkpoint.init_from``) in another engine or layout, each saving
 them again as its step 0 (``START_FROM``: run -> source run, engine and layout). One process
-runs the three, so each ``train()`` also sets up another layout than the one before it did.
+runs them all, so each ``train()`` also sets up another layout than the one before it did.
 """
 
 from __future__ import annotations
@@ -56,6 +56,11 @@ START_FROM = {
     "zero1-tp2-from-zero3": ("zero3", [*ENGINES["zero1"], "parallel.tensor=2"]),
     # the checkpoint's TP size: each rank reads only its own tensor-parallel rank's files
     "zero2-tp2-from-zero1-tp2": ("zero1-tp2-from-zero3", [*ENGINES["zero2"], "parallel.tensor=2"]),
+    # another vocabulary padding (1024 rows to 1056): the real rows kept, the padding rows zero
+    "megatron-vocab96-from-zero3": (
+        "zero3",
+        [*ENGINES["megatron"], "model.make_vocab_size_divisible_by=96"],
+    ),
 }
 
 
