@@ -9,14 +9,20 @@ padding of ``parallel.hop_shapes=padded``). Hop bytes are exact (the ``HopPlan``
 by ``plan_hops``, as the run's, so a run's traffic counters equal them); memory is an
 estimate.
 
-Activation memory follows Korthikanti et al. (arXiv 2205.05198): per layer and micro-batch
-s*b*h*(10 + 24/t) two-byte units without sequence parallelism and 34/t with it (the
-attention-score term is absent: attention never materialises s x s here), scaled by the
-element size; full recompute keeps only each layer's input state. Beyond that standard layer:
-the local mixer's sublayer keeps an attention block's share of it (5 + 9/t units, 14/t with
-sequence parallelism); a residual stream wider than one [s, b, h] unit keeps, for backward,
-the new state every sublayer writes (its changing units, one of which the formula counts) and
-each unit it makes once (an earlier layer's state, an AttnRes source); and the last stage holds
+Activation memory is what each layer keeps for its backward on the fused path (every layer
+compiled, as on a GPU), written out from t2train's layer in the manner of Korthikanti et al.
+(arXiv 2205.05198), whose 34 s*b*h bytes describe a GPT layer with dropout and GELU: here each
+sublayer keeps its input state and its RMSNorm's output (and the norm's fp32 1/rms);
+attention (and the local mixer's, an attention sublayer of its own) keeps the QKV projection,
+Q and K after RoPE, its output and the fp32 log-sum-exp per head (flash attention keeps no
+s x s scores); SwiGLU keeps its 2f-wide projection and its f-wide product. Tensor parallelism
+splits all but the states and norm outputs, which sequence parallelism splits too. The
+compiled layer's saved tensors equal this count (``tests/bench/test_plan_memory.py``). Full
+recompute keeps only each layer's input state. Beyond that layer, a residual stream wider
+than one [s, b, h] unit keeps, for backward, the new state every sublayer writes (its
+changing units, one of which the layer counts) and each unit it makes once (an earlier
+layer's state, an AttnRes source); what a design's own read and write keep besides is not
+counted yet (``docs/residuals.md`` has the measured gap per design). The last stage holds
 the logits of one micro-batch and their gradient (s*b*V/t elements each). Gradients are kept in fp32
 (Megatron DDP's ``grad_reduce_in_fp32``); Adam keeps two fp32 moments, plus an fp32 master
 copy of bf16 parameters, sharded over data parallelism by the distributed optimizer.
@@ -31,6 +37,9 @@ from t2train.config.schema import Config
 from t2train.model.flops import extra_parameters, extra_tensor_parallel_parameters
 from t2train.parallel.hop_plan import HopPlan, plan_hops
 from t2train.residual import mixer_on, sublayer_names, variant_label
+
+ELEMENT_BYTES = {"bf16": 2, "fp32": 4}
+FP32_BYTES = ELEMENT_BYTES["fp32"]  # norm and attention statistics, in any precision
 
 
 @dataclass
@@ -91,6 +100,22 @@ def _layer_parameters(config: Config, tp: int) -> tuple[int, int]:
     return sharded // tp + replicated, replicated
 
 
+def layer_bytes_per_token(model, tp: int, sequence_parallel: bool, element: int) -> float:
+    """Bytes per token one `standard` layer (with the mixer when it is on) keeps for its
+    backward on one tensor rank, compiled: the count of the module docstring."""
+    h, kv, f = model.hidden_size, model.kv_dim(), model.resolved_ffn_hidden_size()
+    attention_sublayers = 2 if mixer_on(model) else 1
+    sublayers = attention_sublayers + 1  # and the MLP
+    states_and_norms = 2 * h * sublayers  # each sublayer's input state and normed input
+    split = attention_sublayers * ((h + 2 * kv) + (h + kv) + h) + 3 * f
+    inverse_rms = sublayers  # fp32, one per token and norm
+    log_sum_exp = attention_sublayers * model.num_attention_heads  # fp32, per token and head
+    whole = tp if sequence_parallel else 1  # what sequence parallelism splits besides
+    return element * (states_and_norms / whole + split / tp) + FP32_BYTES * (
+        inverse_rms / whole + log_sum_exp / tp
+    )
+
+
 def _stream_units_per_layer(hops: HopPlan, num_layers: int, sublayers: int) -> float:
     """[s, b, h] units a layer's residual stream keeps for backward beyond the one of a
     standard layer, averaged over layers: each sublayer's write makes its changing units (id
@@ -141,15 +166,10 @@ def plan_layout(config: Config, vocab_size: int, world_size: int) -> LayoutPlan:
     vocab = config.padded_vocab_size(vocab_size)
     per_layer, _ = _layer_parameters(config, tp)
     h = model.hidden_size
-    activation_units = (34 / tp) if parallel.sequence_parallel else (10 + 24 / tp)
-    if mixer_on(model):  # one more attention sublayer per layer
-        activation_units += (14 / tp) if parallel.sequence_parallel else (5 + 9 / tp)
     tokens = model.seq_length * train.micro_batch_size
-    per_layer_activation = (
-        tokens * h * element / 2 * activation_units
-        + unit_bytes
-        * _stream_units_per_layer(run_hops, model.num_layers, len(sublayer_names(model)))
-    )
+    per_layer_activation = tokens * layer_bytes_per_token(
+        model, tp, parallel.sequence_parallel, element
+    ) + unit_bytes * _stream_units_per_layer(run_hops, model.num_layers, len(sublayer_names(model)))
     if model.recompute == "full":
         per_layer_activation = unit_bytes
     logits_bytes = 2 * tokens * vocab // tp * element
@@ -259,9 +279,6 @@ def _hop_lines(config: Config, plan: LayoutPlan) -> list[str]:
             "without them it equals naive"
         )
     return lines
-
-
-ELEMENT_BYTES = {"bf16": 2, "fp32": 4}
 
 
 def _precision_in_use(config: Config) -> str:
