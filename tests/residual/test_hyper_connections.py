@@ -239,6 +239,29 @@ def test_the_trainers_normed_projection_is_the_exports_formula():
         torch.testing.assert_close(ours, formula, atol=1e-12, rtol=1e-12)
 
 
+def test_the_normed_projection_is_an_operator_whose_compiled_backward_keeps_the_stream():
+    """``opcheck`` of the operator (schema, fake shapes, autograd, AOT tracing); and compiled
+    as a GPU run compiles it (Inductor's partition of what to save), the backward keeps the
+    bf16 stream as it came and no fp32 copy of it: as plain torch code it kept that copy,
+    twice the stream's bytes per sublayer."""
+    from t2train.residual.mhc.layers import normed_projection
+
+    g = torch.Generator().manual_seed(4)
+    n, eps = 4, 1e-6
+    state = torch.randn(n, SEQ, BATCH, HIDDEN, generator=g).bfloat16().requires_grad_()
+    phi = torch.randn(n * n + 2 * n, n * HIDDEN, generator=g).bfloat16().requires_grad_()
+    results = torch.library.opcheck(torch.ops.t2train.mhc_normed_projection, (state, phi, eps))
+    assert set(results.values()) == {"SUCCESS"}, results
+
+    saved = []
+    compiled = torch.compile(normed_projection, backend="aot_eager_decomp_partition")
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = compiled(state, phi, eps)
+    out.float().sum().backward()
+    streams = [(t.shape, t.dtype) for t in saved if t.numel() == state.numel()]
+    assert streams == [(state.shape, torch.bfloat16)], [(t.shape, t.dtype) for t in saved]
+
+
 def test_with_one_stream_both_are_gated_standard_residuals(megatron_world):
     """n = 1: HC is h' = A_r h + B F(Norm(A_m h)) with three (dynamic) scalar gates; mHC is
     x' = x + 2 sigmoid(q) F(Norm(sigmoid(p) x)), since Sinkhorn of a 1 x 1 matrix is 1."""

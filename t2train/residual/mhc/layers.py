@@ -11,57 +11,80 @@ from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from t2train.kernels import dispatch
+from t2train.kernels.ops import composite_op
 from t2train.nn.functional import at_least_fp32
 from t2train.residual.base import mark_replicated
 from t2train.residual.mhc.functional import mapping_logits, sinkhorn, stream_read, stream_write
 from t2train.residual.streams import StreamCopies, StreamMixResidual, record_weights
 from t2train.residual.sublayers import sublayer_names
 
+# RMSNorm(vec x) phi^T in fp32, as two operators that save the stream as it came: compiled
+# as plain torch code, the partitioner kept the fp32 copy of the n streams that the backward's
+# matmuls read (2n units per sublayer, beside the n the read and write kernels save).
+#
+# Each stream is a contiguous [tokens, h] slab, so the projection is one batched matmul over
+# the streams (no permuted copy of the stream), summed over them; the RMS divides the result
+# (the norm is weight-free, so RMSNorm(x~) phi = (x~ phi) rsqrt(mean(x~^2) + eps)). Backward,
+# with g the incoming gradient, r the rsqrt and y = x~ phi^T:
+# dx~ = (g r) phi - x~ r^3 sum_k(g_k y_k) / (n h),  dphi = (g r)^T x~.
 
-class _NormedProjection(torch.autograd.Function):
-    """RMSNorm(vec x) phi^T in fp32, saving the stream as it came (no fp32 copy of the n
-    streams stays alive for the backward: the read and write kernels save the same tensor).
 
-    Each stream is a contiguous [tokens, h] slab, so the projection is one batched matmul
-    over the streams (no permuted copy of the stream), summed over them; the RMS divides the
-    result (the norm is weight-free, so RMSNorm(x~) phi = (x~ phi) rsqrt(mean(x~^2) + eps)).
-    Backward, with g the incoming gradient, r the rsqrt and y = x~ phi^T:
-    dx~ = (g r) phi - x~ r^3 sum_k(g_k y_k) / (n h),  dphi = (g r)^T x~."""
+@composite_op("mhc_normed_projection")
+def _normed_projection(
+    state: Tensor, projection: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """state [n, s, b, h], projection [outputs, n h] -> the result [s, b, outputs], and the
+    backward's y [tokens, outputs] and r [tokens]."""
+    n, h = state.shape[0], state.shape[-1]
+    with torch.autocast(state.device.type, enabled=False):
+        x = at_least_fp32(state).reshape(n, -1, h)  # a temporary, freed after the forward
+        phi = at_least_fp32(projection).view(-1, n, h).permute(1, 2, 0)  # [n, h, outputs]
+        inv_rms = torch.rsqrt(x.pow(2).sum((0, 2)) / (n * h) + eps)  # [tokens]
+        y = torch.bmm(x, phi).sum(0)  # [tokens, outputs]
+    return (y * inv_rms[:, None]).view(*state.shape[1:-1], -1), y, inv_rms
 
-    @staticmethod
-    def forward(ctx, state: Tensor, projection: Tensor, eps: float) -> Tensor:
-        n, h = state.shape[0], state.shape[-1]
-        with torch.autocast(state.device.type, enabled=False):
-            x = at_least_fp32(state).reshape(n, -1, h)  # a temporary, freed after the forward
-            phi = at_least_fp32(projection).view(-1, n, h).permute(1, 2, 0)  # [n, h, outputs]
-            inv_rms = torch.rsqrt(x.pow(2).sum((0, 2)) / (n * h) + eps)  # [tokens]
-            y = torch.bmm(x, phi).sum(0)  # [tokens, outputs]
-        ctx.save_for_backward(state, projection, y, inv_rms)
-        return (y * inv_rms[:, None]).view(*state.shape[1:-1], -1)
 
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        state, projection, y, inv_rms = ctx.saved_tensors
-        n, h = state.shape[0], state.shape[-1]
-        with torch.autocast(state.device.type, enabled=False):
-            x = at_least_fp32(state).reshape(n, -1, h)
-            phi = at_least_fp32(projection).view(-1, n, h).transpose(0, 1)  # [n, outputs, h]
-            g = grad.reshape(-1, grad.shape[-1]).to(y.dtype)
-            g_y = g * inv_rms[:, None]
-            coef = -(g * y).sum(-1) * inv_rms.pow(3) / (n * h)  # [tokens]
-            d_state = torch.baddbmm(x * coef[:, None], g_y.expand(n, *g_y.shape), phi)
-            d_phi = torch.bmm(g_y.T.expand(n, *g_y.T.shape), x)  # [n, outputs, h]
-        return (
-            d_state.view(state.shape).to(state.dtype),
-            d_phi.transpose(0, 1).reshape(projection.shape).to(projection.dtype),
-            None,
-        )
+@composite_op("mhc_normed_projection_backward")
+def _normed_projection_backward(
+    grad: Tensor, state: Tensor, projection: Tensor, y: Tensor, inv_rms: Tensor
+) -> tuple[Tensor, Tensor]:
+    n, h = state.shape[0], state.shape[-1]
+    with torch.autocast(state.device.type, enabled=False):
+        x = at_least_fp32(state).reshape(n, -1, h)
+        phi = at_least_fp32(projection).view(-1, n, h).transpose(0, 1)  # [n, outputs, h]
+        g = grad.reshape(-1, grad.shape[-1]).to(y.dtype)
+        g_y = g * inv_rms[:, None]
+        coef = -(g * y).sum(-1) * inv_rms.pow(3) / (n * h)  # [tokens]
+        d_state = torch.baddbmm(x * coef[:, None], g_y.expand(n, *g_y.shape), phi)
+        d_phi = torch.bmm(g_y.T.expand(n, *g_y.T.shape), x)  # [n, outputs, h]
+    return (
+        d_state.view(state.shape).to(state.dtype),
+        d_phi.transpose(0, 1).reshape(projection.shape).to(projection.dtype),
+    )
+
+
+def _save_the_stream_as_it_came(ctx, inputs: tuple, output: tuple) -> None:
+    state, projection, _ = inputs
+    _, y, inv_rms = output
+    ctx.save_for_backward(state, projection, y, inv_rms)
+    ctx.set_materialize_grads(False)  # y and r are for the backward: no zeros made for them
+
+
+def _projection_backward(ctx, grad: Optional[Tensor], _grad_y, _grad_inv_rms) -> tuple:
+    if grad is None:  # the result was not used
+        return None, None, None
+    return (*_normed_projection_backward(grad, *ctx.saved_tensors), None)
+
+
+_normed_projection.register_autograd(
+    _projection_backward, setup_context=_save_the_stream_as_it_came
+)
 
 
 def normed_projection(state: Tensor, projection: Tensor, eps: float) -> Tensor:
     """``flat_rms_projection`` [s, b, outputs] (state [n, s, b, h]), saving the
     stream as it came."""
-    return _NormedProjection.apply(state, projection, eps)
+    return _normed_projection(state, projection, eps)[0]
 
 
 def read_streams(state: Tensor, pre_logit: Tensor) -> Tensor:
