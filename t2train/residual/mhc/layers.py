@@ -70,9 +70,7 @@ def _save_the_stream_as_it_came(ctx, inputs: tuple, output: tuple) -> None:
     ctx.set_materialize_grads(False)  # y and r are for the backward: no zeros made for them
 
 
-def _projection_backward(ctx, grad: Optional[Tensor], _grad_y, _grad_inv_rms) -> tuple:
-    if grad is None:  # the result was not used
-        return None, None, None
+def _projection_backward(ctx, grad: Tensor, _grad_y, _grad_inv_rms) -> tuple:
     return (*_normed_projection_backward(grad, *ctx.saved_tensors), None)
 
 
