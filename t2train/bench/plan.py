@@ -17,12 +17,11 @@ attention (and the local mixer's, an attention sublayer of its own) keeps the QK
 Q and K after RoPE, its output and the fp32 log-sum-exp per head (flash attention keeps no
 s x s scores); SwiGLU keeps its 2f-wide projection and its f-wide product. Tensor parallelism
 splits all but the states and norm outputs, which sequence parallelism splits too. The
-compiled layer's saved tensors equal this count (``tests/bench/test_plan_memory.py``). Full
-recompute keeps only each layer's input state. Beyond that layer, a residual stream wider
-than one [s, b, h] unit keeps, for backward, the new state every sublayer writes (its
-changing units, one of which the layer counts) and each unit it makes once (an earlier
-layer's state, an AttnRes source); what a design's own read and write keep besides is not
-counted yet (``docs/residuals.md`` has the measured gap per design). The last stage holds
+compiled layer's saved tensors equal this count (``tests/bench/test_plan_memory.py``). Beyond
+that layer, each residual design declares what its reads, writes and stream keep
+(``ResidualDesign.saved_per_token``: a stream of n units, mixing weights, sources), checked
+against its compiled layers the same way. Full recompute keeps only each layer's input
+state. The last stage holds
 the logits of one micro-batch and their gradient (s*b*V/t elements each). Gradients are kept in fp32
 (Megatron DDP's ``grad_reduce_in_fp32``); Adam keeps two fp32 moments, plus an fp32 master
 copy of bf16 parameters, sharded over data parallelism by the distributed optimizer.
@@ -36,7 +35,7 @@ from typing import Optional
 from t2train.config.schema import Config
 from t2train.model.flops import extra_parameters, extra_tensor_parallel_parameters
 from t2train.parallel.hop_plan import HopPlan, plan_hops
-from t2train.residual import mixer_on, sublayer_names, variant_label
+from t2train.residual import get_design, mixer_on, variant_label
 
 ELEMENT_BYTES = {"bf16": 2, "fp32": 4}
 FP32_BYTES = ELEMENT_BYTES["fp32"]  # norm and attention statistics, in any precision
@@ -101,8 +100,8 @@ def _layer_parameters(config: Config, tp: int) -> tuple[int, int]:
 
 
 def layer_bytes_per_token(model, tp: int, sequence_parallel: bool, element: int) -> float:
-    """Bytes per token one `standard` layer (with the mixer when it is on) keeps for its
-    backward on one tensor rank, compiled: the count of the module docstring."""
+    """Bytes per token one layer (with the mixer when it is on) keeps for its backward on one
+    tensor rank, compiled: the count of the module docstring, `standard`'s and the design's."""
     h, kv, f = model.hidden_size, model.kv_dim(), model.resolved_ffn_hidden_size()
     attention_sublayers = 2 if mixer_on(model) else 1
     sublayers = attention_sublayers + 1  # and the MLP
@@ -111,24 +110,12 @@ def layer_bytes_per_token(model, tp: int, sequence_parallel: bool, element: int)
     inverse_rms = sublayers  # fp32, one per token and norm
     log_sum_exp = attention_sublayers * model.num_attention_heads  # fp32, per token and head
     whole = tp if sequence_parallel else 1  # what sequence parallelism splits besides
-    return element * (states_and_norms / whole + split / tp) + FP32_BYTES * (
-        inverse_rms / whole + log_sum_exp / tp
+    design = get_design(model.residual).saved_per_token(model)
+    return element * (
+        (states_and_norms + design.whole) / whole + (split + design.split) / tp
+    ) + FP32_BYTES * (
+        (inverse_rms + design.whole_fp32) / whole + (log_sum_exp + design.split_fp32) / tp
     )
-
-
-def _stream_units_per_layer(hops: HopPlan, num_layers: int, sublayers: int) -> float:
-    """[s, b, h] units a layer's residual stream keeps for backward beyond the one of a
-    standard layer, averaged over layers: each sublayer's write makes its changing units (id
-    None) anew, and a unit made once (an id not seen before) stays until backward."""
-    seen: set = set()
-    extra = 0
-    for layer in range(1, num_layers + 1):
-        ids = hops.unit_ids(layer)
-        changing = sum(uid is None for uid in ids)
-        made = {uid for uid in ids if uid is not None} - seen
-        seen |= made
-        extra += sublayers * max(changing - 1, 0) + len(made)
-    return extra / num_layers
 
 
 def _in_flight(pp_rank: int, pipeline: int, virtual: int, micro_batches: int) -> int:
@@ -169,7 +156,7 @@ def plan_layout(config: Config, vocab_size: int, world_size: int) -> LayoutPlan:
     tokens = model.seq_length * train.micro_batch_size
     per_layer_activation = tokens * layer_bytes_per_token(
         model, tp, parallel.sequence_parallel, element
-    ) + unit_bytes * _stream_units_per_layer(run_hops, model.num_layers, len(sublayer_names(model)))
+    )
     if model.recompute == "full":
         per_layer_activation = unit_bytes
     logits_bytes = 2 * tokens * vocab // tp * element

@@ -43,6 +43,23 @@ def no_extra(_model_config) -> int:
     return 0
 
 
+class SavedPerToken(NamedTuple):
+    """Numbers one layer keeps for its backward beyond a `standard` layer's, per token and
+    averaged over the model's layers (what the design's reads, writes and stream add, its
+    entry included), as the compiled layer keeps them. Each tensor rank holds ``whole``
+    numbers in full (sequence parallelism splits them over tokens); ``split`` ones are split
+    over tensor ranks like attention's heads."""
+
+    whole: float = 0.0  # in the activation dtype
+    whole_fp32: float = 0.0
+    split: float = 0.0  # in the activation dtype
+    split_fp32: float = 0.0
+
+
+def nothing_saved(_model_config) -> SavedPerToken:
+    return SavedPerToken()
+
+
 def one_changing_unit(_model_config, _layers_done: int) -> list:
     return [None]
 
@@ -62,6 +79,8 @@ class ResidualDesign:
     Counts take the ``ModelConfig`` (the local mixer adds a sublayer per layer, which a
     design that works per sublayer also pays for); ``tensor_parallel_parameters`` is the part
     of ``extra_parameters`` split across tensor-parallel ranks (for the planner).
+    ``saved_per_token`` is the activation memory the design adds to a layer (for the planner;
+    ``tests/bench/test_plan_memory.py`` checks it against what the compiled layers save).
 
     ``unit_ids(model, layers_done)`` names the [s, b, h] units of the stream state after
     ``layers_done`` layers (global count), in the order of the stream's ``to_units``: an id
@@ -78,6 +97,7 @@ class ResidualDesign:
     extra_parameters: Callable = no_extra
     extra_flops_per_token: Callable = no_extra
     tensor_parallel_parameters: Callable = no_extra
+    saved_per_token: Callable = nothing_saved  # (ModelConfig) -> SavedPerToken, for the planner
     unit_ids: Callable = one_changing_unit
     layer_entry: Optional[str] = None  # in ``layers``: begin(state) runs before the sublayers
     section: Optional[str] = None  # its options live in model.<section> (shared by siblings)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from t2train.errors import require
-from t2train.residual.declaration import ResidualDesign
+from t2train.residual.declaration import ResidualDesign, SavedPerToken
 from t2train.residual.sublayers import mixer, mixer_on, sublayer_names
 
 
@@ -117,6 +117,28 @@ def extra_flops_for(block_size_of):
     return extra_flops_per_token
 
 
+def saved_for(block_size_of, two_phase: bool):
+    def saved_per_token(model) -> SavedPerToken:
+        """The chunk's buffer of completed sources (one unit each), a source read by a later
+        sublayer of the layer that made it (kept once more, as the read's input), the open
+        block's partial sum at each read that merges it, and per read the fp32 statistic of
+        its softmax; Block's reads (two phases) also keep phase 1's fp32 result, h per token."""
+        per_layer, layers = sublayers_per_layer(model), model.num_layers
+        block = block_size_of(model)
+        reads = per_layer * layers  # and the final read
+        closing = [k * block for k in range(1, reads // block + 1)]  # sublayers closing a block
+        mid_layer = sum(index % per_layer != 0 for index in closing)
+        partials = reads - len(closing)
+        units = completed_sources(reads, block) + mid_layer + partials
+        h = model.hidden_size
+        return SavedPerToken(
+            whole=units * h / layers,
+            whole_fp32=(reads * (h + 1 if two_phase else 1) + 1) / layers,
+        )
+
+    return saved_per_token
+
+
 def diagnostics_for(source_names):
     def write_diagnostics(writer, step: int, records: dict, model) -> None:
         """``diagnostics/depth_attention``: the mean weight of each read (every sublayer, then
@@ -155,6 +177,7 @@ FULL = ResidualDesign(
     reference="Attention Residuals (Full), Kimi Team, arXiv 2603.15031",
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_for(one_sublayer),
+    saved_per_token=saved_for(one_sublayer, two_phase=False),
     unit_ids=unit_ids_for(one_sublayer),
     section="attnres",
     options=AttnResOptions,
@@ -169,6 +192,7 @@ BLOCK = ResidualDesign(
     reference="Attention Residuals (Block), Kimi Team, arXiv 2603.15031",
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_for(configured_block),
+    saved_per_token=saved_for(configured_block, two_phase=True),
     unit_ids=unit_ids_for(configured_block),
     section="attnres",
     options=AttnResOptions,

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from t2train.errors import require
-from t2train.residual.declaration import ResidualDesign
+from t2train.residual.declaration import ResidualDesign, SavedPerToken
 from t2train.residual.sublayers import sublayer_names
 
 
@@ -99,6 +99,21 @@ def extra_flops_per_token(model) -> int:
     return sublayers * per_sublayer + stream
 
 
+def saved_per_token(model) -> SavedPerToken:
+    """Per sublayer, the write keeps the sublayer's output, its fp32 gate logits (beta and the
+    d_v of v) and, d_v > 1, the matrix state its read mixes (the state's d_v columns, next to
+    the mixed input the norm keeps); the entry keeps the expander's output and its input,
+    padded with kernel - 1 earlier tokens."""
+    h, dv, sublayers = model.hidden_size, model.ddl.dv, len(sublayer_names(model))
+    state = dv if dv > 1 else 0
+    padded = (model.seq_length + model.ddl.embed_conv_kernel - 1) / model.seq_length
+    entry = (padded + dv) * h if dv > 1 else 0
+    return SavedPerToken(
+        whole=sublayers * (1 + state) * h + entry / model.num_layers,
+        whole_fp32=sublayers * (1 + dv),
+    )
+
+
 def write_diagnostics(writer, step: int, records: dict, model) -> None:
     """Histograms ``diagnostics/ddl_beta/layer_NN.<sublayer>``, the gate beta in (0, 2), and
     ``diagnostics/ddl_kx/...``, the readout k^T X per token (and state column) that v replaces."""
@@ -123,6 +138,7 @@ DESIGN = ResidualDesign(
     reference="Deep Delta Learning, Zhang et al., arXiv 2601.00417",
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_per_token,
+    saved_per_token=saved_per_token,
     unit_ids=unit_ids,
     section="ddl",
     options=DDLOptions,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from t2train.errors import require
-from t2train.residual.declaration import ResidualDesign
+from t2train.residual.declaration import ResidualDesign, SavedPerToken
 
 
 @dataclass
@@ -56,6 +56,20 @@ def extra_flops_per_token(model) -> int:
     """Per layer: q and output projections, K/V projections of n states, scores and mix."""
     h = model.hidden_size
     return sum(4 * h * h + 4 * h * h * n + 4 * h * n for n in _window_sizes(model))
+
+
+def saved_per_token(model) -> SavedPerToken:
+    """The read of n states keeps the current state and the window stacked (n units; the state
+    itself when n = 1), both normed, with fp32 1/rms each; split over tensor ranks like
+    attention: q, K and V of the window, z, and the fp32 log-sum-exp per head."""
+    h, heads, layers = model.hidden_size, model.num_attention_heads, model.num_layers
+    sizes = _window_sizes(model)
+    return SavedPerToken(
+        whole=sum(2 + 2 * n - (n == 1) for n in sizes) * h / layers,
+        whole_fp32=sum(1 + n for n in sizes) / layers,
+        split=sum(2 + 2 * n for n in sizes) * h / layers,
+        split_fp32=heads,
+    )
 
 
 def write_diagnostics(writer, step: int, records: dict, model) -> None:
@@ -96,6 +110,7 @@ DESIGN = ResidualDesign(
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_per_token,
     tensor_parallel_parameters=tensor_parallel_parameters,
+    saved_per_token=saved_per_token,
     layer_entry="DepthRead",
     unit_ids=unit_ids,
     section="depth_attn",

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from t2train.errors import require
-from t2train.residual.declaration import ResidualDesign
+from t2train.residual.declaration import ResidualDesign, SavedPerToken
 from t2train.residual.sublayers import sublayer_names
 
 
@@ -101,6 +101,34 @@ def extra_flops_per_token(model) -> int:
     return sublayers(model) * per_sublayer + 2 * n * h
 
 
+def no_dropped_states(_model) -> int:
+    return 0
+
+
+def saved_for(section: str, fp32_per_sublayer, dropped_per_layer=no_dropped_states):
+    def saved_per_token(model) -> SavedPerToken:
+        """Per sublayer, the n streams its read and mixing take and the output its write
+        scales (the read's result is the norm's input, as in `standard`), with
+        ``fp32_per_sublayer`` mixing weights per token; the embedding enters as n views of
+        one unit; ``dropped_per_layer`` states of n units are rebuilt in the backward."""
+        n, h = getattr(model, section).expansion_rate, model.hidden_size
+        dropped = dropped_per_layer(model) * model.num_layers
+        units = sublayers(model) * (n + 1) - (n - 1) - n * dropped
+        return SavedPerToken(
+            whole=units * h / model.num_layers,
+            whole_fp32=len(sublayer_names(model)) * fp32_per_sublayer(model),
+        )
+
+    return saved_per_token
+
+
+def mixing_weights(model) -> int:
+    """A_m and B (n each) and A_r (n^2); dynamic: also the projections of the normed streams
+    (n (n + 2)) and their 1/rms (n)."""
+    n = model.hc.expansion_rate
+    return n * n + 2 * n + (n * n + 3 * n if model.hc.dynamic else 0)
+
+
 def copies_of(section: str):
     def unit_ids(model, _layers_done: int) -> list:
         """The n copies, each changing at every sublayer."""
@@ -145,6 +173,7 @@ DESIGN = ResidualDesign(
     reference="Hyper-Connections, Zhu et al., ICLR 2025, arXiv 2409.19606",
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_per_token,
+    saved_per_token=saved_for("hc", mixing_weights),
     unit_ids=copies_of("hc"),
     section="hc",
     options=HCOptions,

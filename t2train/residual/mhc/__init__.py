@@ -68,7 +68,8 @@ from typing import ClassVar
 
 from t2train.errors import require
 from t2train.residual.declaration import ResidualDesign
-from t2train.residual.hc import copies_of, diagnostics_for, sublayers
+from t2train.residual.hc import copies_of, diagnostics_for, saved_for, sublayers
+from t2train.residual.sublayers import sublayer_names
 
 
 @dataclass
@@ -132,6 +133,18 @@ def extra_flops_per_token(model) -> int:
     return sublayers(model) * per_sublayer + 2 * n * h
 
 
+def mappings(model) -> int:
+    """H_pre and H_post (n each), H_res (n^2), the projection's n^2 + 2n logits (kept twice:
+    as the normed projection's output and as the mappings' input) and its 1/rms."""
+    n = model.mhc.expansion_rate
+    return 3 * n * n + 6 * n + 1
+
+
+def recomputed_states(model) -> int:
+    """With ``recompute_streams``: the states between a layer's sublayers."""
+    return len(sublayer_names(model)) - 1 if model.mhc.recompute_streams else 0
+
+
 DESIGN = ResidualDesign(
     name="mhc",
     layers="t2train.residual.mhc.layers",
@@ -140,6 +153,7 @@ DESIGN = ResidualDesign(
     reference="Manifold-Constrained Hyper-Connections, Xie et al., DeepSeek-AI, arXiv 2512.24880",
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_per_token,
+    saved_per_token=saved_for("mhc", mappings, recomputed_states),
     unit_ids=copies_of("mhc"),
     section="mhc",
     options=MHCOptions,
