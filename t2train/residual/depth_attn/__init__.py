@@ -59,14 +59,15 @@ def extra_flops_per_token(model) -> int:
 
 
 def saved_per_token(model) -> SavedPerToken:
-    """The read of n states keeps the current state and the window stacked (n units; the state
-    itself when n = 1), both normed, with fp32 1/rms each; split over tensor ranks like
-    attention: q, K and V of the window, z, and the fp32 log-sum-exp per head."""
+    """The read of n states keeps the current state (the earlier ones are kept once, by the
+    layers they entered) and the window normed (n units), with the fp32 1/rms of each state;
+    split over tensor ranks like attention: q, K and V of the window, z, and the fp32
+    log-sum-exp per head."""
     h, heads, layers = model.hidden_size, model.num_attention_heads, model.num_layers
     sizes = _window_sizes(model)
     return SavedPerToken(
-        whole=sum(2 + 2 * n - (n == 1) for n in sizes) * h / layers,
-        whole_fp32=sum(1 + n for n in sizes) / layers,
+        whole=sum(1 + n for n in sizes) * h / layers,
+        whole_fp32=sum(sizes) / layers,
         split=sum(2 + 2 * n for n in sizes) * h / layers,
         split_fp32=heads,
     )

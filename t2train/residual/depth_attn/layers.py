@@ -50,11 +50,14 @@ class DepthRead(MegatronModule):
     def read(self, states: list[Tensor]) -> Tensor:
         """z for the last state of ``states`` (each [s, b, h]) over all of them."""
         n = len(states)
-        current, _ = self.linear_q(self.norm(states[-1]))
-        # Fold the window into the batch dim ([s, b * n, h]) so one (sequence-parallel aware)
-        # matmul projects it; with the window inside each token's rows, k and v are views.
-        stacked = self.norm(torch.stack(states, dim=2).flatten(1, 2))
-        kv, _ = self.linear_kv(stacked)
+        # Each state is normed on its own, so that the backward keeps the states themselves
+        # (which the reads of the next layers keep too), not a stacked copy of them. The
+        # window is folded into the batch dim ([s, b * n, h]) so one (sequence-parallel
+        # aware) matmul projects it; with the window inside each token's rows, k and v are
+        # views, and the query reads the current state's rows of the same tensor.
+        normed = torch.stack([self.norm(state) for state in states], dim=2)
+        kv, _ = self.linear_kv(normed.flatten(1, 2))
+        current, _ = self.linear_q(normed[:, :, -1])
         s, b = current.shape[:2]
         q, k, v = depth_heads(current, kv.view(s, b, n, -1), self.heads)
         scale = 1 / math.sqrt(self.head_dim)
