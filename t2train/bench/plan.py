@@ -20,8 +20,10 @@ splits all but the states and norm outputs, which sequence parallelism splits to
 compiled layer's saved tensors equal this count (``tests/bench/test_plan_memory.py``). Beyond
 that layer, each residual design declares what its reads, writes and stream keep
 (``ResidualDesign.saved_per_token``: a stream of n units, mixing weights, sources), checked
-against its compiled layers the same way. Full recompute keeps only each layer's input
-state. The last stage holds
+against its compiled layers the same way. Full recompute keeps each layer's input (the stream's
+units, packed into one tensor: n for `hc`, every source so far for AttnRes) and, in the
+backward, one layer's activations at a time; the last stage also keeps the final state
+its final read takes (at most: `hc`'s mean keeps none of its n units). The last stage holds
 the logits of one micro-batch and their gradient (s*b*V/t elements each). Gradients are kept in fp32
 (Megatron DDP's ``grad_reduce_in_fp32``); Adam keeps two fp32 moments, plus an fp32 master
 copy of bf16 parameters, sharded over data parallelism by the distributed optimizer.
@@ -154,11 +156,9 @@ def plan_layout(config: Config, vocab_size: int, world_size: int) -> LayoutPlan:
     per_layer, _ = _layer_parameters(config, tp)
     h = model.hidden_size
     tokens = model.seq_length * train.micro_batch_size
-    per_layer_activation = tokens * layer_bytes_per_token(
+    layer_activation = tokens * layer_bytes_per_token(
         model, tp, parallel.sequence_parallel, element
     )
-    if model.recompute == "full":
-        per_layer_activation = unit_bytes
     logits_bytes = 2 * tokens * vocab // tp * element
     stages = []
     for rank in range(pp):
@@ -170,6 +170,15 @@ def plan_layout(config: Config, vocab_size: int, world_size: int) -> LayoutPlan:
         if rank == pp - 1:
             parameters += h + (vocab * h // tp if (not model.tie_embeddings or pp > 1) else 0)
         in_flight = _in_flight(rank, pp, vp, micro_batches)
+        if model.recompute == "full":
+            # Each layer keeps its input, the stream's units packed into one tensor; the
+            # backward rebuilds one layer's activations at a time.
+            inputs = sum(len(run_hops.unit_ids(layer)) for layer in layers) * unit_bytes
+            activations = inputs / vp * in_flight + layer_activation
+            if rank == pp - 1:  # the final read's input, unpacked from the last checkpoint
+                activations += len(run_hops.unit_ids(model.num_layers)) * unit_bytes
+        else:
+            activations = layer_activation * per_chunk * in_flight
         held_units = max(
             len(hop_plans[parallel.depth_cache == "cached"].held(c)) for c in chunk_ids
         )
@@ -182,10 +191,7 @@ def plan_layout(config: Config, vocab_size: int, world_size: int) -> LayoutPlan:
                 parameter_bytes=parameters * element,
                 gradient_bytes=gradients,
                 optimizer_bytes=optimizer,
-                activation_bytes=int(
-                    per_layer_activation * per_chunk * in_flight
-                    + (logits_bytes if rank == pp - 1 else 0)
-                ),
+                activation_bytes=int(activations + (logits_bytes if rank == pp - 1 else 0)),
                 depth_cache_bytes=held_units * unit_bytes * min(in_flight, micro_batches),
             )
         )

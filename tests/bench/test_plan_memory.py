@@ -87,6 +87,30 @@ def test_the_last_stage_holds_the_logits_and_their_gradient():
     assert _activations(vocab=2 * V) - _activations() == 2 * S * B * V * 2
 
 
+def _packed_inputs(design: str, layers: int = L) -> int:
+    """Units of the layers' inputs under full recompute: each layer's stream state, packed."""
+    if design == "hc":
+        return layers * 4  # n = 4 streams entering every layer
+    if design == "attnres":
+        return sum(1 + 2 * layer for layer in range(layers))  # the embedding, 2 per layer
+    return layers  # one state per layer
+
+
+@pytest.mark.parametrize("design", ["standard", "hc", "attnres"])
+def test_full_recompute_keeps_the_layer_inputs_and_rebuilds_one_layer(design):
+    """Korthikanti et al.'s full recompute: each layer's input for every micro-batch in flight
+    (one here), and one layer's activations rebuilt at a time in the backward; the last stage
+    keeps the final state for its final read (the state after the last layer: the input of
+    a layer L + 1)."""
+    on = [f"model.residual={design}", "model.recompute=full"]
+    model = load_config(overrides=[*SHAPE, *on]).model
+    one_layer = S * B * layer_bytes_per_token(model, 1, False, 2)
+    logits = 2 * S * B * V * 2
+    final = _packed_inputs(design, L + 1) - _packed_inputs(design)
+    expected = (_packed_inputs(design) + final) * UNIT + one_layer + logits
+    assert _activations(*on) == pytest.approx(expected, abs=8)
+
+
 def _launching_nothing(monkeypatch) -> None:
     """Every Triton kernel allocates its outputs as while tracing and launches nothing: what
     the compiled layers save is unchanged (the operators' autograd and the partitioner decide
@@ -140,6 +164,22 @@ def _saved_by_compiled_layers(config) -> int:
     return sum(saved.values())
 
 
+def _compiled(monkeypatch, config) -> int:
+    """``_saved_by_compiled_layers``, each layer compiled afresh with Inductor's partitioner."""
+    import torch
+
+    from t2train.nn.compiling import BACKEND_VARIABLE
+
+    monkeypatch.setenv(BACKEND_VARIABLE, "aot_eager_decomp_partition")
+    monkeypatch.setenv("T2_KERNELS", "triton")  # the Triton kernels' operators
+    _launching_nothing(monkeypatch)
+    torch._dynamo.reset()  # the layer's code compiled by other tests, with other backends
+    try:
+        return _saved_by_compiled_layers(config)
+    finally:
+        torch._dynamo.reset()
+
+
 COMPILED_VARIANTS = {
     "standard": [],
     "query-groups": ["model.num_query_groups=1"],
@@ -161,19 +201,21 @@ COMPILED_VARIANTS = {
 def test_the_planned_layer_is_what_the_compiled_layer_saves(megatron_world, monkeypatch, variant):
     """The compiled layers of a 2-layer bf16 decoder keep what the planner counts for them,
     `standard`'s layer and the design's ``saved_per_token``, to the byte (up to rounding)."""
-    import torch
-
-    from t2train.nn.compiling import BACKEND_VARIABLE
-
-    monkeypatch.setenv(BACKEND_VARIABLE, "aot_eager_decomp_partition")
-    monkeypatch.setenv("T2_KERNELS", "triton")  # the Triton kernels' operators
-    _launching_nothing(monkeypatch)
     overrides = [*COMPILED_VARIANTS[variant], "model.num_layers=2", "model.fusions=all"]
     config = load_config(overrides=[*SHAPE, *overrides])
-    torch._dynamo.reset()  # the layer's code compiled by other tests, with other backends
-    try:
-        measured = _saved_by_compiled_layers(config)
-    finally:
-        torch._dynamo.reset()
+    measured = _compiled(monkeypatch, config)
     planned = 2 * S * B * layer_bytes_per_token(config.model, 1, False, 2)
     assert measured == pytest.approx(planned, abs=1), (measured / UNIT, planned / UNIT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("design", ["hc", "attnres"])
+def test_full_recompute_keeps_the_packed_layer_inputs(megatron_world, monkeypatch, design):
+    """The forward keeps each layer's packed input under full recompute, as the planner counts
+    them; AttnRes' final read keeps the sources unpacked from the last checkpoint (the final
+    state the planner adds) and one fp32 number per token, `hc`'s mean keeps nothing."""
+    overrides = [f"model.residual={design}", "model.recompute=full", "model.num_layers=3"]
+    config = load_config(overrides=[*SHAPE, *overrides, "model.fusions=all"])
+    measured = _compiled(monkeypatch, config)
+    final_read = (1 + 2 * 3) * UNIT + FP32_PER_TOKEN if design == "attnres" else 0
+    assert measured == _packed_inputs(design, layers=3) * UNIT + final_read
