@@ -243,8 +243,8 @@ MUTATIONS = [
         "the query from the oldest state in the window instead of the current h^(l)",
         (
             REF_DEPTH,
-            "current, _ = self.linear_q(self.norm(states[-1]))",
-            "current, _ = self.linear_q(self.norm(states[0]))",
+            "current, _ = self.linear_q(normed[:, :, -1])",
+            "current, _ = self.linear_q(normed[:, :, 0])",
         ),
     ),
     m(
@@ -270,8 +270,8 @@ MUTATIONS = [
         "K and V projected from the raw states, the query from the normalised one",
         (
             REF_DEPTH,
-            "stacked = self.norm(torch.stack(states, dim=2).flatten(1, 2))",
-            "stacked = torch.stack(states, dim=2).flatten(1, 2)",
+            "kv, _ = self.linear_kv(normed.flatten(1, 2))",
+            "kv, _ = self.linear_kv(torch.stack(states, dim=2).flatten(1, 2))",
         ),
     ),
     m(
