@@ -1,7 +1,8 @@
-"""`t2train plan`'s activation memory: the layer's against what the compiled layer saves for its
-backward, and beyond it the local mixer's sublayer across tensor ranks, a residual stream wider
-than one unit, and the logits, each written out again here from its definition
-(t2train/bench/plan.py's docstring)."""
+"""`t2train plan`'s activation memory against what compiled layers save for their backward, for
+`standard`'s layer and every design's declared count (``ResidualDesign.saved_per_token``);
+and, written out again here from their definitions (t2train/bench/plan.py's docstring), the
+local mixer's sublayer across tensor ranks, mHC's streams and mappings, AttnRes' sources,
+full recompute and the logits."""
 
 from __future__ import annotations
 
@@ -114,17 +115,13 @@ def test_full_recompute_keeps_the_layer_inputs_and_rebuilds_one_layer(design):
 def _launching_nothing(monkeypatch) -> None:
     """Every Triton kernel allocates its outputs as while tracing and launches nothing: what
     the compiled layers save is unchanged (the operators' autograd and the partitioner decide
-    it), and the kernels' values, not looked at here, would cost minutes under the interpreter."""
-    import importlib
-    import pkgutil
-
-    import t2train.kernels
+    it), and the kernels' values, not looked at here, would cost minutes under the interpreter.
+    Patched where each registered operator's function looks ``tracing`` up: its globals."""
     from t2train.kernels import ops
 
-    for module in pkgutil.iter_modules(t2train.kernels.__path__):
-        kernels = importlib.import_module(f"t2train.kernels.{module.name}")
-        if getattr(kernels, "tracing", None) is ops.tracing:
-            monkeypatch.setattr(kernels, "tracing", lambda _tensor: True)
+    for function in ops.IMPLEMENTATIONS.values():
+        if function.__globals__.get("tracing") is ops.tracing:
+            monkeypatch.setitem(function.__globals__, "tracing", lambda _tensor: True)
 
 
 def _saved_by_compiled_layers(config) -> int:
