@@ -125,7 +125,7 @@ def saved_for(block_size_of, two_phase: bool):
         its softmax; Block's reads (two phases) also keep phase 1's fp32 result, h per token."""
         per_layer, layers = sublayers_per_layer(model), model.num_layers
         block = block_size_of(model)
-        reads = per_layer * layers  # and the final read
+        reads = per_layer * layers  # every sublayer's (the final read is one more)
         closing = [k * block for k in range(1, reads // block + 1)]  # sublayers closing a block
         mid_layer = sum(index % per_layer != 0 for index in closing)
         partials = reads - len(closing)
