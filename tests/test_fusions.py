@@ -10,12 +10,14 @@ Inductor's code generation; ``test_op_budget.py`` compiles one layer with Induct
 from __future__ import annotations
 
 import math
+from pathlib import Path
+from typing import NamedTuple, Optional
 
 import pytest
 import torch
 
 from t2train.config.loader import load_config
-from t2train.nn.compiling import BACKEND_VARIABLE
+from t2train.nn.compiling import BACKEND_VARIABLE, replace_fields
 from t2train.residual import registered
 
 TINY = [
@@ -273,3 +275,38 @@ def test_diagnostics_reach_a_compiled_layer(megatron_world):
         hook.remove()
         layer(hidden, None, rotary)
     assert len(seen) == 2 and list(records) == ["shortswa_entropy"]
+
+
+class _Fields(NamedTuple):
+    first: torch.Tensor
+    more: tuple = ()
+    last: Optional[torch.Tensor] = None
+
+
+def test_replace_fields_survives_compilation():
+    """A compiled function that returns ``replace_fields``' result returns every field (torch
+    2.11's dynamo returns ``_replace``'s as an empty tuple); an unknown field is refused."""
+    x = torch.ones(2)
+
+    def grow(fields: _Fields) -> _Fields:
+        return replace_fields(fields, more=fields.more + (fields.first * 2,), last=fields.first)
+
+    out = torch.compile(grow, backend="eager", fullgraph=True)(_Fields(x))
+    assert len(out) == 3
+    torch.testing.assert_close(out.more[0], 2 * x)
+    assert out.last is not None
+    with pytest.raises(ValueError, match=r"_Fields has no field\(s\) \['middle'\]"):
+        replace_fields(_Fields(x), middle=x)
+
+
+def test_no_module_calls_namedtuple_replace():
+    """The package's code may run compiled, where ``_replace`` breaks with torch 2.11 (the
+    GPU image's): ``replace_fields`` is the spelling that works with every version."""
+    root = Path(__file__).parents[1]
+    callers = [
+        str(path.relative_to(root))
+        for folder in ("t2train", "kernels", "data", "launch")
+        for path in sorted((root / folder).rglob("*.py"))
+        if "._replace(" in path.read_text()
+    ]
+    assert callers == []

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple, TypeVar
 
 import torch
 
 BACKEND_VARIABLE = "T2_COMPILE_BACKEND"
+AnyTuple = TypeVar("AnyTuple", bound=NamedTuple)
 # Variants one layer may compile to: training, evaluation, a diagnostics pass, the two halves
 # of activation recompute.
 GRAPHS_PER_LAYER = 5
@@ -70,3 +71,13 @@ def compiled(fn: Callable) -> Callable:
         return compiled_fn(*args)
 
     return call
+
+
+def replace_fields(fields: AnyTuple, **changes) -> AnyTuple:
+    """A NamedTuple's ``_replace``, for code that runs compiled: torch 2.11's dynamo
+    returns the result of a NamedTuple's ``_replace`` from a compiled function as an empty
+    tuple (torch 2.14's does not), so the fields are passed to the constructor one by one."""
+    unknown = set(changes) - set(fields._fields)
+    if unknown:
+        raise ValueError(f"{type(fields).__name__} has no field(s) {sorted(unknown)}")
+    return type(fields)(*(changes.get(name, value) for name, value in zip(fields._fields, fields)))

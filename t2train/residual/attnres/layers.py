@@ -9,6 +9,7 @@ from torch import Tensor
 
 from t2train.kernels import dispatch
 from t2train.nn import probe
+from t2train.nn.compiling import replace_fields
 from t2train.residual.attnres import completed_sources, sources, sublayers_per_layer
 from t2train.residual.attnres.functional import (
     block_phase_1,
@@ -116,8 +117,8 @@ class BlockAttnResidual(SublayerResidual):
         reads, self._later_reads = self._later_reads, ()
         partial = out if state.partial is None else state.partial + out
         if self.closes_block:
-            return state._replace(new=state.new + (partial,), partial=None, reads=())
-        return state._replace(partial=partial, reads=reads)
+            return replace_fields(state, new=state.new + (partial,), partial=None, reads=())
+        return replace_fields(state, partial=partial, reads=reads)
 
 
 class FullAttnResidual(BlockAttnResidual):
@@ -133,7 +134,7 @@ class FullAttnResidual(BlockAttnResidual):
         return mix_sources(self.query, state.stacks(), None, self.eps)
 
     def write(self, state: AttnResState, x: Tensor, normed: Tensor, out: Tensor) -> AttnResState:
-        return state._replace(new=state.new + (out,))
+        return replace_fields(state, new=state.new + (out,))
 
 
 class AttnResStream(ResidualStream):
@@ -179,7 +180,7 @@ class AttnResStream(ResidualStream):
 
     def between_layers(self, state: AttnResState) -> AttnResState:
         earlier = sources.extend(state.buffer, state.earlier, state.new)
-        return state._replace(earlier=earlier, new=())
+        return replace_fields(state, earlier=earlier, new=())
 
     def exit(self, state: AttnResState) -> Tensor:
         final = self.per_layer * self.config.num_layers  # numbered after the last sublayer
