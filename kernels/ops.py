@@ -26,36 +26,19 @@ NAMESPACE = "t2train"
 # operator name -> its Python implementation (what an operator-counting dispatch mode runs to
 # see the operations a kernel makes around its launches)
 IMPLEMENTATIONS: dict[str, Callable] = {}
-# The same for operators made of torch operations only: opaque so that a compiled graph saves
-# for their backward what they save, not what the partitioner would keep of their insides (it
-# keeps an intermediate that a matmul of the backward reads, such as an fp32 copy of the input).
-COMPOSITES: dict[str, Callable] = {}
-
-
-def _registered(name: str, table: dict) -> Callable:
-    def register(fn: Callable):
-        op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())(fn)
-        op.register_fake(fn)
-        table[name] = fn
-        return op
-
-    return register
 
 
 def kernel_op(name: str) -> Callable:
     """Decorator: ``fn`` (typed arguments: tensors, lists of tensors, floats, ints, bools) as
     the operator ``torch.ops.t2train.<name>``, with ``fn`` itself as its fake implementation."""
-    return _registered(name, IMPLEMENTATIONS)
 
+    def register(fn: Callable):
+        op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())(fn)
+        op.register_fake(fn)
+        IMPLEMENTATIONS[name] = fn
+        return op
 
-def composite_op(name: str) -> Callable:
-    """``kernel_op`` for a function of torch operations (no kernel of its own)."""
-    return _registered(name, COMPOSITES)
-
-
-def implementation(name: str) -> Callable:
-    """The Python function behind the operator ``torch.ops.t2train.<name>``."""
-    return IMPLEMENTATIONS.get(name) or COMPOSITES[name]
+    return register
 
 
 def tracing(t: Tensor) -> bool:

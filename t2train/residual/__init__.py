@@ -73,7 +73,7 @@ def kernel_table() -> dict:
     from t2train.nn import precision  # noqa: PLC0415 - torch: not for the config's readers
     from t2train.residual import window_attention  # noqa: PLC0415 - torch: not for the config's readers
 
-    table = [window_attention.WINDOW_ATTENTION, precision.FP32_LINEAR, precision.RMS_FP32_LINEAR]
+    table = [window_attention.WINDOW_ATTENTION, precision.FP32_LINEAR]
     for layers in _layers_modules():
         table += importlib.import_module(layers).KERNELS
     return {kernel.name: kernel for kernel in table}

@@ -80,7 +80,6 @@ def test_dry_run_reports_every_section(shakespeare, tmp_path):
         "depth_read",
         "delta_write",
         "fp32_linear",
-        "rms_fp32_linear",
         "depth_mix",
         "stream_read",
         "stream_write",
@@ -88,7 +87,7 @@ def test_dry_run_reports_every_section(shakespeare, tmp_path):
         "hc_write",
     }
     triton = [row for row in rows if row["impl"] == "triton"]
-    assert len(triton) == 12 and all(row["ms"] > 0 and row["vs_best_peer"] > 0 for row in triton)
+    assert len(triton) == 11 and all(row["ms"] > 0 and row["vs_best_peer"] > 0 for row in triton)
 
     profiled = sections["profile"]["items"]
     assert [item["name"] for item in profiled] == step_variants(settings, registered())

@@ -96,7 +96,6 @@ def launch_every_kernel(dtype) -> None:
     for outputs in (1, 4, 6):
         x, weight, bias = _leaves(dtype, (8, 2, 256), (outputs, 256), (outputs,))
         _backward(fp32_linear.fp32_linear(x, weight, bias))
-        _backward(fp32_linear.rms_fp32_linear(x, weight.float(), None, 1e-5))
     query, partial, *sources = _leaves(dtype, (256,), (8, 2, 256), *[(8, 2, 256)] * 3)
     stacks = [torch.stack(sources[:2]), sources[2].unsqueeze(0)]
     _backward(depth_mix.depth_mix(query, stacks, partial, 1e-6))

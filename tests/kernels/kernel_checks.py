@@ -18,7 +18,6 @@ KERNEL_OPS = {
     "window_attention": {"window_attention"},
     "delta_write": {"delta_write"},
     "fp32_linear": {"fp32_linear"},
-    "rms_fp32_linear": {"fp32_linear_sumsq"},
     "depth_mix": {"block_phase_1", "block_phase_2"},
     "block_phase_1": {"block_phase_1"},
     "block_phase_2": {"block_phase_2"},

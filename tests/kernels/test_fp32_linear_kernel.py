@@ -70,34 +70,3 @@ def test_the_gate_limit_is_the_kernels():
     assert GATE_MAX_OUTPUTS == MAX_OUTPUTS
     with pytest.raises(ValueError, match="n <= 16"):
         fp32_linear(torch.zeros(2, 8), torch.zeros(MAX_OUTPUTS + 1, 8), None)
-
-
-def _rms_logits(x, weight, bias, eps=1e-5):
-    """HC's dynamic-weight logits: RMSNorm without weight (x / sqrt(mean(x^2) + eps)) per row,
-    then x W^T + b, in fp32."""
-    normed = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
-    return _logits(normed, weight, bias)
-
-
-def _rms_kernel(x, weight, bias):
-    from t2train.nn import precision
-
-    return precision.rms_fp32_logits(x, weight, bias, 1e-5)
-
-
-@pytest.mark.parametrize("n_out, bias", [(6, False), (1, True), (MAX_OUTPUTS, True)])
-def test_rms_normalised_fp32(n_out, bias):
-    """Rows of different scales (the RMS matters), h off the tiles, outputs up to the limit."""
-    x, weight, b = _inputs(n_out, torch.float32, bias=bias)
-    x = x * torch.linspace(0.1, 3.0, x.shape[-2], device=x.device)[:, None]
-    assert_matches(_rms_kernel, _rms_logits, (x, weight, b), torch.float32, "rms_fp32_linear")
-
-
-def test_rms_normalised_fp16_inputs_and_fp32_weights():
-    """HC folds its fp32-cast norm weight into the projection: low-precision streams, fp32 W."""
-    x, weight, _ = _inputs(6, torch.float16, bias=False)
-    out = run_kernels(_rms_kernel, x, weight.float(), None)
-    assert out.dtype == torch.float32
-    torch.testing.assert_close(
-        out, _rms_logits(x.float(), weight.float(), None), atol=1e-4, rtol=1e-4
-    )

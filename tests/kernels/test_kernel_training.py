@@ -47,11 +47,11 @@ VARIANTS = {
         ["model.residual=block_attnres", "model.attnres.block_size=2"],
         {"block_phase_1": LAYERS, "block_phase_2": LAYERS, "depth_mix": 1},
     ),
-    # Dynamic hyper-connections: each sublayer's alpha and beta logits in one RMS-normalised
-    # gate-logit call, its stream read and write.
+    # Dynamic hyper-connections: each sublayer's stream read and write (its logits are
+    # PyTorch, recomputed in the backward).
     "hc": (
         ["model.residual=hc", "model.hc.dynamic=true"],
-        {"rms_fp32_linear": 2 * LAYERS, "hc_read": 2 * LAYERS, "hc_write": 2 * LAYERS},
+        {"hc_read": 2 * LAYERS, "hc_write": 2 * LAYERS},
     ),
     # The fused read and write (Sinkhorn included) on every sublayer; few iterations, since
     # the interpreter runs them token by token.

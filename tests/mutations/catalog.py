@@ -34,6 +34,7 @@ FN_DDL = "t2train/residual/ddl/functional.py"
 FN_DEPTH = "t2train/residual/depth_attn/functional.py"
 FN_ATTNRES = "t2train/residual/attnres/functional.py"
 FN_MHC = "t2train/residual/mhc/functional.py"
+PRECISION = "t2train/nn/precision.py"
 
 
 @dataclass(frozen=True)
@@ -362,8 +363,8 @@ MUTATIONS = [
         "Full AttnRes stores the running state h_l + f_l instead of the output f_l",
         (
             REF_ATTNRES,
-            "return state._replace(new=state.new + (out,))",
-            "return state._replace(new=state.new + (x + out,))",
+            "return replace_fields(state, new=state.new + (out,))",
+            "return replace_fields(state, new=state.new + (x + out,))",
         ),
     ),
     m(
@@ -457,6 +458,16 @@ MUTATIONS = [
             "        return F.dropout(\n"
             "            residual.write(state, x, normed, out), p=self.hidden_dropout, "
             "training=self.training\n        )",
+        ),
+    ),
+    m(
+        "hc-logits-not-normalised",
+        "hc",
+        "the dynamic weights project the streams as they are, without their RMSNorm",
+        (
+            PRECISION,
+            "linear_in_fp32(rms_normalize(x, eps), weight, bias)",
+            "linear_in_fp32(x, weight, bias)",
         ),
     ),
     m(
@@ -556,29 +567,13 @@ MUTATIONS = [
         (K_GATES, "    if HAS_BIAS:\n        acc +=", "    if HAS_BIAS and False:\n        acc +="),
     ),
     m(
-        "kernel-rms-logits-no-norm-gradient",
-        "kernels",
-        "the RMS-normalised gate logits drop the norm's share of dx",
-        (
-            K_GATES,
-            "            dx += coef[:, None] * x.to(tl.float32)",
-            "            dx += 0.0 * coef[:, None]",
-        ),
-    ),
-    m(
-        "kernel-rms-logits-sum-not-mean",
-        "kernels",
-        "the RMS-normalised gate logits divide by the root of the sum of squares, not the mean",
-        (K_GATES, "torch.rsqrt(sumsq / x.shape[-1] + eps)", "torch.rsqrt(sumsq + eps)"),
-    ),
-    m(
         "kernel-gate-logits-rounded-weights",
         "kernels",
         "fp32 weights under autocast are multiplied at the activations' low precision",
         (
             K_GATES,
-            "exact = fp32_dot(x.dtype) or x.dtype != weight.dtype",
-            "exact = fp32_dot(x.dtype)",
+            "other=0.0).to(tl.float32)\n            y = tl.sum(",
+            "other=0.0).to(X.dtype.element_ty).to(tl.float32)\n            y = tl.sum(",
         ),
     ),
     m(

@@ -239,19 +239,17 @@ def test_the_trainers_normed_projection_is_the_exports_formula():
         torch.testing.assert_close(ours, formula, atol=1e-12, rtol=1e-12)
 
 
-def test_the_normed_projection_is_an_operator_whose_compiled_backward_keeps_the_stream():
-    """``opcheck`` of the operator (schema, fake shapes, autograd, AOT tracing); and compiled
-    as a GPU run compiles it (Inductor's partition of what to save), the backward keeps the
-    bf16 stream as it came and no fp32 copy of it: as plain torch code it kept that copy,
-    twice the stream's bytes per sublayer."""
+def test_the_compiled_normed_projection_keeps_the_stream_as_it_came():
+    """Compiled as a GPU run compiles it (Inductor's partition of what to save), the
+    backward keeps the bf16 stream as it came and no fp32 copy of it (the projection is
+    recomputed in the backward): as plain torch code it kept that copy, twice the stream's
+    bytes per sublayer."""
     from t2train.residual.mhc.layers import normed_projection
 
     g = torch.Generator().manual_seed(4)
     n, eps = 4, 1e-6
     state = torch.randn(n, SEQ, BATCH, HIDDEN, generator=g).bfloat16().requires_grad_()
     phi = torch.randn(n * n + 2 * n, n * HIDDEN, generator=g).bfloat16().requires_grad_()
-    results = torch.library.opcheck(torch.ops.t2train.mhc_normed_projection, (state, phi, eps))
-    assert set(results.values()) == {"SUCCESS"}, results
 
     saved = []
     compiled = torch.compile(normed_projection, backend="aot_eager_decomp_partition")

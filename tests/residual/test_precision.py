@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from t2train.config.loader import load_config
 from t2train.model.build import transformer_config
-from t2train.nn.precision import fp32_linear
+from t2train.nn.precision import fp32_linear, rms_fp32_logits
 from t2train.residual.attnres import layers as attnres
 from t2train.residual.ddl import layers as ddl
 
@@ -133,3 +133,60 @@ def test_rmsnorm_statistics_are_fp32_for_bf16_inputs():
     xf = x.float()
     want = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.float()
     assert torch.equal(norm(x), want.to(BF16))
+
+
+EPS = 1e-5
+
+
+def _inputs(n_out: int, dtype, bias: bool):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 7, 40, generator=g)
+    x = x * torch.linspace(0.1, 3.0, 7)[:, None]  # rows of different scales: the RMS matters
+    weight = torch.randn(n_out, 40, generator=g) * 0.3
+    b = torch.randn(n_out, generator=g) if bias else None
+    return x.to(dtype), weight, b
+
+
+def _rms_logits(x, weight, bias):
+    """HC's dynamic-weight logits: RMSNorm without weight (x / sqrt(mean(x^2) + eps)) per row,
+    then x W^T + b, summed in fp32."""
+    x = x.double()
+    normed = x / torch.sqrt((x * x).mean(-1, keepdim=True) + EPS)
+    y = (normed[..., None, :] * weight.double()).sum(-1)
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n_out, bias", [(6, False), (1, True), (24, True)])
+def test_rms_logits_and_their_gradients(dtype, n_out, bias):
+    """fp32 logits from fp32 or low-precision rows and fp32 weights (HC folds its fp32-cast
+    norm weight into the projection), and every input's gradient, as the formula's."""
+    x, weight, b = _inputs(n_out, dtype, bias)
+    ours = [t.clone().requires_grad_() if t is not None else None for t in (x, weight, b)]
+    theirs = [t.detach().double().requires_grad_() if t is not None else None for t in ours]
+    out = rms_fp32_logits(*ours, EPS)
+    assert out.dtype == torch.float32
+    expected = _rms_logits(*theirs)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    out.backward(upstream)
+    expected.backward(upstream.double())
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+    for a, e in zip(ours, theirs):
+        if a is not None:
+            torch.testing.assert_close(a.grad.double(), e.grad, atol=tol, rtol=tol)
+
+
+def test_rms_logits_keep_only_their_inputs_for_the_backward():
+    """The normalised rows are recomputed in the backward: what autograd keeps is x and W
+    themselves, no fp32 copy of x (2 units per unit of x in a bf16 model)."""
+    x, weight, _ = _inputs(6, torch.bfloat16, bias=False)
+    x.requires_grad_()
+    weight.requires_grad_()
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        rms_fp32_logits(x, weight, None, EPS).sum().backward()
+    assert x.grad is not None and weight.grad is not None
+    big = [t for t in kept if t.numel() >= x.numel()]
+    assert big and all(t.dtype == torch.bfloat16 for t in big)
+    assert {t.untyped_storage().data_ptr() for t in big} == {x.untyped_storage().data_ptr()}

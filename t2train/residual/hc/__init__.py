@@ -123,10 +123,11 @@ def saved_for(section: str, fp32_per_sublayer, dropped_per_layer=no_dropped_stat
 
 
 def mixing_weights(model) -> int:
-    """A_m and B (n each) and A_r (n^2); dynamic: also the projections of the normed streams
-    (n (n + 2)) and their 1/rms (n)."""
+    """A_m and B (n each) and A_r (n^2); dynamic or static alike: the projections of the
+    normed streams that make the dynamic ones are recomputed in the backward
+    (``rms_fp32_logits``)."""
     n = model.hc.expansion_rate
-    return n * n + 2 * n + (n * n + 3 * n if model.hc.dynamic else 0)
+    return n * n + 2 * n
 
 
 def copies_of(section: str):

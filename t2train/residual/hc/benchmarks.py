@@ -1,7 +1,5 @@
 """HC's kernels at a preset's shapes, n = ``model.hc.expansion_rate`` streams: the read and
-the write with the weights as given (fp32, as the model computes them), and the dynamic
-weights' logits (each stream RMS-normalised on its own, n + 2 logits in fp32, the norm's
-weight folded into the fp32 projection as the model does)."""
+the write with the weights as given (fp32, as the model computes them)."""
 
 from __future__ import annotations
 
@@ -10,7 +8,6 @@ from typing import Iterator
 import torch
 
 from t2train.kernels.benchmark import Case, KernelShapes, Runtime, peers
-from t2train.nn.precision import RMS_FP32_LINEAR
 from t2train.residual.hc.layers import HC_READ, HC_WRITE
 
 
@@ -54,26 +51,7 @@ def read_and_write(shapes, rt, kernels, read: list, write: list, write_extra=(),
     )
 
 
-def dynamic_weight_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
-    n, eps = shapes.model.hc.expansion_rate, shapes.model.norm_epsilon
-    outputs = n + 2
-    state = rt.leaf(n, shapes.seq, shapes.batch, shapes.hidden)
-    weight = (
-        torch.randn(outputs, shapes.hidden, device=rt.device) * shapes.hidden**-0.5
-    ).requires_grad_()
-    unit = state.numel() * state.element_size()  # read x; the backward reads x, writes dx
-    yield Case(
-        "rms_fp32_linear",
-        shapes.label,
-        f"n={n} s={shapes.seq} b={shapes.batch} h={shapes.hidden} outputs={outputs}",
-        peers(rt, RMS_FP32_LINEAR, lambda f: f(state, weight, None, eps), [state, weight]),
-        {"fwd": unit, "fwd+bwd": 3 * unit},
-        "GB/s",
-    )
-
-
 # benchmark (``--only``) -> its cases, and the kernels of the table they time
 BENCHMARKS = {
     "hc_stream": (stream_cases, ("hc_read", "hc_write")),
-    "rms_fp32_linear": (dynamic_weight_cases, ("rms_fp32_linear",)),
 }

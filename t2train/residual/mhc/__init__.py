@@ -134,10 +134,10 @@ def extra_flops_per_token(model) -> int:
 
 
 def mappings(model) -> int:
-    """H_pre and H_post (n each), H_res (n^2), the projection's n^2 + 2n logits (kept twice:
-    as the normed projection's output and as the mappings' input) and its 1/rms."""
+    """H_pre and H_post (n each) and H_res (n^2); the normed projection that makes them is
+    recomputed in the backward (``layers.normed_projection``)."""
     n = model.mhc.expansion_rate
-    return 3 * n * n + 6 * n + 1
+    return n * n + 2 * n
 
 
 def recomputed_states(model) -> int:

@@ -8,81 +8,31 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from t2train.kernels import dispatch
-from t2train.kernels.ops import composite_op
-from t2train.nn.functional import at_least_fp32
 from t2train.residual.base import mark_replicated
-from t2train.residual.mhc.functional import mapping_logits, sinkhorn, stream_read, stream_write
+from t2train.residual.mhc.functional import (
+    flat_rms_projection,
+    mapping_logits,
+    sinkhorn,
+    stream_read,
+    stream_write,
+)
 from t2train.residual.streams import StreamCopies, StreamMixResidual, record_weights
 from t2train.residual.sublayers import sublayer_names
 
-# RMSNorm(vec x) phi^T in fp32, as two operators that save the stream as it came: compiled
-# as plain torch code, the partitioner kept the fp32 copy of the n streams that the backward's
-# matmuls read (2n units per sublayer, beside the n the read and write kernels save).
-#
-# Each stream is a contiguous [tokens, h] slab, so the projection is one batched matmul over
-# the streams (no permuted copy of the stream), summed over them; the RMS divides the result
-# (the norm is weight-free, so RMSNorm(x~) phi = (x~ phi) rsqrt(mean(x~^2) + eps)). Backward,
-# with g the incoming gradient, r the rsqrt and y = x~ phi^T:
-# dx~ = (g r) phi - x~ r^3 sum_k(g_k y_k) / (n h),  dphi = (g r)^T x~.
-
-
-@composite_op("mhc_normed_projection")
-def _normed_projection(
-    state: Tensor, projection: Tensor, eps: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """state [n, s, b, h], projection [outputs, n h] -> the result [s, b, outputs], and the
-    backward's y [tokens, outputs] and r [tokens]."""
-    n, h = state.shape[0], state.shape[-1]
-    with torch.autocast(state.device.type, enabled=False):
-        x = at_least_fp32(state).reshape(n, -1, h)  # a temporary, freed after the forward
-        phi = at_least_fp32(projection).view(-1, n, h).permute(1, 2, 0)  # [n, h, outputs]
-        inv_rms = torch.rsqrt(x.pow(2).sum((0, 2)) / (n * h) + eps)  # [tokens]
-        y = torch.bmm(x, phi).sum(0)  # [tokens, outputs]
-    return (y * inv_rms[:, None]).view(*state.shape[1:-1], -1), y, inv_rms
-
-
-@composite_op("mhc_normed_projection_backward")
-def _normed_projection_backward(
-    grad: Tensor, state: Tensor, projection: Tensor, y: Tensor, inv_rms: Tensor
-) -> tuple[Tensor, Tensor]:
-    n, h = state.shape[0], state.shape[-1]
-    with torch.autocast(state.device.type, enabled=False):
-        x = at_least_fp32(state).reshape(n, -1, h)
-        phi = at_least_fp32(projection).view(-1, n, h).transpose(0, 1)  # [n, outputs, h]
-        g = grad.reshape(-1, grad.shape[-1]).to(y.dtype)
-        g_y = g * inv_rms[:, None]
-        coef = -(g * y).sum(-1) * inv_rms.pow(3) / (n * h)  # [tokens]
-        d_state = torch.baddbmm(x * coef[:, None], g_y.expand(n, *g_y.shape), phi)
-        d_phi = torch.bmm(g_y.T.expand(n, *g_y.T.shape), x)  # [n, outputs, h]
-    return (
-        d_state.view(state.shape).to(state.dtype),
-        d_phi.transpose(0, 1).reshape(projection.shape).to(projection.dtype),
-    )
-
-
-def _save_the_stream_as_it_came(ctx, inputs: tuple, output: tuple) -> None:
-    state, projection, _ = inputs
-    _, y, inv_rms = output
-    ctx.save_for_backward(state, projection, y, inv_rms)
-    ctx.set_materialize_grads(False)  # y and r are for the backward: no zeros made for them
-
-
-def _projection_backward(ctx, grad: Tensor, _grad_y, _grad_inv_rms) -> tuple:
-    return (*_normed_projection_backward(grad, *ctx.saved_tensors), None)
-
-
-_normed_projection.register_autograd(
-    _projection_backward, setup_context=_save_the_stream_as_it_came
-)
-
 
 def normed_projection(state: Tensor, projection: Tensor, eps: float) -> Tensor:
-    """``flat_rms_projection`` [s, b, outputs] (state [n, s, b, h]), saving the
-    stream as it came."""
-    return _normed_projection(state, projection, eps)[0]
+    """``flat_rms_projection`` [s, b, outputs] (state [n, s, b, h]), recomputed in the
+    backward: only the stream and the projection are kept for it, not the fp32 copy of the
+    n streams that a compiled layer's partitioner would keep (2n units per sublayer).
+
+    In a compiled layer Inductor fuses the cast, the norm and the recompute (HC's projection
+    of the same kind took 0.91 ms compiled against 3.47 ms eager on an H200 at 125m,
+    docs/gpu/h200-2026-11-30.md); it ran eagerly before, as an opaque operator."""
+    return checkpoint(flat_rms_projection, state, projection, eps, use_reentrant=False)
 
 
 def read_streams(state: Tensor, pre_logit: Tensor) -> Tensor:
