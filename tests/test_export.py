@@ -120,14 +120,6 @@ def test_parts_are_assembled_after_the_parts_they_import(monkeypatch):
         hf.export_parts()
 
 
-# Functions the export takes from a functional module that the trainer computes another way,
-# and where the two are compared.
-EXPORT_ONLY = {
-    "flat_rms_projection": "mhc's normed_projection (its own backward): "
-    "tests/residual/test_hyper_connections.py",
-}
-
-
 def test_the_export_computes_with_the_trainers_functions():
     """Each design's math is written once: an export part defines no module-level function,
     and every function it takes from a functional module is one a training module calls."""
@@ -158,7 +150,7 @@ def test_the_export_computes_with_the_trainers_functions():
         assert [node.name for node in tree.body if isinstance(node, ast.FunctionDef)] == []
         taken |= functional_imports(part)
     assert taken, "no export part uses a functional module"
-    assert {name for _, name in taken - trainer} == set(EXPORT_ONLY)
+    assert {name for _, name in taken - trainer} == set()
 
 
 def test_an_export_part_may_not_import_the_trainer(tmp_path, monkeypatch):
