@@ -190,3 +190,26 @@ def test_rms_logits_keep_only_their_inputs_for_the_backward():
     big = [t for t in kept if t.numel() >= x.numel()]
     assert big and all(t.dtype == torch.bfloat16 for t in big)
     assert {t.untyped_storage().data_ptr() for t in big} == {x.untyped_storage().data_ptr()}
+
+
+def test_stream_projections_are_fp32_under_autocast():
+    """HC's per-stream and mHC's flattened RMS-normalised projections, from fp32 streams and
+    weights under bf16 autocast, are the fp32 formulas' (their matmuls would otherwise run
+    in bf16: errors near 1e-1 at these scales)."""
+    from t2train.residual.mhc.layers import normed_projection
+
+    n, h, eps = 4, 40, 1e-6
+    scales = torch.linspace(0.1, 3.0, 5)[:, None, None]
+    state = _randn(n, 5, 2, h) * scales
+    phi = _randn(n * n + 2 * n, n * h, seed=1) * 0.3
+    flat = state.double().permute(1, 2, 0, 3).reshape(5, 2, n * h)  # stream after stream
+    mhc_want = flat / torch.sqrt(flat.pow(2).mean(-1, keepdim=True) + eps) @ phi.double().T
+    weight = _randn(n + 2, h, seed=2) * 0.3
+    with torch.autocast("cpu", dtype=BF16):
+        mhc_out = normed_projection(state, phi, eps)
+        hc_out = rms_fp32_logits(state, weight, None, EPS)
+    assert mhc_out.dtype == hc_out.dtype == torch.float32
+    torch.testing.assert_close(mhc_out.double(), mhc_want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        hc_out.double(), _rms_logits(state, weight, None), atol=1e-5, rtol=1e-5
+    )

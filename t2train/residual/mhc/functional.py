@@ -14,12 +14,13 @@ from t2train.nn.functional import at_least_fp32
 def flat_rms_projection(state: Tensor, projection: Tensor, eps: float) -> Tensor:
     """RMSNorm(vec x) phi^T [..., outputs] in fp32: the n streams of a token flattened
     (stream after stream) and normalised over all n h, weight-free; projection
-    [outputs, n h]."""
-    x = at_least_fp32(state)
-    n, h = x.shape[0], x.shape[-1]
-    inv_rms = torch.rsqrt(x.pow(2).mean((0, -1)) + eps)
-    phi = at_least_fp32(projection).view(-1, n, h)
-    return torch.einsum("j...h,kjh->...k", x, phi) * inv_rms.unsqueeze(-1)
+    [outputs, n h]. In fp32 under autocast too (its einsum would run in bf16 there)."""
+    with torch.autocast(state.device.type, enabled=False):
+        x = at_least_fp32(state)
+        n, h = x.shape[0], x.shape[-1]
+        inv_rms = torch.rsqrt(x.pow(2).mean((0, -1)) + eps)
+        phi = at_least_fp32(projection).view(-1, n, h)
+        return torch.einsum("j...h,kjh->...k", x, phi) * inv_rms.unsqueeze(-1)
 
 
 def mapping_logits(
