@@ -176,8 +176,8 @@ def _fp32_linear_backward(x: Tensor, weight: Tensor, grad: Tensor) -> list[Tenso
 
 
 def _save_x_and_weight(ctx, inputs: tuple, output) -> None:
-    x, weight, *rest = inputs
-    ctx.with_bias = bool(rest) and rest[0] is not None
+    x, weight, bias = inputs
+    ctx.with_bias = bias is not None
     ctx.save_for_backward(x, weight)
 
 
