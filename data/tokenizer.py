@@ -4,7 +4,8 @@ Either way it is saved as ``tokenizer.json`` next to the shards and identified b
 so a model is never trained or evaluated with token ids from a different vocabulary. A
 brought tokenizer is a ``tokenizer.json`` or a Hugging Face tokenizer folder; a folder with
 only a SentencePiece ``tokenizer.model`` (Llama 2, Mistral, Gemma) is converted once, by
-transformers, to the same fast tokenizer that ``AutoTokenizer`` gives.
+transformers, to the same fast tokenizer that ``AutoTokenizer`` gives (Llama's when the folder
+has no config naming the class).
 
 Documents are joined with the end-of-document token (EOS); a tokenizer that starts every
 text with a begin token (its post-processor adds one: Llama, Mistral, Gemma) gets it at the
@@ -14,6 +15,7 @@ start of each document too (``bos_id``), as its models were trained.
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from pathlib import Path
 from typing import Iterable, Optional
@@ -98,22 +100,32 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 
 def _converted(folder: Path) -> Tokenizer:
-    """The fast tokenizer transformers makes of a folder's SentencePiece model (its
-    ``tokenizer_config.json`` says which class; offline)."""
+    """The fast tokenizer transformers makes of a folder's SentencePiece model (offline): of
+    the class its ``tokenizer_config.json`` or ``config.json`` names, else Llama's."""
     try:
-        from transformers import AutoTokenizer  # noqa: PLC0415 - transformers (the hf extra): a SentencePiece folder only
+        from transformers import AutoTokenizer, LlamaTokenizerFast  # noqa: PLC0415 - transformers (the hf extra): a SentencePiece folder only
     except ImportError:
         raise DataError(
             f"tokenizer {folder}: only a SentencePiece {SENTENCEPIECE_FILE}; "
             "converting it needs transformers: pip install 't2train[hf]'"
         ) from None
     try:
-        converted = AutoTokenizer.from_pretrained(str(folder), use_fast=True, local_files_only=True)
+        if _names_tokenizer_class(folder):
+            converted = AutoTokenizer.from_pretrained(
+                str(folder), use_fast=True, local_files_only=True
+            )
+        else:
+            # A bare tokenizer.model is how Llama 2 and Mistral ship outside transformers:
+            # converted as their hub tokenizer.json has it (a space before the text, <s>
+            # first, byte fallback), which encodes as SentencePiece itself does.
+            converted = LlamaTokenizerFast(
+                vocab_file=str(folder / SENTENCEPIECE_FILE), legacy=True, add_prefix_space=True
+            )
     except Exception as err:  # transformers raises many types for a folder it cannot read
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise DataError(
-            f"tokenizer {folder}: transformers cannot load its "
-            f"{SENTENCEPIECE_FILE} ({type(err).__name__}: "
-            f"{str(err).strip().splitlines()[0] if str(err).strip() else ''})"
+            f"tokenizer {folder}: transformers cannot load its {SENTENCEPIECE_FILE} "
+            f"({type(err).__name__}: {cause if len(cause) <= 300 else cause[:297] + '...'})"
         ) from None
     if not converted.is_fast:
         raise DataError(
@@ -122,6 +134,18 @@ def _converted(folder: Path) -> Tokenizer:
             "and protobuf: pip install 't2train[hf]')"
         )
     return converted.backend_tokenizer
+
+
+def _names_tokenizer_class(folder: Path) -> bool:
+    """Whether transformers' AutoTokenizer can tell the folder's tokenizer class: from
+    ``tokenizer_config.json`` (``tokenizer_class``) or ``config.json`` (``model_type``)."""
+    for name, key in (("tokenizer_config.json", "tokenizer_class"), ("config.json", "model_type")):
+        try:
+            if json.loads((folder / name).read_text()).get(key):
+                return True
+        except (OSError, ValueError, AttributeError):  # absent, unreadable or not an object
+            continue
+    return False
 
 
 def default_bos_id(tokenizer: Tokenizer) -> Optional[int]:

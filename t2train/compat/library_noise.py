@@ -103,6 +103,15 @@ def silence_without_cuda() -> None:
         _ignore(CUDA_ADVICE_WARNINGS)
 
 
+def profiler_quiet_without_cuda() -> None:
+    """Keep torch.profiler's backend (Kineto) off the console in a process without CUDA: it
+    logs its start and stop and "gpuGetDeviceCount failed" on stderr. Kineto reads
+    ``KINETO_LOG_LEVEL`` once, when the process's first profile starts; 6 is above its highest
+    level. A level the user set is kept."""
+    if os.environ.get("T2TRAIN_LIBRARY_WARNINGS") != "1":
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
 def _ignore(known) -> None:
     for message, module, category in known:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
@@ -140,3 +149,41 @@ def known_prints_dropped() -> Iterator[None]:
     finally:
         if stream.partial:
             stream.target.write(stream.partial)
+
+
+@contextlib.contextmanager
+def log_records_dropped(name: str, pattern: str) -> Iterator[None]:
+    """Inside, the logger ``name`` drops its records whose message matches ``pattern``."""
+    if os.environ.get("T2TRAIN_LIBRARY_WARNINGS") == "1":
+        yield
+        return
+    logger, dropped = logging.getLogger(name), _DropKnown(pattern)
+    logger.addFilter(dropped)
+    try:
+        yield
+    finally:
+        logger.removeFilter(dropped)
+
+
+@contextlib.contextmanager
+def progress_bars_hidden() -> Iterator[None]:
+    """Inside, tqdm's bars (lm-eval's, datasets') draw nothing: the command around reports its
+    own progress on stderr, and the bars' carriage returns garble it and any log file."""
+    if os.environ.get("T2TRAIN_LIBRARY_WARNINGS") == "1":
+        yield
+        return
+    # lm-eval has no switch for its bars: every tqdm (datasets' and tqdm.auto's are subclasses)
+    # starts disabled, for this block only.
+    from tqdm import std  # noqa: PLC0415 - tqdm comes with the libraries it quiets
+
+    init = std.tqdm.__init__
+
+    def disabled(self, *args, **kwargs):
+        kwargs["disable"] = True
+        init(self, *args, **kwargs)
+
+    setattr(std.tqdm, "__init__", disabled)
+    try:
+        yield
+    finally:
+        setattr(std.tqdm, "__init__", init)

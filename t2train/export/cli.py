@@ -162,9 +162,16 @@ def _eval_tasks(args) -> int:
     manager = task_manager(tasks, args.include_path)
     checkpoint = open_checkpoint(args.checkpoint)
     tok = run_tokenizer(checkpoint, args.tokenizer)
+    progress = StageLine("eval")
+    progress(f"loading {checkpoint.path}")
     loaded = load_model(checkpoint, device=args.device)
     results = run_tasks(
-        RunModel(loaded, tok, args.batch_size), tasks, manager, args.num_fewshot, args.limit
+        RunModel(loaded, tok, args.batch_size, progress),
+        tasks,
+        manager,
+        args.num_fewshot,
+        args.limit,
+        progress,
     )
     from lm_eval.utils import make_table
 

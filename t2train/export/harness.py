@@ -20,30 +20,59 @@ every training document.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 
+from t2train.compat.library_noise import log_records_dropped, progress_bars_hidden
 from t2train.errors import UserInputError
 from t2train.export.generate import generate_batch
 from t2train.export.load import LoadedModel
 from t2train.export.tokenizer import RunTokenizer
 
+# Seconds between two "answered N/M requests" lines of a long request type.
+PROGRESS_EVERY_S = 30.0
+# huggingface_hub's HTTP client, which logs each retry of an unreachable Hub.
+HUB_HTTP_LOGGER = "huggingface_hub.utils._http"
+
 
 class RunModel(TemplateLM):
-    """A loaded checkpoint as an ``lm_eval`` language model."""
+    """A loaded checkpoint as an ``lm_eval`` language model; ``progress`` gets a line as each
+    request type starts and every ``PROGRESS_EVERY_S`` while it runs (lm-eval's bars are off)."""
 
-    def __init__(self, loaded: LoadedModel, tok: RunTokenizer, batch_size: int):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        tok: RunTokenizer,
+        batch_size: int,
+        progress: Callable[[str], None] = lambda stage: None,
+    ):
         super().__init__()
         self.model, self.tok, self.batch_size = loaded.model, tok, batch_size
         self.context = loaded.checkpoint.config.model.seq_length
         self.vocab = tok.tokenizer.get_vocab_size()
         self._device = next(self.model.parameters()).device
+        self.progress = progress
+        self._kind, self._total, self._done, self._reported = "", 0, 0, 0.0
+
+    def _answering(self, kind: str, total: int) -> None:
+        self.progress(f"answering {total:,} {kind} requests")
+        self._kind, self._total, self._done, self._reported = kind, total, 0, time.monotonic()
+
+    def _answered(self, count: int) -> None:
+        self._done += count
+        now = time.monotonic()
+        if now - self._reported >= PROGRESS_EVERY_S and self._done < self._total:
+            self._reported = now
+            self.progress(f"answered {self._done:,}/{self._total:,} {self._kind} requests")
 
     @property
     def eot_token_id(self) -> int:
@@ -77,8 +106,16 @@ class RunModel(TemplateLM):
         log_probs = F.log_softmax(logits, dim=-1).cpu()
         return [log_probs[i, : len(row)] for i, row in enumerate(rows)]
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
-        """``(sum of log p(continuation | context), whether greedy decoding gives it)`` each."""
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        self._answering("log-likelihood", len(requests))
+        # without lm-eval's tokenizing bar: _answering reports the progress
+        return super().loglikelihood(requests, disable_tqdm=True)
+
+    def _loglikelihood_tokens(
+        self, requests, disable_tqdm: bool = False, counted: bool = True, **kwargs
+    ):
+        """``(sum of log p(continuation | context), whether greedy decoding gives it)`` each;
+        ``counted``: each answer is one of the requests ``_answering`` announced."""
         inputs = []
         for _, context, continuation in requests:
             if not continuation:
@@ -101,11 +138,14 @@ class RunModel(TemplateLM):
                 greedy = bool((scored.argmax(-1) == continuation).all())
                 answers[i] = (total, greedy)
                 self.cache_hook.add_partial("loglikelihood", requests[i][0], answers[i])
+            if counted:
+                self._answered(len(batch))
         return answers
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+        self._answering("rolling log-likelihood", len(requests))
         totals = []
         for request in requests:
             (text,) = request.args
@@ -118,9 +158,12 @@ class RunModel(TemplateLM):
                     context_len=1,
                 )
             ]
-            scored = self._loglikelihood_tokens([(None, *window) for window in windows])
+            scored = self._loglikelihood_tokens(
+                [(None, *window) for window in windows], counted=False
+            )
             totals.append(sum(total for total, _ in scored))
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), totals[-1])
+            self._answered(1)
         return totals
 
     def _stops_at(self, until: list[str]) -> Callable[[list[int]], bool]:
@@ -128,6 +171,7 @@ class RunModel(TemplateLM):
         return lambda ids: any(stop in self.tok_decode(ids) for stop in until)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        self._answering("generation", len(requests))
         texts: list[str] = [""] * len(requests)
         groups: dict[str, list[int]] = {}  # requests with the same generation options
         for i, request in enumerate(requests):
@@ -160,6 +204,7 @@ class RunModel(TemplateLM):
                         text = text.split(stop)[0]
                     texts[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                self._answered(len(batch))
         return texts
 
 
@@ -182,19 +227,59 @@ def task_manager(tasks: list[str], include_path: Optional[str]):
 
 
 def run_tasks(
-    model: RunModel, tasks: list[str], manager, num_fewshot: Optional[int], limit: Optional[float]
+    model: RunModel,
+    tasks: list[str],
+    manager,
+    num_fewshot: Optional[int],
+    limit: Optional[float],
+    progress: Callable[[str], None] = lambda stage: None,
 ) -> dict:
-    """lm-eval's results for ``tasks``, with its standard errors."""
+    """lm-eval's results for ``tasks``, with its standard errors; a one-line error if their
+    data cannot be fetched."""
     from lm_eval import simple_evaluate
 
-    return simple_evaluate(
-        model=model,
-        tasks=tasks,
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=manager,
-        log_samples=False,
-    )
+    progress(f"reading the data of {', '.join(tasks)} (from the Hugging Face Hub unless cached)")
+    try:
+        with (
+            progress_bars_hidden(),
+            _run_records_skipped(),
+            # a note per retry, two long lines each, before the error below says it once
+            log_records_dropped(HUB_HTTP_LOGGER, r"thrown while requesting|Retrying in"),
+        ):
+            return simple_evaluate(
+                model=model,
+                tasks=tasks,
+                num_fewshot=num_fewshot,
+                limit=limit,
+                task_manager=manager,
+                log_samples=False,
+            )
+    except ConnectionError as err:  # datasets' "Couldn't reach '<dataset>' on the Hub (...)"
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserInputError(
+            f"--tasks {','.join(tasks)}: their data cannot be fetched ({cause}); run once where "
+            "the Hub is reachable and copy its Hugging Face cache (HF_HOME, default "
+            "~/.cache/huggingface) here, then HF_HUB_OFFLINE=1 reads the data from it; or give "
+            "--include-path a task YAML whose dataset_path is a local folder of the data files"
+        ) from None
+
+
+@contextlib.contextmanager
+def _run_records_skipped() -> Iterator[None]:
+    """Without what lm-eval records of where it ran, which ``write_results`` keeps none of: the
+    current directory's git hash (``git describe``, whose "fatal: not a git repository" goes
+    to the console outside a repository) and torch's environment report (seconds of probing
+    subprocesses)."""
+    from lm_eval import evaluator
+
+    with contextlib.ExitStack() as stack:
+        for name, stand_in in (
+            ("get_git_commit_hash", lambda: None),
+            ("add_env_info", lambda storage: None),
+        ):
+            if hasattr(evaluator, name):  # another lm-eval version may have neither
+                stack.enter_context(mock.patch.object(evaluator, name, stand_in))
+        yield
 
 
 def write_results(results: dict, out: Path) -> None:

@@ -7,9 +7,11 @@ per tensor-parallel rank and joined (``engine/deepspeed/export.py``).
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Iterator, Literal, Optional
 
 import torch
 
@@ -75,30 +77,53 @@ def load_model(
     the checksums recorded at save is refused before anything is built."""
     if device == "cuda" and not torch.cuda.is_available():
         raise UserInputError("--device cuda: no CUDA device is available here; use --device cpu")
-    single_process_world()
-    require_intact(checkpoint.path)
-    read = export_reader(checkpoint_engine(checkpoint.path))
-    model, stored = read(
-        checkpoint.path,
-        checkpoint.train_state,
-        lambda rows, dtype: build_model(checkpoint.config, rows, dtype),
-    )
-    if dtype is not None and dtype != stored:
-        converted = build_model(checkpoint.config, model.vocab_size, dtype)
-        converted.load_state_dict(model.state_dict())
-        model = converted
+    with environment_kept():  # Megatron's model build sets NVTE_* attention variables
+        single_process_world()
+        require_intact(checkpoint.path)
+        read = export_reader(checkpoint_engine(checkpoint.path))
+        model, stored = read(
+            checkpoint.path,
+            checkpoint.train_state,
+            lambda rows, dtype: build_model(checkpoint.config, rows, dtype),
+        )
+        if dtype is not None and dtype != stored:
+            converted = build_model(checkpoint.config, model.vocab_size, dtype)
+            converted.load_state_dict(model.state_dict())
+            model = converted
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return LoadedModel(checkpoint, model.to(device).eval(), model.vocab_size)
 
 
+@contextlib.contextmanager
+def environment_kept() -> Iterator[None]:
+    """``os.environ`` as it was on entry, once the block ends.
+
+    ``init_distributed`` fills in RANK, MASTER_ADDR, MASTER_PORT, ... for its world of one;
+    left set, a ``t2train train`` started from this process (a notebook's ``!t2train``, a
+    subprocess) would take them as its launcher's and fail binding this process's port
+    (EADDRINUSE). The process group keeps its store: it needs them no longer.
+    """
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for name in set(os.environ) - set(before):
+            del os.environ[name]
+        for name, value in before.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
+
+
 def single_process_world() -> None:
-    """torch.distributed and Megatron's groups for one process (TP = PP = DP = 1)."""
+    """torch.distributed and Megatron's groups for one process (TP = PP = DP = 1); the
+    environment is left as it was (``environment_kept``)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     from t2train.parallel.init import init_distributed, init_model_parallel, set_seed
 
-    init_distributed()
+    with environment_kept():
+        init_distributed()
     if dist.get_world_size() != 1 or (
         parallel_state.model_parallel_is_initialized()
         and parallel_state.get_tensor_model_parallel_world_size()

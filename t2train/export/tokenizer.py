@@ -1,4 +1,5 @@
-"""The tokenizer a run was trained with: ``tokenizer.json`` of its dataset (``data.path``).
+"""The tokenizer a run was trained with: ``tokenizer.json`` of its dataset (``data.path``), or
+of the import's folder for a checkpoint ``t2train import hf`` wrote.
 
 Checkpoints record the tokenizer's sha256 (``tokenizer_sha256``); a tokenizer file given in
 its place (``--tokenizer``, when the dataset has moved) must have that hash.
@@ -54,6 +55,13 @@ def run_tokenizer_hash(checkpoint: Checkpoint) -> Optional[str]:
         return None
 
 
+def _is_import(checkpoint: Checkpoint) -> bool:
+    """A checkpoint ``t2train import hf`` wrote: no dataset (its data.path is empty); its
+    tokenizer sits in the import's folder, ``OUT/checkpoints/step_*/../../tokenizer.json``
+    (found from the checkpoint, so from any directory and after the folder moves)."""
+    return not checkpoint.config.data.path and "imported_from" in checkpoint.train_state
+
+
 def run_tokenizer(checkpoint: Checkpoint, given: Optional[str | Path] = None) -> RunTokenizer:
     """The run's tokenizer, or ``given`` if its hash is the run's; a one-line error if the file
     is missing, unreadable or of another vocabulary."""
@@ -61,6 +69,14 @@ def run_tokenizer(checkpoint: Checkpoint, given: Optional[str | Path] = None) ->
     if given is not None:
         path = Path(given)
         path = path / TOKENIZER_FILE if path.is_dir() else path
+    elif _is_import(checkpoint):
+        path = checkpoint.path.parent.parent / TOKENIZER_FILE
+        if not path.is_file():
+            raise DataError(
+                f"tokenizer {path}: not found; an imported model keeps its tokenizer in "
+                "the import's folder (t2train import hf OUT writes OUT/tokenizer.json): "
+                "pass --tokenizer FILE if it has moved"
+            )
     else:
         path = Path(checkpoint.config.data.path) / TOKENIZER_FILE
         if not path.is_file():

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from t2train.compat import library_noise
 from t2train.config.schema import LogConfig
 
 
@@ -36,6 +37,8 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
+        else:
+            library_noise.profiler_quiet_without_cuda()
         if self.memory:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
         self.profile = torch.profiler.profile(activities=activities, record_shapes=True)
