@@ -4,9 +4,11 @@
   ``t2train/residual/<design>/hf.py``, and the functional modules they share with the
   trainer) and the Llama mapping give
   t2train's logits for every design alone and with the local mixer, with random non-trivial
-  weights (fp32, within 1e-5), and a wrong mapping is seen; through transformers' KV cache
-  and on batches padded on either side, every position gets its sequence's logits, and
-  transformers' ``generate`` on left-padded prompts gives the trainer's own greedy tokens;
+  weights (fp32, within 1e-5), and a wrong mapping is seen; through the trainer's and
+  transformers' KV caches and on batches padded on either side, every position gets its
+  sequence's logits, and transformers' ``generate`` on left-padded prompts gives the
+  trainer's own greedy tokens (each of these paths with a design of each kind of stream
+  state, every design on some path: tests/variants.py);
 * one 4-rank launch trains every design at TP = 2 x PP = 2 (and `depth_attn` under DeepSpeed
   ZeRO-3 at TP = 2 x DP = 2) and saves; each checkpoint is exported, loaded by transformers
   on the CPU (`standard` with no remote code), and its logits on a real batch equal
@@ -41,6 +43,7 @@ from t2train.errors import UserInputError
 from t2train.residual import registered
 
 from torchrun_helper import run_torchrun
+from variants import spread
 
 SEQ = 32
 BASE = [
@@ -72,6 +75,27 @@ RANDOM_VARIANTS = {  # each alone and with the local mixer; GQA and untied embed
         "model.tie_embeddings=false",
     ],
 }
+# The paths beyond one forward (caches, padding, generation) run the variants of
+# tests/variants.py's rule: each path a design of each kind of stream state, the mixer on one,
+# every design on some path; and one grouped-query variant, in turn. `standard` alone exports
+# as transformers' own Llama: on a path that tests the modeling file it runs with the mixer.
+CACHE_AND_GENERATION_PATHS = [
+    "trainer cache",
+    "export cache",
+    "padded batch",
+    "padded generate",
+    "batch generate",
+]
+GQA = ["standard_gqa_untied", "attnres_gqa_untied"]
+
+
+def _path_variants(path: str, modeling_file: bool = False) -> list[str]:
+    chosen = [v.replace("+shortswa", "+mixer") for v in spread(CACHE_AND_GENERATION_PATHS)[path]]
+    gqa = GQA[CACHE_AND_GENERATION_PATHS.index(path) % len(GQA)]
+    if modeling_file:
+        chosen = ["standard+mixer" if v == "standard" else v for v in chosen]
+        gqa = "attnres_gqa_untied"
+    return list(dict.fromkeys(chosen)) + [gqa]
 
 
 def test_every_registered_design_has_hugging_face_modeling():
@@ -246,7 +270,7 @@ def test_modeling_file_matches_t2train(megatron_world, variant):
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("variant", RANDOM_VARIANTS)
+@pytest.mark.parametrize("variant", _path_variants("trainer cache"))
 def test_a_kv_cache_gives_the_logits_of_the_whole_sequence(megatron_world, variant):
     """A prefix, then 3 tokens, then one at a time through a ``KVCache`` give every position
     the logits of one forward over the whole sequence (fp32, 1e-5); greedy generation with the
@@ -279,12 +303,7 @@ def test_a_kv_cache_gives_the_logits_of_the_whole_sequence(megatron_world, varia
     assert len(cached) == 9
 
 
-# each design with the mixer (alone, a design's reads are a subset: one position at a time),
-# and grouped-query attention
-WITH_THE_MIXER = [name for name in RANDOM_VARIANTS if name.endswith("+mixer") or "gqa" in name]
-
-
-@pytest.mark.parametrize("variant", WITH_THE_MIXER)
+@pytest.mark.parametrize("variant", _path_variants("batch generate"))
 def test_a_batch_of_prompts_generates_for_each_what_it_generates_alone(megatron_world, variant):
     """``generate_batch`` on prompts of 9, 2 and 5 tokens gives each the tokens ``generate``
     gives it alone: greedy with the cache and without it, past ``seq_length`` (9 + 9 tokens
@@ -316,11 +335,6 @@ def test_a_batch_of_prompts_generates_for_each_what_it_generates_alone(megatron_
     assert lengths["end of text"][1] == 1 and max(lengths["end of text"]) > 1
 
 
-MODELING_FILE_VARIANTS = [name for name in RANDOM_VARIANTS if not name.startswith("standard")] + [
-    "standard+mixer"
-]  # the rest export as transformers' own Llama
-
-
 def _prompts(lengths: list[int], vocab: int = 128) -> list[torch.Tensor]:
     """Token rows of these lengths, without token 0 (the padding, and the end of text)."""
     generator = torch.Generator().manual_seed(2)
@@ -338,7 +352,7 @@ def _padded(rows: list[torch.Tensor], left: bool) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
-@pytest.mark.parametrize("variant", RANDOM_VARIANTS)
+@pytest.mark.parametrize("variant", _path_variants("export cache"))
 def test_the_export_gives_a_kv_cache_the_logits_of_the_whole_sequence(megatron_world, variant):
     """The exported model with transformers' ``DynamicCache`` (made from its config, as
     ``generate`` makes it): a prefix, then 3 tokens, then one at a time give every position
@@ -362,7 +376,7 @@ def test_the_export_gives_a_kv_cache_the_logits_of_the_whole_sequence(megatron_w
     torch.testing.assert_close(torch.cat(parts, dim=1), whole, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("variant", MODELING_FILE_VARIANTS)
+@pytest.mark.parametrize("variant", _path_variants("padded batch", modeling_file=True))
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_a_padded_batch_gives_each_row_its_own_logits(megatron_world, variant, side):
     """Rows of 12, 7 and 3 tokens padded to one length, with their attention mask: each real
@@ -417,7 +431,7 @@ def test_the_export_refuses_a_mask_or_positions_it_cannot_follow(megatron_world)
             hf(tokens, past_key_values=static)
 
 
-@pytest.mark.parametrize("variant", RANDOM_VARIANTS)
+@pytest.mark.parametrize("variant", _path_variants("padded generate"))
 def test_generate_on_padded_prompts_gives_the_trainers_tokens(megatron_world, variant):
     """transformers' ``generate`` (greedy) on prompts of 9, 5 and 2 tokens padded on the left
     gives each prompt the tokens that t2train's own generation gives it alone, with the cache

@@ -20,6 +20,8 @@ from t2train.config.loader import load_config
 from t2train.nn.compiling import BACKEND_VARIABLE, replace_fields
 from t2train.residual import registered
 
+from variants import depth_dependent
+
 TINY = [
     "data.path=unused",
     "model.num_layers=2",
@@ -134,7 +136,14 @@ def test_fusions_default_to_all_with_cuda_only(monkeypatch, fusions, cuda, expec
 # inside Megatron's attention: the call that used to split a layer into most pieces), and
 # `standard` alone. A design alone makes a subset of the same calls.
 COMPILED_VARIANTS = ["standard"] + [f"{design}+shortswa" for design in registered()]
-ALL_VARIANTS = [variant for design in registered() for variant in (design, f"{design}+shortswa")]
+# The designs whose state changes structure with depth (tests/variants.py): the only ones
+# whose graphs could multiply with depth, alone and with the mixer.
+DEPTH_VARIANTS = [
+    variant
+    for design in registered()
+    if depth_dependent(design)
+    for variant in (design, f"{design}+shortswa")
+]
 # Every design compiles the same graphs at any depth: one, or two for hc and mhc (the first
 # layer's stream is the embedding broadcast to n streams, a stride-0 view); depth_attn one
 # per length of its window until the window is full (K); block_attnres one per place a
@@ -232,12 +241,13 @@ def test_with_the_kernels_every_layer_is_one_graph(megatron_world, monkeypatch, 
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max())
 
 
-@pytest.mark.parametrize("variant", ALL_VARIANTS)
+@pytest.mark.parametrize("variant", DEPTH_VARIANTS)
 def test_the_graphs_do_not_multiply_with_depth(megatron_world, monkeypatch, variant):
-    """Every design, alone and with the mixer, compiles the graphs ``layer_graphs`` says at 3
-    layers and at 12, without a graph break (forward: the count of graphs is dynamo's, and
-    each has one backward; one sample). The variants of the test above are checked at 3
-    layers there."""
+    """Every design whose state grows with depth, alone and with the mixer, compiles the
+    graphs ``layer_graphs`` says at 3 layers and at 12, without a graph break (forward: the
+    count of graphs is dynamo's, and each has one backward; one sample). The variants of the
+    test above are checked at 3 layers there. A design whose state keeps its structure
+    gives every layer the same inputs: its graphs are those of 3 layers."""
     for layers in (12,) if variant in COMPILED_VARIANTS else (3, 12):
         decoder, rotary = _decoder_with_kernels(variant, layers=layers)
         counters = _compile_with_kernels(decoder, monkeypatch)

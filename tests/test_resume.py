@@ -1,6 +1,7 @@
 """Resuming continues a run as if it had never stopped (fp32, CPU, gloo, real processes).
 
-* every residual design, with dropout: 2N steps straight vs N, save, a fresh process
+* every residual design (the mixer on one of each kind of stream state, ``tests/variants.py``,
+  and DDL's d_v columns), with dropout: 2N steps straight vs N, save, a fresh process
   resumes, N more: the per-step losses are bitwise identical, and so are the RNG streams
   saved at step 2N (nothing draws from them between the restore and the next step);
 * layout changes through the fully reshardable checkpoint: (TP, PP) = (1, 1) -> (2, 2) and
@@ -26,6 +27,7 @@ import torch
 from t2train.checkpoint.store import find_latest
 
 from torchrun_helper import REPO, child_env, run_torchrun
+from variants import every_design
 
 pytestmark = pytest.mark.slow
 
@@ -47,8 +49,31 @@ TINY = [
 ]
 
 
+# Options that give a 2-layer model something to resume (by variant, else by design): a
+# window that slides, blocks that close (a block size divides the sublayers: 4 alone, 6 with
+# the mixer); the mixer's window shorter than the sequence.
+OPTIONS = {
+    "depth_attn": ["model.depth_attn.window=3"],
+    "block_attnres": ["model.attnres.block_size=2"],
+    "block_attnres+shortswa": ["model.attnres.block_size=3"],
+}
+MIXER = ["model.shortswa.window=16"]
+EXTRAS = {"ddl_dv4": ["model.residual=ddl", "model.ddl.dv=4"]}  # d_v columns: a wider state
+
+
+def _variants() -> dict[str, list[str]]:
+    variants = {}
+    for variant in every_design():
+        design, plus, _ = variant.partition("+")
+        options = OPTIONS.get(variant, OPTIONS.get(design, []))
+        variants[variant] = [f"model.residual={design}", *options]
+        variants[variant] += MIXER if plus else []
+    return {**variants, **EXTRAS}
+
+
 def test_every_design_resumes_with_bitwise_identical_losses(shakespeare, tmp_path):
     args = ["--data", str(shakespeare), "--root", str(tmp_path), "--steps-before-save", str(N)]
+    args += ["--variants", json.dumps(_variants())]
     straight = run_torchrun(
         "resume_designs.py", 1, [*args, "--phase", "straight"], tmp_path / "straight.json"
     )

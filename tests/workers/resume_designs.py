@@ -1,7 +1,8 @@
-"""Train every residual design 2N steps, or resume each from its step-N checkpoint (one rank).
+"""Train residual variants 2N steps, or resume each from its step-N checkpoint (one rank).
 
 ``--phase straight`` trains each design from scratch to 2N, saving at N; ``--phase resume``
-(a fresh process) continues each from that checkpoint to 2N. Dropout is on, so the RNG
+(a fresh process) continues each from that checkpoint to 2N. ``--variants`` is JSON:
+{name: [config overrides]}. Dropout is on, so the RNG
 streams drive the losses. Writes {design: {"losses": {step: loss}, "rng": digest of the RNG
 streams saved in the step-2N checkpoint}}.
 """
@@ -9,6 +10,7 @@ streams saved in the step-2N checkpoint}}.
 from __future__ import annotations
 
 import hashlib
+import json
 import pickle
 from pathlib import Path
 
@@ -33,23 +35,6 @@ TINY = [
     "log.tensorboard=false",
     "model.dropout=0.1",
 ]
-DESIGNS = {
-    "standard": [],
-    "ddl": ["model.residual=ddl"],
-    "ddl_dv4": ["model.residual=ddl", "model.ddl.dv=4"],
-    "ddl+shortswa": ["model.residual=ddl", "model.shortswa.window=16"],
-    "depth_attn": ["model.residual=depth_attn", "model.depth_attn.window=3"],
-    "attnres": ["model.residual=attnres"],
-    "block_attnres": ["model.residual=block_attnres", "model.attnres.block_size=2"],
-    "attnres+shortswa": ["model.residual=attnres", "model.shortswa.window=16"],
-    "block_attnres+shortswa": [
-        "model.residual=block_attnres",
-        "model.attnres.block_size=3",
-        "model.shortswa.window=16",
-    ],
-    "hc": ["model.residual=hc"],
-    "mhc+shortswa": ["model.residual=mhc", "model.shortswa.window=16"],
-}
 
 
 def saved_rng_digest(checkpoint: Path) -> str:
@@ -72,11 +57,17 @@ def saved_rng_digest(checkpoint: Path) -> str:
 
 def main() -> None:
     args = parse_args(
-        [("--data", Path), ("--root", Path), ("--phase", str), ("--steps-before-save", int)]
+        [
+            ("--data", Path),
+            ("--root", Path),
+            ("--phase", str),
+            ("--steps-before-save", int),
+            ("--variants", json.loads),
+        ]
     )
     n = args.steps_before_save
     losses = {}
-    for name, design in DESIGNS.items():
+    for name, design in args.variants.items():
         straight = args.root / name
         common = [
             *TINY,
