@@ -47,7 +47,7 @@ def run(section, plan: Plan) -> None:
     for label, preset, overrides in plan.kernel_presets:
         shapes = preset_shapes(label, preset, overrides)
         section.data["shapes"][label] = shapes.describe()
-        for case in bench.cases(shapes, rt):
+        for case in plan.items(bench.cases(shapes, rt)):
             estimate = section.next_item_seconds(default=30.0)
             if not section.fits(estimate):
                 section.add(

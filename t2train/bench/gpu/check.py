@@ -212,6 +212,7 @@ def orchestrate(
         # Its own process group, so that stopping it also stops its children (the CPU
         # reference, pytest, compile workers).
         flags = ["--dry-run"] * plan.dry_run + ["--quick"] * plan.quick + ["--stack"] * plan.stack
+        flags += ["--rehearse"] * plan.rehearsal
         worker = subprocess.Popen(
             args + flags, stdout=log, stderr=subprocess.STDOUT, preexec_fn=os.setpgrp
         )
@@ -300,6 +301,11 @@ def main(argv=None) -> int:
         help="the whole plan on the CPU at tiny shapes (kernels interpreted)",
     )
     parser.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="the dry run with one item per section: every section's code once (minutes)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="the baseline and the targeted variants only, sections "
@@ -322,6 +328,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sections", help=argparse.SUPPRESS)
     parser.add_argument("--ends", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.dry_run = args.dry_run or args.rehearse
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined
         # The fused path's graphs without Inductor's code generation (minutes on a CPU); in
@@ -330,7 +337,9 @@ def main(argv=None) -> int:
         os.environ.setdefault(BACKEND_VARIABLE, "aot_eager")
         if args.quick:
             os.environ.setdefault("T2_KERNELS", "triton")
-    plan = make_plan(args.dry_run, args.data, quick=args.quick, stack=args.stack)
+    plan = make_plan(
+        args.dry_run, args.data, quick=args.quick, stack=args.stack, rehearsal=args.rehearse
+    )
     if args.worker:
         return work(plan, args.sections.split(","), json.loads(args.ends), args.worker)
     if args.out is None:

@@ -66,7 +66,7 @@ def reference_run(plan: Plan, out: Path) -> None:
     from t2train.bench.step import build_objects, model_vocab_size, real_batches
     from t2train.residual import registered
 
-    variants = correctness_variants(registered())
+    variants = plan.items(correctness_variants(registered()))
     first = train_config(plan, variants[0], "fp32")
     batches = real_batches(first, plan.train_steps)
     vocab = model_vocab_size(first)
@@ -285,7 +285,7 @@ def run(section, plan: Plan) -> None:
             "overrides": plan.train_overrides,
             "rtol": plan.loss_rtol,
         }
-        for variant in correctness_variants(registered()):
+        for variant in plan.items(correctness_variants(registered())):
             _compare_variant(section, plan, variant, reference)
     finally:
         reference.kill()

@@ -56,9 +56,10 @@ def run(section, plan: Plan) -> None:
         step_preset=plan.step_preset,
         step_overrides=plan.step_overrides,
     )
-    shapes = [(preset, overrides, name) for name in settings["variants"]] + [
-        (plan.step_preset, plan.step_overrides, name) for name in settings["step_variants"]
-    ]
+    shapes = plan.items(
+        [(preset, overrides, name) for name in settings["variants"]]
+        + [(plan.step_preset, plan.step_overrides, name) for name in settings["step_variants"]]
+    )
     batches = {}
     for at, extra, name in shapes:
         config = variant_config(plan, at, extra, name)

@@ -86,7 +86,9 @@ def step_cost(section, plan: Plan) -> None:
     base, *others = step_variants(plan.settings, designs, plan.quick)
     time_variant(base)
     _references(section, first, vocab, batches, plan.step_warmup)
-    for name in others + mixer_variants(plan.settings, designs, plan.quick):
+    for name in plan.items([base, *others, *mixer_variants(plan.settings, designs, plan.quick)])[
+        1:
+    ]:
         time_variant(name)
 
 

@@ -7,6 +7,7 @@ design is timed and trained without a change to the check.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,6 +118,12 @@ class Plan:
     settings: Settings = field(default_factory=load_settings)
     quick: bool = False  # QUICK_SECTIONS by default, the baseline and targeted variants only
     stack: bool = False  # STACK_SECTIONS: the rest of the stack, a command of its own
+    rehearsal: bool = False  # a dry run of one item per section (the test suite's)
+
+    def items(self, names: Iterable) -> list:
+        """A section's items: all of them, or the first in a rehearsal (every section's code
+        runs once on the CPU, in a minute or two instead of several)."""
+        return list(names)[:1] if self.rehearsal else list(names)
 
     @property
     def sections(self) -> tuple[str, ...]:
@@ -191,9 +198,11 @@ DRY_RUN_STACK_BUDGETS = {
 QUICK_KERNEL_SHAPE = ("model.fusions=all", "model.seq_length=8")
 
 
-def make_plan(dry_run: bool, data: str, quick: bool = False, stack: bool = False) -> Plan:
+def make_plan(
+    dry_run: bool, data: str, quick: bool = False, stack: bool = False, rehearsal: bool = False
+) -> Plan:
     settings = load_settings()
-    if dry_run:
+    if dry_run or rehearsal:
         tiny = settings.dry_run_overrides
         return Plan(
             dry_run=True,
@@ -201,6 +210,7 @@ def make_plan(dry_run: bool, data: str, quick: bool = False, stack: bool = False
             settings=settings,
             quick=quick,
             stack=stack,
+            rehearsal=rehearsal,
             budgets={
                 "env": 60,
                 "correctness": 240,

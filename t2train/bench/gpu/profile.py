@@ -110,7 +110,7 @@ def run(section, plan: Plan) -> None:
         steps=plan.profile_steps,
     )
     batches = real_batches(first, plan.profile_warmup + plan.profile_steps)
-    for name in step_variants(plan.settings, registered(), plan.quick):  # not the mixer ones
+    for name in plan.items(step_variants(plan.settings, registered(), plan.quick)):  # no mixer
         estimate = section.next_item_seconds(default=15.0)
         if not section.fits(estimate):
             section.add({"name": name, "status": "skipped", "reason": section.no_time(estimate)})
