@@ -1,12 +1,22 @@
-"""Fixtures of the launcher tests: SLURM installed and configured, and a live local cluster
-(the prepared dataset is ``shakespeare`` from tests/conftest.py)."""
+"""Fixtures of the launcher tests: SLURM installed and configured, a live local cluster, and
+the uninterrupted two-rank run that interrupted runs are compared with (the prepared dataset
+is ``shakespeare`` from tests/conftest.py)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from local_slurm import LocalSlurm, install_reason
+from tiny_run import TWO_RANK_RUN
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -44,3 +54,50 @@ def slurm_cluster(slurm_conf) -> LocalSlurm:
         yield slurm_conf
     finally:
         slurm_conf.stop()
+
+
+@dataclass(frozen=True)
+class UninterruptedRun:
+    run_dir: Path
+    stdout: str
+    stderr: str
+    returncode: int
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(shakespeare, tmp_path_factory) -> UninterruptedRun:
+    """``t2train launch --nproc-per-node=2`` of ``TWO_RANK_RUN``, never interrupted: the
+    reference of every test that stops, kills or restarts that run (two ranks on one node or
+    one on each of two nodes train alike). Trained once per suite run: the pytest workers
+    share it through a lock in their common temporary folder (pytest-xdist's recipe). Its
+    environment lacks OMP_NUM_THREADS, so that torchrun's banner about it would show."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder, done = root / "uninterrupted", root / "uninterrupted.json"
+    with FileLock(str(root / "uninterrupted.lock")):
+        if not done.is_file():
+            env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+            env.pop("OMP_NUM_THREADS", None)
+            run_dir = folder / "run"
+            proc = subprocess.run(
+                [sys.executable, "-m", "t2train.launch", "--nproc-per-node=2", *TWO_RANK_RUN]
+                + [f"data.path={shakespeare}", f"log.run_dir={run_dir}"],
+                capture_output=True,
+                text=True,
+                env=dict(env, PYTHONUNBUFFERED="1"),
+                cwd=REPO,
+                timeout=600,
+            )
+            done.write_text(
+                json.dumps(
+                    {
+                        "run_dir": str(run_dir),
+                        "stdout": proc.stdout,
+                        "stderr": proc.stderr,
+                        "returncode": proc.returncode,
+                    }
+                )
+            )
+    run = json.loads(done.read_text())
+    assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
+    return UninterruptedRun(Path(run.pop("run_dir")), **run)

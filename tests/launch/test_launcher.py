@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from tiny_run import TINY_MODEL
+from tiny_run import TINY_MODEL, TWO_RANK_RUN, TWO_RANK_STEPS
 
 from t2train.launch.plan import LaunchError, plan_standalone, processes_per_node
 from t2train.launch.torchrun import exit_code
@@ -121,28 +121,19 @@ def _worker(launcher: subprocess.Popen, rank: int) -> psutil.Process:
 
 
 @pytest.mark.slow
-def test_standalone_launch_trains_and_restarts_a_killed_rank(shakespeare, tmp_path):
-    """The uninterrupted run is the reference for a run whose rank 1 is SIGKILLed after
-    step 4: ``--max-restarts=1`` restarts both workers, which resume from the newest
-    checkpoint; every step's final loss equals the uninterrupted run's, bitwise. Nothing of
-    the run outlives the launcher (the killed rank's checkpoint-queue server and resource
-    tracker were re-parented to pid 1 and lived on)."""
-    steps = ["parallel.tensor=2", "train.steps=7", "train.eval_interval=7", "checkpoint.interval=3"]
-    without_omp = {k: v for k, v in _env().items() if k != "OMP_NUM_THREADS"}
-    proc = subprocess.run(
-        _launch_cmd("--nproc-per-node=2", *_train_args(shakespeare, tmp_path / "run", *steps)),
-        capture_output=True,
-        text=True,
-        env=without_omp,
-        cwd=REPO,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "OMP_NUM_THREADS" not in proc.stderr, proc.stderr  # torchrun's banner is not shown
-    assert "t2train launch: standalone | 1 node(s)" in proc.stdout
-    assert "2 process(es) per node | world size 2 | c10d rendezvous 127.0.0.1:" in proc.stdout
-    assert "TP 2 x PP 1 x DP 1" in proc.stdout
-    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_00000007"
+def test_standalone_launch_trains_and_restarts_a_killed_rank(shakespeare, tmp_path, uninterrupted):
+    """The uninterrupted run (conftest.py) is the reference for a run whose rank 1 is
+    SIGKILLed after step 4: ``--max-restarts=1`` restarts both workers, which resume from the
+    newest checkpoint; every step's final loss equals the uninterrupted run's, bitwise.
+    Nothing of the run outlives the launcher (the killed rank's checkpoint-queue server and
+    resource tracker were re-parented to pid 1 and lived on)."""
+    out, err = uninterrupted.stdout, uninterrupted.stderr
+    assert "OMP_NUM_THREADS" not in err, err  # torchrun's banner is not shown
+    assert "t2train launch: standalone | 1 node(s)" in out
+    assert "2 process(es) per node | world size 2 | c10d rendezvous 127.0.0.1:" in out
+    assert "TP 2 x PP 1 x DP 1" in out
+    final = f"step_{TWO_RANK_STEPS:08d}"
+    assert (uninterrupted.run_dir / "checkpoints" / "latest").read_text().strip() == final
 
     run_dir, log = tmp_path / "killed", tmp_path / "killed.log"
     with log.open("w") as out:  # a file, not a pipe: killed workers' children may keep it
@@ -150,15 +141,9 @@ def test_standalone_launch_trains_and_restarts_a_killed_rank(shakespeare, tmp_pa
             _launch_cmd(
                 "--nproc-per-node=2",
                 "--max-restarts=1",
-                *_train_args(
-                    shakespeare,
-                    run_dir,
-                    *steps,
-                    # the survivor, blocked in a collective with the dead rank, ends when gloo
-                    # sees the peer's socket close; the timeout only bounds a hang (a save under
-                    # load takes seconds)
-                    "parallel.collective_timeout_mins=1",
-                ),
+                *TWO_RANK_RUN,
+                f"data.path={shakespeare}",
+                f"log.run_dir={run_dir}",
             ),
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -176,7 +161,7 @@ def test_standalone_launch_trains_and_restarts_a_killed_rank(shakespeare, tmp_pa
     assert "workers failed (exit code" in text and "restart 1 of 1" in text, text[-4000:]
     assert f"resumed from {run_dir / 'checkpoints'}/step_0000000" in text, text[-4000:]
     assert "FutureWarning" not in text, text  # Megatron's and DCP's on a checkpoint's load
-    assert _losses(run_dir) == _losses(tmp_path / "run")
+    assert _losses(run_dir) == _losses(uninterrupted.run_dir)
 
 
 def _start_nodes(
@@ -366,41 +351,16 @@ def test_the_rendezvous_host_waits_for_a_slow_node_to_leave_the_exit_barrier(sha
     wait_until_none_left(str(run_dir))
 
 
-TWO_NODE_RUN = [
-    "parallel.tensor=2",
-    "train.steps=7",
-    "train.eval_interval=7",
-    "checkpoint.interval=3",
-    "log.diagnostics_interval=0",
-    # a survivor whose peer died mid-collective: gloo fails it at once; a save
-    # under load takes seconds, so this only bounds a hang
-    "parallel.collective_timeout_mins=1",
-]
-
-
-@pytest.fixture(scope="module")
-def two_node_reference(shakespeare, tmp_path_factory) -> dict[int, float]:
-    """The losses of an uninterrupted two-node run."""
-    tmp_path = tmp_path_factory.mktemp("two-nodes")
-    run_dir = tmp_path / "run"
-    nodes, logs = _start_nodes(tmp_path, run_dir, _train_args(shakespeare, run_dir, *TWO_NODE_RUN))
-    try:
-        codes = [node.wait(timeout=600) for node in nodes]
-    finally:
-        _kill_running(nodes)
-    assert codes == [0, 0], [log.read_text()[-3000:] for log in logs]
-    return _losses(run_dir)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("killed_node", [0, 1], ids=["rendezvous-host", "other-node"])
 def test_a_restart_budget_restarts_every_node_when_a_rank_dies_on_either(
-    shakespeare, tmp_path, two_node_reference, killed_node
+    shakespeare, tmp_path, uninterrupted, killed_node
 ):
     """Two node launchers with ``max_restarts=1``; after step 4 (step 3 saved) the worker of
     one node is SIGKILLed: the node that hosts the rendezvous, or the other. Both nodes
     restart into a fresh rendezvous round, resume from step 3 and finish with every step's
-    loss bitwise the uninterrupted run's; nothing of the run outlives it. The surviving rank
+    loss bitwise the uninterrupted run's (one node, two ranks: the same ranks as two nodes of
+    one); nothing of the run outlives it. The surviving rank
     says in one line that a peer ended (it printed the collective's traceback). (Before, the
     first node to restart joined the round the other had closed, RendezvousClosedError, and
     the host then waited alone for ten minutes.)"""
@@ -408,7 +368,7 @@ def test_a_restart_budget_restarts_every_node_when_a_rank_dies_on_either(
     nodes, logs = _start_nodes(
         tmp_path,
         run_dir,
-        _train_args(shakespeare, run_dir, *TWO_NODE_RUN),
+        [*TWO_RANK_RUN, f"data.path={shakespeare}", f"log.run_dir={run_dir}"],
         restarts=(1, 1),
         restart_timeout=120,
     )
@@ -436,7 +396,7 @@ def test_a_restart_budget_restarts_every_node_when_a_rank_dies_on_either(
         texts[survivor],
     ), texts[survivor][-4000:]
     assert f"resumed from {run_dir / 'checkpoints'}/step_00000003" in texts[0], texts[0][-4000:]
-    assert _losses(run_dir) == two_node_reference
+    assert _losses(run_dir) == _losses(uninterrupted.run_dir)
     wait_until_none_left(str(run_dir))
 
 
@@ -449,7 +409,7 @@ def test_a_restart_that_the_other_node_never_joins_ends_in_one_line(shakespeare,
     nodes, logs = _start_nodes(
         tmp_path,
         run_dir,
-        _train_args(shakespeare, run_dir, *TWO_NODE_RUN),
+        [*TWO_RANK_RUN, f"data.path={shakespeare}", f"log.run_dir={run_dir}"],
         restarts=(1, 0),
         restart_timeout=5,
     )

@@ -23,22 +23,13 @@ from pathlib import Path
 
 import pytest
 from test_launcher import wait_until_none_left
-from tiny_run import TINY_MODEL
+from tiny_run import TWO_RANK_RUN, TWO_RANK_STEPS
 
 from t2train.signals import REQUEUE_EXIT_CODE
 
 pytestmark = pytest.mark.slow
 
-STEPS = 12
-TRAIN = [
-    *TINY_MODEL,
-    f"train.steps={STEPS}",
-    f"train.eval_interval={STEPS}",
-    "train.eval_batches=1",
-    "checkpoint.interval=3",
-    "log.diagnostics_interval=0",
-    "log.tensorboard=false",
-]
+STEPS = TWO_RANK_STEPS
 
 
 def _progress(log: Path) -> int:
@@ -59,13 +50,12 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
 
 
-TWO_NODES = [*TRAIN, "parallel.tensor=2"]  # one process on each of two nodes
 BOTH_LAUNCHERS = ("SIGUSR1", "SIGTERM")  # as SLURM signals every task of the step
 KILL_LAUNCHER, KILL_RANK = "kill -9 of a launcher", "kill -9 of a rank"
 
 
 def test_a_two_node_run_preempted_and_killed_at_random_ends_as_if_never_interrupted(
-    shakespeare, tmp_path
+    shakespeare, tmp_path, uninterrupted
 ):
     """Two node launchers (tests/launch/node_launcher.py) per attempt, stopped at random
     steps, in a random order, by: SIGUSR1 and SIGTERM to both launchers (both save the step
@@ -73,23 +63,18 @@ def test_a_two_node_run_preempted_and_killed_at_random_ends_as_if_never_interrup
     fails: the next attempt resumes from the last periodic checkpoint) and SIGKILL of one
     rank without a restart budget (the same). The last attempt has a restart budget and one
     of its ranks is killed: both nodes restart within it. The node, as the steps, is drawn.
-    The final checkpoint's shards equal, byte for byte, those of an uninterrupted two-node run,
-    every step's loss is equal, and nothing of any attempt outlives it."""
+    The final checkpoint's shards equal, byte for byte, those of the uninterrupted run
+    (conftest.py: two ranks on one node, as one on each of two nodes), every step's loss is
+    equal, and nothing of any attempt outlives it."""
     from test_launcher import _start_nodes, _worker
 
     seed = int(os.environ.get("T2TRAIN_SOAK_SEED", random.randrange(10**6)))
     rng = random.Random(seed)
     stops = [*rng.sample([*BOTH_LAUNCHERS, KILL_LAUNCHER, KILL_RANK], 4), KILL_RANK]
     about = f"seed {seed}: {stops}"
-    reference_dir, run_dir = tmp_path / "reference", tmp_path / "run"
-    reference, _ = _start_nodes(
-        tmp_path,
-        reference_dir,
-        [*TWO_NODES, f"data.path={shakespeare}", f"log.run_dir={reference_dir}"],
-        label="reference",
-    )
+    reference_dir, run_dir = uninterrupted.run_dir, tmp_path / "run"
     latest, history, started = run_dir / "checkpoints" / "latest", [], time.monotonic()
-    train = [*TWO_NODES, f"data.path={shakespeare}", f"log.run_dir={run_dir}"]
+    train = [*TWO_RANK_RUN, f"data.path={shakespeare}", f"log.run_dir={run_dir}"]
     nodes = []
     try:
         for attempt, stop in enumerate(stops):
@@ -125,9 +110,8 @@ def test_a_two_node_run_preempted_and_killed_at_random_ends_as_if_never_interrup
             else:  # the run failed; a resubmission resumes it
                 assert all(code != 0 for code in codes), f"{about} {history}"
             wait_until_none_left(str(run_dir))
-        assert [launcher.wait(timeout=300) for launcher in reference] == [0, 0]
     finally:
-        for process in [*reference, *nodes]:
+        for process in nodes:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
     print(
