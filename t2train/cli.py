@@ -203,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     from t2train.checkpoint.inspect import register as register_ckpt
     from t2train.data.cli import register as register_data
     from t2train.export.cli import register as register_export
+    from t2train.export.cli import register_convert
     from t2train.launch.launcher import LAUNCH_EPILOG
     from t2train.launch.launcher import add_arguments as add_launch_arguments
 
@@ -280,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.set_defaults(handler=_cmd_launch)
 
     register_data(commands)
-    register_ckpt(commands)
+    register_convert(register_ckpt(commands))
     register_bench(commands)
     register_compare(commands)
     register_export(commands)

@@ -176,6 +176,10 @@ def test_plan_prints_stages_and_hops(tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "vocabulary 32,000 (--vocab-size default; training takes the dataset's)" in out
+    assert (
+        "lr schedule: cosine, warm-up 0 -> 3.00e-03 by step 30, decay to 3.00e-04 by step 300"
+        in out
+    )
     # a GPU run's precision (bf16) unless train.precision says otherwise
     assert "estimated, bfloat16 (train.precision=auto plans a GPU run" in out
     assert "each column is one rank's share of TP 1" in out and "params/rank" in out
@@ -305,6 +309,7 @@ def test_dry_run_builds_everything_and_writes_nothing(
                 "model.seq_length=64",
                 "train.steps=20",
                 "train.warmup_steps=2",
+                "train.lr_decay_style=wsd",
                 f"log.run_dir={run_dir}",
                 "--dry-run",
             ]
@@ -315,6 +320,10 @@ def test_dry_run_builds_everything_and_writes_nothing(
     assert f"dry run of {run_dir}: standard residual, 1.97M parameters on rank 0" in out, out
     assert "world 1 = TP 1 x PP 1 x DP 1 | engine megatron | fresh start" in out
     assert "20 steps of 1,024 tokens" in out and "one step's batches read" in out
+    assert (
+        "lr schedule: wsd, warm-up 0 -> 3.00e-03 by step 2, stable 3.00e-03 until step 16, "
+        "linear decay to 3.00e-04 by step 20"
+    ) in out
     assert "no pipeline hops (PP = 1)" in out
     assert out.rstrip().endswith(
         "nothing trained or written; to train, run the same command without --dry-run"

@@ -79,6 +79,14 @@ def test_dump_round_trips(tmp_path):
         (["train.global_batch_size=12"], "train.global_batch_size=12: must be a multiple of"),
         (["train.min_lr=1.0"], "train.min_lr=1.0: must be in [0, train.lr="),
         (["train.warmup_steps=1000"], "train.warmup_steps=1000: must be in [0, train.steps="),
+        (["train.lr_decay_style=step"], "train.lr_decay_style='step': must be one of"),
+        (["train.lr_wsd_decay_style=sqrt"], "train.lr_wsd_decay_style='sqrt': must be one of"),
+        (["train.lr_wsd_decay_fraction=0"], "train.lr_wsd_decay_fraction=0.0: must be in (0, 1]"),
+        (
+            ["train.lr_decay_style=wsd", "train.lr_wsd_decay_fraction=1"],
+            "train.lr_wsd_decay_fraction=1.0: decays over 300 of train.steps=300; must be 1 to "
+            "270 steps (those after train.warmup_steps=30)",
+        ),
         (["model=3"], "model=3: must be a mapping"),
         (["novel.field=1"], "novel: unknown field"),
         (["model.num_layers"], "expected dotted.key=value"),

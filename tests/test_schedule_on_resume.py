@@ -1,6 +1,7 @@
 """``train.schedule_on_resume``: a run resumed with more ``train.steps`` follows the LR
 schedule of the checkpoint or of its config, as chosen, and says which (in-process, one
-rank). The learning rates are checked against Megatron's cosine formula of that horizon."""
+rank). The learning rates are checked against Megatron's cosine formula of that horizon; a
+WSD run resumed mid-stable keeps its checkpoint's decay."""
 
 from __future__ import annotations
 
@@ -82,11 +83,39 @@ def test_the_schedule_on_resume_is_the_chosen_one(
         assert used[0] == pytest.approx(cosine_lr(4, horizon), rel=1e-6)  # the first update
         banner = capsys.readouterr().out.splitlines()[0]
         assert (
-            f"LR schedule of the {choice} (train.schedule_on_resume={choice}): warm-up 1, "
-            f"cosine 3.00e-03 -> 3.00e-04 until step {horizon}"
+            f"LR schedule of the {choice} (train.schedule_on_resume={choice}): cosine, "
+            f"warm-up 0 -> 3.00e-03 by step 1, decay to 3.00e-04 by step {horizon}"
         ) in banner, banner
         assert (
-            "this config's (warm-up 1, cosine 3.00e-03 -> 3.00e-04 until step 8) is not "
-            "used" in banner
+            "this config's (cosine, warm-up 0 -> 3.00e-03 by step 1, decay to 3.00e-04 by "
+            "step 8) is not used" in banner
         ) == (choice == "checkpoint"), banner
     assert cosine_lr(5, 4) != pytest.approx(cosine_lr(5, 8))  # the choice is visible
+
+
+def test_a_wsd_run_resumed_mid_stable_keeps_its_decay(
+    megatron_world, shakespeare, tmp_path, monkeypatch, capsys
+):
+    """The checkpoint holds the WSD decay (Megatron's scheduler state leaves it out): resumed
+    at step 4 of 8, while stable, with another decay configured, the LRs equal the
+    uninterrupted run's."""
+    wsd = ["train.steps=8", "train.lr_decay_style=wsd", "train.lr_wsd_decay_fraction=0.25"]
+    whole, _ = _run(shakespeare, tmp_path / "whole", monkeypatch, *wsd, "checkpoint.interval=4")
+    assert whole[4] == whole[6] == LR and MIN_LR < whole[7] < LR and whole[8] == MIN_LR
+    capsys.readouterr()
+    resumed, _ = _run(
+        shakespeare,
+        tmp_path / "resumed",
+        monkeypatch,
+        *wsd,
+        "train.lr_wsd_decay_fraction=0.5",
+        "train.lr_wsd_decay_style=cosine",
+        f"checkpoint.resume={tmp_path / 'whole' / 'checkpoints' / 'step_00000004'}",
+    )
+    assert resumed == {step: whole[step] for step in range(5, 9)}
+    banner = capsys.readouterr().out.splitlines()[0]
+    assert (
+        "wsd, warm-up 0 -> 3.00e-03 by step 1, stable 3.00e-03 until step 6, linear decay to "
+        "3.00e-04 by step 8; this config's (wsd, warm-up 0 -> 3.00e-03 by step 1, stable "
+        "3.00e-03 until step 4, cosine decay to 3.00e-04 by step 8) is not used"
+    ) in banner, banner

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from t2train.config.lr_schedule import configured_lr_schedule
 from t2train.config.schema import Config
 from t2train.model.flops import extra_parameters, extra_tensor_parallel_parameters
 from t2train.parallel.hop_plan import HopPlan, plan_hops
@@ -320,6 +321,7 @@ def format_plan(
         f"{plan.micro_batches} micro-batches per step per replica",
         f"vocabulary {plan.vocab_size:,} ({vocab_source}), padded to "
         f"{plan.padded_vocab_size:,} for tensor parallelism",
+        f"lr schedule: {configured_lr_schedule(config.train)}",
         f"memory per GPU, i.e. per tensor-parallel rank of a stage (each column is one rank's "
         f"share of TP {plan.tensor}), estimated, {_precision(config)}{precision_note}{device}:",
         f"{'stage':>5}  {'layers':<12} {'params/rank':>11} {'weights':>10} {'grads':>10} "

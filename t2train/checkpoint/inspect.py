@@ -1,5 +1,7 @@
 """``t2train ckpt inspect PATH``: what a checkpoint holds, without loading its tensors;
-``t2train ckpt verify PATH``: whether its files are those written at save.
+``t2train ckpt verify PATH``: whether its files (or a ``t2train ckpt convert`` folder's) are
+those written at save. ``ckpt convert`` loads the model: it is registered with the export
+commands (``export/cli.py``).
 
 PATH is a checkpoint directory, or a run directory, its ``checkpoints`` directory or its
 ``latest`` file, which stand for the newest complete checkpoint there.
@@ -15,6 +17,7 @@ from pathlib import Path
 from t2train.checkpoint.errors import CheckpointError
 from t2train.checkpoint.paths import CHECKSUMS, LATEST, is_complete
 from t2train.checkpoint.train_state import read_train_state
+from t2train.checkpoint.weights_file import is_verifiable, weights_file
 from t2train.residual import resolve_aliases, variant_label
 
 
@@ -80,9 +83,13 @@ def _cmd_verify(args) -> int:
     from t2train.checkpoint.integrity import ALGORITHM, verify_checksums  # noqa: PLC0415 - torch: not for `t2train ckpt --help`
 
     given = Path(args.path)
-    path = resolve_checkpoint(given)
-    if path != given:
-        print(f"{given}: its newest complete checkpoint is {path}")
+    weights = weights_file(given)
+    if weights is not None and is_verifiable(weights):  # a folder of `t2train ckpt convert`
+        path = weights.parent
+    else:
+        path = resolve_checkpoint(given)
+        if path != given:
+            print(f"{given}: its newest complete checkpoint is {path}")
     if not (path / CHECKSUMS).is_file() and "checksums" not in read_train_state(path):
         # dist-checkpointing (metadata.json) names every shard in torch DCP's index
         indexed = (path / "metadata.json").is_file()
@@ -108,7 +115,8 @@ def _cmd_verify(args) -> int:
     return 0
 
 
-def register(commands) -> None:
+def register(commands):
+    """``t2train ckpt`` and its tools; returns its subparsers, for the tools of higher layers."""
     ckpt = commands.add_parser("ckpt", help="checkpoint tools")
     tools = ckpt.add_subparsers(dest="ckpt_command", required=True)
     inspect = tools.add_parser(
@@ -129,6 +137,9 @@ def register(commands) -> None:
         "(exit 1 naming the first that differs)",
     )
     verify.add_argument(
-        "path", help="a checkpoint, or what leads to the newest one (as for inspect)"
+        "path",
+        help="a checkpoint, or what leads to the newest one (as for inspect), or the folder "
+        "of `t2train ckpt convert`",
     )
     verify.set_defaults(handler=_cmd_verify)
+    return tools

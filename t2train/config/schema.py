@@ -227,7 +227,14 @@ class TrainConfig:
     global_batch_size: int = 32
     lr: float = 3e-3
     min_lr: float = 3e-4
-    warmup_steps: int = 20
+    warmup_steps: int = 20  # linear from 0 to train.lr
+    # After the warm-up (Megatron's OptimizerParamScheduler): `cosine` or `linear` decay to
+    # min_lr at train.steps; `constant` holds train.lr (min_lr unused); `wsd` (warm-up, stable,
+    # decay) holds train.lr, then decays to min_lr over the last lr_wsd_decay_fraction of
+    # train.steps, shaped by lr_wsd_decay_style: a run can stop or branch before its decay.
+    lr_decay_style: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
+    lr_wsd_decay_fraction: float = 0.2
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -264,6 +271,10 @@ class TrainConfig:
             return self.precision
         return "bf16" if cuda else "fp32"
 
+    def wsd_decay_steps(self) -> int:
+        """The last steps a ``wsd`` schedule decays over: lr_wsd_decay_fraction of steps."""
+        return round(self.lr_wsd_decay_fraction * self.steps)
+
     def validate(self) -> None:
         for name in (
             "steps",
@@ -294,6 +305,22 @@ class TrainConfig:
             f"must be in [0, train.steps={self.steps}); for a run this short set "
             f"train.warmup_steps={max(0, self.steps // 10)}",
         )
+        require(
+            0 < self.lr_wsd_decay_fraction <= 1,
+            "train.lr_wsd_decay_fraction",
+            self.lr_wsd_decay_fraction,
+            "must be in (0, 1]",
+        )
+        if self.lr_decay_style == "wsd":
+            # Megatron's WSD decay would otherwise overlap the warm-up (the LR jumps) or be empty.
+            decay, after_warmup = self.wsd_decay_steps(), self.steps - self.warmup_steps
+            require(
+                1 <= decay <= after_warmup,
+                "train.lr_wsd_decay_fraction",
+                self.lr_wsd_decay_fraction,
+                f"decays over {decay} of train.steps={self.steps}; must be 1 to "
+                f"{after_warmup} steps (those after train.warmup_steps={self.warmup_steps})",
+            )
         require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0")
         for name in ("adam_beta1", "adam_beta2"):
             require(
@@ -464,7 +491,8 @@ class CheckpointConfig:
     export_hf_on_finish: bool = False
     # A fresh start (no checkpoint of this run to resume) begins from the model weights of this
     # checkpoint or run directory, of any layout and either engine: e.g. a Hugging Face Llama
-    # brought in with `t2train import hf`. Optimizer, LR schedule, data position and step
+    # brought in with `t2train import hf`; or of a plain state dict (.pt, .safetensors) of
+    # `t2train ckpt convert`, or its folder. Optimizer, LR schedule, data position and step
     # start anew.
     init_from: str = ""
 

@@ -17,11 +17,14 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
 from t2train.config.schema import Config
 from t2train.engine.start_weights import StartWeights
 from t2train.monitor.stragglers import ForwardClock
+
+if TYPE_CHECKING:
+    from t2train.engine.shared import LRSchedule  # noqa: PLC0415 - torch and Megatron: each engine imports them when chosen
 
 MicroBatch = dict  # {"tokens": LongTensor[b, s], "labels": LongTensor[b, s]}
 
@@ -53,7 +56,7 @@ class Engine(Protocol):
     config: Config
     vocab_size: int
     model: list  # this rank's chunks; each has ``.module``, the T2GPTModel
-    scheduler: object  # Megatron's OptimizerParamScheduler: the LR schedule in force
+    scheduler: LRSchedule  # Megatron's OptimizerParamScheduler: the LR schedule in force
     forward_clock: ForwardClock  # the time of this rank's training forward passes
 
     def train_step(self, micro_batches: list[MicroBatch]) -> StepResult: ...

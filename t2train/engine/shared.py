@@ -54,23 +54,55 @@ def optimizer_config(config: Config) -> OptimizerConfig:
     )
 
 
-def lr_scheduler(optimizer, config: Config) -> OptimizerParamScheduler:
-    """Linear warm-up then cosine decay to ``train.min_lr`` (Megatron's scheduler, which also
+class LRSchedule(OptimizerParamScheduler):
+    """Megatron's scheduler, whose state also holds the WSD decay (Megatron's leaves it out, so
+    a resumed run would silently take its config's) and whose load sets the step count rather
+    than adding to it."""
+
+    wsd_decay_steps: int  # lr_scheduler passes both for every style
+    lr_wsd_decay_style: str
+
+    def state_dict(self) -> dict:
+        return dict(
+            super().state_dict(),
+            wsd_decay_steps=self.wsd_decay_steps,
+            lr_wsd_decay_style=self.lr_wsd_decay_style,
+        )
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.num_steps = 0
+        # Before Megatron's load, which sets the LRs; checkpoints from before
+        # train.lr_decay_style are cosine and lack them.
+        if "wsd_decay_steps" in state_dict:
+            self.wsd_decay_steps = self._check_and_set(
+                self.wsd_decay_steps, state_dict["wsd_decay_steps"], "WSD decay steps"
+            )
+            self.lr_wsd_decay_style = self._check_and_set(
+                self.lr_wsd_decay_style, state_dict["lr_wsd_decay_style"], "WSD decay style"
+            )
+        super().load_state_dict(state_dict)
+
+
+def lr_scheduler(optimizer, config: Config) -> LRSchedule:
+    """Linear warm-up from 0, then ``train.lr_decay_style`` (Megatron's scheduler, which also
     applies each parameter group's ``wd_mult``: no weight decay on biases and norms). Loading
     a checkpoint keeps its schedule or this config's, as ``train.schedule_on_resume`` says."""
     train = config.train
-    return OptimizerParamScheduler(
+    return LRSchedule(
         optimizer,
         init_lr=0.0,
         max_lr=train.lr,
         min_lr=train.min_lr,
         lr_warmup_steps=train.warmup_steps,
         lr_decay_steps=train.steps,
-        lr_decay_style="cosine",
+        lr_decay_style="WSD" if train.lr_decay_style == "wsd" else train.lr_decay_style,
         start_wd=train.weight_decay,
         end_wd=train.weight_decay,
         wd_incr_steps=train.steps,
         wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=train.schedule_on_resume == "checkpoint",
         override_opt_param_scheduler=train.schedule_on_resume == "config",
+        # Read only by WSD; set for every style so a checkpoint's state is complete.
+        wsd_decay_steps=train.wsd_decay_steps(),
+        lr_wsd_decay_style=train.lr_wsd_decay_style,
     )

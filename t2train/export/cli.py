@@ -1,4 +1,4 @@
-"""The commands on a trained checkpoint: ``export hf``, ``generate``, ``eval``.
+"""The commands on a trained checkpoint: ``export hf``, ``ckpt convert``, ``generate``, ``eval``.
 
 CHECKPOINT is a checkpoint directory, or a run directory, its ``checkpoints`` directory or
 its ``latest`` file (the newest complete checkpoint there), of any layout and either engine.
@@ -46,6 +46,24 @@ def _cmd_export_hf(args) -> int:
         f"{done.out} ({', '.join(done.files)})\n"
         f"load: AutoModelForCausalLM.from_pretrained({str(done.out)!r}{remote}); "
         f"AutoTokenizer.from_pretrained({str(done.out)!r})"
+    )
+    return 0
+
+
+def _cmd_convert(args) -> int:
+    from t2train.export.state_dict import convert_checkpoint
+
+    done = convert_checkpoint(
+        args.checkpoint,
+        args.out,
+        format=args.format,
+        overwrite=args.overwrite,
+        progress=StageLine("ckpt convert"),
+    )
+    print(
+        f"converted {done.parameters / 1e6:.2f}M parameters of {done.checkpoint} to "
+        f"{done.out} ({', '.join(done.files)})\n"
+        f"start a run from them: t2train train ... checkpoint.init_from={done.out}"
     )
     return 0
 
@@ -268,6 +286,32 @@ def _device_argument(parser) -> None:
     )
 
 
+def register_convert(ckpt_tools) -> None:
+    """``t2train ckpt convert``, among the tools of ``t2train ckpt``."""
+    from t2train.checkpoint.weights_file import FILES
+
+    convert = ckpt_tools.add_parser(
+        "convert",
+        help="write a checkpoint's model weights as one plain state dict (torch or safetensors)",
+        description="Write the model weights of CHECKPOINT (any layout, either engine) into "
+        "the folder OUT as one state dict of the whole model at TP = PP = 1 under t2train's "
+        "parameter names: model.pt (torch.save; torch.load(..., weights_only=True) reads "
+        "it) or model.safetensors, beside the run's config (t2train.yaml), where the "
+        "weights come from (t2train_weights.json) and the files' checksums. "
+        "checkpoint.init_from=OUT (or the weights file) starts a run from them.",
+    )
+    convert.add_argument("checkpoint", help=CHECKPOINT_HELP)
+    convert.add_argument("out", help="the folder to write (written as OUT.tmp, then renamed)")
+    convert.add_argument(
+        "--format",
+        choices=list(FILES),
+        default="torch",
+        help="model.pt (torch.save, the default) or model.safetensors",
+    )
+    convert.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    convert.set_defaults(handler=_cmd_convert)
+
+
 def register(commands) -> None:
     export = commands.add_parser("export", help="write a checkpoint in another format")
     formats = export.add_subparsers(dest="export_format", required=True)
@@ -307,15 +351,20 @@ def register(commands) -> None:
     sources = imports.add_subparsers(dest="import_format", required=True)
     llama = sources.add_parser(
         "hf",
-        help="a Hugging Face LlamaForCausalLM folder (safetensors, tokenizer.json)",
+        help="a Hugging Face LlamaForCausalLM folder (safetensors, tokenizer.json) or Hub id",
         description=f"Write the Llama in FOLDER (config.json, model.safetensors or its shards, "
-        f"tokenizer.json) as a checkpoint of the {BASELINE} design in OUT, with its "
+        "tokenizer.json), or of the Hugging Face Hub id FOLDER (org/name: through "
+        "huggingface_hub's cache, HF_HOME or HF_HUB_CACHE, downloaded when the Hub is "
+        "reachable, from the cache alone with HF_HUB_OFFLINE=1), "
+        f"as a checkpoint of the {BASELINE} design in OUT, with its "
         "tokenizer and OUT/t2train.yaml (its model section and "
         "checkpoint.init_from=OUT): `t2train train --config OUT/t2train.yaml "
         "data.path=DATA` continues pretraining from it, at any layout. Prepare DATA "
         "with `t2train data prepare --tokenizer OUT`.",
     )
-    llama.add_argument("folder", help="the Hugging Face model folder")
+    llama.add_argument(
+        "folder", help="the Hugging Face model folder, or a Hub id such as meta-llama/Llama-3.2-1B"
+    )
     llama.add_argument("out", help="the folder to write")
     llama.add_argument(
         "--seq-length",

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -23,6 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from t2train.errors import UserInputError
+from t2train.export.folders import check_out, staged
 from t2train.export.load import load_model, open_checkpoint
 from t2train.export.tokenizer import RunTokenizer, run_tokenizer
 from t2train.residual import hf as residual_hf
@@ -62,7 +61,7 @@ def export_hf(
 ) -> Export:
     """OUT from the checkpoint ``given`` leads to; ``progress`` hears each stage start."""
     out = Path(out)
-    _check_out(out, overwrite)
+    check_out(out, overwrite)
     checkpoint = open_checkpoint(given)
     model_config = checkpoint.config.model
     llama = residual_hf.is_llama(model_config)
@@ -87,11 +86,7 @@ def export_hf(
         run_tok.bos_id,
     )
 
-    staging = out.with_name(out.name + ".tmp")
-    if staging.exists():  # left by an interrupted export
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    try:
+    with staged(out) as staging:
         progress(
             f"writing {sum(t.numel() for t in state.values()) / 1e6:.2f}M parameters to {staging}"
         )
@@ -101,27 +96,12 @@ def export_hf(
         _tokenizer(run_tok, model_config.seq_length).save_pretrained(staging)
         if not llama:
             (staging / f"{MODELING_NAME}.py").write_text(residual_hf.modeling_source())
-        _follow_umask(staging)
-        _publish(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return Export(
         out,
         config.architectures[0],
         sorted(p.name for p in out.iterdir()),
         sum(t.numel() for t in state.values()),
     )
-
-
-def _check_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise UserInputError(f"output {out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UserInputError(
-            f"output directory {out} is not empty; choose another one or pass "
-            "--overwrite to replace it"
-        )
 
 
 def _require_transformers() -> None:
@@ -365,21 +345,3 @@ def _tokenizer(run_tok: RunTokenizer, seq_length: int):
         clean_up_tokenization_spaces=False,
         model_input_names=["input_ids", "attention_mask"],
     )
-
-
-def _follow_umask(folder: Path) -> None:
-    """Give every file the mode a plain ``open`` would: safetensors writes 0600."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for file in folder.iterdir():
-        file.chmod(0o666 & ~umask)
-
-
-def _publish(staging: Path, out: Path) -> None:
-    """Rename the finished folder to OUT (an existing OUT is replaced only now)."""
-    replaced = out.with_name(out.name + ".replaced")
-    if out.exists():
-        shutil.rmtree(replaced, ignore_errors=True)
-        os.replace(out, replaced)
-    os.replace(staging, out)
-    shutil.rmtree(replaced, ignore_errors=True)

@@ -1,5 +1,9 @@
 """``t2train import hf FOLDER OUT``: a Hugging Face Llama-family model as a t2train checkpoint.
 
+FOLDER is a local model folder, or a Hugging Face Hub id (``org/name``) read through
+huggingface_hub's cache (``HF_HOME``, ``HF_HUB_CACHE``): downloaded into it when the Hub is
+reachable, taken from it alone under ``HF_HUB_OFFLINE=1`` or when the Hub cannot be reached.
+
 Continued pretraining usually starts from someone's Llama. A Llama is the ``standard`` design
 (pre-norm, RMSNorm, RoPE, SwiGLU, no biases), so its weights map onto Megatron's names exactly
 (``hf.megatron_state_dict``, the export's mapping inverted). So do the families that differ
@@ -22,6 +26,7 @@ back. OUT becomes a run-like folder:
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +35,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import yaml
 
 from t2train.errors import UserInputError
+from t2train.export.folders import check_out
 from t2train.residual import BASELINE
 
 if TYPE_CHECKING:
@@ -48,6 +54,19 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+
+
+# A Hub id as huggingface_hub accepts one (org/name, each starting and ending with a letter,
+# digit or _), and what an import reads of the repository: not its other formats (.bin,
+# original/*.pth), which may be as large again.
+HUB_ID = re.compile(r"\w(?:[\w.-]*\w)?/\w(?:[\w.-]*\w)?")
+HUB_FILES = [
+    "config.json",
+    "model*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+]
 
 
 @dataclass
@@ -135,6 +154,49 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     }  # a buffer older exports kept
 
 
+def model_folder(given: str | Path) -> tuple[Path, str]:
+    """The local folder of ``given`` and where the checkpoint records it came from: a folder as
+    it is; a Hub id not found as a folder through huggingface_hub's cache, downloaded into it
+    when the Hub is reachable (a refusal names the id, the cache and why)."""
+    path = Path(given)
+    if path.exists() or not HUB_ID.fullmatch(str(given)):
+        return path, str(path.resolve())
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    hub = f"{given}: no such folder; as a Hugging Face Hub id it"
+    try:
+        snapshot = Path(snapshot_download(str(given), allow_patterns=HUB_FILES))
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the Hub cannot be reached"
+        raise UserInputError(
+            f"{hub} is not in the cache {constants.HF_HUB_CACHE} and {why}; download it "
+            f"where the Hub is reachable (`hf download {given}`, the same HF_HOME) or give "
+            "a local folder"
+        ) from None
+    except GatedRepoError:  # a RepositoryNotFoundError: first
+        raise UserInputError(
+            f"{hub} is gated: accept its license on the Hub, then log in (`hf auth login`, "
+            "or HF_TOKEN)"
+        ) from None
+    except RepositoryNotFoundError:
+        raise UserInputError(
+            f"{hub} is not on the Hub (or is private: log in with `hf auth login`, or HF_TOKEN)"
+        ) from None
+    except (HfHubHTTPError, HFValidationError, OSError) as err:
+        lines = str(err).strip().splitlines()
+        raise UserInputError(
+            f"{hub} cannot be fetched ({type(err).__name__}: {lines[0] if lines else ''})"
+        ) from None
+    return snapshot, f"{constants.ENDPOINT}/{given}/tree/{snapshot.name}"
+
+
 def import_hf(
     given: str | Path,
     out: str | Path,
@@ -144,7 +206,9 @@ def import_hf(
 ) -> Imported:
     from t2train.config.loader import config_from_dict
 
-    folder, out = Path(given), Path(out)
+    out = Path(out)
+    check_out(out, overwrite)  # before a download
+    folder, source = model_folder(given)
     if not (folder / "config.json").is_file():
         raise UserInputError(f"{folder}: no config.json (expected a Hugging Face model folder)")
     section = hf_model_section(
@@ -161,12 +225,11 @@ def import_hf(
     from t2train.compat.megatron_writer import results_in_process
     from t2train.config.schema import CONFIG_FORMAT
     from t2train.data.tokenizer import default_bos_id, load_tokenizer, save_tokenizer
-    from t2train.export.hf import _check_out, megatron_state_dict
+    from t2train.export.hf import megatron_state_dict
     from t2train.export.load import build_model, single_process_world
     from t2train.version import code_version
 
     tokenizer = load_tokenizer(folder)
-    _check_out(out, overwrite)
     progress(f"reading the weights of {folder}")
     hf_weights = read_safetensors(folder)
     if config.model.tie_embeddings:  # Megatron's output layer reads the embedding itself
@@ -211,7 +274,7 @@ def import_hf(
         "code_version": code_version(),
         "tokenizer_sha256": sha,
         "bos_id": default_bos_id(tokenizer),
-        "imported_from": str(folder.resolve()),
+        "imported_from": source,
         **recorded_checksums(),
     }
     with results_in_process():

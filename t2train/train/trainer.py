@@ -19,10 +19,8 @@ from typing import Optional
 import torch.distributed as dist
 
 from t2train.checkpoint.errors import CheckpointError
-from t2train.checkpoint.inspect import resolve_checkpoint
 from t2train.checkpoint.integrity import (
     choose_verified,
-    require_intact,
     resume_candidates,
     say,
     verify_checksums,
@@ -30,6 +28,7 @@ from t2train.checkpoint.integrity import (
 from t2train.checkpoint.manager import Checkpointer
 from t2train.checkpoint.store import find_latest
 from t2train.config.loader import dump_config
+from t2train.config.lr_schedule import configured_lr_schedule, describe_lr_schedule
 from t2train.config.schema import Config
 from t2train.engine import build_engine
 from t2train.engine.start_weights import StartWeights
@@ -67,13 +66,13 @@ def start_ranks(config: Config) -> tuple[dict, Optional[Path], int, Topology]:
 
 
 def weights_to_start_from(config: Config, facts: dict) -> Optional[StartWeights]:
-    """The checkpoint a fresh run starts from (``checkpoint.init_from``), its files verified
-    against their checksums; None without one."""
+    """The checkpoint or weights file a fresh run starts from (``checkpoint.init_from``), its
+    files verified against their checksums; None without one."""
     if not config.checkpoint.init_from:
         return None
-    path = resolve_checkpoint(Path(config.checkpoint.init_from))
-    require_intact(path, f"checkpoint.init_from={config.checkpoint.init_from}")
-    return StartWeights(path, facts["tokenizer_sha256"])
+    return StartWeights.named(
+        config.checkpoint.init_from, facts["tokenizer_sha256"], facts["vocab_size"]
+    )
 
 
 def verified(config: Config, run_dir: Path, resume_from: Path) -> tuple[Path, str]:
@@ -111,16 +110,17 @@ def verified(config: Config, run_dir: Path, resume_from: Path) -> tuple[Path, st
 
 def schedule_in_force(config: Config, scheduler) -> str:
     """The LR schedule a resumed run follows, whose it is, and this config's if it differs."""
-
-    def describe(lr, min_lr, warmup, until) -> str:
-        return f"warm-up {warmup}, cosine {lr:.2e} -> {min_lr:.2e} until step {until}"
-
-    train_cfg = config.train
-    used = describe(
-        scheduler.max_lr, scheduler.min_lr, scheduler.lr_warmup_steps, scheduler.lr_decay_steps
+    used = describe_lr_schedule(
+        scheduler.lr_decay_style,
+        scheduler.max_lr,
+        scheduler.min_lr,
+        scheduler.lr_warmup_steps,
+        scheduler.lr_decay_steps,
+        scheduler.wsd_decay_steps,
+        scheduler.lr_wsd_decay_style,
     )
-    configured = describe(train_cfg.lr, train_cfg.min_lr, train_cfg.warmup_steps, train_cfg.steps)
-    choice = train_cfg.schedule_on_resume
+    configured = configured_lr_schedule(config.train)
+    choice = config.train.schedule_on_resume
     unused = (
         ""
         if used == configured

@@ -69,8 +69,8 @@ def _owned(config: Config, dp_size: int) -> dict[str, tuple[Any, str]]:
 
 # DeepSpeed sections t2train replaces: a user JSON must not bring them.
 _REPLACED = {
-    "scheduler": "train.lr, train.min_lr and train.warmup_steps (t2train runs "
-    "Megatron's cosine schedule)"
+    "scheduler": "train.lr, train.min_lr, train.warmup_steps and train.lr_decay_style "
+    "(t2train runs Megatron's schedule)"
 }
 
 

@@ -257,7 +257,6 @@ class DeepSpeedEngine:
             ) from err
         if loaded is None:
             raise CheckpointError(f"{path}: DeepSpeed found no checkpoint to load")
-        self.scheduler.num_steps = 0  # Megatron's scheduler load advances from the current count
         self.scheduler.load_state_dict(client["scheduler"])
         restore_rng(client["rng_state"])
         return client["train_state"]

@@ -1,8 +1,8 @@
 """A DeepSpeed engine checkpoint's weights read outside DeepSpeed: each tensor-parallel
 rank's ZeRO shards gathered (DeepSpeed's ``zero_to_fp32``), the ranks joined, and the parts
-a model of another layout holds taken from them. For export that model is TP = PP = 1
-(``load_for_export``); a run starting from the checkpoint (``checkpoint.init_from``) takes
-this rank's parts at its own TP and PP (``read_weights``)."""
+a model of another layout holds taken from them (``engine/split_weights.py``). For export
+that model is TP = PP = 1 (``load_for_export``); a run starting from the checkpoint
+(``checkpoint.init_from``) takes this rank's parts at its own TP and PP (``read_weights``)."""
 
 from __future__ import annotations
 
@@ -13,16 +13,14 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterable
 
-import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from megatron.core import parallel_state as ps
-from megatron.core.transformer.mlp import MLP
 
 from t2train.checkpoint.errors import CheckpointError
+from t2train.engine.split_weights import parts_of
 from t2train.model.gpt import EMBEDDING_WEIGHT
 
-OUTPUT_WEIGHT = "output_layer.weight"  # with tied embeddings, held only by a later stage
-VOCAB_ROWS = {EMBEDDING_WEIGHT, OUTPUT_WEIGHT}  # padded per tensor-parallel size
+WHAT = "the DeepSpeed weights"  # as an error names them
 
 
 def load_for_export(path: Path, train_state: dict, build: Callable) -> tuple:
@@ -31,7 +29,7 @@ def load_for_export(path: Path, train_state: dict, build: Callable) -> tuple:
     shards = _gathered_shards(path, range(_written_tp(train_state)))
     stored = shards[0][EMBEDDING_WEIGHT].dtype
     model = build(sum(shard[EMBEDDING_WEIGHT].shape[0] for shard in shards), stored)
-    model.load_state_dict(_parts_of(model, shards, path, (1, 0)))
+    model.load_state_dict(parts_of(model, shards, path, (1, 0), WHAT))
     return model, stored
 
 
@@ -44,7 +42,7 @@ def read_weights(path: Path, train_state: dict, chunks: list) -> list[dict]:
     # At the written size this rank's part is one written rank's, taken whole.
     ranks, split = ([rank], (1, 0)) if written == size else (range(written), (size, rank))
     shards = _gathered_shards(path, ranks)
-    return [_parts_of(chunk, shards, path, split) for chunk in chunks]
+    return [parts_of(chunk, shards, path, split, WHAT) for chunk in chunks]
 
 
 def _written_tp(train_state: dict) -> int:
@@ -85,61 +83,3 @@ def _zero_gathered(path: Path, tp_rank: int) -> dict:
                 f"rank {tp_rank} ({type(err).__name__}: "
                 f"{lines[-1] if lines else ''})"
             ) from err
-
-
-def _parts_of(chunk, shards: list[dict], path: Path, split: tuple[int, int]) -> dict:
-    """``chunk``'s state dict from consecutive tensor-parallel shards of the checkpoint
-    (written at PP = 1): its layers found by their number in the whole model, each
-    tensor-parallel parameter joined across the shards and split in ``split`` = (parts,
-    which) for this rank."""
-    tp_size, tp_rank = split
-    gated = {
-        f"{name}.linear_fc1.weight"
-        for name, module in chunk.named_modules()
-        if isinstance(module, MLP) and module.config.gated_linear_unit
-    }
-    parameters = dict(chunk.named_parameters())
-    own_state = chunk.state_dict()
-    state, missing = {}, []
-    for name, own in own_state.items():
-        if name.endswith("_extra_state"):
-            state[name] = own  # the chunk's own: DeepSpeed's files hold no extra state
-            continue
-        source = chunk.whole_model_name(name)
-        if source == OUTPUT_WEIGHT and source not in shards[0]:
-            source = EMBEDDING_WEIGHT  # tied: a later stage's copy of the embedding
-        if source not in shards[0]:
-            missing.append(name)
-            continue
-        param = parameters.get(name)
-        parts = [shard[source] for shard in shards]
-        if param is None or not getattr(param, "tensor_model_parallel", False):
-            state[name] = parts[0]
-            continue
-        dim, halves = param.partition_dim, 2 if name in gated else 1
-        # The gated MLP's fc1 holds [gate; up] on each rank: each half is joined and split.
-        pieces = [torch.cat(half, dim=dim) for half in zip(*(p.chunk(halves, dim) for p in parts))]
-        if source in VOCAB_ROWS:
-            pieces = [_rows(piece, own.shape[0] * tp_size) for piece in pieces]
-        state[name] = torch.cat([piece.chunk(tp_size, dim)[tp_rank] for piece in pieces], dim)
-    if missing:
-        raise CheckpointError(
-            f"{path}: the DeepSpeed weights lack {missing[0]}"
-            f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}"
-        )
-    for name, own in own_state.items():
-        if torch.is_tensor(own) and state[name].shape != own.shape:
-            raise CheckpointError(
-                f"{path}: the DeepSpeed weights do not fit the recorded model "
-                f"({name}: {tuple(state[name].shape)}, this rank holds {tuple(own.shape)})"
-            )
-    return state
-
-
-def _rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """The vocabulary padded to ``rows`` (another tensor-parallel size pads it to another
-    multiple): the real rows kept, added padding rows zero, as dist-checkpointing loads an
-    embedding of another padding."""
-    if weight.shape[0] >= rows:
-        return weight[:rows]
-    return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])])

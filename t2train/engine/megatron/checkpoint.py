@@ -168,7 +168,6 @@ def load_checkpoint(path: Path, objs: TrainingObjects, config=None) -> dict:
         chunk.module.load_state_dict(loaded[key])
     if has_optimizer:
         objs.optimizer.load_state_dict(loaded["optimizer"])
-    objs.scheduler.num_steps = 0  # Megatron's scheduler load advances from the current count
     objs.scheduler.load_state_dict(common["scheduler"])
     if same_layout:
         restore_rng(loaded["rng_state"])

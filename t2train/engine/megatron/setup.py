@@ -12,11 +12,10 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from t2train.compat import megatron_optimizer
 from t2train.config.schema import Config
-from t2train.engine.shared import lr_scheduler, optimizer_config
+from t2train.engine.shared import LRSchedule, lr_scheduler, optimizer_config
 from t2train.engine.start_weights import StartWeights
 from t2train.model.build import (
     T2TransformerConfig,
@@ -32,7 +31,7 @@ class TrainingObjects:
     tf_config: T2TransformerConfig
     model: list  # DDP-wrapped chunks, one per virtual pipeline stage
     optimizer: MegatronOptimizer
-    scheduler: OptimizerParamScheduler
+    scheduler: LRSchedule
     vocab_size: int
     hops: HopPlan  # what crosses each pipeline hop: the chunks send by it, the step sizes by it
 
