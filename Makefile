@@ -9,7 +9,8 @@ TRANSFORMERS5 := constraints/transformers5.txt
 DEMO_DATA ?= .cache/data/shakespeare-bpe4k-s128
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install demo heldout-data check test test-fast test-mutations clean-demo gpu-bundle gpu-check \
+.PHONY: install demo heldout-data check test test-record test-fast test-mutations clean-demo \
+	gpu-bundle gpu-check \
 	gpu-check-multi
 
 # The pinned CPU stack. torch and deepspeed go first: deepspeed builds against the
@@ -59,13 +60,19 @@ check: $(VENV)/.installed
 
 # Two workers, each given whole test files (module fixtures are built once); the multi-process
 # tests leave a core idle much of the time. TEST_WORKERS=0 runs in this process. Files go out
-# in collection order (tests/conftest.py puts the longest first), not xdist's default of the
-# files with the most tests first, which left the one-test soak file to run alone at the end.
+# in collection order (tests/conftest.py puts the longest recorded first), not xdist's default
+# of the files with the most tests first, which left the one-test soak file to run alone.
 TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
+# --budget: fail when a test file or the suite is over its time budget (tests/suite_budget.py).
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(XDIST) --durations=25
+	$(PY) -m pytest -q $(XDIST) --durations=25 --budget
+
+# The last full run's per-file durations become the record the budget judges against
+# (tests/durations.json), and the README's figure is rewritten from it.
+test-record: $(VENV)/.installed
+	$(PY) tests/suite_budget.py record
 
 # The fast tier while you work: no multi-process runs, no SLURM, no long training (docs/testing.md).
 test-fast: $(VENV)/.installed

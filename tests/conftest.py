@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+pytest.register_assert_rewrite("suite_budget")
+from suite_budget import load_record, longest_first  # noqa: E402 - after its rewrite is set up
+
 # Without a GPU the Triton kernels (tests/kernels) run on Triton's CPU interpreter. Triton reads
 # TRITON_INTERPRET when a @triton.jit function is defined, so it is set here, before any test
 # module can import t2train.kernels: a helper defined without it cannot be called from a kernel
@@ -20,38 +23,24 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
-# The files that take over a minute on two cores (``--durations=0``), longest first. ``make
-# test`` hands whole files to its two workers (pytest-xdist, ``--dist loadfile
-# --no-loadscope-reorder``) in collection order, so these start first instead of ending the run
-# alone; the order changes nothing else.
-LONGEST_FIRST = (
-    "test_fusions.py",
-    "launch/test_launcher.py",
-    "bench/test_gpu_check.py",
-    "launch/test_slurm_jobs.py",
-    "test_export.py",
-    "test_resume.py",
-    "test_pipeline_4ranks.py",
-    "launch/test_soak.py",
-    "test_layouts.py",
-    "test_training.py",
-    "test_deepspeed_engine.py",
-    "monitor/test_tensorboard.py",
-)
+# The time budget: every run records each file's time; `make test` judges it (docs/testing.md).
+pytest_plugins = ["suite_budget"]
 
 
 def pytest_collection_modifyitems(config, items):
+    """Skip the GPU tests without CUDA; run the files longest first (by the record of
+    ``tests/durations.json``). ``make test`` hands whole files to its two workers
+    (pytest-xdist, ``--dist loadfile --no-loadscope-reorder``) in this order, so the long
+    files start first instead of ending the run alone; the order changes nothing else."""
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs CUDA")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
-    tests = Path(__file__).parent
-    stale = [name for name in LONGEST_FIRST if not (tests / name).is_file()]
-    if stale:
-        raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names missing files: {stale}")
-    rank = {tests / name: position for position, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path, len(rank)))  # stable: a file stays whole
+    root = config.rootpath
+    files = list(dict.fromkeys(str(item.path.relative_to(root)) for item in items))
+    rank = {name: position for position, name in enumerate(longest_first(files, load_record()))}
+    items.sort(key=lambda item: rank[str(item.path.relative_to(root))])  # stable: files stay whole
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -26,6 +26,7 @@ import torch
 
 from t2train.checkpoint.store import find_latest
 
+from suite_budget import patient
 from torchrun_helper import REPO, child_env, run_torchrun
 from variants import every_design
 
@@ -224,7 +225,7 @@ def _kill_before_publishing(run_dir: Path, step: int, data: str, steps: list[str
             start_new_session=True,
             env=child_env(),
         )
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + patient(300)
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)  # the trainer and any checkpoint writers

@@ -19,6 +19,8 @@ import pytest
 from t2train.train import run_lock
 from t2train.train.run_lock import LOCK_FILE, RunDirectoryInUse, RunLock
 
+from suite_budget import patient
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -147,7 +149,7 @@ def test_a_second_run_on_a_live_run_directory_is_refused_and_touches_nothing(sha
         args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env
     )
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + patient(300)
         while not (run_dir / "checkpoints" / "latest").is_file():
             assert live.poll() is None and time.monotonic() < deadline, live.stdout.read()
             time.sleep(0.1)

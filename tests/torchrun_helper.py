@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from suite_budget import patient
+
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
 
@@ -35,7 +37,9 @@ def run_torchrun(
         str(out),
         *args,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=patient(timeout), env=env, cwd=REPO
+    )
     out.with_suffix(".log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise AssertionError(

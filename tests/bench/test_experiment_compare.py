@@ -18,6 +18,7 @@ from t2train.checkpoint.store import find_latest
 from t2train.signals import REQUEUE_EXIT_CODE
 
 from bench_cli import run_cli
+from suite_budget import patient
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +57,7 @@ def _interrupt_in_second_run(args: list[str], second_run) -> subprocess.Complete
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + patient(300)
     while find_latest(second_run / "checkpoints") is None:
         assert proc.poll() is None, proc.communicate()[1][-4000:]
         assert time.monotonic() < deadline, "no checkpoint of the second run in 300 s"

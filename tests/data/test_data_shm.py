@@ -19,6 +19,8 @@ from t2train.data import loader
 from t2train.data.loader import StreamingWorld, TokenBatches
 from t2train.data.shm import SHM_DIR, clean_stale_streaming_files
 
+from suite_budget import patient
+
 ONE = StreamingWorld(0, 1, 0, 1)
 READER = """
 import sys, time
@@ -58,7 +60,7 @@ def test_files_of_a_killed_run_are_removed_and_live_ones_kept(dataset, tmp_path,
         assert reader.stdout.readline() == "reading\n"
         # streaming's prepare thread makes the cache lock file at its first sample, which may
         # come after the first batch was read: wait for it (the test failed once without)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + patient(60)
         while len(list(locks.iterdir())) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         # Its lock files name its prefix; it also maps segments of the live datasets of

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from suite_budget import patient
+
 PACKAGES = ("slurm-wlm", "munge")
 DAEMONS = ("munged", "slurmctld", "slurmd")
 # Real nodes have their own host name and /dev/shm (mosaicml-streaming coordinates a host's
@@ -191,7 +193,7 @@ PartitionName=test Nodes=n[1-{len(self.nodes)}] Default=YES MaxTime=INFINITE Sta
         self._wait_idle()
 
     def _wait_idle(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + patient(timeout)
         while time.monotonic() < deadline:
             busy = self.busy_nodes()
             if not busy:
@@ -214,7 +216,7 @@ PartitionName=test Nodes=n[1-{len(self.nodes)}] Default=YES MaxTime=INFINITE Sta
     def stop(self) -> None:
         """Cancel jobs and let slurmd end them, then end the daemons this cluster started."""
         self._run("scancel", "--user", "root")
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + patient(60)
         while self._run("squeue", "-h").stdout.strip() and time.monotonic() < deadline:
             time.sleep(0.5)
         pids = self._pids()
@@ -256,7 +258,7 @@ PartitionName=test Nodes=n[1-{len(self.nodes)}] Default=YES MaxTime=INFINITE Sta
 
     def wait_job(self, job_id: str, until, timeout: float, log: Optional[Path] = None) -> dict:
         """Poll until ``until(job_fields)`` holds; fail with the job's log on timeout."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + patient(timeout)
         while time.monotonic() < deadline:
             fields = self.job(job_id)
             if until(fields):
@@ -280,7 +282,7 @@ def _terminate(pid: int, timeout: float = 15) -> None:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patient(timeout)
     while time.monotonic() < deadline:
         if not _alive(pid):
             return

@@ -21,6 +21,7 @@ from t2train.train import ctrl_c
 from t2train.train.preemption import StopGuard
 
 from proc_signals import has, signal_masks
+from suite_budget import patient
 
 
 @pytest.mark.slow
@@ -71,7 +72,7 @@ def test_a_second_ctrl_c_stops_at_once_and_a_doubled_delivery_counts_once(
             assert _stop_reason(guard) == "received SIGINT"
             time.sleep(0.5)  # still training: the doubled delivery was one press
             os.kill(os.getpid(), signal.SIGINT)
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + patient(10)
             while time.monotonic() < deadline:  # the main thread is interrupted in here
                 time.sleep(0.01)
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
@@ -120,7 +121,7 @@ def test_ctrl_c_in_data_prepare_is_one_line_and_leaves_nothing(shakespeare, tmp_
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + patient(120)
         while _workers(proc.pid) < 2 or _ignores_sigint(proc.pid):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)

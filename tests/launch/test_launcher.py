@@ -30,6 +30,7 @@ from t2train.launch.torchrun import exit_code
 from t2train.signals import REQUEUE_EXIT_CODE
 
 from proc_signals import has, signal_masks
+from suite_budget import patient
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -80,7 +81,7 @@ def _start(data: Path, run_dir: Path, log: Path, nproc: int, *extra: str) -> sub
 
 
 def _wait_for_step(proc: subprocess.Popen, run_dir: Path, log: Path, step: int) -> None:
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + patient(300)
     while max(_logged_steps(run_dir), default=0) < step:
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
         time.sleep(0.1)
@@ -104,7 +105,7 @@ def run_processes(tag: str) -> list[str]:
 
 def wait_until_none_left(tag: str, seconds: float = 30) -> None:
     """A resource tracker ends a moment after its last client: allow that, no more."""
-    deadline = time.monotonic() + seconds
+    deadline = time.monotonic() + patient(seconds)
     while (left := run_processes(tag)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"processes of the run outlived it: {left}"
@@ -150,7 +151,7 @@ def test_standalone_launch_trains_and_restarts_a_killed_rank(shakespeare, tmp_pa
             env=dict(_env(), **{RUN_TAG: str(run_dir)}),
             cwd=REPO,
         )
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + patient(300)
     while max(_losses(run_dir), default=0) < 4:  # step 3 is saved, step 4 done
         assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.1)
@@ -373,7 +374,7 @@ def test_a_restart_budget_restarts_every_node_when_a_rank_dies_on_either(
         restart_timeout=120,
     )
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + patient(300)
         while max(_losses(run_dir), default=0) < 4:
             assert all(node.poll() is None for node in nodes) and time.monotonic() < deadline, [
                 log.read_text()[-3000:] for log in logs

@@ -20,6 +20,7 @@ import pytest
 from tiny_run import TINY_MODEL
 
 from proc_signals import has, signal_masks
+from suite_budget import patient
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +118,7 @@ def _latest(run_dir: Path) -> int:
 
 
 def _wait_for(condition, job: str, cluster, log: Path) -> None:
-    deadline = time.monotonic() + JOB_TIMEOUT
+    deadline = time.monotonic() + patient(JOB_TIMEOUT)
     while not condition():
         fields = cluster.job(job)
         assert time.monotonic() < deadline and not _done(fields), (
@@ -149,7 +150,7 @@ def _paused_until_pending(job: str, signum: int, trainers: int = 4):
         process.suspend()
     try:
         yield
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + patient(60)
         while not all(
             has(masks["SigPnd"] | masks["ShdPnd"], signum)
             for masks in (signal_masks(p.pid) for p in paused)

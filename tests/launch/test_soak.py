@@ -27,6 +27,8 @@ from tiny_run import TWO_RANK_RUN, TWO_RANK_STEPS
 
 from t2train.signals import REQUEUE_EXIT_CODE
 
+from suite_budget import patient
+
 pytestmark = pytest.mark.slow
 
 STEPS = TWO_RANK_STEPS
@@ -85,7 +87,7 @@ def test_a_two_node_run_preempted_and_killed_at_random_ends_as_if_never_interrup
             )
             target = min(resumed + rng.randint(1, 3), STEPS - 2)
             node = rng.randrange(2)
-            deadline = time.monotonic() + 300
+            deadline = time.monotonic() + patient(300)
             while _progress(logs[0]) < target:
                 assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, (
                     f"{about}\n{logs[0].read_text()[-3000:]}"

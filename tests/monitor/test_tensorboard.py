@@ -26,6 +26,8 @@ import torch
 from t2train.config.loader import load_config
 from t2train.ports import free_port
 
+from suite_budget import patient
+
 pytestmark = pytest.mark.slow
 
 TINY = [
@@ -297,7 +299,7 @@ def test_a_tensorboard_server_serves_the_training_loss(runs):
     base = f"http://127.0.0.1:{port}"
     run = "standard"  # the run directory's name labels it
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + patient(90)
         while True:
             assert server.poll() is None, f"tensorboard exited: {server.stderr.read()}"
             try:

@@ -1,0 +1,143 @@
+"""The time budget (tests/suite_budget.py), tried on real pytest runs of a small suite made
+here: a file that got slower fails naming itself, by working or by waiting; the same file
+on a machine made busy by other processes does not; the README's figure is the record's."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import suite_budget
+
+TESTS = Path(__file__).resolve().parent
+BUSY_PROCESSES = 6  # on 2 cores: each process gets under a third of a core
+WORK_S = 0.5  # CPU-seconds the small suite's file works on a quiet machine
+SLACK = ["--budget-slack", "0.5", "--budget-sample-every", "0.1"]
+
+
+def _suite(root: Path, body: str) -> None:
+    (root / "conftest.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(TESTS)!r})\npytest_plugins = ['suite_budget']\n"
+    )
+    (root / "pytest.ini").write_text("[pytest]\ntestpaths = .\n")
+    (root / "test_work.py").write_text(
+        "import time\n\n"
+        "def _work(seconds):\n"
+        "    end = time.process_time() + seconds\n"
+        "    while time.process_time() < end:\n"
+        "        pass\n\n"
+        f"def test_work():\n    {body}\n"
+    )
+
+
+def _run(root: Path, *options: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", *options],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
+    )
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory):
+    """A small suite whose one file works WORK_S, run once and recorded; judged again as it
+    is, it is within its budget."""
+    root = tmp_path_factory.mktemp("recorded")
+    _suite(root, f"_work({WORK_S})")
+    proc = _run(root, "--budget-out", "record.json", *SLACK)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads((root / "record.json").read_text())
+    assert record["suite"]["complete"] and record["files"]["test_work.py"]["tests"] == 1
+    assert record["files"]["test_work.py"]["cpu_s"] >= WORK_S
+    proc = _judged(root)
+    assert proc.returncode == 0 and "1 files within budget" in proc.stdout, proc.stdout
+    return root
+
+
+@pytest.fixture
+def recorded(recording, tmp_path):
+    return Path(shutil.copytree(recording, tmp_path / "suite"))
+
+
+def _judged(root: Path) -> subprocess.CompletedProcess:
+    return _run(
+        root, "--budget", "--budget-record", "record.json", "--budget-out", "run.json", *SLACK
+    )
+
+
+@pytest.mark.parametrize("body", [f"_work({3 * WORK_S})", f"time.sleep({3 * WORK_S})"])
+def test_a_file_that_got_slower_fails_naming_itself(recorded, body):
+    """Three times slower, by working or by waiting."""
+    _suite(recorded, body)
+    proc = _judged(recorded)
+    assert proc.returncode == 1, proc.stdout
+    assert "OVER BUDGET test_work.py:" in proc.stdout and "1 passed" in proc.stdout
+
+
+def test_a_busy_machine_does_not_turn_a_file_red(recorded):
+    """The same file while other processes keep the cores busy: not over budget; the
+    sampler saw the load (against a record taken just before, as the machine is now)."""
+    assert _run(recorded, "--budget-out", "record.json", *SLACK).returncode == 0
+    spin = "import time\nwhile True:\n    pass\n"
+    busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(BUSY_PROCESSES)]
+    try:
+        time.sleep(0.2)
+        proc = _judged(recorded)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    assert proc.returncode == 0, proc.stdout
+    run = json.loads((recorded / "run.json").read_text())
+    record = json.loads((recorded / "record.json").read_text())
+    assert run["suite"]["contention"] > 1.5 * record["suite"]["contention"], (run, record)
+
+
+def test_a_partial_run_judges_no_suite_and_records_nothing(recorded):
+    proc = _run(recorded, "--budget", "--budget-record", "record.json", "-k", "work", *SLACK)
+    assert proc.returncode == 0 and "judged only on a whole run" in proc.stdout
+    out = recorded / "record.json"
+    with pytest.raises(SystemExit, match="not a full run"):
+        suite_budget.record_last_run(
+            last=_partial(recorded), record=out, readme=recorded / "README.md"
+        )
+
+
+def _partial(root: Path) -> Path:
+    run = json.loads((root / "record.json").read_text())
+    run["suite"]["complete"] = False
+    path = root / "partial.json"
+    path.write_text(json.dumps(run))
+    return path
+
+
+def test_verdicts_follow_the_rule():
+    """Over by scaled wall time on a quiet machine; on a busy one only with more CPU too."""
+    recorded = {"wall_s": 100.0, "cpu_s": 80.0}
+    quiet, busy = 1.0, 2.0
+    run = suite_budget.FileRun(wall_s=150.0, cpu_s=80.0)
+    assert suite_budget.judge_file("f", run, recorded, quiet).over  # 150 > 145
+    assert not suite_budget.judge_file("f", run, recorded, busy).over  # 75 <= 145
+    run = suite_budget.FileRun(wall_s=300.0, cpu_s=80.0)  # busy, CPU as recorded: load
+    assert not suite_budget.judge_file("f", run, recorded, busy).over
+    run = suite_budget.FileRun(wall_s=300.0, cpu_s=160.0)  # busy, but it works twice as much
+    assert suite_budget.judge_file("f", run, recorded, busy).over
+
+
+def test_the_readme_states_the_recorded_figure():
+    """The README's sentence on the suite is generated from tests/durations.json
+    (``make test-record``), not written by hand."""
+    record = suite_budget.load_record()
+    readme = suite_budget.README.read_text()
+    assert suite_budget.readme_with_figure(readme, record) == readme
+    assert record["suite"]["complete"] and record["suite"]["wall_s"] < suite_budget.SUITE_BUDGET_S
