@@ -316,6 +316,7 @@ def _cmd_step(args) -> int:
 
 
 def register(commands) -> None:
+    from t2train.bench.byte_account import register as register_bytes
     from t2train.config.arguments import add_config_arguments
 
     bench = commands.add_parser("bench", help="benchmarks")
@@ -343,3 +344,4 @@ def register(commands) -> None:
         "are over all timed steps",
     )
     step.set_defaults(handler=_cmd_step)
+    register_bytes(tools)

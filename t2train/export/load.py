@@ -7,11 +7,9 @@ per tensor-parallel rank and joined (``engine/deepspeed/export.py``).
 
 from __future__ import annotations
 
-import contextlib
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 
@@ -23,6 +21,7 @@ from t2train.checkpoint.train_state import read_train_state
 from t2train.config.schema import Config, ParallelConfig
 from t2train.engine import export_reader
 from t2train.errors import UserInputError
+from t2train.parallel.init import environment_kept, one_process_world
 
 
 @dataclass
@@ -94,47 +93,14 @@ def load_model(
     return LoadedModel(checkpoint, model.to(device).eval(), model.vocab_size)
 
 
-@contextlib.contextmanager
-def environment_kept() -> Iterator[None]:
-    """``os.environ`` as it was on entry, once the block ends.
-
-    ``init_distributed`` fills in RANK, MASTER_ADDR, MASTER_PORT, ... for its world of one;
-    left set, a ``t2train train`` started from this process (a notebook's ``!t2train``, a
-    subprocess) would take them as its launcher's and fail binding this process's port
-    (EADDRINUSE). The process group keeps its store: it needs them no longer.
-    """
-    before = dict(os.environ)
-    try:
-        yield
-    finally:
-        for name in set(os.environ) - set(before):
-            del os.environ[name]
-        for name, value in before.items():
-            if os.environ.get(name) != value:
-                os.environ[name] = value
-
-
 def single_process_world() -> None:
     """torch.distributed and Megatron's groups for one process (TP = PP = DP = 1); the
     environment is left as it was (``environment_kept``)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from t2train.parallel.init import init_distributed, init_model_parallel, set_seed
-
-    with environment_kept():
-        init_distributed()
-    if dist.get_world_size() != 1 or (
-        parallel_state.model_parallel_is_initialized()
-        and parallel_state.get_tensor_model_parallel_world_size()
-        * parallel_state.get_pipeline_model_parallel_world_size()
-        != 1
-    ):
+    if not one_process_world():
         raise UserInputError(
             "loading a checkpoint for export, generation or evaluation runs in "
             "one process: start it with python or t2train, not torchrun"
         )
-    set_seed(0, init_model_parallel(1, 1, 1))
 
 
 def build_model(config: Config, vocab_rows: int, dtype: torch.dtype):

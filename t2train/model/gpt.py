@@ -117,6 +117,11 @@ class T2GPTModel(LanguageModule):
             norms.append((self.config.num_layers + 1, self.decoder.final_layernorm))
         return norms
 
+    def layers_and_stream(self) -> tuple[list, torch.nn.Module]:
+        """The chunk's decoder layers and its residual stream (``ResidualStream``), for tools
+        that run the layers one at a time (``t2train bench bytes``)."""
+        return list(self.decoder.layers), self.decoder.stream
+
     def whole_model_name(self, name: str) -> str:
         """A state-dict key of this chunk as a PP = 1 model names it: a pipeline stage numbers
         its layers from 0, ``layer_number`` is a layer's place in the whole model (from 1)."""

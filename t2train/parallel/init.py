@@ -3,10 +3,12 @@ tensor/pipeline/data-parallel groups, then seeds."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -94,6 +96,44 @@ def init_model_parallel(tensor: int, pipeline: int, virtual_pipeline: int) -> To
         pp_size=ps.get_pipeline_model_parallel_world_size(),
         dp_size=ps.get_data_parallel_world_size(),
     )
+
+
+@contextlib.contextmanager
+def environment_kept() -> Iterator[None]:
+    """``os.environ`` as it was on entry, once the block ends.
+
+    ``init_distributed`` fills in RANK, MASTER_ADDR, MASTER_PORT, ... for its world of one;
+    left set, a ``t2train train`` started from this process (a notebook's ``!t2train``, a
+    subprocess) would take them as its launcher's and fail binding this process's port
+    (EADDRINUSE). The process group keeps its store: it needs them no longer.
+    """
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for name in set(os.environ) - set(before):
+            del os.environ[name]
+        for name, value in before.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
+
+
+def one_process_world() -> bool:
+    """torch.distributed and Megatron's groups for this process alone (TP = PP = DP = 1),
+    seeded, the environment left as it was (``environment_kept``); False if the process
+    is one rank of a larger world (started by torchrun)."""
+    from megatron.core import parallel_state as ps  # noqa: PLC0415 - megatron-core: not for the CLI's is_rank_zero
+
+    with environment_kept():
+        init_distributed()
+    if dist.get_world_size() != 1 or (
+        ps.model_parallel_is_initialized()
+        and ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
+        != 1
+    ):
+        return False
+    set_seed(0, init_model_parallel(1, 1, 1))
+    return True
 
 
 def set_seed(seed: int, topology: Topology) -> None:

@@ -60,6 +60,21 @@ def nothing_saved(_model_config) -> SavedPerToken:
     return SavedPerToken()
 
 
+class Traffic(NamedTuple):
+    """[tokens, hidden] activation units a sublayer call reads and writes, forward and
+    backward (``t2train bench bytes`` counts what the compiled layer moves against it)."""
+
+    forward: float
+    backward: float
+
+
+# A sublayer body (attention, the MLP, the mixer) seen from the stream: forward, it reads its
+# normed input and writes its output; backward, the input-gradient GEMM reads the output's
+# gradient and writes the input's, the weight-gradient GEMM reads the output's gradient and
+# the input. The same for every design.
+BODY = Traffic(forward=2, backward=4)
+
+
 def one_changing_unit(_model_config, _layers_done: int) -> list:
     return [None]
 
@@ -81,6 +96,8 @@ class ResidualDesign:
     of ``extra_parameters`` split across tensor-parallel ranks (for the planner).
     ``saved_per_token`` is the activation memory the design adds to a layer (for the planner;
     ``tests/bench/test_plan_memory.py`` checks it against what the compiled layers save).
+    ``minimum_traffic`` is the memory traffic its formula needs (``t2train bench bytes``
+    and ``tests/bench/test_byte_account.py`` hold the compiled layers to it).
 
     ``unit_ids(model, layers_done)`` names the [s, b, h] units of the stream state after
     ``layers_done`` layers (global count), in the order of the stream's ``to_units``: an id
@@ -98,6 +115,9 @@ class ResidualDesign:
     extra_flops_per_token: Callable = no_extra
     tensor_parallel_parameters: Callable = no_extra
     saved_per_token: Callable = nothing_saved  # (ModelConfig) -> SavedPerToken, for the planner
+    # (ModelConfig, 0-based layer index) -> Traffic: what a sublayer call of that layer must
+    # read and write at least (each tensor its formula needs, once per pass), BODY included
+    minimum_traffic: Optional[Callable] = None
     unit_ids: Callable = one_changing_unit
     layer_entry: Optional[str] = None  # in ``layers``: begin(state) runs before the sublayers
     section: Optional[str] = None  # its options live in model.<section> (shared by siblings)

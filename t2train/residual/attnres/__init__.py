@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from t2train.errors import require
-from t2train.residual.declaration import ResidualDesign, SavedPerToken
+from t2train.residual.declaration import BODY, ResidualDesign, SavedPerToken, Traffic
 from t2train.residual.sublayers import mixer, mixer_on, sublayer_names
 
 
@@ -117,6 +117,35 @@ def extra_flops_for(block_size_of):
     return extra_flops_per_token
 
 
+def traffic_for(block_size_of):
+    def minimum_traffic(model, layer: int) -> Traffic:
+        """Averaged over the layer's sublayers; blocks of B sublayers (Full: B = 1), N the
+        completed sources a sublayer reads (the embedding, the blocks closed before it).
+        Full: the read reads the N sources and writes the normed input (N + 1; the output
+        itself is the new source); backward, the normed input's gradient read, the sources
+        read and each source's gradient added into (1 + 3N). Block, two phases: the N
+        completed sources are read once per block for its B reads (N / B per read), each
+        read's phase-1 result written and read again (2), the normed input written (1), an
+        open block's partial sum read by the read and updated by the write (read twice, the
+        output read, the sum written: 4); backward, the normed input's gradient (1), phase
+        2's result read and its gradient written (2, and the partial's 2 when open), phase
+        1 per block reading the results' gradients and the sources and adding into the
+        sources' gradients ((B + 3N) / B)."""
+        block, per_layer = block_size_of(model), sublayers_per_layer(model)
+        forward = backward = 0.0
+        for index in range(per_layer * layer, per_layer * (layer + 1)):
+            completed, open_block = completed_sources(index, block), index % block != 0
+            if block == 1:
+                forward += BODY.forward + completed + 1
+                backward += BODY.backward + 1 + 3 * completed
+            else:
+                forward += BODY.forward + completed / block + 3 + 4 * open_block
+                backward += BODY.backward + 3 + 2 * open_block + (block + 3 * completed) / block
+        return Traffic(forward / per_layer, backward / per_layer)
+
+    return minimum_traffic
+
+
 def saved_for(block_size_of, two_phase: bool):
     def saved_per_token(model) -> SavedPerToken:
         """The chunk's buffer of completed sources (one unit each), a source read by a later
@@ -178,6 +207,7 @@ FULL = ResidualDesign(
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_for(one_sublayer),
     saved_per_token=saved_for(one_sublayer, two_phase=False),
+    minimum_traffic=traffic_for(one_sublayer),
     unit_ids=unit_ids_for(one_sublayer),
     section="attnres",
     options=AttnResOptions,
@@ -193,6 +223,7 @@ BLOCK = ResidualDesign(
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_for(configured_block),
     saved_per_token=saved_for(configured_block, two_phase=True),
+    minimum_traffic=traffic_for(configured_block),
     unit_ids=unit_ids_for(configured_block),
     section="attnres",
     options=AttnResOptions,

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from t2train.errors import require
-from t2train.residual.declaration import ResidualDesign, SavedPerToken
+from t2train.residual.declaration import BODY, ResidualDesign, SavedPerToken, Traffic
 from t2train.residual.sublayers import sublayer_names
 
 
@@ -125,6 +125,17 @@ def write_diagnostics(writer, step: int, records: dict, model) -> None:
             )
 
 
+def minimum_traffic(model, _layer: int) -> Traffic:
+    """With d_v state columns. Forward, one pass reads the state (d_v) and the output, and
+    writes the new state (d_v) and the next sublayer's normed (compressed) input; k's norm,
+    k^T X, the gates' dot products and the rank-1 update are row-local, in the same pass
+    (2 d_v + 2). Backward, one pass reads the new state's gradient (d_v), the state (d_v),
+    the output and the normed input's gradient, and writes the state's gradient (d_v) and
+    the output's (k is the output, which enters nonlinearly: 3 d_v + 3)."""
+    dv = model.ddl.dv
+    return Traffic(BODY.forward + 2 * dv + 2, BODY.backward + 3 * dv + 3)
+
+
 def unit_ids(model, _layers_done: int) -> list:
     """The dv columns of the state, each changing at every sublayer."""
     return [None] * model.ddl.dv
@@ -139,6 +150,7 @@ DESIGN = ResidualDesign(
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_per_token,
     saved_per_token=saved_per_token,
+    minimum_traffic=minimum_traffic,
     unit_ids=unit_ids,
     section="ddl",
     options=DDLOptions,

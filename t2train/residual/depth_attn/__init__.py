@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from t2train.errors import require
-from t2train.residual.declaration import ResidualDesign, SavedPerToken
+from t2train.residual.declaration import BODY, ResidualDesign, SavedPerToken, Traffic
+from t2train.residual.sublayers import sublayer_names
 
 
 @dataclass
@@ -50,6 +51,24 @@ def extra_parameters(model) -> int:
 def tensor_parallel_parameters(model) -> int:
     """The projections are split across tensor ranks like attention's; the norm is not."""
     return model.num_layers * 4 * model.hidden_size**2
+
+
+def minimum_traffic(model, layer: int) -> Traffic:
+    """Each sublayer as `standard`'s (6, 8), and the layer's read over its window of K'
+    states, shared by its sublayers. Forward: the states read and their normed copies written
+    with this layer's norm (2K'), the KV projection reading them and writing K and V (3K'),
+    the query projection (2), the window attention reading q, K, V and writing z (2K' + 2),
+    the output projection (2), the add of W_O z to the state writing the first sublayer's
+    normed input too (4): 7K' + 10. Backward, the same in reverse: the output projection (4),
+    the attention (4K' + 4), the query projection (4), the KV projection (6K'), the norms'
+    backward reading the normed gradients and the states and adding into the states'
+    gradients, the earlier states' read and written again (4K' + 1): 14K' + 13."""
+    window = _window_sizes(model)[layer]
+    sublayers = len(sublayer_names(model))
+    return Traffic(
+        BODY.forward + 4 + (7 * window + 10) / sublayers,
+        BODY.backward + 4 + (14 * window + 13) / sublayers,
+    )
 
 
 def extra_flops_per_token(model) -> int:
@@ -112,6 +131,7 @@ DESIGN = ResidualDesign(
     extra_flops_per_token=extra_flops_per_token,
     tensor_parallel_parameters=tensor_parallel_parameters,
     saved_per_token=saved_per_token,
+    minimum_traffic=minimum_traffic,
     layer_entry="DepthRead",
     unit_ids=unit_ids,
     section="depth_attn",

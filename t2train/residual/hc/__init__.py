@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from t2train.errors import require
-from t2train.residual.declaration import ResidualDesign, SavedPerToken
+from t2train.residual.declaration import BODY, ResidualDesign, SavedPerToken, Traffic
 from t2train.residual.sublayers import sublayer_names
 
 
@@ -130,6 +130,20 @@ def mixing_weights(model) -> int:
     return n * n + 2 * n
 
 
+def stream_mix_traffic(section: str):
+    def minimum_traffic(model, _layer: int) -> Traffic:
+        """n streams. Forward, one pass reads the n streams and the output and writes the n
+        new ones and the next sublayer's normed input: the mixing weights come from row-local
+        reductions (norms, projections) and the read sums over the streams of one token
+        (2n + 2). Backward, one pass reads the new streams' gradient (n), the streams (n),
+        the output and the normed input's gradient, and writes the streams' gradient (n) and
+        the output's (3n + 3)."""
+        n = getattr(model, section).expansion_rate
+        return Traffic(BODY.forward + 2 * n + 2, BODY.backward + 3 * n + 3)
+
+    return minimum_traffic
+
+
 def copies_of(section: str):
     def unit_ids(model, _layers_done: int) -> list:
         """The n copies, each changing at every sublayer."""
@@ -175,6 +189,7 @@ DESIGN = ResidualDesign(
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_per_token,
     saved_per_token=saved_for("hc", mixing_weights),
+    minimum_traffic=stream_mix_traffic("hc"),
     unit_ids=copies_of("hc"),
     section="hc",
     options=HCOptions,

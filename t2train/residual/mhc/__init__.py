@@ -68,7 +68,13 @@ from typing import ClassVar
 
 from t2train.errors import require
 from t2train.residual.declaration import ResidualDesign
-from t2train.residual.hc import copies_of, diagnostics_for, saved_for, sublayers
+from t2train.residual.hc import (
+    copies_of,
+    diagnostics_for,
+    saved_for,
+    stream_mix_traffic,
+    sublayers,
+)
 from t2train.residual.sublayers import sublayer_names
 
 
@@ -154,6 +160,7 @@ DESIGN = ResidualDesign(
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_per_token,
     saved_per_token=saved_for("mhc", mappings, recomputed_states),
+    minimum_traffic=stream_mix_traffic("mhc"),
     unit_ids=copies_of("mhc"),
     section="mhc",
     options=MHCOptions,

@@ -1,0 +1,94 @@
+"""The byte account (``t2train bench bytes``): each design's compiled layer moves at most what
+its design may, and an extra pass over the stream state is caught.
+
+A design's ceiling is 1.3 times the minimum it declares (``ResidualDesign.minimum_traffic``)
+or, while it is above that, what it moves now (``NOW``, units per sublayer call, forward +
+backward, from ``docs/byte-account.md``): a ratchet that a regression cannot pass, lowered
+when a design gets cheaper. The variants are ``tests/variants.py``'s ``every_design()``:
+each design once, the local mixer on one of each kind of stream state.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from t2train.bench.byte_account import account_variant
+from t2train.config.loader import load_config
+from t2train.residual import get_design, registered
+from t2train.residual.declaration import BODY, Traffic
+
+from variants import every_design
+
+pytestmark = pytest.mark.slow
+
+TARGET = 1.3  # times the declared minimum
+NOW = {  # units per sublayer call, forward + backward (docs/byte-account.md)
+    "ddl": 27.2,
+    "attnres": 38.7,
+    "block_attnres": 32.7,
+    "hc": 126.2,
+    "hc+shortswa": 126.2,
+    "mhc": 134.5,
+}
+SLACK = 0.05  # units: rounding of the table
+
+
+def ceiling(variant: str, minimum: tuple[float, float]) -> float:
+    return max(TARGET * sum(minimum), NOW.get(variant, 0.0) + SLACK)
+
+
+def test_every_design_declares_its_minimum():
+    """Declared per layer, at least the sublayer body's traffic, and `standard`'s is the
+    add-and-norm pass around the body written out: read state and output, write state and
+    the next normed input; backward read the state's, the normed input's gradients and the
+    state, write the state's gradient."""
+    model = load_config(overrides=["data.path=unused", "model.num_layers=4"]).model
+    assert get_design("standard").minimum_traffic(model, 0) == Traffic(2 + 4, 4 + 4)
+    for name in registered():
+        design = get_design(name)
+        assert design.minimum_traffic is not None, name
+        for layer in range(4):
+            traffic = design.minimum_traffic(model, layer)
+            assert traffic.forward > BODY.forward and traffic.backward > BODY.backward, name
+
+
+@pytest.mark.parametrize("variant", every_design())
+def test_each_design_moves_at_most_its_ceiling(variant):
+    account = account_variant(variant)
+    assert account.total <= ceiling(variant, account.minimum), (
+        f"{variant}: {account.total:.2f} units per sublayer (forward "
+        f"{account.units('forward'):.2f}, backward {account.units('backward'):.2f}) against "
+        f"a ceiling of {ceiling(variant, account.minimum):.2f} (minimum "
+        f"{sum(account.minimum):.2f}); t2train bench bytes --kernels --variants {variant}"
+    )
+
+
+@torch.library.custom_op("t2train_test::copy_of", mutates_args=())
+def copy_of(x: torch.Tensor) -> torch.Tensor:
+    """An opaque operator: a pass over its input that the compiler cannot fuse away."""
+    return x.clone()
+
+
+@copy_of.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+copy_of.register_autograd(lambda ctx, grad: grad)
+
+
+@pytest.mark.parametrize("design", ["standard", "hc"])
+def test_an_extra_pass_over_the_stream_state_is_caught(monkeypatch, design):
+    """One more pass over the state per sublayer (read and write it once, forward and
+    backward) takes `standard` (one unit) and `hc` (n units) over their ceilings."""
+    from importlib import import_module
+
+    layers = import_module(get_design(design).layers)
+    sublayer = getattr(layers, get_design(design).sublayer)
+    write = sublayer.write
+    monkeypatch.setattr(
+        sublayer, "write", lambda self, state, *args: write(self, copy_of(state), *args)
+    )
+    account = account_variant(design)
+    assert account.total > ceiling(design, account.minimum), account.total
