@@ -48,16 +48,21 @@ def _run(root: Path, *options: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture(scope="module")
-def recording(tmp_path_factory):
-    """A small suite whose one file works WORK_S, run once and recorded; judged again as it
-    is, it is within its budget."""
-    root = tmp_path_factory.mktemp("recorded")
-    _suite(root, f"_work({WORK_S})")
+def _recorded(root: Path, body: str) -> Path:
+    """A small suite whose one file runs ``body``, run once and recorded."""
+    _suite(root, body)
     proc = _run(root, "--budget-out", "record.json", *SLACK)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     record = json.loads((root / "record.json").read_text())
     assert record["suite"]["complete"] and record["files"]["test_work.py"]["tests"] == 1
+    return root
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory):
+    """The file working WORK_S, recorded; judged again as it is, within its budget."""
+    root = _recorded(tmp_path_factory.mktemp("recorded"), f"_work({WORK_S})")
+    record = json.loads((root / "record.json").read_text())
     assert record["files"]["test_work.py"]["cpu_s"] >= WORK_S
     proc = _judged(root)
     assert proc.returncode == 0 and "1 files within budget" in proc.stdout, proc.stdout
@@ -69,19 +74,28 @@ def recorded(recording, tmp_path):
     return Path(shutil.copytree(recording, tmp_path / "suite"))
 
 
-def _judged(root: Path) -> subprocess.CompletedProcess:
-    return _run(
-        root, "--budget", "--budget-record", "record.json", "--budget-out", "run.json", *SLACK
-    )
+def _judged(root: Path, *options: str) -> subprocess.CompletedProcess:
+    judged = ["--budget", "--budget-record", "record.json", "--budget-out", "run.json"]
+    return _run(root, *judged, *SLACK, *options)
 
 
-@pytest.mark.parametrize("body", [f"_work({3 * WORK_S})", f"time.sleep({3 * WORK_S})"])
-def test_a_file_that_got_slower_fails_naming_itself(recorded, body):
-    """Three times slower, by working or by waiting."""
-    _suite(recorded, body)
+def test_a_file_that_works_more_fails_naming_itself(recorded):
+    """Three times the work: its CPU-seconds say so whatever the machine's load."""
+    _suite(recorded, f"_work({3 * WORK_S})")
     proc = _judged(recorded)
     assert proc.returncode == 1, proc.stdout
     assert "OVER BUDGET test_work.py:" in proc.stdout and "1 passed" in proc.stdout
+
+
+def test_a_file_that_waits_longer_fails_naming_itself(tmp_path):
+    """Three times the waiting: its CPU-seconds do not show it, its wall time does, judged
+    at the recorded load (``--budget-load-ratio 1``: the suite's other tests load the
+    machine as they please; the ratio's own measure is tried beside busy processes below)."""
+    root = _recorded(tmp_path, f"time.sleep({WORK_S})")
+    _suite(root, f"time.sleep({3 * WORK_S})")
+    proc = _judged(root, "--budget-load-ratio", "1")
+    assert proc.returncode == 1, proc.stdout
+    assert "OVER BUDGET test_work.py:" in proc.stdout and "load ratio 1.00" in proc.stdout
 
 
 def test_a_busy_machine_does_not_turn_a_file_red(recorded):
@@ -122,16 +136,18 @@ def _partial(root: Path) -> Path:
 
 
 def test_verdicts_follow_the_rule():
-    """Over by scaled wall time on a quiet machine; on a busy one only with more CPU too."""
+    """Over by CPU-seconds at any load; by scaled wall time where the machine was no busier
+    than at the record."""
     recorded = {"wall_s": 100.0, "cpu_s": 80.0}
     quiet, busy = 1.0, 2.0
-    run = suite_budget.FileRun(wall_s=150.0, cpu_s=80.0)
+    run = suite_budget.FileRun(wall_s=150.0, cpu_s=80.0)  # waited longer
     assert suite_budget.judge_file("f", run, recorded, quiet).over  # 150 > 145
-    assert not suite_budget.judge_file("f", run, recorded, busy).over  # 75 <= 145
+    assert not suite_budget.judge_file("f", run, recorded, busy).over  # the load, maybe
     run = suite_budget.FileRun(wall_s=300.0, cpu_s=80.0)  # busy, CPU as recorded: load
     assert not suite_budget.judge_file("f", run, recorded, busy).over
-    run = suite_budget.FileRun(wall_s=300.0, cpu_s=160.0)  # busy, but it works twice as much
+    run = suite_budget.FileRun(wall_s=110.0, cpu_s=160.0)  # it works twice as much
     assert suite_budget.judge_file("f", run, recorded, busy).over
+    assert suite_budget.judge_file("f", run, recorded, quiet).over
 
 
 def test_the_readme_states_the_recorded_figure():
