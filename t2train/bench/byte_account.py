@@ -250,16 +250,17 @@ def _gemm_body(hidden: int):
 
 
 @contextmanager
-def _kernels_traced_not_launched() -> Iterator[None]:
+def _kernels_traced_not_launched(kernels: bool) -> Iterator[None]:
     """The Triton kernels as the GPU runs them (custom operators, ``T2_KERNELS=triton``),
     each allocating its outputs and launching nothing: the account reads the operators'
-    inputs and outputs, not their values (the interpreter would take minutes)."""
+    inputs and outputs, not their values (the interpreter would take minutes). Without
+    ``kernels``, their PyTorch references, compiled with the rest."""
     from t2train.kernels import ops
     from t2train.kernels.dispatch import load_kernels
     from t2train.residual import kernel_table
 
     saved = {name: os.environ.get(name) for name in ("T2_KERNELS", "TRITON_INTERPRET")}
-    os.environ["T2_KERNELS"] = "triton"
+    os.environ["T2_KERNELS"] = "triton" if kernels else "torch"
     os.environ["TRITON_INTERPRET"] = "1"  # the route's check on CPU tensors; nothing runs
     patched = [
         function.__globals__
@@ -311,9 +312,12 @@ def _leaves_requiring_grad(state):
     return tree_unflatten(fresh, spec)
 
 
-def account_layers(variant: str, extra: tuple[str, ...] = ()) -> list[LayerAccount]:
+def account_layers(
+    variant: str, extra: tuple[str, ...] = (), kernels: bool = True
+) -> list[LayerAccount]:
     """The account of each layer of a ``LAYERS``-layer decoder of ``variant`` (``<design>``
-    or ``<design>+<mixer>``; ``extra``: more config overrides), each layer compiled alone."""
+    or ``<design>+<mixer>``; ``extra``: more config overrides), each layer compiled alone;
+    with the Triton kernels, or (``kernels=False``) their references compiled."""
     import torch
     from torch.utils._pytree import tree_leaves
 
@@ -327,7 +331,7 @@ def account_layers(variant: str, extra: tuple[str, ...] = ()) -> list[LayerAccou
     trace_megatron_modules()
     accounts = []
     with (
-        _kernels_traced_not_launched(),
+        _kernels_traced_not_launched(kernels),
         torch._inductor.config.patch(force_disable_caches=True),  # every graph is fused anew
         warnings.catch_warnings(),
     ):
@@ -364,7 +368,9 @@ def _detached(state):
     return tree_map(lambda t: t.detach() if hasattr(t, "detach") else t, state)
 
 
-def account_variant(variant: str, extra: tuple[str, ...] = ()) -> VariantAccount:
+def account_variant(
+    variant: str, extra: tuple[str, ...] = (), kernels: bool = True
+) -> VariantAccount:
     """Every layer's account of ``variant`` and its design's declared minimum, averaged."""
     from t2train.config.loader import load_config
     from t2train.residual import get_design
@@ -373,7 +379,7 @@ def account_variant(variant: str, extra: tuple[str, ...] = ()) -> VariantAccount
     if design.minimum_traffic is None:
         raise ValueError(f"design {design.name!r} declares no minimum_traffic")
     model = load_config(overrides=_overrides(variant, extra)).model
-    layers = account_layers(variant, extra)
+    layers = account_layers(variant, extra, kernels)
     minima = [design.minimum_traffic(model, layer.layer) for layer in layers]
     minimum = (
         sum(m.forward for m in minima) / len(minima),
@@ -449,6 +455,12 @@ def register(tools) -> None:
     bytes_.add_argument(
         "--kernels", action="store_true", help="also list every kernel of every layer"
     )
+    bytes_.add_argument(
+        "--references",
+        action="store_true",
+        help="the designs' PyTorch references compiled in place of their Triton kernels "
+        "(which custom operators the compiler's fusion beats)",
+    )
     bytes_.set_defaults(handler=_cmd_bytes)
 
 
@@ -463,7 +475,7 @@ def _cmd_bytes(args) -> int:
     print(TABLE_HEADER)
     accounts = []
     for variant in variants:
-        accounts.append(account_variant(variant))
+        accounts.append(account_variant(variant, kernels=not args.references))
         print(table_row(accounts[-1]), flush=True)
     if args.kernels:
         for account in accounts:
