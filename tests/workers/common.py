@@ -25,6 +25,15 @@ def write_result(out: Path, result: dict) -> None:
         out.write_text(json.dumps(result))
 
 
+def finish() -> None:
+    """Every rank done, then the process groups torn down before the interpreter exits: a
+    rank leaving with gloo's threads alive once aborted at exit ("terminate called without
+    an active exception") after its result was written."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def fixed_batch(vocab: int, batch: int, seq: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch.distributed as dist
-from common import parse_args, write_result
+from common import finish, parse_args, write_result
 
 from t2train.checkpoint.errors import CheckpointError
 from t2train.config.loader import load_config
@@ -149,3 +149,4 @@ def _start_from_other_runs(root: Path, design: str, data: Path) -> dict:
 
 if __name__ == "__main__":
     main()
+    finish()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common import parse_args, use_layout, write_result
+from common import finish, parse_args, use_layout, write_result
 
 from t2train.config.loader import load_config
 from t2train.export.on_finish import export_on_finish
@@ -100,3 +100,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import parse_args, use_layout, write_result
+from common import finish, parse_args, use_layout, write_result
 
 from t2train.config.loader import load_config
 from t2train.engine.megatron.checkpoint import load_checkpoint, save_checkpoint
@@ -94,3 +94,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

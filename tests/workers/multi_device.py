@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import parse_args, use_layout, write_result
+from common import finish, parse_args, use_layout, write_result
 from engine_equivalence import ENGINES, TINY
 from layout_equivalence import run_layout
 
@@ -72,3 +72,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

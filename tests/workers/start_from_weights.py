@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from common import parse_args, use_layout, write_result
+from common import finish, parse_args, use_layout, write_result
 
 from t2train.config.loader import load_config
 from t2train.config.schema import CONFIG_FORMAT
@@ -51,3 +51,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

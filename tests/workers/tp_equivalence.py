@@ -8,7 +8,7 @@ written the same way and read back into one TP=1 layout for an element-wise comp
 from __future__ import annotations
 
 import torch.distributed as dist
-from common import fixed_batch, parse_args, use_layout, write_result
+from common import finish, fixed_batch, parse_args, use_layout, write_result
 from megatron.core import dist_checkpointing
 
 from t2train.compat.megatron_writer import results_in_process
@@ -84,3 +84,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()
