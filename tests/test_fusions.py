@@ -237,8 +237,9 @@ def test_with_the_kernels_every_layer_is_one_graph(megatron_world, monkeypatch, 
     assert counters["stats"]["unique_graphs"] == layer_graphs(variant, 3)
     for ours, theirs in zip([compiled] + compiled_grads, [eager] + eager_grads):
         # fp32 rounding: the compiled graph may order a sum of gradients differently (AttnRes'
-        # pseudo-queries: 1.4e-6 of the largest entry)
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max())
+        # pseudo-queries: 1.4e-6 of the largest entry; HC's one-number scales, sums over every
+        # token whose projections are summed products compiled and a GEMM eagerly: 3.8e-5)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=5e-5 * theirs.abs().max())
 
 
 @pytest.mark.parametrize("variant", DEPTH_VARIANTS)

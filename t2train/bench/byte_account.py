@@ -262,6 +262,7 @@ def _kernels_traced_not_launched(kernels: bool) -> Iterator[None]:
     saved = {name: os.environ.get(name) for name in ("T2_KERNELS", "TRITON_INTERPRET")}
     os.environ["T2_KERNELS"] = "triton" if kernels else "torch"
     os.environ["TRITON_INTERPRET"] = "1"  # the route's check on CPU tensors; nothing runs
+    load_kernels(kernel_table().values())  # registers the operators: first, to patch them
     patched = [
         function.__globals__
         for function in ops.IMPLEMENTATIONS.values()
@@ -269,7 +270,6 @@ def _kernels_traced_not_launched(kernels: bool) -> Iterator[None]:
     ]
     for namespace in patched:
         namespace["tracing"] = lambda _tensor: True
-    load_kernels(kernel_table().values())
     try:
         yield
     finally:

@@ -123,11 +123,11 @@ def saved_for(section: str, fp32_per_sublayer, dropped_per_layer=no_dropped_stat
 
 
 def mixing_weights(model) -> int:
-    """A_m and B (n each) and A_r (n^2); dynamic or static alike: the projections of the
-    normed streams that make the dynamic ones are recomputed in the backward
-    (``rms_fp32_logits``)."""
+    """A_m and B (n each) and A_r (n^2); dynamic, also the projections of the normed streams
+    that make them (n + 2 per stream) and each stream's inverse RMS (``rms_fp32_logits``, in
+    a compiled layer one pass over the streams, not recomputed)."""
     n = model.hc.expansion_rate
-    return n * n + 2 * n
+    return n * n + 2 * n + (n * (n + 2) + n if model.hc.dynamic else 0)
 
 
 def stream_mix_traffic(section: str):

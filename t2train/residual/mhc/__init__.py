@@ -140,10 +140,11 @@ def extra_flops_per_token(model) -> int:
 
 
 def mappings(model) -> int:
-    """H_pre and H_post (n each) and H_res (n^2); the normed projection that makes them is
-    recomputed in the backward (``layers.normed_projection``)."""
+    """H_pre and H_post (n each) and H_res (n^2), the normed projection that makes them
+    (n^2 + 2n) and its inverse RMS (``layers.normed_projection``: in a compiled layer one
+    pass over the streams, not recomputed)."""
     n = model.mhc.expansion_rate
-    return n * n + 2 * n
+    return 2 * (n * n + 2 * n) + 1
 
 
 def recomputed_states(model) -> int:

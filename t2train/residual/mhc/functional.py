@@ -14,12 +14,20 @@ from t2train.nn.functional import at_least_fp32
 def flat_rms_projection(state: Tensor, projection: Tensor, eps: float) -> Tensor:
     """RMSNorm(vec x) phi^T [..., outputs] in fp32: the n streams of a token flattened
     (stream after stream) and normalised over all n h, weight-free; projection
-    [outputs, n h]. In fp32 under autocast too (its einsum would run in bf16 there)."""
+    [outputs, n h]. In fp32 under autocast too (its einsum would run in bf16 there).
+
+    Compiled, the products summed over the n h values of a token: one reduction the compiler
+    fuses with the mean of squares into a pass reading the streams once (an einsum is a GEMM
+    on an fp32 copy of the streams written for it); eagerly, where the products would be
+    materialised, the einsum."""
     with torch.autocast(state.device.type, enabled=False):
         x = at_least_fp32(state)
         n, h = x.shape[0], x.shape[-1]
         inv_rms = torch.rsqrt(x.pow(2).mean((0, -1)) + eps)
         phi = at_least_fp32(projection).view(-1, n, h)
+        if torch.compiler.is_compiling():
+            products = x.movedim(0, -2).unsqueeze(-3) * phi  # [..., outputs, n, h]
+            return products.sum((-2, -1)) * inv_rms.unsqueeze(-1)
         return torch.einsum("j...h,kjh->...k", x, phi) * inv_rms.unsqueeze(-1)
 
 

@@ -25,13 +25,13 @@ from t2train.residual.sublayers import sublayer_names
 
 
 def normed_projection(state: Tensor, projection: Tensor, eps: float) -> Tensor:
-    """``flat_rms_projection`` [s, b, outputs] (state [n, s, b, h]), recomputed in the
-    backward: only the stream and the projection are kept for it, not the fp32 copy of the
-    n streams that a compiled layer's partitioner would keep (2n units per sublayer).
-
-    In a compiled layer Inductor fuses the cast, the norm and the recompute (HC's projection
-    of the same kind took 0.91 ms compiled against 3.47 ms eager on an H200 at 125m,
-    docs/gpu/h200-2026-11-30.md); it ran eagerly before, as an opaque operator."""
+    """``flat_rms_projection`` [s, b, outputs] (state [n, s, b, h]). Eagerly recomputed in
+    the backward: only the stream and the projection are kept for it, not the fp32 copy of
+    the n streams its einsum makes. Compiled, its products summed in one pass over the
+    streams, which the partitioner keeps no fp32 copy for (recomputing it would read the
+    streams again: ``t2train bench bytes``)."""
+    if torch.compiler.is_compiling():
+        return flat_rms_projection(state, projection, eps)
     return checkpoint(flat_rms_projection, state, projection, eps, use_reentrant=False)
 
 
