@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml setup.py $(LOCK) $(TRANSFORMERS5)
 	$(PIP) install --upgrade pip
 	$(PIP) install -c $(LOCK) torch torchvision
 	DS_BUILD_OPS=0 $(PIP) install -c $(LOCK) --no-build-isolation deepspeed
-	$(PIP) install -c $(LOCK) -e '.[test,check,hf,eval,wandb]'
+	$(PIP) install -c $(LOCK) -e '.[test,check,hf,eval,wandb,fp8]'
 	rm -rf $(VENV)/transformers5
 	$(PIP) install --no-deps --target $(VENV)/transformers5 -r $(TRANSFORMERS5)
 	touch $@

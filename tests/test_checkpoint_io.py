@@ -238,8 +238,8 @@ def test_a_file_that_does_not_fit_the_model_is_refused_naming_the_field(
         "model.ffn_hidden_size=256": "decoder.layers.0.mlp.linear_fc1.weight is [1024, 192] "
         "there, [512, 192] here; model.ffn_hidden_size likely differs",
         "model.num_query_groups=2": "decoder.layers.0.self_attention.linear_qkv.weight is "
-        "[576, 192] there, [384, 192] here; model.num_attention_heads or "
-        "model.num_query_groups likely differs",
+        "[576, 192] there, [384, 192] here; model.num_attention_heads, "
+        "model.num_query_groups or model.head_dim likely differs",
         "model.tie_embeddings=false": "it lacks output_layer.weight; model.tie_embeddings "
         "likely differs",
         "model.vocab_size=200": f"{EMBEDDING} is [128, 192] there, [256, 192] here; "

@@ -190,8 +190,9 @@ def test_the_import_train_export_sequence_works_from_other_directories(
 
 def _family_model(family: str, vocab: int):
     """A small model of a Llama family made here: Llama with Llama 3.1's RoPE scaling (a
-    long rope_theta, so the scaled frequencies matter at these positions), Mistral, or Qwen2
-    (q, k, v biases), norms and biases away from their initial values."""
+    long rope_theta, so the scaled frequencies matter at these positions), Mistral, Qwen2
+    (q, k, v biases) or Qwen3 (q/k norms, heads of 32 where hidden / heads is 16), norms and
+    biases away from their initial values."""
     import transformers
 
     shape = dict(
@@ -223,6 +224,9 @@ def _family_model(family: str, vocab: int):
         "qwen2": lambda: transformers.Qwen2Config(
             **shape, rope_theta=10000.0, use_sliding_window=False
         ),
+        "qwen3": lambda: transformers.Qwen3Config(
+            **shape, head_dim=32, rope_theta=10000.0, use_sliding_window=False
+        ),
     }[family]()
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -248,6 +252,7 @@ def _greedy(logits_of, tokens: torch.Tensor, steps: int) -> list[int]:
         ("llama3", "LlamaForCausalLM"),
         ("mistral", "MistralForCausalLM"),
         ("qwen2", "Qwen2ForCausalLM"),
+        ("qwen3", "Qwen3ForCausalLM"),
     ],
 )
 def test_each_llama_family_imports_trains_and_exports_back(
@@ -359,5 +364,5 @@ def test_what_the_standard_design_cannot_run_is_refused(tmp_path):
     )
     refused(
         {"architectures": ["GPT2LMHeadModel"]},
-        "only LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM checkpoints",
+        "only LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM checkpoints",
     )

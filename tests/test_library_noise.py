@@ -40,6 +40,19 @@ def test_the_known_torch_log_record_is_dropped_and_others_are_kept(caplog):
     assert [r.getMessage() for r in caplog.records] == ["a new problem"]
 
 
+def test_torchaos_enum_registration_notice_is_dropped(caplog):
+    library_noise.silence()
+    logger = logging.getLogger("torch.utils._pytree")
+    with caplog.at_level(logging.WARNING, logger="torch.utils._pytree"):
+        logger.warning(
+            "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by "
+            "torch.compile as an opaque value type. Calling register_constant() on Enum "
+            "subclasses is deprecated and will be an error in a future release."
+        )
+        logger.warning("a new problem")
+    assert [r.getMessage() for r in caplog.records] == ["a new problem"]
+
+
 def _warn(module: str, message: str, category) -> list:
     with warnings.catch_warnings(record=True) as caught:
         warnings.resetwarnings()

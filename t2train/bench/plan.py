@@ -40,7 +40,8 @@ from t2train.model.flops import extra_parameters, extra_tensor_parallel_paramete
 from t2train.parallel.hop_plan import HopPlan, plan_hops
 from t2train.residual import get_design, mixer_on, variant_label
 
-ELEMENT_BYTES = {"bf16": 2, "fp32": 4}
+# fp8 keeps bf16 parameters and activations; its GEMMs' float8 operands live for one GEMM.
+ELEMENT_BYTES = {"bf16": 2, "fp32": 4, "fp8": 2}
 FP32_BYTES = ELEMENT_BYTES["fp32"]  # norm and attention statistics, in any precision
 
 
@@ -286,7 +287,11 @@ def _precision_in_use(config: Config) -> str:
 
 
 def _precision(config: Config) -> str:
-    name = {"bf16": "bfloat16", "fp32": "float32"}[_precision_in_use(config)]
+    name = {
+        "bf16": "bfloat16",
+        "fp32": "float32",
+        "fp8": f"bfloat16 with {config.train.fp8_recipe} float8 attention and MLP GEMMs",
+    }[_precision_in_use(config)]
     if config.train.precision != "auto" or name == "bfloat16":
         return name
     return f"{name} (train.precision=auto without CUDA)"

@@ -33,15 +33,22 @@ _ARCHITECTURE = (
     "rotary_base",
     "rope_scaling_factor",
     "qkv_bias",
+    "qk_norm",
+    "head_dim",
 )
 
 
 def _architecture(model: dict, with_design: bool) -> dict:
     # a field a checkpoint predates has its default (the model it wrote had no such option)
     fields = {name: model.get(name, getattr(ModelConfig, name, None)) for name in _ARCHITECTURE}
-    fields["ffn_hidden_size"] = ModelConfig(
-        hidden_size=model["hidden_size"], ffn_hidden_size=model.get("ffn_hidden_size")
-    ).resolved_ffn_hidden_size()
+    shape = ModelConfig(
+        hidden_size=model["hidden_size"],
+        num_attention_heads=model["num_attention_heads"],
+        ffn_hidden_size=model.get("ffn_hidden_size"),
+        head_dim=model.get("head_dim"),
+    )
+    fields["ffn_hidden_size"] = shape.resolved_ffn_hidden_size()
+    fields["head_dim"] = shape.resolved_head_dim()  # None and hidden/heads are one model
     parts = [mixer()] + ([get_design(model["residual"])] if with_design else [])
     for part in parts:
         if part.section is None:

@@ -68,6 +68,9 @@ KNOWN_LOG_RECORDS = {
     # function t2train adds to ``ignore_logging_functions`` (``nn/compiling.py``), logging a
     # traceback per compile; torch 2.14 leaves that set out. Only the metrics are lost.
     "torch._dynamo.metrics_context": r"Unexpected exception logging compilation metrics",
+    # torchao 0.18 (train.precision=fp8) registers its enums with torch's pytree at import,
+    # which torch 2.14 supports natively and deprecates, once per enum.
+    "torch.utils._pytree": r"is an Enum subclass and is now natively supported by torch\.compile",
 }
 
 # Lines libraries print (not log) on stdout: dropped inside ``known_prints_dropped``.

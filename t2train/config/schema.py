@@ -41,9 +41,17 @@ class ModelShape:
     # high_freq_factor 4, original context 8192, Megatron's); 0 = none.
     rope_scaling_factor: float = 0.0
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2's)
+    # Per-head RMSNorm of the attention sublayer's queries and keys before RoPE (Qwen3's;
+    # Megatron's qk_layernorm). The local mixer's attention has none.
+    qk_norm: bool = False
+    # Width of one attention head (Megatron's kv_channels); None = hidden_size /
+    # num_attention_heads. Qwen3 and some Llamas have wider heads (Qwen3-0.6B: 1024 / 16, 128).
+    head_dim: Optional[int] = None
     # The Hugging Face class `t2train export hf` writes a `standard` model as: the one it was
     # imported from ("" = LlamaForCausalLM); not part of the model's math.
-    hf_architecture: Literal["", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"] = ""
+    hf_architecture: Literal[
+        "", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
+    ] = ""
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
@@ -58,10 +66,16 @@ class ModelShape:
     # residual design writes it (Megatron's attention and hidden dropout); 0 = none.
     dropout: float = 0.0
 
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def q_dim(self) -> int:
+        """Width of one token's queries (and of the attention's output): heads x head dim."""
+        return self.num_attention_heads * self.resolved_head_dim()
+
     def kv_dim(self) -> int:
         """Width of one token's keys (and of its values): query groups x head dim."""
-        head_dim = self.hidden_size // self.num_attention_heads
-        return (self.num_query_groups or self.num_attention_heads) * head_dim
+        return (self.num_query_groups or self.num_attention_heads) * self.resolved_head_dim()
 
     def resolved_ffn_hidden_size(self) -> int:
         if self.ffn_hidden_size is not None:
@@ -90,13 +104,21 @@ class ModelShape:
             self.hidden_size,
             f"must be divisible by model.num_attention_heads={self.num_attention_heads}",
         )
-        head_dim = self.hidden_size // self.num_attention_heads
-        require(
-            head_dim % 2 == 0,
-            "model.hidden_size",
-            self.hidden_size,
-            f"head dim hidden_size/num_attention_heads={head_dim} must be even for RoPE",
-        )
+        if self.head_dim is None:
+            head_dim = self.hidden_size // self.num_attention_heads
+            require(
+                head_dim % 2 == 0,
+                "model.hidden_size",
+                self.hidden_size,
+                f"head dim hidden_size/num_attention_heads={head_dim} must be even for RoPE",
+            )
+        else:
+            require(
+                self.head_dim >= 2 and self.head_dim % 2 == 0,
+                "model.head_dim",
+                self.head_dim,
+                "must be even and >= 2 for RoPE (or null: hidden_size/num_attention_heads)",
+            )
         if self.num_query_groups is not None:
             require(
                 self.num_query_groups >= 1
@@ -244,7 +266,12 @@ class TrainConfig:
     # megatron: Megatron-core DDP/distributed optimizer and pipeline schedules (every layout);
     # deepspeed: DeepSpeed ZeRO (the `deepspeed` section) on Megatron-core TP, PP = 1.
     engine: Literal["megatron", "deepspeed"] = "megatron"
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    # auto: bf16 on CUDA, fp32 on CPU. fp8: bf16 weights and activations with the attention's
+    # and MLP's GEMMs in float8 (torchao's float8 training, t2train/nn/float8.py; needs a
+    # GPU of compute capability 8.9+ and t2train[fp8]).
+    precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
+    # fp8's scaling: one scale per tensor, or per row (rowwise: closer to bf16, slower).
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     eval_interval: int = 50
     eval_batches: int = 4
     log_interval: int = 10
@@ -673,7 +700,29 @@ class Config:
         self.log.validate()
         if self.train.engine == "deepspeed":
             self._validate_deepspeed_engine()
+        if self.train.precision == "fp8":
+            self._validate_fp8()
         return self
+
+    def _validate_fp8(self) -> None:
+        """What ``train.precision=fp8`` needs beyond a GPU with FP8 (checked where the model
+        is built, ``t2train/nn/float8.py``, which also checks the GEMMs' shapes)."""
+        require(
+            importlib.util.find_spec("torchao") is not None,
+            "train.precision",
+            "fp8",
+            "needs the torchao package: pip install 't2train[fp8]'",
+        )
+        # The weight gradient's GEMM runs over the micro-batch's tokens, and torch._scaled_mm
+        # needs its inner dimension a multiple of 16.
+        tokens = self.model.seq_length * self.train.micro_batch_size
+        require(
+            tokens % 16 == 0,
+            "train.micro_batch_size",
+            self.train.micro_batch_size,
+            f"with train.precision=fp8 model.seq_length x train.micro_batch_size = {tokens} "
+            "tokens per micro-batch must be a multiple of 16",
+        )
 
     def _validate_deepspeed_engine(self) -> None:
         """What DeepSpeed ZeRO replaces or cannot run: Megatron's pipeline and its optimizer."""
@@ -691,6 +740,14 @@ class Config:
             True,
             f"{why} (its norm gradients need Megatron's tensor-parallel all-reduce)",
         )
+        # each tensor rank holds other heads, so the q/k norms' gradients differ between them
+        require(
+            not self.model.qk_norm or self.parallel.tensor == 1,
+            "model.qk_norm",
+            True,
+            f"with parallel.tensor={self.parallel.tensor} {why} (the q/k norms' gradients "
+            "need Megatron's tensor-parallel all-reduce): use parallel.tensor=1",
+        )
         require(
             not self.parallel.distributed_optimizer,
             "parallel.distributed_optimizer",
@@ -698,6 +755,12 @@ class Config:
             f"{why}: ZeRO (deepspeed.zero_stage) shards the optimizer instead",
         )
         require(not self.checkpoint.async_save, "checkpoint.async_save", True, why)
+        require(
+            self.train.precision != "fp8",
+            "train.precision",
+            self.train.precision,
+            f"{why} (the float8 GEMMs are built and checked with train.engine=megatron)",
+        )
         require(
             self.train.loss_spike_factor == 0,
             "train.loss_spike_factor",

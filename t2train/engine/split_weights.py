@@ -169,6 +169,8 @@ def _field_of_name(name: str) -> str:
         return "model.tie_embeddings"
     if name.endswith("linear_qkv.bias"):
         return "model.qkv_bias"
+    if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+        return "model.qk_norm"
     return "model.residual (or its design's settings)"
 
 
@@ -184,8 +186,8 @@ def _field_of_shape(
         return "model.residual (or its design's settings)"
     if ours[differ[0]] == model.hidden_size:
         return "model.hidden_size"
-    if "linear_qkv" in name:
-        return "model.num_attention_heads or model.num_query_groups"
+    if any(part in name for part in ("linear_qkv", "linear_proj", "q_layernorm", "k_layernorm")):
+        return "model.num_attention_heads, model.num_query_groups or model.head_dim"
     if "linear_fc1" in name or "linear_fc2" in name:
         return "model.ffn_hidden_size"
     return "model.residual (or its design's settings)"

@@ -2,8 +2,9 @@
 
 OUT holds ``config.json``, ``generation_config.json``, ``model.safetensors`` (or shards and
 their index above ``max_shard_size``) and the run's tokenizer (``tokenizer.json``,
-``tokenizer_config.json``). A plain pre-norm Transformer exports as ``LlamaForCausalLM``;
-every other residual design adds ``modeling_t2train.py`` (``trust_remote_code=True``).
+``tokenizer_config.json``). A plain pre-norm Transformer exports as ``LlamaForCausalLM``
+(or the Mistral, Qwen2 or Qwen3 class it was imported as); every other residual design adds
+``modeling_t2train.py`` (``trust_remote_code=True``).
 
 Everything is written into ``OUT.tmp`` and renamed to OUT at the end, so a failed export
 leaves no half-written OUT. Inputs are checked (checkpoint, design, tokenizer, OUT) before
@@ -40,6 +41,7 @@ _LAYER_SLOTS = {
     "pre_attention_residual": "local_attn_residual",
 }
 _ATTENTION_SLOTS = ("self_attention", "pre_attention")  # Megatron SelfAttention modules
+_ATTENTION_NORMS = {"q_layernorm": "q_norm", "k_layernorm": "k_norm"}  # model.qk_norm's
 
 
 @dataclass
@@ -123,7 +125,7 @@ def hf_state_dict(megatron: dict, model) -> dict[str, torch.Tensor]:
     """
     heads = model.num_attention_heads
     groups = model.num_query_groups or heads
-    head_dim = model.hidden_size // heads
+    head_dim = model.resolved_head_dim()
     state = {}
     for key, tensor in megatron.items():
         if key.endswith("_extra_state"):
@@ -157,6 +159,9 @@ def _hf_tensors(key: str, tensor, heads: int, groups: int, head_dim: int) -> dic
         }
     if slot in _ATTENTION_SLOTS and rest == "linear_proj.weight":
         return {f"{prefix}.o_proj.weight": tensor}
+    if slot in _ATTENTION_SLOTS and rest.split(".")[0] in _ATTENTION_NORMS:
+        norm, kind = rest.split(".")
+        return {f"{prefix}.{_ATTENTION_NORMS[norm]}.{kind}": tensor}
     if slot == "mlp" and rest == "linear_fc1.weight":
         gate, up = tensor.chunk(2, dim=0)
         return {f"{prefix}.gate_proj.weight": gate, f"{prefix}.up_proj.weight": up}
@@ -168,11 +173,12 @@ def _hf_tensors(key: str, tensor, heads: int, groups: int, head_dim: int) -> dic
 def megatron_state_dict(hf: dict, model) -> dict[str, torch.Tensor]:
     """``hf_state_dict`` inverted for a Llama-family model (``standard``): Hugging Face names
     and split q/k/v (weights and, Qwen2's, biases) and gate/up tensors to Megatron's TP = 1
-    state dict. ``model`` is the ``ModelConfig``."""
+    state dict, Qwen3's q/k norms renamed. ``model`` is the ``ModelConfig``."""
     heads = model.num_attention_heads
     groups = model.num_query_groups or heads
-    head_dim = model.hidden_size // heads
+    head_dim = model.resolved_head_dim()
     megatron_slot = {hf_slot: slot for slot, hf_slot in _LAYER_SLOTS.items()}
+    megatron_norm = {hf_norm: norm for norm, hf_norm in _ATTENTION_NORMS.items()}
     top = {
         "model.embed_tokens.weight": "embedding.word_embeddings.weight",
         "lm_head.weight": "output_layer.weight",
@@ -203,6 +209,8 @@ def megatron_state_dict(hf: dict, model) -> dict[str, torch.Tensor]:
             fused.setdefault((prefix, kind), {})[part] = tensor
         elif rest in ("o_proj.weight", "down_proj.weight"):
             state[f"{prefix}.{'linear_proj' if rest[0] == 'o' else 'linear_fc2'}.weight"] = tensor
+        elif rest in ("q_norm.weight", "k_norm.weight"):
+            state[f"{prefix}.{megatron_norm[rest.split('.')[0]]}.weight"] = tensor
         else:
             state[f"{prefix}.{rest}"] = tensor
     for (prefix, kind), parts in fused.items():
@@ -246,8 +254,8 @@ def hf_config(
     model, vocab_rows: int, eos_id: int, dtype: torch.dtype, bos_id: Optional[int] = None
 ):
     """The transformers config of a ``ModelConfig``: for a plain pre-norm Transformer, that
-    of its family (``model.hf_architecture``: Llama, Mistral without a sliding window, Qwen2),
-    else the modeling file's ``T2TrainConfig`` (with its ``auto_map``)."""
+    of its family (``model.hf_architecture``: Llama, Mistral without a sliding window, Qwen2,
+    Qwen3), else the modeling file's ``T2TrainConfig`` (with its ``auto_map``)."""
     shape = dict(
         vocab_size=vocab_rows,
         hidden_size=model.hidden_size,
@@ -258,6 +266,7 @@ def hf_config(
         rms_norm_eps=model.norm_epsilon,
         rope_theta=float(model.rotary_base),
         max_position_embeddings=model.seq_length,
+        head_dim=model.resolved_head_dim(),  # Qwen3's config has 128 unless told
         initializer_range=model.init_method_std,
         tie_word_embeddings=model.tie_embeddings,
         bos_token_id=eos_id if bos_id is None else bos_id,
@@ -275,6 +284,7 @@ def hf_config(
         )
     return residual_hf.modeling_module().T2TrainConfig(
         **shape,
+        qk_norm=model.qk_norm,
         **residual_hf.config_fields(model),
         architectures=["T2TrainForCausalLM"],
         auto_map={
@@ -284,17 +294,25 @@ def hf_config(
     )
 
 
+# The option of the standard design's attention that one family has and the others lack.
+_FAMILY_ATTENTION = {
+    "qkv_bias": ("Qwen2ForCausalLM", "q, k and v biases"),
+    "qk_norm": ("Qwen3ForCausalLM", "q and k norms"),
+}
+
+
 def _family_config(model, shape: dict):
-    """``LlamaConfig`` (Llama 3.1's RoPE scaling if set), ``MistralConfig`` or ``Qwen2Config``."""
+    """``LlamaConfig`` (Llama 3.1's RoPE scaling if set), ``MistralConfig``, ``Qwen2Config``
+    or ``Qwen3Config``."""
     import transformers
 
     family = model.hf_architecture or "LlamaForCausalLM"
-    head_dim = model.hidden_size // model.num_attention_heads
-    if model.qkv_bias != (family == "Qwen2ForCausalLM"):
-        raise UserInputError(
-            f"model.qkv_bias={model.qkv_bias} cannot be exported as {family} "
-            "(Qwen2ForCausalLM has q, k and v biases, Llama and Mistral none)"
-        )
+    for field, (owner, what) in _FAMILY_ATTENTION.items():
+        if getattr(model, field) != (family == owner):
+            raise UserInputError(
+                f"model.{field}={getattr(model, field)} cannot be exported as {family} "
+                f"({owner} has {what}, the other families none)"
+            )
     if model.rope_scaling_factor and family != "LlamaForCausalLM":
         raise UserInputError(
             f"model.rope_scaling_factor={model.rope_scaling_factor} cannot be "
@@ -304,6 +322,7 @@ def _family_config(model, shape: dict):
         "LlamaForCausalLM": {"attention_bias": False, "mlp_bias": False},
         "MistralForCausalLM": {"sliding_window": None},
         "Qwen2ForCausalLM": {"use_sliding_window": False},
+        "Qwen3ForCausalLM": {"use_sliding_window": False, "attention_bias": False},
     }
     extra = families[family]
     if model.rope_scaling_factor:
@@ -315,9 +334,7 @@ def _family_config(model, shape: dict):
             "original_max_position_embeddings": 8192,
         }
     config_class = getattr(transformers, family.replace("ForCausalLM", "Config"))
-    config = config_class(**shape, hidden_act="silu", architectures=[family], **extra)
-    config.head_dim = head_dim  # Qwen2's config derives it; the others take it as given
-    return config
+    return config_class(**shape, hidden_act="silu", architectures=[family], **extra)
 
 
 def _generation_config(run_tok: RunTokenizer):

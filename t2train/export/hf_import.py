@@ -8,11 +8,13 @@ Continued pretraining usually starts from someone's Llama. A Llama is the ``stan
 (pre-norm, RMSNorm, RoPE, SwiGLU, no biases), so its weights map onto Megatron's names exactly
 (``hf.megatron_state_dict``, the export's mapping inverted). So do the families that differ
 from it only where Megatron has the option: ``LlamaForCausalLM`` with Llama 3.1's RoPE scaling
-(``model.rope_scaling_factor``), ``MistralForCausalLM`` without a sliding window, and
-``Qwen2ForCausalLM`` (biases on q, k and v: ``model.qkv_bias``). Anything else in a config
-(another RoPE scaling, other biases, a sliding window, another activation) is refused in one
-line naming the field; ``model.hf_architecture`` remembers the family, which the export writes
-back. OUT becomes a run-like folder:
+(``model.rope_scaling_factor``), ``MistralForCausalLM`` without a sliding window,
+``Qwen2ForCausalLM`` (biases on q, k and v: ``model.qkv_bias``) and ``Qwen3ForCausalLM``
+(per-head RMSNorm on q and k: ``model.qk_norm``), each with its ``head_dim``
+(``model.head_dim`` where it is not hidden_size / num_attention_heads). Anything else in a
+config (another RoPE scaling, other biases, a sliding window, another activation) is refused
+in one line naming the field; ``model.hf_architecture`` remembers the family, which the
+export writes back. OUT becomes a run-like folder:
 
 * ``checkpoints/step_00000000/``: the weights at TP = PP = 1 (torch_dist; they reshard into any
   layout), the model config and the tokenizer's hash, no optimizer state;
@@ -47,6 +49,12 @@ FAMILIES: dict[str, dict[str, object]] = {
     "LlamaForCausalLM": {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu"},
     "MistralForCausalLM": {"sliding_window": None, "hidden_act": "silu"},
     "Qwen2ForCausalLM": {"use_sliding_window": False, "hidden_act": "silu"},
+    # Qwen3's attention_bias puts a bias on o_proj too, which Megatron has only with the MLP's
+    "Qwen3ForCausalLM": {
+        "use_sliding_window": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
+    },
 }
 # Llama 3.1's RoPE scaling: the fields Megatron's implementation fixes, and their values.
 LLAMA3_ROPE = {
@@ -93,18 +101,15 @@ def hf_model_section(hf: dict, source: Path, seq_length: Optional[int]) -> dict:
             )
     rope_scaling_factor = _rope_scaling_factor(hf.get("rope_scaling"), source)
     heads = hf["num_attention_heads"]
-    if (hf.get("head_dim") or hf["hidden_size"] // heads) * heads != hf["hidden_size"]:
-        raise UserInputError(
-            f"{source}: head_dim={hf['head_dim']} x num_attention_heads="
-            f"{heads} != hidden_size={hf['hidden_size']}"
-        )
     kv_heads = hf.get("num_key_value_heads") or heads
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     return {
         "residual": BASELINE,
         "num_layers": hf["num_hidden_layers"],
         "hidden_size": hf["hidden_size"],
         "num_attention_heads": heads,
         "num_query_groups": None if kv_heads == heads else kv_heads,
+        "head_dim": None if head_dim * heads == hf["hidden_size"] else head_dim,
         "ffn_hidden_size": hf["intermediate_size"],
         "seq_length": seq_length or hf["max_position_embeddings"],
         "vocab_size": hf["vocab_size"],
@@ -112,6 +117,7 @@ def hf_model_section(hf: dict, source: Path, seq_length: Optional[int]) -> dict:
         "rotary_base": int(hf.get("rope_theta", 10000)),
         "rope_scaling_factor": rope_scaling_factor,
         "qkv_bias": family == "Qwen2ForCausalLM",
+        "qk_norm": family == "Qwen3ForCausalLM",
         "hf_architecture": family,
         "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
         "init_method_std": float(hf.get("initializer_range", 0.02)),

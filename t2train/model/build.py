@@ -30,9 +30,10 @@ class T2TransformerConfig(TransformerConfig):
 
 
 def compute_dtype(config: Config) -> torch.dtype:
-    """bf16 on CUDA and fp32 on CPU unless ``train.precision`` says otherwise."""
+    """bf16 on CUDA and fp32 on CPU unless ``train.precision`` says otherwise (fp8 runs keep
+    bf16 parameters and activations: only their GEMMs' operands are cast)."""
     precision = config.train.precision_on(torch.cuda.is_available())
-    return torch.bfloat16 if precision == "bf16" else torch.float32
+    return torch.float32 if precision == "fp32" else torch.bfloat16
 
 
 def fusions_on(config: Config) -> bool:
@@ -51,6 +52,7 @@ def transformer_config(config: Config) -> T2TransformerConfig:
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim,  # None: Megatron's hidden_size / num_attention_heads
         ffn_hidden_size=model.resolved_ffn_hidden_size(),
         tensor_model_parallel_size=parallel.tensor,
         pipeline_model_parallel_size=parallel.pipeline,
@@ -64,6 +66,9 @@ def transformer_config(config: Config) -> T2TransformerConfig:
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=model.qkv_bias,
+        # the spec adds the norms; this makes finalize_model_grads sum their gradients over
+        # the tensor ranks (each holds other heads)
+        qk_layernorm=model.qk_norm,
         hidden_dropout=model.dropout,
         attention_dropout=model.dropout,
         init_method_std=model.init_method_std,
@@ -104,6 +109,11 @@ def build_model_chunks(
     from t2train.nn.compiling import compile_modules  # noqa: PLC0415 - the model's modules: not for the config helpers `t2train plan` reads
     from t2train.residual import kernel_table  # noqa: PLC0415 - the model's modules: not for the config helpers `t2train plan` reads
 
+    fp8 = config.train.precision == "fp8"
+    if fp8:
+        from t2train.nn import float8  # noqa: PLC0415 - torchao: an optional extra, for fp8 runs only
+
+        float8.require_fp8_device()
     hops = hops or plan_hops(config)
     virtual = config.parallel.virtual_pipeline
     cache = DepthCache() if config.parallel.caches_depth_units() else None
@@ -122,6 +132,8 @@ def build_model_chunks(
             hops=hops,
         )
         chunk.decoder.depth_cache = cache
+        if fp8:  # before compiling: the compiled layers trace the float8 GEMMs
+            float8.convert_to_float8(chunk, float8.recipe_config(config.train.fp8_recipe))
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)

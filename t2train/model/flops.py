@@ -15,8 +15,9 @@ from t2train.residual import components
 def plain_parameters(model: ModelConfig, vocab_size: int) -> int:
     """A plain pre-norm decoder's (the baseline design, no mixer): embedding, layers, final
     norm and an untied output layer."""
-    h, f = model.hidden_size, model.resolved_ffn_hidden_size()
-    per_layer = h * (h + 2 * model.kv_dim()) + h * h + 3 * h * f + 2 * h
+    h, f, q = model.hidden_size, model.resolved_ffn_hidden_size(), model.q_dim()
+    qk_norms = 2 * model.resolved_head_dim() if model.qk_norm else 0
+    per_layer = h * (q + 2 * model.kv_dim()) + q * h + 3 * h * f + 2 * h + qk_norms
     head = 0 if model.tie_embeddings else vocab_size * h
     return vocab_size * h + model.num_layers * per_layer + h + head
 
@@ -37,8 +38,9 @@ def parameters(model: ModelConfig, vocab_size: int) -> int:
 def plain_forward_flops_per_token(model: ModelConfig, vocab_size: int) -> float:
     """A plain pre-norm decoder's (the baseline design, no mixer); the designs add theirs."""
     h, f, s = model.hidden_size, model.resolved_ffn_hidden_size(), model.seq_length
-    projections = 2 * h * (h + 2 * model.kv_dim()) + 2 * h * h + 2 * 3 * h * f
-    attention = 4 * h * (s + 1) / 2  # QK^T and AV over the causal average of keys
+    q = model.q_dim()
+    projections = 2 * h * (q + 2 * model.kv_dim()) + 2 * q * h + 2 * 3 * h * f
+    attention = 4 * q * (s + 1) / 2  # QK^T and AV over the causal average of keys
     return model.num_layers * (projections + attention) + 2 * h * vocab_size
 
 

@@ -26,7 +26,7 @@ def decoder_layer_spec(model) -> ModuleSpec:
         module=ResidualTransformerLayer,
         submodules=ResidualLayerSubmodules(
             input_layernorm=RMSNorm,
-            self_attention=self_attention_spec(),
+            self_attention=self_attention_spec(qk_norm=model.qk_norm),
             pre_mlp_layernorm=RMSNorm,
             mlp=mlp_spec(),
             attn_residual=residual["attn"],

@@ -10,13 +10,15 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from t2train.nn.attention import CausalCoreAttention
+from t2train.nn.norm import RMSNorm
 
 
 def self_attention_spec(
-    core_attention=CausalCoreAttention, module=SelfAttention, **params
+    core_attention=CausalCoreAttention, module=SelfAttention, qk_norm: bool = False, **params
 ) -> ModuleSpec:
     """Megatron's tensor-parallel self-attention (or a subclass, given ``params``) around a
-    core attention of our choice (a module or a ModuleSpec)."""
+    core attention of our choice (a module or a ModuleSpec); with ``qk_norm`` an RMSNorm over
+    each query and key head (Megatron builds it head_dim wide and applies it before RoPE)."""
     return ModuleSpec(
         module=module,
         params={"attn_mask_type": AttnMaskType.causal, **params},
@@ -24,8 +26,8 @@ def self_attention_spec(
             linear_qkv=ColumnParallelLinear,
             core_attention=core_attention,
             linear_proj=RowParallelLinear,
-            q_layernorm=IdentityOp,
-            k_layernorm=IdentityOp,
+            q_layernorm=RMSNorm if qk_norm else IdentityOp,
+            k_layernorm=RMSNorm if qk_norm else IdentityOp,
         ),
     )
 

@@ -50,9 +50,10 @@ from t2train.residual.functional import short_window_attention
 
 
 class T2TrainConfig(PretrainedConfig):
-    """The decoder's shape (Llama's field names), the residual design and its options
-    (t2train's ``model.<section>`` of that design), and the local attention window
-    (0: no local attention sublayer)."""
+    """The decoder's shape (Llama's field names; ``head_dim`` None: hidden_size /
+    num_attention_heads), Qwen3's per-head q/k norms in the attention sublayer (``qk_norm``),
+    the residual design and its options (t2train's ``model.<section>`` of that design), and
+    the local attention window (0: no local attention sublayer)."""
 
     model_type = "t2train"
 
@@ -68,6 +69,8 @@ class T2TrainConfig(PretrainedConfig):
         rope_theta: float = 10000.0,
         max_position_embeddings: int = 256,
         initializer_range: float = 0.02,
+        head_dim: Optional[int] = None,
+        qk_norm: bool = False,
         residual: str = "standard",
         residual_options: Optional[dict] = None,
         local_window: int = 0,
@@ -85,6 +88,8 @@ class T2TrainConfig(PretrainedConfig):
         self.rope_theta = rope_theta
         self.max_position_embeddings = max_position_embeddings
         self.initializer_range = initializer_range
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.qk_norm = qk_norm
         self.residual = residual
         self.residual_options = dict(residual_options or {})
         self.local_window = local_window
@@ -148,7 +153,7 @@ class Tokens(NamedTuple):
 def rope_tables(config: T2TrainConfig, positions: Tensor) -> tuple[Tensor, Tensor]:
     """cos and sin [b, 1, s, head_dim] at ``positions`` [b, s] of non-interleaved rotary
     embeddings (Megatron's and Llama's: the two halves of each head are rotated together)."""
-    dim = config.hidden_size // config.num_attention_heads
+    dim = config.head_dim
     inv_freq = 1.0 / (
         config.rope_theta
         ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim)
@@ -181,27 +186,32 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Causal self-attention with grouped-query heads and RoPE, no biases; with ``window``
-    each token attends to its last ``window`` tokens only (the local attention sublayer)."""
+    """Causal self-attention with grouped-query heads and RoPE, no biases; with ``qk_norm``
+    an RMSNorm over each query and key head before RoPE (Qwen3's, Megatron's q/k layernorm);
+    with ``window`` each token attends to its last ``window`` tokens only (the local attention
+    sublayer)."""
 
-    def __init__(self, config: T2TrainConfig, window: Optional[int] = None):
+    def __init__(self, config: T2TrainConfig, window: Optional[int] = None, qk_norm: bool = False):
         super().__init__()
-        h, heads, groups = (
+        h, heads, groups, d = (
             config.hidden_size,
             config.num_attention_heads,
             config.num_key_value_heads,
+            config.head_dim,
         )
-        self.heads, self.groups, self.head_dim = heads, groups, h // heads
+        self.heads, self.groups, self.head_dim = heads, groups, d
         self.window = window
-        self.q_proj = nn.Linear(h, heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, groups * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, groups * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * self.head_dim, h, bias=False)
+        self.q_proj = nn.Linear(h, heads * d, bias=False)
+        self.k_proj = nn.Linear(h, groups * d, bias=False)
+        self.v_proj = nn.Linear(h, groups * d, bias=False)
+        self.o_proj = nn.Linear(heads * d, h, bias=False)
+        self.q_norm = nn.RMSNorm(d, eps=config.rms_norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(d, eps=config.rms_norm_eps) if qk_norm else nn.Identity()
 
     def forward(self, x: Tensor, tokens: Tokens, cache=None, slot: int = 0) -> Tensor:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.groups, self.head_dim).transpose(1, 2)
+        q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, s, self.groups, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.groups, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, tokens.cos, tokens.sin), apply_rope(k, tokens.cos, tokens.sin)
         if cache is not None:
@@ -270,7 +280,7 @@ class DecoderLayer(nn.Module):
             self.local_attn = Attention(config, window=config.local_window)
             self.local_attn_residual = residual(config, layer, position("local_attn"))
         self.input_layernorm = nn.RMSNorm(h, eps=eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, qk_norm=config.qk_norm)
         self.attn_residual = residual(config, layer, position("attn"))
         self.post_attention_layernorm = nn.RMSNorm(h, eps=eps)
         self.mlp = MLP(config)

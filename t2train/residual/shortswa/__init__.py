@@ -52,8 +52,8 @@ class ShortSWAOptions:
 
 
 def extra_parameters(model) -> int:
-    h = model.hidden_size
-    return model.num_layers * (h * (h + 2 * model.kv_dim()) + h * h + h)  # qkv, proj, norm
+    h, q = model.hidden_size, model.q_dim()
+    return model.num_layers * (h * (q + 2 * model.kv_dim()) + q * h + h)  # qkv, proj, norm
 
 
 def tensor_parallel_parameters(model) -> int:
@@ -67,9 +67,9 @@ def mean_window(seq_length: int, window: int) -> float:
 
 
 def extra_flops_per_token(model) -> float:
-    h = model.hidden_size
-    projections = 2 * h * (h + 2 * model.kv_dim()) + 2 * h * h
-    scores_and_mix = 4 * h * mean_window(model.seq_length, model.shortswa.window)
+    h, q = model.hidden_size, model.q_dim()
+    projections = 2 * h * (q + 2 * model.kv_dim()) + 2 * q * h
+    scores_and_mix = 4 * q * mean_window(model.seq_length, model.shortswa.window)
     return model.num_layers * (projections + scores_and_mix)
 
 
