@@ -38,6 +38,7 @@ RUNTIME_WHEELS = (
     ("megatron-core==0.16.1", "not on the machine; the model, schedules, optimizer"),
     ("mosaicml-streaming==0.13.0", "not on the machine; the data loader"),
     ("torchao==0.18.0", "not on the machine; train.precision=fp8 (3.2 MiB)"),
+    ("flash-attn-res==0.1.12", "the kernel benchmark's peer of Block AttnRes' kernels (18 KiB)"),
     ("catalogue==2.0.10", "imported by `import streaming` (registry)"),
     ("zstd==1.5.7.2", "imported by `import streaming` (compression)"),
     ("python-snappy==0.7.3", "imported by `import streaming` (compression)"),
