@@ -155,7 +155,7 @@ class _StoppableLoader(StreamingDataLoader):
     torch's only public way). Both hooks are torch's private names; the test of
     ``TokenBatches.close`` fails if an upgrade renames them."""
 
-    _live = None
+    _live: Any = None  # torch's live iterator: a _MultiProcessingDataLoaderIter with workers
 
     def _get_iterator(self):
         self._live = super()._get_iterator()

@@ -180,6 +180,6 @@ def _serve(connection) -> None:
             return
         try:
             result: tuple[bool, object] = (True, encode(tokenizer, batch, eos, dtype, bos))
-        except Exception as err:  # noqa: BLE001 - raised again in the parent
+        except Exception as err:  # raised again in the parent
             result = (False, err)
         connection.send(result)

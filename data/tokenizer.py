@@ -64,7 +64,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     def learn() -> None:
         try:
             tokenizer.train_from_iterator(texts, trainer)
-        except BaseException as err:  # noqa: BLE001 - raised again in the caller
+        except BaseException as err:  # raised again in the caller
             failed.append(err)
 
     learning = threading.Thread(target=learn, name="t2train-bpe", daemon=True)

@@ -15,7 +15,8 @@ overrides are dotted config fields, e.g.:
   train.steps=300 data.path=DIR parallel.tensor=2 parallel.pipeline=2
   name=RUN (outputs go to log.run_dir, runs/{{name}} by default) checkpoint.resume=auto|none|PATH
 config sections: {", ".join(CONFIG_SECTIONS)}
-  (every field with its rule: t2train/config/schema.py; t2train config --preset P prints one)
+  (every field and its meaning: t2train config --list [SECTION]; t2train config --preset P
+  prints a resolved config)
 run under torchrun for several processes: t2train launch --nproc-per-node=2 ...
 """
 
@@ -171,6 +172,12 @@ def _cmd_plan(args) -> int:
 
 
 def _cmd_config(args) -> int:
+    from t2train.errors import UserInputError
+
+    if args.list is not None:
+        return _list_config_fields(args)
+    if args.markdown:
+        raise UserInputError("config --markdown goes with --list: t2train config --list --markdown")
     from t2train.config.loader import dump_config
 
     config = _load(args)
@@ -179,6 +186,23 @@ def _cmd_config(args) -> int:
 
         dataset_facts(config)
     print(dump_config(config), end="")
+    return 0
+
+
+def _list_config_fields(args) -> int:
+    """``t2train config --list [SECTION]``: every field (under SECTION) with its type,
+    default and meaning, from the dataclasses (``t2train/config/reference.py``)."""
+    from t2train.config.reference import format_listing, format_markdown, reference, select
+    from t2train.errors import UserInputError
+
+    if args.preset or args.config or args.overrides:
+        given = args.preset or args.config or args.overrides[0]
+        raise UserInputError(
+            f"config --list lists the fields and their defaults; it takes no preset, config "
+            f"file or override (got {given!r}): t2train config --list [SECTION]"
+        )
+    sections = select(reference(), args.list)
+    print(format_markdown(sections) if args.markdown else format_listing(sections), end="")
     return 0
 
 
@@ -237,8 +261,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(handler=_cmd_train)
 
-    show = commands.add_parser("config", help="print the resolved, validated config as YAML")
+    show = commands.add_parser(
+        "config",
+        help="print the resolved, validated config as YAML; --list: every field and its meaning",
+    )
     add_config_arguments(show)
+    show.add_argument(
+        "--list",
+        nargs="?",
+        const="",
+        metavar="SECTION",
+        help="list every config field (or those under SECTION, e.g. model.ddl) with its type, "
+        "allowed values, default and meaning, instead of printing a config (docs/config.md)",
+    )
+    show.add_argument(
+        "--markdown",
+        action="store_true",
+        help="with --list: as Markdown, as docs/config.md holds it",
+    )
     show.set_defaults(handler=_cmd_config)
 
     plan = commands.add_parser(

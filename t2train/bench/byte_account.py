@@ -157,7 +157,7 @@ def _accounting_backend(recorded: list[KernelTraffic]):
         with _scheduling_only(recorded):
             try:
                 compile_fx_inner(gm, example_inputs, **kwargs)
-            except Exception as err:  # noqa: BLE001 - Inductor wraps what the codegen raised
+            except Exception as err:  # Inductor wraps what the codegen raised
                 if not isinstance(getattr(err, "inner_exception", err), _Scheduled):
                     raise
 

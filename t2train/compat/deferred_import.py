@@ -119,8 +119,9 @@ class _LoadedThrough(importlib.abc.MetaPathFinder):
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None:
             return None
-        run = spec.loader.exec_module
-        spec.loader.exec_module = functools.partial(self.load, run)
+        loader = spec.loader
+        assert loader is not None  # a module file's spec has the loader that runs it
+        setattr(loader, "exec_module", functools.partial(self.load, loader.exec_module))
         return spec
 
 

@@ -150,14 +150,15 @@ def _cpu_tensor_semantics(fn):
                 return original_type(self).replace("torch.", "torch.cuda.", 1)
             return original_type(self, dtype, non_blocking, **kw)
 
-        torch.Tensor.type = cuda_named_type
-        torch.Tensor.cuda = lambda self, *a, **k: self
+        setattr(torch.Tensor, "type", cuda_named_type)
+        setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
         try:
             return fn(*args, **kwargs)
         finally:
-            torch.Tensor.type, torch.Tensor.cuda = original_type, original_cuda
+            setattr(torch.Tensor, "type", original_type)
+            setattr(torch.Tensor, "cuda", original_cuda)
 
-    wrapped.__wrapped__ = fn
+    setattr(wrapped, "__wrapped__", fn)
     return wrapped
 
 

@@ -58,7 +58,7 @@ _SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def _safe_load(text: str) -> Any:
-    return yaml.load(text, Loader=_SAFE_LOADER)  # noqa: S506 (a safe loader)
+    return yaml.load(text, Loader=_SAFE_LOADER)  # a safe loader
 
 
 # What safe_load can raise besides YAMLError: impossible dates and integers past Python's

@@ -24,7 +24,8 @@ from t2train.engine.start_weights import StartWeights
 from t2train.monitor.stragglers import ForwardClock
 
 if TYPE_CHECKING:
-    from t2train.engine.shared import LRSchedule  # noqa: PLC0415 - torch and Megatron: each engine imports them when chosen
+    # for annotations only: torch and Megatron, which each engine imports when chosen
+    from t2train.engine.shared import LRSchedule
 
 MicroBatch = dict  # {"tokens": LongTensor[b, s], "labels": LongTensor[b, s]}
 

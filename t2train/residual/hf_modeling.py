@@ -315,7 +315,7 @@ class DecoderLayer(nn.Module):
 
 
 class T2TrainPreTrainedModel(PreTrainedModel):
-    config_class = T2TrainConfig  # type: ignore[assignment]
+    config_class = T2TrainConfig
     base_model_prefix = "model"
     _no_split_modules = ["DecoderLayer"]
 

@@ -311,7 +311,7 @@ def _compare_variant(section, plan: Plan, variant: str, reference: subprocess.Po
             device_run(plan, variant, section.scratch),
             plan.loss_rtol,
         )
-    except Exception as err:  # noqa: BLE001 - reported; the other designs still run
+    except Exception as err:  # reported; the other designs still run
         result = section.error(err)
     section.add(dict(result, variant=variant, seconds=time.monotonic() - started))
 

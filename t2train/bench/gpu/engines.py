@@ -111,7 +111,7 @@ def run(section, plan: Plan) -> None:
                     item.update(compare(reference, result["losses"], rtol))
                 else:
                     item.update(status="fail", reason="no Megatron-engine run to compare with")
-            except Exception as err:  # noqa: BLE001 - reported; the other stages still run
+            except Exception as err:  # reported; the other stages still run
                 item = section.error(err)
             section.add(
                 dict(item, variant=variant, engine=engine, seconds=time.monotonic() - started)

@@ -32,7 +32,7 @@ class ShortSWAOptions:
     """``model.shortswa``: the local mixer, an extra pre-norm sublayer of causal attention
     over the last ``window`` tokens before attention in every layer; 0 turns it off."""
 
-    window: int = 0
+    window: int = 0  # tokens each query attends over, its own included; 0 = the mixer off
     # Start the sublayer's output projection at zero, so it adds nothing until it learns (as
     # the depth read's W_O); false: Megatron's scaled output init, like attention's.
     zero_init_output: bool = False
