@@ -8,78 +8,23 @@ and logging; they differ in how gradients, optimizer state and checkpoints are h
 * ``deepspeed`` (deepspeed/): DeepSpeed ZeRO stages 1-3 with optional host offload,
   Megatron-core TP as DeepSpeed's model-parallel unit, PP = 1; DeepSpeed's sharded checkpoints.
 
-Each engine folder also reads its own checkpoints back for export (``export.py``,
-``export_reader``); helpers both engines use are in ``shared.py``.
+Each engine folder also reads its own checkpoints back: as a fresh run's start weights
+(``weights_reader``) and for export (``export_reader``); the types the loop and the engines
+share are in ``interface.py``, helpers both engines use in ``shared.py``.
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, Optional
 
 from t2train.config.schema import Config
-from t2train.engine.start_weights import StartWeights
-from t2train.monitor.stragglers import ForwardClock
+from t2train.engine.interface import Engine as Engine
+from t2train.engine.interface import MicroBatch as MicroBatch
+from t2train.engine.interface import StepResult as StepResult
 
 if TYPE_CHECKING:
-    # for annotations only: torch and Megatron, which each engine imports when chosen
-    from t2train.engine.shared import LRSchedule
-
-MicroBatch = dict  # {"tokens": LongTensor[b, s], "labels": LongTensor[b, s]}
-
-
-@dataclass
-class StepResult:
-    """One optimizer step. ``grad_norm`` and ``traffic`` are read when first asked for (the
-    trainer asks on logging steps, on every rank alike): on a GPU reading the norm waits for
-    the device, and the traffic is summed over ranks by a collective, so a step that logs
-    nothing pays for neither."""
-
-    loss: float
-    lr: float
-    skipped: bool
-    read_grad_norm: Callable[[], float]
-    read_traffic: Callable[[], dict]  # pipeline bytes and hops of this step, over all ranks
-    skip_reason: str = ""  # why the update was skipped (t2train/engine/megatron/numerics.py)
-
-    @functools.cached_property
-    def grad_norm(self) -> float:
-        return self.read_grad_norm()
-
-    @functools.cached_property
-    def traffic(self) -> dict:
-        return self.read_traffic()
-
-
-class Engine(Protocol):
-    config: Config
-    vocab_size: int
-    model: list  # this rank's chunks; each has ``.module``, the T2GPTModel
-    scheduler: LRSchedule  # Megatron's OptimizerParamScheduler: the LR schedule in force
-    forward_clock: ForwardClock  # the time of this rank's training forward passes
-
-    def train_step(self, micro_batches: list[MicroBatch]) -> StepResult: ...
-
-    def evaluate(self, batches: list[list[MicroBatch]]) -> float: ...
-
-    def save(
-        self,
-        root: Path,
-        step: int,
-        train_state: dict,
-        async_queue=None,
-        on_published: Optional[Callable[[Path], None]] = None,
-    ) -> Path: ...
-
-    def load(self, path: Path) -> dict: ...
-
-    def param_norm(self) -> float: ...
-
-    def num_parameters(self) -> int: ...
-
-    def describe(self) -> str: ...  # the engine as the run's first line names it
+    # for annotations only: the start weights read through ``weights_reader`` below
+    from t2train.engine.start_weights import StartWeights
 
 
 def build_engine(
@@ -94,6 +39,17 @@ def build_engine(
     from t2train.engine.megatron import MegatronEngine  # noqa: PLC0415 - each engine's library loads when it is chosen
 
     return MegatronEngine(config, vocab_size, start_weights)
+
+
+def weights_reader(engine: str) -> Callable:
+    """``read_weights(path, train_state, chunks) -> [state dict per chunk]`` of the engine
+    that wrote a checkpoint (``t2train.checkpoint.paths.checkpoint_engine``), for a fresh
+    run of either engine that starts from it (``checkpoint.init_from``)."""
+    if engine == "deepspeed":
+        from t2train.engine.deepspeed.export import read_weights  # noqa: PLC0415 - each engine's library loads when its checkpoint is read
+    else:
+        from t2train.engine.megatron.checkpoint import read_weights  # noqa: PLC0415 - each engine's library loads when its checkpoint is read
+    return read_weights
 
 
 def export_reader(engine: str) -> Callable:

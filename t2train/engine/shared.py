@@ -11,12 +11,11 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from t2train.config.schema import Config
-from t2train.engine import MicroBatch
 from t2train.model.build import compute_dtype
 from t2train.parallel.init import current_device
 
 
-def model_loss(model, batch: MicroBatch) -> torch.Tensor:
+def model_loss(model, batch: dict) -> torch.Tensor:  # batch: a MicroBatch (interface.py)
     """One micro-batch through a model (chunk): per-token loss [b, s] on the last stage."""
     tokens, labels = batch["tokens"], batch["labels"]
     b, s = tokens.shape

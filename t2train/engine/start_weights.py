@@ -24,6 +24,7 @@ from t2train.checkpoint.paths import checkpoint_engine
 from t2train.checkpoint.train_state import read_train_state
 from t2train.checkpoint.weights_file import SUFFIXES, is_verifiable, read_record, weights_file
 from t2train.config.schema import Config
+from t2train.engine import weights_reader
 
 
 @dataclass(frozen=True)
@@ -76,13 +77,8 @@ class StartWeights:
             from t2train.engine.split_weights import read_file_weights  # noqa: PLC0415 - megatron-core: loaded when weights are read
 
             weights = read_file_weights(self.path, chunks, config.model, self.vocab_size)
-        elif checkpoint_engine(self.path) == "deepspeed":
-            from t2train.engine.deepspeed.export import read_weights  # noqa: PLC0415 - each engine's library loads when its checkpoint is read
-
-            weights = read_weights(self.path, train_state, chunks)
         else:
-            from t2train.engine.megatron.checkpoint import read_weights  # noqa: PLC0415 - each engine's library loads when its checkpoint is read
-
+            read_weights = weights_reader(checkpoint_engine(self.path))
             weights = read_weights(self.path, train_state, chunks)
         for chunk, state in zip(chunks, weights):
             chunk.load_state_dict(state)

@@ -35,8 +35,8 @@ from t2train.checkpoint.store import (
 )
 from t2train.compat.library_noise import known_prints_dropped
 from t2train.config.schema import Config
-from t2train.engine import MicroBatch, StepResult
 from t2train.engine.deepspeed.config import deepspeed_config
+from t2train.engine.interface import MicroBatch, StepResult
 from t2train.engine.shared import data_parallel_sum, lr_scheduler, model_loss, optimizer_config
 from t2train.engine.start_weights import StartWeights
 from t2train.model.build import build_model_chunks, transformer_config

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from t2train.config.schema import Config
-from t2train.engine import MicroBatch, StepResult
+from t2train.engine.interface import MicroBatch, StepResult
 from t2train.engine.megatron.checkpoint import load_checkpoint, save_checkpoint
 from t2train.engine.megatron.numerics import UpdateGuard
 from t2train.engine.megatron.setup import build_training_objects

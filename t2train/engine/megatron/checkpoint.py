@@ -32,7 +32,7 @@ from t2train.checkpoint.store import (
     restore_rng,
 )
 from t2train.compat.megatron_writer import results_in_process, start_results_queue
-from t2train.engine.megatron.setup import TrainingObjects
+from t2train.engine.megatron.objects import TrainingObjects
 from t2train.processes import die_with_parent
 
 # Reshardable optimizer state so a checkpoint loads into another (TP, PP, DP) layout.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -11,29 +10,15 @@ from megatron.core.distributed import (
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
-from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
+from megatron.core.optimizer import get_megatron_optimizer
 
 from t2train.compat import megatron_optimizer
 from t2train.config.schema import Config
-from t2train.engine.shared import LRSchedule, lr_scheduler, optimizer_config
+from t2train.engine.megatron.objects import TrainingObjects
+from t2train.engine.shared import lr_scheduler, optimizer_config
 from t2train.engine.start_weights import StartWeights
-from t2train.model.build import (
-    T2TransformerConfig,
-    build_model_chunks,
-    transformer_config,
-)
-from t2train.parallel.hop_plan import HopPlan, plan_hops
-
-
-@dataclass
-class TrainingObjects:
-    config: Config
-    tf_config: T2TransformerConfig
-    model: list  # DDP-wrapped chunks, one per virtual pipeline stage
-    optimizer: MegatronOptimizer
-    scheduler: LRSchedule
-    vocab_size: int
-    hops: HopPlan  # what crosses each pipeline hop: the chunks send by it, the step sizes by it
+from t2train.model.build import build_model_chunks, transformer_config
+from t2train.parallel.hop_plan import plan_hops
 
 
 def build_training_objects(

@@ -11,9 +11,9 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
-from t2train.engine import MicroBatch, StepResult
+from t2train.engine.interface import MicroBatch, StepResult
 from t2train.engine.megatron.numerics import UpdateGuard, grads_not_finite
-from t2train.engine.megatron.setup import TrainingObjects
+from t2train.engine.megatron.objects import TrainingObjects
 from t2train.engine.shared import data_parallel_sum, model_loss
 from t2train.monitor.stragglers import ForwardClock
 from t2train.parallel.hops import planned_shape_arguments
