@@ -15,7 +15,7 @@ from t2train.parallel.depth_cache import DepthCache
 from t2train.parallel.hop_plan import HopPlan, plan_hops
 
 if TYPE_CHECKING:
-    from t2train.model.gpt import T2GPTModel  # noqa: PLC0415 - the model's modules: not for the config helpers `t2train plan` reads
+    from t2train.model.gpt import T2GPTModel
 
 
 @dataclass

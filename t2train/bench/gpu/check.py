@@ -155,7 +155,7 @@ def work(plan: Plan, names: list[str], ends: dict, results: Path) -> int:
                         status="partial",
                         reason=(f"{len(items)} item(s) {status}, the first: {items[0]['reason']}"),
                     )
-        except Exception as err:  # noqa: BLE001 - reported, and the next section runs
+        except Exception as err:  # reported, and the next section runs
             section.result.update(
                 status="failed",
                 reason=f"{type(err).__name__}: {err}",

@@ -28,7 +28,7 @@ def _timed(section, name: str, measure, estimate: float, **extra) -> None:
     started = time.monotonic()
     try:
         item = dict(timing_item(name, measure(), **extra), status="ok")
-    except Exception as err:  # noqa: BLE001 - reported; the other variants still run
+    except Exception as err:  # reported; the other variants still run
         item = dict(extra, name=name, **section.error(err))
     section.add(dict(item, seconds=time.monotonic() - started))
 
