@@ -5,7 +5,8 @@ Every design runs in one process on the same real batches: ``--warmup`` untimed 
 machine's load affects them alike; the table gives the minimum and the median over all timed
 steps, and the load average before and after. A plain-PyTorch loop of the ``standard`` model
 (``reference_gpt``) runs on the same batches so the stack's own overhead is visible; when the
-fused path is on (``model.fusions``), also with each of its blocks compiled. The warm-up
+fused path is on (``model.fusions``), also with its blocks and its loss compiled (in this
+process, after the designs: the GPU check times it in a process of its own). The warm-up
 steps' time, where compilation happens, is reported apart from the step time.
 """
 
@@ -15,14 +16,16 @@ import gc
 import os
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from t2train.bench.table import markdown_table
 from t2train.residual import BASELINE
 
 REFERENCE = f"plain PyTorch ({BASELINE})"
-COMPILED_REFERENCE = f"plain PyTorch, compiled blocks ({BASELINE})"
+# The blocks and the loss compiled (reference_gpt.py); "compiled blocks" in reports before
+# 2026-12 named a weaker loop (RoPE's tables rebuilt in every block, fp32 logits).
+COMPILED_REFERENCE = f"plain PyTorch, compiled ({BASELINE})"
 
 
 @dataclass
@@ -34,6 +37,7 @@ class DesignTiming:
     memory_gib: float  # peak CUDA allocation, or the process RSS on CPU
     traffic: dict  # the last step's pipeline/<...> counters (empty without a pipeline)
     warmup_seconds: float = 0.0  # the untimed steps before, compilation included
+    warmup_samples: list = field(default_factory=list)  # seconds of each of them
 
     @property
     def step_seconds(self) -> float:
@@ -123,6 +127,7 @@ def time_design(config, vocab_size: int, steps: list, warmup: int, variant: str)
         memory_gib=_memory_gib(),
         traffic=result.traffic,
         warmup_seconds=sum(seconds[:warmup]),
+        warmup_samples=seconds[:warmup],
     )
     del objs
     gc.collect()
@@ -165,37 +170,52 @@ def real_batches(config, count: int) -> list:
     return [feeder.next_step() for _ in range(count)]
 
 
+def reference_setup(config, vocab_size: int):
+    """The reference's shape and training settings for ``config`` (the ``standard`` model)."""
+    from t2train.bench.reference_gpt import ReferenceShape, ReferenceTraining
+    from t2train.model.build import compute_dtype
+
+    return (
+        ReferenceShape.of(config.model, vocab_size),
+        ReferenceTraining.of(config.train, compute_dtype(config)),
+    )
+
+
+def reference_design_timing(
+    config, compiled: bool, seconds: list, warmup: int, memory_gib: float, params: int
+) -> DesignTiming:
+    return DesignTiming(
+        COMPILED_REFERENCE if compiled else REFERENCE,
+        params,
+        seconds[warmup:],
+        _tokens_per_step(config),
+        memory_gib,
+        {},
+        warmup_seconds=sum(seconds[:warmup]),
+        warmup_samples=seconds[:warmup],
+    )
+
+
 def reference_timing(
     config, vocab_size: int, steps: list, warmup: int, compiled: bool = False
 ) -> DesignTiming:
-    """The plain-PyTorch loop, eager or with each block compiled (the fused path's backend)."""
+    """The plain-PyTorch loop in this process, eager or compiled (its blocks and its loss,
+    with the fused path's backend). The GPU check times it in a fresh process instead
+    (``t2train/bench/gpu/perf.py``)."""
     import torch
 
-    from t2train.bench.reference_gpt import time_reference_steps
-    from t2train.model.build import compute_dtype
-    from t2train.model.flops import plain_parameters
+    from t2train.bench.reference_gpt import count_parameters, time_reference_steps
     from t2train.nn.compiling import compile_backend
 
+    shape, training = reference_setup(config, vocab_size)
     torch._dynamo.reset()
-    torch.manual_seed(config.train.seed)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     seconds = time_reference_steps(
-        config,
-        vocab_size,
-        steps,
-        warmup,
-        compute_dtype(config),
-        backend=compile_backend() if compiled else None,
+        shape, training, steps, warmup, backend=compile_backend() if compiled else None
     )
-    return DesignTiming(
-        COMPILED_REFERENCE if compiled else REFERENCE,
-        plain_parameters(config.model, vocab_size),
-        seconds[warmup:],
-        _tokens_per_step(config),
-        _memory_gib(),
-        {},
-        warmup_seconds=sum(seconds[:warmup]),
+    return reference_design_timing(
+        config, compiled, seconds, warmup, _memory_gib(), count_parameters(shape)
     )
 
 
@@ -288,7 +308,7 @@ def format_step_table(timings: list[DesignTiming]) -> str:
     )
     for name, loop in (
         (REFERENCE, "plain-PyTorch loop"),
-        (COMPILED_REFERENCE, "plain-PyTorch loop with compiled blocks"),
+        (COMPILED_REFERENCE, "plain-PyTorch loop with its blocks and loss compiled"),
     ):
         reference = by_design.get(name)
         if baseline and reference:

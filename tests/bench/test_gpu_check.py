@@ -13,11 +13,14 @@ from pathlib import Path
 import pytest
 
 from t2train.bench.gpu.plan import (
+    QUALITY_SECTIONS,
     QUICK_SECTIONS,
     SECTIONS,
+    SPEED_SECTIONS,
     correctness_variants,
     load_settings,
     make_plan,
+    mfu_variants,
     mixer_variants,
     step_variants,
 )
@@ -86,11 +89,17 @@ def test_dry_run_reports_every_section(shakespeare, tmp_path):
         assert sum(top["ms"] for top in item["top"]) <= item["ms_per_step"] * (1 + 1e-9)
     assert "## Where the step time goes" in markdown
 
-    verdicts = {t["target"].split(" ")[0]: t["verdict"] for t in report["targets"]}
-    assert len(report["targets"]) == 10 and set(verdicts.values()) <= {"met", "missed"} | {
-        "not measured"
-    }
-    assert report["targets"][-1]["verdict"] == "not measured"  # no data-sheet peak on a CPU
+    targets = report["targets"]
+    assert {t["section"] for t in targets} == {"step_cost", "mfu", "kernels"}
+    assert {t["verdict"] for t in targets} <= {"met", "missed", "not measured"}
+    (mfu_target,) = [t for t in targets if "MFU" in t["target"]]
+    assert mfu_target["verdict"] == "not measured"  # no data-sheet peak on a CPU
+    # The headline rows keep their repeats (one in a rehearsal) and every step's time.
+    (first, _) = report["headline"]
+    assert [row["name"] for row in first["rows"]] == [base, COMPILED_REFERENCE, REFERENCE]
+    assert all(len(item["step_samples_ms"]) == 1 for item in steps + mfu)
+    assert [len(item.get("repeats", [])) for item in steps] == [1, 1, 0]
+    assert "## Headline" in markdown and "MFU % 6N+12Lhs" in markdown
 
 
 @pytest.mark.slow
@@ -128,7 +137,7 @@ def test_quick_dry_run_compiles_the_headline_items_first(shakespeare, tmp_path):
     assert all(item["status"] == "ok" and item["warmup_s"] > 0 for item in steps), steps
 
 
-def _step(name, step_ms, reference=False, memory=10.0):
+def _step(name, step_ms, reference=False, memory=10.0, **extra):
     return {
         "name": name,
         "status": "ok",
@@ -136,6 +145,7 @@ def _step(name, step_ms, reference=False, memory=10.0):
         "reference": reference,
         "tokens_per_s": 1000.0 / step_ms,
         "memory_gib": memory,
+        **extra,
     }
 
 
@@ -143,80 +153,310 @@ def _compiled(step_ms, memory):
     return dict(_step(COMPILED_REFERENCE, step_ms, reference=True, memory=memory), compiled=True)
 
 
+def _kernels(*vs_best_peer):
+    rows = [
+        {
+            "kernel": "k",
+            "preset": "p",
+            "shape": "s",
+            "impl": "triton",
+            "ms": 1.0,
+            "vs_best_peer": v,
+        }
+        for v in vs_best_peer
+    ]
+    return {"items": [{"status": "ok", "rows": rows}]}
+
+
 def test_targets_are_judged_from_the_sections():
+    """The headline against the strongest reference (the eager loop where it beat the
+    compiled one), MFU by the causal count with 6N + 12Lhs beside it, every design's limits,
+    the planner and the kernels, each naming its section."""
     plan = make_plan(False, "unused")
-    (first, limit1), (second, limit2), (third, _) = plan.settings.step_targets.items()
+    flops = {"flops_per_token": 1e10, "flops_per_token_6n": 1.2e10}
     sections = {
-        "env": {"data": {"matmul": {"tflops": 800.0}}},
+        "env": {"data": {"matmul": {"tflops": 800.0}, "datasheet_bf16_tflops": 1000.0}},
         "step_cost": {
             "items": [
-                dict(_step(BASELINE, 100.0), plan_gib=9.0, plan_ratio=10 / 9, plan_verdict="met"),
-                dict(
-                    _step(first, 100.0 * limit1),
-                    plan_gib=7.7,
-                    plan_ratio=1.3,
-                    plan_verdict="missed",
-                ),
-                _step(second, 100.0 * limit2 + 1.0),
-                {"name": third, "status": "skipped", "reason": "time"},
-                _step(REFERENCE, 90.0, reference=True, memory=5.0),
-                _compiled(100.0, 10.0),
-            ]
-        },
-        "kernels": {
-            "items": [
-                {
-                    "status": "ok",
-                    "rows": [
-                        {
-                            "kernel": "k",
-                            "preset": "p",
-                            "shape": "s",
-                            "impl": "triton",
-                            "ms": 1.0,
-                            "vs_best_peer": v,
-                        }
-                        for v in (1.3, 0.9)
-                    ],
-                }
+                _step(BASELINE, 100.0, plan_gib=9.0, plan_ratio=10 / 9, plan_verdict="met"),
+                _compiled(111.0, 12.0),  # 1.11x: met against it ...
+                _step(REFERENCE, 109.0, reference=True, memory=9.0),  # ... the eager one wins
+                _step("ddl", 104.0, plan_gib=7.7, plan_ratio=1.3, plan_verdict="missed"),
+                {"name": "hc", "status": "skipped", "reason": "time"},
             ]
         },
         "mfu": {
-            "data": {"flops_per_token": 1e10, "datasheet_tflops": 1000.0},
+            "data": {"datasheet_tflops": 1000.0, **flops},
             "items": [
-                dict(_step(BASELINE, 1.0), tokens_per_s=5e4),
-                dict(_compiled(1.0, 9.0), tokens_per_s=5.1e4),
+                _step(BASELINE, 1.0, tokens_per_s=5.6e4, **flops),
+                dict(_compiled(1.0, 9.0), tokens_per_s=5e4),
+            ],
+        },
+        "kernels": _kernels(1.3, 0.9),
+    }
+    targets = evaluate_targets(plan, sections)
+    judged = {t["target"]: t for t in targets}
+    by_start = {t["target"].split(":")[0].split(" (")[0]: t["verdict"] for t in targets}
+    assert [t["verdict"] for t in targets[:5]] == ["missed", "missed", "met", "missed", "met"]
+    assert "vs `plain PyTorch (standard)`" in targets[0]["measured"]  # the strongest, eager
+    assert targets[2]["measured"].startswith("1.120x")  # 1b: 5.6e4 / 5e4 tokens/s
+    assert targets[4]["measured"] == "56.0% (6N + 12Lhs: 67.2%)"  # 5.6e4 x 1e10 of 1000 TFLOP/s
+    assert by_start["ddl"] == "not measured"  # 125m met, 1b not timed
+    assert (
+        "step time (125m) 1.040: met"
+        in judged[next(t for t in judged if t.startswith("ddl:"))]["measured"]
+    )
+    assert by_start["hc"] == "not measured"
+    assert [t["section"] for t in targets[-2:]] == ["step_cost", "kernels"]
+    assert [t["verdict"] for t in targets[-2:]] == ["missed", "missed"]  # planner 1.3x; 0.9x
+    assert "1 of 2; worst ddl 1.30x" in targets[-2]["measured"]
+
+    sections["mfu"]["items"][0]["tokens_per_s"] = 5.4e4  # 54% < 55%
+    assert (
+        next(t for t in evaluate_targets(plan, sections) if "MFU" in t["target"])["verdict"]
+        == "missed"
+    )
+    sections["mfu"]["items"].pop()  # no reference at 1b: its two targets not measured
+    assert [t["verdict"] for t in evaluate_targets(plan, sections)][2:4] == ["not measured"] * 2
+    kernel_rows = sections["kernels"]["items"][0]["rows"]
+    kernel_rows[1].update(vs_best_peer=1.1)
+    assert evaluate_targets(plan, sections)[-1]["verdict"] == "met"
+    kernel_rows.append(dict(kernel_rows[0], ms=None, vs_best_peer=None, error="CompileError"))
+    judged_kernels = evaluate_targets(plan, sections)[-1]  # a kernel that does not run is not fast
+    assert judged_kernels["verdict"] == "missed" and "1 failed to run" in judged_kernels["measured"]
+    # A report lists the targets of its own sections: --quality has the kernels' only.
+    quality = make_plan(False, "unused", mode="quality")
+    assert [t["section"] for t in evaluate_targets(quality, sections)] == ["kernels"]
+
+
+def _timing(step_ms: list[float], warmup_s: float = 1.0, memory: float = 10.0):
+    from t2train.bench.step import DesignTiming
+
+    return DesignTiming(
+        "x",
+        1000,
+        [ms / 1e3 for ms in step_ms],
+        4096,
+        memory,
+        {},
+        warmup_seconds=warmup_s,
+        warmup_samples=[warmup_s],
+    )
+
+
+def test_the_headline_rows_are_timed_in_turns_and_kept_whole(tmp_path, monkeypatch):
+    """t2train, reference, t2train, reference, ...: each row keeps every repeat and every
+    step's time, its step time is the median of all its steps, its spread is flagged over
+    5%; a repeat that does not fit the section's time is named, the row keeps the rest."""
+    import time
+
+    from t2train.bench.gpu import perf
+    from t2train.bench.gpu.check import Section
+
+    plan = make_plan(False, "unused")
+    assert plan.repeats == 3 and plan.settings.max_spread == 0.05
+    calls: list[str] = []
+    ours = iter([[100.0, 102.0], [101.0, 103.0], [100.0, 104.0]])
+    theirs = iter([[120.0, 121.0], [130.0, 131.0], [122.0, 124.0]])
+
+    def measure(name, samples):
+        def run():
+            calls.append(name)
+            return _timing(next(samples))
+
+        return run
+
+    monkeypatch.setattr(perf, "flop_counts", lambda model, vocab: {"flops_per_token": 1.0})
+    monkeypatch.setattr(
+        perf.Headline, "reference", lambda self, compiled: measure("reference", theirs)
+    )
+    section = Section("mfu", tmp_path / "mfu.json", time.time() + 600, tmp_path)
+    headline = perf.Headline(
+        section, plan, config=type("C", (), {"model": None}), vocab=1, batches=[], warmup=1
+    )
+    headline.run(measure("t2train", ours))
+    assert calls == ["t2train", "reference"] * 3
+    base, reference = json.loads((tmp_path / "mfu.json").read_text())["items"]
+    assert base["name"] == BASELINE and base["headline"] and not base.get("reference")
+    assert reference["name"] == COMPILED_REFERENCE and reference["compiled"]
+    assert base["step_samples_ms"] == [100.0, 102.0, 101.0, 103.0, 100.0, 104.0]
+    assert base["step_ms"] == 101.5 and base["tokens_per_s"] == pytest.approx(4096 / 0.1015)
+    assert [r["step_ms"] for r in base["repeats"]] == pytest.approx([101.0, 102.0, 102.0])
+    assert base["spread"] == pytest.approx(102 / 101 - 1) and not base["repeats_differ"]
+    assert reference["spread"] == pytest.approx(130.5 / 120.5 - 1) and reference["repeats_differ"]
+    assert base["warmup_s"] == 1.0 and base["seconds"] > 0
+
+    # A repeat that would not fit: skipped with its reason; the row keeps what it has.
+    calls.clear()
+    ours = iter([[100.0]])
+    section = Section("step_cost", tmp_path / "s.json", time.time() + 600, tmp_path)
+    headline = perf.Headline(
+        section, plan, config=type("C", (), {"model": None}), vocab=1, batches=[], warmup=1
+    )
+    monkeypatch.setattr(section, "fits", lambda estimate: not calls)
+    headline.run(measure("t2train", ours))
+    (only,) = section.result["items"][:1]
+    assert len(only["repeats"]) == 1 and len(only["repeats_not_run"]) == 2
+    assert section.result["items"][1]["status"] == "skipped"  # the reference: no time at all
+
+
+def test_the_report_gives_the_spread_and_mfu_by_both_counts(tmp_path):
+    """The headline table: each row's repeats, the spread (flagged over 5%), MFU by the
+    causal count and by 6N + 12Lhs; the JSON keeps every step's time."""
+    from t2train.bench.gpu.items import summary_of_repeats
+    from t2train.bench.gpu.report import write_report
+
+    plan = make_plan(False, "unused")
+
+    def row(name, medians, **extra):
+        repeats = [
+            {"step_ms": ms, "memory_gib": 10.0, "warmup_s": 2.0, "step_samples_ms": [ms, ms]}
+            for ms in medians
+        ]
+        return {
+            "name": name,
+            "status": "ok",
+            "headline": True,
+            "params": 1e8,
+            "flops_per_token": 1e9,
+            "flops_per_token_6n": 1.5e9,
+            **summary_of_repeats(repeats, 65536, plan.settings.max_spread),
+            **extra,
+        }
+
+    sections = {
+        "env": {"data": {"datasheet_bf16_tflops": 1000.0, "matmul": {"n": 8192, "tflops": 800.0}}},
+        "step_cost": {
+            "status": "ok",
+            "data": {"preset": "125m", "repeats": 3},
+            "items": [
+                row(BASELINE, [100.0, 101.0, 106.0]),  # 6% apart: flagged
+                row(COMPILED_REFERENCE, [120.0, 121.0, 122.0], reference=True, compiled=True),
             ],
         },
     }
-    verdicts = [t["verdict"] for t in evaluate_targets(plan, sections)]
-    # 125m: as fast as the compiled loop (1.00x), same memory; 1b: slower (0.98x), more
-    # memory (10 > 9 GiB); the planner: one variant 1.3x its estimate; the kernels: one 0.9x;
-    # MFU 50% >= 50%.
-    assert verdicts == [
-        "met",
-        "missed",
-        "not measured",
-        "met",
-        "met",
-        "missed",
-        "missed",
-        "missed",
-        "missed",
-        "met",
+    report = write_report(plan, sections, tmp_path, 1.0)
+    (block,) = report["headline"]
+    ours, theirs = block["rows"]
+    assert ours["repeats_ms"] == [100.0, 101.0, 106.0] and ours["repeats_differ"]
+    assert not theirs["repeats_differ"]
+    assert block["versus"]["speed"] == pytest.approx(121 / 101)
+    assert block["versus"]["speed_by_repeat"] == pytest.approx([1.2, 121 / 101, 122 / 106])
+    # 65,536 tokens / 101 ms x 1e9 FLOPs = 648.9 TFLOP/s: 64.9% of the data sheet
+    assert ours["mfu"] == pytest.approx(65536 / 0.101 * 1e9 / 1e15)
+    assert ours["mfu_6n"] == pytest.approx(1.5 * ours["mfu"])
+    saved = json.loads((tmp_path / "gpu-report.json").read_text())
+    assert saved["sections"]["step_cost"]["items"][0]["step_samples_ms"] == [
+        100.0,
+        100.0,
+        101.0,
+        101.0,
+        106.0,
+        106.0,
     ]
-    planner = evaluate_targets(plan, sections)[7]
-    assert "1 of 2; worst" in planner["measured"] and f"{first} 1.30x" in planner["measured"]
-    sections["mfu"]["items"][0]["tokens_per_s"] = 4e4  # 40%
-    assert evaluate_targets(plan, sections)[-1]["verdict"] == "missed"
-    sections["mfu"]["items"].pop()  # no compiled loop at 1b: its two targets not measured
-    assert [t["verdict"] for t in evaluate_targets(plan, sections)][5:7] == ["not measured"] * 2
-    kernel_rows = sections["kernels"]["items"][0]["rows"]
-    kernel_rows[1].update(vs_best_peer=1.1)
-    assert evaluate_targets(plan, sections)[-2]["verdict"] == "met"
-    kernel_rows.append(dict(kernel_rows[0], ms=None, vs_best_peer=None, error="CompileError"))
-    judged = evaluate_targets(plan, sections)[-2]  # a kernel that does not run is not fast
-    assert judged["verdict"] == "missed" and "1 failed to run" in judged["measured"]
+    markdown = (tmp_path / "gpu-report.md").read_text()
+    assert "| 125m | standard | 101.0 | 100.0 / 101.0 / 106.0 | 6.0% (> 5%) |" in markdown
+    assert "its repeats differ by 6.0% (more than 5%)" in markdown
+    assert "| 64.9 / 81.1 | 97.3 / 121.7 |" in markdown  # causal, 6N: sheet / measured
+    assert "1.198x vs `plain PyTorch, compiled (standard)` (repeats 1.151-1.200x)" in (markdown)
+
+
+def test_flops_by_both_conventions():
+    """6N + 12*L*h*s (N: the parameters a token multiplies) beside t2train's causal count, at
+    the 1b preset (untied embeddings) and the 125m preset (tied)."""
+    from t2train.bench.gpu.items import flop_counts
+    from t2train.bench.variants import variant_config
+    from t2train.model.flops import parameters
+
+    for preset, vocab in (("1b", 32000), ("125m", 32000)):
+        model = variant_config(preset, None, ["data.path=unused"], BASELINE).model
+        counts = flop_counts(model, vocab)
+        h, layers, s = model.hidden_size, model.num_layers, model.seq_length
+        n = parameters(model, vocab) - (0 if model.tie_embeddings else vocab * h)
+        assert counts["flops_per_token_6n"] == 6 * n + 12 * layers * h * s
+        # full against causal attention: 12 L h s against 6 L h (s + 1); the rest differs by
+        # the norms' parameters (in N, no matmul in the causal count)
+        attention = 12 * layers * h * s - 6 * layers * h * (s + 1)
+        norms = 6 * (2 * h * layers + h)
+        assert counts["flops_per_token_6n"] - counts["flops_per_token"] == attention + norms
+
+
+def test_the_comparison_section_trains_until_its_time_is_up(tmp_path, monkeypatch):
+    """--quality's last section: the batch resumed from the records committed so far, trained
+    for the section's time less the report's reserve, the runs finished now in OUT/records;
+    a failed batch with no run finished fails the section."""
+    import time
+
+    from t2train.bench.gpu import compare
+    from t2train.bench.gpu.check import Section
+
+    plan = make_plan(False, "data", mode="quality", out=str(tmp_path / "out"))
+    asked = {}
+
+    def share(kept, records, budget_min, data, dry_run, log):
+        asked.update(kept=kept, records=records, budget_min=budget_min, data=data)
+        log.write_text("trained\n")
+        return {"earlier": ["standard-seed1234"], "new": ["ddl-seed1234"], "exit": 0}
+
+    monkeypatch.setattr(compare, "share", share)
+    section = Section("comparison", tmp_path / "c.json", time.time() + 200, tmp_path)
+    compare.section(section, plan)
+    assert asked["kept"] == tmp_path / "out" / "records" and asked["records"] == compare.RECORDS
+    assert asked["data"] == compare.DATA
+    assert 2.9 < asked["budget_min"] <= (200 - compare.REPORT_RESERVE_S) / 60
+    assert [item["name"] for item in section.result["items"]] == ["ddl-seed1234"]
+    assert section.data["runs_in_batch"] == 30 and section.data["log_tail"] == ["trained"]
+
+    monkeypatch.setattr(compare, "share", lambda *args: {"earlier": [], "new": [], "exit": 1})
+    with pytest.raises(RuntimeError, match="exit 1"):
+        compare.section(section, plan)
+
+
+def test_the_compiled_loss_keeps_no_fp32_logits():
+    """The reference's loss, compiled as Inductor partitions it (its decompositions, the
+    min-cut partitioner): the backward keeps the bf16 logits and a few fp32 numbers per
+    token, never an fp32 [tokens, vocabulary] tensor."""
+    import torch
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+
+    from t2train.bench.reference_gpt import head_loss
+
+    tokens, width, vocab = 64, 32, 1000
+    saved = []
+
+    def forward(graph, inputs):
+        (outputs,) = [node.args[0] for node in graph.graph.nodes if node.op == "output"]
+        saved.extend(node.meta["val"] for node in outputs[1:])
+        return graph.forward
+
+    backend = aot_autograd(
+        fw_compiler=forward,
+        bw_compiler=lambda graph, inputs: graph.forward,
+        partition_fn=min_cut_rematerialization_partition,
+        decompositions=select_decomp_table(),
+    )
+    x = torch.randn(2, tokens // 2, width, requires_grad=True)
+    weight = torch.randn(vocab, width, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = torch.compile(head_loss, backend=backend)(
+            x, torch.ones(width), 1e-5, weight, torch.randint(0, vocab, (2, tokens // 2))
+        )
+    loss.backward()
+    wide = [(t.dtype, tuple(t.shape)) for t in saved if t.dim() == 2 and t.shape[-1] == vocab]
+    assert wide == [(torch.bfloat16, (tokens, vocab))]
+
+
+def test_the_reference_process_answers_each_spec(tmp_path):
+    """``--serve``: one answer per spec, an error as an answer (the parent reports it and
+    the next run goes on)."""
+    from t2train.bench.reference_gpt import RESULT, serve
+
+    answers: list[str] = []
+    serve(["", json.dumps({"batches": str(tmp_path / "missing.pt")}) + "\n"], answers.append)
+    (answer,) = answers
+    assert answer.startswith(RESULT) and json.loads(answer[len(RESULT) :])["error"]
 
 
 def test_the_quick_plan_times_the_baseline_and_the_targets_within_four_minutes():
@@ -225,17 +465,32 @@ def test_the_quick_plan_times_the_baseline_and_the_targets_within_four_minutes()
     assert sum(plan.budgets[name] for name in plan.sections) <= 240
     assert step_variants(plan.settings, registered(), quick=True) == [
         BASELINE,
-        *plan.settings.step_targets,
+        *plan.settings.designs,
     ]
     assert mixer_variants(plan.settings, registered(), quick=True) == []
     full = make_plan(False, "unused")
     assert sum(full.budgets[name] for name in full.sections) <= 590  # one 10-minute command
 
 
+def test_the_gpu_window_is_two_ten_minute_calls():
+    """--speed: the headline at both presets (three repeats), every variant, the profiles;
+    --quality: correctness, every kernel row, the comparison. Each plans at most 540 s, so
+    that the bundle's install and the worker's start fit beside it in 10 minutes; the
+    rehearsal runs one repeat of each headline row."""
+    speed = make_plan(False, "unused", mode="speed")
+    quality = make_plan(False, "unused", mode="quality")
+    assert speed.sections == SPEED_SECTIONS and quality.sections == QUALITY_SECTIONS
+    assert set(SPEED_SECTIONS) | set(QUALITY_SECTIONS) == set(SECTIONS) | {"comparison"}
+    for plan in (speed, quality):
+        assert sum(plan.budgets[name] for name in plan.sections) <= 540
+    assert speed.repeats == 3 and make_plan(True, "unused", rehearsal=True).repeats == 1
+    assert mfu_variants(speed.settings) == [BASELINE, "ddl", "hc", "mhc"]  # targets at 1b
+
+
 def test_every_registered_design_is_timed_and_trained():
     settings = load_settings()
     alone, mixed = step_variants(settings, registered()), mixer_variants(settings, registered())
-    assert alone[0] == BASELINE and set(settings.step_targets) <= set(alone)
+    assert alone[0] == BASELINE and set(settings.designs) <= set(alone)
     assert set(registered()) <= set(alone)
     assert sorted(alone + mixed) == sorted(set(alone + mixed))  # each once
     assert {name.split("+")[0] for name in alone + mixed if "+" in name} == set(registered())
@@ -433,6 +688,30 @@ def test_stack_dry_run_reports_its_sections(shakespeare, tmp_path):
     assert export["t2train_generate"].startswith(settings["outputs"]["prompt"])
     verdicts = [t["verdict"] for t in report["targets"]]
     assert verdicts == ["not measured", "met", "met", "met", "not measured", "met", "met"]
+
+
+@pytest.mark.slow
+def test_quality_dry_run_trains_the_comparison_into_the_output(shakespeare, tmp_path):
+    """--quality's last section, rehearsed: the comparison's batch (two tiny runs in the dry
+    run) trained in the check's worker, its records copied to OUT/records for the next window
+    to resume from. (Its other sections are the full rehearsal's: test_dry_run_reports_every_
+    section; --speed's too.)"""
+    out = tmp_path / "report"
+    proc = subprocess.run(
+        [sys.executable, "-m", "t2train.bench.gpu.check", "--rehearse", "--quality"]
+        + ["--out", str(out), "--data", str(shakespeare), "--only", "comparison"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    section = json.loads((out / "gpu-report.json").read_text())["sections"]["comparison"]
+    assert section["status"] == "ok", section
+    finished = sorted(item["name"] for item in section["items"])
+    assert finished and finished == sorted(section["data"]["new"])
+    for name in finished:  # what the next window resumes from
+        assert (out / "records" / name / "metrics.jsonl").stat().st_size > 0
 
 
 @pytest.mark.parametrize(

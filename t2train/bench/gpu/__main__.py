@@ -1,5 +1,7 @@
-"""``python3 -m t2train.bench.gpu OUT_DIR [--quick | --stack]``: the GPU check on a fresh, offline
-machine (``--stack``: the rest of the stack, resume to export, a command of its own).
+"""``python3 -m t2train.bench.gpu OUT_DIR [--quick | --stack | --speed | --quality]``: the GPU
+check on a fresh, offline machine (``--stack``: the rest of the stack, resume to export, a
+command of its own; ``--speed`` and ``--quality``: the GPU window's two calls,
+docs/gpu/README.md).
 
 From the repository root: installs ``.gpu-bundle/`` without replacing anything installed,
 then runs the check in a fresh interpreter (which sees what was installed), writing
@@ -15,14 +17,18 @@ import sys
 from pathlib import Path
 
 BUNDLE = ".gpu-bundle"
+MODE_FLAGS = ("--quick", "--stack", "--speed", "--quality")  # check.py's modes
 
 
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    flags = [arg for arg in args if arg in ("--quick", "--stack")]
+    flags = [arg for arg in args if arg in MODE_FLAGS]
     args = [arg for arg in args if arg not in flags]
     if len(args) != 1 or len(flags) > 1:
-        print("usage: python3 -m t2train.bench.gpu OUT_DIR [--quick | --stack]", file=sys.stderr)
+        print(
+            f"usage: python3 -m t2train.bench.gpu OUT_DIR [{' | '.join(MODE_FLAGS)}]",
+            file=sys.stderr,
+        )
         return 2
     out = Path(args[0])
     out.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,10 @@ Runs the sections of ``plan.SECTIONS`` (environment, correctness, step cost, MFU
 profile) and writes ``DIR/gpu-report.md``, ``DIR/gpu-report.json`` and ``DIR/gpu-check.log``;
 ``--quick`` runs ``plan.QUICK_SECTIONS`` on the baseline and the targeted variants only;
 ``--stack`` runs ``plan.STACK_SECTIONS`` (the GPU-marked tests, resume, DeepSpeed, the planner's
-memory, TensorBoard and export, the multi-GPU tests), a command of its own.
+memory, TensorBoard and export, the multi-GPU tests), a command of its own; ``--speed`` and
+``--quality`` are the GPU window's two calls (``plan.SPEED_SECTIONS``: the headline, every
+variant's step cost, MFU, profiles; ``plan.QUALITY_SECTIONS``: correctness, every kernel row,
+the GPU comparison until the time is up).
 
 Time: section i must end by the sum of the budgets of sections 1..i (so time one section
 leaves unspent goes to the next). A section skips what would not fit, with the reason, and
@@ -33,8 +36,11 @@ from typing import Any, Optional
 
 from t2train.bench.gpu.plan import (
     ALL_SECTIONS,
+    MODES,
+    QUALITY_SECTIONS,
     QUICK_SECTIONS,
     SECTIONS,
+    SPEED_SECTIONS,
     STACK_SECTIONS,
     Plan,
     make_plan,
@@ -60,6 +66,7 @@ class Section:
             "items": [],
             "data": {},
         }
+        self.runs: list[tuple[float, float]] = []  # (seconds, warm-up) of each item's run
 
     @property
     def data(self) -> dict:
@@ -75,11 +82,14 @@ class Section:
         """The cost estimate of the next item: the previous one's time less its warm-up (the
         steady state), plus the median warm-up so far (neither a first, cold compile nor an
         eager item's warm-up is the next item's compile)."""
-        timed = [item for item in self.result["items"] if "seconds" in item]
-        if not timed:
+        if not self.runs:
             return default
-        warmups = [item.get("warmup_s") or 0.0 for item in timed]
-        return timed[-1]["seconds"] - warmups[-1] + statistics.median(warmups)
+        warmups = [warmup for _, warmup in self.runs]
+        return self.runs[-1][0] - warmups[-1] + statistics.median(warmups)
+
+    def note_run(self, seconds: float, warmup: Optional[float]) -> None:
+        """A run that was not added as an item of its own (a later repeat of a row)."""
+        self.runs.append((seconds, warmup or 0.0))
 
     def no_time(self, estimate: float) -> str:
         return (
@@ -100,6 +110,8 @@ class Section:
 
     def add(self, item: dict) -> None:
         self.result["items"].append(item)
+        if "seconds" in item:
+            self.note_run(item["seconds"], item.get("warmup_s"))
         self.save()
 
     def save(self) -> None:
@@ -113,7 +125,17 @@ def _section_runner(name: str):
     """The function that runs section ``name``: it fills the section in, and returns None or
     the reason the section does not apply here (then recorded as skipped)."""
     from t2train.bench import kernels
-    from t2train.bench.gpu import correctness, engines, env, memory, outputs, perf, profile, resume
+    from t2train.bench.gpu import (
+        compare,
+        correctness,
+        engines,
+        env,
+        memory,
+        outputs,
+        perf,
+        profile,
+        resume,
+    )
 
     return {
         "env": env.run,
@@ -128,6 +150,7 @@ def _section_runner(name: str):
         "memory": memory.run,
         "outputs": outputs.run,
         "multi_gpu": correctness.multi_gpu_tests,
+        "comparison": compare.section,
     }[name]
 
 
@@ -211,8 +234,8 @@ def orchestrate(
         ]
         # Its own process group, so that stopping it also stops its children (the CPU
         # reference, pytest, compile workers).
-        flags = ["--dry-run"] * plan.dry_run + ["--quick"] * plan.quick + ["--stack"] * plan.stack
-        flags += ["--rehearse"] * plan.rehearsal
+        flags = ["--dry-run"] * plan.dry_run + [f"--{plan.mode}"] * (plan.mode != "full")
+        flags += ["--rehearse"] * plan.rehearsal + ["--out", plan.out] * bool(plan.out)
         worker = subprocess.Popen(
             args + flags, stdout=log, stderr=subprocess.STDOUT, preexec_fn=os.setpgrp
         )
@@ -305,17 +328,32 @@ def main(argv=None) -> int:
         action="store_true",
         help="the dry run with one item per section: every section's code once (minutes)",
     )
-    parser.add_argument(
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument(
         "--quick",
         action="store_true",
         help="the baseline and the targeted variants only, sections "
-        f"{', '.join(QUICK_SECTIONS)} (about 3.5 minutes on a GPU)",
+        f"{', '.join(QUICK_SECTIONS)} (about 4 minutes on a GPU)",
     )
-    parser.add_argument(
+    modes.add_argument(
         "--stack",
         action="store_true",
         help="the rest of the stack instead, sections "
         f"{', '.join(STACK_SECTIONS)} (its own 10-minute command)",
+    )
+    modes.add_argument(
+        "--speed",
+        action="store_true",
+        help="the GPU window's first call: the headline at both presets (repeated in turns), "
+        f"every variant's step cost, MFU, every design's profile; sections "
+        f"{', '.join(SPEED_SECTIONS)} (a 10-minute command)",
+    )
+    modes.add_argument(
+        "--quality",
+        action="store_true",
+        help="the GPU window's second call: bf16 correctness of every design, every kernel "
+        "row, then the GPU comparison until the command's time is up (its records in "
+        f"OUT/records); sections {', '.join(QUALITY_SECTIONS)} (a 10-minute command)",
     )
     parser.add_argument(
         "--only",
@@ -330,6 +368,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.dry_run = args.dry_run or args.rehearse
     if args.dry_run:
+        # One intra-op thread in every process of the dry run (the worker, the reference's
+        # process, pytest, the CPU reference): its tensors are tiny, and its processes share
+        # a small CPU with each other and with whatever else runs there, where spinning
+        # OpenMP threads made a tiny step take a second (the timings mean nothing here).
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined
         # The fused path's graphs without Inductor's code generation (minutes on a CPU); in
         # the quick dry run with the kernels as the GPU runs them (custom operators, under
@@ -337,8 +380,13 @@ def main(argv=None) -> int:
         os.environ.setdefault(BACKEND_VARIABLE, "aot_eager")
         if args.quick:
             os.environ.setdefault("T2_KERNELS", "triton")
+    mode = next((name for name in MODES if getattr(args, name, False)), "full")
     plan = make_plan(
-        args.dry_run, args.data, quick=args.quick, stack=args.stack, rehearsal=args.rehearse
+        args.dry_run,
+        args.data,
+        rehearsal=args.rehearse,
+        mode=mode,
+        out=str(args.out) if args.out else "",
     )
     if args.worker:
         return work(plan, args.sections.split(","), json.loads(args.ends), args.worker)

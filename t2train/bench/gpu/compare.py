@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -87,18 +88,34 @@ def copy_report(source: Path, dest: Path) -> None:
             shutil.copyfile(path, dest / path.name)
 
 
-def run_compare(args: list[str]) -> int:
-    return subprocess.call([sys.executable, "-m", "t2train.cli", *args])
+def run_compare(args: list[str], log: Optional[Path] = None) -> int:
+    """``t2train experiment compare ARGS``; with ``log``, its output there, in an environment
+    without the caller's torch.distributed world (the check's worker has one)."""
+    if log is None:
+        return subprocess.call([sys.executable, "-m", "t2train.cli", *args])
+    from t2train.bench.gpu.correctness import child_env
 
-
-def run_share(out: Path, records: Path, budget_min: float, data: str, dry_run: bool) -> int:
-    """One GPU job's share: the batch resumed from ``records``, new records into OUT."""
-    if not dry_run:
-        subprocess.run(
-            [sys.executable, "-m", "t2train.bench.gpu.install", "--bundle", BUNDLE], check=True
+    with log.open("w") as stream:
+        return subprocess.call(
+            [sys.executable, "-m", "t2train.cli", *args],
+            stdout=stream,
+            stderr=subprocess.STDOUT,
+            env=child_env(),
         )
+
+
+def share(
+    kept: Path,
+    records: Path,
+    budget_min: float,
+    data: str,
+    dry_run: bool,
+    log: Optional[Path] = None,
+) -> dict:
+    """The batch resumed from ``records`` in a scratch directory, trained for ``budget_min``
+    minutes; every run finished now (records only) and the report copied to ``kept``. The
+    runs finished before, those finished now, and ``experiment compare``'s exit code."""
     steps = batch_spec(dry_run)["steps"]
-    kept = out / "records"
     kept.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="t2-compare-") as scratch:
         batch = Path(scratch)
@@ -111,15 +128,77 @@ def run_share(out: Path, records: Path, budget_min: float, data: str, dry_run: b
                 str(batch),
                 "--time-budget-min",
                 f"{budget_min:g}",
-            ]
+            ],
+            log,
         )
         new = [name for name in copy_finished(batch, kept, steps) if name not in earlier]
         copy_report(batch, kept)
+    return {"earlier": earlier, "new": new, "exit": code}
+
+
+def batch_size(dry_run: bool) -> int:
+    """Runs in the whole batch: variants x seeds."""
+    spec = batch_spec(dry_run)
+    return len(spec["designs"].split(",")) * int(spec["seeds"])
+
+
+def run_share(out: Path, records: Path, budget_min: float, data: str, dry_run: bool) -> int:
+    """One GPU job's share: the batch resumed from ``records``, new records into OUT."""
+    if not dry_run:
+        subprocess.run(
+            [sys.executable, "-m", "t2train.bench.gpu.install", "--bundle", BUNDLE], check=True
+        )
+    kept = out / "records"
+    result = share(kept, records, budget_min, data, dry_run)
     print(
-        f"this job finished {len(new)} run(s): {', '.join(new) or 'none'}; their records "
-        f"are in {kept}; in the checkout: python -m t2train.bench.gpu.compare --merge {kept}"
+        f"this job finished {len(result['new'])} run(s): {', '.join(result['new']) or 'none'}; "
+        f"their records are in {kept}; in the checkout: python -m t2train.bench.gpu.compare "
+        f"--merge {kept}"
     )
-    return code
+    return result["exit"]
+
+
+# Of the section's time, kept for writing the batch's report and figures after the last run.
+REPORT_RESERVE_S = 20.0
+
+
+def section(section, plan) -> None:
+    """The GPU check's comparison section (``--quality``): the batch resumed from the records
+    committed in ``docs/compare-gpu/`` (the dry run: none, its own tiny batch on the check's
+    dataset), trained until the section's time is up, the runs finished now kept in
+    ``OUT/records`` for ``--merge`` in the checkout."""
+    out = Path(plan.out) if plan.out else section.scratch
+    kept = out / "records"
+    records = section.scratch / "no-earlier-records" if plan.dry_run else RECORDS
+    data = plan.data if plan.dry_run else DATA
+    budget_s = max(section.left() - REPORT_RESERVE_S, 1.0)
+    log = section.scratch / "compare.log"
+    section.data.update(
+        batch=str(BATCH.name),
+        runs_in_batch=batch_size(plan.dry_run),
+        records_from=str(records),
+        records_to=str(kept),
+        data=data,
+        budget_s=budget_s,
+    )
+    section.save()
+    result = share(kept, records, budget_s / 60, data, plan.dry_run, log)
+    tail = log.read_text().strip().splitlines()[-8:] if log.is_file() else []
+    section.data.update(result, log_tail=tail)
+    for name in result["new"]:
+        section.add({"name": name, "status": "ok"})
+    if result["exit"] != 0:
+        if not result["new"]:
+            raise RuntimeError(
+                f"t2train experiment compare failed (exit {result['exit']}): {' | '.join(tail)}"
+            )
+        section.add(
+            {
+                "name": "t2train experiment compare",
+                "status": "error",
+                "reason": f"exit {result['exit']}: {' | '.join(tail)[-600:]}",
+            }
+        )
 
 
 def merge(new_records: Path, records: Path, data: str, dry_run: bool) -> int:

@@ -10,19 +10,27 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
 SETTINGS_FILE = Path(__file__).with_name("targets.yaml")
 SECTIONS = ("env", "correctness", "step_cost", "mfu", "kernels", "profile")  # the order they run in
-# --quick: what iterating on the hot path needs, in about 3.5 minutes: the baseline and the
+# --quick: what iterating on the hot path needs, in about 4 minutes: the baseline and the
 # targeted variants against both plain-PyTorch loops, MFU, and where the baseline's time goes.
 QUICK_SECTIONS = ("env", "step_cost", "mfu", "profile")
 # --stack: what users do after pressing train, in its own 10-minute command (docs/gpu/README.md):
 # every GPU-marked test with the time it needs, resume, DeepSpeed, the planner's memory against
 # the measured peak, TensorBoard and export, and the multi-GPU tests where there are GPUs.
 STACK_SECTIONS = ("env", "gpu_tests", "resume", "deepspeed", "memory", "outputs", "multi_gpu")
-ALL_SECTIONS = SECTIONS + tuple(name for name in STACK_SECTIONS if name not in SECTIONS)
+# The GPU window as two 10-minute calls (docs/gpu/README.md, "Next on a GPU"). --speed: the
+# headline at both presets (interleaved repeats), every variant's step cost and memory, MFU,
+# a profile of every design. --quality: bf16 correctness of every design, every kernel row,
+# then the GPU comparison (comparison.yaml) until the call's time is up.
+SPEED_SECTIONS = ("env", "step_cost", "mfu", "profile")
+QUALITY_SECTIONS = ("env", "correctness", "kernels", "comparison")
+MODES = ("full", "quick", "stack", "speed", "quality")
+ALL_SECTIONS = tuple(dict.fromkeys(SECTIONS + STACK_SECTIONS + SPEED_SECTIONS + QUALITY_SECTIONS))
 
 
 @dataclass(frozen=True)
@@ -30,22 +38,44 @@ class Settings:
     """``targets.yaml``: the targets, and the presets and overrides the check runs at."""
 
     step_preset: str
-    step_targets: dict  # variant -> max step time / the baseline's
     kernel_min_vs_best_peer: float
     mfu_preset: str
-    mfu_min: float
-    reference_min_speed: float  # baseline tokens/s / the compiled plain-PyTorch loop's
-    reference_max_memory: float  # baseline peak memory / the compiled loop's
+    mfu_min: float  # by the causal count (t2train/model/flops.py), of the data-sheet peak
+    reference_min_speed: float  # baseline tokens/s / the strongest plain-PyTorch reference's
+    reference_max_memory: float  # baseline peak memory / that reference's
     dry_run_overrides: tuple[str, ...]
     stack: dict  # the --stack sections' variants, steps and tolerances
-    cost: dict = field(default_factory=dict)  # step_time, max_time_over_flops, peak_memory
+    # variant -> {"step_time": {preset: limit}, "time_over_flops": limit, "peak_memory": limit}
+    designs: dict = field(default_factory=dict)
+    mixer_margin: float = 1.03  # <design>+<mixer> <= design's ratio x the mixer's x this
+    repeats: int = 3  # the headline rows, interleaved
+    max_spread: float = 0.05  # repeats of a row further apart than this are flagged
+
+    def step_limit(self, variant: str, preset: str) -> Optional[float]:
+        """``variant``'s step-time limit (vs the baseline) at ``preset``, if it has one."""
+        return (self.designs.get(variant) or {}).get("step_time", {}).get(preset)
+
+    def variants_at(self, preset: str) -> list[str]:
+        """The variants with a step-time target at ``preset``."""
+        return [name for name in self.designs if self.step_limit(name, preset) is not None]
 
 
 def load_settings(path: Path = SETTINGS_FILE) -> Settings:
     raw = yaml.safe_load(path.read_text())
+    designs = {
+        str(variant): {
+            "step_time": {str(p): float(v) for p, v in (limits.get("step_time") or {}).items()},
+            **{
+                key: float(limits[key])
+                for key in ("time_over_flops", "peak_memory")
+                if limits.get(key) is not None
+            },
+        }
+        for variant, limits in (raw.get("designs") or {}).items()
+    }
+    headline = raw.get("headline") or {}
     return Settings(
         step_preset=raw["step_cost"]["preset"],
-        step_targets={str(k): float(v) for k, v in raw["step_cost"]["targets"].items()},
         kernel_min_vs_best_peer=float(raw["kernels"]["min_vs_best_peer"]),
         mfu_preset=raw["mfu"]["preset"],
         mfu_min=float(raw["mfu"]["min_mfu"]),
@@ -53,7 +83,10 @@ def load_settings(path: Path = SETTINGS_FILE) -> Settings:
         reference_max_memory=float(raw["reference"]["max_memory"]),
         dry_run_overrides=tuple(raw["dry_run"]["overrides"]),
         stack=raw["stack"],
-        cost=raw.get("cost") or {},
+        designs=designs,
+        mixer_margin=float((raw.get("mixer") or {}).get("margin", 1.03)),
+        repeats=int(headline.get("repeats", 3)),
+        max_spread=float(headline.get("max_spread", 0.05)),
     )
 
 
@@ -77,7 +110,13 @@ def step_variants(settings: Settings, designs: tuple[str, ...], quick: bool = Fa
     """The baseline, the targeted variants, the other designs (not in a quick run); then with
     the mixer (``mixer_variants``, the first to go when time runs out). The step-cost section
     times the plain-PyTorch loops right after the baseline."""
-    return _unique([baseline(), *settings.step_targets, *(() if quick else designs)])
+    return _unique([baseline(), *settings.designs, *(() if quick else designs)])
+
+
+def mfu_variants(settings: Settings) -> list[str]:
+    """The baseline, then the variants with a step-time target at the MFU preset (timed there
+    after the headline, while time lasts)."""
+    return _unique([baseline(), *settings.variants_at(settings.mfu_preset)])
 
 
 def mixer_variants(settings: Settings, designs: tuple[str, ...], quick: bool = False) -> list[str]:
@@ -116,9 +155,21 @@ class Plan:
     profile_warmup: int
     profile_steps: int
     settings: Settings = field(default_factory=load_settings)
-    quick: bool = False  # QUICK_SECTIONS by default, the baseline and targeted variants only
-    stack: bool = False  # STACK_SECTIONS: the rest of the stack, a command of its own
+    # "full" (SECTIONS), "quick" (QUICK_SECTIONS, the baseline and the targeted variants
+    # only), "stack" (STACK_SECTIONS, a command of its own), "speed" and "quality" (the GPU
+    # window's two calls)
+    mode: str = "full"
     rehearsal: bool = False  # a dry run of one item per section (the test suite's)
+    repeats: int = 3  # of the headline rows (the baseline and the compiled reference), interleaved
+    out: str = ""  # the check's output folder (the comparison's records go there)
+
+    @property
+    def quick(self) -> bool:
+        return self.mode == "quick"
+
+    @property
+    def stack(self) -> bool:
+        return self.mode == "stack"
 
     def items(self, names: Iterable) -> list:
         """A section's items: all of them, or the first in a rehearsal (every section's code
@@ -128,12 +179,18 @@ class Plan:
     @property
     def sections(self) -> tuple[str, ...]:
         """The sections a run without --only runs, in order."""
-        return STACK_SECTIONS if self.stack else QUICK_SECTIONS if self.quick else SECTIONS
+        return {
+            "full": SECTIONS,
+            "quick": QUICK_SECTIONS,
+            "stack": STACK_SECTIONS,
+            "speed": SPEED_SECTIONS,
+            "quality": QUALITY_SECTIONS,
+        }[self.mode]
 
     @property
     def report_sections(self) -> tuple[str, ...]:
         """The sections this run's report lists (those not asked for say so)."""
-        return STACK_SECTIONS if self.stack else SECTIONS
+        return SECTIONS if self.mode == "quick" else self.sections
 
     def stack_run(self, name: str) -> tuple[str, tuple[str, ...]]:
         """(preset, overrides) of the --stack section ``name``: its preset and shape on the
@@ -198,28 +255,73 @@ DRY_RUN_STACK_BUDGETS = {
 QUICK_KERNEL_SHAPE = ("model.fusions=all", "model.seq_length=8")
 
 
+# The GPU's section budgets (seconds) per mode; STACK_BUDGETS for --stack. Each mode plans at
+# most 580 s, so that the command (the bundle's install, about 10 s, and the worker's start
+# included) fits a 10-minute call.
+#
+# full (580 s): eager, on an H100 the sections took 17, 108-119, 113-118, 45, 85 and 64 s;
+# on an H200 (2026-11-30, fused path) the step-cost section measured 11 of 16 items in 160 s.
+# The headline's three interleaved repeats at 1b (t2train, then the compiled reference in a
+# process of its own, three times) are about 140 s on a cold machine (estimated from the
+# H200's 555 / 599 ms steps, 20 s compiles and ~6 s process starts): the MFU section gets
+# 150 s, taken from the correctness and kernel sections, whose rows --quality has in full.
+# quick (240 s): two repeats of the headline rows.
+# speed (540 s): the headline at 125m (about 95 s cold) then all 14 variants (a cold compile
+# of 9-25 s each, then 13 steps) in the step-cost section, the headline at 1b in the MFU
+# section, a profile of every design with Inductor's cache warm from the step-cost section.
+# quality (540 s): the correctness section as in the full check (the H200 needed its 170 s),
+# every kernel row (148 s on an H200 from the command line), the comparison in the rest.
+GPU_BUDGETS = {
+    "full": {
+        "env": 20,
+        "correctness": 150,
+        "step_cost": 150,
+        "mfu": 150,
+        "kernels": 60,
+        "profile": 50,
+    },
+    "quick": {"env": 15, "step_cost": 90, "mfu": 105, "profile": 30},
+    "speed": {"env": 15, "step_cost": 310, "mfu": 160, "profile": 55},
+    "quality": {"env": 15, "correctness": 170, "kernels": 180, "comparison": 175},
+}
+GPU_REPEATS = {"quick": 2}  # of the headline rows; else Settings.repeats
+DRY_RUN_BUDGETS = {
+    "env": 60,
+    "correctness": 240,
+    "step_cost": 180,
+    "mfu": 150,
+    "kernels": 120,
+    "profile": 60,
+    "comparison": 120,
+}
+
+
 def make_plan(
-    dry_run: bool, data: str, quick: bool = False, stack: bool = False, rehearsal: bool = False
+    dry_run: bool,
+    data: str,
+    quick: bool = False,
+    stack: bool = False,
+    rehearsal: bool = False,
+    mode: Optional[str] = None,
+    out: str = "",
 ) -> Plan:
+    """The plan of a run in ``mode`` (or, as before modes had names, ``quick`` / ``stack``)."""
     settings = load_settings()
+    mode = mode or ("quick" if quick else "stack" if stack else "full")
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
+    repeats = GPU_REPEATS.get(mode, settings.repeats)
     if dry_run or rehearsal:
         tiny = settings.dry_run_overrides
         return Plan(
             dry_run=True,
             data=data,
             settings=settings,
-            quick=quick,
-            stack=stack,
+            mode=mode,
             rehearsal=rehearsal,
-            budgets={
-                "env": 60,
-                "correctness": 240,
-                "step_cost": 120,
-                "mfu": 60,
-                "kernels": 120,
-                "profile": 60,
-                **DRY_RUN_STACK_BUDGETS,
-            },
+            repeats=1 if rehearsal else repeats,
+            out=out,
+            budgets={**DRY_RUN_BUDGETS, **DRY_RUN_STACK_BUDGETS},
             matmul_size=256,
             gpu_tests=("tests/kernels/test_fp32_linear_kernel.py",),
             train_preset="tiny",
@@ -233,7 +335,7 @@ def make_plan(
             # quick run's step-cost section, with the kernels under the interpreter, as the GPU
             # runs them: a section whose compiles would not fit shows here. The full run's
             # step cost stays eager: compiling its 16 items takes this CPU about 5 minutes.
-            step_overrides=tiny + (QUICK_KERNEL_SHAPE if quick else ()),
+            step_overrides=tiny + (QUICK_KERNEL_SHAPE if mode == "quick" else ()),
             step_warmup=1,
             step_steps=1,
             mfu_overrides=tiny + ("model.fusions=all",),
@@ -242,32 +344,18 @@ def make_plan(
             profile_warmup=1,
             profile_steps=1,
         )
+    gpu = GPU_BUDGETS.get(mode, {})
     return Plan(
         dry_run=False,
         data=data,
         settings=settings,
-        quick=quick,
-        stack=stack,
-        # 580 s in all (quick: 210 s). Eager, on an H100 the sections took 17, 108-119,
-        # 113-118, 45, 85 and 64 s, and on an H200 338 s for the first four; with the
-        # bundle's install and the start-up the first run (470 s planned) took 390 s of its
-        # 10 minutes. The fused path adds each variant's compilation to its warm-up (about
-        # 10 s for the plain loop's blocks at 125m on an H200), not yet measured for t2train's
-        # layers: the variants that do not fit are skipped and named. A run stopped at 10
-        # minutes keeps every finished section's report.
-        budgets=(
-            {"env": 15, "correctness": 0, "step_cost": 90, "mfu": 75, "kernels": 0, "profile": 30}
-            if quick
-            else {
-                "env": 20,
-                "correctness": 170,
-                "step_cost": 160,
-                "mfu": 80,
-                "kernels": 100,
-                "profile": 50,
-            }
-        )
-        | {name: STACK_BUDGETS[name] for name in STACK_SECTIONS if name != "env"},
+        mode=mode,
+        repeats=repeats,
+        out=out,
+        # A run stopped at 10 minutes keeps every finished section's report.
+        budgets=dict.fromkeys(ALL_SECTIONS, 0)
+        | {name: STACK_BUDGETS[name] for name in STACK_SECTIONS if name not in gpu}
+        | gpu,
         matmul_size=8192,
         gpu_tests=("tests",),
         train_preset="tiny",
@@ -278,9 +366,10 @@ def make_plan(
         step_overrides=GPU_STEP,
         step_warmup=3,
         step_steps=10,
+        # Three repeats of 3 + 10 steps (30 timed) in the time 4 + 16 took once.
         mfu_overrides=GPU_MFU,
-        mfu_warmup=4,
-        mfu_steps=16,
+        mfu_warmup=3,
+        mfu_steps=10,
         profile_warmup=2,
         profile_steps=2,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 from pathlib import Path
 from typing import Callable, Optional
@@ -24,8 +25,14 @@ TITLES = {
     "mfu": "MFU",
     "kernels": "Kernels",
     "profile": "Where the step time goes",
+    "comparison": "GPU comparison (comparison.yaml)",
     **stack_report.TITLES,
 }
+
+
+# The sections' order in a report of the check (not --stack): the environment and the
+# correctness first, then what was measured.
+REPORT_ORDER = ("env", "correctness", "kernels", "step_cost", "mfu", "profile", "comparison")
 
 
 def _table(headers: list[str], rows: list[list]) -> str:
@@ -38,8 +45,8 @@ def _items(section: Optional[dict], status: str = "ok") -> list[dict]:
     return [item for item in (section or {}).get("items", []) if item.get("status") == status]
 
 
-def _judge(value: Optional[float], limit: float, at_most: bool) -> str:
-    if value is None:
+def _judge(value: Optional[float], limit: Optional[float], at_most: bool) -> str:
+    if value is None or limit is None:
         return "not measured"
     return "met" if (value <= limit if at_most else value >= limit) else "missed"
 
@@ -49,36 +56,64 @@ def kernel_rows(section: Optional[dict]) -> list[dict]:
     return [row for item in (section or {}).get("items", []) for row in item.get("rows", [])]
 
 
-def versus_compiled_reference(section: Optional[dict], base: str) -> Optional[dict]:
-    """The baseline's tokens/s and peak memory as multiples of the compiled plain-PyTorch
-    loop's, when both ran in this section."""
-    items = _items(section)
-    ours = next((item for item in items if item["name"] == base), None)
-    theirs = next((item for item in items if item.get("compiled")), None)
+def reference_rows(section: Optional[dict]) -> list[dict]:
+    return [item for item in _items(section) if item.get("reference")]
+
+
+def strongest_reference(section: Optional[dict]) -> Optional[dict]:
+    """The plain-PyTorch reference with the most tokens/s in this section (the compiled one,
+    unless the eager one beat it)."""
+    return max(reference_rows(section), key=lambda item: item["tokens_per_s"], default=None)
+
+
+def baseline_row(section: Optional[dict], base: str) -> Optional[dict]:
+    return next(
+        (item for item in _items(section) if item["name"] == base and not item.get("reference")),
+        None,
+    )
+
+
+def versus_reference(section: Optional[dict], base: str) -> Optional[dict]:
+    """The baseline's tokens/s and peak memory as multiples of the strongest reference's in
+    this section, over all their timed steps and per repeat (the k-th of each, where both were
+    repeated), when both ran."""
+    ours, theirs = baseline_row(section, base), strongest_reference(section)
     if not (ours and theirs):
         return None
+    pairs = zip(ours.get("repeats") or [], theirs.get("repeats") or [])
     return {
+        "reference": theirs["name"],
         "speed": ours["tokens_per_s"] / theirs["tokens_per_s"],
+        "speed_by_repeat": [their["step_ms"] / our["step_ms"] for our, their in pairs],
         "memory": ours["memory_gib"] / theirs["memory_gib"] if theirs["memory_gib"] else None,
     }
 
 
-def _reference_targets(plan: Plan, section: Optional[dict], preset: str) -> list[dict]:
+def _by_repeat(values: list[float]) -> str:
+    return f" (repeats {min(values):.3f}-{max(values):.3f}x)" if len(values) > 1 else ""
+
+
+def _reference_targets(plan: Plan, section: Optional[dict], name: str, preset: str) -> list[dict]:
     settings, base = plan.settings, baseline()
-    ratios = versus_compiled_reference(section, base) or {}
-    speed, memory = ratios.get("speed"), ratios.get("memory")
+    versus = versus_reference(section, base) or {}
+    speed, memory = versus.get("speed"), versus.get("memory")
+    against = f" vs `{versus['reference']}`" if versus else ""
     return [
         {
-            "target": f"{base} tokens/s >= {settings.reference_min_speed:.2f}x the plain-PyTorch "
-            f"loop with compiled blocks ({preset})",
-            "measured": f"{speed:.3f}x" if speed else "",
+            "target": f"{base} tokens/s >= {settings.reference_min_speed:.2f}x the strongest "
+            f"plain-PyTorch reference ({preset})",
+            "measured": f"{speed:.3f}x{against}{_by_repeat(versus['speed_by_repeat'])}"
+            if speed
+            else "",
             "verdict": _judge(speed, settings.reference_min_speed, at_most=False),
+            "section": name,
         },
         {
-            "target": f"{base} peak memory <= {settings.reference_max_memory:.2f}x the compiled "
-            f"loop's ({preset})",
-            "measured": f"{memory:.3f}x" if memory else "",
+            "target": f"{base} peak memory <= {settings.reference_max_memory:.2f}x that "
+            f"reference's ({preset})",
+            "measured": f"{memory:.3f}x{against}" if memory else "",
             "verdict": _judge(memory, settings.reference_max_memory, at_most=True),
+            "section": name,
         },
     ]
 
@@ -89,175 +124,254 @@ def step_ratios(section: Optional[dict], baseline: str) -> dict:
     return {name: item["step_ms"] / base["step_ms"] for name, item in timed.items()} if base else {}
 
 
+def _peaks(section: Optional[dict], env: Optional[dict]) -> tuple[Optional[float], Optional[float]]:
+    """The data-sheet bf16 peak (the section's, else the environment's) and the measured
+    matmul peak, in TFLOP/s."""
+    env_data = (env or {}).get("data", {})
+    sheet = (section or {}).get("data", {}).get("datasheet_tflops") or env_data.get(
+        "datasheet_bf16_tflops"
+    )
+    return sheet, (env_data.get("matmul") or {}).get("tflops")
+
+
 def mfu_numbers(section: Optional[dict], env: Optional[dict]) -> list[dict]:
-    """Per timed run: TFLOP/s and MFU against the data sheet and the measured matmul peak."""
+    """Per timed run: TFLOP/s and MFU against the data sheet and the measured matmul peak, by
+    t2train's causal count (``mfu``, ``mfu_measured``) and by 6N + 12*L*h*s (``mfu_6n``,
+    ``mfu_6n_measured``; ``items.flop_counts``)."""
     data = (section or {}).get("data", {})
-    measured = ((env or {}).get("data", {}).get("matmul") or {}).get("tflops")
+    sheet, measured = _peaks(section, env)
+
+    def share(tflops: Optional[float], peak: Optional[float]) -> Optional[float]:
+        return tflops / peak if tflops is not None and peak else None
+
     rows = []
     for item in _items(section):
-        tflops = item["tokens_per_s"] * data["flops_per_token"] / 1e12
-        sheet = data.get("datasheet_tflops")
+        counts = {
+            key: item.get(key, data.get(key)) for key in ("flops_per_token", "flops_per_token_6n")
+        }
+        tflops, tflops_6n = (
+            item["tokens_per_s"] * flops / 1e12 if flops else None for flops in counts.values()
+        )
         rows.append(
             dict(
                 item,
                 tflops=tflops,
-                mfu=tflops / sheet if sheet else None,
-                mfu_measured=tflops / measured if measured else None,
+                tflops_6n=tflops_6n,
+                mfu=share(tflops, sheet),
+                mfu_measured=share(tflops, measured),
+                mfu_6n=share(tflops_6n, sheet),
+                mfu_6n_measured=share(tflops_6n, measured),
             )
         )
     return rows
 
 
-def evaluate_targets(plan: Plan, sections: dict) -> list[dict]:
-    if plan.stack:
-        return stack_report.stack_targets(plan, sections)
+def _mfu_target(plan: Plan, sections: dict) -> dict:
     settings, base = plan.settings, baseline()
-    ratios = step_ratios(sections.get("step_cost"), base)
-    judged = []
-    for variant, limit in settings.step_targets.items():
-        ratio = ratios.get(variant)
-        judged.append(
-            {
-                "target": f"{variant} step time <= {limit:.2f}x {base} ({plan.step_preset})",
-                "measured": f"{ratio:.3f}x" if ratio else "",
-                "verdict": _judge(ratio, limit, at_most=True),
-            }
-        )
-    judged += _reference_targets(plan, sections.get("step_cost"), plan.step_preset)
-    judged += _reference_targets(plan, sections.get("mfu"), plan.mfu_preset)
-    judged.append(stack_report.planner_target(plan, {"step_cost": sections.get("step_cost")}))
+    ours = next(
+        (
+            row
+            for row in mfu_numbers(sections.get("mfu"), sections.get("env"))
+            if row["name"] == base and not row.get("reference")
+        ),
+        None,
+    )
+    mfu, mfu_6n = (ours["mfu"], ours["mfu_6n"]) if ours else (None, None)
+    return {
+        "target": f"{base} {plan.mfu_preset} MFU >= {settings.mfu_min:.0%} of the data-sheet "
+        "peak, by the causal count",
+        "measured": f"{mfu:.1%} (6N + 12Lhs: {_fmt(mfu_6n and 100 * mfu_6n)}%)"
+        if mfu is not None
+        else "",
+        "verdict": _judge(mfu, settings.mfu_min, at_most=False),
+        "section": "mfu",
+    }
+
+
+def _kernel_target(plan: Plan, sections: dict) -> dict:
     triton = [row for row in kernel_rows(sections.get("kernels")) if row["impl"] == "triton"]
     rows = [row for row in triton if row["vs_best_peer"] is not None]
     failed = [row for row in triton if row["ms"] is None]
     slowest = min(rows, key=lambda row: row["vs_best_peer"]) if rows else None
-    minimum = settings.kernel_min_vs_best_peer
-    judged.append(
+    minimum = plan.settings.kernel_min_vs_best_peer
+    return {
+        "target": f"each Triton kernel >= {minimum:g}x the fastest of eager / torch.compile / "
+        "FlexAttention (fwd+bwd)",
+        "measured": "; ".join(
+            (
+                [
+                    f"{sum(r['vs_best_peer'] >= minimum for r in rows)} of {len(triton)}, "
+                    "slowest "
+                    f"{slowest['vs_best_peer']:.2f}x ({slowest['kernel']} {slowest['preset']} "
+                    f"{slowest['shape']})"
+                ]
+                if slowest
+                else []
+            )
+            + ([f"{len(failed)} failed to run"] if failed else [])
+        ),
+        "verdict": "missed"
+        if failed
+        else _judge(slowest["vs_best_peer"] if slowest else None, minimum, at_most=False),
+        "section": "kernels",
+    }
+
+
+def evaluate_targets(plan: Plan, sections: dict) -> list[dict]:
+    """Every target of this run's kind, judged met, missed or not measured; each names the
+    section that measures it (a report lists those of its own sections only)."""
+    if plan.stack:
+        return stack_report.stack_targets(plan, sections)
+    judged = _reference_targets(plan, sections.get("step_cost"), "step_cost", plan.step_preset)
+    judged += _reference_targets(plan, sections.get("mfu"), "mfu", plan.mfu_preset)
+    judged.append(_mfu_target(plan, sections))
+    judged += [
         {
-            "target": f"each Triton kernel >= {minimum:g}x the fastest of eager / torch.compile / "
-            "FlexAttention (fwd+bwd)",
+            "target": f"{row['variant']}: "
+            + "; ".join(f"{check['what']} <= {check['limit_text']}" for check in row["checks"]),
             "measured": "; ".join(
-                (
-                    [
-                        f"{sum(r['vs_best_peer'] >= minimum for r in rows)} of {len(triton)}, "
-                        "slowest "
-                        f"{slowest['vs_best_peer']:.2f}x ({slowest['kernel']} {slowest['preset']} "
-                        f"{slowest['shape']})"
-                    ]
-                    if slowest
-                    else []
-                )
-                + ([f"{len(failed)} failed to run"] if failed else [])
+                f"{check['what']} "
+                + ("not measured" if check["value"] is None else f"{check['value']:.3f}")
+                + ("" if check["verdict"] == "not measured" else f": {check['verdict']}")
+                for check in row["checks"]
             ),
-            "verdict": "missed"
-            if failed
-            else _judge(slowest["vs_best_peer"] if slowest else None, minimum, at_most=False),
+            "verdict": row["verdict"],
+            "section": "step_cost",
         }
-    )
-    runs = [
-        row
-        for row in mfu_numbers(sections.get("mfu"), sections.get("env"))
-        if not row.get("reference")
+        for row in design_targets(plan, sections)
     ]
-    mfu = runs[0]["mfu"] if runs else None
     judged.append(
-        {
-            "target": f"{base} {plan.mfu_preset} MFU >= {settings.mfu_min:.0%} (data-sheet peak)",
-            "measured": f"{mfu:.1%}" if mfu is not None else "",
-            "verdict": _judge(mfu, settings.mfu_min, at_most=False),
-        }
+        dict(
+            stack_report.planner_target(plan, {"step_cost": sections.get("step_cost")}),
+            section="step_cost",
+        )
     )
-    return judged
+    judged.append(_kernel_target(plan, sections))
+    return [target for target in judged if target["section"] in plan.report_sections]
 
 
-def flop_ratio(plan: Plan, variant: str) -> Optional[float]:
-    """``variant``'s model FLOPs per token over the baseline's at the step shapes
-    (t2train/model/flops.py); None without a configured vocabulary."""
+@functools.lru_cache(maxsize=64)
+def _flops_at(preset: str, overrides: tuple, variant: str) -> Optional[float]:
     from t2train.bench.variants import variant_config
     from t2train.monitor.mfu import model_flops_per_token
 
-    def flops(name: str) -> Optional[float]:
-        config = variant_config(
-            plan.step_preset, None, ["data.path=unused", *plan.step_overrides], name
-        )
-        vocab = config.model.vocab_size
-        return model_flops_per_token(config.model, vocab) if vocab else None
-
-    mine, base = flops(variant), flops(baseline())
-    return mine / base if mine and base else None
+    config = variant_config(preset, None, ["data.path=unused", *overrides], variant)
+    vocab = config.model.vocab_size
+    return model_flops_per_token(config.model, vocab) if vocab else None
 
 
-def cost_targets(plan: Plan, sections: dict) -> list[dict]:
-    """Issue 32, per timed variant: step time and peak memory against the baseline's, the
-    FLOP ratio, time over FLOPs, and the verdict on every limit ``targets.yaml``'s ``cost``
-    sets for it."""
-    cost, base = plan.settings.cost, baseline()
-    if not cost:
-        return []
+def flop_ratio(plan: Plan, variant: str, timed: Optional[dict] = None) -> Optional[float]:
+    """``variant``'s model FLOPs per token over the baseline's at the step shapes
+    (t2train/model/flops.py): from the timed items where both recorded theirs, else from
+    the configs (None without a configured vocabulary)."""
+    timed = timed or {}
+    mine, base = timed.get(variant) or {}, timed.get(baseline()) or {}
+    if mine.get("flops_per_token") and base.get("flops_per_token"):
+        return mine["flops_per_token"] / base["flops_per_token"]
+    ours = _flops_at(plan.step_preset, tuple(plan.step_overrides), variant)
+    theirs = _flops_at(plan.step_preset, tuple(plan.step_overrides), baseline())
+    return ours / theirs if ours and theirs else None
+
+
+def _verdict_of(verdicts: list[str]) -> str:
+    if "missed" in verdicts:
+        return "missed"
+    return "not measured" if "not measured" in verdicts or not verdicts else "met"
+
+
+def design_targets(plan: Plan, sections: dict) -> list[dict]:
+    """Per variant other than the baseline, against the baseline of the same run: its step-time
+    ratio at each preset (125m: step cost, 1b: MFU section), its FLOP ratio and time over
+    FLOPs, its peak-memory ratio (125m), each judged against ``targets.yaml``'s ``designs``
+    limits; every ``<design>+<mixer>`` without limits of its own against the design's ratio x
+    the mixer's (``standard+shortswa``) x ``mixer.margin``."""
+    from t2train.bench.gpu.plan import with_mixer
+    from t2train.residual import registered
+
+    settings, base = plan.settings, baseline()
+    at_step, at_mfu = settings.step_preset, settings.mfu_preset
+    section_of = {at_step: "step_cost", at_mfu: "mfu"}
+    ratios = {preset: step_ratios(sections.get(section_of[preset]), base) for preset in section_of}
     timed = {
         item["name"]: item
         for item in _items(sections.get("step_cost"))
         if not item.get("reference")
     }
-    ratios = step_ratios(sections.get("step_cost"), base)
+    base_memory = (timed.get(base) or {}).get("memory_gib")
+    mixer = with_mixer(base)
+    variants = list(settings.designs) + [
+        with_mixer(design)
+        for design in registered()
+        if design != base and with_mixer(design) not in settings.designs
+    ]
     rows = []
-    for name in [name for name in timed if name != base] + [
-        name
-        for name in {**cost.get("step_time", {}), **cost.get("peak_memory", {})}
-        if name not in timed
-    ]:
-        item, ratio = timed.get(name), ratios.get(name)
-        flops = flop_ratio(plan, name)
-        memory = (
-            item["memory_gib"] / timed[base]["memory_gib"]
-            if item and base in timed and timed[base].get("memory_gib")
-            else None
-        )
+    for name in variants:
+        limits = settings.designs.get(name, {})
+        ratio = ratios[at_step].get(name)
+        flops = flop_ratio(plan, name, timed)
         per_flop = ratio / flops if ratio and flops else None
-        limits = [
-            (per_flop, cost.get("max_time_over_flops")),
-            (ratio, cost.get("step_time", {}).get(name)),
-            (memory, cost.get("peak_memory", {}).get(name)),
+        memory = timed[name]["memory_gib"] / base_memory if name in timed and base_memory else None
+        checks = [
+            (f"step time ({preset})", ratios.get(preset, {}).get(name), limit, f"{limit:.2f}x")
+            for preset, limit in limits.get("step_time", {}).items()
         ]
-        verdicts = [
-            _judge(value, limit, at_most=True) for value, limit in limits if limit is not None
+        if "time_over_flops" in limits:
+            limit = limits["time_over_flops"]
+            checks.append((f"time / FLOPs ({at_step})", per_flop, limit, f"{limit:.2f}"))
+        if name not in settings.designs:  # <design>+<mixer>: the product rule
+            design = name.split("+")[0]
+            alone = 1.0 if design == base else ratios[at_step].get(design)
+            mixed = ratios[at_step].get(mixer)
+            limit = alone * mixed * settings.mixer_margin if alone and mixed else None
+            text = f"{design}'s x {mixer}'s x {settings.mixer_margin:g}" + (
+                f" = {limit:.3f}x" if limit else ""
+            )
+            checks.append((f"step time ({at_step})", ratio, limit, text))
+        if "peak_memory" in limits:
+            limit = limits["peak_memory"]
+            checks.append((f"peak memory ({at_step})", memory, limit, f"{limit:.2f}x"))
+        judged = [
+            {
+                "what": what,
+                "value": value,
+                "limit": limit,
+                "limit_text": text,
+                "verdict": "not measured" if limit is None else _judge(value, limit, at_most=True),
+            }
+            for what, value, limit, text in checks
         ]
         rows.append(
             {
                 "variant": name,
-                "time_ratio": ratio,
+                "time_ratios": {preset: ratios[preset].get(name) for preset in section_of},
                 "flop_ratio": flops,
                 "time_over_flops": per_flop,
                 "memory_ratio": memory,
-                "limits": {
-                    "time_over_flops": limits[0][1],
-                    "step_time": limits[1][1],
-                    "peak_memory": limits[2][1],
-                },
-                "verdict": (
-                    "missed"
-                    if "missed" in verdicts
-                    else "not measured"
-                    if "not measured" in verdicts
-                    else "met"
-                ),
+                "checks": judged,
+                "verdict": _verdict_of([check["verdict"] for check in judged]),
             }
         )
     return rows
 
 
-def _cost_md(rows: list[dict], base: str) -> list[str]:
-    def cell(value, limit, spec=".3f"):
-        return _fmt(value, spec) + (f" (<= {limit:.2f})" if limit is not None else "")
+def _design_md(rows: list[dict], plan: Plan, base: str) -> list[str]:
+    at_step, at_mfu = plan.settings.step_preset, plan.settings.mfu_preset
+
+    def cell(row, what_prefix: str, value) -> str:
+        check = next((c for c in row["checks"] if c["what"].startswith(what_prefix)), None)
+        limit = f" (<= {check['limit_text']})" if check else ""
+        return _fmt(value, ".3f") + limit
 
     return (
         [
             "",
-            f"## Cost targets (issue 32): against `{base}` of the same run",
+            f"## Design targets: against `{base}` of the same run",
             "",
             _table(
                 [
                     "variant",
-                    "step time ratio",
+                    f"step time ratio ({at_step})",
+                    f"step time ratio ({at_mfu})",
                     "FLOP ratio",
                     "time / FLOPs",
                     "memory ratio",
@@ -266,10 +380,11 @@ def _cost_md(rows: list[dict], base: str) -> list[str]:
                 [
                     [
                         row["variant"],
-                        cell(row["time_ratio"], row["limits"]["step_time"]),
+                        cell(row, f"step time ({at_step})", row["time_ratios"].get(at_step)),
+                        cell(row, f"step time ({at_mfu})", row["time_ratios"].get(at_mfu)),
                         _fmt(row["flop_ratio"], ".3f"),
-                        cell(row["time_over_flops"], row["limits"]["time_over_flops"]),
-                        cell(row["memory_ratio"], row["limits"]["peak_memory"]),
+                        cell(row, "time / FLOPs", row["time_over_flops"]),
+                        cell(row, "peak memory", row["memory_ratio"]),
                         row["verdict"],
                     ]
                     for row in rows
@@ -279,6 +394,136 @@ def _cost_md(rows: list[dict], base: str) -> list[str]:
         if rows
         else []
     )
+
+
+def headline(plan: Plan, sections: dict) -> list[dict]:
+    """The baseline against the plain-PyTorch references at each preset: every row's median
+    over all repeats, each repeat's median, their spread, MFU by both counts, and the
+    baseline's speed and memory as multiples of the strongest reference's."""
+    base, found = baseline(), []
+    for name, preset in (("step_cost", plan.step_preset), ("mfu", plan.mfu_preset)):
+        section = sections.get(name)
+        numbers = {row["name"]: row for row in mfu_numbers(section, sections.get("env"))}
+        rows = [
+            numbers[item["name"]]
+            for item in _items(section)
+            if item.get("headline") or item.get("reference")
+        ]
+        if not rows:
+            continue
+        keep = (
+            "name",
+            "reference",
+            "compiled",
+            "step_ms",
+            "tokens_per_s",
+            "memory_gib",
+            "warmup_s",
+            "spread",
+            "repeats_differ",
+            "repeats_not_run",
+            "repeats_failed",
+            "mfu",
+            "mfu_measured",
+            "mfu_6n",
+            "mfu_6n_measured",
+        )
+        found.append(
+            {
+                "section": name,
+                "preset": preset,
+                "versus": versus_reference(section, base),
+                "max_spread": plan.settings.max_spread,
+                "rows": [
+                    {
+                        **{key: row[key] for key in keep if key in row},
+                        "repeats_ms": [repeat["step_ms"] for repeat in row.get("repeats") or []],
+                    }
+                    for row in rows
+                ],
+            }
+        )
+    return found
+
+
+def _pair(first: Optional[float], second: Optional[float]) -> str:
+    """Two shares as percentages, 'a / b'."""
+    return " / ".join(_fmt(value and 100 * value) or "-" for value in (first, second))
+
+
+def _headline_md(found: list[dict], base: str) -> list[str]:
+    if not found:
+        return []
+    lines = [
+        "",
+        f"## Headline: `{base}` against the plain-PyTorch reference",
+        "",
+        "The baseline and the compiled reference (`t2train/bench/reference_gpt.py`: blocks and "
+        "loss compiled, RoPE's tables built once, timed in a process of its own) in turns; "
+        "step: the median of every timed step of all repeats; spread: the largest repeat's "
+        "median over the smallest, less 1. MFU: of the data-sheet / of the measured matmul "
+        "peak, by t2train's causal count and by 6N + 12*L*h*s.",
+        "",
+    ]
+    rows, notes = [], []
+    for block in found:
+        versus = block["versus"] or {}
+        for row in block["rows"]:
+            ratio = (
+                f"{versus['speed']:.3f}x"
+                if row["name"] == base and not row.get("reference") and versus
+                else "(strongest)"
+                if row["name"] == versus.get("reference")
+                else ""
+            )
+            spread = row.get("spread")
+            rows.append(
+                [
+                    block["preset"],
+                    row["name"],
+                    f"{row['step_ms']:.1f}",
+                    " / ".join(f"{ms:.1f}" for ms in row["repeats_ms"]),
+                    (f"{100 * spread:.1f}%" if spread is not None else "")
+                    + (f" (> {block['max_spread']:.0%})" if row.get("repeats_differ") else ""),
+                    f"{row['tokens_per_s']:.0f}",
+                    ratio,
+                    f"{row['memory_gib']:.2f}",
+                    _pair(row.get("mfu"), row.get("mfu_measured")),
+                    _pair(row.get("mfu_6n"), row.get("mfu_6n_measured")),
+                    _fmt(row.get("warmup_s")),
+                ]
+            )
+            where = f"`{row['name']}` ({block['preset']})"
+            if row.get("repeats_differ"):
+                notes.append(
+                    f"- {where}: its repeats differ by {100 * spread:.1f}% (more than "
+                    f"{block['max_spread']:.0%}): "
+                    + " / ".join(f"{ms:.1f}" for ms in row["repeats_ms"])
+                    + " ms"
+                )
+            for reason in row.get("repeats_not_run", []):
+                notes.append(f"- {where}: a repeat not run: {reason}")
+            for reason in row.get("repeats_failed", []):
+                notes.append(f"- {where}: a repeat failed: {reason}")
+    lines.append(
+        _table(
+            [
+                "preset",
+                "run",
+                "step (ms)",
+                "repeats (ms)",
+                "spread",
+                "tokens/s",
+                f"{base} vs strongest",
+                "memory (GiB)",
+                "MFU % causal",
+                "MFU % 6N+12Lhs",
+                "warm-up (s)",
+            ],
+            rows,
+        )
+    )
+    return lines + ([""] + notes if notes else [])
 
 
 def _fmt(value, spec: str = ".1f") -> str:
@@ -375,28 +620,31 @@ def _skipped_md(section: dict) -> list[str]:
     ]
 
 
-def _step_md(section: dict, base: str) -> list[str]:
+def _step_md(section: dict, base: str, env: Optional[dict] = None) -> list[str]:
     data = section.get("data", {})
     ratios = step_ratios(section, base)
-    items = _items(section)
     rows = [
         [
-            item["name"],
-            f"{item['params'] / 1e6:.2f}",
-            f"{item['step_ms']:.1f}",
-            _fmt(ratios.get(item["name"]), ".3f"),
-            _fmt(item.get("max_ratio"), ".2f"),
-            f"{item['tokens_per_s']:.0f}",
-            f"{item['memory_gib']:.2f}",
-            _fmt(item.get("warmup_s")),
+            row["name"],
+            f"{row['params'] / 1e6:.2f}",
+            f"{row['step_ms']:.1f}",
+            _fmt(ratios.get(row["name"]), ".3f"),
+            _fmt(row.get("max_ratio"), ".2f"),
+            f"{row['tokens_per_s']:.0f}",
+            f"{row['memory_gib']:.2f}",
+            _pair(row.get("mfu"), row.get("mfu_6n")),
+            _fmt(row.get("warmup_s")),
         ]
-        for item in items
+        for row in mfu_numbers(section, env)
     ]
+    repeats = data.get("repeats", 1)
     lines = [
         f"{data.get('preset')} preset {' '.join(data.get('overrides', ()))}; "
         f"{data.get('warmup')} warm-up + {data.get('steps')} timed steps of "
-        f"{data.get('tokens_per_step')} tokens, median; warm-up: the untimed steps, "
-        "compilation included",
+        f"{data.get('tokens_per_step')} tokens, median (the headline rows: of all "
+        f"{repeats} repeats); warm-up: the untimed steps, compilation included (a "
+        "reference's: in its own process); MFU: of the data-sheet peak, causal count / "
+        "6N + 12*L*h*s; every step's time is in the JSON (`step_samples_ms`)",
         "",
         _table(
             [
@@ -407,12 +655,13 @@ def _step_md(section: dict, base: str) -> list[str]:
                 "target (at most)",
                 "tokens/s",
                 "memory (GiB)",
+                "MFU % causal / 6N",
                 "warm-up (s)",
             ],
             rows,
         ),
     ]
-    planned = [item for item in items if item.get("plan_gib")]
+    planned = [item for item in _items(section) if item.get("plan_gib")]
     if planned:
         lines += [
             "",
@@ -420,12 +669,20 @@ def _step_md(section: dict, base: str) -> list[str]:
             "",
             *stack_report.planner_md(planned, _table),
         ]
-    return lines + _overhead_md(items, base) + _skipped_md(section)
+    return lines + _overhead_md(_items(section), base) + _problems_md(section)
+
+
+def _problems_md(section: dict) -> list[str]:
+    return _skipped_md(section) + [
+        f"- error: {item.get('name')}: {item['reason']}" for item in _items(section, "error")
+    ]
 
 
 def _overhead_md(items: list[dict], base: str) -> list[str]:
     """t2train's baseline against each plain-PyTorch loop that ran beside it."""
-    ours = next((item for item in items if item["name"] == base), None)
+    ours = next(
+        (item for item in items if item["name"] == base and not item.get("reference")), None
+    )
     lines = []
     for reference in (item for item in items if item.get("reference")):
         if ours:
@@ -440,14 +697,18 @@ def _overhead_md(items: list[dict], base: str) -> list[str]:
 
 def _mfu_md(section: dict, env: Optional[dict]) -> list[str]:
     data = section.get("data", {})
+    ratios = step_ratios(section, baseline())
     rows = [
         [
             row["name"],
             f"{row['step_ms']:.1f}",
+            _fmt(None if row.get("reference") else ratios.get(row["name"]), ".3f"),
+            _fmt(row.get("max_ratio"), ".2f"),
             f"{row['tokens_per_s']:.0f}",
-            f"{row['tflops']:.1f}",
-            _fmt(row["mfu"] and 100 * row["mfu"]),
-            _fmt(row["mfu_measured"] and 100 * row["mfu_measured"]),
+            _fmt(row["tflops"]),
+            _pair(row["mfu"], row["mfu_measured"]),
+            _fmt(row["tflops_6n"]),
+            _pair(row["mfu_6n"], row["mfu_6n_measured"]),
             f"{row['memory_gib']:.2f}",
             _fmt(row.get("warmup_s")),
         ]
@@ -457,16 +718,23 @@ def _mfu_md(section: dict, env: Optional[dict]) -> list[str]:
         [
             f"{data.get('preset')} preset {' '.join(data.get('overrides', ()))}, "
             f"{data.get('precision')}, {data.get('warmup')} warm-up + {data.get('steps')} timed "
-            f"steps; {_fmt(data.get('flops_per_token'), '.3e')} model FLOPs per token",
+            f"steps (the headline rows: {data.get('repeats', 1)} repeats in turns); model "
+            f"FLOPs per token of `{baseline()}`: {_fmt(data.get('flops_per_token'), '.3e')} by "
+            "t2train's causal count (t2train/model/flops.py), "
+            f"{_fmt(data.get('flops_per_token_6n'), '.3e')} by 6N + 12*L*h*s (full attention); "
+            "MFU: of the data-sheet / of the measured matmul peak",
             "",
             _table(
                 [
                     "run",
                     "step (ms)",
+                    f"vs {baseline()}",
+                    "target (at most)",
                     "tokens/s",
-                    "TFLOP/s",
-                    "MFU % (data sheet)",
-                    "MFU % (measured matmul peak)",
+                    "TFLOP/s causal",
+                    "MFU % causal",
+                    "TFLOP/s 6N+12Lhs",
+                    "MFU % 6N+12Lhs",
                     "memory (GiB)",
                     "warm-up (s)",
                 ],
@@ -474,8 +742,28 @@ def _mfu_md(section: dict, env: Optional[dict]) -> list[str]:
             ),
         ]
         + _overhead_md(_items(section), baseline())
-        + _skipped_md(section)
+        + _problems_md(section)
     )
+
+
+def _comparison_md(section: dict) -> list[str]:
+    data = section.get("data", {})
+    earlier, new = data.get("earlier", []), data.get("new", [])
+    left = data.get("runs_in_batch", 0) - len(set(earlier) | set(new))
+    lines = [
+        f"`{data.get('batch')}` ({data.get('runs_in_batch')} runs, data "
+        f"`{data.get('data')}`): {len(earlier)} finished in earlier windows "
+        f"(`{data.get('records_from')}`), {len(new)} in this call"
+        + (f" ({', '.join(new)})" if new else "")
+        + f", {left} still to run; {_fmt(data.get('budget_s'), '.0f')} s given to training.",
+        "",
+        f"This call's records: `{data.get('records_to')}`. In the checkout: `python -m "
+        "t2train.bench.gpu.compare --merge <those records>`, then commit `docs/compare-gpu/`; "
+        "the next window continues from there.",
+    ]
+    if data.get("log_tail"):
+        lines += ["", "```", *data["log_tail"], "```"]
+    return lines + _problems_md(section)
 
 
 def _profile_md(section: dict, base: str) -> list[str]:
@@ -532,7 +820,8 @@ def render_markdown(plan: Plan, sections: dict, targets: list[dict], report: dic
             ["target", "measured", "verdict"],
             [[t["target"], t["measured"], t["verdict"]] for t in targets],
         ),
-        *_cost_md(report.get("cost_targets", []), baseline()),
+        *_design_md(report.get("design_targets", []), plan, baseline()),
+        *_headline_md(report.get("headline", []), baseline()),
         "",
         "## Sections",
         "",
@@ -543,7 +832,7 @@ def render_markdown(plan: Plan, sections: dict, targets: list[dict], report: dic
                     name,
                     (sections.get(name) or {}).get("status", "missing"),
                     _fmt((sections.get(name) or {}).get("seconds"), ".0f"),
-                    str(plan.budgets[name]),
+                    str(plan.budgets.get(name, "")),
                     (sections.get(name) or {}).get("reason", "")[:300],
                 ]
                 for name in plan.report_sections
@@ -554,15 +843,16 @@ def render_markdown(plan: Plan, sections: dict, targets: list[dict], report: dic
         "env": _env_md,
         "correctness": _correctness_md,
         "kernels": _kernels_md,
-        "step_cost": lambda s: _step_md(s, baseline()),
+        "step_cost": lambda s: _step_md(s, baseline(), env),
         "mfu": lambda s: _mfu_md(s, env),
         "profile": lambda s: _profile_md(s, baseline()),
+        "comparison": _comparison_md,
         **{name: _with_table(render) for name, render in stack_report.RENDERERS.items()},
     }
     order = (
         plan.report_sections
         if plan.stack
-        else ("env", "correctness", "kernels", "step_cost", "mfu", "profile")
+        else [name for name in REPORT_ORDER if name in plan.report_sections]
     )
     for name in order:
         section = sections.get(name)
@@ -606,7 +896,7 @@ def verdict(sections: dict, targets: list[dict]) -> str:
 def write_report(plan: Plan, sections: dict, out: Path, seconds: float) -> dict:
     targets = evaluate_targets(plan, sections)
     report = {
-        "schema": 1,
+        "schema": 2,
         "dry_run": plan.dry_run,
         "date": datetime.date.today().isoformat(),
         "seconds": seconds,
@@ -614,7 +904,8 @@ def write_report(plan: Plan, sections: dict, out: Path, seconds: float) -> dict:
         "targets": targets,
         "budgets": plan.budgets,
         "sections": sections,
-        "cost_targets": cost_targets(plan, sections),
+        "design_targets": [] if plan.stack else design_targets(plan, sections),
+        "headline": [] if plan.stack else headline(plan, sections),
     }
     (out / "gpu-report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (out / "gpu-report.md").write_text(render_markdown(plan, sections, targets, report))
