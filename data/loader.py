@@ -37,8 +37,8 @@ from streaming.base.dataset import _ShardState
 from streaming.base.hashing import get_hash, is_hash
 
 from t2train.compat.streaming_prefix import (
+    prefix_chosen_by_the_leader,
     prefix_probes_closed_when_dropped,
-    prefix_registration_serialised,
 )
 from t2train.compat.streaming_resume import ResumeFromObject
 from t2train.data.errors import DataError
@@ -233,7 +233,7 @@ class TokenBatches:
                 _clean_stale_files()
             if dist.is_initialized():  # every reader picks its prefix after the cleaning
                 dist.barrier()
-            with prefix_probes_closed_when_dropped(), prefix_registration_serialised():
+            with prefix_probes_closed_when_dropped(), prefix_chosen_by_the_leader(world.group):
                 self.dataset = _NumberedDataset(
                     streams=streams,
                     shuffle=shuffle,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from t2train.launch.plan import JOIN_TIMEOUT, RESTART_TIMEOUT
 
@@ -90,15 +91,9 @@ def train_argv(args: argparse.Namespace) -> list[str]:
 
 
 def launch(args: argparse.Namespace) -> int:
-    from t2train.launch import torchrun
-
-    torchrun.quiet_libtorch_warnings()
-    import torch
-
     from t2train.config.loader import load_config
-    from t2train.launch import plan as plans
     from t2train.launch import slurm_env
-    from t2train.signals import parse_signals
+    from t2train.run_lock import RunDirectoryInUse, check_not_in_use
 
     config = load_config(args.preset, args.config, overrides(args))
     step = (
@@ -106,6 +101,23 @@ def launch(args: argparse.Namespace) -> int:
         if args.standalone or not slurm_env.in_slurm_job(os.environ)
         else slurm_env.read_step(os.environ)
     )
+    # A live run directory is refused here, before torch is imported and any worker starts
+    # (the trainer's rank 0 still takes the lock); node 0 says why, once for the job.
+    try:
+        check_not_in_use(Path(config.run_dir))
+    except RunDirectoryInUse:
+        if step is None or step.node_rank == 0:
+            raise
+        return RunDirectoryInUse.exit_code
+
+    from t2train.launch import torchrun
+
+    torchrun.quiet_libtorch_warnings()
+    import torch
+
+    from t2train.launch import plan as plans
+    from t2train.signals import parse_signals
+
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     nproc = plans.processes_per_node(args.nproc_per_node, step and step.gpus_on_node, cuda_devices)
     plan = (

@@ -2,7 +2,8 @@
 
 That each is still needed is shown where the fault is: ``tests/data/test_data_loader.py``
 (descriptors left open without the probe patch) and ``tests/data/test_data_shm.py`` (two
-leaders collide without the lock).
+leaders collide without the lock; a reader that searches for itself, after the host's
+segments changed, takes a prefix its leader never registered).
 """
 
 import importlib
@@ -14,7 +15,7 @@ from t2train.compat import streaming_prefix
 
 PATCHES = {
     "SharedMemory": streaming_prefix.prefix_probes_closed_when_dropped,
-    "get_shm_prefix": streaming_prefix.prefix_registration_serialised,
+    "get_shm_prefix": streaming_prefix.prefix_chosen_by_the_leader,
 }
 
 
@@ -29,6 +30,14 @@ def test_each_patched_name_still_exists_with_the_arguments_used(module, name):
     assert parameters[: len(expected)] == expected, (
         f"{module}.{name}{parameters}: revisit the patch"
     )
+
+
+@pytest.mark.parametrize("name", sorted(streaming_prefix.PRIVATE))
+def test_each_helper_of_the_prefix_choice_still_exists_with_the_arguments_used(name):
+    prefix = importlib.import_module("streaming.base.shared.prefix")
+    parameters = list(inspect.signature(getattr(prefix, name)).parameters)
+    expected = streaming_prefix.PRIVATE[name]
+    assert parameters[: len(expected)] == expected, f"prefix.{name}{parameters}: revisit"
 
 
 def test_the_prefix_search_still_attaches_through_the_patched_names():

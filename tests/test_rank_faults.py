@@ -93,7 +93,13 @@ def test_a_hung_rank_times_out_naming_the_collective_and_rank(shakespeare, tmp_p
         "rank 0: no progress for 6s in training step 2, blocked in torch.distributed "
         "_coalescing_manager from distributed/param_and_grad_buffer.py"
     ) in output, output[-6000:]  # Megatron DDP's gradient all-reduce, waiting for the hung rank
-    assert "(parallel.collective_timeout_mins=0.1)" in output
+    blocked = re.search(
+        r"\(parallel.collective_timeout_mins=0.1; this process used ([\d.]+) s of CPU in the "
+        r"last ([\d.]+) s\); a peer rank is probably dead or stuck",
+        output,
+    )
+    assert blocked, output[-6000:]
+    print(f"a rank blocked in a collective used {blocked[1]} s of CPU in {blocked[2]} s")
     assert "exitcode  : 124" in output
     assert killed == 1  # the frozen rank, after torchrun's SIGTERM
     assert time.monotonic() - started < 300

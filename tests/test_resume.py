@@ -16,15 +16,18 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
 
 from t2train.checkpoint.store import find_latest
+from t2train.run_lock import LOCK_FILE
 
 from suite_budget import patient
 from torchrun_helper import REPO, child_env, run_torchrun
@@ -88,8 +91,11 @@ def test_every_design_resumes_with_bitwise_identical_losses(shakespeare, tmp_pat
         assert resumed[design]["rng"] == run["rng"], design
 
 
-def _train(run_dir: Path, nproc: int, *overrides: str, timeout: int = 600) -> dict[int, float]:
-    """``t2train train`` on ``nproc`` torchrun processes; returns its per-step losses."""
+def _train(
+    run_dir: Path, nproc: int, *overrides: str, timeout: int = 600, output: Optional[list] = None
+) -> dict[int, float]:
+    """``t2train train`` on ``nproc`` torchrun processes; returns its per-step losses (and
+    appends its output to ``output``, if given)."""
     cmd = [
         sys.executable,
         "-m",
@@ -107,6 +113,8 @@ def _train(run_dir: Path, nproc: int, *overrides: str, timeout: int = 600) -> di
         cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=child_env()
     )
     assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    if output is not None:
+        output.append(proc.stdout + proc.stderr)
     return _losses(run_dir)
 
 
@@ -194,7 +202,25 @@ def test_kill_9_during_a_save_resumes_from_the_previous_checkpoint(shakespeare, 
 
     with pytest.warns(UserWarning, match="incomplete checkpoint"):
         assert find_latest(checkpoints) == checkpoints / f"step_{N:08d}"
-    resumed = _train(run_dir, 1, data, *steps, "checkpoint.resume=auto")
+    killed = json.loads((run_dir / LOCK_FILE).read_text())["pid"]
+    # The next start removes the unfinished save and takes the dead run's lock over, and says
+    # both in one line: nothing is left to clean by hand (the staging directory stayed).
+    output: list = []
+    resumed = _train(run_dir, 1, data, *steps, "checkpoint.resume=auto", output=output)
+    (line,) = [line for line in output[0].splitlines() if "ended without cleaning up" in line]
+    assert (
+        line
+        == (
+            f"t2train: an earlier run of {run_dir} ended without cleaning up: took over its lock "
+            f"{run_dir / LOCK_FILE} (host {socket.gethostname()}, pid {killed}, "
+        )
+        + line.split(f"pid {killed}, ", 1)[1]
+    ), line
+    assert line.endswith(
+        f"; removed its unfinished save {checkpoints / f'step_{2 * N:08d}.incomplete'}"
+    ), line
+    assert not list(checkpoints.glob("*.incomplete"))
+    assert "ignoring incomplete checkpoint" not in output[0], output[0][-3000:]
     after_restart = {step: loss for step, loss in resumed.items() if step > N and step in reference}
     assert sorted(after_restart) == list(range(N + 1, 3 * N + 1))
     assert all(after_restart[step] == reference[step] for step in after_restart)

@@ -1,4 +1,4 @@
-"""One writer per run directory (t2train/train/run_lock.py): a second run on a live run
+"""One writer per run directory (t2train/run_lock.py): a second run on a live run
 directory is refused in one line naming the holder and touches nothing; a lock whose holder
 has ended is taken, whether the OS lock went with it or (on a filesystem that does not carry
 flock between nodes) only its record and heartbeat are left."""
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from t2train.train import run_lock
-from t2train.train.run_lock import LOCK_FILE, RunDirectoryInUse, RunLock
+from t2train import run_lock
+from t2train.run_lock import LOCK_FILE, RunDirectoryInUse, RunLock
 
 from suite_budget import patient
 
@@ -46,7 +46,7 @@ def test_a_lock_held_by_a_live_process_is_refused_naming_it(tmp_path):
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path; "
-            "from t2train.train.run_lock import RunLock; lock = RunLock(Path(sys.argv[1])); "
+            "from t2train.run_lock import RunLock; lock = RunLock(Path(sys.argv[1])); "
             "print('held', flush=True); time.sleep(60)",
             str(tmp_path),
         ],
@@ -197,3 +197,50 @@ def test_a_second_run_on_a_live_run_directory_is_refused_and_touches_nothing(sha
         timeout=120,
     )
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_the_launcher_refuses_a_live_run_directory_in_one_line_before_any_worker(
+    shakespeare, tmp_path
+):
+    """``t2train launch`` of two processes on a run directory whose lock a live process
+    holds: exit 2 with one ``error:`` line naming the holder, before torch is imported or
+    any worker starts (each rank said it, after importing torch and starting a process
+    group: 452 s on a loaded machine)."""
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; "
+            "from t2train.run_lock import RunLock; lock = RunLock(Path(sys.argv[1])); "
+            "print('held', flush=True); time.sleep(120)",
+            str(run_dir),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+        launch = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "t2train.launch", "--nproc-per-node=2"]
+            + ["--preset", "tiny", f"data.path={shakespeare}", f"log.run_dir={run_dir}"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=env,
+            timeout=300,
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    lines = [line for line in launch.stderr.splitlines() if not line.startswith("import time:")]
+    assert launch.returncode == 2 and launch.stdout == "", launch.stdout + "\n".join(lines)
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: run directory {run_dir} is in use by another run (host "
+        f"{socket.gethostname()}, pid {holder.pid},"
+    ), lines
+    imported = {line.split("|")[-1].strip() for line in launch.stderr.splitlines()}
+    assert "torch" not in imported, "the refusal came after torch was imported"
+    assert os.listdir(run_dir) == [LOCK_FILE]

@@ -89,11 +89,13 @@ def publish_checkpoint(
         on_published(final)
 
 
-def find_latest(root: Path) -> Optional[Path]:
-    """The newest complete checkpoint under ``root``; half-written ones are skipped."""
+def find_latest(root: Path, warn_incomplete: bool = True) -> Optional[Path]:
+    """The newest complete checkpoint under ``root``; half-written ones are skipped (with a
+    warning each, unless ``warn_incomplete`` is False: a training run removes them and says
+    so, ``remove_unfinished``)."""
     if not root.is_dir():
         return None
-    for leftover in sorted(root.glob("*" + INCOMPLETE)):
+    for leftover in sorted(root.glob("*" + INCOMPLETE)) if warn_incomplete else ():
         warnings.warn(
             f"ignoring incomplete checkpoint {leftover} (a save was interrupted)", stacklevel=2
         )
@@ -107,6 +109,15 @@ def find_latest(root: Path) -> Optional[Path]:
         )
     steps = complete_steps(root)
     return root / step_dir_name(steps[-1]) if steps else None
+
+
+def remove_unfinished(root: Path) -> list[Path]:
+    """Delete the staging directories of saves that never finished (their run was killed);
+    returns them. Only for the run directory's lock holder: a live run's save is one."""
+    unfinished = sorted(root.glob("*" + INCOMPLETE)) if root.is_dir() else []
+    for staging in unfinished:
+        shutil.rmtree(staging)
+    return unfinished
 
 
 def check_engine(path: Path, engine: str) -> None:

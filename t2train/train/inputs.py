@@ -53,7 +53,8 @@ def resume_target(config: Config, run_dir: Path) -> Optional[Path]:
 
     resume = config.checkpoint.resume
     if resume == "auto":
-        return find_latest(run_dir / "checkpoints")
+        # unfinished saves are removed once the run holds its directory's lock (trainer.py)
+        return find_latest(run_dir / "checkpoints", warn_incomplete=False)
     if resume == "none":
         if run_dir.exists() and any(run_dir.iterdir()) and not config.checkpoint.overwrite:
             raise ConfigError(

@@ -26,7 +26,7 @@ from t2train.checkpoint.integrity import (
     verify_checksums,
 )
 from t2train.checkpoint.manager import Checkpointer
-from t2train.checkpoint.store import find_latest
+from t2train.checkpoint.store import find_latest, remove_unfinished
 from t2train.config.loader import dump_config
 from t2train.config.lr_schedule import configured_lr_schedule, describe_lr_schedule
 from t2train.config.schema import Config
@@ -41,11 +41,11 @@ from t2train.monitor.stragglers import StragglerMeter, straggler_scalars, stragg
 from t2train.monitor.wandb_sink import wandb_settings
 from t2train.parallel.init import Topology, init_distributed, init_model_parallel, set_seed
 from t2train.residual import variant_label
+from t2train.run_lock import RunDirectoryInUse, RunLock, describe_holder
 from t2train.train.batches import GlobalBatchFeeder
 from t2train.train.data import open_streams
 from t2train.train.inputs import dataset_facts, resume_target
 from t2train.train.preemption import StopGuard
-from t2train.train.run_lock import RunDirectoryInUse, RunLock
 from t2train.train.summary import RunSummary
 from t2train.train.watchdog import Watchdog
 
@@ -212,13 +212,32 @@ class Trainer:
         refusal = None
         if self.topology.rank == 0:
             try:
-                self.resources.callback(RunLock(self.run_dir).release)
+                lock = RunLock(self.run_dir)
             except RunDirectoryInUse as err:
                 refusal = str(err)
+            else:
+                self.resources.callback(lock.release)
+                self._clean_up_after(lock)
         box = [refusal]
         dist.broadcast_object_list(box, src=0)
         if box[0] is not None:
             raise RunDirectoryInUse(box[0])
+
+    def _clean_up_after(self, lock: RunLock) -> None:
+        """Holding the lock: remove the saves a killed run left unfinished, and name in one
+        line what was taken over and removed (nothing is left to clean by hand)."""
+        left = [
+            f"removed its unfinished save {path}"
+            for path in remove_unfinished(self.run_dir / "checkpoints")
+        ]
+        if lock.taken_over is not None:
+            left.insert(0, f"took over its lock {lock.path} ({describe_holder(lock.taken_over)})")
+        if left:
+            print(
+                f"t2train: an earlier run of {self.run_dir} ended without cleaning up: "
+                + "; ".join(left),
+                flush=True,
+            )
 
     def _load(
         self, resume_from: Optional[Path], skipped: str, start_weights: Optional[StartWeights]

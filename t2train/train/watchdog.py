@@ -7,6 +7,13 @@ would hang the run forever. The training loop marks each phase (``phase``); when
 longer than the timeout this thread prints which rank is stuck, in which phase, in which
 torch.distributed call and from where, dumps the stack and exits with ``HUNG_EXIT_CODE``, so
 torchrun (or ``t2train launch --max-restarts``) can restart the group from the last checkpoint.
+
+Wall time alone does not tell a stuck process from a starved one: on a machine with more
+runnable processes than cores, a healthy step may take longer than the timeout. A process
+blocked in a collective or a shared-memory wait uses next to no CPU, so a phase is judged
+over windows of the timeout: one in which the process used at least ``MIN_CPU_SHARE`` of a
+core is slow progress, and the next window starts. Only a window below it ends the rank,
+and the report says how much CPU it used.
 """
 
 from __future__ import annotations
@@ -24,13 +31,16 @@ import torch.distributed as dist
 from t2train.train.hard_exit import exit_now
 
 HUNG_EXIT_CODE = 124
+# The share of one core below which a window counts as no progress: a process blocked in a
+# collective uses a thousandth of that (its watcher threads); a starved one gets more.
+MIN_CPU_SHARE = 0.02
 
 
 class Watchdog:
     def __init__(self, timeout_minutes: float):
         self.timeout = timeout_minutes * 60
         self._main = threading.main_thread().ident
-        self._phase: tuple[str, float] | None = None
+        self._phase: tuple[str, float, float] | None = None  # name, wall and CPU at its start
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True, name="t2train-watchdog")
 
@@ -44,26 +54,44 @@ class Watchdog:
     @contextmanager
     def phase(self, name: str):
         """Time one phase of the loop (a training step, an evaluation, a save)."""
-        self._phase = (name, time.monotonic())
+        self._phase = (name, time.monotonic(), time.process_time())
         try:
             yield
         finally:
             self._phase = None
 
     def _watch(self) -> None:
+        watched, started, cpu = None, 0.0, 0.0  # the phase, and when its window started
         while not self._stop.wait(min(self.timeout / 10, 5.0)):
             phase = self._phase
-            if phase is not None and time.monotonic() - phase[1] > self.timeout:
-                self._report(phase[0])
-                exit_now(HUNG_EXIT_CODE)
+            if phase is None:
+                continue
+            if phase is not watched:
+                watched, started, cpu = phase, phase[1], phase[2]
+            waited = time.monotonic() - started
+            if waited <= self.timeout:
+                continue
+            used = time.process_time() - cpu
+            if used >= MIN_CPU_SHARE * waited:  # slow, not stuck: judge the next window
+                started, cpu = time.monotonic(), time.process_time()
+                continue
+            self._report(phase[0], waited, used)
+            exit_now(HUNG_EXIT_CODE)
 
-    def _report(self, phase: str) -> None:
+    def _report(self, phase: str, waited: float, used: float) -> None:
         frame = sys._current_frames().get(self._main or 0)
+        world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
+        cause = (
+            "a peer rank is probably dead or stuck"
+            if world > 1
+            else "this process, alone in its run, is stuck where its stack shows"
+        )
         print(
             f"rank {rank}: no progress for {self.timeout:g}s in {phase}, blocked in "
-            f"{blocked_call(frame)} (parallel.collective_timeout_mins={self.timeout / 60:g});"
-            " a peer rank is probably dead or stuck. Stack of this rank:",
+            f"{blocked_call(frame)} (parallel.collective_timeout_mins={self.timeout / 60:g}; "
+            f"this process used {used:.2f} s of CPU in the last {waited:.1f} s); {cause}. "
+            "Stack of this rank:",
             file=sys.stderr,
             flush=True,
         )

@@ -110,7 +110,7 @@ def slow_pack(*args):
     return pack(*args)
 prefix._pack_locals = slow_pack
 if sys.argv[3] == "unlocked":
-    loader.prefix_registration_serialised = contextlib.nullcontext
+    loader.prefix_chosen_by_the_leader = lambda group: contextlib.nullcontext()
 ready = pathlib.Path(sys.argv[2])
 (ready / str(os.getpid())).touch()
 deadline = time.time() + 60  # imports take seconds on a loaded machine
@@ -229,3 +229,100 @@ def test_only_mappings_of_this_dev_shm_keep_a_prefix_alive():
             assert "999998" in _mapped_prefixes()
     finally:
         (SHM_DIR / "999998_locals").unlink()
+
+
+# One of two readers of one job on this host (torch.distributed rank $RANK of 2): opens the
+# dataset argv[1] with t2train's prefix choice, or streaming's own (argv[3] == "streaming").
+# The leader says when it has searched for a free prefix (touches argv[2]/searched); the
+# other reader, when it searches, waits first for argv[2]/changed: the host's segments
+# changed between the two searches, as they do in a restart or on a busy host.
+READER_OF_TWO = """
+import contextlib, os, pathlib, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from streaming.base.constant import SHM_TO_CLEAN
+from streaming.base.shared import prefix
+from t2train.data import loader
+from t2train.data.loader import TokenBatches, reader_world
+rank, flags = int(os.environ["RANK"]), pathlib.Path(sys.argv[2])
+if sys.argv[3] == "streaming":
+    loader.prefix_chosen_by_the_leader = lambda group: contextlib.nullcontext()
+search, searched = prefix._check_and_find_retrying, []
+def observed(*args, **kwargs):
+    deadline = time.time() + 120
+    while rank and not (flags / "changed").exists() and time.time() < deadline:
+        time.sleep(0.01)
+    searched.append(search(*args, **kwargs))
+    if rank == 0 and len(searched) == len(SHM_TO_CLEAN):
+        (flags / "searched").touch()
+    return searched[-1]
+prefix._check_and_find_retrying = observed
+dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+try:
+    batches = TokenBatches(sys.argv[1], "train", 4, 32, reader_world(True, rank, 2), seed=0)
+    print("prefix", batches.dataset._shm_prefix_int, flush=True)
+except RuntimeError as error:
+    print("RuntimeError:", error, flush=True)
+    os._exit(1)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def _two_readers(dataset, mode: str, flags: Path) -> list[str]:
+    """Two readers of one job start while another job's dataset holds prefix 0; once the
+    leader has searched, that dataset ends (its segments go). What each reader printed."""
+    from streaming.base.shared.prefix import _pack_locals
+
+    from t2train.ports import free_port
+
+    flags.mkdir()
+    other = SHM_DIR / "000000_locals"  # another job's, on a host of its own (own_dev_shm)
+    data = _pack_locals([str(flags / "another-job")], 0)
+    other.write_bytes(data)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    with other.open("r+b") as segment, mmap.mmap(segment.fileno(), 0) as mapped:
+        readers = [
+            subprocess.Popen(
+                [sys.executable, "-c", READER_OF_TWO, str(dataset), str(flags), mode],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=dict(env, RANK=str(rank)),
+            )
+            for rank in range(2)
+        ]
+        try:
+            deadline = time.monotonic() + patient(120)
+            while not (flags / "searched").exists():
+                assert time.monotonic() < deadline and all(r.poll() is None for r in readers), [
+                    r.communicate()[1][-2000:] for r in readers if r.poll() is not None
+                ]
+                time.sleep(0.05)
+            mapped.close()
+            other.unlink()
+            (flags / "changed").touch()
+            outputs = [readers[1].communicate(timeout=120)]
+            outputs.insert(0, readers[0].communicate(timeout=10 if mode == "streaming" else 120))
+        except subprocess.TimeoutExpired:  # the leader, waiting for the failed reader
+            outputs.insert(0, ("", ""))
+        finally:
+            for reader in readers:
+                reader.kill()
+                reader.wait()
+    return [out.strip() or err.strip()[-2000:] for out, err in outputs]
+
+
+@pytest.mark.slow
+@pytest.mark.own_dev_shm
+def test_the_readers_of_a_host_take_the_prefix_their_leader_registered(dataset, tmp_path):
+    """Every reader of a host took a prefix of its own search, the leader registering its
+    own: when another job's dataset ended between the two searches (or a killed attempt's
+    segments were being removed), the other reader found the freed prefix, which its leader
+    never registered, and failed opening its data ("was not registered by local leader", or
+    "does not match local leader": reproduced with streaming's own choice). With t2train's,
+    the leader searches alone and its readers take the prefix it registered."""
+    streaming = _two_readers(dataset, "streaming", tmp_path / "streaming")
+    assert "was not registered by local leader" in streaming[1], streaming
+    chosen = _two_readers(dataset, "chosen", tmp_path / "chosen")
+    assert chosen == ["prefix 1", "prefix 1"], chosen

@@ -19,7 +19,11 @@ holder. The lock is
 
 A run that ends removes the lock file (and the run directory, if the lock made it and
 nothing else was written: a run refused early leaves nothing behind); a run killed leaves the
-file with a dead holder, which the next run takes.
+file with a dead holder, which the next run takes over (``taken_over`` names it).
+
+``check_not_in_use`` asks the same question without taking the lock or writing anything:
+``t2train launch`` refuses a live run directory with it before any worker starts. Imports
+nothing of t2train but its errors: the launcher and the trainer share it.
 """
 
 from __future__ import annotations
@@ -53,10 +57,50 @@ def _holder() -> dict:
     }
 
 
-def _describe(holder: dict) -> str:
+def _this_process() -> tuple[str, int]:
+    return socket.gethostname(), os.getpid()
+
+
+def describe_holder(holder: dict) -> str:
+    """A lock file's recorded holder in words: host, pid, SLURM job, start."""
     job = f", SLURM job {holder['job']}" if holder.get("job") else ""
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
     return f"host {holder.get('host')}, pid {holder.get('pid')}{job}, started {started}"
+
+
+def _refusal(path: Path, holder: dict, why: str) -> str:
+    return (
+        f"run directory {path.parent} is in use by another run ({describe_holder(holder)}; {why}): "
+        "wait for it to end, or give this run another name. Nothing was written. (If that run "
+        f"is gone, delete {path}.)"
+    )
+
+
+def _recorded(lock: TextIO) -> dict:
+    lock.seek(0)
+    try:
+        return json.loads(lock.read() or "{}")
+    except ValueError:
+        return {}
+
+
+def check_not_in_use(run_dir: Path) -> None:
+    """Raise ``RunDirectoryInUse`` when a live run holds ``run_dir``'s lock, as ``RunLock``
+    would, but without taking it or writing anything (a shared flock, released at once)."""
+    path = run_dir / LOCK_FILE
+    try:
+        lock = open(path)
+    except FileNotFoundError:
+        return
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunDirectoryInUse(_refusal(path, _recorded(lock), "it holds its lock")) from None
+        holder = _recorded(lock)
+        why = _alive_elsewhere(holder, time.time() - os.fstat(lock.fileno()).st_mtime)
+        if why is not None:
+            raise RunDirectoryInUse(_refusal(path, holder, why))
 
 
 def _alive_elsewhere(holder: dict, heartbeat_age: float) -> Optional[str]:
@@ -64,7 +108,7 @@ def _alive_elsewhere(holder: dict, heartbeat_age: float) -> Optional[str]:
     None if it has ended."""
     if not holder or (holder.get("job") and holder["job"] == os.environ.get("SLURM_JOB_ID")):
         return None  # no holder, or an earlier attempt of this very job
-    if holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
+    if (holder.get("host"), holder.get("pid")) == _this_process():
         return None  # this very process: an earlier run in it that did not release the lock
     if holder.get("host") == socket.gethostname():
         try:
@@ -83,13 +127,15 @@ def _alive_elsewhere(holder: dict, heartbeat_age: float) -> Optional[str]:
 
 
 class RunLock:
-    """The run directory's lock, held until ``release``."""
+    """The run directory's lock, held until ``release``. ``taken_over``: the holder recorded
+    by a run that ended without releasing it (killed), else None."""
 
     def __init__(self, run_dir: Path):
         self.made_dir = not run_dir.exists()
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / LOCK_FILE
         self._file: Optional[TextIO] = None
+        self.taken_over: Optional[dict] = None
         try:
             self._open_locked()
             self._take()
@@ -110,10 +156,10 @@ class RunLock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = self._recorded()
+                holder = _recorded(lock)
                 lock.close()
                 self._file = None
-                raise RunDirectoryInUse(self._refusal(holder, "it holds its lock")) from None
+                raise RunDirectoryInUse(_refusal(self.path, holder, "it holds its lock")) from None
             try:
                 if os.stat(self.path).st_ino == os.fstat(lock.fileno()).st_ino:
                     return
@@ -127,30 +173,18 @@ class RunLock:
         return self._file
 
     def _take(self) -> None:
-        holder, lock = self._recorded(), self._lock_file()
+        lock = self._lock_file()
+        holder = _recorded(lock)
         why = _alive_elsewhere(holder, time.time() - os.fstat(lock.fileno()).st_mtime)
         if why is not None:
-            raise RunDirectoryInUse(self._refusal(holder, why))
+            raise RunDirectoryInUse(_refusal(self.path, holder, why))
+        if holder and (holder.get("host"), holder.get("pid")) != _this_process():
+            self.taken_over = holder
         lock.seek(0)
         lock.truncate()
         lock.write(json.dumps(_holder()) + "\n")
         lock.flush()
         os.fsync(lock.fileno())
-
-    def _recorded(self) -> dict:
-        lock = self._lock_file()
-        lock.seek(0)
-        try:
-            return json.loads(lock.read() or "{}")
-        except ValueError:
-            return {}
-
-    def _refusal(self, holder: dict, why: str) -> str:
-        return (
-            f"run directory {self.path.parent} is in use by another run ({_describe(holder)};"
-            f" {why}): wait for it to end, or give this run another name. Nothing was "
-            f"written. (If that run is gone, delete {self.path}.)"
-        )
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT):
