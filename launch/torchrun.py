@@ -7,11 +7,12 @@ stopped early on purpose (``REQUEUE_EXIT_CODE``) and wants to be requeued.
 
 from __future__ import annotations
 
+import _thread
 import os
 import signal
 import sys
 import threading
-from typing import Iterable
+from typing import Iterable, Optional
 
 from t2train.launch import rendezvous
 from t2train.launch.plan import JOIN_TIMEOUT, RESTART_TIMEOUT, LaunchError, LaunchPlan
@@ -76,6 +77,29 @@ def exit_code(codes: Iterable[int]) -> int:
     return failed[0] if failed[0] > 0 else 128 - failed[0]
 
 
+class StopDuringRestart(BaseException):
+    """A stop signal reached the launcher while it restarted its workers, with no worker
+    alive to save: the restart ends and the node stops. A BaseException, so that no handler
+    of torch's agent on the way out (its rendezvous retries on ``Exception``) takes it."""
+
+    def __init__(self, sig: int):
+        super().__init__(signal.Signals(sig).name)
+        self.sig = signal.Signals(sig)
+
+
+class _Stop:
+    """The first stop signal this launcher received (None: none), and whether it is
+    restarting its workers (from the failure of an attempt until the next succeeds, fails or
+    stops), when a stop that no worker receives ends the restart (``StopDuringRestart``)."""
+
+    def __init__(self) -> None:
+        self.signal: Optional[signal.Signals] = None
+        self.restarting = False
+
+
+_STOP = _Stop()
+
+
 def _hand_signals_to_workers(signals: list[signal.Signals]) -> list[str]:
     """Make the stop signals reach every worker, and never end or disturb this agent.
 
@@ -86,15 +110,27 @@ def _hand_signals_to_workers(signals: list[signal.Signals]) -> list[str]:
     block (``import torch`` starts one) runs the handler, else the waiting thread takes it.
     A worker that receives it twice sees it once. torch's agent is told to leave these
     signals alone: its handler would shut the workers down before they can save.
+
+    During a restart no worker may be alive to receive it (the failed attempt's have ended,
+    the next attempt's wait in the rendezvous for the other nodes): then the main thread is
+    interrupted wherever it waits (``StopDuringRestart``), and the node stops instead of
+    restarting.
     """
     import psutil
 
     def forward(sig: int, _frame=None) -> None:
+        workers = 0
         for child in psutil.Process().children():
             try:
                 child.send_signal(sig)
-            except psutil.NoSuchProcess:
+                workers += "t2train.cli" in child.cmdline()
+            except psutil.Error:  # it ended meanwhile
                 pass
+        _STOP.signal = _STOP.signal or signal.Signals(sig)
+        if _STOP.restarting and not workers:
+            if threading.current_thread() is threading.main_thread():
+                raise StopDuringRestart(sig)
+            _thread.interrupt_main(signal.Signals(sig))  # this handler, in the main thread
 
     def wait_and_forward() -> None:
         while True:
@@ -144,6 +180,9 @@ def run(
             if not workers_failed:
                 break
             attempt = restart
+            _STOP.restarting = bool(exit_signals)
+            if _STOP.signal is not None:  # it came while the failed attempt ended
+                raise StopDuringRestart(_STOP.signal)
             _end_leftovers()
             print(
                 f"t2train launch: workers failed (exit code {code}); restart {restart} of "
@@ -158,8 +197,19 @@ def run(
                 restart_timeout,
                 code,
             )
+            _STOP.restarting = False
         if code == 0:
             rendezvous.leave_together(plan, attempt, store)
+    except StopDuringRestart as stop:
+        _STOP.restarting = False
+        code = REQUEUE_EXIT_CODE
+        print(
+            f"t2train launch: stopped by {stop.sig.name} during restart {attempt}, before any "
+            f"worker could save; exit code {code} (run the same command again to resume from "
+            "the newest checkpoint)",
+            file=sys.stderr,
+            flush=True,
+        )
     finally:
         _end_leftovers()
         del store

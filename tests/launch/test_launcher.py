@@ -435,6 +435,62 @@ def test_a_restart_that_the_other_node_never_joins_ends_in_one_line(shakespeare,
     wait_until_none_left(str(run_dir))
 
 
+@pytest.mark.slow
+def test_a_stop_during_a_restart_ends_it_on_every_node(shakespeare, tmp_path):
+    """Two nodes with a restart budget; after step 1 node 0's rank is killed. Node 0 then
+    waits in the restart's rendezvous, and node 1 pauses before its restart (a slow node):
+    SIGUSR1 to both launchers (as SLURM signals every node) ends the restart on both, in
+    either phase: no worker starts again, and both exit with the stop's code (75: run again
+    to resume) within seconds, in one line each. (A stop that reached no worker was lost:
+    both nodes restarted and trained on, and SLURM killed them after its grace period.)"""
+    run_dir = tmp_path / "run"
+    nodes, logs = _start_nodes(
+        tmp_path,
+        run_dir,
+        [*TWO_RANK_RUN, f"data.path={shakespeare}", f"log.run_dir={run_dir}"],
+        restarts=(1, 1),
+        restart_timeout=120,
+        node_env=({}, {"RESTART_DELAY": "90"}),
+    )
+    try:
+        _wait_for_step(nodes[0], run_dir, logs[0], 1)
+        _worker(nodes[0], rank=0).send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + patient(120)
+        while not (
+            "restart 1 of 1" in logs[0].read_text()
+            and "pausing before its restart" in logs[1].read_text()
+        ):
+            assert all(node.poll() is None for node in nodes) and time.monotonic() < deadline, [
+                log.read_text()[-3000:] for log in logs
+            ]
+            time.sleep(0.1)
+        time.sleep(1)  # node 0's agent waits in the rendezvous by now
+        for node in nodes:
+            node.send_signal(signal.SIGUSR1)
+        stopped = time.monotonic()
+        codes = [node.wait(timeout=60) for node in nodes]
+        took = time.monotonic() - stopped
+    finally:
+        _kill_running(nodes)
+    texts = [log.read_text() for log in logs]
+    assert codes == [REQUEUE_EXIT_CODE] * 2, [text[-4000:] for text in texts]
+    for text in texts:
+        assert (
+            text.count("stopped by SIGUSR1") == 1
+            and (
+                "t2train launch: stopped by SIGUSR1 during restart 1, before any worker could "
+                f"save; exit code {REQUEUE_EXIT_CODE} (run the same command again to resume from "
+                "the newest checkpoint)\n"
+            )
+            in text
+        ), text[-4000:]
+        assert "Traceback" not in text.split("restart 1 of 1")[-1], text[-4000:]
+        assert "resumed from" not in text, text[-4000:]  # no worker started again
+    print(f"both nodes stopped {took:.1f} s after the signal")
+    assert took < 30
+    wait_until_none_left(str(run_dir))
+
+
 def killed_by_sigterm(pid: int) -> bool:
     """Whether SIGTERM would end process ``pid``: neither ignored nor handled by it, and
     unblocked in one of its threads (a signal blocked in every thread stays pending)."""
