@@ -26,8 +26,7 @@ from t2train.residual.ddl import DDLOptions
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 NO_MEANING = "(no description yet)"
 # Fields still without a comment (a gap: add one beside the field, then drop it from here).
-# model.recompute: its values are being changed (selective recomputation); its comment with them.
-AWAITING_COMMENT = {"model.recompute"}
+AWAITING_COMMENT: set[str] = set()
 
 
 def listing(capsys, *args: str) -> str:

@@ -33,14 +33,19 @@ OPTIONS = {
 MIXER_WINDOW = "model.shortswa.window=4"
 # Option variants of a design's stream that the rule's default options do not show, in the
 # layouts where they matter: DDL's d_v = 4 columns (its expander needs whole sequences, so
-# no sequence parallelism), full recompute of a depth window, HC's static connections.
+# no sequence parallelism), full recompute of a depth window, HC's static connections
+# under selective recompute (the policy keeps the all-reduced projections, redoes the
+# sequence-parallel collectives).
 EXTRAS = {
     "ddl_dv4": (["model.residual=ddl", "model.ddl.dv=4"], ["2x1x1", "1x2x2"]),
     "recompute": (
         ["model.residual=depth_attn", "model.depth_attn.window=3", "model.recompute=full"],
         ["1x2x2"],
     ),
-    "hc_static": (["model.residual=hc", "model.hc.dynamic=false"], ["2x1x1s"]),
+    "hc_static": (
+        ["model.residual=hc", "model.hc.dynamic=false", "model.recompute=selective"],
+        ["2x1x1s"],
+    ),
 }
 
 

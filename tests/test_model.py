@@ -7,6 +7,8 @@ from t2train.config.loader import load_config
 from t2train.model.build import build_model_chunks, transformer_config
 from t2train.residual import registered
 
+from variants import every_design
+
 TINY = [
     "data.path=unused",
     "model.num_layers=2",
@@ -92,3 +94,40 @@ def test_recompute_gives_identical_gradients(megatron_world, variant):
     scale = max(g.abs().max() for g in grads[0].values())
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("variant", every_design())
+def test_selective_recompute_gives_identical_loss_and_gradients(megatron_world, variant):
+    """Selective recompute (t2train/nn/recompute.py) keeps each layer's GEMM and attention
+    outputs and recomputes the rest in the backward, dropout (p = 0.1) included: its masks
+    are drawn again from the forward's RNG states, the default generator's and those of
+    Megatron's tracker (attention dropout), so loss and gradients equal no recompute's,
+    bitwise (eager, fp32)."""
+    from t2train.parallel.init import set_seed
+
+    design, _, mixer = variant.partition("+")
+    runs = []
+    for recompute in ("none", "selective"):
+        torch.manual_seed(0)
+        config = load_config(
+            overrides=TINY
+            + [
+                f"model.residual={design}",
+                f"model.shortswa.window={4 if mixer else 0}",
+                "model.dropout=0.1",
+                f"model.recompute={recompute}",
+            ]
+        )
+        [model] = build_model_chunks(config, transformer_config(config), vocab_size=128)
+        with torch.no_grad():  # zero-initialised parts (pseudo-queries, depth reads) count too
+            for param in model.parameters():
+                param.add_(0.02 * torch.randn_like(param))
+        tokens, labels, positions = _batch()
+        set_seed(1, megatron_world)  # the same masks for both: the generator and the tracker
+        loss = model(tokens, positions, None, labels=labels).mean()
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (loss, grads), (selective_loss, selective_grads) = runs
+    assert torch.equal(selective_loss, loss)
+    for name, grad in grads.items():
+        assert torch.equal(selective_grads[name], grad), name

@@ -1,9 +1,10 @@
 """Resuming continues a run as if it had never stopped (fp32, CPU, gloo, real processes).
 
 * every residual design (the mixer on one of each kind of stream state, ``tests/variants.py``,
-  and DDL's d_v columns), with dropout: 2N steps straight vs N, save, a fresh process
-  resumes, N more: the per-step losses are bitwise identical, and so are the RNG streams
-  saved at step 2N (nothing draws from them between the restore and the next step);
+  DDL's d_v columns, Full AttnRes under selective recompute), with dropout: 2N steps
+  straight vs N, save, a fresh process resumes, N more: the per-step losses are bitwise
+  identical, and so are the RNG streams saved at step 2N (nothing draws from them between
+  the restore and the next step);
 * layout changes through the fully reshardable checkpoint: (TP, PP) = (1, 1) -> (2, 2) and
   (2, 2) -> (1, 1): after loading, the model and optimizer tensors equal the
   saved ones exactly, and the next losses equal the uninterrupted (1, 1) run within 1e-5;
@@ -57,6 +58,7 @@ TINY = [
 # window that slides, blocks that close (a block size divides the sublayers: 4 alone, 6 with
 # the mixer); the mixer's window shorter than the sequence.
 OPTIONS = {
+    "attnres": ["model.recompute=selective"],  # its dropout masks redrawn in the recompute
     "depth_attn": ["model.depth_attn.window=3"],
     "block_attnres": ["model.attnres.block_size=2"],
     "block_attnres+shortswa": ["model.attnres.block_size=3"],

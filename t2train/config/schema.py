@@ -26,17 +26,18 @@ class ModelShape:
     """Decoder shape and the residual design (``residual``); ``ModelConfig`` adds the
     designs' option sections."""
 
-    residual: str = BASELINE
-    num_layers: int = 4
-    hidden_size: int = 256
-    num_attention_heads: int = 4
+    residual: str = BASELINE  # the residual design (docs/residuals.md); "standard" is the baseline
+    num_layers: int = 4  # decoder layers
+    hidden_size: int = 256  # model width: the embedding and every sublayer's input and output
+    num_attention_heads: int = 4  # query heads of attention
     num_query_groups: Optional[int] = None  # grouped-query attention; None = one KV head per head
     ffn_hidden_size: Optional[int] = None  # None = SwiGLU default, 8/3 * hidden rounded up to 64
-    seq_length: int = 256
+    seq_length: int = 256  # tokens per sample; at most the dataset's sample length
     vocab_size: Optional[int] = None  # None = taken from the dataset's tokenizer
+    # The vocabulary is padded to a multiple of this times parallel.tensor (Megatron's).
     make_vocab_size_divisible_by: int = 128
-    tie_embeddings: bool = True
-    rotary_base: int = 10000
+    tie_embeddings: bool = True  # the output layer shares the input embedding's weights
+    rotary_base: int = 10000  # RoPE's base (theta)
     # Llama 3.1's RoPE frequency scaling by this factor (rope_type llama3: low_freq_factor 1,
     # high_freq_factor 4, original context 8192, Megatron's); 0 = none.
     rope_scaling_factor: float = 0.0
@@ -52,10 +53,16 @@ class ModelShape:
     hf_architecture: Literal[
         "", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
     ] = ""
-    norm_epsilon: float = 1e-5
-    init_method_std: float = 0.02
+    norm_epsilon: float = 1e-5  # epsilon of the RMSNorms
+    init_method_std: float = 0.02  # standard deviation of the weights' normal initialisation
+    # flash: flash-attn (CUDA, t2train[gpu]); sdpa: torch's scaled_dot_product_attention;
+    # auto: flash for bf16/fp16 on CUDA when flash-attn is installed, else sdpa.
     attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
-    recompute: Literal["none", "full"] = "none"
+    # Activation recompute: `selective` keeps each layer's GEMM and attention outputs and
+    # recomputes the pointwise work (norms, RoPE, SwiGLU, dropout, the design's reads and
+    # writes) in the backward (torchtitan's op-level policy; t2train/nn/recompute.py); `full`
+    # keeps only each layer's input and reruns the layer. `t2train plan` shows the memory.
+    recompute: Literal["none", "selective", "full"] = "none"
     # The fused hot path: `all` compiles every decoder layer with torch.compile (Inductor fuses
     # the norms, RoPE, SwiGLU, dropout and the design's read and write around the GEMMs;
     # t2train/nn/compiling.py), turns on Megatron's SwiGLU fusion and computes the loss without
@@ -163,10 +170,14 @@ class ModelConfig(DesignOptions, ModelShape):
 class ParallelConfig:
     """Megatron-core parallel layout. Data parallel size = world size / (tensor * pipeline)."""
 
-    tensor: int = 1
-    pipeline: int = 1
-    virtual_pipeline: int = 1
+    tensor: int = 1  # tensor-parallel size (TP): each layer's heads and MLP split over ranks
+    pipeline: int = 1  # pipeline-parallel size (PP): the layers split into this many stages
+    virtual_pipeline: int = 1  # model chunks per pipeline rank (interleaved schedule; PP > 1)
+    # Megatron's sequence parallelism: the norms and dropout split along the sequence over
+    # the tensor-parallel ranks; needs parallel.tensor > 1.
     sequence_parallel: bool = False
+    # Megatron's distributed optimizer: optimizer states sharded over data-parallel ranks
+    # (train.engine=megatron; deepspeed shards with ZeRO instead).
     distributed_optimizer: bool = False
     # Residual-state units over pipeline hops: `naive` resends every unit; `cached` (with
     # virtual stages) skips units the receiving rank kept from its previous chunk.
@@ -244,11 +255,12 @@ class ParallelConfig:
 class TrainConfig:
     """Optimisation and schedule. Batch sizes are in sequences."""
 
-    steps: int = 200
-    micro_batch_size: int = 8
+    steps: int = 200  # optimizer steps of the whole run
+    micro_batch_size: int = 8  # sequences per forward and backward of one data-parallel rank
+    # Sequences per optimizer step over all data-parallel ranks (micro-batches accumulate).
     global_batch_size: int = 32
-    lr: float = 3e-3
-    min_lr: float = 3e-4
+    lr: float = 3e-3  # peak learning rate, reached at the end of the warm-up
+    min_lr: float = 3e-4  # the learning rate the decay ends at
     warmup_steps: int = 20  # linear from 0 to train.lr
     # After the warm-up (Megatron's OptimizerParamScheduler): `cosine` or `linear` decay to
     # min_lr at train.steps; `constant` holds train.lr (min_lr unused); `wsd` (warm-up, stable,
@@ -257,12 +269,12 @@ class TrainConfig:
     lr_decay_style: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
     lr_wsd_decay_fraction: float = 0.2
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    seed: int = 1234
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay
+    adam_beta1: float = 0.9  # AdamW's beta1
+    adam_beta2: float = 0.95  # AdamW's beta2
+    adam_eps: float = 1e-8  # AdamW's epsilon
+    clip_grad: float = 1.0  # clip the gradients' global norm to this; 0 = no clipping
+    seed: int = 1234  # of the initialisation, dropout and the data order
     # megatron: Megatron-core DDP/distributed optimizer and pipeline schedules (every layout);
     # deepspeed: DeepSpeed ZeRO (the `deepspeed` section) on Megatron-core TP, PP = 1.
     engine: Literal["megatron", "deepspeed"] = "megatron"
@@ -272,9 +284,9 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
     # fp8's scaling: one scale per tensor, or per row (rowwise: closer to bf16, slower).
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
-    eval_interval: int = 50
-    eval_batches: int = 4
-    log_interval: int = 10
+    eval_interval: int = 50  # evaluate on the validation split every this many steps
+    eval_batches: int = 4  # global batches per evaluation (the same ones every time)
+    log_interval: int = 10  # log the scalars (console, TensorBoard, W&B) every this many steps
     # Save and stop at the next step boundary (exit code 75, see t2train/train/preemption.py)
     # on these signals, or once this process has run exit_duration_mins (0 = no limit).
     # SIGINT is Ctrl-C: a second Ctrl-C stops at once, without saving (exit code 130).
@@ -399,8 +411,8 @@ class DataConfig:
     # The dataset (required to train): trained on (unless ``mix`` is set) and evaluated on (val).
     path: str = ""
     remote: Optional[str] = None  # object-store URL streamed into ``path`` as a local cache
-    shuffle: bool = True
-    num_workers: int = 0
+    shuffle: bool = True  # shuffle the training samples (the validation split is not)
+    num_workers: int = 0  # data-loader worker processes per rank; 0 = read in the rank itself
     # Train on several prepared datasets instead, mixed by relative weight:
     # "DIR=WEIGHT,DIR=WEIGHT", e.g. "data/web=3,data/code=1" (75% / 25% of every epoch's
     # samples). They must share data.path's tokenizer; data.remote applies to data.path if listed.
@@ -577,7 +589,7 @@ class DeepSpeedConfig:
 @dataclass
 class LogConfig:
     run_dir: str = "runs/{name}"  # {name} expands to the run name
-    tensorboard: bool = True
+    tensorboard: bool = True  # write TensorBoard event files into the run directory
     # Residual-stream diagnostics (RMS per layer, design internals; t2train/monitor/
     # diagnostics.py) every this many steps, from one forward of a held-out micro-batch; 0 = off.
     diagnostics_interval: int = 100
@@ -590,7 +602,7 @@ class LogConfig:
     # Also log the scalars to Weights & Biases (t2train/monitor/wandb_sink.py): online, or
     # offline into <run_dir>/wandb (wandb sync uploads it later); needs t2train[wandb].
     wandb: Literal["off", "online", "offline"] = "off"
-    wandb_project: str = "t2train"
+    wandb_project: str = "t2train"  # the W&B project log.wandb logs to
     # A torch.profiler trace of these training steps ("N" or "FIRST-LAST"), written to
     # <run_dir>/profile/ (t2train/monitor/profiler.py); "" = off.
     profile_steps: str = ""
@@ -673,7 +685,7 @@ CONFIG_FORMAT = 2
 
 @dataclass
 class Config:
-    name: str = "t2train"
+    name: str = "t2train"  # the run's name: log.run_dir's {name} (runs/<name> by default)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

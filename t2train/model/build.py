@@ -15,6 +15,7 @@ from t2train.parallel.depth_cache import DepthCache
 from t2train.parallel.hop_plan import HopPlan, plan_hops
 
 if TYPE_CHECKING:
+    # for annotations only: the model's modules, not for the config helpers `t2train plan` reads
     from t2train.model.gpt import T2GPTModel
 
 
@@ -27,6 +28,7 @@ class T2TransformerConfig(TransformerConfig):
     t2_cached_hops: bool = False  # hops skip units the receiving rank kept (depth cache)
     t2_hop_shapes: str = "exact"  # parallel.hop_shapes: exact or padded
     t2_fused_loss: bool = False  # model.fusions: the loss without an fp32 copy of the logits
+    t2_selective_recompute: bool = False  # model.recompute=selective (t2train/nn/recompute.py)
 
 
 def compute_dtype(config: Config) -> torch.dtype:
@@ -95,6 +97,7 @@ def transformer_config(config: Config) -> T2TransformerConfig:
         t2_cached_hops=parallel.caches_depth_units(),
         t2_hop_shapes=parallel.hop_shapes,
         t2_fused_loss=fused,
+        t2_selective_recompute=model.recompute == "selective",
     )
 
 

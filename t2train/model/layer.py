@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
+import torch
 import torch.nn.functional as F
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -21,6 +22,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from torch import Tensor
 
+from t2train.nn.recompute import selective_checkpoint
 from t2train.residual.base import State
 
 
@@ -97,6 +99,11 @@ class ResidualTransformerLayer(TransformerLayer):
         kv_cache=None,
     ) -> State:
         """``kv_cache``: a ``KVCache`` when generating (``t2train/model/kv_cache.py``)."""
+        if self.config.t2_selective_recompute and self.training and torch.is_grad_enabled():
+            return selective_checkpoint(self._layer, state, attention_mask, rotary_pos_emb)
+        return self._layer(state, attention_mask, rotary_pos_emb, kv_cache)
+
+    def _layer(self, state: State, attention_mask, rotary_pos_emb, kv_cache=None) -> State:
         if self.layer_entry is not None:
             state = self.layer_entry.begin(state)
 

@@ -56,6 +56,11 @@ def compile_modules(modules: Iterable[torch.nn.Module], backend: str | None = No
     # recompile, not be skipped silently: guard on the hooks (a few checks per call).
     config.skip_nnmodule_hook_guards = False
     config.recompile_limit = max(config.recompile_limit, GRAPHS_PER_LAYER * len(modules))
+    # Under selective recompute (t2train/nn/recompute.py) a layer is one checkpointed region:
+    # a sublayer's read hands its write values through module attributes (hc's mappings,
+    # Block AttnRes' phase-1 rows), set and cleared within the layer. The graph carries those
+    # values to the recompute; replaying the assignments there is not needed.
+    config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for module in modules:
         module.compile(backend=backend or compile_backend())
 
