@@ -23,7 +23,15 @@ that layer, each residual design declares what its reads, writes and stream keep
 against its compiled layers the same way. Full recompute keeps each layer's input (the stream's
 units, packed into one tensor: n for `hc`, every source so far for AttnRes) and, in the
 backward, one layer's activations at a time; the last stage also keeps the final state
-its final read takes (at most: `hc`'s mean keeps none of its n units). The last stage holds
+its final read takes (at most: `hc`'s mean keeps none of its n units). Selective recompute
+(t2train/nn/recompute.py) keeps each layer's input (each unit once: an AttnRes source or an
+earlier state is not kept again for every layer that reads it), the outputs of its GEMMs and
+attention that the backward uses (QKV, attention and its fp32 log-sum-exp, the all-reduced
+output projection, SwiGLU's 2f-wide fc1; the MLP's fc2 output only where the design's write
+reads it again, ``ResidualDesign.selective_saved``) and, in the backward, the rest of one
+layer at a time; the compiled layer keeps exactly that (checked for a design of each kind of
+stream state). A design that declares no count of its own (Block AttnRes, depth_attn, DDL's
+d_v > 1) is planned at what it keeps without recompute, an upper bound. The last stage holds
 the logits of one micro-batch and their gradient (s*b*V/t elements each). Gradients are kept in fp32
 (Megatron DDP's ``grad_reduce_in_fp32``); Adam keeps two fp32 moments, plus an fp32 master
 copy of bf16 parameters, sharded over data parallelism by the distributed optimizer.
@@ -122,6 +130,42 @@ def layer_bytes_per_token(model, tp: int, sequence_parallel: bool, element: int)
     )
 
 
+def selective_layer_bytes_per_token(model, tp: int, sequence_parallel: bool, element: int) -> float:
+    """Bytes per token one layer keeps on one tensor rank under selective recompute, beyond
+    its input state (``_selective_inputs``): the outputs of its GEMMs and attention that its
+    backward uses (the module docstring), and what the design adds
+    (``ResidualDesign.selective_saved``)."""
+    h, kv, f = model.hidden_size, model.kv_dim(), model.resolved_ffn_hidden_size()
+    attention_sublayers = 2 if mixer_on(model) else 1
+    split = attention_sublayers * ((h + 2 * kv) + h) + 2 * f  # QKV, attention, SwiGLU's fc1
+    projections = attention_sublayers * h  # attention's output projection, all-reduced
+    log_sum_exp = attention_sublayers * model.num_attention_heads  # fp32, per token and head
+    whole = tp if sequence_parallel else 1
+    design = get_design(model.residual).selective_saved(model)
+    return element * (
+        (projections + design.whole) / whole + (split + design.split) / tp
+    ) + FP32_BYTES * (design.whole_fp32 / whole + (log_sum_exp + design.split_fp32) / tp)
+
+
+def _selective_inputs(hops: HopPlan, layers: list[int], final: Optional[int] = None) -> int:
+    """Units a rank keeps as its layers' inputs under selective recompute: each changing
+    unit, and each unchanging one (an earlier state, a source) once, not again for the next
+    layer that reads it; the first layer's input is the embedding (a stream's n units are
+    views of it); with ``final`` (the number of layers), the state after the last layer too
+    (the final read's input)."""
+    kept = 0
+    previous: Optional[int] = None
+    for layer in layers if final is None else [*layers, final]:
+        ids = hops.unit_ids(layer)
+        if layer == 0:
+            kept += 1
+        else:
+            known = set(hops.unit_ids(previous)) if previous == layer - 1 else set()
+            kept += sum(1 for uid in ids if uid is None or uid not in known)
+        previous = layer
+    return kept
+
+
 def _in_flight(pp_rank: int, pipeline: int, virtual: int, micro_batches: int) -> int:
     """Micro-batches whose activations a rank holds at the peak of the schedule."""
     if virtual == 1:
@@ -179,6 +223,18 @@ def plan_layout(config: Config, vocab_size: int, world_size: int) -> LayoutPlan:
             activations = inputs / vp * in_flight + layer_activation
             if rank == pp - 1:  # the final read's input, unpacked from the last checkpoint
                 activations += len(run_hops.unit_ids(model.num_layers)) * unit_bytes
+        elif model.recompute == "selective":
+            # Each layer keeps its input and the outputs of its GEMMs and attention; the
+            # backward rebuilds the rest of one layer at a time.
+            inputs = _selective_inputs(run_hops, layers) * unit_bytes
+            kept = tokens * selective_layer_bytes_per_token(
+                model, tp, parallel.sequence_parallel, element
+            )
+            activations = (inputs / vp + kept * per_chunk) * in_flight
+            activations += max(layer_activation - kept, 0)
+            if rank == pp - 1:  # the final read's input: the state after the last layer
+                final = _selective_inputs(run_hops, layers, model.num_layers) * unit_bytes
+                activations += final - inputs
         else:
             activations = layer_activation * per_chunk * in_flight
         held_units = max(

@@ -60,6 +60,13 @@ def nothing_saved(_model_config) -> SavedPerToken:
     return SavedPerToken()
 
 
+def scaled_output(model) -> SavedPerToken:
+    """Under selective recompute: the output of a layer's last sublayer (the MLP's second
+    GEMM), which a write that scales it by a learned weight reads again for that weight's
+    gradient; the other sublayers' outputs are attention projections, kept anyway."""
+    return SavedPerToken(whole=model.hidden_size)
+
+
 class Traffic(NamedTuple):
     """[tokens, hidden] activation units a sublayer call reads and writes, forward and
     backward (``t2train bench bytes`` counts what the compiled layer moves against it)."""
@@ -115,6 +122,9 @@ class ResidualDesign:
     extra_flops_per_token: Callable = no_extra
     tensor_parallel_parameters: Callable = no_extra
     saved_per_token: Callable = nothing_saved  # (ModelConfig) -> SavedPerToken, for the planner
+    # (ModelConfig) -> SavedPerToken: what a layer keeps under model.recompute=selective
+    # beyond its input state and `standard`'s GEMM and attention outputs (``selective_saved``)
+    selective_saved_per_token: Optional[Callable] = None
     # (ModelConfig, 0-based layer index) -> Traffic: what a sublayer call of that layer must
     # read and write at least (each tensor its formula needs, once per pass), BODY included
     minimum_traffic: Optional[Callable] = None
@@ -124,6 +134,12 @@ class ResidualDesign:
     options: Optional[type] = None  # dataclass with validate(prefix); one per section
     check: Callable = no_rules  # (Config) -> None: rules across sections, ConfigError if broken
     write_diagnostics: Callable = no_diagnostics  # (writer, step, records, ModelConfig)
+
+    def selective_saved(self, model) -> SavedPerToken:
+        """``selective_saved_per_token``; a design without one is planned at its
+        ``saved_per_token``, an upper bound (recomputed, a read or write keeps no more)."""
+        declared = self.selective_saved_per_token or self.saved_per_token
+        return declared(model)
 
     def modules(self) -> DesignModules:
         """The training modules (imports ``layers``: torch and Megatron-core)."""

@@ -2,7 +2,7 @@
 `standard`'s layer and every design's declared count (``ResidualDesign.saved_per_token``);
 and, written out again here from their definitions (t2train/bench/plan.py's docstring), the
 local mixer's sublayer across tensor ranks, mHC's streams and mappings, AttnRes' sources,
-full recompute and the logits."""
+full and selective recompute and the logits."""
 
 from __future__ import annotations
 
@@ -216,3 +216,56 @@ def test_full_recompute_keeps_the_packed_layer_inputs(megatron_world, monkeypatc
     measured = _compiled(monkeypatch, config)
     final_read = (1 + 2 * 3) * UNIT + FP32_PER_TOKEN if design == "attnres" else 0
     assert measured == _packed_inputs(design, layers=3) * UNIT + final_read
+
+
+def _selective_inputs(variant: str, layers: int) -> int:
+    """Units of the layers' inputs under selective recompute, kept unpacked: each layer's
+    state; `hc`'s first layer gets the embedding as n views of one unit, AttnRes' sources
+    are one buffer holding the embedding and every sublayer's output (the last layer's
+    too: the final read's input)."""
+    if variant == "hc":
+        return 1 + (layers - 1) * 4
+    if variant == "attnres":
+        return 1 + 2 * layers
+    return layers
+
+
+SELECTIVE_VARIANTS = {  # one of each kind of stream state, the mixer on one
+    "query-groups+mixer": COMPILED_VARIANTS["query-groups+mixer"],
+    "hc": ["model.residual=hc"],
+    "attnres": ["model.residual=attnres"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(SELECTIVE_VARIANTS))
+def test_selective_recompute_keeps_the_inputs_and_the_gemm_outputs(
+    megatron_world, monkeypatch, variant
+):
+    """Selective recompute keeps each layer's input, its GEMMs' and attention's outputs (QKV,
+    attention with its fp32 log-sum-exp, the output projection, SwiGLU's fc1; the MLP's fc2
+    only where the design's write scales it, hc's) and nothing else, as the planner counts
+    (``selective_layer_bytes_per_token``): what a policy that kept nothing, or everything,
+    would not."""
+    from t2train.bench.plan import selective_layer_bytes_per_token
+
+    overrides = [*SELECTIVE_VARIANTS[variant], "model.num_layers=2", "model.fusions=all"]
+    config = load_config(overrides=[*SHAPE, *overrides, "model.recompute=selective"])
+    measured = _compiled(monkeypatch, config)
+    kept = 2 * S * B * selective_layer_bytes_per_token(config.model, 1, False, 2)
+    expected = _selective_inputs(variant, layers=2) * UNIT + kept
+    assert measured == pytest.approx(expected, abs=1), (measured / UNIT, expected / UNIT)
+
+
+@pytest.mark.parametrize("design", ["standard", "hc", "attnres", "block_attnres", "depth_attn"])
+@pytest.mark.parametrize("layout", [[], ["parallel.tensor=2", "parallel.sequence_parallel=true"]])
+def test_selective_recompute_is_planned_between_full_and_none(design, layout):
+    """Per stage, selective recompute keeps more than full recompute (the GEMM outputs
+    beside the inputs) and less than none (the pointwise work is rebuilt)."""
+    on = [f"model.residual={design}", "model.attnres.block_size=2", *layout]
+    tp = 2 if layout else 1
+    planned = {
+        mode: _activations(*on, f"model.recompute={mode}", tp=tp)
+        for mode in ("none", "selective", "full")
+    }
+    assert planned["full"] < planned["selective"] < planned["none"], planned

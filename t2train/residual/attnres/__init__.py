@@ -198,6 +198,14 @@ def diagnostics_for(source_names):
     return write_diagnostics
 
 
+def selective_full(model) -> SavedPerToken:
+    """Under selective recompute, Full AttnRes' sources are the layers' inputs (each once,
+    the planner's count); the reads inside a layer are recomputed and only the final read,
+    outside the layers, keeps the fp32 statistic of its softmax (per token, averaged over
+    the layers)."""
+    return SavedPerToken(whole_fp32=1 / model.num_layers)
+
+
 FULL = ResidualDesign(
     name="attnres",
     layers="t2train.residual.attnres.layers",
@@ -207,6 +215,7 @@ FULL = ResidualDesign(
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_for(one_sublayer),
     saved_per_token=saved_for(one_sublayer, two_phase=False),
+    selective_saved_per_token=selective_full,
     minimum_traffic=traffic_for(one_sublayer),
     unit_ids=unit_ids_for(one_sublayer),
     section="attnres",

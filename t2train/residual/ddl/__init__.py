@@ -35,7 +35,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from t2train.errors import require
-from t2train.residual.declaration import BODY, ResidualDesign, SavedPerToken, Traffic
+from t2train.residual.declaration import (
+    BODY,
+    ResidualDesign,
+    SavedPerToken,
+    Traffic,
+    scaled_output,
+)
 from t2train.residual.sublayers import sublayer_names
 
 
@@ -114,6 +120,12 @@ def saved_per_token(model) -> SavedPerToken:
     )
 
 
+def selective_saved_per_token(model) -> SavedPerToken:
+    """Under selective recompute, d_v = 1: the MLP's output, which the write's gate reads
+    (``scaled_output``); d_v > 1 is planned at ``saved_per_token`` (not measured yet)."""
+    return scaled_output(model) if model.ddl.dv == 1 else saved_per_token(model)
+
+
 def write_diagnostics(writer, step: int, records: dict, model) -> None:
     """Histograms ``diagnostics/ddl_beta/layer_NN.<sublayer>``, the gate beta in (0, 2), and
     ``diagnostics/ddl_kx/...``, the readout k^T X per token (and state column) that v replaces."""
@@ -150,6 +162,7 @@ DESIGN = ResidualDesign(
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_per_token,
     saved_per_token=saved_per_token,
+    selective_saved_per_token=selective_saved_per_token,
     minimum_traffic=minimum_traffic,
     unit_ids=unit_ids,
     section="ddl",

@@ -52,7 +52,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from t2train.errors import require
-from t2train.residual.declaration import BODY, ResidualDesign, SavedPerToken, Traffic
+from t2train.residual.declaration import (
+    BODY,
+    ResidualDesign,
+    SavedPerToken,
+    Traffic,
+    scaled_output,
+)
 from t2train.residual.sublayers import sublayer_names
 
 
@@ -189,6 +195,7 @@ DESIGN = ResidualDesign(
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_per_token,
     saved_per_token=saved_for("hc", mixing_weights),
+    selective_saved_per_token=scaled_output,  # its width connections are recomputed
     minimum_traffic=stream_mix_traffic("hc"),
     unit_ids=copies_of("hc"),
     section="hc",

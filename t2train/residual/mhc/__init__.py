@@ -67,7 +67,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from t2train.errors import require
-from t2train.residual.declaration import ResidualDesign
+from t2train.residual.declaration import ResidualDesign, scaled_output
 from t2train.residual.hc import (
     copies_of,
     diagnostics_for,
@@ -161,6 +161,7 @@ DESIGN = ResidualDesign(
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_per_token,
     saved_per_token=saved_for("mhc", mappings, recomputed_states),
+    selective_saved_per_token=scaled_output,  # its mappings are recomputed
     minimum_traffic=stream_mix_traffic("mhc"),
     unit_ids=copies_of("mhc"),
     section="mhc",
