@@ -618,7 +618,8 @@ def test_the_verdict_counts_only_the_sections_asked_for():
 @pytest.mark.slow
 def test_stack_dry_run_reports_its_sections(shakespeare, tmp_path):
     """--stack on the CPU: resume (same device and across, in fresh processes), DeepSpeed
-    against Megatron, the planner's estimate beside each peak, TensorBoard and export; the
+    against Megatron, the planner's estimate beside each peak, selective recompute against
+    none (FP8 refused: no GPU), TensorBoard and export; the
     multi-GPU section says why it does not run. gpu_tests is the correctness section's
     function (test_dry_run_reports_every_section), left out to save a pytest start."""
     from t2train.bench.gpu.plan import STACK_SECTIONS
@@ -653,6 +654,7 @@ def test_stack_dry_run_reports_its_sections(shakespeare, tmp_path):
         "resume": "ok",
         "deepspeed": "ok",
         "memory": "ok",
+        "options": "partial",  # FP8 needs a GPU with it
         "outputs": "ok",
         "multi_gpu": "skipped",
     }
@@ -682,12 +684,23 @@ def test_stack_dry_run_reports_its_sections(shakespeare, tmp_path):
     assert [i["name"] for i in memory] == settings["memory"]["variants"][:1]
     assert all(i["plan_gib"] > 0 and i["plan_verdict"] == "not measured" for i in memory)
 
+    options = {i["name"]: i for i in sections["options"]["items"]}
+    assert list(options) == ["baseline", *settings["options"]["choices"]]
+    assert all(
+        options[name]["status"] == "skipped" and "compute capability 8.9" in options[name]["reason"]
+        for name in options
+        if name.startswith("fp8")
+    )
+    recompute = options["selective recompute"]  # the same losses, recomputed
+    assert recompute["status"] == "pass" and recompute["rel_diff"] < 1e-6, recompute
+    assert recompute["step_ms_ratio"] > 0 and recompute["memory_gib_ratio"] > 0
+
     tensorboard, export = sections["outputs"]["items"]
     assert tensorboard["status"] == "pass" and not tensorboard["missing"]
     assert export["status"] == "pass", export
     assert export["t2train_generate"].startswith(settings["outputs"]["prompt"])
     verdicts = [t["verdict"] for t in report["targets"]]
-    assert verdicts == ["not measured", "met", "met", "met", "not measured", "met", "met"]
+    assert verdicts == ["not measured", "met", "met", "met", "not measured", "met", "met", "met"]
 
 
 @pytest.mark.slow

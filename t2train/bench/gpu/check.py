@@ -3,11 +3,12 @@
 Runs the sections of ``plan.SECTIONS`` (environment, correctness, step cost, MFU, kernels,
 profile) and writes ``DIR/gpu-report.md``, ``DIR/gpu-report.json`` and ``DIR/gpu-check.log``;
 ``--quick`` runs ``plan.QUICK_SECTIONS`` on the baseline and the targeted variants only;
-``--stack`` runs ``plan.STACK_SECTIONS`` (the GPU-marked tests, resume, DeepSpeed, the planner's
-memory, TensorBoard and export, the multi-GPU tests), a command of its own; ``--speed`` and
-``--quality`` are the GPU window's two calls (``plan.SPEED_SECTIONS``: the headline, every
-variant's step cost, MFU, profiles; ``plan.QUALITY_SECTIONS``: correctness, every kernel row,
-the GPU comparison until the time is up).
+``--stack`` runs ``plan.STACK_SECTIONS`` (the GPU-marked tests, resume, DeepSpeed, the
+planner's memory, FP8 and recompute, TensorBoard and export, the multi-GPU tests), a command of
+its own; ``--speed`` and ``--quality`` are the GPU window's two calls
+(``plan.SPEED_SECTIONS``: the headline, every variant's step cost, MFU, profiles;
+``plan.QUALITY_SECTIONS``: correctness, every kernel row, the GPU comparison until the time
+is up).
 
 Time: section i must end by the sum of the budgets of sections 1..i (so time one section
 leaves unspent goes to the next). A section skips what would not fit, with the reason, and
@@ -131,6 +132,7 @@ def _section_runner(name: str):
         engines,
         env,
         memory,
+        options,
         outputs,
         perf,
         profile,
@@ -148,6 +150,7 @@ def _section_runner(name: str):
         "resume": resume.run,
         "deepspeed": engines.run,
         "memory": memory.run,
+        "options": options.run,
         "outputs": outputs.run,
         "multi_gpu": correctness.multi_gpu_tests,
         "comparison": compare.section,

@@ -21,8 +21,18 @@ SECTIONS = ("env", "correctness", "step_cost", "mfu", "kernels", "profile")  # t
 QUICK_SECTIONS = ("env", "step_cost", "mfu", "profile")
 # --stack: what users do after pressing train, in its own 10-minute command (docs/gpu/README.md):
 # every GPU-marked test with the time it needs, resume, DeepSpeed, the planner's memory against
-# the measured peak, TensorBoard and export, and the multi-GPU tests where there are GPUs.
-STACK_SECTIONS = ("env", "gpu_tests", "resume", "deepspeed", "memory", "outputs", "multi_gpu")
+# the measured peak, FP8 and recompute against their defaults, TensorBoard and export, and the
+# multi-GPU tests where there are GPUs.
+STACK_SECTIONS = (
+    "env",
+    "gpu_tests",
+    "resume",
+    "deepspeed",
+    "memory",
+    "options",
+    "outputs",
+    "multi_gpu",
+)
 # The GPU window as two 10-minute calls (docs/gpu/README.md, "Next on a GPU"). --speed: the
 # headline at both presets (interleaved repeats), every variant's step cost and memory, MFU,
 # a profile of every design. --quality: bf16 correctness of every design, every kernel row,
@@ -230,10 +240,11 @@ GPU_MFU = ("train.global_batch_size=8", "model.vocab_size=32000")
 # start with CUDA and a compiled 20m model, about 20 s).
 STACK_BUDGETS = {
     "env": 20,
-    "gpu_tests": 100,
-    "resume": 120,
+    "gpu_tests": 90,
+    "resume": 110,
     "deepspeed": 70,
-    "memory": 60,
+    "memory": 50,
+    "options": 160,  # four 300-step runs at 125m (about 25 s each, compile included), then 1b
     "outputs": 50,
     "multi_gpu": 20,
 }
@@ -244,6 +255,7 @@ DRY_RUN_STACK_BUDGETS = {
     "resume": 180,
     "deepspeed": 180,
     "memory": 60,
+    "options": 120,
     "outputs": 60,
     "multi_gpu": 30,
 }

@@ -11,6 +11,7 @@ TITLES = {
     "resume": "Resume",
     "deepspeed": "DeepSpeed against the Megatron engine",
     "memory": "The planner's memory against the measured peak",
+    "options": "FP8 and recompute against their defaults",
     "outputs": "TensorBoard and export",
     "multi_gpu": "Multi-GPU tests",
 }
@@ -124,6 +125,7 @@ def stack_targets(plan: Plan, sections: dict) -> list[dict]:
             "verdict": _verdict(zero),
         },
         planner_target(plan, sections),
+        _options_target(plan, sections.get("options")),
         {
             "target": "TensorBoard's reader finds the expected tags of a GPU run",
             "measured": ", ".join(outputs["tensorboard"].get("missing", []))
@@ -143,6 +145,23 @@ def stack_targets(plan: Plan, sections: dict) -> list[dict]:
             "verdict": _verdict([outputs["export"]] if "export" in outputs else []),
         },
     ]
+
+
+def _options_target(plan: Plan, section: Optional[dict]) -> dict:
+    settings = plan.settings.stack["options"]
+    judged = [item for item in _items(section, "pass", "fail") if "rel_diff" in item]
+    limits = ", ".join(f"{name} {choice['rtol']:g}" for name, choice in settings["choices"].items())
+    return {
+        "target": f"each option's loss (mean of the last {settings['mean_of_last']} of "
+        f"{settings['steps']} steps) within its tolerance of the default run's: {limits}",
+        "measured": ", ".join(
+            f"{item['name']} {item['rel_diff']:.1e} (step "
+            f"{_fmt(item.get('step_ms_ratio'), '.2f')}x, memory "
+            f"{_fmt(item.get('memory_gib_ratio'), '.2f')}x)"
+            for item in judged
+        ),
+        "verdict": _verdict(judged),
+    }
 
 
 def _table(table, headers: list[str], rows: list[list]) -> list[str]:
@@ -286,6 +305,45 @@ def _memory_md(section: dict, table) -> list[str]:
     ] + _skipped(section)
 
 
+def _options_md(section: dict, table) -> list[str]:
+    data = section.get("data", {})
+    rows = [
+        [
+            i["name"],
+            i.get("preset", ""),
+            i.get("status"),
+            _fmt(i.get("final_loss"), ".4f"),
+            _fmt(i.get("rel_diff"), ".1e"),
+            _fmt(i.get("step_ms")),
+            _fmt(i.get("step_ms_ratio"), ".3f"),
+            _fmt(i.get("memory_gib"), ".2f"),
+            _fmt(i.get("memory_gib_ratio"), ".3f"),
+        ]
+        for i in _items(section, "ok", "pass", "fail")
+    ]
+    return [
+        f"`{data.get('variant')}` at {data.get('preset')}, {data.get('steps')} steps, "
+        f"{' '.join(data.get('overrides', ()))}; the loss compared is the mean of the last "
+        f"{data.get('mean_of_last')} steps; ratios against the baseline of the same preset",
+        "",
+        *_table(
+            table,
+            [
+                "option",
+                "preset",
+                "verdict",
+                "final loss",
+                "rel diff",
+                "step (ms, median)",
+                "step / baseline",
+                "peak memory (GiB)",
+                "memory / baseline",
+            ],
+            rows,
+        ),
+    ] + _skipped(section)
+
+
 def _outputs_md(section: dict, table) -> list[str]:
     data = section.get("data", {})
     lines = [
@@ -317,6 +375,7 @@ RENDERERS = {
     "resume": _resume_md,
     "deepspeed": _deepspeed_md,
     "memory": _memory_md,
+    "options": _options_md,
     "outputs": _outputs_md,
     "multi_gpu": _tests_md,
 }
