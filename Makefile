@@ -87,9 +87,9 @@ clean-demo:
 
 # The GPU check (docs/gpu/README.md). Here, with network: the offline bundle it installs from.
 gpu-bundle: $(VENV)/.installed
-	$(PY) -m t2train.bench.gpu.bundle --out .gpu-bundle --max-mib 48
+	$(PY) -m tools.gpu_check.bundle --out .gpu-bundle --max-mib 48
 
-# On the GPU machine: `make gpu-check OUT=dir` (or `python3 -m t2train.bench.gpu dir`, no make needed).
+# On the GPU machine: `make gpu-check OUT=dir` (or `python3 -m tools.gpu_check dir`, no make needed).
 # Here: `make gpu-check DRY_RUN=1 OUT=dir`, the same plan on the CPU at tiny shapes.
 # QUICK=1: the baseline and the targeted variants only (about 3.5 minutes on a GPU).
 # STACK=1: the rest of the stack (tests, resume, DeepSpeed, planner memory, export), its own command.
@@ -97,13 +97,13 @@ OUT ?= runs/gpu-check
 GPU_CHECK_FLAGS := $(if $(QUICK),--quick) $(if $(STACK),--stack)
 gpu-check:
 ifdef DRY_RUN
-	$(PY) -m t2train.bench.gpu.check --dry-run --out $(OUT) $(GPU_CHECK_FLAGS)
+	$(PY) -m tools.gpu_check.check --dry-run --out $(OUT) $(GPU_CHECK_FLAGS)
 else
-	python3 -m t2train.bench.gpu $(OUT) $(GPU_CHECK_FLAGS)
+	python3 -m tools.gpu_check $(OUT) $(GPU_CHECK_FLAGS)
 endif
 
 # On a machine with 2 or more GPUs: install the bundle, then TP = 2, PP = 2 (exact-size hops,
 # the depth cache), DP = 2 and ZeRO across 2 GPUs against one process (tests/test_multi_gpu.py).
 gpu-check-multi:
-	python3 -m t2train.bench.gpu.install --bundle .gpu-bundle
+	python3 -m tools.gpu_check.install --bundle .gpu-bundle
 	python3 -m pytest -v -m multi_gpu tests/test_multi_gpu.py

@@ -210,6 +210,33 @@ def test_imports_follow_the_layers():
     assert broken == [], "\n".join(broken)
 
 
+def _tool_imports(path: Path) -> list[str]:
+    """``path``'s imports of the checkout's tools (``tools.*``), in any import form."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = (
+            [node.module or ""]
+            if isinstance(node, ast.ImportFrom) and node.level == 0
+            else [alias.name for alias in node.names]
+            if isinstance(node, ast.Import)
+            else []
+        )
+        found += [
+            f"{path}:{node.lineno}: {name}" for name in names if name.split(".")[0] == "tools"
+        ]
+    return found
+
+
+def test_the_package_does_not_import_the_checkouts_tools(tmp_path):
+    """tools/ (the GPU check) is not installed: an installed module that imported it would
+    fail outside a checkout. Tools import the package, never the other way round."""
+    found = [line for path in _modules().values() for line in _tool_imports(path)]
+    assert found == [], "\n".join(found)
+    planted = tmp_path / "planted.py"
+    planted.write_text("def f():\n    from tools.gpu_check import plan\nimport tools\n")
+    assert len(_tool_imports(planted)) == 2
+
+
 def test_the_check_catches_an_upward_import():
     assert _violation("t2train.residual", "t2train.model") == "imports a higher layer"
     assert _violation("t2train.monitor", "t2train.checkpoint") == "imports an independent sibling"

@@ -13,7 +13,7 @@ are read from their directories, unfinished ones resume from their newest checkp
 the batch with the training command's requeue exit code.
 
 A batch can also be completed in pieces, in a series of short jobs (the GPU comparison,
-``t2train/bench/gpu/compare.py``, one 10-minute job each by default): ``--time-budget-min``
+``tools/gpu_check/compare.py``, one 10-minute job each by default): ``--time-budget-min``
 starts a run only while the slowest run so far still fits the budget, and ``--report-only``
 trains nothing: it writes the report over the runs finished so far (whose records were
 brought together in OUT) and lists the ones still missing.

@@ -1,5 +1,5 @@
-"""``python -m t2train.bench.kernels``: the Triton kernels against their peers at preset shapes,
-and the GPU check's kernel section.
+"""``python -m t2train.bench.kernels``: the Triton kernels against their peers at preset shapes
+(the GPU check's kernel section, ``tools/gpu_check/kernels.py``, runs the same cases).
 
 Shapes: one micro-batch of the preset (sequence, width, heads, query groups) with its design
 options (each design's defaults unless the preset or the overrides set them; each design
@@ -19,11 +19,22 @@ import time
 from pathlib import Path
 
 from t2train.bench import kernel_cases as bench
-from t2train.bench.gpu.plan import Plan, load_settings
 from t2train.kernels.benchmark import KernelShapes, Runtime
 from t2train.residual import kernel_benchmarks
 
-CHECK_MODE = "fwd+bwd"
+# --dry-run's shape: the tiny preset cut to two narrow layers and 8 tokens (the interpreter
+# takes seconds per call).
+DRY_RUN_SHAPE = (
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_attention_heads=2",
+    "model.num_query_groups=1",
+    "model.seq_length=8",
+    "model.attnres.block_size=2",
+    "model.shortswa.window=4",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=1",
+)
 
 
 def preset_shapes(label: str, preset: str, overrides) -> KernelShapes:
@@ -31,51 +42,6 @@ def preset_shapes(label: str, preset: str, overrides) -> KernelShapes:
 
     config = load_config(preset, None, ["data.path=unused", *overrides])
     return KernelShapes(label=label, batch=config.train.micro_batch_size, model=config.model)
-
-
-def run(section, plan: Plan) -> None:
-    import torch
-
-    rt = Runtime("cpu", torch.float32) if plan.dry_run else Runtime("cuda", torch.bfloat16)
-    section.data.update(
-        mode=CHECK_MODE,
-        dtype=str(rt.dtype).removeprefix("torch."),
-        header=bench.TABLE_HEADER,
-        shapes={},
-    )
-    torch.manual_seed(0)
-    for label, preset, overrides in plan.kernel_presets:
-        shapes = preset_shapes(label, preset, overrides)
-        section.data["shapes"][label] = shapes.describe()
-        for case in plan.items(bench.cases(shapes, rt)):
-            estimate = section.next_item_seconds(default=30.0)
-            if not section.fits(estimate):
-                section.add(
-                    {
-                        "kernel": case.kernel,
-                        "preset": label,
-                        "shape": case.shape,
-                        "status": "skipped",
-                        "reason": section.no_time(estimate),
-                    }
-                )
-                continue
-            started = time.monotonic()
-            rows = [bench.row_dict(row) for row in bench.run_case(case, rt, [CHECK_MODE])]
-            failed = [row["error"] for row in rows if row["impl"] == "triton" and row["error"]]
-            section.add(
-                {
-                    "kernel": case.kernel,
-                    "preset": label,
-                    "shape": case.shape,
-                    "status": "error" if failed else "ok",
-                    "rows": rows,
-                    "reason": f"the Triton kernel failed: {failed[0]}" if failed else "",
-                    "seconds": time.monotonic() - started,
-                }
-            )
-            if rt.on_cuda:
-                torch.cuda.empty_cache()
 
 
 def main(argv=None) -> int:
@@ -111,16 +77,9 @@ def main(argv=None) -> int:
         "shapes: proves the cases run, times nothing meaningful",
     )
     args = parser.parse_args(argv)
-    settings = load_settings()
     if args.dry_run:
         rt = Runtime("cpu", torch.float32)
-        presets = [
-            (
-                "tiny",
-                "tiny",
-                (*settings.dry_run_overrides, "model.seq_length=8", "train.micro_batch_size=1"),
-            )
-        ]
+        presets: list[tuple[str, str, tuple[str, ...]]] = [("tiny", "tiny", DRY_RUN_SHAPE)]
         header = "# Kernel benchmark: CPU dry run (Triton interpreter, fp32)\n"
     elif not torch.cuda.is_available():
         print(

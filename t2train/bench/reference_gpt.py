@@ -15,7 +15,7 @@ torchtitan's recipe:
   one function, so the fp32 [tokens, vocabulary] logits are never materialised (the bf16
   logits are, as in t2train's loss);
 - it is timed in a process of its own (``python -m t2train.bench.reference_gpt --serve``,
-  which the GPU check starts once and sends each run to: ``t2train/bench/gpu/perf.py``), so
+  which the GPU check starts once and sends each run to: ``tools/gpu_check/perf.py``), so
   that its compiles and its allocator start from nothing rather than after t2train's in the
   same process.
 

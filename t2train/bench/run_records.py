@@ -55,7 +55,7 @@ def finished_curve(run_dir: Path, steps: int) -> dict[int, float]:
 def check_same_run(config: "Config", run_dir: Path) -> None:
     """Refuse to reuse or resume ``run_dir`` if its saved config computes something else."""
     # Deferred: the records alone (val_curve, finished_curve) are read where the config's
-    # imports (torch, megatron-core) are not installed yet (t2train/bench/gpu/compare.py).
+    # imports (torch, megatron-core) are not installed yet (tools/gpu_check/compare.py).
     from t2train.config.loader import config_to_dict, flatten, load_config
     from t2train.config.schema import ConfigError
 

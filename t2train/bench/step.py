@@ -201,7 +201,7 @@ def reference_timing(
 ) -> DesignTiming:
     """The plain-PyTorch loop in this process, eager or compiled (its blocks and its loss,
     with the fused path's backend). The GPU check times it in a fresh process instead
-    (``t2train/bench/gpu/perf.py``)."""
+    (``tools/gpu_check/perf.py``)."""
     import torch
 
     from t2train.bench.reference_gpt import count_parameters, time_reference_steps

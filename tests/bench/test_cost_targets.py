@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from t2train.bench.gpu.plan import make_plan
-from t2train.bench.gpu.report import design_targets, write_report
 from t2train.bench.variants import variant_config
 from t2train.monitor.mfu import model_flops_per_token
 from t2train.residual import BASELINE
+from tools.gpu_check.plan import make_plan
+from tools.gpu_check.report import design_targets, write_report
 
 
 def _step(name, ratio, memory_ratio=1.0):

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from t2train.bench.gpu.plan import (
+from t2train.bench.step import COMPILED_REFERENCE, REFERENCE
+from t2train.residual import BASELINE, registered
+from tools.gpu_check.plan import (
     QUALITY_SECTIONS,
     QUICK_SECTIONS,
     SECTIONS,
@@ -24,9 +26,7 @@ from t2train.bench.gpu.plan import (
     mixer_variants,
     step_variants,
 )
-from t2train.bench.gpu.report import evaluate_targets
-from t2train.bench.step import COMPILED_REFERENCE, REFERENCE
-from t2train.residual import BASELINE, registered
+from tools.gpu_check.report import evaluate_targets
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,7 @@ def test_dry_run_reports_every_section(shakespeare, tmp_path):
         [
             sys.executable,
             "-m",
-            "t2train.bench.gpu.check",
+            "tools.gpu_check.check",
             "--rehearse",
             "--out",
             str(out),
@@ -114,7 +114,7 @@ def test_quick_dry_run_compiles_the_headline_items_first(shakespeare, tmp_path):
         [
             sys.executable,
             "-m",
-            "t2train.bench.gpu.check",
+            "tools.gpu_check.check",
             "--rehearse",
             "--quick",
             "--only",
@@ -250,8 +250,8 @@ def test_the_headline_rows_are_timed_in_turns_and_kept_whole(tmp_path, monkeypat
     5%; a repeat that does not fit the section's time is named, the row keeps the rest."""
     import time
 
-    from t2train.bench.gpu import perf
-    from t2train.bench.gpu.check import Section
+    from tools.gpu_check import perf
+    from tools.gpu_check.check import Section
 
     plan = make_plan(False, "unused")
     assert plan.repeats == 3 and plan.settings.max_spread == 0.05
@@ -303,8 +303,8 @@ def test_the_headline_rows_are_timed_in_turns_and_kept_whole(tmp_path, monkeypat
 def test_the_report_gives_the_spread_and_mfu_by_both_counts(tmp_path):
     """The headline table: each row's repeats, the spread (flagged over 5%), MFU by the
     causal count and by 6N + 12Lhs; the JSON keeps every step's time."""
-    from t2train.bench.gpu.items import summary_of_repeats
-    from t2train.bench.gpu.report import write_report
+    from tools.gpu_check.items import summary_of_repeats
+    from tools.gpu_check.report import write_report
 
     plan = make_plan(False, "unused")
 
@@ -364,9 +364,9 @@ def test_the_report_gives_the_spread_and_mfu_by_both_counts(tmp_path):
 def test_flops_by_both_conventions():
     """6N + 12*L*h*s (N: the parameters a token multiplies) beside t2train's causal count, at
     the 1b preset (untied embeddings) and the 125m preset (tied)."""
-    from t2train.bench.gpu.items import flop_counts
     from t2train.bench.variants import variant_config
     from t2train.model.flops import parameters
+    from tools.gpu_check.items import flop_counts
 
     for preset, vocab in (("1b", 32000), ("125m", 32000)):
         model = variant_config(preset, None, ["data.path=unused"], BASELINE).model
@@ -387,8 +387,8 @@ def test_the_comparison_section_trains_until_its_time_is_up(tmp_path, monkeypatc
     a failed batch with no run finished fails the section."""
     import time
 
-    from t2train.bench.gpu import compare
-    from t2train.bench.gpu.check import Section
+    from tools.gpu_check import compare
+    from tools.gpu_check.check import Section
 
     plan = make_plan(False, "data", mode="quality", out=str(tmp_path / "out"))
     asked = {}
@@ -500,7 +500,7 @@ def test_every_registered_design_is_timed_and_trained():
 
 
 def test_installer_keeps_what_is_installed_and_reports_what_fails(tmp_path):
-    from t2train.bench.gpu import install as installer
+    from tools.gpu_check import install as installer
 
     present = tmp_path / "PyYAML-0.0.1-py3-none-any.whl"  # installed here: must be kept
     broken = tmp_path / "t2train_no_such_dist-1.0-py3-none-any.whl"  # not a wheel: pip fails
@@ -512,10 +512,10 @@ def test_installer_keeps_what_is_installed_and_reports_what_fails(tmp_path):
 
 
 def test_the_device_entry_point_names_its_one_argument(capsys):
-    from t2train.bench.gpu.__main__ import main
+    from tools.gpu_check.__main__ import main
 
     assert main([]) == 2
-    assert "usage: python3 -m t2train.bench.gpu OUT_DIR" in capsys.readouterr().err
+    assert "usage: python3 -m tools.gpu_check OUT_DIR" in capsys.readouterr().err
 
 
 def test_a_failure_is_reported_with_what_locates_it(tmp_path):
@@ -524,9 +524,9 @@ def test_a_failure_is_reported_with_what_locates_it(tmp_path):
     report keeps assert_close's numbers and the item's traceback."""
     import time
 
-    from t2train.bench.gpu.check import Section
-    from t2train.bench.gpu.correctness import _junit_items
-    from t2train.bench.gpu.perf import _timed
+    from tools.gpu_check.check import Section
+    from tools.gpu_check.correctness import _junit_items
+    from tools.gpu_check.perf import _timed
 
     message = (
         "gradient of input 0: Tensor-likes are not close!\n\nMismatched elements: 1 / 24"
@@ -571,7 +571,7 @@ def test_a_failure_is_reported_with_what_locates_it(tmp_path):
     ],
 )
 def test_profile_sorts_kernels_by_kind(kernel, kind):
-    from t2train.bench.gpu.profile import kind_of
+    from tools.gpu_check.profile import kind_of
 
     assert kind_of(kernel) == kind
 
@@ -579,7 +579,7 @@ def test_profile_sorts_kernels_by_kind(kernel, kind):
 def test_gpu_tests_stopped_at_their_share_still_report_what_ran():
     """pytest writes its junit file only at the end; a run stopped at its time share (the
     second GPU run: 0 results from 62 s of tests) is read from its verbose lines."""
-    from t2train.bench.gpu.correctness import _verbose_items
+    from tools.gpu_check.correctness import _verbose_items
 
     printed = (
         b"tests/kernels/test_attnres_kernel.py::test_bf16[partial] PASSED  [  6%]\n"
@@ -606,7 +606,7 @@ def test_gpu_tests_stopped_at_their_share_still_report_what_ran():
 
 
 def test_the_verdict_counts_only_the_sections_asked_for():
-    from t2train.bench.gpu.report import NOT_ASKED, verdict
+    from tools.gpu_check.report import NOT_ASKED, verdict
 
     sections = {name: {"status": "skipped", "reason": NOT_ASKED} for name in SECTIONS}
     sections.update({name: {"status": "ok"} for name in QUICK_SECTIONS})
@@ -622,7 +622,7 @@ def test_stack_dry_run_reports_its_sections(shakespeare, tmp_path):
     none (FP8 refused: no GPU), TensorBoard and export; the
     multi-GPU section says why it does not run. gpu_tests is the correctness section's
     function (test_dry_run_reports_every_section), left out to save a pytest start."""
-    from t2train.bench.gpu.plan import STACK_SECTIONS
+    from tools.gpu_check.plan import STACK_SECTIONS
 
     out = tmp_path / "report"
     asked = [name for name in STACK_SECTIONS if name != "gpu_tests"]
@@ -630,7 +630,7 @@ def test_stack_dry_run_reports_its_sections(shakespeare, tmp_path):
         [
             sys.executable,
             "-m",
-            "t2train.bench.gpu.check",
+            "tools.gpu_check.check",
             "--rehearse",
             "--stack",
             "--out",
@@ -711,7 +711,7 @@ def test_quality_dry_run_trains_the_comparison_into_the_output(shakespeare, tmp_
     section; --speed's too.)"""
     out = tmp_path / "report"
     proc = subprocess.run(
-        [sys.executable, "-m", "t2train.bench.gpu.check", "--rehearse", "--quality"]
+        [sys.executable, "-m", "tools.gpu_check.check", "--rehearse", "--quality"]
         + ["--out", str(out), "--data", str(shakespeare), "--only", "comparison"],
         capture_output=True,
         text=True,
@@ -739,6 +739,6 @@ def test_quality_dry_run_trains_the_comparison_into_the_output(shakespeare, tmp_
 def test_gpu_tests_not_reached_are_counted_from_pytests_header(printed, selected):
     """The H200 run stopped pytest after 20 results, and nobody could tell how many GPU tests
     never ran: the count pytest printed before the first test is kept."""
-    from t2train.bench.gpu.correctness import selected_count
+    from tools.gpu_check.correctness import selected_count
 
     assert selected_count(printed) == selected

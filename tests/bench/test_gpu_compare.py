@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from t2train.bench.gpu.compare import batch_spec
+from tools.gpu_check.compare import batch_spec
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def _window(out, records, data, budget_min):
         [
             sys.executable,
             "-m",
-            "t2train.bench.gpu.compare",
+            "tools.gpu_check.compare",
             str(out),
             "--records",
             str(records),
@@ -75,7 +75,7 @@ def test_a_batch_completed_over_two_windows_and_merged(shakespeare, tmp_path):
         [
             sys.executable,
             "-m",
-            "t2train.bench.gpu.compare",
+            "tools.gpu_check.compare",
             "--merge",
             str(tmp_path / "out2" / "records"),
             "--records",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from t2train.bench.gpu.plan import Plan
+from tools.gpu_check.plan import Plan
 
 TITLES = {
     "gpu_tests": "GPU-marked tests",

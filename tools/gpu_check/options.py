@@ -17,10 +17,10 @@ import statistics
 import time
 from typing import Optional
 
-from t2train.bench.gpu.engines import measured
-from t2train.bench.gpu.plan import Plan
-from t2train.bench.gpu.runs import run_spec, train_run
 from t2train.errors import ConfigError
+from tools.gpu_check.engines import measured
+from tools.gpu_check.plan import Plan
+from tools.gpu_check.runs import run_spec, train_run
 
 BASELINE = "baseline"
 FP8_REFUSED = "train.precision='fp8'"  # how the trainer's refusal on a GPU without FP8 begins

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import IO, Callable, Optional
 
-from t2train.bench.gpu.items import (
+from tools.gpu_check.items import (
     REPEAT_FIELDS,
     add_repeat,
     flop_counts,
@@ -40,7 +40,7 @@ from t2train.bench.gpu.items import (
     timing_item,
     variant_config,
 )
-from t2train.bench.gpu.plan import Plan, baseline, mfu_variants, mixer_variants, step_variants
+from tools.gpu_check.plan import Plan, baseline, mfu_variants, mixer_variants, step_variants
 
 # A reference run is given the section's time left plus this, so that it is stopped (and
 # recorded as an error) before the check stops the section's worker, GRACE seconds past its end.
@@ -109,7 +109,7 @@ class ReferenceProcess:
         self.lines: queue.Queue = queue.Queue()
 
     def _start(self) -> subprocess.Popen:
-        from t2train.bench.gpu.correctness import REPO, child_env
+        from tools.gpu_check.correctness import REPO, child_env
 
         self.log_stream = self.log.open("a")
         proc = subprocess.Popen(
@@ -280,9 +280,9 @@ def _datasheet_tflops(config) -> Optional[float]:
 
 
 def step_cost(section, plan: Plan) -> None:
-    from t2train.bench.gpu.memory import judged, plan_gib
     from t2train.bench.step import model_vocab_size, real_batches, time_design
     from t2train.residual import registered
+    from tools.gpu_check.memory import judged, plan_gib
 
     designs = registered()
     first = variant_config(plan, plan.step_preset, plan.step_overrides, baseline())

@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 from typing import Callable, Optional
 
-from t2train.bench.gpu import stack_report
-from t2train.bench.gpu.plan import Plan, baseline
 from t2train.bench.table import markdown_table
+from tools.gpu_check import stack_report
+from tools.gpu_check.plan import Plan, baseline
 
 DRY_RUN_STAMP = (
     "**CPU dry run**: the whole plan at tiny shapes on the CPU (kernels under the "
@@ -285,8 +285,8 @@ def design_targets(plan: Plan, sections: dict) -> list[dict]:
     FLOPs, its peak-memory ratio (125m), each judged against ``targets.yaml``'s ``designs``
     limits; every ``<design>+<mixer>`` without limits of its own against the design's ratio x
     the mixer's (``standard+shortswa``) x ``mixer.margin``."""
-    from t2train.bench.gpu.plan import with_mixer
     from t2train.residual import registered
+    from tools.gpu_check.plan import with_mixer
 
     settings, base = plan.settings, baseline()
     at_step, at_mfu = settings.step_preset, settings.mfu_preset
@@ -758,7 +758,7 @@ def _comparison_md(section: dict) -> list[str]:
         + f", {left} still to run; {_fmt(data.get('budget_s'), '.0f')} s given to training.",
         "",
         f"This call's records: `{data.get('records_to')}`. In the checkout: `python -m "
-        "t2train.bench.gpu.compare --merge <those records>`, then commit `docs/compare-gpu/`; "
+        "tools.gpu_check.compare --merge <those records>`, then commit `docs/compare-gpu/`; "
         "the next window continues from there.",
     ]
     if data.get("log_tail"):

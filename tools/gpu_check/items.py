@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 
-from t2train.bench.gpu.plan import Plan
+from tools.gpu_check.plan import Plan
 
 
 def variant_config(plan: Plan, preset: str, overrides: tuple, variant: str):

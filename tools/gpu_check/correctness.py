@@ -20,9 +20,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Optional
 
-from t2train.bench.gpu.plan import Plan, correctness_variants, make_plan
+from tools.gpu_check.plan import Plan, correctness_variants, make_plan
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 # torch.distributed variables of the parent's world of one: a child must make its own.
 WORLD_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # Of the section's time, at most, for the GPU-marked tests: 59 s of pytest on an H100, which
@@ -115,7 +115,7 @@ def _start_reference(plan: Plan, out: Path) -> subprocess.Popen:
     args = [
         sys.executable,
         "-m",
-        "t2train.bench.gpu.correctness",
+        "tools.gpu_check.correctness",
         "--reference",
         str(out),
         "--data",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import time
 
-from t2train.bench.gpu.plan import Plan, baseline, step_variants
+from tools.gpu_check.plan import Plan, baseline, step_variants
 
 TOP_KERNELS = 8
 # First match wins; kernel names as CUDA, cuBLAS, PyTorch and Triton spell them.
@@ -97,9 +97,9 @@ def profile_variant(config, vocab: int, batches: list, warmup: int) -> dict:
 
 
 def run(section, plan: Plan) -> None:
-    from t2train.bench.gpu.items import variant_config
     from t2train.bench.step import model_vocab_size, real_batches
     from t2train.residual import registered
+    from tools.gpu_check.items import variant_config
 
     first = variant_config(plan, plan.step_preset, plan.step_overrides, baseline())
     vocab = model_vocab_size(first)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from t2train.bench.gpu.plan import Plan
+from tools.gpu_check.plan import Plan
 
 GIB = 2**30
 
@@ -43,8 +43,8 @@ def judged(measured_gib: float, estimate_gib: float, max_error: float) -> dict:
 
 
 def run(section, plan: Plan) -> None:
-    from t2train.bench.gpu.items import timing_item, variant_config
     from t2train.bench.step import model_vocab_size, real_batches, time_design
+    from tools.gpu_check.items import timing_item, variant_config
 
     settings = plan.settings.stack["memory"]
     max_error = float(settings["max_error"])

@@ -1,4 +1,4 @@
-"""``python3 -m t2train.bench.gpu OUT_DIR [--quick | --stack | --speed | --quality]``: the GPU
+"""``python3 -m tools.gpu_check OUT_DIR [--quick | --stack | --speed | --quality]``: the GPU
 check on a fresh, offline machine (``--stack``: the rest of the stack, resume to export, a
 command of its own; ``--speed`` and ``--quality``: the GPU window's two calls,
 docs/gpu/README.md).
@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     args = [arg for arg in args if arg not in flags]
     if len(args) != 1 or len(flags) > 1:
         print(
-            f"usage: python3 -m t2train.bench.gpu OUT_DIR [{' | '.join(MODE_FLAGS)}]",
+            f"usage: python3 -m tools.gpu_check OUT_DIR [{' | '.join(MODE_FLAGS)}]",
             file=sys.stderr,
         )
         return 2
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.cwd() / ".cache" / "torch_extensions"))
     installed = subprocess.run(
-        [sys.executable, "-m", "t2train.bench.gpu.install", "--bundle", BUNDLE],
+        [sys.executable, "-m", "tools.gpu_check.install", "--bundle", BUNDLE],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
         [
             sys.executable,
             "-m",
-            "t2train.bench.gpu.check",
+            "tools.gpu_check.check",
             "--out",
             str(out),
             "--data",

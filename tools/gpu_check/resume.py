@@ -23,8 +23,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from t2train.bench.gpu.plan import Plan
-from t2train.bench.gpu.runs import run_spec, scalars, size_mib, train_in_process
+from tools.gpu_check.plan import Plan
+from tools.gpu_check.runs import run_spec, scalars, size_mib, train_in_process
 
 SAVE_SECONDS, BLOCKED_SECONDS = "checkpoint/save_seconds", "checkpoint/blocked_seconds"
 

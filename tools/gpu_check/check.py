@@ -1,4 +1,4 @@
-"""``python -m t2train.bench.gpu.check --out DIR [--dry-run]``: the one-command GPU check.
+"""``python -m tools.gpu_check.check --out DIR [--dry-run]``: the one-command GPU check.
 
 Runs the sections of ``plan.SECTIONS`` (environment, correctness, step cost, MFU, kernels,
 profile) and writes ``DIR/gpu-report.md``, ``DIR/gpu-report.json`` and ``DIR/gpu-check.log``;
@@ -35,7 +35,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-from t2train.bench.gpu.plan import (
+from t2train.nn.compiling import BACKEND_VARIABLE
+from tools.gpu_check.plan import (
     ALL_SECTIONS,
     MODES,
     QUALITY_SECTIONS,
@@ -46,7 +47,6 @@ from t2train.bench.gpu.plan import (
     Plan,
     make_plan,
 )
-from t2train.nn.compiling import BACKEND_VARIABLE
 
 GRACE = 20.0  # seconds past its end before a section's worker is stopped
 MIN_SECTION = 5.0  # a section with less time than this left is skipped
@@ -125,12 +125,12 @@ class Section:
 def _section_runner(name: str):
     """The function that runs section ``name``: it fills the section in, and returns None or
     the reason the section does not apply here (then recorded as skipped)."""
-    from t2train.bench import kernels
-    from t2train.bench.gpu import (
+    from tools.gpu_check import (
         compare,
         correctness,
         engines,
         env,
+        kernels,
         memory,
         options,
         outputs,
@@ -225,7 +225,7 @@ def orchestrate(
         args = [
             sys.executable,
             "-m",
-            "t2train.bench.gpu.check",
+            "tools.gpu_check.check",
             "--worker",
             str(results),
             "--data",
@@ -284,7 +284,7 @@ def orchestrate(
 
 
 def check(plan: Plan, out: Path, names: list[str]) -> dict:
-    from t2train.bench.gpu.report import NOT_ASKED, write_report
+    from tools.gpu_check.report import NOT_ASKED, write_report
 
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()

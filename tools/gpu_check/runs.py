@@ -1,7 +1,7 @@
 """Training runs of the --stack sections: ``train()`` on a variant, here or in a fresh process,
 and what its run directory holds afterwards (per-step scalars, checkpoint size).
 
-``python -m t2train.bench.gpu.runs RUNS.json OUT.json`` trains, in order and in one process,
+``python -m tools.gpu_check.runs RUNS.json OUT.json`` trains, in order and in one process,
 the runs listed in ``RUNS.json`` (``[{"name", "preset", "variant", "overrides"}]``) and writes
 ``{name: {"losses", "load_seconds", "seconds", "run_dir", "device"}}``: what a section needs
 from a process of its own (the resume section starts a fresh one to resume in).
@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from t2train.bench.gpu.correctness import REPO, child_env
 from t2train.bench.run_records import METRICS_FILE
+from tools.gpu_check.correctness import REPO, child_env
 
 LOADED = re.compile(r"loaded in ([0-9.]+)s")  # the trainer's console line after a resume
 
@@ -67,7 +67,7 @@ def train_in_process(
     env = child_env(**({"CUDA_VISIBLE_DEVICES": ""} if cpu else {}))
     with log.open("w") as stream:
         proc = subprocess.run(
-            [sys.executable, "-m", "t2train.bench.gpu.runs", str(runs), str(out)],
+            [sys.executable, "-m", "tools.gpu_check.runs", str(runs), str(out)],
             env=env,
             cwd=REPO,
             stdout=stream,

@@ -1,4 +1,4 @@
-"""``python3 -m t2train.bench.gpu.compare OUT``: the next share of the GPU comparison, in one
+"""``python3 -m tools.gpu_check.compare OUT``: the next share of the GPU comparison, in one
 GPU job.
 
 The comparison at GPU scale (docs/benchmarks.md) trains the batch of ``comparison.yaml`` (ten
@@ -15,7 +15,7 @@ travel between them (a few kB each), never checkpoints:
 4. copy every run finished now (records only) and the batch's ``compare.md`` and figures into
    ``OUT/records``; checkpoints and TensorBoard events stay in the scratch directory.
 
-Back in the checkout: ``python -m t2train.bench.gpu.compare --merge OUT/records`` adds the
+Back in the checkout: ``python -m tools.gpu_check.compare --merge OUT/records`` adds the
 new records to ``docs/compare-gpu/`` and writes its ``compare.md`` and figures over every
 finished run (``--report-only``: nothing is trained; the report lists the runs still missing).
 
@@ -93,7 +93,7 @@ def run_compare(args: list[str], log: Optional[Path] = None) -> int:
     without the caller's torch.distributed world (the check's worker has one)."""
     if log is None:
         return subprocess.call([sys.executable, "-m", "t2train.cli", *args])
-    from t2train.bench.gpu.correctness import child_env
+    from tools.gpu_check.correctness import child_env
 
     with log.open("w") as stream:
         return subprocess.call(
@@ -146,13 +146,13 @@ def run_share(out: Path, records: Path, budget_min: float, data: str, dry_run: b
     """One GPU job's share: the batch resumed from ``records``, new records into OUT."""
     if not dry_run:
         subprocess.run(
-            [sys.executable, "-m", "t2train.bench.gpu.install", "--bundle", BUNDLE], check=True
+            [sys.executable, "-m", "tools.gpu_check.install", "--bundle", BUNDLE], check=True
         )
     kept = out / "records"
     result = share(kept, records, budget_min, data, dry_run)
     print(
         f"this job finished {len(result['new'])} run(s): {', '.join(result['new']) or 'none'}; "
-        f"their records are in {kept}; in the checkout: python -m t2train.bench.gpu.compare "
+        f"their records are in {kept}; in the checkout: python -m tools.gpu_check.compare "
         f"--merge {kept}"
     )
     return result["exit"]

@@ -21,9 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from t2train.bench.gpu.correctness import REPO, child_env
-from t2train.bench.gpu.plan import Plan
-from t2train.bench.gpu.runs import run_spec, train_run
+from tools.gpu_check.correctness import REPO, child_env
+from tools.gpu_check.plan import Plan
+from tools.gpu_check.runs import run_spec, train_run
 
 
 def tensorboard_item(run_dir: Path, expected: list[str]) -> dict:

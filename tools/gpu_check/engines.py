@@ -14,8 +14,8 @@ from __future__ import annotations
 import statistics
 import time
 
-from t2train.bench.gpu.plan import Plan
-from t2train.bench.gpu.runs import run_spec, scalars, train_run
+from tools.gpu_check.plan import Plan
+from tools.gpu_check.runs import run_spec, scalars, train_run
 
 MEGATRON = "megatron"
 

@@ -6,10 +6,10 @@ network. This downloads, on a machine with network, the wheels it lacks, builds 
 source package on PyPI), a setuptools wheel as the offline build backend of ``pip install -e
 .``, and two prepared datasets with their tokenizers (the check's, and the GPU comparison's
 held-out split), then prints the bundle's size and fails above ``--max-mib`` (the bundle
-travels with the checkout to the GPU node). ``t2train/bench/gpu/install.py`` installs it
+travels with the checkout to the GPU node). ``tools/gpu_check/install.py`` installs it
 there.
 
-    python t2train/bench/gpu/bundle.py [--out .gpu-bundle] [--max-mib 48]
+    python tools/gpu_check/bundle.py [--out .gpu-bundle] [--max-mib 48]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ PLATFORMS = tuple(f"manylinux_2_{minor}_x86_64" for minor in range(GLIBC_MINOR, 
 )
 
 # (pinned requirement, why it travels). Versions follow constraints/cpu.txt, the tested lock.
-# t2train/bench/gpu/install.py installs a wheel only when its distribution is missing there, so the
+# tools/gpu_check/install.py installs a wheel only when its distribution is missing there, so the
 # "fallback" ones (seen preinstalled on the machine) never replace the machine's own.
 RUNTIME_WHEELS = (
     ("megatron-core==0.16.1", "not on the machine; the model, schedules, optimizer"),
@@ -81,7 +81,7 @@ DATASETS: tuple[tuple[str, int, list[str], str], ...] = (
         "shakespeare-heldout-bpe4k-s1024",
         1024,
         [arg for plays in HELDOUT_PLAYS for arg in ("--val-files", plays)],
-        "the GPU comparison (t2train/bench/gpu/compare.py, the 20m preset): whole plays held out",
+        "the GPU comparison (tools/gpu_check/compare.py, the 20m preset): whole plays held out",
     ),
 )
 

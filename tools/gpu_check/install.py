@@ -6,9 +6,9 @@ Then t2train itself is installed in editable mode, its build backend (setuptools
 the bundle. A wheel that fails to install is reported and skipped: the GPU check then says
 which sections cannot run. Run from the repository root:
 
-    python3 -m t2train.bench.gpu.install [--bundle .gpu-bundle]
+    python3 -m tools.gpu_check.install [--bundle .gpu-bundle]
 
-(``python3 -m t2train.bench.gpu OUT_DIR`` runs it before the check.)
+(``python3 -m tools.gpu_check OUT_DIR`` runs it before the check.)
 """
 
 from __future__ import annotations
