@@ -133,8 +133,8 @@ def build_model_chunks(
             rotary_base=config.model.rotary_base,
             vp_stage=vp,
             hops=hops,
+            depth_cache=cache,
         )
-        chunk.decoder.depth_cache = cache
         if fp8:  # before compiling: the compiled layers trace the float8 GEMMs
             float8.convert_to_float8(chunk, float8.recipe_config(config.train.fp8_recipe))
         if torch.cuda.is_available():

@@ -56,6 +56,7 @@ class ResidualDecoder(TransformerBlock):
         vp_stage: Optional[int],
         pp_rank: int,
         hops: HopPlan,
+        depth_cache: Optional[DepthCache] = None,
         pg_collection=None,
     ):
         super().__init__(
@@ -81,7 +82,7 @@ class ResidualDecoder(TransformerBlock):
         self.hops = hops
         self.chunk = self.stream.first_layer // len(self.layers)
         self.last_virtual_stage = (vp_stage or 0) == virtual - 1
-        self.depth_cache: Optional[DepthCache] = None  # shared by this rank's chunks, if cached
+        self.depth_cache = depth_cache  # shared by this rank's chunks, if cached
         self.micro_batch = 0
         self.traffic = HopTraffic()
 

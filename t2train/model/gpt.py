@@ -25,6 +25,7 @@ from torch import Tensor
 from t2train.model.decoder import ResidualDecoder
 from t2train.model.kv_cache import KVCache
 from t2train.nn.cross_entropy import vocab_parallel_cross_entropy
+from t2train.parallel.depth_cache import DepthCache
 from t2train.parallel.traffic import HopTraffic
 
 EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"  # its rows: the (padded) vocabulary
@@ -42,8 +43,11 @@ class T2GPTModel(LanguageModule):
         rotary_base: int = 10000,
         vp_stage: Optional[int] = None,
         hops=None,
+        depth_cache: Optional[DepthCache] = None,
         pg_collection=None,
     ):
+        """``hops``: the run's ``HopPlan``; ``depth_cache``: the units this rank keeps between
+        its chunks (one ``DepthCache`` shared by them, with cached hops), else None."""
         pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
         super().__init__(config=config, pg_collection=pg_collection)
         self.model_type = ModelType.encoder_or_decoder
@@ -79,6 +83,7 @@ class T2GPTModel(LanguageModule):
             vp_stage=vp_stage,
             pp_rank=pg_collection.pp.rank(),
             hops=hops,
+            depth_cache=depth_cache,
             pg_collection=pg_collection,
         )
         if post_process:
