@@ -139,11 +139,11 @@ def test_a_llama_round_trips_through_import_training_and_export(
 def test_the_import_train_export_sequence_works_from_other_directories(
     megatron_world, shakespeare, tmp_path, monkeypatch, capsys
 ):
-    """The README's sequence with relative paths, each command in another directory: `import
-    hf` into a relative OUT, `train --config OUT/t2train.yaml` from elsewhere with a relative
-    data.path (its --dry-run names the weights it would start from, verified), then `export
-    hf` of the run from a third directory, which finds the run's tokenizer by the data.path
-    the run recorded."""
+    """docs/export.md's import sequence with relative paths, each command in another
+    directory: `import hf` into a relative OUT, `train --config OUT/t2train.yaml` from
+    elsewhere with a relative data.path (its --dry-run names the weights it would start from,
+    verified), then `export hf` of the run from a third directory, which finds the run's
+    tokenizer by the data.path the run recorded."""
     from tokenizers import Tokenizer
 
     for name in ("a", "b", "c/d"):  # c/d: a relative data.path from b leads elsewhere there

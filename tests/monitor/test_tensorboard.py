@@ -1,5 +1,5 @@
 """What a run shows in TensorBoard, for every residual design: every scalar of the tag table
-(README.md) and every diagnostic picture or histogram, read back with TensorBoard's own
+(docs/monitoring.md) and every diagnostic picture or histogram, read back with TensorBoard's own
 reader, and the training loss served over HTTP by a real ``tensorboard`` process.
 
 Each design trains 20 steps of a tiny model on the Shakespeare fixture, logging every 5
