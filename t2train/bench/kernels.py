@@ -1,6 +1,7 @@
-"""``python -m t2train.bench.kernels``: the Triton kernels against their peers at preset shapes
-(the GPU check's kernel section, ``tools/gpu_check/kernels.py``, runs the same cases).
+"""``t2train bench kernels`` (or ``python -m t2train.bench.kernels``): the fused Triton kernels
+against their peers at preset shapes.
 
+The GPU check's kernel section (``tools/gpu_check/kernels.py``) runs the same cases.
 Shapes: one micro-batch of the preset (sequence, width, heads, query groups) with its design
 options (each design's defaults unless the preset or the overrides set them; each design
 folder's ``benchmarks.py`` says which it reads). On the GPU in bf16 against eager,
@@ -18,10 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-from t2train.bench import kernel_cases as bench
-from t2train.kernels.benchmark import KernelShapes, Runtime
-from t2train.residual import kernel_benchmarks
-
 # --dry-run's shape: the tiny preset cut to two narrow layers and 8 tokens (the interpreter
 # takes seconds per call).
 DRY_RUN_SHAPE = (
@@ -30,33 +27,26 @@ DRY_RUN_SHAPE = (
     "model.num_attention_heads=2",
     "model.num_query_groups=1",
     "model.seq_length=8",
-    "model.attnres.block_size=2",
-    "model.shortswa.window=4",
     "train.micro_batch_size=1",
     "train.global_batch_size=1",
 )
 
 
-def preset_shapes(label: str, preset: str, overrides) -> KernelShapes:
+def preset_shapes(label: str, preset: str, overrides):
+    """The ``KernelShapes`` of one micro-batch of ``preset`` with ``overrides``."""
     from t2train.config.loader import load_config
+    from t2train.kernels.benchmark import KernelShapes
 
     config = load_config(preset, None, ["data.path=unused", *overrides])
     return KernelShapes(label=label, batch=config.train.micro_batch_size, model=config.model)
 
 
-def main(argv=None) -> int:
-    """Every case at every preset's shapes, nothing skipped for time: the GPU window's separate
-    invocation for the kernel rows the check's section has no time for (docs/gpu/README.md)."""
-    import torch
-
-    from t2train.bench.table import markdown_table
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--only",
-        choices=list(kernel_benchmarks()),
         action="append",
-        help="benchmark only these kernels (repeatable)",
+        metavar="KERNEL",
+        help="benchmark only these kernels (repeatable; default every kernel of the table)",
     )
     parser.add_argument(
         "--preset",
@@ -65,18 +55,52 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--mode",
-        choices=bench.MODES,
         action="append",
-        help="forward only or forward+backward (default both)",
+        metavar="{fwd,fwd+bwd}",
+        help="forward only or forward+backward (repeatable; default both)",
     )
     parser.add_argument("--json", type=Path, help="also write every row here (JSON)")
     parser.add_argument(
         "--dry-run",
         action="store_true",
-        help="on the CPU (Triton interpreter, fp32) at the check's dry-run "
-        "shapes: proves the cases run, times nothing meaningful",
+        help="on the CPU (Triton interpreter, fp32) at tiny shapes: proves the cases run, "
+        "times nothing meaningful",
     )
-    args = parser.parse_args(argv)
+
+
+def register(tools) -> None:
+    """``t2train bench kernels``."""
+    kernels = tools.add_parser(
+        "kernels",
+        help="each fused Triton kernel against eager, torch.compile and its peers",
+        description=__doc__.split("\n\n")[0].replace("``", ""),
+    )
+    add_arguments(kernels)
+    kernels.set_defaults(handler=run)
+
+
+def main(argv=None) -> int:
+    """``python -m t2train.bench.kernels``, the same as ``t2train bench kernels``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Every case at every preset's shapes, nothing skipped for time."""
+    # Imported here: `t2train --help` builds this command's parser without torch.
+    import torch
+
+    from t2train.bench import kernel_cases as bench
+    from t2train.bench.table import markdown_table
+    from t2train.kernels.benchmark import Runtime
+    from t2train.residual import kernel_benchmarks
+
+    known = kernel_benchmarks()
+    for flag, asked, valid in (("--only", args.only, known), ("--mode", args.mode, bench.MODES)):
+        unknown = sorted(set(asked or ()) - set(valid))
+        if unknown:
+            raise SystemExit(f"error: {flag} {', '.join(unknown)}: one of {', '.join(valid)}")
     if args.dry_run:
         rt = Runtime("cpu", torch.float32)
         presets: list[tuple[str, str, tuple[str, ...]]] = [("tiny", "tiny", DRY_RUN_SHAPE)]

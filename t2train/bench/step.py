@@ -337,6 +337,7 @@ def _cmd_step(args) -> int:
 
 def register(commands) -> None:
     from t2train.bench.byte_account import register as register_bytes
+    from t2train.bench.kernels import register as register_kernels
     from t2train.config.arguments import add_config_arguments
 
     bench = commands.add_parser("bench", help="benchmarks")
@@ -365,3 +366,4 @@ def register(commands) -> None:
     )
     step.set_defaults(handler=_cmd_step)
     register_bytes(tools)
+    register_kernels(tools)

@@ -1,4 +1,4 @@
-"""The scalars logged every ``train.log_interval`` steps (the tag table is in README.md).
+"""The scalars logged every ``train.log_interval`` steps (the tag table is in docs/monitoring.md).
 
 ``StepMeter`` accumulates the steps since the last log (time, data wait) and the run's
 counters (skipped updates, consumed tokens: saved in checkpoints and carried over a resume),

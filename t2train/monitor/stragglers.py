@@ -102,7 +102,7 @@ def slowest_rank(times: list[RankTimes]) -> Optional[SlowRank]:
 
 
 def straggler_scalars(times: list[RankTimes]) -> dict[str, float]:
-    """The ``stragglers/*`` tags (README.md) of one log interval."""
+    """The ``stragglers/*`` tags (docs/monitoring.md) of one log interval."""
     waiting = max(times, key=lambda rank: rank.data_wait_ms)
     values = {
         "stragglers/data_wait_ms_max": waiting.data_wait_ms,

@@ -38,3 +38,19 @@ def test_dry_run_runs_every_asked_case_on_the_cpu(tmp_path, capsys):
     assert set(triton) == {"stream_read", "stream_write", "hc_read", "hc_write"}
     assert all(row["ms"] is not None and not row["error"] for row in triton.values()), triton
     assert "| stream_write | tiny |" in capsys.readouterr().out
+
+
+def test_the_cli_command_runs_it_and_refuses_an_unknown_kernel_naming_the_known(capsys):
+    """``t2train bench kernels`` is the same benchmark; an unknown --only or --mode is one
+    line naming what exists."""
+    import re
+
+    import pytest
+
+    from t2train.cli import main
+
+    for flag, value, listed in (("--only", "nope", "delta_write"), ("--mode", "bwd", "fwd+bwd")):
+        with pytest.raises(
+            SystemExit, match=f"error: {flag} {value}: one of .*{re.escape(listed)}"
+        ):
+            main(["bench", "kernels", "--dry-run", flag, value])

@@ -8,7 +8,7 @@ jobs, and only the runs' records
 travel between them (a few kB each), never checkpoints:
 
 1. install ``.gpu-bundle/`` (as the GPU check does);
-2. copy the finished runs' records already committed in ``docs/compare-gpu/`` (each run's
+2. copy the finished runs' records already committed in ``docs/results/compare-gpu/`` (each run's
    ``metrics.jsonl`` and ``config.yaml``) into a scratch batch directory;
 3. ``t2train experiment compare`` the whole batch there with ``--time-budget-min``: it reads
    the finished runs and trains the next ones while the slowest run so far still fits;
@@ -16,7 +16,7 @@ travel between them (a few kB each), never checkpoints:
    ``OUT/records``; checkpoints and TensorBoard events stay in the scratch directory.
 
 Back in the checkout: ``python -m tools.gpu_check.compare --merge OUT/records`` adds the
-new records to ``docs/compare-gpu/`` and writes its ``compare.md`` and figures over every
+new records to ``docs/results/compare-gpu/`` and writes its ``compare.md`` and figures over every
 finished run (``--report-only``: nothing is trained; the report lists the runs still missing).
 
 ``--dry-run`` does the same on the CPU at tiny shapes with ``--data`` (the tests' dataset).
@@ -38,7 +38,7 @@ from t2train.bench.run_records import CONFIG_FILE, METRICS_FILE, finished_curve
 
 BUNDLE = ".gpu-bundle"
 DATA = f"{BUNDLE}/data/shakespeare-heldout-bpe4k-s1024"
-RECORDS = Path("docs/compare-gpu")
+RECORDS = Path("docs/results/compare-gpu")
 BATCH = Path(__file__).with_name("comparison.yaml")  # what the batch trains
 
 
@@ -164,7 +164,7 @@ REPORT_RESERVE_S = 20.0
 
 def section(section, plan) -> None:
     """The GPU check's comparison section (``--quality``): the batch resumed from the records
-    committed in ``docs/compare-gpu/`` (the dry run: none, its own tiny batch on the check's
+    committed in ``docs/results/compare-gpu/`` (the dry run: none, its own tiny batch on the check's
     dataset), trained until the section's time is up, the runs finished now kept in
     ``OUT/records`` for ``--merge`` in the checkout."""
     out = Path(plan.out) if plan.out else section.scratch

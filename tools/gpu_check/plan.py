@@ -33,7 +33,7 @@ STACK_SECTIONS = (
     "outputs",
     "multi_gpu",
 )
-# The GPU window as two 10-minute calls (docs/gpu/README.md, "Next on a GPU"). --speed: the
+# The GPU window as two 10-minute calls (docs/gpu/README.md, "What the check runs"). --speed: the
 # headline at both presets (interleaved repeats), every variant's step cost and memory, MFU,
 # a profile of every design. --quality: bf16 correctness of every design, every kernel row,
 # then the GPU comparison (comparison.yaml) until the call's time is up.

@@ -758,8 +758,8 @@ def _comparison_md(section: dict) -> list[str]:
         + f", {left} still to run; {_fmt(data.get('budget_s'), '.0f')} s given to training.",
         "",
         f"This call's records: `{data.get('records_to')}`. In the checkout: `python -m "
-        "tools.gpu_check.compare --merge <those records>`, then commit `docs/compare-gpu/`; "
-        "the next window continues from there.",
+        "tools.gpu_check.compare --merge <those records>`, then commit "
+        "`docs/results/compare-gpu/`; the next window continues from there.",
     ]
     if data.get("log_tail"):
         lines += ["", "```", *data["log_tail"], "```"]
