@@ -87,9 +87,13 @@ def rms_fp32_logits(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) 
 
 
 def summed_products(x: Tensor, weight: Tensor) -> Tensor:
-    """x W^T for a few outputs (weight [outputs, h]) as products summed over h: for compiled
-    code, where it is one reduction fused into the pass reading x."""
-    return (x.unsqueeze(-2) * weight).sum(-1)
+    """x W^T for a few outputs (weight [outputs, h]) as products summed over h, one reduction
+    per output: for compiled code, where the reductions (and the mean of squares) share one
+    pass reading x, and the backward's x-gradient is a sum of pointwise terms the compiler
+    adds into the pass that writes it. One reduction over [..., outputs, h] would neither
+    share the pass nor keep its gradient from being written as an fp32 [..., h] tensor of
+    its own (``t2train bench bytes``)."""
+    return torch.stack([(x * w).sum(-1) for w in weight.unbind(0)], -1)
 
 
 def _rms_linear_in_fp32(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:

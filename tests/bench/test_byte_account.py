@@ -27,9 +27,9 @@ NOW = {  # units per sublayer call, forward + backward (docs/byte-account.md)
     "ddl": 27.2,
     "attnres": 38.7,
     "block_attnres": 32.7,
-    "hc": 90.3,
-    "hc+shortswa": 90.3,
-    "mhc": 90.4,
+    "hc": 83.5,
+    "hc+shortswa": 83.5,
+    "mhc": 87.7,
 }
 SLACK = 0.05  # units: rounding of the table
 

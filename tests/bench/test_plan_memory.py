@@ -54,16 +54,17 @@ FP32_PER_TOKEN = S * B * 4  # one fp32 number per token, bytes
 @pytest.mark.parametrize("mixer", [False, True])
 def test_mhc_keeps_its_n_streams_and_fp32_mappings_per_sublayer(n, mixer):
     """Per sublayer (attention, the MLP and the mixer's when on): the n streams and the
-    sublayer output (n + 1 units beyond standard's), and fp32 per token: H_pre, H_post (n
-    each), H_res (n^2), the normed projection that makes them (as many) and its inverse RMS
-    (1); the embedding enters as n views of one unit (n - 1 units fewer)."""
+    sublayer output, less the norm's input standard keeps (the compiled read is rebuilt from
+    the streams): n units beyond standard's; and fp32 per token: H_post (n), H_res (n^2),
+    the normed projection that makes the mappings (n^2 + 2n) and its inverse RMS (1); the
+    embedding enters as n views of one unit (n - 1 units fewer)."""
     on = ["model.shortswa.window=8"] if mixer else []
     sublayers = L * (3 if mixer else 2)
     added = _activations("model.residual=mhc", f"model.mhc.expansion_rate={n}", *on) - (
         _activations(*on)
     )
-    fp32 = 2 * (n + n + n * n) + 1
-    expected = (sublayers * (n + 1) - (n - 1)) * UNIT + sublayers * fp32 * FP32_PER_TOKEN
+    fp32 = (n + n * n) + (n * n + 2 * n) + 1
+    expected = (sublayers * n - (n - 1)) * UNIT + sublayers * fp32 * FP32_PER_TOKEN
     assert added == pytest.approx(expected, abs=2)
     dropped = _activations(
         "model.residual=mhc",

@@ -114,12 +114,14 @@ def no_dropped_states(_model) -> int:
 def saved_for(section: str, fp32_per_sublayer, dropped_per_layer=no_dropped_states):
     def saved_per_token(model) -> SavedPerToken:
         """Per sublayer, the n streams its read and mixing take and the output its write
-        scales (the read's result is the norm's input, as in `standard`), with
-        ``fp32_per_sublayer`` mixing weights per token; the embedding enters as n views of
-        one unit; ``dropped_per_layer`` states of n units are rebuilt in the backward."""
+        scales, less the norm's input that `standard` keeps: in a compiled layer the read is
+        fused into the norm's pass (``t2train.residual.unrolled``) and its result rebuilt from
+        the streams in the backward; with ``fp32_per_sublayer`` mixing weights per token; the
+        embedding enters as n views of one unit; ``dropped_per_layer`` states of n units are
+        rebuilt in the backward."""
         n, h = getattr(model, section).expansion_rate, model.hidden_size
         dropped = dropped_per_layer(model) * model.num_layers
-        units = sublayers(model) * (n + 1) - (n - 1) - n * dropped
+        units = sublayers(model) * n - (n - 1) - n * dropped
         return SavedPerToken(
             whole=units * h / model.num_layers,
             whole_fp32=len(sublayer_names(model)) * fp32_per_sublayer(model),
@@ -129,11 +131,12 @@ def saved_for(section: str, fp32_per_sublayer, dropped_per_layer=no_dropped_stat
 
 
 def mixing_weights(model) -> int:
-    """A_m and B (n each) and A_r (n^2); dynamic, also the projections of the normed streams
-    that make them (n + 2 per stream) and each stream's inverse RMS (``rms_fp32_logits``, in
-    a compiled layer one pass over the streams, not recomputed)."""
+    """B (n) and A_r (n^2), which the write's kernel takes (A_m is rebuilt with the read in
+    the backward); dynamic, also the projections of the normed streams that make them (n + 2
+    per stream) and each stream's inverse RMS (``rms_fp32_logits``, in a compiled layer one
+    pass over the streams, not recomputed)."""
     n = model.hc.expansion_rate
-    return n * n + 2 * n + (n * (n + 2) + n if model.hc.dynamic else 0)
+    return n * n + n + (n * (n + 2) + n if model.hc.dynamic else 0)
 
 
 def stream_mix_traffic(section: str):

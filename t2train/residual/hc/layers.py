@@ -19,6 +19,7 @@ from t2train.residual.hc.functional import (
 )
 from t2train.residual.streams import StreamCopies as StreamCopies  # hc's stream, as is
 from t2train.residual.streams import StreamMixResidual, record_weights, sublayer_index
+from t2train.residual.unrolled import weighted_sum
 
 HC_READ = dispatch.Kernel("hc_read", "t2train.kernels.stream_mix:width_read", width_read)
 HC_WRITE = dispatch.Kernel("hc_write", "t2train.kernels.stream_mix:depth_write", depth_write)
@@ -64,6 +65,8 @@ class HyperConnection(StreamMixResidual):
         record_weights(
             "hc", (self.layer_number, self.position), read, beta, lambda: residual.transpose(-1, -2)
         )
+        if torch.compiler.is_compiling():  # fused into the norm that follows (``unrolled``)
+            return weighted_sum(state, read).to(state.dtype), (residual, beta)
         return dispatch.route(HC_READ, state)(state, read), (residual, beta)
 
     def depth_connection(self, state: Tensor, pending: tuple, out: Tensor) -> Tensor:

@@ -140,11 +140,12 @@ def extra_flops_per_token(model) -> int:
 
 
 def mappings(model) -> int:
-    """H_pre and H_post (n each) and H_res (n^2), the normed projection that makes them
-    (n^2 + 2n) and its inverse RMS (``layers.normed_projection``: in a compiled layer one
-    pass over the streams, not recomputed)."""
+    """H~post (n) and H~res (n^2), which the write's kernel takes (H_pre is rebuilt with the
+    read in the backward), the normed projection that makes the mappings (n^2 + 2n) and its
+    inverse RMS (``layers.normed_projection``: in a compiled layer one pass over the
+    streams, not recomputed)."""
     n = model.mhc.expansion_rate
-    return 2 * (n * n + 2 * n) + 1
+    return (n * n + n) + (n * n + 2 * n) + 1
 
 
 def recomputed_states(model) -> int:

@@ -22,6 +22,7 @@ from t2train.residual.mhc.functional import (
 )
 from t2train.residual.streams import StreamCopies, StreamMixResidual, record_weights
 from t2train.residual.sublayers import sublayer_names
+from t2train.residual.unrolled import weighted_sum
 
 
 def normed_projection(state: Tensor, projection: Tensor, eps: float) -> Tensor:
@@ -136,6 +137,9 @@ class ManifoldHyperConnection(StreamMixResidual):
                 2 * torch.sigmoid(post),
                 lambda: sinkhorn(res, self.iterations),
             )
+            if torch.compiler.is_compiling():  # fused into the norm that follows
+                x = weighted_sum(state, torch.sigmoid(pre)).to(state.dtype)
+                return x, (post, res)
             return read_streams(state, pre), (post, res)
 
     def depth_connection(self, state: Tensor, pending: tuple, out: Tensor) -> Tensor:
