@@ -56,9 +56,11 @@ stream entering each layer is kept. Values are unchanged (the same kernel on the
 inputs); it saves one n x [s, b, h] state per layer, two with the local mixer.
 
 The read (H_pre) and the write (Sinkhorn, H_res and H_post) are one fused Triton pass each
-over the stream on CUDA (``kernels/stream_mix.py``, chosen by ``T2_KERNELS``); the
-projection stays a PyTorch matmul. Hops carry n units of [s, b, h] (unit ids None); all is
-per token, so sequence parallelism applies; parameters are replicated across tensor ranks.
+over the stream on CUDA (``kernels/stream_mix.py``, chosen by ``T2_KERNELS``); in a
+compiled layer the read is PyTorch the compiler fuses into the norm's pass
+(``t2train/residual/unrolled.py``), and the projection products summed over the streams.
+Hops carry n units of [s, b, h] (unit ids None); all is per token, so sequence parallelism
+applies; parameters are replicated across tensor ranks.
 """
 
 from __future__ import annotations
