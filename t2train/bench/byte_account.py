@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import warnings
 from contextlib import contextmanager
@@ -108,9 +109,24 @@ def _split_units(accesses: dict) -> tuple[float, float]:
     return units, narrow
 
 
+def _written_bytes(node) -> dict:
+    """What ``node`` writes, per buffer. An operator with several outputs (a custom operator's
+    backward: the state's gradient beside narrow ones and the weights') writes them as one
+    packed buffer, whose total would be split as one tensor (and dropped when the total is no
+    multiple of the tokens): each output is counted by its own size instead."""
+    outputs = getattr(getattr(node, "node", None), "outputs", None)
+    if not outputs:
+        return node.get_read_write_buffer_accesses(False, True)
+    return {
+        output.get_name(): int(math.prod(output.get_size())) * output.get_dtype().itemsize
+        for output in outputs
+        if hasattr(output, "get_size")
+    }
+
+
 def _node_traffic(graph: str, node) -> KernelTraffic:
     read, narrow_read = _split_units(node.get_read_write_buffer_accesses(True, False))
-    written, narrow_written = _split_units(node.get_read_write_buffer_accesses(False, True))
+    written, narrow_written = _split_units(_written_bytes(node))
     kind = type(node).__name__.removesuffix("SchedulerNode") or "Scheduler"
     return KernelTraffic(graph, kind, node.get_name(), read, written, narrow_read + narrow_written)
 
