@@ -106,17 +106,19 @@ def extra_flops_per_token(model) -> int:
 
 
 def saved_per_token(model) -> SavedPerToken:
-    """Per sublayer, the write keeps the sublayer's output, its fp32 gate logits (beta and the
-    d_v of v) and, d_v > 1, the matrix state its read mixes (the state's d_v columns, next to
-    the mixed input the norm keeps); the entry keeps the expander's output and its input,
-    padded with kernel - 1 earlier tokens."""
+    """Per sublayer, the write keeps the sublayer's output, its fp32 per-token numbers (the
+    gates beta and the d_v of v, k's inverse norm and the d_v of k^T X: the compiled write's
+    backward recomputes everything h-wide from the bf16 tensors) and, d_v > 1, the matrix
+    state its read mixes (the state's d_v columns, next to the mixed input the norm keeps);
+    the entry keeps the expander's output and its input, padded with kernel - 1 earlier
+    tokens."""
     h, dv, sublayers = model.hidden_size, model.ddl.dv, len(sublayer_names(model))
     state = dv if dv > 1 else 0
     padded = (model.seq_length + model.ddl.embed_conv_kernel - 1) / model.seq_length
     entry = (padded + dv) * h if dv > 1 else 0
     return SavedPerToken(
         whole=sublayers * (1 + state) * h + entry / model.num_layers,
-        whole_fp32=sublayers * (1 + dv),
+        whole_fp32=sublayers * (2 + 2 * dv),
     )
 
 

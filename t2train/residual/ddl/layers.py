@@ -13,6 +13,7 @@ from t2train.nn import probe
 from t2train.nn.functional import at_least_fp32
 from t2train.nn.precision import fp32_linear
 from t2train.residual.base import ResidualStream, SublayerResidual, mark_replicated
+from t2train.residual.ddl.compiled import delta_write_fused
 from t2train.residual.ddl.functional import channel_mix, delta_write, normalized_direction
 
 
@@ -58,18 +59,26 @@ class DeltaResidual(SublayerResidual):
         return state if self.compressor is None else self.compressor(state)
 
     def write(self, state: Tensor, x: Tensor, normed: Tensor, out: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():  # fused into the add's pass, fp32 recomputed
+            self._record(state, out, lambda: fp32_linear(normed, self.beta_proj))
+            return delta_write_fused(
+                state, x, normed, out, self.beta_proj, self.v_proj, self.k_eps, self.v_scale
+            )
         beta_logit = fp32_linear(normed, self.beta_proj)  # the authors' fp32 gate logits
+        self._record(state, out, lambda: beta_logit)
+        return write_delta(
+            state, out, beta_logit, fp32_linear(x, self.v_proj), self.k_eps, self.v_scale
+        )
+
+    def _record(self, state: Tensor, out: Tensor, beta_logit) -> None:
         sublayer = (self.layer_number, self.position)
-        probe.record("ddl_beta", sublayer, lambda: 2 * torch.sigmoid(beta_logit.float()))
+        probe.record("ddl_beta", sublayer, lambda: 2 * torch.sigmoid(beta_logit().float()))
         probe.record(
             "ddl_kx",
             sublayer,
             lambda: (  # the readout k^T X that v replaces
                 normalized_direction(out, self.k_eps) * at_least_fp32(state)
             ).sum(-1),
-        )
-        return write_delta(
-            state, out, beta_logit, fp32_linear(x, self.v_proj), self.k_eps, self.v_scale
         )
 
 
