@@ -70,6 +70,9 @@ VARIANTS = {
     "hc": (["model.residual=hc"], 2),
     "standard+shortswa": (["model.shortswa.window=4"], 1),
     "attnres": (["model.residual=attnres"], 1),
+    # the write fused into the add (residual/ddl/compiled.py), its backward by hand
+    "ddl": (["model.residual=ddl"], 1),
+    "ddl-dv4": (["model.residual=ddl", "model.ddl.dv=4"], 1),
     # the layer one checkpointed region of its graph, hc's read handing its write values
     # through module attributes inside it
     "hc+selective": (["model.residual=hc", "model.recompute=selective"], 2),

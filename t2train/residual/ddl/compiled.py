@@ -40,23 +40,28 @@ def _logits(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     return torch.stack([(x * w).sum(-1) for w in weight.unbind(0)], -1) + bias
 
 
-def _columns(t: Tensor, matrix: bool) -> Tensor:
-    """A per-token [..., d_v] tensor as one [..., 1] per state column ([d_v, ..., 1])."""
-    return t.movedim(-1, 0).unsqueeze(-1) if matrix else t
+def _columns(state: Tensor, matrix: bool) -> tuple[Tensor, ...]:
+    """The state's columns, each [..., h]: every per-column step is then a [tokens, h] pass
+    like the output's, which the compiler puts in one loop with the output's and the next
+    read's (a [d_v, tokens, h] step would be a loop of its own)."""
+    return state.unbind(0) if matrix else (state,)
 
 
-def _column_sum(t: Tensor, matrix: bool) -> Tensor:
-    return t.sum(0) if matrix else t
+def _stacked(columns: list[Tensor], matrix: bool) -> Tensor:
+    return torch.stack(columns) if matrix else columns[0]
 
 
 class _Gates:
     """The write's per-token fp32 quantities: the gates, k's inverse norm and k^T X."""
 
-    def __init__(self, state, x, normed, out, beta_w, beta_b, v_w, v_b, k_eps, v_scale):
+    def __init__(self, columns, x, normed, out, beta_w, beta_b, v_w, v_b, k_eps, v_scale):
         self.beta = 2 * torch.sigmoid(_logits(normed, beta_w, beta_b))  # [..., 1]
         self.v = v_scale * torch.sigmoid(_logits(x, v_w, v_b))  # [..., d_v]
         self.r = torch.rsqrt(at_least_fp32(out).pow(2).sum(-1, keepdim=True) + k_eps * k_eps)
-        self.kx = (at_least_fp32(out) * self.r * at_least_fp32(state)).sum(-1, keepdim=True)
+        self.k = at_least_fp32(out) * self.r
+        # k^T X_j, one [..., 1] per column: no narrow concatenation between these reductions
+        # and the pass that uses them
+        self.kx = [(self.k * at_least_fp32(column)).sum(-1, keepdim=True) for column in columns]
 
 
 class _DeltaWrite(torch.autograd.Function):
@@ -64,55 +69,61 @@ class _DeltaWrite(torch.autograd.Function):
     def forward(ctx, state, x, normed, out, beta_w, beta_b, v_w, v_b, k_eps, v_scale):
         read_state = x is None  # v's logits read the state itself (d_v = 1)
         x = state if read_state else x
-        q = _Gates(state, x, normed, out, beta_w, beta_b, v_w, v_b, k_eps, v_scale)
+        matrix = state.dim() == out.dim() + 1
+        columns = _columns(state, matrix)
+        q = _Gates(columns, x, normed, out, beta_w, beta_b, v_w, v_b, k_eps, v_scale)
         ctx.save_for_backward(
-            state, None if read_state else x, normed, out, beta_w, v_w, q.beta, q.v, q.r, q.kx
+            state, None if read_state else x, normed, out, beta_w, v_w, q.beta, q.v, q.r, *q.kx
         )
         ctx.v_scale = v_scale
-        matrix = state.dim() == out.dim() + 1
-        k = at_least_fp32(out) * q.r
-        error = _columns(q.v, matrix) - q.kx
-        return (at_least_fp32(state) + q.beta * error * k).to(state.dtype)
+        written = [
+            at_least_fp32(column) + q.beta * (q.v[..., j : j + 1] - kx) * q.k
+            for j, (column, kx) in enumerate(zip(columns, q.kx))
+        ]
+        return _stacked([column.to(state.dtype) for column in written], matrix)
 
     @staticmethod
     def backward(ctx, grad):
-        state, x, normed, out, beta_w, v_w, beta, v, r, kx = ctx.saved_tensors
+        state, x, normed, out, beta_w, v_w, beta, v, r, *kxs = ctx.saved_tensors
         read_state = x is None
         x = state if read_state else x
         matrix = state.dim() == out.dim() + 1
+        columns, grads = _columns(state, matrix), _columns(grad, matrix)
         # bf16 times fp32 is computed in fp32. No explicit upcast of a saved bf16 tensor: the
         # partitioner would share it with the forward's and save the fp32 copy.
-        k, g = out * r, grad
-        error = _columns(v, matrix) - kx
-        a = (k * g).sum(-1, keepdim=True)  # k^T g, per column
+        k = out * r
+        e = [v[..., j : j + 1] - kx for j, kx in enumerate(kxs)]  # the errors, [..., 1] each
+        a = [(k * g).sum(-1, keepdim=True) for g in grads]  # k^T g, per column
         # the gate logits' gradients as row reductions of their own (sum_j e_j a_j and
         # beta a_j, each times its sigmoid's slope): one buffer each, so that the pointwise
         # passes reading them stay under the compiler's limit of reads for recomputing
         beta_slope = beta * (1 - beta / 2)
-        beta_logit = (k * _column_sum(error * g, matrix) * beta_slope).sum(-1, keepdim=True)
-        v_slope = _columns(v * (1 - v / ctx.v_scale), matrix)
-        v_logit = (k * g * (beta * v_slope)).sum(-1, keepdim=True)  # [d_v?, ..., 1]
-        v_logit = v_logit.squeeze(-1).movedim(0, -1) if matrix else v_logit  # [..., d_v]
-        grad_state = g - beta * a * k
-        dk = beta * _column_sum(error * g - a * state, matrix)
-        k_dk = beta * _column_sum(a * (error - kx), matrix)
+        error_g = sum(e_j * g for e_j, g in zip(e, grads))
+        beta_logit = (k * error_g * beta_slope).sum(-1, keepdim=True)  # [..., 1]
+        v_slope = beta * v * (1 - v / ctx.v_scale)  # [..., d_v]
+        v_logit = [  # [..., 1] per column
+            (k * g * v_slope[..., j : j + 1]).sum(-1, keepdim=True) for j, g in enumerate(grads)
+        ]
+        grad_state = [g - beta * a_j * k for a_j, g in zip(a, grads)]
+        dk = beta * sum(e_j * g - a_j * column for e_j, g, a_j, column in zip(e, grads, a, columns))
+        k_dk = beta * sum(a_j * (e_j - kx_j) for a_j, e_j, kx_j in zip(a, e, kxs))
         grad_out = r * (dk - k * k_dk)
         grad_normed = beta_logit * beta_w[0]
-        grad_x = sum(v_logit[..., j : j + 1] * w for j, w in enumerate(v_w))
+        grad_x = sum(logit * w for logit, w in zip(v_logit, v_w))
         tokens = list(range(out.dim() - 1))
         grad_beta_w = (beta_logit * normed).sum(tokens).unsqueeze(0)
-        grad_v_w = torch.stack([(v_logit[..., j : j + 1] * x).sum(tokens) for j in range(len(v_w))])
+        grad_v_w = torch.stack([(logit * x).sum(tokens) for logit in v_logit])
         if read_state:
-            grad_state = grad_state + grad_x
+            grad_state[0] = grad_state[0] + grad_x
         return (
-            grad_state.to(state.dtype),
+            _stacked([column.to(state.dtype) for column in grad_state], matrix),
             None if read_state else grad_x.to(x.dtype),
             grad_normed.to(normed.dtype),
             grad_out.to(out.dtype),
             grad_beta_w.to(beta_w.dtype),
             beta_logit.sum(tokens).to(beta_w.dtype),
             grad_v_w.to(v_w.dtype),
-            v_logit.sum(tokens).to(v_w.dtype),
+            torch.stack([logit.sum(tokens) for logit in v_logit]).squeeze(-1).to(v_w.dtype),
             None,
             None,
         )
