@@ -94,7 +94,7 @@ def test_a_hung_rank_times_out_naming_the_collective_and_rank(shakespeare, tmp_p
         "_coalescing_manager from distributed/param_and_grad_buffer.py"
     ) in output, output[-6000:]  # Megatron DDP's gradient all-reduce, waiting for the hung rank
     blocked = re.search(
-        r"\(parallel.collective_timeout_mins=0.1; this process used ([\d.]+) s of CPU in the "
+        r"\(parallel.collective_timeout_mins=0.1; its main thread used ([\d.]+) s of CPU in the "
         r"last ([\d.]+) s\); a peer rank is probably dead or stuck",
         output,
     )

@@ -21,8 +21,13 @@ REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 2.0
 # One phase that needs CPU_S of CPU ("busy") or sleeps SLEEP_S without using any ("stuck").
 WATCHED = """
-import sys, time
+import sys, threading, time
 from t2train.train.watchdog import Watchdog
+def spin():
+    while True:
+        pass
+if sys.argv[2] == "stuck beside a busy thread":  # as a data loader's thread keeps running
+    threading.Thread(target=spin, daemon=True).start()
 with Watchdog(float(sys.argv[1]) / 60) as dog:
     print("watching", flush=True)
     with dog.phase("training step 1"):
@@ -75,10 +80,13 @@ def test_a_starved_process_that_progresses_is_not_killed_as_hung():
     print(f"a phase of {CPU_S} s of CPU, starved, took {took:.1f} s of wall time")
 
 
-def test_a_stuck_process_alone_in_its_run_is_killed_blaming_no_peer():
-    """A phase that sleeps (uses no CPU): killed after the timeout with exit 124; the line
-    says how much CPU it used in the window and, as it has no peer, blames none."""
-    process = _watched("stuck", SLEEP_S)
+@pytest.mark.parametrize("mode", ["stuck", "stuck beside a busy thread"])
+def test_a_stuck_process_alone_in_its_run_is_killed_blaming_no_peer(mode):
+    """A phase that sleeps (its main thread uses no CPU), alone or while another thread of
+    the process spins: killed after the timeout with exit 124; the line says how much CPU
+    the main thread used in the window and, as it has no peer, blames none. (Judged by the
+    process's CPU time, the spinning thread kept the stuck one alive.)"""
+    process = _watched(mode, SLEEP_S)
     try:
         _, err = process.communicate(timeout=60)
     finally:
@@ -89,7 +97,7 @@ def test_a_stuck_process_alone_in_its_run_is_killed_blaming_no_peer():
     line = err.splitlines()[0]
     used = re.search(
         r"^rank 0: no progress for 2s in training step 1, blocked in .* "
-        r"\(parallel.collective_timeout_mins=0.0333333; this process used ([\d.]+) s of CPU in "
+        r"\(parallel.collective_timeout_mins=0.0333333; its main thread used ([\d.]+) s of CPU in "
         r"the last ([\d.]+) s\); this process, alone in its run, is stuck where its stack "
         r"shows\. Stack of this rank:$",
         line,

@@ -9,11 +9,13 @@ torch.distributed call and from where, dumps the stack and exits with ``HUNG_EXI
 torchrun (or ``t2train launch --max-restarts``) can restart the group from the last checkpoint.
 
 Wall time alone does not tell a stuck process from a starved one: on a machine with more
-runnable processes than cores, a healthy step may take longer than the timeout. A process
-blocked in a collective or a shared-memory wait uses next to no CPU, so a phase is judged
-over windows of the timeout: one in which the process used at least ``MIN_CPU_SHARE`` of a
-core is slow progress, and the next window starts. Only a window below it ends the rank,
-and the report says how much CPU it used.
+runnable processes than cores, a healthy step may take longer than the timeout. The training
+loop's thread (the main thread) blocked in a collective or a shared-memory wait uses next to
+no CPU, so a phase is judged over windows of the timeout: one in which that thread used at
+least ``MIN_CPU_SHARE`` of a core is slow progress, and the next window starts. Only a
+window below it ends the rank, and the report says how much CPU the thread used. The
+thread's own CPU time, not the process's: the data loader's, TensorBoard's and the
+collectives' helper threads keep running while the loop is stuck.
 """
 
 from __future__ import annotations
@@ -31,15 +33,29 @@ import torch.distributed as dist
 from t2train.train.hard_exit import exit_now
 
 HUNG_EXIT_CODE = 124
-# The share of one core below which a window counts as no progress: a process blocked in a
-# collective uses a thousandth of that (its watcher threads); a starved one gets more.
+# The share of one core below which a window counts as no progress: a main thread blocked in a
+# collective uses next to none; a starved one that progresses gets more.
 MIN_CPU_SHARE = 0.02
+
+
+def thread_cpu_seconds(native_id: int) -> float:
+    """The CPU time of one thread of this process (Linux: ``/proc/self/task/<tid>/stat``);
+    the whole process's where there is no such file."""
+    try:
+        stat = Path(f"/proc/self/task/{native_id}/stat").read_text()
+    except OSError:
+        return time.process_time()
+    # After the command name's closing parenthesis: field 3 (the state) onward; utime and
+    # stime are fields 14 and 15, in clock ticks.
+    fields = stat.rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Watchdog:
     def __init__(self, timeout_minutes: float):
         self.timeout = timeout_minutes * 60
         self._main = threading.main_thread().ident
+        self._main_native = threading.main_thread().native_id or 0
         self._phase: tuple[str, float, float] | None = None  # name, wall and CPU at its start
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True, name="t2train-watchdog")
@@ -54,7 +70,7 @@ class Watchdog:
     @contextmanager
     def phase(self, name: str):
         """Time one phase of the loop (a training step, an evaluation, a save)."""
-        self._phase = (name, time.monotonic(), time.process_time())
+        self._phase = (name, time.monotonic(), self._cpu())
         try:
             yield
         finally:
@@ -71,12 +87,16 @@ class Watchdog:
             waited = time.monotonic() - started
             if waited <= self.timeout:
                 continue
-            used = time.process_time() - cpu
+            used = self._cpu() - cpu
             if used >= MIN_CPU_SHARE * waited:  # slow, not stuck: judge the next window
-                started, cpu = time.monotonic(), time.process_time()
+                started, cpu = time.monotonic(), self._cpu()
                 continue
             self._report(phase[0], waited, used)
             exit_now(HUNG_EXIT_CODE)
+
+    def _cpu(self) -> float:
+        """The training loop's (main thread's) CPU seconds so far."""
+        return thread_cpu_seconds(self._main_native)
 
     def _report(self, phase: str, waited: float, used: float) -> None:
         frame = sys._current_frames().get(self._main or 0)
@@ -90,7 +110,7 @@ class Watchdog:
         print(
             f"rank {rank}: no progress for {self.timeout:g}s in {phase}, blocked in "
             f"{blocked_call(frame)} (parallel.collective_timeout_mins={self.timeout / 60:g}; "
-            f"this process used {used:.2f} s of CPU in the last {waited:.1f} s); {cause}. "
+            f"its main thread used {used:.2f} s of CPU in the last {waited:.1f} s); {cause}. "
             "Stack of this rank:",
             file=sys.stderr,
             flush=True,
