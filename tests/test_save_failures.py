@@ -200,6 +200,12 @@ def test_two_ranks_agree_on_failed_saves_and_a_failed_last_save_is_a_failure(
     assert "warning: checkpoint save of step 4" in proc.stdout
     assert "warning: checkpoint save of step 8" in proc.stdout
     assert "rank 0: PermissionError" in proc.stdout
+    # the start cleans what it can and names what it cannot, then trains: a save of the
+    # step fails later as any failed save
+    assert (
+        "could not remove its unfinished save runs/x/checkpoints/step_00000004.incomplete "
+        "([Errno 1] Operation not permitted"
+    ) in proc.stdout, output[-4000:]
     # torchrun stops a worker still exiting when its peer has exited (SIGTERM, -15); `t2train
     # launch` then reports the worker's own code (test_launcher.py: exit_code)
     codes = re.findall(r"exitcode\s+: (\S+)", output)

@@ -111,13 +111,19 @@ def find_latest(root: Path, warn_incomplete: bool = True) -> Optional[Path]:
     return root / step_dir_name(steps[-1]) if steps else None
 
 
-def remove_unfinished(root: Path) -> list[Path]:
+def remove_unfinished(root: Path) -> dict[Path, Optional[OSError]]:
     """Delete the staging directories of saves that never finished (their run was killed);
-    returns them. Only for the run directory's lock holder: a live run's save is one."""
-    unfinished = sorted(root.glob("*" + INCOMPLETE)) if root.is_dir() else []
-    for staging in unfinished:
-        shutil.rmtree(staging)
-    return unfinished
+    each one found -> None once removed, or the error that kept it (a file the filesystem
+    will not delete: the run goes on, and a save of that step fails as any failed save).
+    Only for the run directory's lock holder: a live run's save is one."""
+    found: dict[Path, Optional[OSError]] = {}
+    for staging in sorted(root.glob("*" + INCOMPLETE)) if root.is_dir() else []:
+        try:
+            shutil.rmtree(staging)
+            found[staging] = None
+        except OSError as err:
+            found[staging] = err
+    return found
 
 
 def check_engine(path: Path, engine: str) -> None:

@@ -228,7 +228,9 @@ class Trainer:
         line what was taken over and removed (nothing is left to clean by hand)."""
         left = [
             f"removed its unfinished save {path}"
-            for path in remove_unfinished(self.run_dir / "checkpoints")
+            if error is None
+            else f"could not remove its unfinished save {path} ({error})"
+            for path, error in remove_unfinished(self.run_dir / "checkpoints").items()
         ]
         if lock.taken_over is not None:
             left.insert(0, f"took over its lock {lock.path} ({describe_holder(lock.taken_over)})")
