@@ -522,7 +522,14 @@ def test_exports_compute_the_same_under_transformers_4_and_5(megatron_world, tmp
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "deprecated" not in done.stderr, done.stderr  # nothing a later 5.x may remove
+    # Nothing a later 5.x may remove. torch's notice to torchao (imported by transformers when
+    # installed: the fp8 extra) about registering its enums is neither transformers' nor ours.
+    deprecated = [
+        line
+        for line in done.stderr.splitlines()
+        if "deprecated" in line and "torch/utils/_pytree.py" not in line
+    ]
+    assert not deprecated, done.stderr
     five = torch.load(out)
     assert five["transformers"].startswith("5.")
     assert set(five["models"]) == set(ours)

@@ -148,6 +148,8 @@ def test_verdicts_follow_the_rule():
     run = suite_budget.FileRun(wall_s=110.0, cpu_s=160.0)  # it works twice as much
     assert suite_budget.judge_file("f", run, recorded, busy).over
     assert suite_budget.judge_file("f", run, recorded, quiet).over
+    run = suite_budget.FileRun(wall_s=100.0, cpu_s=80.0)  # as recorded, on a quieter machine
+    assert not suite_budget.judge_file("f", run, recorded, 0.5).over
 
 
 def test_the_readme_states_the_recorded_figure():
