@@ -78,10 +78,11 @@ def _(x):
 copy_of.register_autograd(lambda ctx, grad: grad)
 
 
-@pytest.mark.parametrize("design", ["standard", "hc"])
-def test_an_extra_pass_over_the_stream_state_is_caught(monkeypatch, design):
+def test_an_extra_pass_over_the_stream_state_is_caught(monkeypatch):
     """One more pass over the state per sublayer (read and write it once, forward and
-    backward) takes `standard` (one unit) and `hc` (n units) over their ceilings."""
+    backward) takes `standard` over its ceiling: the account sees a pass the compiler cannot
+    fuse away. (The n-stream designs' passes are n units each: their own rows count them.)"""
+    design = "standard"
     from importlib import import_module
 
     layers = import_module(get_design(design).layers)
