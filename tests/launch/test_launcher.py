@@ -352,53 +352,82 @@ def test_the_rendezvous_host_waits_for_a_slow_node_to_leave_the_exit_barrier(sha
     wait_until_none_left(str(run_dir))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("killed_node", [0, 1], ids=["rendezvous-host", "other-node"])
-def test_a_restart_budget_restarts_every_node_when_a_rank_dies_on_either(
-    shakespeare, tmp_path, uninterrupted, killed_node
-):
-    """Two node launchers with ``max_restarts=1``; after step 4 (step 3 saved) the worker of
-    one node is SIGKILLed: the node that hosts the rendezvous, or the other. Both nodes
-    restart into a fresh rendezvous round, resume from step 3 and finish with every step's
-    loss bitwise the uninterrupted run's (one node, two ranks: the same ranks as two nodes of
-    one); nothing of the run outlives it. The surviving rank
-    says in one line that a peer ended (it printed the collective's traceback). (Before, the
-    first node to restart joined the round the other had closed, RendezvousClosedError, and
-    the host then waited alone for ten minutes.)"""
-    run_dir = tmp_path / "run"
-    nodes, logs = _start_nodes(
-        tmp_path,
-        run_dir,
-        [*TWO_RANK_RUN, f"data.path={shakespeare}", f"log.run_dir={run_dir}"],
-        restarts=(1, 1),
-        restart_timeout=120,
-    )
+def _run_nodes_to_the_end(
+    tmp_path: Path, run_dir: Path, train: list[str], label: str, kills=(), **start
+) -> tuple[list[int], list[str]]:
+    """Two node launchers of one run, two ranks each; each ``(step, node, rank)`` of
+    ``kills`` SIGKILLs that rank once the run has logged that step. Their exit codes and
+    logs."""
+    env = {"NPROC_PER_NODE": "2"}
+    nodes, logs = _start_nodes(tmp_path, run_dir, train, label=label, node_env=(env, env), **start)
     try:
         deadline = time.monotonic() + patient(300)
-        while max(_losses(run_dir), default=0) < 4:
-            assert all(node.poll() is None for node in nodes) and time.monotonic() < deadline, [
-                log.read_text()[-3000:] for log in logs
-            ]
-            time.sleep(0.1)
-        _worker(nodes[killed_node], rank=killed_node).send_signal(signal.SIGKILL)
-        codes = [node.wait(timeout=600) for node in nodes]
+        for step, node, rank in kills:
+            while max(_losses(run_dir), default=0) < step:
+                assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, [
+                    log.read_text()[-3000:] for log in logs
+                ]
+                time.sleep(0.1)
+            _worker(nodes[node], rank=rank).send_signal(signal.SIGKILL)
+        codes = [node.wait(timeout=patient(600)) for node in nodes]
     finally:
         _kill_running(nodes)
-    texts = [log.read_text() for log in logs]
+    wait_until_none_left(str(run_dir))
+    return codes, [log.read_text() for log in logs]
+
+
+@pytest.mark.slow
+def test_a_restart_budget_restarts_every_node_when_a_rank_of_either_dies(shakespeare, tmp_path):
+    """Two nodes of two ranks each on this host (world 4: tensor-parallel pairs inside a
+    node, data parallel across; each node's first rank reads data), ``max_restarts=2``.
+    After step 4 (step 3 saved) the data reader of the node that hosts the rendezvous is
+    SIGKILLed, after step 7 (step 6 saved) the other node's: each time both nodes restart
+    into a fresh rendezvous round, the restarted readers open their data beside what the
+    killed attempt left in shared memory, and the run resumes from the newest checkpoint and
+    finishes with every step's loss bitwise that of the same four ranks never interrupted;
+    nothing of the run outlives it, and a surviving rank says in one line that a peer ended.
+    (Before: the first node to restart joined the round the other had closed, and a restarted
+    reader died on mosaicml-streaming's "shared memory registered does not match local
+    leader".)"""
+
+    def train(run_dir: Path) -> list[str]:
+        return [*TWO_RANK_RUN, f"data.path={shakespeare}", f"log.run_dir={run_dir}"]
+
+    reference = tmp_path / "reference"
+    codes, texts = _run_nodes_to_the_end(tmp_path, reference, train(reference), "reference")
+    assert codes == [0, 0], [text[-4000:] for text in texts]
+    assert "world 4 = TP 2 x PP 1 x DP 2" in texts[0], texts[0][-4000:]
+
+    run_dir = tmp_path / "run"
+    codes, texts = _run_nodes_to_the_end(
+        tmp_path,
+        run_dir,
+        train(run_dir),
+        "killed",
+        kills=((4, 0, 0), (7, 1, 2)),
+        restarts=(2, 2),
+        restart_timeout=120,
+    )
     assert codes == [0, 0], [text[-4000:] for text in texts]
     for text in texts:
-        assert "restart 1 of 1, resuming from the newest checkpoint" in text, text[-4000:]
+        for restart in (1, 2):
+            assert f"restart {restart} of 2, resuming from the newest checkpoint" in text, text[
+                -4000:
+            ]
         assert "RendezvousClosedError" not in text and "Traceback" not in text, text[-4000:]
         assert "Exception raised from" not in text, text[-4000:]
-    survivor = 1 - killed_node
+        assert "shared memory" not in text, text[-4000:]
     assert re.search(
-        rf"error: rank {survivor}: another rank has ended, breaking a collective "
-        r"\(.*\); its output says why",
-        texts[survivor],
-    ), texts[survivor][-4000:]
-    assert f"resumed from {run_dir / 'checkpoints'}/step_00000003" in texts[0], texts[0][-4000:]
-    assert _losses(run_dir) == _losses(uninterrupted.run_dir)
-    wait_until_none_left(str(run_dir))
+        r"error: rank \d: another rank has ended, breaking a collective \(.*\); its output "
+        r"says why",
+        texts[0] + texts[1],
+    ), [text[-4000:] for text in texts]
+    for step in (3, 6):
+        assert f"resumed from {run_dir / 'checkpoints'}/step_{step:08d}" in texts[0], texts[0][
+            -4000:
+        ]
+    assert _losses(run_dir) == _losses(reference)
+    assert sorted(_losses(run_dir)) == list(range(1, TWO_RANK_STEPS + 1))
 
 
 @pytest.mark.slow
