@@ -1,33 +1,46 @@
 """``model.<section>``: the typed options of every design that has them and of the local
-mixer, one field per section (light: the declarations only, no torch).
+mixer, one field per section, taken from the registry (light: the declarations only, no
+torch).
 
-``ModelConfig`` (``t2train/config/schema.py``) inherits these fields, so ``model.hc.
-expansion_rate`` is a declared attribute an IDE and a type checker follow. Each field's type
-is the ``options`` its declaration names (``tests/test_config.py`` checks the two agree): a
-new design with options adds its section here, beside its line in the registry.
+``ModelConfig`` (``t2train/config/schema.py``) inherits these fields, so ``model.hc`` is a
+dataclass field of the options class the design declares (``ResidualDesign.options``): a
+design's section comes with its one registry line, in the registry's order, the mixer's
+last. The fields are added to the class below before it becomes a dataclass, so the class
+itself is declared here, not built (``tests/test_config.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from t2train.residual.attnres import AttnResOptions
-from t2train.residual.ddl import DDLOptions
-from t2train.residual.depth_attn import DepthAttnOptions
-from t2train.residual.hc import HCOptions
-from t2train.residual.mhc import MHCOptions
-from t2train.residual.shortswa import ShortSWAOptions
+from t2train.residual import get_design, mixer, registered
 
 
-@dataclass
+def declared_sections() -> dict[str, type]:
+    """Section name -> its options class: each design's with options (designs that share a
+    section, as the AttnRes pair, declare the same class), then the mixer's."""
+    sections: dict[str, type] = {}
+    for name in registered():
+        design = get_design(name)
+        if design.section is not None and design.options is not None:
+            if sections.setdefault(design.section, design.options) is not design.options:
+                raise TypeError(
+                    f"model.{design.section}: designs sharing a section must declare the same "
+                    f"options class ({name} declares {design.options.__name__})"
+                )
+    sections[mixer().section] = mixer().options
+    return sections
+
+
 class DesignOptions:
-    ddl: DDLOptions = field(default_factory=DDLOptions)
-    depth_attn: DepthAttnOptions = field(default_factory=DepthAttnOptions)
-    attnres: AttnResOptions = field(default_factory=AttnResOptions)  # attnres, block_attnres
-    hc: HCOptions = field(default_factory=HCOptions)
-    mhc: MHCOptions = field(default_factory=MHCOptions)
-    shortswa: ShortSWAOptions = field(default_factory=ShortSWAOptions)  # the local mixer
+    """The design option sections of ``ModelConfig``."""
 
     def validate_sections(self) -> None:
-        for section in fields(DesignOptions):
+        for section in fields(DesignOptions):  # type: ignore[arg-type] # a dataclass below
             getattr(self, section.name).validate(f"model.{section.name}")
+
+
+for _section, _options in declared_sections().items():
+    DesignOptions.__annotations__[_section] = _options
+    setattr(DesignOptions, _section, field(default_factory=_options))
+dataclass(DesignOptions)  # the same class, with the fields above
