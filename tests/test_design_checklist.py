@@ -11,11 +11,13 @@ or check the registry themselves (layouts, resume, export, ``VARIANTS``) need no
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from t2train.residual import BASELINE, design_folder, registered
 
@@ -81,10 +83,10 @@ def _table_designs(markdown: str, header: str) -> set[str]:
 
 @pytest.mark.parametrize("design", registered())
 def test_the_folder_holds_the_declaration_math_modules_and_export_part(design):
-    folder = REPO / Path(*design_folder(design).split("."))
+    folder = Path(importlib.import_module(design_folder(design)).__file__).parent
     needed = ["__init__.py", "layers.py", "hf.py"] + ["functional.py"] * (design != BASELINE)
     missing = [name for name in needed if not (folder / name).is_file()]
-    assert not missing, f"{design}: checklist step 1, {folder.relative_to(REPO)} lacks {missing}"
+    assert not missing, f"{design}: checklist step 1, {folder} lacks {missing}"
 
 
 def test_every_design_has_its_formula_written_out_again():
@@ -139,3 +141,175 @@ def test_the_checks_catch_a_design_that_skipped_a_step(monkeypatch):
     for header in DOC_TABLES:
         with pytest.raises(AssertionError, match="toy"):
             test_every_design_has_its_row_in_the_design_tables(header)
+
+
+# --- a toy design added by the checklist alone --------------------------------------------
+
+TOY = {  # t2train/residual/toy/, as step 1 of the checklist asks: x <- x + g f(Norm(x))
+    "__init__.py": '''
+"""`toy`: a learned scalar gate per sublayer, x <- x + g f(Norm(x)), g starting at 1."""
+from t2train.residual.declaration import BODY, ResidualDesign, Traffic
+from t2train.residual.sublayers import sublayer_names
+
+
+def gates(model):  # one per sublayer
+    return model.num_layers * len(sublayer_names(model))
+
+
+def flops(model):  # g times the output: h multiplications per sublayer
+    return gates(model) * model.hidden_size
+
+
+def minimum_traffic(_model, _layer):  # standard's: the gate is one number
+    return Traffic(BODY.forward + 4, BODY.backward + 4)
+
+
+DESIGN = ResidualDesign(
+    name="toy",
+    layers="t2train.residual.toy.layers",
+    stream="HiddenStateStream",
+    sublayer="GatedResidual",
+    reference="a toy of the design checklist",
+    extra_parameters=lambda model, *_: gates(model),
+    extra_flops_per_token=flops,
+    minimum_traffic=minimum_traffic,
+)
+''',
+    "functional.py": '''
+"""The toy's math, once: the gated write."""
+from torch import Tensor
+
+
+def gated_write(state: Tensor, out: Tensor, gate: Tensor) -> Tensor:
+    return state + gate * out
+''',
+    "layers.py": '''
+"""The toy's training modules; its stream is standard's (designs may share code)."""
+import torch
+from torch import nn
+
+from t2train.residual.base import SublayerResidual
+from t2train.residual.standard.layers import HiddenStateStream as HiddenStateStream
+from t2train.residual.toy.functional import gated_write
+
+
+class GatedResidual(SublayerResidual):
+    def __init__(self, config, model, layer_number=1, position=0):
+        super().__init__(config, model, layer_number, position)
+        self.gate = nn.Parameter(torch.ones(1))
+
+    def read(self, state):
+        return state
+
+    def write(self, state, x, normed, out):
+        return gated_write(state, out, self.gate.to(out.dtype))
+
+
+KERNELS = ()
+''',
+    "hf.py": '''
+"""The toy's export part: its parameters named as in layers.py, its math functional.py's."""
+import torch
+from torch import nn
+
+from t2train.residual.hf_modeling import T2TrainConfig
+from t2train.residual.standard.hf import HiddenStateStream
+from t2train.residual.toy.functional import gated_write
+
+
+class GatedResidual(nn.Module):
+    def __init__(self, config: T2TrainConfig, layer: int, position: int):
+        super().__init__()
+        self.gate = nn.Parameter(torch.ones(1))
+
+    def read(self, state):
+        return state
+
+    def write(self, state, x, normed, out):
+        return gated_write(state, out, self.gate)
+
+
+EXPORTED = {"toy": (HiddenStateStream, GatedResidual, None)}
+''',
+}
+
+
+@pytest.fixture
+def toy_design(tmp_path, monkeypatch):
+    """The toy's folder, made beside the package's own (``t2train.residual.toy`` imports it
+    from here) and its one registry line; both gone afterwards."""
+    from t2train import residual
+    from t2train.residual.hf import modeling_module
+
+    folder = tmp_path / "toy"
+    folder.mkdir()
+    for name, source in TOY.items():
+        (folder / name).write_text(source.lstrip())
+    monkeypatch.setattr(residual, "__path__", [*residual.__path__, str(tmp_path)])
+    monkeypatch.setitem(residual._DESIGNS, "toy", ("t2train.residual.toy", "DESIGN"))
+    modeling_module.cache_clear()  # assembled from the registered designs' export parts
+    yield folder
+    modeling_module.cache_clear()
+    for module in [m for m in sys.modules if m.startswith("t2train.residual.toy")]:
+        del sys.modules[module]
+
+
+def test_a_toy_design_added_by_the_checklist_trains_and_exports(
+    toy_design, megatron_world, shakespeare, tmp_path
+):
+    """Steps 1 and 2 alone (four files and a registry line, no edit elsewhere): the config
+    takes it, the counts are the declaration's, it learns through the trainer (its gates
+    move), and its export computes the trained model's logits."""
+    from t2train.config.loader import load_config
+    from t2train.export.hf import hf_state_dict
+    from t2train.export.load import load_model, open_checkpoint
+    from t2train.model.flops import forward_flops_per_token, plain_forward_flops_per_token
+    from t2train.residual.hf import modeling_module, modeling_source
+    from t2train.train.loop import train
+
+    run_dir = tmp_path / "run"
+    config = load_config(
+        overrides=[
+            f"data.path={shakespeare}",
+            f"log.run_dir={run_dir}",
+            "model.residual=toy",
+            "model.num_layers=2",
+            "model.hidden_size=64",
+            "model.num_attention_heads=4",
+            "model.seq_length=64",
+            "train.micro_batch_size=4",
+            "train.global_batch_size=8",
+            "train.lr=3e-3",
+            "train.steps=30",
+            "train.eval_interval=30",
+            "checkpoint.interval=30",
+            "checkpoint.resume=none",
+        ]
+    )
+    model = config.model
+    assert forward_flops_per_token(model, 128) - plain_forward_flops_per_token(model, 128) == 4 * 64
+    summary = train(config)
+    assert summary.val_losses[30] < summary.val_losses[0] - 0.5, summary.val_losses
+
+    loaded = load_model(open_checkpoint(run_dir), device="cpu", dtype=torch.float32).model.eval()
+    gates = {n: p.item() for n, p in loaded.named_parameters() if n.endswith(".gate")}
+    assert len(gates) == 4 and all(g != 1.0 for g in gates.values()), gates
+
+    assert "class GatedResidual" in modeling_source()
+    hf_model = _exported(model, hf_state_dict(loaded.state_dict(), model), modeling_module())
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = loaded(tokens, torch.arange(16).expand(2, 16), None)
+        theirs = hf_model(tokens).logits
+    torch.testing.assert_close(theirs, ours[..., : theirs.shape[-1]], atol=1e-5, rtol=1e-5)
+    test_the_folder_holds_the_declaration_math_modules_and_export_part("toy")
+
+
+def _exported(model, state: dict, modeling):
+    from t2train.export.hf import hf_config
+
+    vocab = state["model.embed_tokens.weight"].shape[0]
+    hf_model = modeling.T2TrainForCausalLM(hf_config(model, vocab, eos_id=0, dtype=torch.float32))
+    missing, unexpected = hf_model.load_state_dict(state, strict=False)
+    assert unexpected == [] and missing in ([], ["lm_head.weight"]), (missing, unexpected)
+    return hf_model.eval()

@@ -11,14 +11,14 @@ A combination is labelled ``<design>`` or ``<design>+shortswa`` (``variant_label
 same spelling selects it in ``t2train bench step`` and ``t2train experiment compare``.
 
 A design is a folder here: ``<design>/__init__.py`` declares it (a ``ResidualDesign``: its
-options, config rules, counts and diagnostics; light, no torch), ``<design>/layers.py`` holds
-its training modules and the ``Kernel`` declarations of its fused kernels (``KERNELS``),
-``<design>/hf.py`` its export part and ``<design>/benchmarks.py`` its kernels' benchmark
-cases. Adding one: the checklist in ``README.md`` beside this file, which the tests enforce. Shared pieces:
-``declaration.py`` (what a design declares), ``base.py`` (the module interfaces),
-``sublayers.py`` (the mixer switch and the sublayer order), ``streams.py`` (the n-stream
-pieces `hc` and `mhc` share), ``window_attention.py`` (the window-attention operator of the
-mixer and `depth_attn`).
+options, config rules, counts and diagnostics; light, no torch), ``<design>/layers.py``
+holds its training modules and the ``Kernel`` declarations of its fused kernels
+(``KERNELS``), ``<design>/hf.py`` its export part and ``<design>/benchmarks.py`` its
+kernels' benchmark cases. Adding one: the checklist in ``README.md`` beside this file, which
+the tests enforce. Shared pieces: ``declaration.py`` (what a design declares), ``base.py``
+(the module interfaces), ``sublayers.py`` (the mixer switch and the sublayer order),
+``streams.py`` (the n-stream pieces `hc` and `mhc` share), ``window_attention.py`` (the
+window-attention operator of the mixer and `depth_attn`).
 """
 
 from __future__ import annotations

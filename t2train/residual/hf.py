@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib.util
 import linecache
 import sys
 import types
@@ -61,7 +62,7 @@ def export_parts() -> list[Path]:
     parts = {
         folder: path
         for folder in folders
-        if (path := MODELING_FILE.parent / folder / "hf.py").exists()
+        if (path := _module_path(f"t2train.residual.{folder}.hf")).exists()
     }
     ordered: list[str] = []
 
@@ -150,7 +151,16 @@ def _defined_in_the_file(node: ast.ImportFrom, path: Path) -> bool:
 
 
 def _module_path(module: str) -> Path:
-    return PACKAGE.parent.joinpath(*module.split(".")).with_suffix(".py")
+    """The source file of ``module``, found as an import finds it (a design's folder may sit
+    on ``t2train.residual.__path__`` beside the package's own); where it is missing, the path
+    it would have in the package (the caller names it)."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except ModuleNotFoundError:  # a parent package is missing
+        spec = None
+    if spec is None or spec.origin is None:
+        return PACKAGE.parent.joinpath(*module.split(".")).with_suffix(".py")
+    return Path(spec.origin)
 
 
 def functional_modules(parts: list[Path]) -> list[Path]:
