@@ -10,8 +10,12 @@ committed in ``tests/durations.json``:
 * a file fails when it takes more than ``GROWTH`` times its recorded time plus ``SLACK_S``;
 * the whole suite fails when it takes more than ``SUITE_BUDGET_S``.
 
-Times are judged with the load taken out, so that a busy machine cannot turn a run red
-while a file that got twice as slow still fails. A small sampler process reads the number
+Times are judged with the load and the CPU's speed taken out, so that a busy or slower
+machine cannot turn a run red while a file that got twice as slow still fails. The speed: a
+fixed pure-Python workload's CPU time (the best of several: other processes' load barely
+changes it), taken as the run starts; where the CPU runs it k times slower than at the
+record (another machine), every time is divided by k (CPU-seconds too: they grow with a
+slower CPU). A small sampler process reads the number
 of runnable processes (``/proc/loadavg``) once a second for the whole run: its contention,
 max(1, runnable others / CPUs), is how much slower than alone a CPU-bound process runs. A
 file's *load ratio* is the mean contention during the file's run over the mean during the
@@ -61,6 +65,7 @@ GROWTH = 1.3  # a file may grow by 30% over its record ...
 SLACK_S = 15.0  # ... plus this, before it fails
 BUSY = 1.2  # a load ratio above this is a busy machine: wall time alone cannot fail a file
 UNKNOWN_FILE_S = 60.0  # where a file without a record is placed in the longest-first order
+SPEED_LIMITS = (0.5, 3.0)  # a speed ratio outside these is clamped: a measure gone wrong
 
 # The sampler: the number of runnable processes, once a second.
 SAMPLE_EVERY_S = 1.0
@@ -92,6 +97,26 @@ def _contention_now(samples: int = 5) -> float:
         values.append(namespace["contention"]())
         time.sleep(0.1)
     return statistics.mean(values)
+
+
+def calibration_seconds(repeats: int = 7, steps: int = 1_000_000) -> float:
+    """The CPU time of a fixed pure-Python workload, the best of ``repeats`` (CPU time: the
+    waits of a loaded machine are not in it; the best: nor are cache misses after a switch)."""
+    best = float("inf")
+    for _ in range(repeats):
+        started, total = time.process_time(), 0
+        for i in range(steps):
+            total += i * i % 7
+        best = min(best, time.process_time() - started)
+    return best
+
+
+def speed_ratio(now: Optional[float], recorded: Optional[float]) -> float:
+    """How much slower this CPU ran the calibration than the record's (1 where either is
+    unknown)."""
+    if not now or not recorded:
+        return 1.0
+    return min(max(now / recorded, SPEED_LIMITS[0]), SPEED_LIMITS[1])
 
 
 def patient(seconds: float) -> float:
@@ -139,27 +164,33 @@ class Verdict:
     cpu_s: float
     cpu_limit_s: float
     slack_s: float
+    speed: float = 1.0  # how much slower the CPU than at the record; divides both times
 
     @property
     def over(self) -> bool:
         """Over its limit: by its CPU-seconds, which load barely changes; or, where the
         machine was no busier than when recorded, by its wall time scaled by the load (a
         file that got slower waiting, which its CPU-seconds do not show)."""
-        if self.cpu_s > self.cpu_limit_s:
+        if self.cpu_s / self.speed > self.cpu_limit_s:
             return True
         return self.load_ratio <= BUSY and self.normalised_s > self.limit_s
 
     def line(self) -> str:
         return (
-            f"{self.file}: {self.wall_s:.0f} s ({self.normalised_s:.0f} s at the recorded load, "
-            f"load ratio {self.load_ratio:.2f}; {self.cpu_s:.0f} CPU-s) against its limit of "
-            f"{self.limit_s:.0f} s ({GROWTH}x its recorded time + {self.slack_s:g} s; "
-            f"CPU limit {self.cpu_limit_s:.0f} s)"
+            f"{self.file}: {self.wall_s:.0f} s ({self.normalised_s:.0f} s at the recorded load "
+            f"and speed, load ratio {self.load_ratio:.2f}, speed ratio {self.speed:.2f}; "
+            f"{self.cpu_s:.0f} CPU-s) against its limit of {self.limit_s:.0f} s ({GROWTH}x its "
+            f"recorded time + {self.slack_s:g} s; CPU limit {self.cpu_limit_s:.0f} s)"
         )
 
 
 def judge_file(
-    name: str, run: FileRun, recorded: dict, load_ratio: float, slack_s: float = SLACK_S
+    name: str,
+    run: FileRun,
+    recorded: dict,
+    load_ratio: float,
+    slack_s: float = SLACK_S,
+    speed: float = 1.0,
 ) -> Verdict:
     return Verdict(
         file=name,
@@ -167,12 +198,13 @@ def judge_file(
         # A quieter machine than at the record is not scaled up: the contention measure is
         # noisy (a file recorded beside the suite's multi-process tests, run now beside
         # single-process ones, read as twice as quiet and its wall time as doubled).
-        normalised_s=run.wall_s / max(load_ratio, 1.0),
+        normalised_s=run.wall_s / max(load_ratio, 1.0) / speed,
         limit_s=GROWTH * recorded["wall_s"] + slack_s,
         load_ratio=load_ratio,
         cpu_s=run.cpu_s,
         cpu_limit_s=GROWTH * recorded["cpu_s"] + slack_s,
         slack_s=slack_s,
+        speed=speed,
     )
 
 
@@ -221,6 +253,11 @@ def pytest_addoption(parser):
         help="judge with this load ratio instead of the sampler's (tests of the budget)",
     )
     group.addoption(
+        "--budget-speed-ratio",
+        type=float,
+        help="judge with this CPU speed ratio instead of the calibration's (tests of the budget)",
+    )
+    group.addoption(
         "--budget-out",
         default=str(LAST_RUN),
         help="where this run's durations are written (default: %(default)s)",
@@ -252,6 +289,10 @@ class _Budget:
     def __init__(self, config):
         self.config = config
         self.record = load_record(Path(config.getoption("budget_record")))
+        self.calibration_s = calibration_seconds()  # before the workers load the machine
+        self.speed = config.getoption("budget_speed_ratio") or speed_ratio(
+            self.calibration_s, self.record.get("suite", {}).get("calibration_s")
+        )
         self.start_contention = _contention_now()
         recorded_start = self.record.get("suite", {}).get("start_contention")
         if recorded_start:  # inherited by the pytest workers
@@ -326,6 +367,7 @@ class _Budget:
                 "tests": len(self.seen),
                 "contention": run_mean,
                 "start_contention": self.start_contention,
+                "calibration_s": self.calibration_s,
                 "complete": whole,
                 "date": time.strftime("%Y-%m-%d"),
             },
@@ -350,15 +392,17 @@ class _Budget:
                 ratio = self.fixed_ratio or load_ratio(
                     samples, run.start, run.stop, recorded_files[name].get("contention"), run_ratio
                 )
-                self.verdicts.append(judge_file(name, run, recorded_files[name], ratio, self.slack))
+                self.verdicts.append(
+                    judge_file(name, run, recorded_files[name], ratio, self.slack, self.speed)
+                )
         if whole:
             run_ratio = self.fixed_ratio or run_ratio
-            normalised = elapsed / run_ratio
+            normalised = elapsed / run_ratio / self.speed
             self.suite_over = normalised > SUITE_BUDGET_S
             self.suite_line = (
                 f"the suite took {elapsed / 60:.1f} min ({normalised / 60:.1f} min at the "
-                f"recorded load, load ratio {run_ratio:.2f}) against its budget of "
-                f"{SUITE_BUDGET_S / 60:.0f} min"
+                f"recorded load and speed, load ratio {run_ratio:.2f}, speed ratio "
+                f"{self.speed:.2f}) against its budget of {SUITE_BUDGET_S / 60:.0f} min"
             )
         over = any(v.over for v in self.verdicts) or self.suite_over
         if over and session.exitstatus == pytest.ExitCode.OK:
@@ -436,12 +480,15 @@ def judge_ci(seconds: float, last: Path = LAST_FULL_RUN, record: Path = RECORD) 
     ratio = load_ratio([], 0, 0, None, 1.0)
     if run["suite"].get("contention") and recorded.get("suite", {}).get("contention"):
         ratio = min(max(run["suite"]["contention"] / recorded["suite"]["contention"], 0.5), 10.0)
-    normalised = seconds / ratio
+    speed = speed_ratio(
+        run["suite"].get("calibration_s"), recorded.get("suite", {}).get("calibration_s")
+    )
+    normalised = seconds / ratio / speed
     over = normalised > CI_BUDGET_S
     print(
         f"{'OVER BUDGET ' if over else ''}CI took {seconds / 60:.1f} min "
-        f"({normalised / 60:.1f} min at the recorded load) against its budget of "
-        f"{CI_BUDGET_S // 60} min"
+        f"({normalised / 60:.1f} min at the recorded load and speed, speed ratio {speed:.2f}) "
+        f"against its budget of {CI_BUDGET_S // 60} min"
     )
     return int(over)
 

@@ -152,6 +152,30 @@ def test_verdicts_follow_the_rule():
     assert not suite_budget.judge_file("f", run, recorded, 0.5).over
 
 
+def test_a_slower_cpu_divides_both_times():
+    """A CPU that runs the calibration twice as slowly takes twice the wall time and
+    CPU-seconds for the same work: not over; the same file working three times as much on it
+    still is."""
+    recorded = {"wall_s": 100.0, "cpu_s": 80.0}
+    slower = suite_budget.speed_ratio(now=0.2, recorded=0.1)
+    assert slower == 2.0
+    run = suite_budget.FileRun(wall_s=200.0, cpu_s=160.0)
+    assert suite_budget.judge_file("f", run, recorded, 1.0).over  # without the speed
+    assert not suite_budget.judge_file("f", run, recorded, 1.0, speed=slower).over
+    run = suite_budget.FileRun(wall_s=600.0, cpu_s=480.0)
+    assert suite_budget.judge_file("f", run, recorded, 1.0, speed=slower).over
+    assert suite_budget.speed_ratio(None, 0.1) == suite_budget.speed_ratio(0.1, None) == 1.0
+    assert suite_budget.speed_ratio(10.0, 0.1) == suite_budget.SPEED_LIMITS[1]
+
+
+def test_the_suite_line_names_the_speed_ratio(recorded):
+    proc = _judged(recorded, "--budget-speed-ratio", "2")
+    assert proc.returncode == 0, proc.stdout
+    assert "speed ratio 2.00" in proc.stdout, proc.stdout
+    run = json.loads((recorded / "run.json").read_text())
+    assert run["suite"]["calibration_s"] > 0
+
+
 def test_the_readme_states_the_recorded_figure():
     """The README's sentence on the suite is generated from tests/durations.json
     (``make test-record``), not written by hand."""
