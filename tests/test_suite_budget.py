@@ -166,6 +166,7 @@ def test_a_slower_cpu_divides_both_times():
     assert suite_budget.judge_file("f", run, recorded, 1.0, speed=slower).over
     assert suite_budget.speed_ratio(None, 0.1) == suite_budget.speed_ratio(0.1, None) == 1.0
     assert suite_budget.speed_ratio(10.0, 0.1) == suite_budget.SPEED_LIMITS[1]
+    assert suite_budget.speed_ratio(0.05, 0.1) == 1.0  # faster: its waits do not shrink
 
 
 def test_the_suite_line_names_the_speed_ratio(recorded):
