@@ -260,35 +260,20 @@ def test_a_toy_design_added_by_the_checklist_trains_and_exports(
     """Steps 1 and 2 alone (four files and a registry line, no edit elsewhere): the config
     takes it, the counts are the declaration's, it learns through the trainer (its gates
     move), and its export computes the trained model's logits."""
+    from test_export import _hf_model
+    from test_training import TINY, _train
+
     from t2train.config.loader import load_config
     from t2train.export.hf import hf_state_dict
     from t2train.export.load import load_model, open_checkpoint
     from t2train.model.flops import forward_flops_per_token, plain_forward_flops_per_token
-    from t2train.residual.hf import modeling_module, modeling_source
-    from t2train.train.loop import train
+    from t2train.residual.hf import modeling_source
 
-    run_dir = tmp_path / "run"
-    config = load_config(
-        overrides=[
-            f"data.path={shakespeare}",
-            f"log.run_dir={run_dir}",
-            "model.residual=toy",
-            "model.num_layers=2",
-            "model.hidden_size=64",
-            "model.num_attention_heads=4",
-            "model.seq_length=64",
-            "train.micro_batch_size=4",
-            "train.global_batch_size=8",
-            "train.lr=3e-3",
-            "train.steps=30",
-            "train.eval_interval=30",
-            "checkpoint.interval=30",
-            "checkpoint.resume=none",
-        ]
-    )
-    model = config.model
+    model = load_config(overrides=["data.path=unused", *TINY, "model.residual=toy"]).model
     assert forward_flops_per_token(model, 128) - plain_forward_flops_per_token(model, 128) == 4 * 64
-    summary = train(config)
+    run_dir = tmp_path / "run"
+    steps = ["train.steps=30", "train.eval_interval=30", "checkpoint.interval=30"]
+    summary = _train(shakespeare, run_dir, "model.residual=toy", *steps)
     assert summary.val_losses[30] < summary.val_losses[0] - 0.5, summary.val_losses
 
     loaded = load_model(open_checkpoint(run_dir), device="cpu", dtype=torch.float32).model.eval()
@@ -296,20 +281,11 @@ def test_a_toy_design_added_by_the_checklist_trains_and_exports(
     assert len(gates) == 4 and all(g != 1.0 for g in gates.values()), gates
 
     assert "class GatedResidual" in modeling_source()
-    hf_model = _exported(model, hf_state_dict(loaded.state_dict(), model), modeling_module())
+    state = hf_state_dict(loaded.state_dict(), model)
+    hf_model = _hf_model(model, state, vocab=state["model.embed_tokens.weight"].shape[0])
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours = loaded(tokens, torch.arange(16).expand(2, 16), None)
         theirs = hf_model(tokens).logits
     torch.testing.assert_close(theirs, ours[..., : theirs.shape[-1]], atol=1e-5, rtol=1e-5)
     test_the_folder_holds_the_declaration_math_modules_and_export_part("toy")
-
-
-def _exported(model, state: dict, modeling):
-    from t2train.export.hf import hf_config
-
-    vocab = state["model.embed_tokens.weight"].shape[0]
-    hf_model = modeling.T2TrainForCausalLM(hf_config(model, vocab, eos_id=0, dtype=torch.float32))
-    missing, unexpected = hf_model.load_state_dict(state, strict=False)
-    assert unexpected == [] and missing in ([], ["lm_head.weight"]), (missing, unexpected)
-    return hf_model.eval()
