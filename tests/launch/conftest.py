@@ -1,6 +1,6 @@
 """Fixtures of the launcher tests: SLURM installed and configured, a live local cluster, and
-the uninterrupted two-rank run that interrupted runs are compared with (the prepared dataset
-is ``shakespeare`` from tests/conftest.py)."""
+the uninterrupted runs (two and four ranks) that interrupted runs are compared with (the
+prepared dataset is ``shakespeare`` from tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -64,24 +64,23 @@ class UninterruptedRun:
     returncode: int
 
 
-@pytest.fixture(scope="session")
-def uninterrupted(shakespeare, tmp_path_factory) -> UninterruptedRun:
-    """``t2train launch --nproc-per-node=2`` of ``TWO_RANK_RUN``, never interrupted: the
-    reference of every test that stops, kills or restarts that run (two ranks on one node or
-    one on each of two nodes train alike). Trained once per suite run: the pytest workers
-    share it through a lock in their common temporary folder (pytest-xdist's recipe). Its
-    environment lacks OMP_NUM_THREADS, so that torchrun's banner about it would show."""
+def _shared_run(shakespeare, tmp_path_factory, nproc: int) -> UninterruptedRun:
+    """``t2train launch --nproc-per-node=NPROC`` of ``TWO_RANK_RUN``, never interrupted,
+    trained once per suite run: the pytest workers share it through a lock in their common
+    temporary folder (pytest-xdist's recipe). Its environment lacks OMP_NUM_THREADS, so that
+    torchrun's banner about it would show."""
     base = tmp_path_factory.getbasetemp()
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    folder, done = root / "uninterrupted", root / "uninterrupted.json"
-    with FileLock(str(root / "uninterrupted.lock")):
+    name = f"uninterrupted-{nproc}-ranks"
+    folder, done = root / name, root / f"{name}.json"
+    with FileLock(str(root / f"{name}.lock")):
         if not done.is_file():
             env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
             env.pop("OMP_NUM_THREADS", None)
             run_dir = folder / "run"
             proc = subprocess.run(
-                [sys.executable, "-m", "t2train.launch", "--nproc-per-node=2", *TWO_RANK_RUN]
-                + [f"data.path={shakespeare}", f"log.run_dir={run_dir}"],
+                [sys.executable, "-m", "t2train.launch", f"--nproc-per-node={nproc}"]
+                + [*TWO_RANK_RUN, f"data.path={shakespeare}", f"log.run_dir={run_dir}"],
                 capture_output=True,
                 text=True,
                 env=dict(env, PYTHONUNBUFFERED="1"),
@@ -101,3 +100,17 @@ def uninterrupted(shakespeare, tmp_path_factory) -> UninterruptedRun:
     run = json.loads(done.read_text())
     assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
     return UninterruptedRun(Path(run.pop("run_dir")), **run)
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(shakespeare, tmp_path_factory) -> UninterruptedRun:
+    """The reference of every test that stops, kills or restarts the two-rank run: two ranks
+    on one node or one on each of two nodes train alike."""
+    return _shared_run(shakespeare, tmp_path_factory, nproc=2)
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_four_ranks(shakespeare, tmp_path_factory) -> UninterruptedRun:
+    """The same run on four ranks (tensor-parallel pairs, two data-parallel replicas): the
+    reference of the runs of two nodes with two ranks each."""
+    return _shared_run(shakespeare, tmp_path_factory, nproc=4)

@@ -377,38 +377,33 @@ def _run_nodes_to_the_end(
 
 
 @pytest.mark.slow
-def test_a_restart_budget_restarts_every_node_when_a_rank_of_either_dies(shakespeare, tmp_path):
+def test_a_restart_budget_restarts_every_node_when_a_rank_of_either_dies(
+    shakespeare, tmp_path, uninterrupted_four_ranks
+):
     """Two nodes of two ranks each on this host (world 4: tensor-parallel pairs inside a
     node, data parallel across; each node's first rank reads data), ``max_restarts=2``.
     After step 4 (step 3 saved) the data reader of the node that hosts the rendezvous is
     SIGKILLed, after step 7 (step 6 saved) the other node's: each time both nodes restart
     into a fresh rendezvous round, the restarted readers open their data beside what the
     killed attempt left in shared memory, and the run resumes from the newest checkpoint and
-    finishes with every step's loss bitwise that of the same four ranks never interrupted;
+    finishes with every step's loss bitwise that of four ranks never interrupted (conftest.py);
     nothing of the run outlives it, and a surviving rank says in one line that a peer ended.
     (Before: the first node to restart joined the round the other had closed, and a restarted
     reader died on mosaicml-streaming's "shared memory registered does not match local
     leader".)"""
 
-    def train(run_dir: Path) -> list[str]:
-        return [*TWO_RANK_RUN, f"data.path={shakespeare}", f"log.run_dir={run_dir}"]
-
-    reference = tmp_path / "reference"
-    codes, texts = _run_nodes_to_the_end(tmp_path, reference, train(reference), "reference")
-    assert codes == [0, 0], [text[-4000:] for text in texts]
-    assert "world 4 = TP 2 x PP 1 x DP 2" in texts[0], texts[0][-4000:]
-
     run_dir = tmp_path / "run"
     codes, texts = _run_nodes_to_the_end(
         tmp_path,
         run_dir,
-        train(run_dir),
+        [*TWO_RANK_RUN, f"data.path={shakespeare}", f"log.run_dir={run_dir}"],
         "killed",
         kills=((4, 0, 0), (7, 1, 2)),
         restarts=(2, 2),
         restart_timeout=120,
     )
     assert codes == [0, 0], [text[-4000:] for text in texts]
+    assert "world 4 = TP 2 x PP 1 x DP 2" in texts[0], texts[0][-4000:]
     for text in texts:
         for restart in (1, 2):
             assert f"restart {restart} of 2, resuming from the newest checkpoint" in text, text[
@@ -426,7 +421,7 @@ def test_a_restart_budget_restarts_every_node_when_a_rank_of_either_dies(shakesp
         assert f"resumed from {run_dir / 'checkpoints'}/step_{step:08d}" in texts[0], texts[0][
             -4000:
         ]
-    assert _losses(run_dir) == _losses(reference)
+    assert _losses(run_dir) == _losses(uninterrupted_four_ranks.run_dir)
     assert sorted(_losses(run_dir)) == list(range(1, TWO_RANK_STEPS + 1))
 
 

@@ -1,14 +1,14 @@
-"""Soak test of the preemption path: a two-node run is stopped at random steps, in a random
-order, by SIGUSR1 and SIGTERM to both node launchers (which pass them on: the trainers save
-the step they are in, and the launchers exit 75), by SIGKILL of one node's launcher (its
-workers and their helpers die with it, and the run falls back to its last periodic
-checkpoint) and by SIGKILL of one rank, and resumed each time; the last attempt restarts
-both nodes within a restart budget. Its final checkpoint must equal, byte for byte, that of
-a run never interrupted, and nothing of any attempt may outlive it. It stands for a week of
-a real cluster's preemptions.
+"""Soak test of the preemption path: a run of two nodes with two ranks each is stopped at
+random steps, in a random order, by SIGUSR1 and SIGTERM to both node launchers (which pass
+them on: the trainers save the step they are in, and the launchers exit 75), by SIGKILL of
+one node's launcher (its workers and their helpers die with it, and the run falls back to
+its last periodic checkpoint) and by SIGKILL of one rank (a data reader or not), and resumed
+each time; the last attempt restarts both nodes within a restart budget. Its final
+checkpoint must equal, byte for byte, that of a run never interrupted, and nothing of any
+attempt may outlive it. It stands for a week of a real cluster's preemptions.
 
-The order, steps and nodes come from a seed printed with any failure; ``T2TRAIN_SOAK_SEED=N``
-replays one.
+The order, steps, nodes and ranks come from a seed printed with any failure;
+``T2TRAIN_SOAK_SEED=N`` replays one.
 """
 
 from __future__ import annotations
@@ -57,24 +57,26 @@ KILL_LAUNCHER, KILL_RANK = "kill -9 of a launcher", "kill -9 of a rank"
 
 
 def test_a_two_node_run_preempted_and_killed_at_random_ends_as_if_never_interrupted(
-    shakespeare, tmp_path, uninterrupted
+    shakespeare, tmp_path, uninterrupted_four_ranks
 ):
-    """Two node launchers (tests/launch/node_launcher.py) per attempt, stopped at random
+    """Two node launchers (tests/launch/node_launcher.py) of two ranks each (world 4:
+    tensor-parallel pairs inside a node, data parallel across) per attempt, stopped at random
     steps, in a random order, by: SIGUSR1 and SIGTERM to both launchers (both save the step
-    and exit 75), SIGKILL of one node's launcher (its worker dies with it, the other node's
+    and exit 75), SIGKILL of one node's launcher (its workers die with it, the other node's
     fails: the next attempt resumes from the last periodic checkpoint) and SIGKILL of one
     rank without a restart budget (the same). The last attempt has a restart budget and one
-    of its ranks is killed: both nodes restart within it. The node, as the steps, is drawn.
-    The final checkpoint's shards equal, byte for byte, those of the uninterrupted run
-    (conftest.py: two ranks on one node, as one on each of two nodes), every step's loss is
-    equal, and nothing of any attempt outlives it."""
+    of its ranks is killed: both nodes restart within it, the restarted data reader opening
+    its data beside what the killed attempt left in shared memory. The node and the rank,
+    as the steps, are drawn. The final checkpoint's shards equal, byte for byte, those of
+    four ranks never interrupted (conftest.py), every step's loss is equal, and nothing of
+    any attempt outlives it."""
     from test_launcher import _start_nodes, _worker
 
     seed = int(os.environ.get("T2TRAIN_SOAK_SEED", random.randrange(10**6)))
     rng = random.Random(seed)
     stops = [*rng.sample([*BOTH_LAUNCHERS, KILL_LAUNCHER, KILL_RANK], 4), KILL_RANK]
     about = f"seed {seed}: {stops}"
-    reference_dir, run_dir = uninterrupted.run_dir, tmp_path / "run"
+    reference_dir, run_dir = uninterrupted_four_ranks.run_dir, tmp_path / "run"
     latest, history, started = run_dir / "checkpoints" / "latest", [], time.monotonic()
     train = [*TWO_RANK_RUN, f"data.path={shakespeare}", f"log.run_dir={run_dir}"]
     nodes = []
@@ -83,10 +85,16 @@ def test_a_two_node_run_preempted_and_killed_at_random_ends_as_if_never_interrup
             last = attempt == len(stops) - 1
             resumed = int(latest.read_text().split("_")[1]) if latest.is_file() else 0
             nodes, logs = _start_nodes(
-                tmp_path, run_dir, train, restarts=(int(last),) * 2, label=f"attempt{attempt}"
+                tmp_path,
+                run_dir,
+                train,
+                restarts=(int(last),) * 2,
+                label=f"attempt{attempt}",
+                node_env=({"NPROC_PER_NODE": "2"},) * 2,
             )
             target = min(resumed + rng.randint(1, 3), STEPS - 2)
             node = rng.randrange(2)
+            rank = 2 * node + rng.randrange(2)
             deadline = time.monotonic() + patient(300)
             while _progress(logs[0]) < target:
                 assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, (
@@ -99,10 +107,10 @@ def test_a_two_node_run_preempted_and_killed_at_random_ends_as_if_never_interrup
             elif stop == KILL_LAUNCHER:
                 nodes[node].send_signal(signal.SIGKILL)
             else:
-                _worker(nodes[node], rank=node).send_signal(signal.SIGKILL)
+                _worker(nodes[node], rank=rank).send_signal(signal.SIGKILL)
             codes = [launcher.wait(timeout=300) for launcher in nodes]
             history.append(
-                (stop, node, resumed, _progress(logs[0]), codes, round(time.monotonic() - started))
+                (stop, rank, resumed, _progress(logs[0]), codes, round(time.monotonic() - started))
             )
             if last:
                 assert codes == [0, 0], f"{about} {history}\n{logs[0].read_text()[-3000:]}"
@@ -117,7 +125,7 @@ def test_a_two_node_run_preempted_and_killed_at_random_ends_as_if_never_interrup
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
     print(
-        f"two-node soak {about}: (stop, node, resumed at, stopped at, exit codes, second) {history}"
+        f"two-node soak {about}: (stop, rank, resumed at, stopped at, exit codes, second) {history}"
     )
     final = f"step_{STEPS:08d}"
     assert latest.read_text().strip() == final
