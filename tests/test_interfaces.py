@@ -20,6 +20,7 @@ from t2train.engine import Engine, build_engine
 
 INTERFACE = (
     "start_schedule",
+    "decode",
     "traffic",
     "stream_norms",
     "whole_model_name",

@@ -404,13 +404,6 @@ def account_variant(
     return VariantAccount(variant, layers, minimum)
 
 
-def all_variants() -> list[str]:
-    """Every registered design, alone and with the local mixer."""
-    from t2train.residual import mixer, registered
-
-    return [v for d in registered() for v in (d, f"{d}+{mixer().name}")]
-
-
 TABLE_HEADER = (
     "| variant | forward | backward | total | minimum (fwd + bwd) | now / minimum | "
     "kernels per layer, fwd / bwd (of them barriers) |\n|---|---|---|---|---|---|---|"
@@ -481,6 +474,8 @@ def register(tools) -> None:
 
 
 def _cmd_bytes(args) -> int:
+    from t2train.bench.variants import all_variants
+
     variants = args.variants.split(",") if args.variants else all_variants()
     print(
         f"Units per sublayer call: [tokens, hidden] bf16 tensors read + written by the "

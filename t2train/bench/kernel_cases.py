@@ -59,7 +59,8 @@ def _cpu_bench(fn: Callable, grad_to_none: Optional[list] = None, reps: int = 3)
     return statistics.median(times)
 
 
-def _bench(rt: Runtime, fn: Callable, grad_to_none: Optional[list] = None) -> float:
+def bench_ms(rt: Runtime, fn: Callable, grad_to_none: Optional[list] = None) -> float:
+    """Milliseconds per call of ``fn``: triton's do_bench on the GPU, a median on the CPU."""
     if not rt.on_cuda:
         return _cpu_bench(fn, grad_to_none)
     from triton.testing import do_bench
@@ -70,13 +71,13 @@ def _bench(rt: Runtime, fn: Callable, grad_to_none: Optional[list] = None) -> fl
 def time_ms(rt: Runtime, impl: Impl, mode: str) -> float:
     if mode == "fwd":
         with torch.no_grad():
-            return _bench(rt, impl.run)
+            return bench_ms(rt, impl.run)
     grads = [torch.randn_like(o) for o in _outputs(impl.run())]
 
     def step():
         torch.autograd.backward(_outputs(impl.run()), grads)
 
-    return _bench(rt, step, impl.inputs)
+    return bench_ms(rt, step, impl.inputs)
 
 
 def cases(shapes: KernelShapes, rt: Runtime, only=None) -> Iterator[Case]:

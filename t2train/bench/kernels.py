@@ -59,6 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="{fwd,fwd+bwd}",
         help="forward only or forward+backward (repeatable; default both)",
     )
+    parser.add_argument(
+        "--layers",
+        metavar="VARIANTS",
+        help="also each variant's decoder layers against the baseline design's, time and "
+        "memory per layer (t2train/bench/layer_cost.py): comma-separated <design> or "
+        "<design>+<mixer>, 'all' (every design, alone and with the mixer) or 'none'; "
+        "default 'all', or 'none' with --only",
+    )
     parser.add_argument("--json", type=Path, help="also write every row here (JSON)")
     parser.add_argument(
         "--dry-run",
@@ -92,12 +100,20 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from t2train.bench import kernel_cases as bench
+    from t2train.bench import layer_cost
     from t2train.bench.table import markdown_table
+    from t2train.bench.variants import all_variants
     from t2train.kernels.benchmark import Runtime
     from t2train.residual import kernel_benchmarks
 
     known = kernel_benchmarks()
-    for flag, asked, valid in (("--only", args.only, known), ("--mode", args.mode, bench.MODES)):
+    asked_layers = args.layers or ("none" if args.only else "all")
+    layers = {"all": all_variants(), "none": []}.get(asked_layers, asked_layers.split(","))
+    for flag, asked, valid in (
+        ("--only", args.only, known),
+        ("--mode", args.mode, bench.MODES),
+        ("--layers", layers, all_variants()),
+    ):
         unknown = sorted(set(asked or ()) - set(valid))
         if unknown:
             raise SystemExit(f"error: {flag} {', '.join(unknown)}: one of {', '.join(valid)}")
@@ -137,6 +153,12 @@ def run(args: argparse.Namespace) -> int:
             if rt.on_cuda:
                 torch.cuda.empty_cache()
     print(markdown_table(bench.TABLE_HEADER, [bench.table_cells(row) for row in rows]))
+    costs = []
+    for label, preset, overrides in presets if layers else []:
+        costs += layer_cost.layer_costs(label, preset, overrides, layers, rt)
+    if costs:
+        print(f"\n## Decoder layers against {layer_cost.BASELINE}'s\n")
+        print(markdown_table(layer_cost.TABLE_HEADER, [layer_cost.table_cells(c) for c in costs]))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(
@@ -145,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
                     "header": header.strip(),
                     "seconds": time.monotonic() - started,
                     "rows": [bench.row_dict(row) for row in rows],
+                    "layers": [layer_cost.row_dict(cost) for cost in costs],
                 },
                 indent=1,
             )

@@ -13,7 +13,7 @@ from typing import Optional
 
 from t2train.config.loader import load_config
 from t2train.config.schema import Config, ConfigError
-from t2train.residual import registered, variant_label, variant_overrides
+from t2train.residual import mixer, registered, variant_label, variant_overrides
 
 
 def variant_names(designs: Optional[str]) -> list[str]:
@@ -22,6 +22,11 @@ def variant_names(designs: Optional[str]) -> list[str]:
     if repeated:
         raise ConfigError(f"--designs: {', '.join(map(repr, repeated))} given more than once")
     return names
+
+
+def all_variants() -> list[str]:
+    """Every registered design, alone and with the local mixer."""
+    return [v for d in registered() for v in (d, f"{d}+{mixer().name}")]
 
 
 def split_variant(variant: str) -> tuple[str, list[str]]:

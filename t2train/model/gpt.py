@@ -127,6 +127,13 @@ class T2GPTModel(LanguageModule):
         that run the layers one at a time (``t2train bench bytes``)."""
         return list(self.decoder.layers), self.decoder.stream
 
+    def decode(self, hidden_states: Tensor) -> Tensor:
+        """The decoder alone on embedded tokens ``hidden_states`` [s, b, h] of one chunk of a
+        one-stage model: the stream's entry, the layers, its exit and the final norm, with
+        the rotary table of the sequence (the layer benchmark, ``t2train bench kernels``)."""
+        rotary = self.rotary_pos_emb(hidden_states.shape[0])
+        return self.decoder(hidden_states, None, rotary_pos_emb=rotary)
+
     def whole_model_name(self, name: str) -> str:
         """A state-dict key of this chunk as a PP = 1 model names it: a pipeline stage numbers
         its layers from 0, ``layer_number`` is a layer's place in the whole model (from 1)."""

@@ -54,3 +54,30 @@ def test_the_cli_command_runs_it_and_refuses_an_unknown_kernel_naming_the_known(
             SystemExit, match=f"error: {flag} {value}: one of .*{re.escape(listed)}"
         ):
             main(["bench", "kernels", "--dry-run", flag, value])
+
+
+def test_layers_of_each_asked_variant_against_the_baseline(tmp_path, capsys):
+    """``--layers``: the baseline's decoder and each asked variant's, timed per layer with
+    the ratio to the baseline's, in the table and the JSON; an unknown variant is one line
+    naming the known."""
+    import json
+
+    import pytest
+
+    from t2train.residual import BASELINE
+
+    out = tmp_path / "rows.json"
+    args = ["--dry-run", "--only", "fp32_linear", "--mode", "fwd", "--json", str(out)]
+    assert kernels.main([*args, "--layers", "hc+shortswa"]) == 0
+    costs = {row["variant"]: row for row in json.loads(out.read_text())["layers"]}
+    assert list(costs) == [BASELINE, "hc+shortswa"]
+    assert all(row["ms_per_layer"] > 0 and not row["error"] for row in costs.values()), costs
+    assert costs[BASELINE]["vs_baseline"] == 1.0
+    ratio = costs["hc+shortswa"]["ms_per_layer"] / costs[BASELINE]["ms_per_layer"]
+    assert costs["hc+shortswa"]["vs_baseline"] == pytest.approx(ratio)
+    assert costs[BASELINE]["layers"] == 2 and costs[BASELINE]["peak_mib"] is None  # no CUDA
+    assert "| hc+shortswa | tiny | 2 |" in capsys.readouterr().out
+    assert kernels.main(args) == 0  # --only alone: no layers
+    assert json.loads(out.read_text())["layers"] == []
+    with pytest.raises(SystemExit, match=r"error: --layers nope: one of .*hc\+shortswa"):
+        kernels.main([*args, "--layers", "nope"])
