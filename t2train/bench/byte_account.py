@@ -188,6 +188,13 @@ def _accounting_backend(recorded: list[KernelTraffic]):
     return lambda gm, example_inputs: compile_fx(gm, example_inputs, inner_compile=inner)
 
 
+def _overwriting_operators() -> frozenset:
+    import torch
+
+    aten = torch.ops.aten
+    return frozenset((aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default))
+
+
 class _EagerTraffic:
     """A dispatch mode counting what each operator run eagerly reads and writes."""
 
@@ -195,6 +202,7 @@ class _EagerTraffic:
         from torch.utils._python_dispatch import TorchDispatchMode
 
         kernels = self.kernels = []
+        overwriting = _overwriting_operators()
 
         class Counting(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -209,7 +217,9 @@ class _EagerTraffic:
                     tensors = [t for t in tree_leaves(values) if isinstance(t, torch.Tensor)]
                     return {id(t): t.numel() * t.element_size() for t in tensors}
 
-                read, narrow_read = _split_units(sizes((args, kwargs)))
+                # a copy or fill writes its destination without reading it
+                inputs = args[1:] if func in overwriting else args
+                read, narrow_read = _split_units(sizes((inputs, kwargs)))
                 written, narrow_written = _split_units(sizes(out))
                 if read or written or narrow_read or narrow_written:
                     kernels.append(
