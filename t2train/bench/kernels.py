@@ -107,12 +107,13 @@ def run(args: argparse.Namespace) -> int:
     from t2train.residual import kernel_benchmarks
 
     known = kernel_benchmarks()
+    variants = all_variants()
     asked_layers = args.layers or ("none" if args.only else "all")
-    layers = {"all": all_variants(), "none": []}.get(asked_layers, asked_layers.split(","))
+    layers = {"all": variants, "none": []}.get(asked_layers, asked_layers.split(","))
     for flag, asked, valid in (
         ("--only", args.only, known),
         ("--mode", args.mode, bench.MODES),
-        ("--layers", layers, all_variants()),
+        ("--layers", layers, variants),
     ):
         unknown = sorted(set(asked or ()) - set(valid))
         if unknown:

@@ -47,8 +47,8 @@ class LayerCost:
     error: str = ""
 
 
-def _decoder_cost(config, rt: Runtime) -> tuple[int, float, Optional[float]]:
-    """(layers, ms per layer, peak MiB beyond the weights) of one variant's decoder."""
+def _decoder_cost(config, rt: Runtime) -> tuple[float, Optional[float]]:
+    """(ms per layer, peak MiB beyond the weights) of one variant's one-stage decoder."""
     from t2train.model.build import build_model_chunks, transformer_config
     from t2train.parallel.init import one_process_world
 
@@ -77,9 +77,8 @@ def _decoder_cost(config, rt: Runtime) -> tuple[int, float, Optional[float]]:
         peak: Optional[float] = (torch.cuda.max_memory_allocated() - before) / 2**20
     else:
         peak = None
-    layers = len(model.layers_and_stream()[0])
-    ms = bench_ms(rt, step, [hidden, *model.parameters()]) / layers
-    return layers, ms, peak
+    ms = bench_ms(rt, step, [hidden, *model.parameters()]) / config.model.num_layers
+    return ms, peak
 
 
 def layer_costs(
@@ -94,7 +93,7 @@ def layer_costs(
         config = variant_config(preset, None, ["data.path=unused", *overrides], variant)
         cost = LayerCost(variant, label, config.model.num_layers, None, None)
         try:
-            cost.layers, cost.ms_per_layer, cost.peak_mib = _decoder_cost(config, rt)
+            cost.ms_per_layer, cost.peak_mib = _decoder_cost(config, rt)
         except Exception as err:  # reported in its row; the other variants still run
             cost.error = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]}"
         costs.append(cost)
