@@ -192,6 +192,14 @@ class Verdict:
         )
 
 
+def normalised_seconds(wall_s: float, load_ratio: float, speed: float) -> float:
+    """A wall time at the recorded load and CPU speed. A quieter machine than at the record
+    is not scaled up: the contention measure is noisy (a file recorded beside the suite's
+    multi-process tests, run now beside single-process ones, read as twice as quiet and its
+    wall time as doubled; a whole suite at a ratio of 0.90, 19.5 min, as 20.3)."""
+    return wall_s / max(load_ratio, 1.0) / speed
+
+
 def judge_file(
     name: str,
     run: FileRun,
@@ -203,10 +211,7 @@ def judge_file(
     return Verdict(
         file=name,
         wall_s=run.wall_s,
-        # A quieter machine than at the record is not scaled up: the contention measure is
-        # noisy (a file recorded beside the suite's multi-process tests, run now beside
-        # single-process ones, read as twice as quiet and its wall time as doubled).
-        normalised_s=run.wall_s / max(load_ratio, 1.0) / speed,
+        normalised_s=normalised_seconds(run.wall_s, load_ratio, speed),
         limit_s=GROWTH * recorded["wall_s"] + WALL_SLACK_FACTOR * slack_s,
         load_ratio=load_ratio,
         cpu_s=run.cpu_s,
@@ -405,7 +410,7 @@ class _Budget:
                 )
         if whole:
             run_ratio = self.fixed_ratio or run_ratio
-            normalised = elapsed / run_ratio / self.speed
+            normalised = normalised_seconds(elapsed, run_ratio, self.speed)
             self.suite_over = normalised > SUITE_BUDGET_S
             self.suite_line = (
                 f"the suite took {elapsed / 60:.1f} min ({normalised / 60:.1f} min at the "
@@ -516,7 +521,7 @@ def judge_ci(seconds: float, last: Path = LAST_FULL_RUN, record: Path = RECORD) 
     speed = speed_ratio(
         run["suite"].get("calibration_s"), recorded.get("suite", {}).get("calibration_s")
     )
-    normalised = seconds / ratio / speed
+    normalised = normalised_seconds(seconds, ratio, speed)
     over = normalised > CI_BUDGET_S
     print(
         f"{'OVER BUDGET ' if over else ''}CI took {seconds / 60:.1f} min "

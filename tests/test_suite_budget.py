@@ -214,3 +214,11 @@ def test_the_record_takes_each_file_at_its_slowest_run():
     assert files["a"] == {"wall_s": 12.0, "cpu_s": 9.0, "tests": 3, "contention": 3.0}
     assert files["b"] == {"wall_s": 20.0, "cpu_s": 6.0, "tests": 2, "contention": 2.0}
     assert files["c"] == last["files"]["c"]
+
+
+def test_a_quieter_machine_does_not_scale_a_time_up():
+    """Files and the suite alike: a busier machine divides the wall time by its load ratio,
+    a quieter one leaves it as it was (its measure is noisy), a slower CPU divides it."""
+    assert suite_budget.normalised_seconds(1170.0, 0.9, 1.0) == 1170.0
+    assert suite_budget.normalised_seconds(1200.0, 2.0, 1.0) == 600.0
+    assert suite_budget.normalised_seconds(1200.0, 0.5, 2.0) == 600.0
