@@ -102,7 +102,8 @@ def _split_units(accesses: dict) -> tuple[float, float]:
         if nbytes == 0 or nbytes % TOKENS:
             continue  # a weight, or a constant
         per_token = nbytes // TOKENS
-        if per_token % HIDDEN == 0:
+        if per_token % (ACTIVATION_BYTES * HIDDEN) == 0:  # a bf16 row at least (an fp32
+            # [n, n] per token is HIDDEN bytes at n = 4)
             units += per_token / (ACTIVATION_BYTES * HIDDEN)
         else:
             narrow += per_token
@@ -369,7 +370,8 @@ def account_layers(
         for index, layer in enumerate(layers):
             recorded: list[KernelTraffic] = []
             torch._dynamo.reset()
-            compiled = torch.compile(layer, backend=_accounting_backend(recorded))
+            # fullgraph: a break would run part of the layer eagerly, uncounted
+            compiled = torch.compile(layer, backend=_accounting_backend(recorded), fullgraph=True)
             out = compiled(_leaves_requiring_grad(state), None, rope)
             grads = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             torch.autograd.backward(grads, [torch.randn_like(t) for t in grads])

@@ -27,9 +27,9 @@ NOW = {  # units per sublayer call, forward + backward (docs/byte-account.md)
     "ddl": 22.1,
     "attnres": 44.0,
     "block_attnres": 36.9,
-    "hc": 88.5,
-    "hc+shortswa": 88.5,
-    "mhc": 92.7,
+    "hc": 63.6,
+    "hc+shortswa": 63.6,
+    "mhc": 89.1,
 }
 SLACK = 0.05  # units: rounding of the table
 

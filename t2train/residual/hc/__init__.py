@@ -111,17 +111,22 @@ def no_dropped_states(_model) -> int:
     return 0
 
 
-def saved_for(section: str, fp32_per_sublayer, dropped_per_layer=no_dropped_states):
+def saved_for(
+    section: str, fp32_per_sublayer, dropped_per_layer=no_dropped_states, keeps_read=None
+):
     def saved_per_token(model) -> SavedPerToken:
         """Per sublayer, the n streams its read and mixing take and the output its write
         scales, less the norm's input that `standard` keeps: in a compiled layer the read is
         fused into the norm's pass (``t2train.residual.unrolled``) and its result rebuilt from
-        the streams in the backward; with ``fp32_per_sublayer`` mixing weights per token; the
-        embedding enters as n views of one unit; ``dropped_per_layer`` states of n units are
-        rebuilt in the backward."""
+        the streams in the backward, unless ``keeps_read(model)`` (then the norm keeps it, as
+        `standard`'s does); with ``fp32_per_sublayer`` fp32 numbers per token; the embedding
+        enters as n views of one unit; ``dropped_per_layer`` states of n units are rebuilt in
+        the backward."""
         n, h = getattr(model, section).expansion_rate, model.hidden_size
         dropped = dropped_per_layer(model) * model.num_layers
         units = sublayers(model) * n - (n - 1) - n * dropped
+        if keeps_read is not None and keeps_read(model):
+            units += sublayers(model)
         return SavedPerToken(
             whole=units * h / model.num_layers,
             whole_fp32=len(sublayer_names(model)) * fp32_per_sublayer(model),
@@ -130,13 +135,20 @@ def saved_for(section: str, fp32_per_sublayer, dropped_per_layer=no_dropped_stat
     return saved_per_token
 
 
-def mixing_weights(model) -> int:
-    """B (n) and A_r (n^2), which the write's kernel takes (A_m is rebuilt with the read in
-    the backward); dynamic, also the projections of the normed streams that make them (n + 2
-    per stream) and each stream's inverse RMS (``rms_fp32_logits``, in a compiled layer one
-    pass over the streams, not recomputed)."""
+def mapping_logits(model) -> int:
+    """Dynamic: the projections of the normed streams (n + 2 per stream) and each stream's
+    inverse RMS, from which the width connection's backward rebuilds the mappings
+    (``hc/compiled.py``; the partitioner rebuilds the write's A_r and B from them too).
+    Static: none (the weights are parameters, the same for every token)."""
     n = model.hc.expansion_rate
-    return n * n + n + (n * (n + 2) + n if model.hc.dynamic else 0)
+    return n * (n + 2) + n if model.hc.dynamic else 0
+
+
+def keeps_fused_read(model) -> bool:
+    """The dynamic width connection's read (``hc/compiled.py``) is an output of its own
+    backward's function, which the partitioner keeps for the norm's backward instead of
+    recomputing it from the n streams (one unit kept against n read)."""
+    return model.hc.dynamic
 
 
 def stream_mix_traffic(section: str):
@@ -197,7 +209,7 @@ DESIGN = ResidualDesign(
     reference="Hyper-Connections, Zhu et al., ICLR 2025, arXiv 2409.19606",
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_per_token,
-    saved_per_token=saved_for("hc", mixing_weights),
+    saved_per_token=saved_for("hc", mapping_logits, keeps_read=keeps_fused_read),
     selective_saved_per_token=scaled_output,  # its width connections are recomputed
     minimum_traffic=stream_mix_traffic("hc"),
     unit_ids=copies_of("hc"),

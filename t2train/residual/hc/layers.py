@@ -11,6 +11,7 @@ from t2train.kernels import dispatch
 from t2train.nn.norm import RMSNorm
 from t2train.nn.precision import rms_fp32_logits
 from t2train.residual.base import mark_replicated
+from t2train.residual.hc.compiled import width_connection_fused
 from t2train.residual.hc.functional import (
     connection_weights,
     depth_write,
@@ -19,7 +20,7 @@ from t2train.residual.hc.functional import (
 )
 from t2train.residual.streams import StreamCopies as StreamCopies  # hc's stream, as is
 from t2train.residual.streams import StreamMixResidual, record_weights, sublayer_index
-from t2train.residual.unrolled import weighted_sum
+from t2train.residual.unrolled import stream_write_fused, weighted_sum
 
 HC_READ = dispatch.Kernel("hc_read", "t2train.kernels.stream_mix:width_read", width_read)
 HC_WRITE = dispatch.Kernel("hc_write", "t2train.kernels.stream_mix:depth_write", depth_write)
@@ -60,17 +61,37 @@ class HyperConnection(StreamMixResidual):
         return connection_weights(self.static_alpha, self.static_beta, tokens, logits, *scales)
 
     def width_connection(self, state: Tensor) -> tuple[Tensor, tuple]:
+        if self.dynamic and torch.compiler.is_compiling():
+            return self._fused_width_connection(state)
         alpha, beta = self.weights(state)
         read, residual = alpha[..., 0], alpha[..., 1:]
-        record_weights(
-            "hc", (self.layer_number, self.position), read, beta, lambda: residual.transpose(-1, -2)
-        )
+        self._record(read, residual, beta)
         if torch.compiler.is_compiling():  # fused into the norm that follows (``unrolled``)
             return weighted_sum(state, read).to(state.dtype), (residual, beta)
         return dispatch.route(HC_READ, state)(state, read), (residual, beta)
 
+    def _fused_width_connection(self, state: Tensor) -> tuple[Tensor, tuple]:
+        folded = folded_projections(self.dynamic_alpha, self.dynamic_beta, self.norm.weight)
+        x, read, residual, beta = width_connection_fused(
+            state,
+            folded,
+            self.static_alpha,
+            self.static_beta,
+            self.dynamic_alpha_scale,
+            self.dynamic_beta_scale,
+            cast(float, self.norm.eps),
+        )
+        self._record(read, residual, beta)
+        return x, (residual, beta)
+
+    def _record(self, read: Tensor, residual: Tensor, beta: Tensor) -> None:
+        key = (self.layer_number, self.position)
+        record_weights("hc", key, read, beta, lambda: residual.transpose(-1, -2))
+
     def depth_connection(self, state: Tensor, pending: tuple, out: Tensor) -> Tensor:
         residual, beta = pending
+        if torch.compiler.is_compiling():  # fused with the passes beside it (``unrolled``)
+            return stream_write_fused(state, residual, beta, out)
         write = dispatch.route(HC_WRITE, state, out)
         return write(state, residual, beta, out)
 

@@ -1,0 +1,122 @@
+"""`hc`'s and `mhc`'s stream read and write for compiled code (``t2train/residual/unrolled.py``,
+``t2train/residual/hc/compiled.py``): forward and hand-written backward against autograd of
+the Hyper-Connections formulas, written out again here, in fp64 with weights off their init."""
+
+import pytest
+import torch
+
+from t2train.residual.hc.compiled import width_connection_fused
+from t2train.residual.hc.functional import folded_projections
+from t2train.residual.unrolled import stream_write_fused
+
+N, TOKENS, H, EPS = 3, (3, 2), 8, 1e-2
+
+
+def _rand(g, *shape, scale=1.0):
+    return (scale * torch.randn(*shape, generator=g, dtype=torch.float64)).requires_grad_()
+
+
+def _width_case(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        _rand(g, N, *TOKENS, H),  # the streams
+        _rand(g, H, N + 1),  # W_a = [W_m, W_r]
+        _rand(g, H),  # W_b
+        _rand(g, H, scale=0.5),  # the stream norm's weight
+        _rand(g, N, N + 1),  # static [A_m | A_r]
+        _rand(g, N),  # static B
+        _rand(g, 1),  # s_a
+        _rand(g, 1),  # s_b
+    ]
+
+
+def _paper_width(state, w_a, w_b, norm_weight, static_alpha, static_beta, s_a, s_b):
+    """DHC (Eq. 10-13 of arXiv 2409.19606): H~ = RMSNorm(H) per stream, A_m, A_r =
+    s_a tanh(H~ W_a) + static, B = s_b tanh(H~ W_b) + static; x = sum_i A_m[i] h_i."""
+    normed = state / torch.sqrt(state.pow(2).mean(-1, keepdim=True) + EPS) * norm_weight
+    alpha = static_alpha + s_a * torch.tanh(normed @ w_a).movedim(0, -2)  # [..., n, n + 1]
+    beta = static_beta + s_b * torch.tanh(normed @ w_b).movedim(0, -1)  # [..., n]
+    x = sum(alpha[..., i, 0, None] * state[i] for i in range(N))
+    return x, alpha[..., 0], alpha[..., 1:], beta
+
+
+def _fused_width(state, w_a, w_b, norm_weight, static_alpha, static_beta, s_a, s_b):
+    folded = folded_projections(w_a, w_b, norm_weight)
+    return width_connection_fused(state, folded, static_alpha, static_beta, s_a, s_b, EPS)
+
+
+def _paper_write(state, residual, beta, out):
+    """H' = A_r^T H + B^T T: stream j takes sum_i A_r[i, j] h_i + B_j out."""
+    return torch.stack(
+        [
+            sum(residual[..., i, j, None] * state[i] for i in range(N)) + beta[..., j, None] * out
+            for j in range(N)
+        ]
+    )
+
+
+def _write_case(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        _rand(g, N, *TOKENS, H),
+        _rand(g, *TOKENS, N, N),
+        _rand(g, *TOKENS, N),
+        _rand(g, *TOKENS, H),
+    ]
+
+
+def _assert_same_gradients(got, want, leaves):
+    """Outputs equal, then the gradients of every leaf for random upstream gradients."""
+    g = torch.Generator().manual_seed(7)
+    upstream = [torch.randn(w.shape, generator=g, dtype=w.dtype) for w in want]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(got, leaves, upstream)
+    expected = torch.autograd.grad(want, leaves, upstream)
+    for grad, ref, leaf in zip(grads, expected, leaves):
+        assert ref.abs().max() > 1e-3, leaf.shape  # every gradient is exercised
+        torch.testing.assert_close(grad, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_width_connection_matches_autograd_of_the_formula():
+    leaves = _width_case()
+    x, read, residual, beta = _fused_width(*leaves)
+    want = _paper_width(*leaves)
+    torch.testing.assert_close(read, want[1], rtol=1e-12, atol=1e-12)
+    assert not read.requires_grad  # the read weights are for diagnostics
+    _assert_same_gradients([x, residual, beta], [want[0], want[2], want[3]], leaves)
+
+
+def test_stream_write_matches_autograd_of_the_formula():
+    leaves = _write_case()
+    _assert_same_gradients([stream_write_fused(*leaves)], [_paper_write(*leaves)], leaves)
+
+
+@pytest.mark.parametrize("which", ["width", "write"])
+def test_gradcheck_in_fp64(which):
+    if which == "width":
+        leaves, fn = _width_case(seed=1), lambda *a: [_fused_width(*a)[i] for i in (0, 2, 3)]
+    else:
+        leaves, fn = _write_case(seed=1), stream_write_fused
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    assert torch.autograd.gradcheck(fn, leaves)
+
+
+def test_the_comparison_sees_the_norms_gradient():
+    """A likely slip in a hand-written backward, leaving out the gradient through the stream
+    norm's 1 / RMS, moves the streams' gradient by more than the tolerance above."""
+    leaves = _width_case()
+    state, *rest = leaves
+    upstream = torch.randn(*TOKENS, H, dtype=torch.float64)
+
+    def x_of(rms_grad: bool):
+        rms = torch.sqrt(state.pow(2).mean(-1, keepdim=True) + EPS)
+        normed = state / (rms if rms_grad else rms.detach()) * rest[2]
+        alpha = rest[3] + rest[5] * torch.tanh(normed @ rest[0]).movedim(0, -2)
+        return sum(alpha[..., i, 0, None] * state[i] for i in range(N))
+
+    (fused,) = torch.autograd.grad(_fused_width(*leaves)[0], state, upstream)
+    (slip,) = torch.autograd.grad(x_of(rms_grad=False), state, upstream)
+    (paper,) = torch.autograd.grad(x_of(rms_grad=True), state, upstream)
+    torch.testing.assert_close(fused, paper, rtol=1e-10, atol=1e-10)
+    assert (fused - slip).abs().max() > 1e-4
