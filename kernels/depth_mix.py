@@ -155,7 +155,7 @@ def _phase1_fwd_kernel(
         o = tl.sum(w[:, :, None] * v[:, None, :], 0)
         tl.store(
             O + (offs_s[:, None] * rows + row) * hidden + offs_h[None, :],
-            o,
+            o.to(O.dtype.element_ty),
             mask=(offs_s[:, None] < n_q) & h_ok,
         )
 
@@ -388,15 +388,19 @@ def _checked(stacks: list[Tensor]) -> list[Tensor]:
 
 
 @kernel_op("block_phase_1")
-def _phase_1(queries: Tensor, stacks: list[Tensor], eps: float) -> tuple[Tensor, Tensor]:
+def _phase_1(
+    queries: Tensor, stacks: list[Tensor], eps: float, rounded: bool
+) -> tuple[Tensor, Tensor]:
     """queries [S, h], the N sources (the rows of the stacks, each [k, ..., h]) -> O
-    [S, ..., h] and LSE [S, ...], both fp32. The kernels read each source where it is (a
-    table of their addresses): no stacked copy is made, and none is saved for the backward
-    (the sources are the stream's, alive anyway)."""
+    [S, ..., h] and LSE [S, ...], both fp32; ``rounded``: O in the sources' dtype (a read
+    with no phase 2 to follow, which would otherwise convert it in a pass of its own). The
+    kernels read each source where it is (a table of their addresses): no stacked copy is
+    made, and none is saved for the backward (the sources are the stream's, alive anyway)."""
     queries = queries.contiguous()
     stacks = _checked(stacks)
     first = stacks[0][0]
-    out = torch.empty((queries.shape[0], *first.shape), device=queries.device, dtype=torch.float32)
+    out_dtype = first.dtype if rounded else torch.float32
+    out = torch.empty((queries.shape[0], *first.shape), device=queries.device, dtype=out_dtype)
     lse = torch.empty(out.shape[:-1], device=queries.device, dtype=torch.float32)
     if tracing(queries):
         return out, lse
@@ -481,7 +485,7 @@ def _phase_1_backward(
 
 
 def _save_phase_1(ctx, inputs: tuple, output: tuple) -> None:
-    queries, stacks, ctx.eps = inputs
+    queries, stacks, ctx.eps, _rounded = inputs
     ctx.save_for_backward(queries, output[1], *stacks)
 
 
@@ -489,7 +493,7 @@ def _phase_1_grads(ctx, d_out: Tensor, d_lse: Tensor) -> tuple:
     """The stacks' gradients are handed to autograd as views of one buffer."""
     queries, lse, *stacks = ctx.saved_tensors
     d_queries, d_sources = _phase_1_backward(queries, stacks, lse, d_out, d_lse, ctx.eps)
-    return d_queries, list(d_sources.split([t.shape[0] for t in stacks])), None
+    return d_queries, list(d_sources.split([t.shape[0] for t in stacks])), None, None
 
 
 _phase_1.register_autograd(_phase_1_grads, setup_context=_save_phase_1)
@@ -555,7 +559,7 @@ _phase_2.register_autograd(_phase_2_grads, setup_context=_save_phase_2)
 def phase_1(queries: Tensor, stacks: list[Tensor], eps: float) -> tuple[Tensor, Tensor]:
     """O [S, ..., h] and LSE [S, ...] (fp32) of S pseudo-queries over the N sources (the rows
     of the stacks, each [k, ..., h])."""
-    return _phase_1(queries, list(stacks), eps)
+    return _phase_1(queries, list(stacks), eps, False)
 
 
 def phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float) -> Tensor:
@@ -571,7 +575,7 @@ def depth_mix(query: Tensor, stacks: list[Tensor], partial: Tensor | None, eps: 
     rounded to the query's dtype once, as the reference's are (in bf16 the two halves,
     rounded apart, nearly cancel: up to 4% off the exact gradient)."""
     query = query.float()
-    out, lse = phase_1(query[None], stacks, eps)
-    if partial is None:
-        return out[0].to(stacks[0].dtype)
+    out, lse = _phase_1(query[None], list(stacks), eps, partial is None)
+    if partial is None:  # the mixture itself, written in the sources' dtype
+        return out[0]
     return phase_2(partial, query, out[0], lse[0], eps)
