@@ -289,7 +289,7 @@ def _phase2_row(P, Q, O, LSE, row, hidden, eps, BLOCK_H: tl.constexpr):
     h_ok = offs_h < hidden
     p = tl.load(P + row * hidden + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     q = tl.load(Q + offs_h, mask=h_ok, other=0.0).to(tl.float32)
-    o = tl.load(O + row * hidden + offs_h, mask=h_ok, other=0.0)
+    o = tl.load(O + row * hidden + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(p * p, 0) / hidden + eps)
     z = tl.sum(q * p, 0) * r
     gamma = tl.sigmoid(z - tl.load(LSE + row))  # e^z / (e^LSE + e^z)
@@ -338,7 +338,8 @@ def _phase2_bwd_kernel(
             dz = gamma * tl.sum(g * (p - y), 0)  # and dLSE = -dz
             dp = gamma * g + dz * r * (q - z * r / hidden * p)
             tl.store(DP + row * hidden + offs_h, dp.to(DP.dtype.element_ty), mask=h_ok)
-            tl.store(DO + row * hidden + offs_h, (1.0 - gamma) * g, mask=h_ok)
+            do = (1.0 - gamma) * g
+            tl.store(DO + row * hidden + offs_h, do.to(DO.dtype.element_ty), mask=h_ok)
             tl.store(DLSE + row, -dz)
             dq += dz * r * p
     offs_h = tl.arange(0, BLOCK_H)
@@ -392,8 +393,9 @@ def _phase_1(
     queries: Tensor, stacks: list[Tensor], eps: float, rounded: bool
 ) -> tuple[Tensor, Tensor]:
     """queries [S, h], the N sources (the rows of the stacks, each [k, ..., h]) -> O
-    [S, ..., h] and LSE [S, ...], both fp32; ``rounded``: O in the sources' dtype (a read
-    with no phase 2 to follow, which would otherwise convert it in a pass of its own). The
+    [S, ..., h] and LSE [S, ...], both fp32; ``rounded``: O in the sources' dtype (what a
+    layer keeps: a read with no phase 2 returns it as it is, and phase 2 reads half the
+    bytes; otherwise a pass of its own would convert it). The
     kernels read each source where it is (a table of their addresses): no stacked copy is
     made, and none is saved for the backward (the sources are the stream's, alive anyway)."""
     queries = queries.contiguous()
@@ -556,10 +558,12 @@ def _phase_2_grads(ctx, grad: Tensor) -> tuple:
 _phase_2.register_autograd(_phase_2_grads, setup_context=_save_phase_2)
 
 
-def phase_1(queries: Tensor, stacks: list[Tensor], eps: float) -> tuple[Tensor, Tensor]:
-    """O [S, ..., h] and LSE [S, ...] (fp32) of S pseudo-queries over the N sources (the rows
-    of the stacks, each [k, ..., h])."""
-    return _phase_1(queries, list(stacks), eps, False)
+def phase_1(
+    queries: Tensor, stacks: list[Tensor], eps: float, rounded: bool = False
+) -> tuple[Tensor, Tensor]:
+    """O [S, ..., h] and LSE [S, ...] (fp32; ``rounded``: O in the sources' dtype) of S
+    pseudo-queries over the N sources (the rows of the stacks, each [k, ..., h])."""
+    return _phase_1(queries, list(stacks), eps, rounded)
 
 
 def phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float) -> Tensor:

@@ -26,7 +26,7 @@ TARGET = 1.3  # times the declared minimum
 NOW = {  # units per sublayer call, forward + backward (docs/byte-account.md)
     "ddl": 22.1,
     "attnres": 38.0,
-    "block_attnres": 36.9,
+    "block_attnres": 30.2,
     "hc": 63.6,
     "hc+shortswa": 63.6,
     "mhc": 89.1,

@@ -74,3 +74,27 @@ def test_phase_1_batches_the_block_queries():
 def test_reference_passes_gradcheck():
     inputs = [t.double().requires_grad_() for t in _inputs(3, torch.float32, (2, 1), 6)]
     assert torch.autograd.gradcheck(lambda q, *v: depth_mix(q, _stacks(v), EPS), inputs)
+
+
+def test_a_block_read_with_its_mixture_rounded():
+    """A block read as the layer runs it: phase 1 keeping each mixture in the sources' dtype
+    (``rounded``), phase 2 merging it with the partial sum. The kernels against the
+    references in fp16, and the result within two roundings of the exact fp32 mixture of
+    the sources and the partial sum (one for the kept mixture, one for the result)."""
+    from t2train.residual.attnres.functional import block_phase_1, block_phase_2
+    from t2train.residual.attnres.layers import BLOCK_PHASE_1, BLOCK_PHASE_2
+
+    def read(phase_1, phase_2, query, partial, *sources):
+        out, lse = phase_1(query[None], _stacks(sources), EPS, rounded=True)
+        assert out.dtype == partial.dtype
+        return phase_2(partial, query, out[0], lse[0], EPS)
+
+    inputs = _inputs(3, torch.float16)
+    kernels = (BLOCK_PHASE_1.triton_function(), BLOCK_PHASE_2.triton_function())
+    got = read(*kernels, *inputs)
+    want = read(block_phase_1, block_phase_2, *inputs)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    query, partial, *sources = (t.float() for t in inputs)
+    exact = depth_mix(query, [v.unsqueeze(0) for v in [*sources, partial]], EPS)
+    bound = 2 * 2.0**-10 * exact.abs().amax(-1, keepdim=True)  # fp16: 10 mantissa bits
+    assert ((want.float() - exact).abs() <= bound).all()

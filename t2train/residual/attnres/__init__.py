@@ -151,7 +151,9 @@ def saved_for(block_size_of, two_phase: bool):
         """The chunk's buffer of completed sources (one unit each), a source read by a later
         sublayer of the layer that made it (kept once more, as the read's input), the open
         block's partial sum at each read that merges it, and per read the fp32 statistic of
-        its softmax; Block's reads (two phases) also keep phase 1's fp32 result, h per token."""
+        its softmax; Block's reads that merge a partial sum (two phases) also keep phase 1's
+        result, in the sources' dtype (a block's first read returns it as the norm's input,
+        which `standard`'s count has)."""
         per_layer, layers = sublayers_per_layer(model), model.num_layers
         block = block_size_of(model)
         reads = per_layer * layers  # every sublayer's (the final read is one more)
@@ -159,11 +161,10 @@ def saved_for(block_size_of, two_phase: bool):
         mid_layer = sum(index % per_layer != 0 for index in closing)
         partials = reads - len(closing)
         units = completed_sources(reads, block) + mid_layer + partials
+        if two_phase:
+            units += partials
         h = model.hidden_size
-        return SavedPerToken(
-            whole=units * h / layers,
-            whole_fp32=(reads * (h + 1 if two_phase else 1) + 1) / layers,
-        )
+        return SavedPerToken(whole=units * h / layers, whole_fp32=(reads + 1) / layers)
 
     return saved_per_token
 

@@ -62,14 +62,17 @@ def mixing_weights(query: Tensor, stacks: list[Tensor], eps: float) -> Tensor:
         return torch.softmax(z, dim=0)[:, 0]
 
 
-def block_phase_1(queries: Tensor, stacks: list[Tensor], eps: float) -> tuple[Tensor, Tensor]:
+def block_phase_1(
+    queries: Tensor, stacks: list[Tensor], eps: float, rounded: bool = False
+) -> tuple[Tensor, Tensor]:
     """Phase 1 of Block AttnRes (arXiv 2603.15031 Sec. 4.2): S pseudo-queries [S, h] over the
     N completed sources (the rows of the stacks, each [k, ..., h]) at once, one read of the
     sources. O [S, ..., h] is each query's mixture of the sources, LSE [S, ...] its
-    logsumexp (both fp32)."""
+    logsumexp (both fp32; ``rounded``: O in the sources' dtype, as a layer keeps it)."""
     with torch.autocast(stacks[0].device.type, enabled=False):
         outs, z = _mixtures(queries, stacks, eps)
-        return torch.stack(outs), torch.logsumexp(z, dim=0)
+        out = torch.stack(outs)
+        return out.to(stacks[0].dtype) if rounded else out, torch.logsumexp(z, dim=0)
 
 
 def block_phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float) -> Tensor:

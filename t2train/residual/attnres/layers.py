@@ -109,7 +109,7 @@ class BlockAttnResidual(SublayerResidual):
         queries = torch.stack([mate.query for mate in self.block_mates])
         stacks = state.stacks()
         phase_1 = dispatch.route(BLOCK_PHASE_1, queries, *stacks)
-        out, lse = phase_1(queries, stacks, self.eps)
+        out, lse = phase_1(queries, stacks, self.eps, rounded=True)
         rows = tuple(zip(out.unbind(0), lse.unbind(0)))
         return rows[0], rows[1:]
 
