@@ -125,8 +125,79 @@ def _written_bytes(node) -> dict:
     }
 
 
+def _read_bytes(node) -> dict:
+    """What ``node`` reads, per buffer. Inductor's estimate caps a buffer's bytes by the
+    elements a single node's loop reaches, but takes the whole buffer for a fused node: a
+    kernel of several nodes reading one row of a stacked tensor (Block AttnRes' phase-1
+    mixtures, [S, tokens, h]) would count all S rows. A fused node's reads are here its
+    nodes' distinct accesses (one index into one buffer counted once, however many of its
+    nodes use it), each the elements its index ranges over, at most the buffer's size."""
+    from torch._inductor.dependencies import MemoryDep
+    from torch._inductor.scheduler import ExternKernelSchedulerNode, FusedSchedulerNode
+    from torch._inductor.virtualized import V
+
+    if isinstance(node, ExternKernelSchedulerNode):
+        return _extern_read_bytes(node)
+    reads = node.read_writes.reads
+    if not isinstance(node, FusedSchedulerNode) or not all(
+        isinstance(dep, MemoryDep) for dep in reads
+    ):
+        return node.get_read_write_buffer_accesses(True, False)
+    accesses: dict[str, dict] = {}
+    for dep in reads:
+        canonical = dep.normalize()
+        accesses.setdefault(dep.name, {})[(canonical.index, tuple(canonical.size))] = dep
+    sizes = V.graph.sizevars
+    counted = {}
+    for name, deps in accesses.items():
+        buffer = V.graph.name_to_buffer.get(name) or V.graph.graph_inputs.get(name)
+        if buffer is None:
+            continue
+        elements = sum(
+            sizes.optimization_hint(dep.get_numel(), fallback=0) for dep in deps.values()
+        )
+        whole = sizes.optimization_hint(math.prod(buffer.get_size()), fallback=0)
+        counted[name] = min(elements, whole) * buffer.get_dtype().itemsize
+    return counted
+
+
+def _extern_read_bytes(node) -> dict:
+    """What an extern call (a GEMM, a custom operator) reads, per buffer: each input as the
+    call sees it, a view of a buffer by the view's size (Inductor counts the whole buffer
+    under any view: phase 2 handed one row of phase 1's [S, tokens, h] mixtures)."""
+    from torch._inductor.ir import MultiOutputLayout
+    from torch._inductor.virtualized import V
+
+    sizes = V.graph.sizevars
+    inductors = node.get_read_write_buffer_accesses(True, False)
+    counted: dict[str, int] = {}
+    for tensor in _flat_inputs(node.node.inputs):
+        name = tensor.get_name()
+        buffer = V.graph.name_to_buffer.get(name) or V.graph.graph_inputs.get(name)
+        if buffer is None or isinstance(getattr(buffer, "layout", None), MultiOutputLayout):
+            if name in inductors:  # a packed output of another call: Inductor's count
+                counted[name] = inductors[name]
+            continue
+        seen = sizes.optimization_hint(math.prod(tensor.get_size()), fallback=0)
+        whole = sizes.optimization_hint(math.prod(buffer.get_size()), fallback=0)
+        elements = min(whole, counted.get(name, 0) // buffer.get_dtype().itemsize + seen)
+        counted[name] = elements * buffer.get_dtype().itemsize
+    return counted
+
+
+def _flat_inputs(inputs) -> list:
+    """The tensor inputs (IR nodes with a name and a size) of an extern call, lists opened."""
+    flat = []
+    for item in inputs:
+        if isinstance(item, (list, tuple)):
+            flat.extend(_flat_inputs(item))
+        elif hasattr(item, "get_name") and hasattr(item, "get_size"):
+            flat.append(item)
+    return flat
+
+
 def _node_traffic(graph: str, node) -> KernelTraffic:
-    read, narrow_read = _split_units(node.get_read_write_buffer_accesses(True, False))
+    read, narrow_read = _split_units(_read_bytes(node))
     written, narrow_written = _split_units(_written_bytes(node))
     kind = type(node).__name__.removesuffix("SchedulerNode") or "Scheduler"
     return KernelTraffic(graph, kind, node.get_name(), read, written, narrow_read + narrow_written)
