@@ -579,7 +579,7 @@ def depth_mix(query: Tensor, stacks: list[Tensor], partial: Tensor | None, eps: 
     rounded to the query's dtype once, as the reference's are (in bf16 the two halves,
     rounded apart, nearly cancel: up to 4% off the exact gradient)."""
     query = query.float()
-    out, lse = _phase_1(query[None], list(stacks), eps, partial is None)
+    out, lse = phase_1(query[None], stacks, eps, rounded=partial is None)
     if partial is None:  # the mixture itself, written in the sources' dtype
         return out[0]
     return phase_2(partial, query, out[0], lse[0], eps)

@@ -111,8 +111,12 @@ def no_dropped_states(_model) -> int:
     return 0
 
 
+def keeps_no_read(_model) -> bool:
+    return False
+
+
 def saved_for(
-    section: str, fp32_per_sublayer, dropped_per_layer=no_dropped_states, keeps_read=None
+    section: str, fp32_per_sublayer, dropped_per_layer=no_dropped_states, keeps_read=keeps_no_read
 ):
     def saved_per_token(model) -> SavedPerToken:
         """Per sublayer, the n streams its read and mixing take and the output its write
@@ -125,7 +129,7 @@ def saved_for(
         n, h = getattr(model, section).expansion_rate, model.hidden_size
         dropped = dropped_per_layer(model) * model.num_layers
         units = sublayers(model) * n - (n - 1) - n * dropped
-        if keeps_read is not None and keeps_read(model):
+        if keeps_read(model):
             units += sublayers(model)
         return SavedPerToken(
             whole=units * h / model.num_layers,
