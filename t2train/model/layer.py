@@ -72,11 +72,18 @@ class ResidualTransformerLayer(TransformerLayer):
                 pg_collection=self.pg_collection,
             )
             self.pre_attention_residual = build_module(submodules.pre_attention_residual, **built)
+        for residual, norm in zip(self.sublayer_residuals(), self.sublayer_norms()):
+            residual.attach_pre_norm(norm)
 
     def sublayer_residuals(self) -> list:
         """This layer's ``SublayerResidual`` modules, in the order they run."""
         mixer = [self.pre_attention_residual] if self.pre_attention is not None else []
         return mixer + [self.attn_residual, self.mlp_residual]
+
+    def sublayer_norms(self) -> list:
+        """The pre-norm of each sublayer, in the order they run."""
+        mixer = [self.pre_attention_layernorm] if self.pre_attention is not None else []
+        return mixer + [self.input_layernorm, self.pre_mlp_layernorm]
 
     def _sublayer(self, state: State, residual, norm, mixer: Callable[[Tensor], tuple]) -> State:
         """Hidden dropout is the layer's, before the design writes the output (where Megatron's

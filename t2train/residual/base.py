@@ -5,7 +5,8 @@ A decoder layer is a sequence of pre-norm sublayers: the local mixer when it is 
 ``x = x + f(norm(x))``, t2train asks the residual design:
 
 * ``SublayerResidual.read(state)``: the tensor the sublayer normalises and transforms;
-* ``SublayerResidual.write(state, x, normed, out)``: the stream state after the sublayer;
+* ``SublayerResidual.write(state, x, normed, out)``: the stream state after the sublayer
+  (``normed`` is the pre-norm of ``x``; the norm itself is ``pre_norm``);
 * ``ResidualDesign.layer_entry`` (optional): a module whose ``begin(state)`` runs once per
   layer before its sublayers, e.g. the depth-wise attention read.
 
@@ -45,6 +46,17 @@ class SublayerResidual(MegatronModule):
         self.model = model
         self.layer_number = layer_number
         self.position = position
+
+    def attach_pre_norm(self, norm) -> None:
+        """The norm the layer applies to ``read(state)`` before the sublayer, for a write
+        that recomputes from ``x`` what the norm made (``ddl``'s gate in compiled code). The
+        layer owns it: kept as a reference, not a submodule, so that its weight stays one
+        parameter of the layer's."""
+        self._pre_norm = (norm,)
+
+    @property
+    def pre_norm(self):
+        return self._pre_norm[0]
 
     def read(self, state: State) -> Tensor:
         raise NotImplementedError

@@ -80,6 +80,17 @@ def test_parameter_count_matches_the_module(megatron_world, variant):
     assert sum(p.numel() for p in model.parameters()) == parameters(config.model, 128)
 
 
+def test_each_sublayer_refers_to_its_pre_norm_without_owning_it(megatron_world):
+    """``SublayerResidual.pre_norm`` is the norm the layer applies to the sublayer's input,
+    and the norm's weight stays the layer's alone: no second state-dict entry."""
+    model = _build(_config("ddl+shortswa"))
+    layer = model.decoder.layers[0]
+    norms = [layer.pre_attention_layernorm, layer.input_layernorm, layer.pre_mlp_layernorm]
+    assert [r.pre_norm for r in layer.sublayer_residuals()] == norms
+    assert len({id(n) for n in norms}) == 3
+    assert not [key for key in model.state_dict() if "residual" in key and "norm" in key]
+
+
 # Parameters without a gradient at initialisation, by design: the depth read's output
 # projection W_O starts at zero, so nothing before it gets a gradient; the first AttnRes read
 # mixes one source (the embedding) with weight 1, so its query has no effect.

@@ -106,9 +106,10 @@ def extra_flops_per_token(model) -> int:
 
 
 def saved_per_token(model) -> SavedPerToken:
-    """Per sublayer, the write keeps the sublayer's output, its fp32 per-token numbers (the
-    gates beta and the d_v of v, k's inverse norm and the d_v of k^T X: the compiled write's
-    backward recomputes everything h-wide from the bf16 tensors) and, d_v > 1, the matrix
+    """Per sublayer, the write keeps the sublayer's output, its fp32 per-token numbers (beta's
+    logit and the d_v of v, k's inverse norm and the d_v of k^T X; the pre-norm's inverse RMS
+    it shares with the norm: the compiled write's backward recomputes everything h-wide from
+    the bf16 tensors) and, d_v > 1, the matrix
     state its read mixes (the state's d_v columns, next to the mixed input the norm keeps);
     the entry keeps the expander's output and its input, padded with kernel - 1 earlier
     tokens."""

@@ -59,10 +59,11 @@ class DeltaResidual(SublayerResidual):
         return state if self.compressor is None else self.compressor(state)
 
     def write(self, state: Tensor, x: Tensor, normed: Tensor, out: Tensor) -> Tensor:
-        if torch.compiler.is_compiling():  # fused into the add's pass, fp32 recomputed
+        if torch.compiler.is_compiling():  # fused into the add's pass, fp32 recomputed; beta's
+            # logit from x and the pre-norm's weight (its backward reads no normed input)
             self._record(state, out, lambda: fp32_linear(normed, self.beta_proj))
             return delta_write_fused(
-                state, x, normed, out, self.beta_proj, self.v_proj, self.k_eps, self.v_scale
+                state, x, self.pre_norm, out, self.beta_proj, self.v_proj, self.k_eps, self.v_scale
             )
         beta_logit = fp32_linear(normed, self.beta_proj)  # the authors' fp32 gate logits
         self._record(state, out, lambda: beta_logit)
