@@ -25,6 +25,12 @@ both are compiled.
   is shown beside it. Inductor on the CPU fuses by the same rules as on the GPU for what
   matters here (pointwise into reductions, GEMMs and custom operators as barriers); its
   choices of loop tiling differ, not which buffers a kernel touches.
+* **Which results are written out.** Inductor inlines a pointwise result into its
+  consumers unless it is too large to repeat, by limits that differ on the CPU (ops per
+  expression and reads, which the layers set themselves: ``INLINE_LIMITS``,
+  ``t2train/nn/compiling.py``; and reused exp, sigmoid or tanh results, always written out
+  on the CPU). The account lowers each graph as on a GPU, with the layers' limits
+  (``_realizing_as_on_a_gpu``).
 """
 
 from __future__ import annotations
@@ -234,6 +240,19 @@ def _scheduling_only(recorded: list[KernelTraffic]) -> Iterator[None]:
         quiet.setLevel(level)
 
 
+@contextmanager
+def _realizing_as_on_a_gpu() -> Iterator[None]:
+    """Inductor's IR asks ``is_cpu`` for its three limits on inlining a result (ops per
+    expression, reads, reused costly results), each looser on the CPU; answering no gives
+    the GPU's. (A torch that renames it fails here, loudly.)"""
+    from unittest import mock
+
+    from torch._inductor import ir
+
+    with mock.patch.object(ir, "is_cpu", lambda _node: False):
+        yield
+
+
 def _accounting_backend(recorded: list[KernelTraffic]):
     """A ``torch.compile`` backend: Inductor's whole pipeline (decompositions, the min-cut
     partition of forward and backward, post-grad passes, lowering, fusion) up to the kernels'
@@ -242,7 +261,7 @@ def _accounting_backend(recorded: list[KernelTraffic]):
 
     def inner(gm, example_inputs, **kwargs):
         eager = copy.deepcopy(gm)  # the post-grad passes rewrite gm in place
-        with _scheduling_only(recorded):
+        with _scheduling_only(recorded), _realizing_as_on_a_gpu():
             try:
                 compile_fx_inner(gm, example_inputs, **kwargs)
             except Exception as err:  # Inductor wraps what the codegen raised
@@ -420,7 +439,7 @@ def account_layers(
     from torch.utils._pytree import tree_leaves
 
     from t2train.config.loader import load_config
-    from t2train.nn.compiling import trace_megatron_modules
+    from t2train.nn.compiling import INLINE_LIMITS, trace_megatron_modules
     from t2train.parallel.init import one_process_world
     from t2train.residual import sublayer_names
 
@@ -430,7 +449,8 @@ def account_layers(
     accounts = []
     with (
         _kernels_traced_not_launched(kernels),
-        torch._inductor.config.patch(force_disable_caches=True),  # every graph is fused anew
+        # every graph fused anew, with the limits the layers compile with
+        torch._inductor.config.patch({"force_disable_caches": True, **INLINE_LIMITS}),
         warnings.catch_warnings(),
     ):
         warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")

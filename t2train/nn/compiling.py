@@ -30,6 +30,14 @@ AnyTuple = TypeVar("AnyTuple", bound=NamedTuple)
 GRAPHS_PER_LAYER = 5
 
 
+# Inductor writes out a pointwise result instead of inlining it into its consumer once the
+# expression exceeds 30 ops or 8 reads on a GPU (50 and 12 on the CPU). The n-stream writes
+# (``residual/unrolled.py``) read out, the n streams and their weights, a dozen tensors, and
+# at the GPU's limits were written in fp32 and read back before their bf16 store:
+# ``t2train bench bytes`` counts `hc` at 86.1 units per sublayer with them, 63.0 with these.
+INLINE_LIMITS = {"realize_opcount_threshold": 50, "realize_acc_reads_threshold": 12}
+
+
 def compile_backend() -> str:
     """``inductor`` unless ``T2_COMPILE_BACKEND`` names another (the CPU tests and the GPU
     check's dry run use ``aot_eager``: the same graphs, without generating kernels, which
@@ -61,8 +69,10 @@ def compile_modules(modules: Iterable[torch.nn.Module], backend: str | None = No
     # Block AttnRes' phase-1 rows), set and cleared within the layer. The graph carries those
     # values to the recompute; replaying the assignments there is not needed.
     config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    backend = backend or compile_backend()
+    options = INLINE_LIMITS if backend == "inductor" else None  # the others take no options
     for module in modules:
-        module.compile(backend=backend or compile_backend())
+        module.compile(backend=backend, options=options)
 
 
 def compiled(fn: Callable) -> Callable:

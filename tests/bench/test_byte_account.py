@@ -26,9 +26,9 @@ TARGET = 1.3  # times the declared minimum
 NOW = {  # units per sublayer call, forward + backward (docs/byte-account.md)
     "attnres": 38.0,
     "block_attnres": 28.7,
-    "hc": 63.5,
-    "hc+shortswa": 63.5,
-    "mhc": 89.0,
+    "hc": 63.0,
+    "hc+shortswa": 63.0,
+    "mhc": 84.9,
 }
 SLACK = 0.05  # units: rounding of the table
 
@@ -115,6 +115,26 @@ def test_an_operator_with_several_outputs_writes_each_of_them():
     )
     (operator,) = [k for k in recorded if k.kind == "ExternKernel" and k.read]
     assert (operator.read, operator.written) == (1.0, 1.0), recorded
+
+
+def test_a_result_too_large_to_inline_on_a_gpu_is_written_out():
+    """An expression of ~30 ops read by two kernels (a reduction over tokens and one over h):
+    at Inductor's default limits the GPU's writes it out once (fp32: 2 units) and both read
+    it; the CPU's, whose limit is 50 ops, would have each recompute it from x (2 units read,
+    none written)."""
+    from t2train.bench import byte_account
+
+    def long_expression(x):
+        t = x.float()
+        for _ in range(14):
+            t = t * 1.01 + 0.1
+        return t.sum(0), t.sum(-1)
+
+    recorded: list = []
+    x = torch.randn(byte_account.TOKENS, byte_account.HIDDEN, dtype=torch.bfloat16)
+    torch.compile(long_expression, backend=byte_account._accounting_backend(recorded))(x)
+    assert sum(k.written for k in recorded) == 2.0, recorded
+    assert sum(k.read for k in recorded) == 5.0, recorded
 
 
 def test_eager_copies_write_their_destination_without_reading_it():
