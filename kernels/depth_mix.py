@@ -19,8 +19,11 @@ Backward of phase 1, with w = softmax, dO_s and dLSE_s incoming and r_n the rsqr
     dv_n = sum_s (w_sn dO_s + dz_sn r_n w_s) - (r_n^2 / h) (sum_s dz_sn z_sn) v_n
     dw_s = sum_tokens sum_n dz_sn r_n v_n
 
-Phase 2's backward is the same algebra for two sources. Query gradients are reduced over
-blocks of ``ROWS`` tokens in registers, then over blocks by PyTorch.
+Phase 2's backward is the same algebra for two sources. Each phase is one kernel that reads
+its inputs once from memory: phase 1's backward takes a token's scores' gradients over all
+of h, then its dv over the same rows again (just read, in cache). Query gradients are summed
+over blocks of ``ROWS`` tokens (phase 1 into a partial sum per block, phase 2 in registers),
+then over blocks by PyTorch.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ def _phase1_logits(
                 DO + (offs_s[:, None] * rows + row) * hidden + offs_h[None, :],
                 mask=(offs_s[:, None] < n_q) & h_ok,
                 other=0.0,
-            )
+            ).to(tl.float32)
             dov += tl.sum(v[:, None, :] * do[None, :, :], 2)
     r = 1.0 / tl.sqrt(sumsq / hidden + eps)
     return r, dots * r[:, None], dov
@@ -161,16 +164,15 @@ def _phase1_fwd_kernel(
 
 
 @triton.jit
-def _phase1_bwd_scores_kernel(
+def _phase1_bwd_kernel(
     SOURCES,
     V,
     Q,
     LSE,
     DO,
     DLSE,
-    W,
-    DZR,
-    COEF,
+    DV,
+    DQ_PART,
     rows,
     hidden,
     n_src,
@@ -179,107 +181,77 @@ def _phase1_bwd_scores_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    ALIGNED: tl.constexpr,
-):
-    """Per token: w, dz r and (r^2 / h) sum_s dz z, the coefficients of dv and dw."""
-    row = tl.program_id(0).to(tl.int64)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_s = tl.arange(0, BLOCK_S)
-    ok = (offs_n[:, None] < n_src) & (offs_s[None, :] < n_q)
-    r, z, dov = _phase1_logits(
-        SOURCES,
-        V,
-        Q,
-        DO,
-        row,
-        rows,
-        hidden,
-        n_src,
-        n_q,
-        eps,
-        BLOCK_N,
-        BLOCK_S,
-        BLOCK_H,
-        True,
-        ALIGNED,
-    )
-    lse = tl.load(LSE + offs_s * rows + row, mask=offs_s < n_q, other=0.0)
-    dlse = tl.load(DLSE + offs_s * rows + row, mask=offs_s < n_q, other=0.0)
-    w = tl.where(ok, tl.exp(z - lse[None, :]), 0.0)
-    doo = tl.sum(w * dov, 0)
-    dz = w * (dov - doo[None, :] + dlse[None, :])
-    scores = row * n_src * n_q + offs_n[:, None] * n_q + offs_s[None, :]
-    tl.store(W + scores, w, mask=ok)
-    tl.store(DZR + scores, dz * r[:, None], mask=ok)
-    tl.store(COEF + row * n_src + offs_n, r * r / hidden * tl.sum(dz * z, 1), mask=offs_n < n_src)
-
-
-@triton.jit
-def _phase1_bwd_grads_kernel(
-    SOURCES,
-    V,
-    Q,
-    DO,
-    W,
-    DZR,
-    COEF,
-    DV,
-    DQ_PART,
-    rows,
-    hidden,
-    n_src,
-    n_q,
-    BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_H: tl.constexpr,
     ROWS: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
-    """dv for ROWS tokens on one slice of h (into one [N, tokens, h] buffer), and their
-    partial query gradient."""
-    pid_h, block = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    """ROWS tokens, one after another: the scores' gradients over all of h (a first loop),
+    then dv and the query gradient slice by slice (a second loop over the same token's rows,
+    just read), the query gradient summed over the ROWS tokens into DQ_PART [blocks, S, h]."""
+    block = tl.program_id(0).to(tl.int64)
     bases = _source_rows(SOURCES, V, n_src, BLOCK_N, ALIGNED)
     offs_n = tl.arange(0, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = offs_h[None, :] < hidden
     n_ok, s_ok = offs_n < n_src, offs_s < n_q
-    q = tl.load(
-        Q + offs_s[:, None] * hidden + offs_h[None, :], mask=s_ok[:, None] & h_ok, other=0.0
-    ).to(tl.float32)
-    dq = tl.zeros([BLOCK_S, BLOCK_H], tl.float32)
+    ok = n_ok[:, None] & s_ok[None, :]
     for i in range(ROWS):
         row = block * ROWS + i
-        row_ok = row < rows
-        v_mask = n_ok[:, None] & h_ok & row_ok
-        v = tl.load(bases[:, None] + row * hidden + offs_h[None, :], mask=v_mask, other=0.0).to(
-            tl.float32
-        )
-        do = tl.load(
-            DO + (offs_s[:, None] * rows + row) * hidden + offs_h[None, :],
-            mask=s_ok[:, None] & h_ok & row_ok,
-            other=0.0,
-        )
-        scores = row * n_src * n_q + offs_n[:, None] * n_q + offs_s[None, :]
-        score_ok = n_ok[:, None] & s_ok[None, :] & row_ok
-        w = tl.load(W + scores, mask=score_ok, other=0.0)
-        dzr = tl.load(DZR + scores, mask=score_ok, other=0.0)
-        coef = tl.load(COEF + row * n_src + offs_n, mask=n_ok & row_ok, other=0.0)
-        dv = (
-            tl.sum(w[:, :, None] * do[None, :, :] + dzr[:, :, None] * q[None, :, :], 1)
-            - coef[:, None] * v
-        )
-        tl.store(
-            DV + (offs_n[:, None] * rows + row) * hidden + offs_h[None, :],
-            dv.to(DV.dtype.element_ty),
-            mask=v_mask,
-        )
-        dq += tl.sum(dzr[:, :, None] * v[:, None, :], 0)
-    tl.store(
-        DQ_PART + (block * n_q + offs_s[:, None]) * hidden + offs_h[None, :],
-        dq,
-        mask=s_ok[:, None] & h_ok,
-    )
+        if row < rows:
+            r, z, dov = _phase1_logits(
+                SOURCES,
+                V,
+                Q,
+                DO,
+                row,
+                rows,
+                hidden,
+                n_src,
+                n_q,
+                eps,
+                BLOCK_N,
+                BLOCK_S,
+                BLOCK_H,
+                True,
+                ALIGNED,
+            )
+            lse = tl.load(LSE + offs_s * rows + row, mask=s_ok, other=0.0)
+            dlse = tl.load(DLSE + offs_s * rows + row, mask=s_ok, other=0.0)
+            w = tl.where(ok, tl.exp(z - lse[None, :]), 0.0)
+            dz = w * (dov - tl.sum(w * dov, 0)[None, :] + dlse[None, :])
+            dzr = dz * r[:, None]
+            coef = r * r / hidden * tl.sum(dz * z, 1)
+            for h0 in range(0, hidden, BLOCK_H):
+                offs_h = h0 + tl.arange(0, BLOCK_H)
+                h_ok = offs_h[None, :] < hidden
+                v_mask = n_ok[:, None] & h_ok
+                v = tl.load(
+                    bases[:, None] + row * hidden + offs_h[None, :], mask=v_mask, other=0.0
+                ).to(tl.float32)
+                q = tl.load(
+                    Q + offs_s[:, None] * hidden + offs_h[None, :],
+                    mask=s_ok[:, None] & h_ok,
+                    other=0.0,
+                ).to(tl.float32)
+                do = tl.load(
+                    DO + (offs_s[:, None] * rows + row) * hidden + offs_h[None, :],
+                    mask=s_ok[:, None] & h_ok,
+                    other=0.0,
+                ).to(tl.float32)
+                dv = (
+                    tl.sum(w[:, :, None] * do[None, :, :] + dzr[:, :, None] * q[None, :, :], 1)
+                    - coef[:, None] * v
+                )
+                tl.store(
+                    DV + (offs_n[:, None] * rows + row) * hidden + offs_h[None, :],
+                    dv.to(DV.dtype.element_ty),
+                    mask=v_mask,
+                )
+                dq = DQ_PART + (block * n_q + offs_s[:, None]) * hidden + offs_h[None, :]
+                dq_mask = s_ok[:, None] & h_ok
+                if i == 0:  # the block's first token starts its partial sum
+                    summed = tl.zeros([BLOCK_S, BLOCK_H], tl.float32)
+                else:
+                    summed = tl.load(dq, mask=dq_mask, other=0.0)
+                tl.store(dq, summed + tl.sum(dzr[:, :, None] * v[:, None, :], 0), mask=dq_mask)
 
 
 @triton.jit
@@ -346,9 +318,12 @@ def _phase2_bwd_kernel(
     tl.store(DQ_PART + block * hidden + offs_h, dq, mask=offs_h < hidden)
 
 
+BLOCK_ELEMENTS = 8192  # a phase-1 tile [sources, queries, h slice] at most, in elements
+
+
 def _phase1_blocks(n_src: int, n_q: int, hidden: int) -> dict:
     block_n, block_s = triton.next_power_of_2(n_src), triton.next_power_of_2(n_q)
-    block_h = max(16, min(triton.next_power_of_2(hidden), 8192 // (block_n * block_s)))
+    block_h = max(16, min(triton.next_power_of_2(hidden), BLOCK_ELEMENTS // (block_n * block_s)))
     return dict(BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_H=block_h)
 
 
@@ -440,47 +415,28 @@ def _phase_1_backward(
         return torch.empty_like(queries), d_sources
     hidden, n_q = first.shape[-1], queries.shape[0]
     rows = first.numel() // hidden
-    d_out, d_lse = d_out.float().contiguous(), d_lse.float().contiguous()
-    w = torch.empty(rows, n_src, n_q, device=lse.device, dtype=torch.float32)
-    dzr, coef = torch.empty_like(w), torch.empty(rows, n_src, device=lse.device)
-    blocks = _phase1_blocks(n_src, n_q, hidden)
+    # O's gradient read as it comes (bf16 when O was rounded): an fp32 copy would be a pass
+    # of its own, and each kernel would read twice the bytes
+    d_out, d_lse = d_out.contiguous(), d_lse.float().contiguous()
     table, aligned = _address_table(stacks)
-    _phase1_bwd_scores_kernel[(rows,)](
+    blocks = triton.cdiv(rows, ROWS)
+    dq_part = torch.empty(blocks, n_q, hidden, device=lse.device, dtype=torch.float32)
+    _phase1_bwd_kernel[(blocks,)](
         table,
         first,
         queries,
         lse,
         d_out,
         d_lse,
-        w,
-        dzr,
-        coef,
-        rows,
-        hidden,
-        n_src,
-        n_q,
-        eps,
-        **blocks,
-        **aligned,
-    )
-    grid = (triton.cdiv(hidden, blocks["BLOCK_H"]), triton.cdiv(rows, ROWS))
-    dq_part = torch.empty(grid[1], n_q, hidden, device=lse.device, dtype=torch.float32)
-    _phase1_bwd_grads_kernel[grid](
-        table,
-        first,
-        queries,
-        d_out,
-        w,
-        dzr,
-        coef,
         d_sources,
         dq_part,
         rows,
         hidden,
         n_src,
         n_q,
+        eps,
         ROWS=ROWS,
-        **blocks,
+        **_phase1_blocks(n_src, n_q, hidden),
         **aligned,
     )
     return dq_part.sum(0).to(queries.dtype), d_sources

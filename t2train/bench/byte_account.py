@@ -170,7 +170,8 @@ def _read_bytes(node) -> dict:
 def _extern_read_bytes(node) -> dict:
     """What an extern call (a GEMM, a custom operator) reads, per buffer: each input as the
     call sees it, a view of a buffer by the view's size (Inductor counts the whole buffer
-    under any view: phase 2 handed one row of phase 1's [S, tokens, h] mixtures)."""
+    under any view: phase 2 handed one row of phase 1's [S, tokens, h] mixtures). Each input
+    once: every kernel operator launches one kernel (``tests/kernels/test_kernel_ops.py``)."""
     from torch._inductor.ir import MultiOutputLayout
     from torch._inductor.virtualized import V
 

@@ -44,6 +44,16 @@ def test_fp32(n_sources, with_partial):
     _check(n_sources, with_partial, torch.float32)
 
 
+@pytest.mark.parametrize("with_partial", [True, False], ids=["partial", "block_start"])
+def test_fp32_over_several_slices_of_h(monkeypatch, with_partial):
+    """Tiles narrower than h, as on a GPU at any real width: every loop over h runs twice."""
+    from t2train.kernels import depth_mix as kernels
+
+    monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", 64)
+    assert kernels._phase1_blocks(4, 1, 24)["BLOCK_H"] < 24
+    _check(3, with_partial, torch.float32)
+
+
 def test_fp16():
     _check(3, True, torch.float16)
 

@@ -103,3 +103,30 @@ def test_opcheck(kernel_calls, name):
     ]
     results = torch.library.opcheck(func, args, kwargs)
     assert set(results.values()) == {"SUCCESS"}, results
+
+
+# the mixer's window attention: a sublayer body (as flash attention, its backward is three
+# kernels), which the byte account replaces by a GEMM
+SEVERAL_KERNELS = {"window_attention_backward"}
+
+
+@pytest.mark.parametrize("name", sorted(set(ops.IMPLEMENTATIONS) - SEVERAL_KERNELS))
+def test_each_operator_launches_one_kernel(kernel_calls, name):
+    """One launch, so its inputs are read once and its outputs written once: what the byte
+    account counts for an operator, which it sees from outside (``t2train bench bytes``)."""
+    from unittest import mock
+
+    from triton.runtime.interpreter import GridExecutor
+
+    [(args, kwargs)] = [
+        call for f, call in kernel_calls.items() if f.overloadpacket.__name__ == name
+    ]
+    launch, launches = GridExecutor.__call__, []
+
+    def counted(self, *a, **k):
+        launches.append(self.fn.__name__ if hasattr(self.fn, "__name__") else self.fn)
+        return launch(self, *a, **k)
+
+    with mock.patch.object(GridExecutor, "__call__", counted), torch.no_grad():
+        ops.IMPLEMENTATIONS[name](*args, **kwargs)
+    assert len(launches) == 1, launches

@@ -35,7 +35,7 @@ def test_every_kernel_compiles_for_sm90():
             "ddl_update._bwd_kernel",
             "fp32_linear._fwd_kernel",
             "fp32_linear._bwd_kernel",
-            "depth_mix._phase1_bwd_grads_kernel",
+            "depth_mix._phase1_bwd_kernel",
             "depth_mix._phase2_bwd_kernel",
             "stream_mix._write_bwd",
         )
