@@ -13,6 +13,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from t2train.kernels import dispatch
 from t2train.residual.base import mark_replicated
+from t2train.residual.mhc.compiled import flat_rms_projection_fused
 from t2train.residual.mhc.functional import (
     flat_rms_projection,
     mapping_logits,
@@ -30,9 +31,10 @@ def normed_projection(state: Tensor, projection: Tensor, eps: float) -> Tensor:
     the backward: only the stream and the projection are kept for it, not the fp32 copy of
     the n streams its einsum makes. Compiled, its products summed in one pass over the
     streams, which the partitioner keeps no fp32 copy for (recomputing it would read the
-    streams again: ``t2train bench bytes``)."""
+    streams again: ``t2train bench bytes``), their gradient written in the streams' dtype
+    (``compiled.py``)."""
     if torch.compiler.is_compiling():
-        return flat_rms_projection(state, projection, eps)
+        return flat_rms_projection_fused(state, projection, eps)
     return checkpoint(flat_rms_projection, state, projection, eps, use_reentrant=False)
 
 
