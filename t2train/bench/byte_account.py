@@ -19,7 +19,8 @@ both are compiled.
   its size; tensors narrower than the hidden size per token (mixing weights, statistics)
   are counted in bytes per token and converted to units at ``REFERENCE_HIDDEN``.
 * **Between layers.** What runs eagerly between compiled layers (``between_layers``) is
-  counted operator by operator.
+  counted operator by operator; in the backward, the add of the two gradients of a tensor
+  a layer reads and hands on (``_passed_through``).
 * **The minimum.** Each design declares what its formula must read and write at least once
   per sublayer (``ResidualDesign.minimum_traffic``, with its derivation), and the account
   is shown beside it. Inductor on the CPU fuses by the same rules as on the GPU for what
@@ -464,9 +465,12 @@ def account_layers(
             torch._dynamo.reset()
             # fullgraph: a break would run part of the layer eagerly, uncounted
             compiled = torch.compile(layer, backend=_accounting_backend(recorded), fullgraph=True)
-            out = compiled(_leaves_requiring_grad(state), None, rope)
+            inputs = _leaves_requiring_grad(state)
+            out = compiled(inputs, None, rope)
             grads = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-            torch.autograd.backward(grads, [torch.randn_like(t) for t in grads])
+            tangents = [torch.randn_like(t) for t in grads]
+            torch.autograd.backward(grads, tangents)
+            recorded.extend(_passed_through(inputs, grads, tangents))
             eager, out = _EagerTraffic(), _detached(out)
             with torch.no_grad(), eager.mode:
                 state = stream.between_layers(out)
@@ -480,6 +484,30 @@ def account_layers(
             )
         torch._dynamo.reset()
     return accounts
+
+
+def _passed_through(inputs, outputs: list, tangents: list) -> list[KernelTraffic]:
+    """A tensor the layer hands on as it came and also reads (AttnRes' earlier sources) gets
+    one gradient from the layer's backward and one from what comes after it: autograd adds
+    the two eagerly, between the layers' backward graphs, reading both and writing the sum.
+    Such an input's gradient is its output's plus the layer's own (an input only handed on,
+    as the sources' buffer, gets the output's alone and nothing is added)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    def key(t):
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+
+    given = {key(t): t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+    added = []
+    for output, tangent in zip(outputs, tangents):
+        source = given.get(key(output))
+        if source is None or source.grad is None or torch.equal(source.grad, tangent):
+            continue
+        units, narrow = _split_units({"gradient": output.numel() * output.element_size()})
+        name = "aten.add (its gradients from the layer and after it)"
+        added.append(KernelTraffic("backward", "eager", name, 2 * units, units, 3 * narrow))
+    return added
 
 
 def _detached(state):
