@@ -328,3 +328,18 @@ def test_no_module_calls_namedtuple_replace():
         if "._replace(" in path.read_text()
     ]
     assert callers == []
+
+
+def test_layers_compile_with_inductors_inline_limits_raised(monkeypatch):
+    """With Inductor, each layer compiles with ``INLINE_LIMITS`` (what ``t2train bench
+    bytes`` lowers with); other backends take no options."""
+    from t2train.nn import compiling
+
+    calls = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: calls.append(kwargs))
+    layers = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    compiling.compile_modules(layers, backend="inductor")
+    compiling.compile_modules(layers, backend="aot_eager")
+    assert calls == 2 * [{"backend": "inductor", "options": compiling.INLINE_LIMITS}] + 2 * [
+        {"backend": "aot_eager", "options": None}
+    ]

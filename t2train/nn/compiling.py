@@ -32,7 +32,7 @@ GRAPHS_PER_LAYER = 5
 
 # Inductor writes out a pointwise result instead of inlining it into its consumer once the
 # expression exceeds 30 ops or 8 reads on a GPU (50 and 12 on the CPU). The n-stream writes
-# (``residual/unrolled.py``) read out, the n streams and their weights, a dozen tensors, and
+# (``residual/unrolled.py``) read the output, the n streams and their weights, a dozen, and
 # at the GPU's limits were written in fp32 and read back before their bf16 store:
 # ``t2train bench bytes`` counts `hc` at 86.1 units per sublayer with them, 63.0 with these.
 INLINE_LIMITS = {"realize_opcount_threshold": 50, "realize_acc_reads_threshold": 12}
