@@ -23,15 +23,13 @@ both are compiled.
   a layer reads and hands on (``_passed_through``).
 * **The minimum.** Each design declares what its formula must read and write at least once
   per sublayer (``ResidualDesign.minimum_traffic``, with its derivation), and the account
-  is shown beside it. Inductor on the CPU fuses by the same rules as on the GPU for what
-  matters here (pointwise into reductions, GEMMs and custom operators as barriers); its
-  choices of loop tiling differ, not which buffers a kernel touches.
-* **Which results are written out.** Inductor inlines a pointwise result into its
-  consumers unless it is too large to repeat, by limits that differ on the CPU (ops per
-  expression and reads, which the layers set themselves: ``INLINE_LIMITS``,
-  ``t2train/nn/compiling.py``; and reused exp, sigmoid or tanh results, always written out
-  on the CPU). The account lowers each graph as on a GPU, with the layers' limits
-  (``_realizing_as_on_a_gpu``).
+  is shown beside it.
+* **As on a GPU.** Inductor inlines a pointwise result into its consumers unless it is too
+  large to repeat, by limits that differ on the CPU (ops per expression and reads, which
+  the layers set themselves: ``INLINE_LIMITS``, ``t2train/nn/compiling.py``; and reused
+  exp, sigmoid or tanh results, always written out on the CPU), and its C++ backend fuses
+  by rules of its own. The account lowers each graph as on a GPU, with the layers' limits,
+  and fuses it with Triton's scheduling (``_lowering_as_on_a_gpu``).
 """
 
 from __future__ import annotations
@@ -243,15 +241,31 @@ def _scheduling_only(recorded: list[KernelTraffic]) -> Iterator[None]:
 
 
 @contextmanager
-def _realizing_as_on_a_gpu() -> Iterator[None]:
-    """Inductor's IR asks ``is_cpu`` for its three limits on inlining a result (ops per
-    expression, reads, reused costly results), each looser on the CPU; answering no gives
-    the GPU's. (A torch that renames it fails here, loudly.)"""
+def _lowering_as_on_a_gpu() -> Iterator[None]:
+    """Inductor lowers and fuses a CPU graph by the CPU's rules; these answers give the GPU's.
+
+    * Which results are written out: the IR asks ``is_cpu`` for its three limits on
+      inlining a result (ops per expression, reads, reused costly results), each looser on
+      the CPU.
+    * Which nodes share a kernel: the C++ backend fuses by its own rules (a loop over the
+      tokens around reductions of different sizes, which a GPU kernel never is); Triton's
+      scheduling (``cpu_backend="triton"``) fuses as on a GPU, and its nodes answering that
+      they are on a GPU also get the fusions Inductor enables there alone (reductions of
+      two orders, nested reductions, reordered loops).
+
+    (A torch that renames any of these fails here, loudly.)"""
     from unittest import mock
 
-    from torch._inductor import ir
+    from torch._inductor import config, ir, scheduler
 
-    with mock.patch.object(ir, "is_cpu", lambda _node: False):
+    node = scheduler.BaseSchedulerNode
+    with (
+        mock.patch.object(ir, "is_cpu", lambda _node: False),
+        config.patch(cpu_backend="triton"),
+        mock.patch.object(node, "is_cpu", lambda _self: False),
+        mock.patch.object(node, "is_gpu", lambda _self: True),
+        mock.patch.object(scheduler, "_is_gpu_triton_backend", lambda _a, _b: True),
+    ):
         yield
 
 
@@ -263,7 +277,7 @@ def _accounting_backend(recorded: list[KernelTraffic]):
 
     def inner(gm, example_inputs, **kwargs):
         eager = copy.deepcopy(gm)  # the post-grad passes rewrite gm in place
-        with _scheduling_only(recorded), _realizing_as_on_a_gpu():
+        with _scheduling_only(recorded), _lowering_as_on_a_gpu():
             try:
                 compile_fx_inner(gm, example_inputs, **kwargs)
             except Exception as err:  # Inductor wraps what the codegen raised
