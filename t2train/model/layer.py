@@ -72,8 +72,12 @@ class ResidualTransformerLayer(TransformerLayer):
                 pg_collection=self.pg_collection,
             )
             self.pre_attention_residual = build_module(submodules.pre_attention_residual, **built)
-        for residual, norm in zip(self.sublayer_residuals(), self.sublayer_norms()):
+        residuals = self.sublayer_residuals()
+        for residual, norm, following in zip(
+            residuals, self.sublayer_norms(), residuals[1:] + [None]
+        ):
             residual.attach_pre_norm(norm)
+            residual.attach_following(following)
 
     def sublayer_residuals(self) -> list:
         """This layer's ``SublayerResidual`` modules, in the order they run."""

@@ -24,7 +24,7 @@ written. Nothing outside ``t2train/residual/`` names a design (``tests/test_desi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
@@ -57,6 +57,16 @@ class SublayerResidual(MegatronModule):
     @property
     def pre_norm(self):
         return self._pre_norm[0]
+
+    def attach_following(self, following: "Optional[SublayerResidual]") -> None:
+        """The residual of the sublayer that reads the state this one writes, within the
+        layer (None for the layer's last), for a write that also computes the next read
+        (``hc`` in compiled code). A reference, as ``attach_pre_norm``'s."""
+        self._following = (following,)
+
+    @property
+    def following(self) -> "Optional[SublayerResidual]":
+        return self._following[0]
 
     def read(self, state: State) -> Tensor:
         raise NotImplementedError

@@ -3,13 +3,14 @@ streams written out term by term (n is a few), so each is pointwise over [..., h
 Inductor fuses it into the pass that reads or writes the streams anyway.
 
 The read fuses into the pass of the norm that follows (which writes only the normed input;
-the read's result is recomputed from the streams in the backward, not saved). `hc`'s write
-(``stream_write_fused``) is PyTorch with a hand-written backward, its sums over the streams
+the read's result is recomputed from the streams in the backward, not saved). Static
+`hc`'s write (``stream_write_fused``; dynamic `hc` writes with the next read,
+``hc/compiled.py``) is PyTorch with a hand-written backward, its sums over the streams
 written over the stacked [n, ..., h] state (one weight per stream broadcast over h): one
 pass over the new streams' gradient and the output, with the mixing weights' gradients as
 row reductions, and a streams' gradient the compiler computes inside the pass that writes
-the width connection's (``hc/compiled.py``) rather than writing it (autograd of the same
-sums writes fp32 [n, tokens, h] buffers). `mhc` keeps its Triton write: its Sinkhorn
+the read's rather than writing it (autograd of the same sums writes fp32 [n, tokens, h]
+buffers). `mhc` keeps its Triton write: its Sinkhorn
 iterations in PyTorch would be some 90 narrow kernels (``docs/byte-account.md``).
 
 As the Triton kernels' custom operators (``kernels/stream_mix.py``) the read and the write

@@ -91,6 +91,16 @@ def test_each_sublayer_refers_to_its_pre_norm_without_owning_it(megatron_world):
     assert not [key for key in model.state_dict() if "residual" in key and "norm" in key]
 
 
+def test_each_sublayer_refers_to_the_one_that_follows_it_without_owning_it(megatron_world):
+    """``SublayerResidual.following`` is the next sublayer's residual within the layer (the
+    last's is None), a reference: the state dict names each residual's parameters once."""
+    model = _build(_config("hc+shortswa"))
+    layer = model.decoder.layers[0]
+    residuals = layer.sublayer_residuals()
+    assert [r.following for r in residuals] == [*residuals[1:], None]
+    assert not [key for key in model.state_dict() if "following" in key]
+
+
 # Parameters without a gradient at initialisation, by design: the depth read's output
 # projection W_O starts at zero, so nothing before it gets a gradient; the first AttnRes read
 # mixes one source (the embedding) with weight 1, so its query has no effect.

@@ -1,11 +1,12 @@
 """`hc`'s and `mhc`'s stream read and write for compiled code (``t2train/residual/unrolled.py``,
 ``t2train/residual/hc/compiled.py``): forward and hand-written backward against autograd of
-the Hyper-Connections formulas, written out again here, in fp64 with weights off their init."""
+the Hyper-Connections formulas, written out again here, in fp64 with weights off their init:
+the read alone (a layer's first), a write and the next read together, a write alone."""
 
 import pytest
 import torch
 
-from t2train.residual.hc.compiled import width_connection_fused
+from t2train.residual.hc.compiled import Read, Write, connect
 from t2train.residual.hc.functional import folded_projections
 from t2train.residual.unrolled import stream_write_fused
 
@@ -40,9 +41,16 @@ def _paper_width(state, w_a, w_b, norm_weight, static_alpha, static_beta, s_a, s
     return x, alpha[..., 0], alpha[..., 1:], beta
 
 
+def _read_part(w_a, w_b, norm_weight, static_alpha, s_a):
+    return Read(folded_projections(w_a, w_b, norm_weight), static_alpha, s_a)
+
+
 def _fused_width(state, w_a, w_b, norm_weight, static_alpha, static_beta, s_a, s_b):
-    folded = folded_projections(w_a, w_b, norm_weight)
-    return width_connection_fused(state, folded, static_alpha, static_beta, s_a, s_b, EPS)
+    """The read alone (a layer's first), its logits turned into the write's A_r and B."""
+    x, logits, read = connect(state, EPS, read=_read_part(w_a, w_b, norm_weight, static_alpha, s_a))
+    residual = static_alpha[:, 1:] + s_a * torch.tanh(logits[..., 1 : N + 1]).movedim(0, -2)
+    beta = static_beta + s_b * torch.tanh(logits[..., N + 1]).movedim(0, -1)
+    return x, read, residual, beta
 
 
 def _paper_write(state, residual, beta, out):
@@ -120,3 +128,51 @@ def test_the_comparison_sees_the_norms_gradient():
     (paper,) = torch.autograd.grad(x_of(rms_grad=True), state, upstream)
     torch.testing.assert_close(fused, paper, rtol=1e-10, atol=1e-10)
     assert (fused - slip).abs().max() > 1e-4
+
+
+def _pair_case(seed=0):
+    """Sublayer k's write (its output, its weights, the logits of its read) and sublayer
+    k + 1's read weights."""
+    g = torch.Generator().manual_seed(seed)
+    first, second = _width_case(seed), _width_case(seed + 10)
+    return [first[0], _rand(g, *TOKENS, H), *first[1:], *second[1:]]
+
+
+def _paper_pair(state, out, *weights):
+    """Sublayer k reads, its write takes its A_r and B, sublayer k + 1 reads the new state."""
+    _, _, residual, beta = _paper_width(state, *weights[:7])
+    new = _paper_write(state, residual, beta, out)
+    x, read, residual, beta = _paper_width(new, *weights[7:])
+    return new, x, residual, beta
+
+
+def _fused_pair(state, out, *weights):
+    first, second = weights[:7], weights[7:]
+    _, logits, _ = connect(state, EPS, read=_read_part(*first[:4], first[5]))
+    write = Write(out, logits, first[3], first[4], first[5], first[6])
+    new, x, logits, _ = connect(state, EPS, write=write, read=_read_part(*second[:4], second[5]))
+    residual = second[3][:, 1:] + second[5] * torch.tanh(logits[..., 1 : N + 1]).movedim(0, -2)
+    beta = second[4] + second[6] * torch.tanh(logits[..., N + 1]).movedim(0, -1)
+    return new, x, residual, beta
+
+
+def _fused_last_write(state, out, *weights):
+    _, logits, _ = connect(state, EPS, read=_read_part(*weights[:4], weights[5]))
+    (new,) = connect(state, EPS, write=Write(out, logits, *weights[3:7]))
+    return (new,)
+
+
+def test_a_write_and_the_next_read_match_autograd_of_the_formula():
+    leaves = _pair_case()
+    _assert_same_gradients(list(_fused_pair(*leaves)), list(_paper_pair(*leaves)), leaves)
+
+
+def test_a_layers_last_write_matches_autograd_of_the_formula():
+    leaves = _pair_case()[:9]
+    want = _paper_pair(*leaves, *leaves[2:])[:1]
+    _assert_same_gradients(list(_fused_last_write(*leaves)), list(want), leaves)
+
+
+def test_gradcheck_of_a_write_and_the_next_read():
+    leaves = [t.detach().clone().requires_grad_() for t in _pair_case(seed=2)]
+    assert torch.autograd.gradcheck(lambda *a: _fused_pair(*a), leaves)

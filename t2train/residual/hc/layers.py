@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Optional, cast
 
 import torch
 from torch import Tensor
@@ -11,7 +11,7 @@ from t2train.kernels import dispatch
 from t2train.nn.norm import RMSNorm
 from t2train.nn.precision import rms_fp32_logits
 from t2train.residual.base import mark_replicated
-from t2train.residual.hc.compiled import width_connection_fused
+from t2train.residual.hc.compiled import Read, Write, connect
 from t2train.residual.hc.functional import (
     connection_weights,
     depth_write,
@@ -32,6 +32,7 @@ class HyperConnection(StreamMixResidual):
         options = self.model.hc
         n, h, dtype = options.expansion_rate, config.hidden_size, config.params_dtype
         self.n, self.dynamic = n, options.dynamic
+        self._handed_on: Optional[tuple] = None  # this read, computed by the previous write
         alpha = torch.zeros(n, n + 1, dtype=dtype)  # [A_m | A_r]
         alpha[sublayer_index(self.model, layer_number, position) % n, 0] = 1.0
         alpha[:, 1:] = torch.eye(n, dtype=dtype)
@@ -62,7 +63,7 @@ class HyperConnection(StreamMixResidual):
 
     def width_connection(self, state: Tensor) -> tuple[Tensor, tuple]:
         if self.dynamic and torch.compiler.is_compiling():
-            return self._fused_width_connection(state)
+            return self._connected_read(state)
         alpha, beta = self.weights(state)
         read, residual = alpha[..., 0], alpha[..., 1:]
         self._record(read, residual, beta)
@@ -70,30 +71,62 @@ class HyperConnection(StreamMixResidual):
             return weighted_sum(state, read).to(state.dtype), (residual, beta)
         return dispatch.route(HC_READ, state)(state, read), (residual, beta)
 
-    def _fused_width_connection(self, state: Tensor) -> tuple[Tensor, tuple]:
-        folded = folded_projections(self.dynamic_alpha, self.dynamic_beta, self.norm.weight)
-        x, read, residual, beta = width_connection_fused(
-            state,
-            folded,
-            self.static_alpha,
-            self.static_beta,
-            self.dynamic_alpha_scale,
-            self.dynamic_beta_scale,
-            cast(float, self.norm.eps),
-        )
-        self._record(read, residual, beta)
-        return x, (residual, beta)
-
-    def _record(self, read: Tensor, residual: Tensor, beta: Tensor) -> None:
-        key = (self.layer_number, self.position)
-        record_weights("hc", key, read, beta, lambda: residual.transpose(-1, -2))
-
     def depth_connection(self, state: Tensor, pending: tuple, out: Tensor) -> Tensor:
+        if self.dynamic and torch.compiler.is_compiling():
+            return self._connected_write(state, pending, out)
         residual, beta = pending
         if torch.compiler.is_compiling():  # fused with the passes beside it (``unrolled``)
             return stream_write_fused(state, residual, beta, out)
         write = dispatch.route(HC_WRITE, state, out)
         return write(state, residual, beta, out)
+
+    # Compiled, dynamic: each write computes the following sublayer's read with it
+    # (``hc/compiled.py``) and hands it on; a layer's first read is computed alone.
+
+    def _connected_read(self, state: Tensor) -> tuple[Tensor, tuple]:
+        handed, self._handed_on = self._handed_on, None
+        if handed is None:
+            handed = connect(state, self._eps(), read=self._read_part())
+        x, logits, read = handed
+        self._record_logits(read, logits)
+        return x, (logits,)
+
+    def _connected_write(self, state: Tensor, pending: tuple, out: Tensor) -> Tensor:
+        (logits,) = pending
+        write = Write(
+            out,
+            logits,
+            self.static_alpha,
+            self.static_beta,
+            self.dynamic_alpha_scale,
+            self.dynamic_beta_scale,
+        )
+        following = self.following
+        if not isinstance(following, HyperConnection) or not following.dynamic:
+            (new,) = connect(state, self._eps(), write=write)
+            return new
+        new, *handed = connect(state, self._eps(), write=write, read=following._read_part())
+        following._handed_on = tuple(handed)
+        return new
+
+    def _eps(self) -> float:
+        return cast(float, self.norm.eps)
+
+    def _read_part(self) -> Read:
+        folded = folded_projections(self.dynamic_alpha, self.dynamic_beta, self.norm.weight)
+        return Read(folded, self.static_alpha, self.dynamic_alpha_scale)
+
+    def _record_logits(self, read: Tensor, logits: Tensor) -> None:
+        tokens = read.shape[:-1]
+        scales = (self.dynamic_alpha_scale, self.dynamic_beta_scale)
+        alpha, beta = connection_weights(
+            self.static_alpha, self.static_beta, tokens, logits, *scales
+        )
+        self._record(read, alpha[..., 1:], beta)
+
+    def _record(self, read: Tensor, residual: Tensor, beta: Tensor) -> None:
+        key = (self.layer_number, self.position)
+        record_weights("hc", key, read, beta, lambda: residual.transpose(-1, -2))
 
 
 KERNELS = (
