@@ -331,15 +331,41 @@ def test_no_module_calls_namedtuple_replace():
 
 
 def test_layers_compile_with_inductors_inline_limits_raised(monkeypatch):
-    """With Inductor, each layer compiles with ``INLINE_LIMITS`` (what ``t2train bench
-    bytes`` lowers with); other backends take no options."""
+    """With Inductor, each layer compiles with ``INLINE_LIMITS`` and its design's own options
+    (what ``t2train bench bytes`` lowers with); other backends take no options."""
     from t2train.nn import compiling
 
     calls = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: calls.append(kwargs))
     layers = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    design = {"max_fusion_size": 256, "realize_acc_reads_threshold": 32}
     compiling.compile_modules(layers, backend="inductor")
-    compiling.compile_modules(layers, backend="aot_eager")
-    assert calls == 2 * [{"backend": "inductor", "options": compiling.INLINE_LIMITS}] + 2 * [
-        {"backend": "aot_eager", "options": None}
-    ]
+    compiling.compile_modules(layers[:1], backend="inductor", design_options=design)
+    compiling.compile_modules(layers, backend="aot_eager", design_options=design)
+    limits = compiling.INLINE_LIMITS
+    assert calls == (
+        2 * [{"backend": "inductor", "options": limits}]
+        + [{"backend": "inductor", "options": {**limits, **design}}]
+        + 2 * [{"backend": "aot_eager", "options": None}]
+    )
+    assert calls[2]["options"]["realize_acc_reads_threshold"] == 32  # the design's wins
+
+
+def test_a_built_model_compiles_its_layers_with_its_designs_options(megatron_world, monkeypatch):
+    """``build_model_chunks`` hands the design's ``inductor_options`` to ``compile_modules``
+    with every layer of the chunk."""
+    from t2train.model.build import build_model_chunks, transformer_config
+    from t2train.nn import compiling
+    from t2train.residual import get_design
+
+    given = []
+    monkeypatch.setattr(
+        compiling, "compile_modules", lambda layers, **kwargs: given.append((layers, kwargs))
+    )
+    config = load_config(
+        overrides=KERNEL_SHAPE + ["model.num_layers=2", "model.residual=hc", "model.fusions=all"]
+    )
+    [model] = build_model_chunks(config, transformer_config(config), VOCAB)
+    [(layers, kwargs)] = given
+    assert layers == list(model.decoder.layers)
+    assert kwargs == {"design_options": get_design("hc").inductor_options}

@@ -455,18 +455,19 @@ def account_layers(
     from torch.utils._pytree import tree_leaves
 
     from t2train.config.loader import load_config
-    from t2train.nn.compiling import INLINE_LIMITS, trace_megatron_modules
+    from t2train.nn.compiling import inductor_options, trace_megatron_modules
     from t2train.parallel.init import one_process_world
-    from t2train.residual import sublayer_names
+    from t2train.residual import get_design, sublayer_names
 
     config = load_config(overrides=_overrides(variant, extra))
+    options = inductor_options(get_design(config.model.residual).inductor_options)
     one_process_world()
     trace_megatron_modules()
     accounts = []
     with (
         _kernels_traced_not_launched(kernels),
-        # every graph fused anew, with the limits the layers compile with
-        torch._inductor.config.patch({"force_disable_caches": True, **INLINE_LIMITS}),
+        # every graph fused anew, with the options the layers compile with
+        torch._inductor.config.patch({"force_disable_caches": True, **options}),
         warnings.catch_warnings(),
     ):
         warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")

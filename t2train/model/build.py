@@ -110,7 +110,7 @@ def build_model_chunks(
     from t2train.kernels.dispatch import load_kernels  # noqa: PLC0415 - the model's modules: not for the config helpers `t2train plan` reads
     from t2train.model.gpt import T2GPTModel  # noqa: PLC0415 - the model's modules: not for the config helpers `t2train plan` reads
     from t2train.nn.compiling import compile_modules  # noqa: PLC0415 - the model's modules: not for the config helpers `t2train plan` reads
-    from t2train.residual import kernel_table  # noqa: PLC0415 - the model's modules: not for the config helpers `t2train plan` reads
+    from t2train.residual import get_design, kernel_table  # noqa: PLC0415 - the model's modules: not for the config helpers `t2train plan` reads
 
     fp8 = config.train.precision == "fp8"
     if fp8:
@@ -142,5 +142,8 @@ def build_model_chunks(
         chunks.append(chunk)
     if fusions_on(config):  # all chunks' layers share the layer's code, and its recompile limit
         load_kernels(kernel_table().values())  # imported here, not inside the traced layers
-        compile_modules([layer for chunk in chunks for layer in chunk.decoder.layers])
+        compile_modules(
+            [layer for chunk in chunks for layer in chunk.decoder.layers],
+            design_options=get_design(config.model.residual).inductor_options,
+        )
     return chunks

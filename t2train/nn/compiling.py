@@ -55,8 +55,18 @@ def trace_megatron_modules() -> None:
         ignored.add(warnings.warn)
 
 
-def compile_modules(modules: Iterable[torch.nn.Module], backend: str | None = None) -> None:
-    """Compile each module in place (its first call traces and compiles it)."""
+def inductor_options(design_options: dict | None = None) -> dict:
+    """What a layer compiles with: ``INLINE_LIMITS`` and its design's own options."""
+    return {**INLINE_LIMITS, **(design_options or {})}
+
+
+def compile_modules(
+    modules: Iterable[torch.nn.Module],
+    backend: str | None = None,
+    design_options: dict | None = None,
+) -> None:
+    """Compile each module in place (its first call traces and compiles it); with Inductor,
+    with ``inductor_options(design_options)``."""
     modules = list(modules)
     trace_megatron_modules()
     config = torch._dynamo.config
@@ -70,7 +80,8 @@ def compile_modules(modules: Iterable[torch.nn.Module], backend: str | None = No
     # values to the recompute; replaying the assignments there is not needed.
     config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     backend = backend or compile_backend()
-    options = INLINE_LIMITS if backend == "inductor" else None  # the others take no options
+    # the other backends take no options
+    options = inductor_options(design_options) if backend == "inductor" else None
     for module in modules:
         module.compile(backend=backend, options=options)
 

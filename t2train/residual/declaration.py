@@ -134,6 +134,9 @@ class ResidualDesign:
     options: Optional[type] = None  # dataclass with validate(prefix); one per section
     check: Callable = no_rules  # (Config) -> None: rules across sections, ConfigError if broken
     write_diagnostics: Callable = no_diagnostics  # (writer, step, records, ModelConfig)
+    # Inductor options its compiled layers take beyond ``INLINE_LIMITS``
+    # (``t2train/nn/compiling.py``; ``t2train bench bytes`` lowers with the same)
+    inductor_options: Optional[dict] = None
 
     def selective_saved(self, model) -> SavedPerToken:
         """``selective_saved_per_token``; a design without one is planned at its

@@ -47,7 +47,9 @@ def _read_part(w_a, w_b, norm_weight, static_alpha, s_a):
 
 def _fused_width(state, w_a, w_b, norm_weight, static_alpha, static_beta, s_a, s_b):
     """The read alone (a layer's first), its logits turned into the write's A_r and B."""
-    x, logits, read = connect(state, EPS, read=_read_part(w_a, w_b, norm_weight, static_alpha, s_a))
+    _, x, logits, read = connect(
+        state, EPS, read=_read_part(w_a, w_b, norm_weight, static_alpha, s_a)
+    )
     residual = static_alpha[:, 1:] + s_a * torch.tanh(logits[..., 1 : N + 1]).movedim(0, -2)
     beta = static_beta + s_b * torch.tanh(logits[..., N + 1]).movedim(0, -1)
     return x, read, residual, beta
@@ -148,7 +150,7 @@ def _paper_pair(state, out, *weights):
 
 def _fused_pair(state, out, *weights):
     first, second = weights[:7], weights[7:]
-    _, logits, _ = connect(state, EPS, read=_read_part(*first[:4], first[5]))
+    state, _, logits, _ = connect(state, EPS, read=_read_part(*first[:4], first[5]))
     write = Write(out, logits, first[3], first[4], first[5], first[6])
     new, x, logits, _ = connect(state, EPS, write=write, read=_read_part(*second[:4], second[5]))
     residual = second[3][:, 1:] + second[5] * torch.tanh(logits[..., 1 : N + 1]).movedim(0, -2)
@@ -157,7 +159,7 @@ def _fused_pair(state, out, *weights):
 
 
 def _fused_last_write(state, out, *weights):
-    _, logits, _ = connect(state, EPS, read=_read_part(*weights[:4], weights[5]))
+    state, _, logits, _ = connect(state, EPS, read=_read_part(*weights[:4], weights[5]))
     (new,) = connect(state, EPS, write=Write(out, logits, *weights[3:7]))
     return (new,)
 

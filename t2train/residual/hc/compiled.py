@@ -12,15 +12,17 @@ with F [n + 2, h] the folded projections of sublayer k + 1 (``folded_projections
 logits L [n, ..., n + 2] are handed on for sublayer k + 1's write, which takes from them
 A_r[i, j] = A_r0[i, j] + s_a t_i(1+j) and B[i] = B0[i] + s_b t_i(n+1).
 
-Why this shape: every per-token quantity of the forward (the n inverse RMS, the n (n + 2)
-logits, the mappings) is its own [..., 1] tensor, so each node is pointwise over [..., h] or
-a reduction over h of one token, and Inductor fuses the write, the norms, the projections
-and the read into one pass over the streams (it cannot fuse through [..., n, n + 2]-shaped
-tensors: a kernel of another size sits between). The backward is written over the stacked
-[n, ..., h] streams instead, where each gradient of the streams is one expression the
-compiler adds the other terms into. It reads the new streams the pair wrote, which a layer
-keeps anyway as the next write's input (``t2train bench bytes``: the pair moved 61.0 units
-per sublayer as two functions, 57.1 as one).
+Why this shape: every per-token quantity (the n inverse RMS, the n (n + 2) logits, the
+mappings, their gradients) is its own [..., 1] tensor and every stream its own [..., h]
+one, so each node is pointwise over [..., h] or a reduction over h of one token, and
+Inductor fuses the write, the norms, the projections and the read into one pass over the
+streams, and the backward of the pair (the read's, the norms', the write's) into one more
+(it cannot fuse through [..., n, n + 2]- or [n, ..., h]-shaped tensors: a kernel of
+another size sits between). The backward reads the new streams the pair wrote, which a
+layer keeps anyway as the next write's input. A layer's first read hands the state back
+through itself, so that the first write's gradient of the state reaches its backward and
+is added there rather than in a pass of its own. ``t2train bench bytes``: 61.0 units per
+sublayer as two functions, 52.0 as one (with ``INDUCTOR_OPTIONS``, ``hc/__init__.py``).
 
 Backward, with G = dL/dH' from after the pair and dx the read's gradient:
 
@@ -66,9 +68,14 @@ def _column(t: Tensor, i: int, o: int) -> Tensor:
     return t[i, ..., o : o + 1]
 
 
-def _write_weights(write: Write, n: int) -> tuple[list, list]:
-    """A_r[i][j] and B[j], each [..., 1], fp32."""
-    tanh = [[torch.tanh(_column(write.logits, i, o)) for o in range(n + 2)] for i in range(n)]
+def _columns(t: Tensor) -> list:
+    """Each stream's per-token numbers, [n, ..., m] -> [i][o] of [..., 1]."""
+    return [[_column(t, i, o) for o in range(t.shape[-1])] for i in range(t.shape[0])]
+
+
+def _write_weights(write: Write, tanh: list) -> tuple[list, list]:
+    """A_r[i][j] and B[j], each [..., 1], fp32, from the tanh of the logits ([i][o])."""
+    n = len(tanh)
     alpha = at_least_fp32(write.static_alpha)
     beta = at_least_fp32(write.static_beta)
     s_a, s_b = at_least_fp32(write.alpha_scale), at_least_fp32(write.beta_scale)
@@ -112,10 +119,13 @@ class _Connect(torch.autograd.Function):
         n = state.shape[0]
         streams = list(state.unbind(0))
         if write is not None:
-            residual, gates = _write_weights(write, n)
+            tanh = [[torch.tanh(c) for c in row] for row in _columns(write.logits)]
+            residual, gates = _write_weights(write, tanh)
             streams = _written(state, write, residual, gates)
         ctx.has_write, ctx.has_read = has_write, has_read
-        outputs = [torch.stack(streams)] if write is not None else []
+        # read alone: the state passes through, so that the gradient of the write that reads
+        # it next reaches this backward (added there, not in a pass of its own)
+        outputs = [torch.stack(streams) if write is not None else state.view_as(state)]
         if read is None:
             ctx.save_for_backward(state, *tensors)
             return tuple(outputs)
@@ -129,34 +139,31 @@ class _Connect(torch.autograd.Function):
         weights = _read_weights(read, [[torch.tanh(row[0])] for row in rows])
         x = _weighted(weights, streams).to(state.dtype)
         logits = torch.stack([torch.cat(row, -1) for row in rows])  # [n, ..., n + 2]
-        ctx.save_for_backward(state, *tensors, logits, torch.stack(inverse_rms), *outputs)
+        saved_streams = outputs if write is not None else []
+        ctx.save_for_backward(state, *tensors, logits, torch.stack(inverse_rms), *saved_streams)
         read_weights = torch.cat(weights, -1)
         ctx.mark_non_differentiable(read_weights)  # for diagnostics only
         return (*outputs, x, logits, read_weights)
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx, grad_streams, *grads):
         state, *saved = ctx.saved_tensors
-        # Written over the stacked [n, ..., h] streams (one weight per stream broadcast over
-        # h): each gradient of the streams is one expression, into which the compiler adds
-        # the other terms; a stack of n per-stream results would be written and copied.
-        grad_streams = grads[0] if ctx.has_write else None
+        # G_j, the gradient of the streams the read saw: one [..., h] tensor per stream, as
+        # in the forward, so that the compiler makes the read's and the write's backward one
+        # pass (a stacked [n, ..., h] expression would be a kernel of another size)
+        grad = list(grad_streams.unbind(0))
         read_grads: tuple = ()
         if ctx.has_read:
             streams = saved.pop() if ctx.has_write else state
             inverse_rms, logits = saved.pop(), saved.pop()
             read = Read(*saved[-3:])
-            grad_streams_read, read_grads = _read_backward(
-                streams, read, logits, inverse_rms, grads[-3], grads[-2]
+            grad, read_grads = _read_backward(
+                list(streams.unbind(0)), read, logits, inverse_rms, grads[0], grads[1], grad
             )
-            # in the state's dtype, as autograd would add the two: the write's backward reads
-            # it three times (the output's gradient, the mixing gradients, the state's)
-            grad_streams = (
-                grad_streams_read if grad_streams is None else grad_streams + grad_streams_read
-            ).to(state.dtype)
         if not ctx.has_write:
-            return (grad_streams, None, None, None, *read_grads)
-        grad_state, write_grads = _write_backward(state, Write(*saved[:6]), grad_streams)
+            grad_state = torch.stack([g.to(state.dtype) for g in grad])
+            return (grad_state, None, None, None, *read_grads)
+        grad_state, write_grads = _write_backward(state, Write(*saved[:6]), grad)
         return (grad_state, None, None, None, *write_grads, *read_grads)
 
 
@@ -165,84 +172,101 @@ def _accumulator(t: Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _per_stream(static: Tensor, column: int, like: Tensor) -> Tensor:
-    """static[:, column] as [n, 1, ..., 1] against [n, ..., 1]-shaped per-token weights."""
-    return at_least_fp32(static[:, column]).view(-1, *[1] * (like.dim() - 1))
-
-
-def _read_backward(streams, read: Read, logits, inverse_rms, grad_x, grad_logits):
-    """The streams' gradient [n, ..., h] (fp32) through the read, the norms and the
-    projections, and the read's parameters' gradients."""
-    n, h = streams.shape[0], streams.shape[-1]
-    tokens = list(range(1, streams.dim() - 1))
-    tanh = torch.tanh(logits)  # [n, ..., n + 2]
+def _read_backward(streams, read: Read, logits, inverse_rms, grad_x, grad_logits, grad):
+    """G_i += the read's, the norms' and the projections' terms (each in the streams'
+    dtype, as autograd would add them), and the read's parameters' gradients."""
+    n, h = len(streams), streams[0].shape[-1]
+    tokens = list(range(streams[0].dim() - 1))
+    tanh = [[torch.tanh(c) for c in row] for row in _columns(logits)]
     s_a = at_least_fp32(read.alpha_scale)
-    grad_read = (streams * grad_x).sum(-1, keepdim=True, dtype=_accumulator(streams))  # dA_m
-    d = torch.cat(  # the logits' gradients
-        [s_a * (1 - tanh[..., :1] * tanh[..., :1]) * grad_read, grad_logits[..., 1:]], -1
-    )
-    read_weights = _per_stream(read.static_alpha, 0, grad_read) + s_a * tanh[..., :1]
-    coefficients = inverse_rms * d  # r_i d_io
-    grad = (
-        read_weights * grad_x
-        - (inverse_rms * inverse_rms / h * (d * logits).sum(-1, keepdim=True)) * streams
-    )
-    for o, f in enumerate(read.folded.unbind(0)):
-        grad = grad + coefficients[..., o : o + 1] * f
-    reduced = [0, *tokens]  # the streams and the tokens
+    read_weights = _read_weights(read, tanh)
+    grad_read = [  # dA_m[i]
+        (s * grad_x).sum(-1, keepdim=True, dtype=_accumulator(s)) for s in streams
+    ]
+    d = [  # the logits' gradients, d_io
+        [s_a * (1 - tanh[i][0] * tanh[i][0]) * grad_read[i]]
+        + [_column(grad_logits, i, o) for o in range(1, n + 2)]
+        for i in range(n)
+    ]
+    coefficients = [[inverse_rms[i] * d_io for d_io in d[i]] for i in range(n)]  # r_i d_io
+    total = []
+    for i in range(n):
+        logit_terms = _weighted(d[i], [_column(logits, i, o) for o in range(n + 2)])
+        term = grad[i] + read_weights[i] * grad_x
+        term = term - (inverse_rms[i] * inverse_rms[i] / h * logit_terms) * streams[i]
+        term = term + _weighted(coefficients[i], list(read.folded.unbind(0)))
+        total.append(term.to(streams[i].dtype))
     grad_folded = torch.stack(
-        [(coefficients[..., o : o + 1] * streams).sum(reduced) for o in range(n + 2)]
+        [
+            _weighted([coefficients[i][o] for i in range(n)], streams).sum(tokens)
+            for o in range(n + 2)
+        ]
     )
-    grad_static = torch.cat(
-        [grad_read.sum(tokens)[..., 0:1].reshape(n, 1), grad_read.new_zeros(n, n)], -1
-    )
-    grad_scale = (grad_read * tanh[..., :1]).sum()
-    return grad, (
+    # the sums over tokens as one reduction of the per-token numbers: dA_m[i], then the
+    # scale's terms t_i0 dA_m[i]
+    per_token = grad_read + [tanh[i][0] * grad_read[i] for i in range(n)]
+    sums = torch.cat(per_token, -1).sum(tokens)
+    grad_static = torch.cat([sums[:n, None], sums.new_zeros(n, n)], -1)
+    grad_scale = sums[n:].sum()
+    return total, (
         grad_folded.to(read.folded.dtype),
         grad_static.to(read.static_alpha.dtype),
         grad_scale.reshape(1).to(read.alpha_scale.dtype),
     )
 
 
-def _write_backward(state, write: Write, grad_new):
-    """The state's gradient (its dtype) through h'_j = sum_i A_r[i, j] h_i + B_j y, and the
-    write's inputs' gradients: y's, its logits' (the tanh's derivative applied) and its
-    parameters'."""
+def _write_backward(state, write: Write, grad: list):
+    """The state's gradient (its dtype) through h'_j = sum_i A_r[i, j] h_i + B_j y, given
+    G_j, and the write's inputs' gradients: y's, its logits' (the tanh's derivative
+    applied) and its parameters'."""
     n = state.shape[0]
-    tokens = list(range(1, state.dim() - 1))
-    tanh = torch.tanh(write.logits)  # [n, ..., n + 2]
+    tokens = list(range(state.dim() - 2))
+    inputs = list(state.unbind(0))
+    # the mappings rebuilt from the tanh of the stacked logits, not as the forward built
+    # them: the partitioner would keep the forward's n^2 + n fp32 numbers per token beside
+    # the logits
+    tanh = _columns(torch.tanh(write.logits))
+    residual, gates = _write_weights(write, tanh)
     s_a, s_b = at_least_fp32(write.alpha_scale), at_least_fp32(write.beta_scale)
-    grads = grad_new.unbind(0)
-    # A_r[:, j] and B as [n, ..., 1]
-    residual = [
-        _per_stream(write.static_alpha, 1 + j, tanh) + s_a * tanh[..., 1 + j : 2 + j]
-        for j in range(n)
+    grad_state = torch.stack([_weighted(residual[i], grad).to(state.dtype) for i in range(n)])
+    grad_out = _weighted(gates, grad).to(write.out.dtype)
+    accumulator = _accumulator(state)
+    grad_residual = [  # dA_r[i][j]
+        [(inputs[i] * g).sum(-1, keepdim=True, dtype=accumulator) for g in grad] for i in range(n)
     ]
-    gates = _per_stream(write.static_beta[:, None], 0, tanh) + s_b * tanh[..., n + 1 :]
-    grad_state = _weighted(residual, list(grads))
-    grad_out = _weighted([gates[j] for j in range(n)], list(grads))
-    grad_residual = torch.stack(  # [n (i), ..., n (j)]
-        [(state * g).sum(-1, dtype=_accumulator(state)) for g in grads], -1
-    )
-    grad_gates = torch.stack(  # [n (j), ..., 1]
-        [(write.out * g).sum(-1, keepdim=True, dtype=_accumulator(state)) for g in grads]
-    )
-    grad_logits = torch.cat(
+    grad_gates = [(write.out * g).sum(-1, keepdim=True, dtype=accumulator) for g in grad]
+    zero = torch.zeros_like(grad_gates[0])
+    grad_logits = torch.stack(
         [
-            torch.zeros_like(grad_gates),
-            s_a * (1 - tanh[..., 1 : n + 1] ** 2) * grad_residual,
-            s_b * (1 - tanh[..., n + 1 :] ** 2) * grad_gates,
-        ],
-        -1,
+            torch.cat(
+                [zero]
+                + [s_a * (1 - tanh[i][1 + j] ** 2) * grad_residual[i][j] for j in range(n)]
+                + [s_b * (1 - tanh[i][n + 1] ** 2) * grad_gates[i]],
+                -1,
+            )
+            for i in range(n)
+        ]
     )
-    grad_static = torch.cat([grad_residual.new_zeros(n, 1), grad_residual.sum(tokens)], -1)
-    return grad_state.to(state.dtype), (
-        grad_out.to(write.out.dtype),
+    # the sums over tokens as one reduction of the per-token numbers: dA_r (row by row),
+    # dB, then the scales' terms t dA_r and t dB
+    per_token = (
+        [grad_residual[i][j] for i in range(n) for j in range(n)]
+        + grad_gates
+        + [tanh[i][1 + j] * grad_residual[i][j] for i in range(n) for j in range(n)]
+        + [tanh[j][n + 1] * grad_gates[j] for j in range(n)]
+    )
+    sums = torch.cat(per_token, -1).sum(tokens)
+    square = n * n
+    grad_static = torch.cat([sums.new_zeros(n, 1), sums[:square].view(n, n)], -1)
+    grad_alpha_scale = sums[square + n : 2 * square + n].sum()
+    grad_beta_scale = sums[2 * square + n :].sum()
+    return grad_state, (
+        grad_out,
         grad_logits.to(write.logits.dtype),
         grad_static.to(write.static_alpha.dtype),
-        grad_gates.sum(tokens).reshape(n).to(write.static_beta.dtype),
-        (tanh[..., 1 : n + 1] * grad_residual).sum().reshape(1).to(write.alpha_scale.dtype),
-        (tanh[..., n + 1 :] * grad_gates).sum().reshape(1).to(write.beta_scale.dtype),
+        sums[square : square + n].to(write.static_beta.dtype),
+        grad_alpha_scale.reshape(1).to(write.alpha_scale.dtype),
+        grad_beta_scale.reshape(1).to(write.beta_scale.dtype),
     )
 
 
@@ -250,8 +274,8 @@ def connect(
     state: Tensor, eps: float, write: Optional[Write] = None, read: Optional[Read] = None
 ) -> tuple:
     """Sublayer k's write and sublayer k + 1's read of the streams [n, ..., h], either alone:
-    (the new streams, if ``write``) + (x [..., h] in the state's dtype, the logits [n, ...,
-    n + 2] for sublayer k + 1's write, A_m [..., n] for diagnostics (not differentiable),
-    if ``read``)."""
+    (the new streams, or without ``write`` the state, through which the next write must
+    read it) + (x [..., h] in the state's dtype, the logits [n, ..., n + 2] for sublayer
+    k + 1's write, A_m [..., n] for diagnostics (not differentiable), if ``read``)."""
     tensors = (*(write or ()), *(read or ()))
     return _Connect.apply(state, eps, write is not None, read is not None, *tensors)

@@ -85,14 +85,14 @@ class HyperConnection(StreamMixResidual):
 
     def _connected_read(self, state: Tensor) -> tuple[Tensor, tuple]:
         handed, self._handed_on = self._handed_on, None
-        if handed is None:
+        if handed is None:  # a layer's first read: the state comes back through it
             handed = connect(state, self._eps(), read=self._read_part())
-        x, logits, read = handed
+        streams, x, logits, read = handed
         self._record_logits(read, logits)
-        return x, (logits,)
+        return x, (streams, logits)
 
-    def _connected_write(self, state: Tensor, pending: tuple, out: Tensor) -> Tensor:
-        (logits,) = pending
+    def _connected_write(self, _state: Tensor, pending: tuple, out: Tensor) -> Tensor:
+        streams, logits = pending
         write = Write(
             out,
             logits,
@@ -103,11 +103,11 @@ class HyperConnection(StreamMixResidual):
         )
         following = self.following
         if not isinstance(following, HyperConnection) or not following.dynamic:
-            (new,) = connect(state, self._eps(), write=write)
+            (new,) = connect(streams, self._eps(), write=write)
             return new
-        new, *handed = connect(state, self._eps(), write=write, read=following._read_part())
-        following._handed_on = tuple(handed)
-        return new
+        handed = connect(streams, self._eps(), write=write, read=following._read_part())
+        following._handed_on = handed
+        return handed[0]
 
     def _eps(self) -> float:
         return cast(float, self.norm.eps)
