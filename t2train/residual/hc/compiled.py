@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from t2train.nn.functional import at_least_fp32
+from t2train.residual.unrolled import weighted_terms
 
 
 class Write(NamedTuple):
@@ -102,13 +103,6 @@ def _read_weights(read: Read, tanh: list) -> list:
     return [alpha[i, 0] + s_a * tanh[i][0] for i in range(len(tanh))]
 
 
-def _weighted(weights: list, tensors: list) -> Tensor:
-    total = weights[0] * tensors[0]
-    for weight, tensor in zip(weights[1:], tensors[1:]):
-        total = total + weight * tensor
-    return total
-
-
 class _Connect(torch.autograd.Function):
     """Tensors flat after ``state``: the write's six (if any), then the read's three."""
 
@@ -137,7 +131,7 @@ class _Connect(torch.autograd.Function):
             for i in range(n)
         ]
         weights = _read_weights(read, [[torch.tanh(row[0])] for row in rows])
-        x = _weighted(weights, streams).to(state.dtype)
+        x = weighted_terms(streams, weights).to(state.dtype)
         logits = torch.stack([torch.cat(row, -1) for row in rows])  # [n, ..., n + 2]
         saved_streams = outputs if write is not None else []
         ctx.save_for_backward(state, *tensors, logits, torch.stack(inverse_rms), *saved_streams)
@@ -177,7 +171,7 @@ def _read_backward(streams, read: Read, logits, inverse_rms, grad_x, grad_logits
     dtype, as autograd would add them), and the read's parameters' gradients."""
     n, h = len(streams), streams[0].shape[-1]
     tokens = list(range(streams[0].dim() - 1))
-    tanh = [[torch.tanh(c) for c in row] for row in _columns(logits)]
+    tanh = [[torch.tanh(_column(logits, i, 0))] for i in range(n)]  # A_m's alone
     s_a = at_least_fp32(read.alpha_scale)
     read_weights = _read_weights(read, tanh)
     grad_read = [  # dA_m[i]
@@ -191,14 +185,14 @@ def _read_backward(streams, read: Read, logits, inverse_rms, grad_x, grad_logits
     coefficients = [[inverse_rms[i] * d_io for d_io in d[i]] for i in range(n)]  # r_i d_io
     total = []
     for i in range(n):
-        logit_terms = _weighted(d[i], [_column(logits, i, o) for o in range(n + 2)])
+        logit_terms = weighted_terms([_column(logits, i, o) for o in range(n + 2)], d[i])
         term = grad[i] + read_weights[i] * grad_x
         term = term - (inverse_rms[i] * inverse_rms[i] / h * logit_terms) * streams[i]
-        term = term + _weighted(coefficients[i], list(read.folded.unbind(0)))
+        term = term + weighted_terms(list(read.folded.unbind(0)), coefficients[i])
         total.append(term.to(streams[i].dtype))
     grad_folded = torch.stack(
         [
-            _weighted([coefficients[i][o] for i in range(n)], streams).sum(tokens)
+            weighted_terms(streams, [coefficients[i][o] for i in range(n)]).sum(tokens)
             for o in range(n + 2)
         ]
     )
@@ -228,8 +222,8 @@ def _write_backward(state, write: Write, grad: list):
     tanh = _columns(torch.tanh(write.logits))
     residual, gates = _write_weights(write, tanh)
     s_a, s_b = at_least_fp32(write.alpha_scale), at_least_fp32(write.beta_scale)
-    grad_state = torch.stack([_weighted(residual[i], grad).to(state.dtype) for i in range(n)])
-    grad_out = _weighted(gates, grad).to(write.out.dtype)
+    grad_state = torch.stack([weighted_terms(grad, residual[i]).to(state.dtype) for i in range(n)])
+    grad_out = weighted_terms(grad, gates).to(write.out.dtype)
     accumulator = _accumulator(state)
     grad_residual = [  # dA_r[i][j]
         [(inputs[i] * g).sum(-1, keepdim=True, dtype=accumulator) for g in grad] for i in range(n)

@@ -102,7 +102,7 @@ class HyperConnection(StreamMixResidual):
             self.dynamic_beta_scale,
         )
         following = self.following
-        if not isinstance(following, HyperConnection) or not following.dynamic:
+        if following is None:  # the layer's last write
             (new,) = connect(streams, self._eps(), write=write)
             return new
         handed = connect(streams, self._eps(), write=write, read=following._read_part())
