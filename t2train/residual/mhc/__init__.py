@@ -155,6 +155,12 @@ def recomputed_states(model) -> int:
     return len(sublayer_names(model)) - 1 if model.mhc.recompute_streams else 0
 
 
+# Inductor fuses a row and a column reduction of the same tensors into one kernel (a norm's
+# input gradient and its weight's). In mHC's backward that takes the normed projection's
+# weight gradient away from the pass of the streams' gradient, which then reads the streams
+# again in a pass of its own: 3 units per sublayer more (`t2train bench bytes`).
+INDUCTOR_OPTIONS = {"triton.mix_order_reduction": False}
+
 DESIGN = ResidualDesign(
     name="mhc",
     layers="t2train.residual.mhc.layers",
@@ -170,4 +176,5 @@ DESIGN = ResidualDesign(
     section="mhc",
     options=MHCOptions,
     write_diagnostics=diagnostics_for("mhc"),
+    inductor_options=INDUCTOR_OPTIONS,
 )
