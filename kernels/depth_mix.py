@@ -28,6 +28,8 @@ then over blocks by PyTorch.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -173,10 +175,12 @@ def _phase1_bwd_kernel(
     DLSE,
     DV,
     DQ_PART,
+    ADDED,
     rows,
     hidden,
     n_src,
     n_q,
+    n_added,
     eps,
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -186,7 +190,9 @@ def _phase1_bwd_kernel(
 ):
     """ROWS tokens, one after another: the scores' gradients over all of h (a first loop),
     then dv and the query gradient slice by slice (a second loop over the same token's rows,
-    just read), the query gradient summed over the ROWS tokens into DQ_PART [blocks, S, h]."""
+    just read), the query gradient summed over the ROWS tokens into DQ_PART [blocks, S, h].
+    The first ``n_added`` sources' dv have ADDED [n_added, rows, h] added (their gradient
+    from after the read)."""
     block = tl.program_id(0).to(tl.int64)
     bases = _source_rows(SOURCES, V, n_src, BLOCK_N, ALIGNED)
     offs_n = tl.arange(0, BLOCK_N)
@@ -236,9 +242,15 @@ def _phase1_bwd_kernel(
                     mask=s_ok[:, None] & h_ok,
                     other=0.0,
                 ).to(tl.float32)
+                added = tl.load(
+                    ADDED + (offs_n[:, None] * rows + row) * hidden + offs_h[None, :],
+                    mask=(offs_n[:, None] < n_added) & h_ok,
+                    other=0.0,
+                ).to(tl.float32)
                 dv = (
                     tl.sum(w[:, :, None] * do[None, :, :] + dzr[:, :, None] * q[None, :, :], 1)
                     - coef[:, None] * v
+                    + added
                 )
                 tl.store(
                     DV + (offs_n[:, None] * rows + row) * hidden + offs_h[None, :],
@@ -403,9 +415,16 @@ def _phase_1(
 
 @kernel_op("block_phase_1_backward")
 def _phase_1_backward(
-    queries: Tensor, stacks: list[Tensor], lse: Tensor, d_out: Tensor, d_lse: Tensor, eps: float
+    queries: Tensor,
+    stacks: list[Tensor],
+    lse: Tensor,
+    d_out: Tensor,
+    d_lse: Tensor,
+    eps: float,
+    added: Optional[Tensor],
 ) -> tuple[Tensor, Tensor]:
-    """dQ [S, h] and the sources' gradients as one [N, ..., h] buffer."""
+    """dQ [S, h] and the sources' gradients as one [N, ..., h] buffer, the first stack's
+    with ``added`` (its gradient from after the read, shaped like it) added."""
     queries = queries.contiguous()
     stacks = _checked(stacks)
     first = stacks[0][0]
@@ -430,10 +449,12 @@ def _phase_1_backward(
         d_lse,
         d_sources,
         dq_part,
+        d_sources if added is None else added.contiguous(),
         rows,
         hidden,
         n_src,
         n_q,
+        0 if added is None else added.shape[0],
         eps,
         ROWS=ROWS,
         **_phase1_blocks(n_src, n_q, hidden),
@@ -450,11 +471,38 @@ def _save_phase_1(ctx, inputs: tuple, output: tuple) -> None:
 def _phase_1_grads(ctx, d_out: Tensor, d_lse: Tensor) -> tuple:
     """The stacks' gradients are handed to autograd as views of one buffer."""
     queries, lse, *stacks = ctx.saved_tensors
-    d_queries, d_sources = _phase_1_backward(queries, stacks, lse, d_out, d_lse, ctx.eps)
+    d_queries, d_sources = _phase_1_backward(queries, stacks, lse, d_out, d_lse, ctx.eps, None)
     return d_queries, list(d_sources.split([t.shape[0] for t in stacks])), None, None
 
 
 _phase_1.register_autograd(_phase_1_grads, setup_context=_save_phase_1)
+
+
+class _HandingOn(torch.autograd.Function):
+    """Phase 1 that also returns its first stack as it came, for the caller to hand on.
+
+    A layer reads the earlier layers' sources and hands them on to the next one, so they
+    get a gradient from the read and one from after the layer. Handed on as an input,
+    autograd adds the two in a pass of its own (3 units per source); handed on through
+    the read, the gradient from after it arrives in the read's backward, whose kernel adds
+    it while it writes the read's (1 unit more read)."""
+
+    @staticmethod
+    def forward(ctx, eps: float, rounded: bool, queries: Tensor, *stacks: Tensor):
+        out, lse = _phase_1(queries, list(stacks), eps, rounded)
+        ctx.eps = eps
+        ctx.save_for_backward(queries, lse, *stacks)
+        return out, lse, stacks[0].view_as(stacks[0])
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor, d_lse: Tensor, d_handed_on: Optional[Tensor]):
+        queries, lse, *stacks = ctx.saved_tensors
+        if d_lse is None:
+            d_lse = torch.zeros_like(lse)
+        d_queries, d_sources = _phase_1_backward(
+            queries, stacks, lse, d_out, d_lse, ctx.eps, d_handed_on
+        )
+        return None, None, d_queries, *d_sources.split([t.shape[0] for t in stacks])
 
 
 @kernel_op("block_phase_2")
@@ -520,6 +568,17 @@ def phase_1(
     """O [S, ..., h] and LSE [S, ...] (fp32; ``rounded``: O in the sources' dtype) of S
     pseudo-queries over the N sources (the rows of the stacks, each [k, ..., h])."""
     return _phase_1(queries, list(stacks), eps, rounded)
+
+
+def phase_1_handing_on(
+    queries: Tensor, stacks: list[Tensor], eps: float, rounded: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``phase_1``'s O and LSE, and the first stack as it came, the gradient it gets after
+    the read added in the read's backward kernel."""
+    if not torch.is_grad_enabled():  # no backward; and dynamo binds the Function's
+        # arguments one place off when it traces it under no_grad (torch 2.14)
+        return (*_phase_1(queries, list(stacks), eps, rounded), stacks[0])
+    return _HandingOn.apply(eps, rounded, queries, *stacks)
 
 
 def phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float) -> Tensor:

@@ -511,7 +511,9 @@ def _passed_through(inputs, outputs: list, tangents: list) -> list[KernelTraffic
     one gradient from the layer's backward and one from what comes after it: autograd adds
     the two eagerly, between the layers' backward graphs, reading both and writing the sum.
     Such an input's gradient is its output's plus the layer's own (an input only handed on,
-    as the sources' buffer, gets the output's alone and nothing is added)."""
+    as the sources' buffer, gets the output's alone and nothing is added). A tensor handed
+    on through the compiled graph (an output of it, aliasing the input) brings its gradient
+    into the layer's backward, whose kernels add it."""
     import torch
     from torch.utils._pytree import tree_leaves
 
@@ -523,6 +525,8 @@ def _passed_through(inputs, outputs: list, tangents: list) -> list[KernelTraffic
     for output, tangent in zip(outputs, tangents):
         source = given.get(key(output))
         if source is None or source.grad is None or torch.equal(source.grad, tangent):
+            continue
+        if type(output.grad_fn).__name__ == "CompiledFunctionBackward":
             continue
         units, narrow = _split_units({"gradient": output.numel() * output.element_size()})
         name = "aten.add (its gradients from the layer and after it)"

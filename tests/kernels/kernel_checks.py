@@ -26,8 +26,12 @@ KERNEL_OPS = {
     "hc_read": {"stream_read"},
     "hc_write": {"stream_write"},
 }
+# kernel name -> the autograd functions around its operators (calling their backward
+# operator themselves), whose nodes stand in the graph for the operators'
+KERNEL_FUNCTIONS = {"block_phase_1": {"_HandingOnBackward"}}
 BACKWARD_NODES = {
     kernel: {f"GeneratedBackwardFor_t2train_{op}_defaultBackward" for op in ops}
+    | KERNEL_FUNCTIONS.get(kernel, set())
     for kernel, ops in KERNEL_OPS.items()
 }
 

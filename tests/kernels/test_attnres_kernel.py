@@ -81,6 +81,32 @@ def test_phase_1_batches_the_block_queries():
     torch.testing.assert_close(lse, torch.logsumexp(keys @ queries.T, 0).permute(2, 0, 1))
 
 
+@pytest.mark.parametrize("rounded", [False, True], ids=["fp32_mixture", "rounded"])
+def test_phase_1_hands_the_earlier_sources_on_and_adds_their_later_gradient(rounded):
+    """Phase 1 as a layer calls it: the first stack (the earlier layers' sources) comes back
+    as it came, and the gradient it gets after the read is added, row by row, to the read's
+    own in the backward kernel; the other stacks' gradients are the read's alone."""
+    from t2train.kernels import dispatch
+    from t2train.residual.attnres.functional import block_phase_1
+    from t2train.residual.attnres.layers import BLOCK_PHASE_1
+
+    def flat(outputs):  # one tensor, so that each output gets its own upstream gradient
+        return torch.cat([t.float().flatten() for t in outputs])
+
+    def kernel(queries, *sources):
+        stacks = _stacks(sources)
+        phase_1 = dispatch.route(BLOCK_PHASE_1, queries, *stacks)
+        return flat(phase_1(queries, stacks, EPS, rounded=rounded))
+
+    def reference(queries, *sources):
+        stacks = _stacks(sources)
+        return flat((*block_phase_1(queries, stacks, EPS, rounded=rounded), stacks[0]))
+
+    query, _, *sources = _inputs(4, torch.float32)
+    queries = torch.stack([query, -query, 0.5 * query])
+    assert_matches(kernel, reference, [queries, *sources], torch.float32, "block_phase_1")
+
+
 def test_reference_passes_gradcheck():
     inputs = [t.double().requires_grad_() for t in _inputs(3, torch.float32, (2, 1), 6)]
     assert torch.autograd.gradcheck(lambda q, *v: depth_mix(q, _stacks(v), EPS), inputs)
@@ -95,7 +121,7 @@ def test_a_block_read_with_its_mixture_rounded():
     from t2train.residual.attnres.layers import BLOCK_PHASE_1, BLOCK_PHASE_2
 
     def read(phase_1, phase_2, query, partial, *sources):
-        out, lse = phase_1(query[None], _stacks(sources), EPS, rounded=True)
+        out, lse, *_ = phase_1(query[None], _stacks(sources), EPS, rounded=True)
         assert out.dtype == partial.dtype
         return phase_2(partial, query, out[0], lse[0], EPS)
 

@@ -53,8 +53,8 @@ CASES = {
         ["model.residual=attnres"],
         lambda p, x, t: paper.attnres_decoder(
             p, x, LAYERS, HEADS, EPS, 1, ATTNRES_EPS, t
-        ),  # every read one mixture
-        {"depth_mix": 2 * LAYERS + 1},
+        ),  # every sublayer's read a phase 1 (handing the sources on), the final read a mixture
+        {"block_phase_1": 2 * LAYERS, "depth_mix": 1},
     ),
     "block_attnres": (
         ["model.residual=block_attnres", f"model.attnres.block_size={BLOCK}"],

@@ -72,7 +72,14 @@ def block_phase_1(
     with torch.autocast(stacks[0].device.type, enabled=False):
         outs, z = _mixtures(queries, stacks, eps)
         out = torch.stack(outs)
-        return out.to(stacks[0].dtype) if rounded else out, torch.logsumexp(z, dim=0)
+        return out.to(stacks[0].dtype) if rounded else out, _logsumexp(z)
+
+
+def _logsumexp(z: Tensor) -> Tensor:
+    """``torch.logsumexp(z, 0)``, written out: torch's asks whether ``z`` is empty, which a
+    compiled layer cannot answer for a dynamic count of sources (a graph break)."""
+    top = z.amax(0)
+    return top + (z - top).exp().sum(0).log()
 
 
 def block_phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float) -> Tensor:

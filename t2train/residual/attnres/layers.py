@@ -59,8 +59,19 @@ def mix_with_partial(
     return depth_mix(query, _with_partial(stacks, partial), eps)
 
 
+def phase_1_handing_on(
+    queries: Tensor, stacks: list[Tensor], eps: float, rounded: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``block_phase_1``, and the first stack (the earlier layers' sources) as it came, for
+    the layer to hand on: the kernel then adds the gradient the stack gets after the layer
+    in the read's backward, where autograd would add it in a pass of its own."""
+    return (*block_phase_1(queries, stacks, eps, rounded), stacks[0])
+
+
 DEPTH_MIX = dispatch.Kernel("depth_mix", "t2train.kernels.depth_mix:depth_mix", mix_with_partial)
-BLOCK_PHASE_1 = dispatch.Kernel("block_phase_1", "t2train.kernels.depth_mix:phase_1", block_phase_1)
+BLOCK_PHASE_1 = dispatch.Kernel(
+    "block_phase_1", "t2train.kernels.depth_mix:phase_1_handing_on", phase_1_handing_on
+)
 BLOCK_PHASE_2 = dispatch.Kernel("block_phase_2", "t2train.kernels.depth_mix:phase_2", block_phase_2)
 
 
@@ -88,6 +99,7 @@ class BlockAttnResidual(SublayerResidual):
         self.closes_block = (self.index + 1) % self.block_size == 0
         self.block_mates = [self]  # this and the block's later reads in the chunk, in order
         self._later_reads: tuple = ()  # the read's leftover phase-1 rows, for the write
+        self._handed_on: Optional[Tensor] = None  # the earlier sources through phase 1
         mark_replicated(self, config)
 
     def read(self, state: AttnResState) -> Tensor:
@@ -103,17 +115,27 @@ class BlockAttnResidual(SublayerResidual):
         return phase_2(state.partial, self.query, out, lse, self.eps)
 
     def _phase_1_rows(self, state: AttnResState) -> tuple[tuple, tuple]:
-        """This read's phase-1 (O, LSE) and its later block mates', computed if not yet done."""
+        """This read's phase-1 (O, LSE) and its later block mates', computed if not yet done
+        (the earlier sources then handed on through it)."""
         if state.reads:
             return state.reads[0], state.reads[1:]
         queries = torch.stack([mate.query for mate in self.block_mates])
-        stacks = state.stacks()
-        phase_1 = dispatch.route(BLOCK_PHASE_1, queries, *stacks)
-        out, lse = phase_1(queries, stacks, self.eps, rounded=True)
+        out, lse, self._handed_on = self._phase_1(queries, state)
         rows = tuple(zip(out.unbind(0), lse.unbind(0)))
         return rows[0], rows[1:]
 
+    def _phase_1(self, queries: Tensor, state: AttnResState) -> tuple[Tensor, Tensor, Tensor]:
+        stacks = state.stacks()
+        phase_1 = dispatch.route(BLOCK_PHASE_1, queries, *stacks)
+        return phase_1(queries, stacks, self.eps, rounded=True)
+
+    def _handing_on(self, state: AttnResState) -> AttnResState:
+        """The state with the earlier sources as this read handed them on (if it did)."""
+        handed_on, self._handed_on = self._handed_on, None
+        return state if handed_on is None else replace_fields(state, earlier=handed_on)
+
     def write(self, state: AttnResState, x: Tensor, normed: Tensor, out: Tensor) -> AttnResState:
+        state = self._handing_on(state)
         reads, self._later_reads = self._later_reads, ()
         partial = out if state.partial is None else state.partial + out
         if self.closes_block:
@@ -131,9 +153,11 @@ class FullAttnResidual(BlockAttnResidual):
             self.index,
             lambda: mixing_weights(self.query, state.stacks(), self.eps).mean((1, 2)),
         )
-        return mix_sources(self.query, state.stacks(), None, self.eps)
+        out, _, self._handed_on = self._phase_1(self.query[None], state)
+        return out[0]
 
     def write(self, state: AttnResState, x: Tensor, normed: Tensor, out: Tensor) -> AttnResState:
+        state = self._handing_on(state)
         return replace_fields(state, new=state.new + (out,))
 
 
