@@ -180,25 +180,27 @@ def _phase1_bwd_kernel(
     hidden,
     n_src,
     n_q,
-    n_added,
     eps,
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ROWS: tl.constexpr,
     ALIGNED: tl.constexpr,
+    ADDED_ALIGNED: tl.constexpr,
 ):
     """ROWS tokens, one after another: the scores' gradients over all of h (a first loop),
     then dv and the query gradient slice by slice (a second loop over the same token's rows,
     just read), the query gradient summed over the ROWS tokens into DQ_PART [blocks, S, h].
-    The first ``n_added`` sources' dv have ADDED [n_added, rows, h] added (their gradient
-    from after the read)."""
+    Each source's dv has its gradient from after the read added, read through ADDED, a
+    table of addresses like SOURCES (0: none)."""
     block = tl.program_id(0).to(tl.int64)
     bases = _source_rows(SOURCES, V, n_src, BLOCK_N, ALIGNED)
+    added_bases = _source_rows(ADDED, DV, n_src, BLOCK_N, ADDED_ALIGNED)
     offs_n = tl.arange(0, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
     n_ok, s_ok = offs_n < n_src, offs_s < n_q
     ok = n_ok[:, None] & s_ok[None, :]
+    added_ok = tl.load(ADDED + offs_n, mask=n_ok, other=0) != 0
     for i in range(ROWS):
         row = block * ROWS + i
         if row < rows:
@@ -243,8 +245,8 @@ def _phase1_bwd_kernel(
                     other=0.0,
                 ).to(tl.float32)
                 added = tl.load(
-                    ADDED + (offs_n[:, None] * rows + row) * hidden + offs_h[None, :],
-                    mask=(offs_n[:, None] < n_added) & h_ok,
+                    added_bases[:, None] + row * hidden + offs_h[None, :],
+                    mask=added_ok[:, None] & v_mask,
                     other=0.0,
                 ).to(tl.float32)
                 dv = (
@@ -347,17 +349,23 @@ def _phase2_blocks(hidden: int) -> dict:
     return dict(BLOCK_H=block_h, ROWS=ROWS, num_warps=min(16, max(4, block_h // 512)))
 
 
-def _address_table(stacks: list[Tensor]) -> tuple[Tensor, dict]:
+def _address_table(
+    stacks: list, device: torch.device, flag: str = "ALIGNED", rows: Optional[list] = None
+) -> tuple[Tensor, dict]:
     """The data pointers of the stacks' rows (the sources) as an int64 tensor on their device
     (the kernels' table), and whether all are 16-byte aligned (a fresh tensor is; a view may
-    not be)."""
-    addresses = [
-        stack.data_ptr() + row * stack.stride(0) * stack.element_size()
-        for stack in stacks
-        for row in range(stack.shape[0])
-    ]
-    table = torch.tensor(addresses, dtype=torch.int64, device=stacks[0].device)
-    return table, {"ALIGNED": all(address % 16 == 0 for address in addresses)}
+    not be), as the kernel's ``flag``. A stack given as None (``rows``: each stack's count)
+    has address 0 for each of its rows: nothing to read."""
+    addresses = []
+    for index, stack in enumerate(stacks):
+        if stack is None:
+            assert rows is not None, "a stack given as None needs its count of rows"
+            addresses += [0] * rows[index]
+            continue
+        size = stack.stride(0) * stack.element_size()
+        addresses += [stack.data_ptr() + row * size for row in range(stack.shape[0])]
+    table = torch.tensor(addresses, dtype=torch.int64, device=device)
+    return table, {flag: all(address % 16 == 0 for address in addresses)}
 
 
 def _checked(stacks: list[Tensor]) -> list[Tensor]:
@@ -395,7 +403,7 @@ def _phase_1(
         return out, lse
     n_src, hidden, n_q = sum(t.shape[0] for t in stacks), first.shape[-1], queries.shape[0]
     rows = first.numel() // hidden
-    table, aligned = _address_table(stacks)
+    table, aligned = _address_table(stacks, queries.device)
     _phase1_fwd_kernel[(rows,)](
         table,
         first,
@@ -421,10 +429,10 @@ def _phase_1_backward(
     d_out: Tensor,
     d_lse: Tensor,
     eps: float,
-    added: Optional[Tensor],
+    added: list[Optional[Tensor]],
 ) -> tuple[Tensor, Tensor]:
-    """dQ [S, h] and the sources' gradients as one [N, ..., h] buffer, the first stack's
-    with ``added`` (its gradient from after the read, shaped like it) added."""
+    """dQ [S, h] and the sources' gradients as one [N, ..., h] buffer, each stack's with its
+    ``added`` (its gradient from after the read, shaped like it; None: nothing) added."""
     queries = queries.contiguous()
     stacks = _checked(stacks)
     first = stacks[0][0]
@@ -437,7 +445,10 @@ def _phase_1_backward(
     # O's gradient read as it comes (bf16 when O was rounded): an fp32 copy would be a pass
     # of its own, and each kernel would read twice the bytes
     d_out, d_lse = d_out.contiguous(), d_lse.float().contiguous()
-    table, aligned = _address_table(stacks)
+    table, aligned = _address_table(stacks, queries.device)
+    added = [None if t is None else t.contiguous() for t in added]
+    counts = [t.shape[0] for t in stacks]
+    added_table, added_aligned = _address_table(added, lse.device, "ADDED_ALIGNED", counts)
     blocks = triton.cdiv(rows, ROWS)
     dq_part = torch.empty(blocks, n_q, hidden, device=lse.device, dtype=torch.float32)
     _phase1_bwd_kernel[(blocks,)](
@@ -449,16 +460,16 @@ def _phase_1_backward(
         d_lse,
         d_sources,
         dq_part,
-        d_sources if added is None else added.contiguous(),
+        added_table,
         rows,
         hidden,
         n_src,
         n_q,
-        0 if added is None else added.shape[0],
         eps,
         ROWS=ROWS,
         **_phase1_blocks(n_src, n_q, hidden),
         **aligned,
+        **added_aligned,
     )
     return dq_part.sum(0).to(queries.dtype), d_sources
 
@@ -471,7 +482,8 @@ def _save_phase_1(ctx, inputs: tuple, output: tuple) -> None:
 def _phase_1_grads(ctx, d_out: Tensor, d_lse: Tensor) -> tuple:
     """The stacks' gradients are handed to autograd as views of one buffer."""
     queries, lse, *stacks = ctx.saved_tensors
-    d_queries, d_sources = _phase_1_backward(queries, stacks, lse, d_out, d_lse, ctx.eps, None)
+    nothing = [None] * len(stacks)
+    d_queries, d_sources = _phase_1_backward(queries, stacks, lse, d_out, d_lse, ctx.eps, nothing)
     return d_queries, list(d_sources.split([t.shape[0] for t in stacks])), None, None
 
 
@@ -479,30 +491,39 @@ _phase_1.register_autograd(_phase_1_grads, setup_context=_save_phase_1)
 
 
 class _HandingOn(torch.autograd.Function):
-    """Phase 1 that also returns its first stack as it came, for the caller to hand on.
+    """Phase 1 over the earlier sources (a stack) and single new ones, each returned as it
+    came for the caller to hand on.
 
-    A layer reads the earlier layers' sources and hands them on to the next one, so they
-    get a gradient from the read and one from after the layer. Handed on as an input,
-    autograd adds the two in a pass of its own (3 units per source); handed on through
-    the read, the gradient from after it arrives in the read's backward, whose kernel adds
-    it while it writes the read's (1 unit more read)."""
+    A layer reads sources (the earlier layers', its own) and hands them on, so they get a
+    gradient from the read and one from after it. Handed on as inputs, autograd adds the
+    two in a pass of its own (3 units per source); handed on through the read, the
+    gradient from after it arrives in the read's backward, whose kernel adds it while it
+    writes the read's (1 unit more read). The new sources are taken and returned in their
+    own shape: as rows of stacks, their gradients would be copied into and out of them."""
 
     @staticmethod
-    def forward(ctx, eps: float, rounded: bool, queries: Tensor, *stacks: Tensor):
-        out, lse = _phase_1(queries, list(stacks), eps, rounded)
+    def forward(ctx, eps: float, rounded: bool, queries: Tensor, earlier: Tensor, *new: Tensor):
+        out, lse = _phase_1(queries, _stacked(earlier, new), eps, rounded)
         ctx.eps = eps
-        ctx.save_for_backward(queries, lse, *stacks)
-        return out, lse, stacks[0].view_as(stacks[0])
+        ctx.save_for_backward(queries, lse, earlier, *new)
+        return out, lse, earlier.view_as(earlier), *(source.view_as(source) for source in new)
 
     @staticmethod
-    def backward(ctx, d_out: Tensor, d_lse: Tensor, d_handed_on: Optional[Tensor]):
-        queries, lse, *stacks = ctx.saved_tensors
+    def backward(ctx, d_out: Tensor, d_lse: Optional[Tensor], *d_handed_on: Optional[Tensor]):
+        queries, lse, earlier, *new = ctx.saved_tensors
         if d_lse is None:
             d_lse = torch.zeros_like(lse)
+        d_earlier, *d_new = d_handed_on
+        added = [d_earlier, *(None if d is None else d.unsqueeze(0) for d in d_new)]
         d_queries, d_sources = _phase_1_backward(
-            queries, stacks, lse, d_out, d_lse, ctx.eps, d_handed_on
+            queries, _stacked(earlier, new), lse, d_out, d_lse, ctx.eps, added
         )
-        return None, None, d_queries, *d_sources.split([t.shape[0] for t in stacks])
+        count = earlier.shape[0]
+        return None, None, d_queries, d_sources[:count], *d_sources[count:].unbind(0)
+
+
+def _stacked(earlier: Tensor, new) -> list[Tensor]:
+    return [earlier, *(source.unsqueeze(0) for source in new)]
 
 
 @kernel_op("block_phase_2")
@@ -571,14 +592,15 @@ def phase_1(
 
 
 def phase_1_handing_on(
-    queries: Tensor, stacks: list[Tensor], eps: float, rounded: bool = False
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``phase_1``'s O and LSE, and the first stack as it came, the gradient it gets after
-    the read added in the read's backward kernel."""
+    queries: Tensor, earlier: Tensor, new: list[Tensor], eps: float, rounded: bool = False
+) -> tuple[Tensor, ...]:
+    """``phase_1``'s O and LSE over the earlier sources (a stack [k, ..., h]) and the new
+    ones (each [..., h]), then those as they came, the gradient each gets after the read
+    added in the read's backward kernel."""
     if not torch.is_grad_enabled():  # no backward; and dynamo binds the Function's
         # arguments one place off when it traces it under no_grad (torch 2.14)
-        return (*_phase_1(queries, list(stacks), eps, rounded), stacks[0])
-    return _HandingOn.apply(eps, rounded, queries, *stacks)
+        return (*_phase_1(queries, _stacked(earlier, new), eps, rounded), earlier, *new)
+    return _HandingOn.apply(eps, rounded, queries, earlier, *new)
 
 
 def phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float) -> Tensor:

@@ -101,7 +101,7 @@ def launch_every_kernel(dtype) -> None:
     _backward(depth_mix.depth_mix(query, stacks, partial, 1e-6))
     queries = _leaves(dtype, (4, 256))[0]
     _backward(depth_mix.phase_1(queries, stacks, 1e-6))
-    _backward(depth_mix.phase_1_handing_on(queries, stacks, 1e-6))
+    _backward(depth_mix.phase_1_handing_on(queries, stacks[0], sources[2:], 1e-6))
     state, out = _leaves(dtype, (4, 8, 2, 256), (8, 2, 256))
     pre, post, res = _leaves(torch.float32, (8, 2, 4), (8, 2, 4), (8, 2, 4, 4))
     _backward(stream_mix.stream_read(state, pre))

@@ -27,6 +27,11 @@ def _stacks(sources):
     return earlier + [sources[-1].unsqueeze(0)]
 
 
+def _earlier_and_new(sources):
+    """The first sources as one stack (the earlier layers'), the last one as a new source."""
+    return torch.stack(sources[:-1]), [sources[-1]]
+
+
 def _check(n_sources, with_partial, dtype):
     def kernel(query, partial, *sources):
         return mix_sources(query, _stacks(sources), partial if with_partial else None, EPS)
@@ -82,10 +87,10 @@ def test_phase_1_batches_the_block_queries():
 
 
 @pytest.mark.parametrize("rounded", [False, True], ids=["fp32_mixture", "rounded"])
-def test_phase_1_hands_the_earlier_sources_on_and_adds_their_later_gradient(rounded):
-    """Phase 1 as a layer calls it: the first stack (the earlier layers' sources) comes back
-    as it came, and the gradient it gets after the read is added, row by row, to the read's
-    own in the backward kernel; the other stacks' gradients are the read's alone."""
+def test_phase_1_hands_the_sources_on_and_adds_their_later_gradient(rounded):
+    """Phase 1 as a layer calls it: the earlier layers' sources (a stack) and the layer's
+    own come back as they came, and the gradient each gets after the read is added, row by
+    row, to the read's own in the backward kernel."""
     from t2train.kernels import dispatch
     from t2train.residual.attnres.functional import block_phase_1
     from t2train.residual.attnres.layers import BLOCK_PHASE_1
@@ -94,13 +99,14 @@ def test_phase_1_hands_the_earlier_sources_on_and_adds_their_later_gradient(roun
         return torch.cat([t.float().flatten() for t in outputs])
 
     def kernel(queries, *sources):
-        stacks = _stacks(sources)
-        phase_1 = dispatch.route(BLOCK_PHASE_1, queries, *stacks)
-        return flat(phase_1(queries, stacks, EPS, rounded=rounded))
+        earlier, new = torch.stack(sources[:2]), list(sources[2:])
+        phase_1 = dispatch.route(BLOCK_PHASE_1, queries, earlier, *new)
+        return flat(phase_1(queries, earlier, new, EPS, rounded=rounded))
 
     def reference(queries, *sources):
-        stacks = _stacks(sources)
-        return flat((*block_phase_1(queries, stacks, EPS, rounded=rounded), stacks[0]))
+        earlier, new = torch.stack(sources[:2]), list(sources[2:])
+        stacks = [earlier] + [source.unsqueeze(0) for source in new]
+        return flat((*block_phase_1(queries, stacks, EPS, rounded=rounded), earlier, *new))
 
     query, _, *sources = _inputs(4, torch.float32)
     queries = torch.stack([query, -query, 0.5 * query])
@@ -117,18 +123,18 @@ def test_a_block_read_with_its_mixture_rounded():
     (``rounded``), phase 2 merging it with the partial sum. The kernels against the
     references in fp16, and the result within two roundings of the exact fp32 mixture of
     the sources and the partial sum (one for the kept mixture, one for the result)."""
-    from t2train.residual.attnres.functional import block_phase_1, block_phase_2
+    from t2train.residual.attnres.functional import block_phase_2
     from t2train.residual.attnres.layers import BLOCK_PHASE_1, BLOCK_PHASE_2
 
     def read(phase_1, phase_2, query, partial, *sources):
-        out, lse, *_ = phase_1(query[None], _stacks(sources), EPS, rounded=True)
+        out, lse, *_ = phase_1(query[None], *_earlier_and_new(sources), EPS, rounded=True)
         assert out.dtype == partial.dtype
         return phase_2(partial, query, out[0], lse[0], EPS)
 
     inputs = _inputs(3, torch.float16)
     kernels = (BLOCK_PHASE_1.triton_function(), BLOCK_PHASE_2.triton_function())
     got = read(*kernels, *inputs)
-    want = read(block_phase_1, block_phase_2, *inputs)
+    want = read(BLOCK_PHASE_1.reference, block_phase_2, *inputs)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
     query, partial, *sources = (t.float() for t in inputs)
     exact = depth_mix(query, [v.unsqueeze(0) for v in [*sources, partial]], EPS)

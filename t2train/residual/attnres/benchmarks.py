@@ -26,8 +26,8 @@ def depth_mix_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
     queries = rt.leaf(n_q, hidden, scale=hidden**-0.5)
     inputs = [sources, queries, *partials]
 
-    def two_phase(first, second, stacks):
-        out, lse, *_ = first(queries, stacks, eps)  # ours also hands the first stack on
+    def two_phase(first, second):
+        out, lse, *_ = first()  # ours also hands the sources on
         return [second(partials[i], queries[i], out[i], lse[i], eps) for i in range(n_q)]
 
     def per_read(mix):
@@ -37,7 +37,9 @@ def depth_mix_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
     compiled = rt.compile(depth_mix)
     phase_1, phase_2 = BLOCK_PHASE_1.triton_function(), BLOCK_PHASE_2.triton_function()
     impls = [
-        Impl("triton", lambda: two_phase(phase_1, phase_2, [sources]), inputs),
+        Impl(
+            "triton", lambda: two_phase(lambda: phase_1(queries, sources, [], eps), phase_2), inputs
+        ),
         Impl("eager", lambda: per_read(depth_mix), inputs),
         Impl("torch.compile", lambda: per_read(compiled), inputs),
     ]
@@ -48,9 +50,9 @@ def depth_mix_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
             Impl(
                 "flash-attn-res",
                 lambda: two_phase(
-                    far.phase_1_batched_attention_triton_op,
+                    # one [N, ...] tensor, not a list of stacks
+                    lambda: far.phase_1_batched_attention_triton_op(queries, sources, eps),
                     far.phase_2_online_softmax_merge_triton_op,
-                    sources,  # one [N, ...] tensor, not a list of stacks
                 ),
                 inputs,
             )

@@ -60,12 +60,14 @@ def mix_with_partial(
 
 
 def phase_1_handing_on(
-    queries: Tensor, stacks: list[Tensor], eps: float, rounded: bool = False
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``block_phase_1``, and the first stack (the earlier layers' sources) as it came, for
-    the layer to hand on: the kernel then adds the gradient the stack gets after the layer
-    in the read's backward, where autograd would add it in a pass of its own."""
-    return (*block_phase_1(queries, stacks, eps, rounded), stacks[0])
+    queries: Tensor, earlier: Tensor, new: list[Tensor], eps: float, rounded: bool = False
+) -> tuple[Tensor, ...]:
+    """``block_phase_1``'s O and LSE over the earlier sources (a stack [k, ..., h]) and the
+    new ones (each [..., h]), then those as they came, for the layer to hand on: the kernel
+    then adds the gradient each gets after the read in the read's backward, where autograd
+    would add it in a pass of its own."""
+    stacks = [earlier, *(source.unsqueeze(0) for source in new)]
+    return (*block_phase_1(queries, stacks, eps, rounded), earlier, *new)
 
 
 DEPTH_MIX = dispatch.Kernel("depth_mix", "t2train.kernels.depth_mix:depth_mix", mix_with_partial)
@@ -99,7 +101,7 @@ class BlockAttnResidual(SublayerResidual):
         self.closes_block = (self.index + 1) % self.block_size == 0
         self.block_mates = [self]  # this and the block's later reads in the chunk, in order
         self._later_reads: tuple = ()  # the read's leftover phase-1 rows, for the write
-        self._handed_on: Optional[Tensor] = None  # the earlier sources through phase 1
+        self._handed_on: tuple = ()  # the sources as phase 1 handed them on
         mark_replicated(self, config)
 
     def read(self, state: AttnResState) -> Tensor:
@@ -120,19 +122,25 @@ class BlockAttnResidual(SublayerResidual):
         if state.reads:
             return state.reads[0], state.reads[1:]
         queries = torch.stack([mate.query for mate in self.block_mates])
-        out, lse, self._handed_on = self._phase_1(queries, state)
+        out, lse = self._phase_1(queries, state)
         rows = tuple(zip(out.unbind(0), lse.unbind(0)))
         return rows[0], rows[1:]
 
-    def _phase_1(self, queries: Tensor, state: AttnResState) -> tuple[Tensor, Tensor, Tensor]:
-        stacks = state.stacks()
-        phase_1 = dispatch.route(BLOCK_PHASE_1, queries, *stacks)
-        return phase_1(queries, stacks, self.eps, rounded=True)
+    def _phase_1(self, queries: Tensor, state: AttnResState) -> tuple[Tensor, Tensor]:
+        """Phase 1 over the state's sources, which it hands on (kept for the write)."""
+        phase_1 = dispatch.route(BLOCK_PHASE_1, queries, state.earlier, *state.new)
+        out, lse, *self._handed_on = phase_1(
+            queries, state.earlier, list(state.new), self.eps, rounded=True
+        )
+        return out, lse
 
     def _handing_on(self, state: AttnResState) -> AttnResState:
-        """The state with the earlier sources as this read handed them on (if it did)."""
-        handed_on, self._handed_on = self._handed_on, None
-        return state if handed_on is None else replace_fields(state, earlier=handed_on)
+        """The state with the sources as this read handed them on (if it ran phase 1)."""
+        handed_on, self._handed_on = self._handed_on, ()
+        if not handed_on:
+            return state
+        earlier, *new = handed_on
+        return replace_fields(state, earlier=earlier, new=tuple(new))
 
     def write(self, state: AttnResState, x: Tensor, normed: Tensor, out: Tensor) -> AttnResState:
         state = self._handing_on(state)
@@ -153,7 +161,7 @@ class FullAttnResidual(BlockAttnResidual):
             self.index,
             lambda: mixing_weights(self.query, state.stacks(), self.eps).mean((1, 2)),
         )
-        out, _, self._handed_on = self._phase_1(self.query[None], state)
+        out, _ = self._phase_1(self.query[None], state)
         return out[0]
 
     def write(self, state: AttnResState, x: Tensor, normed: Tensor, out: Tensor) -> AttnResState:
