@@ -30,11 +30,16 @@ class AttnResState(NamedTuple):
     def stacks(self) -> list[Tensor]:
         """The completed sources (embedding, then block sums; Full: every sublayer output) as
         stacks [k, s, b, h]: the earlier layers' rows, then this layer's own."""
-        return [self.earlier] + [source.unsqueeze(0) for source in self.new]
+        return _stacks(self.earlier, self.new)
 
     def with_partial(self) -> list[Tensor]:
         """The stacks and the open block's partial sum: every value a read mixes."""
         return _with_partial(self.stacks(), self.partial)
+
+
+def _stacks(earlier: Tensor, new) -> list[Tensor]:
+    """The earlier sources' stack, then each new source as a stack of one."""
+    return [earlier] + [source.unsqueeze(0) for source in new]
 
 
 def _with_partial(stacks: list[Tensor], partial: Optional[Tensor]) -> list[Tensor]:
@@ -66,8 +71,7 @@ def phase_1_handing_on(
     new ones (each [..., h]), then those as they came, for the layer to hand on: the kernel
     then adds the gradient each gets after the read in the read's backward, where autograd
     would add it in a pass of its own."""
-    stacks = [earlier, *(source.unsqueeze(0) for source in new)]
-    return (*block_phase_1(queries, stacks, eps, rounded), earlier, *new)
+    return (*block_phase_1(queries, _stacks(earlier, new), eps, rounded), earlier, *new)
 
 
 DEPTH_MIX = dispatch.Kernel("depth_mix", "t2train.kernels.depth_mix:depth_mix", mix_with_partial)
