@@ -59,9 +59,8 @@ def _phase1_logits(
     SOURCES,
     V,
     Q,
-    DO,
+    do_bases,
     row,
-    rows,
     hidden,
     n_src,
     n_q,
@@ -72,7 +71,8 @@ def _phase1_logits(
     WITH_DO: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
-    """r [BLOCK_N], z [BLOCK_N, BLOCK_S] and (WITH_DO) dO . v [BLOCK_N, BLOCK_S] for one token."""
+    """r [BLOCK_N], z [BLOCK_N, BLOCK_S] and (WITH_DO) dO . v [BLOCK_N, BLOCK_S] for one token
+    (``do_bases``: the S rows of dO, as ``_source_rows`` gives them)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
     bases = _source_rows(SOURCES, V, n_src, BLOCK_N, ALIGNED)
@@ -96,7 +96,7 @@ def _phase1_logits(
         dots += tl.sum(v[:, None, :] * q[None, :, :], 2)
         if WITH_DO:
             do = tl.load(
-                DO + (offs_s[:, None] * rows + row) * hidden + offs_h[None, :],
+                do_bases[:, None] + row * hidden + offs_h[None, :],
                 mask=(offs_s[:, None] < n_q) & h_ok,
                 other=0.0,
             ).to(tl.float32)
@@ -110,6 +110,7 @@ def _phase1_fwd_kernel(
     SOURCES,
     V,
     Q,
+    OUTS,
     O,
     LSE,
     rows,
@@ -121,18 +122,21 @@ def _phase1_fwd_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ALIGNED: tl.constexpr,
+    OUT_ALIGNED: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)  # 64-bit offsets: S outputs can pass 2^31 elements
+    """One token. Query s's O is written to its own tensor, through OUTS, a table of the S
+    outputs' addresses like SOURCES (``O``: the first, for the element type)."""
+    row = tl.program_id(0).to(tl.int64)  # 64-bit offsets
     offs_n = tl.arange(0, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
     bases = _source_rows(SOURCES, V, n_src, BLOCK_N, ALIGNED)
+    out_bases = _source_rows(OUTS, O, n_q, BLOCK_S, OUT_ALIGNED)
     r, z, _ = _phase1_logits(
         SOURCES,
         V,
         Q,
-        V,
+        out_bases,
         row,
-        rows,
         hidden,
         n_src,
         n_q,
@@ -159,7 +163,7 @@ def _phase1_fwd_kernel(
         ).to(tl.float32)
         o = tl.sum(w[:, :, None] * v[:, None, :], 0)
         tl.store(
-            O + (offs_s[:, None] * rows + row) * hidden + offs_h[None, :],
+            out_bases[:, None] + row * hidden + offs_h[None, :],
             o.to(O.dtype.element_ty),
             mask=(offs_s[:, None] < n_q) & h_ok,
         )
@@ -171,6 +175,7 @@ def _phase1_bwd_kernel(
     V,
     Q,
     LSE,
+    DOS,
     DO,
     DLSE,
     DV,
@@ -187,14 +192,17 @@ def _phase1_bwd_kernel(
     ROWS: tl.constexpr,
     ALIGNED: tl.constexpr,
     ADDED_ALIGNED: tl.constexpr,
+    DO_ALIGNED: tl.constexpr,
 ):
     """ROWS tokens, one after another: the scores' gradients over all of h (a first loop),
     then dv and the query gradient slice by slice (a second loop over the same token's rows,
     just read), the query gradient summed over the ROWS tokens into DQ_PART [blocks, S, h].
     Each source's dv has its gradient from after the read added, read through ADDED, a
-    table of addresses like SOURCES (0: none)."""
+    table of addresses like SOURCES (0: none); the S outputs' gradients are read where they
+    are, through DOS (``DO``: the first)."""
     block = tl.program_id(0).to(tl.int64)
     bases = _source_rows(SOURCES, V, n_src, BLOCK_N, ALIGNED)
+    do_bases = _source_rows(DOS, DO, n_q, BLOCK_S, DO_ALIGNED)
     added_bases = _source_rows(ADDED, DV, n_src, BLOCK_N, ADDED_ALIGNED)
     offs_n = tl.arange(0, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
@@ -208,9 +216,8 @@ def _phase1_bwd_kernel(
                 SOURCES,
                 V,
                 Q,
-                DO,
+                do_bases,
                 row,
-                rows,
                 hidden,
                 n_src,
                 n_q,
@@ -240,7 +247,7 @@ def _phase1_bwd_kernel(
                     other=0.0,
                 ).to(tl.float32)
                 do = tl.load(
-                    DO + (offs_s[:, None] * rows + row) * hidden + offs_h[None, :],
+                    do_bases[:, None] + row * hidden + offs_h[None, :],
                     mask=s_ok[:, None] & h_ok,
                     other=0.0,
                 ).to(tl.float32)
@@ -302,6 +309,7 @@ def _phase2_bwd_kernel(
     O,
     LSE,
     G,
+    DP_LATER,
     DP,
     DO,
     DLSE,
@@ -311,6 +319,7 @@ def _phase2_bwd_kernel(
     eps,
     BLOCK_H: tl.constexpr,
     ROWS: tl.constexpr,
+    HAS_LATER: tl.constexpr,
 ):
     block = tl.program_id(0).to(tl.int64)
     dq = tl.zeros([BLOCK_H], tl.float32)
@@ -323,6 +332,8 @@ def _phase2_bwd_kernel(
             g = tl.load(G + row * hidden + offs_h, mask=h_ok, other=0.0).to(tl.float32)
             dz = gamma * tl.sum(g * (p - y), 0)  # and dLSE = -dz
             dp = gamma * g + dz * r * (q - z * r / hidden * p)
+            if HAS_LATER:  # the partial sum's gradient from after the read
+                dp += tl.load(DP_LATER + row * hidden + offs_h, mask=h_ok, other=0.0).to(tl.float32)
             tl.store(DP + row * hidden + offs_h, dp.to(DP.dtype.element_ty), mask=h_ok)
             do = (1.0 - gamma) * g
             tl.store(DO + row * hidden + offs_h, do.to(DO.dtype.element_ty), mask=h_ok)
@@ -383,32 +394,40 @@ def _checked(stacks: list[Tensor]) -> list[Tensor]:
     return stacks
 
 
+def _rows_table(rows: list[Tensor], device: torch.device, flag: str) -> tuple[Tensor, dict]:
+    """The kernels' table of S tensors' addresses, each [..., h] (a query's O or its gradient)."""
+    return _address_table([row.unsqueeze(0) for row in rows], device, flag)
+
+
 @kernel_op("block_phase_1")
-def _phase_1(
-    queries: Tensor, stacks: list[Tensor], eps: float, rounded: bool
-) -> tuple[Tensor, Tensor]:
-    """queries [S, h], the N sources (the rows of the stacks, each [k, ..., h]) -> O
-    [S, ..., h] and LSE [S, ...], both fp32; ``rounded``: O in the sources' dtype (what a
-    layer keeps: a read with no phase 2 returns it as it is, and phase 2 reads half the
-    bytes; otherwise a pass of its own would convert it). The
+def _phase_1(queries: Tensor, stacks: list[Tensor], eps: float, rounded: bool) -> list[Tensor]:
+    """queries [S, h], the N sources (the rows of the stacks, each [k, ..., h]) -> the S
+    queries' O, each a tensor of its own [..., h], then LSE [S, ...], both fp32; ``rounded``:
+    O in the sources' dtype (what a layer keeps: a read with no phase 2 returns it as it is,
+    and phase 2 reads half the bytes; otherwise a pass of its own would convert it). The
     kernels read each source where it is (a table of their addresses): no stacked copy is
-    made, and none is saved for the backward (the sources are the stream's, alive anyway)."""
+    made, and none is saved for the backward (the sources are the stream's, alive anyway).
+    Each O apart, as the layer hands them to different reads: the backward reads their
+    gradients where they are (as one [S, ...] tensor, they were copied into it)."""
     queries = queries.contiguous()
     stacks = _checked(stacks)
     first = stacks[0][0]
     out_dtype = first.dtype if rounded else torch.float32
-    out = torch.empty((queries.shape[0], *first.shape), device=queries.device, dtype=out_dtype)
-    lse = torch.empty(out.shape[:-1], device=queries.device, dtype=torch.float32)
+    n_q = queries.shape[0]
+    outs = [torch.empty_like(first, dtype=out_dtype) for _ in range(n_q)]
+    lse = torch.empty((n_q, *first.shape[:-1]), device=queries.device, dtype=torch.float32)
     if tracing(queries):
-        return out, lse
-    n_src, hidden, n_q = sum(t.shape[0] for t in stacks), first.shape[-1], queries.shape[0]
+        return [*outs, lse]
+    n_src, hidden = sum(t.shape[0] for t in stacks), first.shape[-1]
     rows = first.numel() // hidden
     table, aligned = _address_table(stacks, queries.device)
+    out_table, out_aligned = _rows_table(outs, queries.device, "OUT_ALIGNED")
     _phase1_fwd_kernel[(rows,)](
         table,
         first,
         queries,
-        out,
+        out_table,
+        outs[0],
         lse,
         rows,
         hidden,
@@ -417,8 +436,9 @@ def _phase_1(
         eps,
         **_phase1_blocks(n_src, n_q, hidden),
         **aligned,
+        **out_aligned,
     )
-    return out, lse
+    return [*outs, lse]
 
 
 @kernel_op("block_phase_1_backward")
@@ -426,13 +446,14 @@ def _phase_1_backward(
     queries: Tensor,
     stacks: list[Tensor],
     lse: Tensor,
-    d_out: Tensor,
+    d_outs: list[Tensor],
     d_lse: Tensor,
     eps: float,
     added: list[Optional[Tensor]],
 ) -> tuple[Tensor, Tensor]:
     """dQ [S, h] and the sources' gradients as one [N, ..., h] buffer, each stack's with its
-    ``added`` (its gradient from after the read, shaped like it; None: nothing) added."""
+    ``added`` (its gradient from after the read, shaped like it; None: nothing) added;
+    ``d_outs``: the S queries' O's gradients, each [..., h]."""
     queries = queries.contiguous()
     stacks = _checked(stacks)
     first = stacks[0][0]
@@ -444,8 +465,9 @@ def _phase_1_backward(
     rows = first.numel() // hidden
     # O's gradient read as it comes (bf16 when O was rounded): an fp32 copy would be a pass
     # of its own, and each kernel would read twice the bytes
-    d_out, d_lse = d_out.contiguous(), d_lse.float().contiguous()
+    d_outs, d_lse = [d.contiguous() for d in d_outs], d_lse.float().contiguous()
     table, aligned = _address_table(stacks, queries.device)
+    do_table, do_aligned = _rows_table(d_outs, queries.device, "DO_ALIGNED")
     added = [None if t is None else t.contiguous() for t in added]
     counts = [t.shape[0] for t in stacks]
     added_table, added_aligned = _address_table(added, lse.device, "ADDED_ALIGNED", counts)
@@ -456,7 +478,8 @@ def _phase_1_backward(
         first,
         queries,
         lse,
-        d_out,
+        do_table,
+        d_outs[0],
         d_lse,
         d_sources,
         dq_part,
@@ -470,20 +493,22 @@ def _phase_1_backward(
         **_phase1_blocks(n_src, n_q, hidden),
         **aligned,
         **added_aligned,
+        **do_aligned,
     )
     return dq_part.sum(0).to(queries.dtype), d_sources
 
 
-def _save_phase_1(ctx, inputs: tuple, output: tuple) -> None:
+def _save_phase_1(ctx, inputs: tuple, output: list) -> None:
     queries, stacks, ctx.eps, _rounded = inputs
-    ctx.save_for_backward(queries, output[1], *stacks)
+    ctx.save_for_backward(queries, output[-1], *stacks)
 
 
-def _phase_1_grads(ctx, d_out: Tensor, d_lse: Tensor) -> tuple:
+def _phase_1_grads(ctx, grads: list) -> tuple:
     """The stacks' gradients are handed to autograd as views of one buffer."""
     queries, lse, *stacks = ctx.saved_tensors
+    *d_outs, d_lse = grads
     nothing = [None] * len(stacks)
-    d_queries, d_sources = _phase_1_backward(queries, stacks, lse, d_out, d_lse, ctx.eps, nothing)
+    d_queries, d_sources = _phase_1_backward(queries, stacks, lse, d_outs, d_lse, ctx.eps, nothing)
     return d_queries, list(d_sources.split([t.shape[0] for t in stacks])), None, None
 
 
@@ -499,24 +524,27 @@ class _HandingOn(torch.autograd.Function):
     two in a pass of its own (3 units per source); handed on through the read, the
     gradient from after it arrives in the read's backward, whose kernel adds it while it
     writes the read's (1 unit more read). The new sources are taken and returned in their
-    own shape: as rows of stacks, their gradients would be copied into and out of them."""
+    own shape: as rows of stacks, their gradients would be copied into and out of them.
+    Outputs: the S queries' O (each its own tensor), LSE, the earlier sources, the new ones."""
 
     @staticmethod
     def forward(ctx, eps: float, rounded: bool, queries: Tensor, earlier: Tensor, *new: Tensor):
-        out, lse = _phase_1(queries, _stacked(earlier, new), eps, rounded)
+        *outs, lse = _phase_1(queries, _stacked(earlier, new), eps, rounded)
         ctx.eps = eps
         ctx.save_for_backward(queries, lse, earlier, *new)
-        return out, lse, earlier.view_as(earlier), *(source.view_as(source) for source in new)
+        handed_on = (earlier.view_as(earlier), *(source.view_as(source) for source in new))
+        return (*outs, lse, *handed_on)
 
     @staticmethod
-    def backward(ctx, d_out: Tensor, d_lse: Optional[Tensor], *d_handed_on: Optional[Tensor]):
+    def backward(ctx, *grads: Optional[Tensor]):
         queries, lse, earlier, *new = ctx.saved_tensors
+        count = queries.shape[0]
+        d_outs, d_lse, (d_earlier, *d_new) = grads[:count], grads[count], grads[count + 1 :]
         if d_lse is None:
             d_lse = torch.zeros_like(lse)
-        d_earlier, *d_new = d_handed_on
         added = [d_earlier, *(None if d is None else d.unsqueeze(0) for d in d_new)]
         d_queries, d_sources = _phase_1_backward(
-            queries, _stacked(earlier, new), lse, d_out, d_lse, ctx.eps, added
+            queries, _stacked(earlier, new), lse, list(d_outs), d_lse, ctx.eps, added
         )
         count = earlier.shape[0]
         return None, None, d_queries, d_sources[:count], *d_sources[count:].unbind(0)
@@ -543,8 +571,16 @@ def _phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: floa
 
 @kernel_op("block_phase_2_backward")
 def _phase_2_backward(
-    partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, grad: Tensor, eps: float
+    partial: Tensor,
+    query: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grad: Tensor,
+    eps: float,
+    later: Optional[Tensor],
 ) -> list[Tensor]:
+    """The gradients of p, the query, O and LSE; p's with ``later`` (its gradient from after
+    the read, None: nothing) added."""
     partial, query, out, lse, grad = (t.contiguous() for t in (partial, query, out, lse, grad))
     hidden = partial.shape[-1]
     rows = partial.numel() // hidden
@@ -559,6 +595,7 @@ def _phase_2_backward(
         out,
         lse,
         grad,
+        d_partial if later is None else later.contiguous(),
         d_partial,
         d_out,
         d_lse,
@@ -567,6 +604,7 @@ def _phase_2_backward(
         hidden,
         eps,
         **_phase2_blocks(hidden),
+        HAS_LATER=later is not None,
     )
     return [d_partial, dq_part.sum(0).to(query.dtype), d_out, d_lse]
 
@@ -577,35 +615,70 @@ def _save_phase_2(ctx, inputs: tuple, output: Tensor) -> None:
 
 
 def _phase_2_grads(ctx, grad: Tensor) -> tuple:
-    return (*_phase_2_backward(*ctx.saved_tensors, grad, ctx.eps), None)
+    return (*_phase_2_backward(*ctx.saved_tensors, grad, ctx.eps, None), None)
 
 
 _phase_2.register_autograd(_phase_2_grads, setup_context=_save_phase_2)
 
 
+class _PartialHandedOn(torch.autograd.Function):
+    """Phase 2, and the partial sum returned as it came for the caller to hand on (the
+    write adds the output to it): its gradient from after the read then arrives in phase
+    2's backward, whose kernel adds it (1 unit read) where autograd would add the two in a
+    pass of its own (3 units)."""
+
+    @staticmethod
+    def forward(ctx, eps: float, partial: Tensor, query: Tensor, out: Tensor, lse: Tensor):
+        ctx.eps = eps
+        ctx.save_for_backward(partial, query, out, lse)
+        return _phase_2(partial, query, out, lse, eps), partial.view_as(partial)
+
+    @staticmethod
+    def backward(ctx, grad: Optional[Tensor], later: Optional[Tensor]):
+        partial, query, out, lse = ctx.saved_tensors
+        if grad is None:
+            grad = torch.zeros_like(partial)
+        return None, *_phase_2_backward(partial, query, out, lse, grad, ctx.eps, later)
+
+
 def phase_1(
     queries: Tensor, stacks: list[Tensor], eps: float, rounded: bool = False
-) -> tuple[Tensor, Tensor]:
-    """O [S, ..., h] and LSE [S, ...] (fp32; ``rounded``: O in the sources' dtype) of S
-    pseudo-queries over the N sources (the rows of the stacks, each [k, ..., h])."""
-    return _phase_1(queries, list(stacks), eps, rounded)
+) -> tuple[tuple, Tensor]:
+    """The S queries' O (a tuple of S tensors [..., h]) and LSE [S, ...] (fp32; ``rounded``:
+    O in the sources' dtype) of S pseudo-queries over the N sources (the rows of the stacks,
+    each [k, ..., h])."""
+    *outs, lse = _phase_1(queries, list(stacks), eps, rounded)
+    return tuple(outs), lse
 
 
 def phase_1_handing_on(
     queries: Tensor, earlier: Tensor, new: list[Tensor], eps: float, rounded: bool = False
-) -> tuple[Tensor, ...]:
-    """``phase_1``'s O and LSE over the earlier sources (a stack [k, ..., h]) and the new
-    ones (each [..., h]), then those as they came, the gradient each gets after the read
-    added in the read's backward kernel."""
+) -> tuple:
+    """``phase_1``'s O (a tuple of S tensors) and LSE over the earlier sources (a stack
+    [k, ..., h]) and the new ones (each [..., h]), then those as they came, the gradient
+    each gets after the read added in the read's backward kernel."""
     if not torch.is_grad_enabled():  # no backward; and dynamo binds the Function's
         # arguments one place off when it traces it under no_grad (torch 2.14)
-        return (*_phase_1(queries, _stacked(earlier, new), eps, rounded), earlier, *new)
-    return _HandingOn.apply(eps, rounded, queries, earlier, *new)
+        outs, lse = phase_1(queries, _stacked(earlier, new), eps, rounded)
+        return (outs, lse, earlier, *new)
+    count = queries.shape[0]
+    outputs = _HandingOn.apply(eps, rounded, queries, earlier, *new)
+    return (outputs[:count], *outputs[count:])
 
 
 def phase_2(partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float) -> Tensor:
     """Merge one query's phase-1 result with the partial sum, in the partial's dtype."""
     return _phase_2(partial, query, out, lse, eps)
+
+
+def phase_2_handing_on(
+    partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """``phase_2``'s merge, then the partial sum as it came, the gradient it gets after the
+    read added in the read's backward kernel."""
+    if not torch.is_grad_enabled():  # no backward to add it in
+        return _phase_2(partial, query, out, lse, eps), partial
+    return _PartialHandedOn.apply(eps, partial, query, out, lse)
 
 
 def depth_mix(query: Tensor, stacks: list[Tensor], partial: Tensor | None, eps: float) -> Tensor:

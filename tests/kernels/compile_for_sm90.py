@@ -63,7 +63,7 @@ def _leaves(dtype, *shapes):
 
 
 def _backward(out) -> None:
-    outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    outs = torch.utils._pytree.tree_leaves(out)  # phase 1 gives its S outputs as a tuple
     torch.autograd.backward(
         [o for o in outs if o.requires_grad], [torch.ones_like(o) for o in outs if o.requires_grad]
     )

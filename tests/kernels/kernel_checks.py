@@ -28,7 +28,10 @@ KERNEL_OPS = {
 }
 # kernel name -> the autograd functions around its operators (calling their backward
 # operator themselves), whose nodes stand in the graph for the operators'
-KERNEL_FUNCTIONS = {"block_phase_1": {"_HandingOnBackward"}}
+KERNEL_FUNCTIONS = {
+    "block_phase_1": {"_HandingOnBackward"},
+    "block_phase_2": {"_PartialHandedOnBackward"},
+}
 BACKWARD_NODES = {
     kernel: {f"GeneratedBackwardFor_t2train_{op}_defaultBackward" for op in ops}
     | KERNEL_FUNCTIONS.get(kernel, set())

@@ -78,25 +78,26 @@ def test_phase_1_batches_the_block_queries():
     queries = torch.stack([query, -query, 0.5 * query])
     buffer = torch.full((6, *sources[0].shape), float("nan"))
     buffer[:4] = torch.stack(sources[:4])
-    out, lse = phase_1(queries, [buffer[:4], sources[4].unsqueeze(0)], EPS)
+    outs, lse = phase_1(queries, [buffer[:4], sources[4].unsqueeze(0)], EPS)
     stacked = torch.stack(sources)
     for s, q in enumerate(queries):
-        torch.testing.assert_close(out[s], depth_mix(q, [stacked], EPS), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(outs[s], depth_mix(q, [stacked], EPS), atol=1e-5, rtol=1e-5)
     keys = stacked * torch.rsqrt(stacked.pow(2).mean(-1, keepdim=True) + EPS)
     torch.testing.assert_close(lse, torch.logsumexp(keys @ queries.T, 0).permute(2, 0, 1))
 
 
 @pytest.mark.parametrize("rounded", [False, True], ids=["fp32_mixture", "rounded"])
 def test_phase_1_hands_the_sources_on_and_adds_their_later_gradient(rounded):
-    """Phase 1 as a layer calls it: the earlier layers' sources (a stack) and the layer's
-    own come back as they came, and the gradient each gets after the read is added, row by
-    row, to the read's own in the backward kernel."""
+    """Phase 1 as a layer calls it: each query's O a tensor of its own (its gradient read
+    where it is), and the earlier layers' sources (a stack) and the layer's own come back as
+    they came, the gradient each gets after the read added, row by row, to the read's own in
+    the backward kernel."""
     from t2train.kernels import dispatch
     from t2train.residual.attnres.functional import block_phase_1
     from t2train.residual.attnres.layers import BLOCK_PHASE_1
 
     def flat(outputs):  # one tensor, so that each output gets its own upstream gradient
-        return torch.cat([t.float().flatten() for t in outputs])
+        return torch.cat([t.float().flatten() for t in torch.utils._pytree.tree_leaves(outputs)])
 
     def kernel(queries, *sources):
         earlier, new = torch.stack(sources[:2]), list(sources[2:])
@@ -106,11 +107,37 @@ def test_phase_1_hands_the_sources_on_and_adds_their_later_gradient(rounded):
     def reference(queries, *sources):
         earlier, new = torch.stack(sources[:2]), list(sources[2:])
         stacks = [earlier] + [source.unsqueeze(0) for source in new]
-        return flat((*block_phase_1(queries, stacks, EPS, rounded=rounded), earlier, *new))
+        out, lse = block_phase_1(queries, stacks, EPS, rounded=rounded)
+        return flat((*out.unbind(0), lse, earlier, *new))
 
     query, _, *sources = _inputs(4, torch.float32)
     queries = torch.stack([query, -query, 0.5 * query])
     assert_matches(kernel, reference, [queries, *sources], torch.float32, "block_phase_1")
+
+
+def test_phase_2_hands_the_partial_sum_on_and_adds_its_later_gradient():
+    """Phase 2 as a layer calls it: the partial sum comes back as it came, and the gradient
+    it gets after the read is added to the read's own in the backward kernel."""
+    from t2train.kernels import dispatch
+    from t2train.residual.attnres.functional import block_phase_1
+    from t2train.residual.attnres.layers import BLOCK_PHASE_2
+
+    def flat(outputs):  # one tensor, so that each output gets its own upstream gradient
+        return torch.cat([t.float().flatten() for t in outputs])
+
+    def merged(query, partial, *sources):
+        out, lse = block_phase_1(query[None], [torch.stack(sources)], EPS)
+        return partial, query, out[0], lse[0]
+
+    def kernel(*inputs):
+        args = merged(*inputs)
+        return flat(dispatch.route(BLOCK_PHASE_2, args[0], args[2])(*args, EPS))
+
+    def reference(*inputs):
+        args = merged(*inputs)
+        return flat((depth_mix(args[1], [torch.stack(inputs[2:]), args[0][None]], EPS), args[0]))
+
+    assert_matches(kernel, reference, _inputs(3, torch.float32), torch.float32, "block_phase_2")
 
 
 def test_reference_passes_gradcheck():
@@ -123,18 +150,18 @@ def test_a_block_read_with_its_mixture_rounded():
     (``rounded``), phase 2 merging it with the partial sum. The kernels against the
     references in fp16, and the result within two roundings of the exact fp32 mixture of
     the sources and the partial sum (one for the kept mixture, one for the result)."""
-    from t2train.residual.attnres.functional import block_phase_2
     from t2train.residual.attnres.layers import BLOCK_PHASE_1, BLOCK_PHASE_2
 
     def read(phase_1, phase_2, query, partial, *sources):
-        out, lse, *_ = phase_1(query[None], *_earlier_and_new(sources), EPS, rounded=True)
-        assert out.dtype == partial.dtype
-        return phase_2(partial, query, out[0], lse[0], EPS)
+        outs, lse, *_ = phase_1(query[None], *_earlier_and_new(sources), EPS, rounded=True)
+        assert outs[0].dtype == partial.dtype
+        merged, _ = phase_2(partial, query, outs[0], lse[0], EPS)
+        return merged
 
     inputs = _inputs(3, torch.float16)
     kernels = (BLOCK_PHASE_1.triton_function(), BLOCK_PHASE_2.triton_function())
     got = read(*kernels, *inputs)
-    want = read(BLOCK_PHASE_1.reference, block_phase_2, *inputs)
+    want = read(BLOCK_PHASE_1.reference, BLOCK_PHASE_2.reference, *inputs)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
     query, partial, *sources = (t.float() for t in inputs)
     exact = depth_mix(query, [v.unsqueeze(0) for v in [*sources, partial]], EPS)

@@ -66,19 +66,32 @@ def mix_with_partial(
 
 def phase_1_handing_on(
     queries: Tensor, earlier: Tensor, new: list[Tensor], eps: float, rounded: bool = False
-) -> tuple[Tensor, ...]:
-    """``block_phase_1``'s O and LSE over the earlier sources (a stack [k, ..., h]) and the
-    new ones (each [..., h]), then those as they came, for the layer to hand on: the kernel
-    then adds the gradient each gets after the read in the read's backward, where autograd
-    would add it in a pass of its own."""
-    return (*block_phase_1(queries, _stacks(earlier, new), eps, rounded), earlier, *new)
+) -> tuple:
+    """``block_phase_1``'s O (each query's, a tuple) and LSE over the earlier sources (a
+    stack [k, ..., h]) and the new ones (each [..., h]), then those as they came, for the
+    layer to hand on: the kernel then adds the gradient each gets after the read in the
+    read's backward, where autograd would add it in a pass of its own, and reads each O's
+    gradient where it is."""
+    out, lse = block_phase_1(queries, _stacks(earlier, new), eps, rounded)
+    return (tuple(out.unbind(0)), lse, earlier, *new)
+
+
+def phase_2_handing_on(
+    partial: Tensor, query: Tensor, out: Tensor, lse: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """``block_phase_2``'s merge, then the partial sum as it came, for the layer to hand on
+    (the write adds the output to it): the kernel then adds the gradient the partial sum
+    gets after the read in the read's backward."""
+    return block_phase_2(partial, query, out, lse, eps), partial
 
 
 DEPTH_MIX = dispatch.Kernel("depth_mix", "t2train.kernels.depth_mix:depth_mix", mix_with_partial)
 BLOCK_PHASE_1 = dispatch.Kernel(
     "block_phase_1", "t2train.kernels.depth_mix:phase_1_handing_on", phase_1_handing_on
 )
-BLOCK_PHASE_2 = dispatch.Kernel("block_phase_2", "t2train.kernels.depth_mix:phase_2", block_phase_2)
+BLOCK_PHASE_2 = dispatch.Kernel(
+    "block_phase_2", "t2train.kernels.depth_mix:phase_2_handing_on", phase_2_handing_on
+)
 
 
 def _pseudo_query(config) -> torch.nn.Parameter:
@@ -105,7 +118,7 @@ class BlockAttnResidual(SublayerResidual):
         self.closes_block = (self.index + 1) % self.block_size == 0
         self.block_mates = [self]  # this and the block's later reads in the chunk, in order
         self._later_reads: tuple = ()  # the read's leftover phase-1 rows, for the write
-        self._handed_on: tuple = ()  # the sources as phase 1 handed them on
+        self._handed_on: dict = {}  # state fields as the read handed them on (phases 1, 2)
         mark_replicated(self, config)
 
     def read(self, state: AttnResState) -> Tensor:
@@ -118,7 +131,9 @@ class BlockAttnResidual(SublayerResidual):
         if state.partial is None:
             return out.to(state.earlier.dtype)
         phase_2 = dispatch.route(BLOCK_PHASE_2, state.partial, out)
-        return phase_2(state.partial, self.query, out, lse, self.eps)
+        merged, partial = phase_2(state.partial, self.query, out, lse, self.eps)
+        self._hand_on(partial=partial)
+        return merged
 
     def _phase_1_rows(self, state: AttnResState) -> tuple[tuple, tuple]:
         """This read's phase-1 (O, LSE) and its later block mates', computed if not yet done
@@ -126,25 +141,30 @@ class BlockAttnResidual(SublayerResidual):
         if state.reads:
             return state.reads[0], state.reads[1:]
         queries = torch.stack([mate.query for mate in self.block_mates])
-        out, lse = self._phase_1(queries, state)
-        rows = tuple(zip(out.unbind(0), lse.unbind(0)))
+        outs, lse = self._phase_1(queries, state)
+        rows = tuple(zip(outs, lse.unbind(0)))
         return rows[0], rows[1:]
 
-    def _phase_1(self, queries: Tensor, state: AttnResState) -> tuple[Tensor, Tensor]:
-        """Phase 1 over the state's sources, which it hands on (kept for the write)."""
+    def _phase_1(self, queries: Tensor, state: AttnResState) -> tuple[tuple, Tensor]:
+        """Phase 1 over the state's sources, which it hands on (kept for the write): each
+        query's O (a tensor of its own) and the LSE [S, ...]."""
         phase_1 = dispatch.route(BLOCK_PHASE_1, queries, state.earlier, *state.new)
-        out, lse, *self._handed_on = phase_1(
+        outs, lse, earlier, *new = phase_1(
             queries, state.earlier, list(state.new), self.eps, rounded=True
         )
-        return out, lse
+        self._hand_on(earlier=earlier, new=tuple(new))
+        return outs, lse
+
+    def _hand_on(self, **fields) -> None:
+        # a new dict: a compiled layer returns the values put into a dict that outlives it
+        # (as outputs of its graph, whose gradients its backward then adds)
+        self._handed_on = {**self._handed_on, **fields}
 
     def _handing_on(self, state: AttnResState) -> AttnResState:
-        """The state with the sources as this read handed them on (if it ran phase 1)."""
-        handed_on, self._handed_on = self._handed_on, ()
-        if not handed_on:
-            return state
-        earlier, *new = handed_on
-        return replace_fields(state, earlier=earlier, new=tuple(new))
+        """The state with the values this read handed on (the sources if it ran phase 1, the
+        partial sum if it ran phase 2)."""
+        handed_on, self._handed_on = self._handed_on, {}
+        return replace_fields(state, **handed_on) if handed_on else state
 
     def write(self, state: AttnResState, x: Tensor, normed: Tensor, out: Tensor) -> AttnResState:
         state = self._handing_on(state)
