@@ -208,10 +208,10 @@ def diagnostics_for(name: str):
 # The backward of a write and the next read (``hc/compiled.py``) is one pass when Inductor
 # inlines its per-token terms (the logits' gradients times the logits: a dozen reads; each
 # stream's gradient, read by the mixing gradients' reductions) instead of writing them out,
-# and lets a kernel hold up to 256 nodes: ``t2train bench bytes`` counts 56.0 units per
+# and lets a kernel hold up to 256 nodes: ``t2train bench bytes`` counted 56.0 units per
 # sublayer at ``INLINE_LIMITS`` and 52.0 with these (the node limit: 42 kernels per
-# layer's backward against 32). `ddl` would move 0.5 more at these read limits, so they
-# are `hc`'s alone.
+# layer's backward against 32; on 2026-12-06). `ddl` would move 0.5 more at these read
+# limits, so they are `hc`'s alone.
 INDUCTOR_OPTIONS = {
     "realize_acc_reads_threshold": 32,
     "realize_opcount_threshold": 100,

@@ -22,7 +22,8 @@ another size sits between). The backward reads the new streams the pair wrote, w
 layer keeps anyway as the next write's input. A layer's first read hands the state back
 through itself, so that the first write's gradient of the state reaches its backward and
 is added there rather than in a pass of its own. ``t2train bench bytes``: 61.0 units per
-sublayer as two functions, 52.0 as one (with ``INDUCTOR_OPTIONS``, ``hc/__init__.py``).
+sublayer as two functions, 52.0 as one (with ``INDUCTOR_OPTIONS``, ``hc/__init__.py``),
+50.0 with the write's output gradient stacked after the state's (``_write_backward``).
 
 Backward, with G = dL/dH' from after the pair and dx the read's gradient:
 
@@ -222,8 +223,14 @@ def _write_backward(state, write: Write, grad: list):
     tanh = _columns(torch.tanh(write.logits))
     residual, gates = _write_weights(write, tanh)
     s_a, s_b = at_least_fp32(write.alpha_scale), at_least_fp32(write.beta_scale)
-    grad_state = torch.stack([weighted_terms(grad, residual[i]).to(state.dtype) for i in range(n)])
-    grad_out = weighted_terms(grad, gates).to(write.out.dtype)
+    # the output's gradient stacked after the state's: Inductor writes a result where it is
+    # first stored, and apart it was stored just before its GEMM, too far from the pass
+    # that reads G to share it (2 units)
+    grads = torch.stack(
+        [weighted_terms(grad, residual[i]).to(state.dtype) for i in range(n)]
+        + [weighted_terms(grad, gates).to(state.dtype)]
+    )
+    grad_state, grad_out = grads[:n], grads[n].to(write.out.dtype)
     accumulator = _accumulator(state)
     grad_residual = [  # dA_r[i][j]
         [(inputs[i] * g).sum(-1, keepdim=True, dtype=accumulator) for g in grad] for i in range(n)
