@@ -538,8 +538,8 @@ class _HandingOn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: Optional[Tensor]):
         queries, lse, earlier, *new = ctx.saved_tensors
-        count = queries.shape[0]
-        d_outs, d_lse, (d_earlier, *d_new) = grads[:count], grads[count], grads[count + 1 :]
+        n_q = queries.shape[0]
+        d_outs, d_lse, (d_earlier, *d_new) = grads[:n_q], grads[n_q], grads[n_q + 1 :]
         if d_lse is None:
             d_lse = torch.zeros_like(lse)
         added = [d_earlier, *(None if d is None else d.unsqueeze(0) for d in d_new)]

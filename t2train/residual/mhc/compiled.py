@@ -58,10 +58,7 @@ class _Products(torch.autograd.Function):
 def _stream_gradient(grad: Tensor, rows: Tensor, dtype: torch.dtype) -> Tensor:
     """dx_j = sum_k dp_k phi[k, j] ([..., outputs] and [outputs, h]) term by term, each term
     rounded to ``dtype`` as a bf16 GEMM rounds its inputs, summed in at least fp32."""
-    accumulator = torch.promote_types(dtype, torch.float32)
-    terms = [
-        (grad[..., k : k + 1] * rows[k]).to(dtype).to(accumulator) for k in range(rows.shape[0])
-    ]
+    terms = [at_least_fp32((grad[..., k : k + 1] * rows[k]).to(dtype)) for k in range(len(rows))]
     return sum(terms[1:], terms[0]).to(dtype)
 
 
