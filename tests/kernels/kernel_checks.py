@@ -25,12 +25,14 @@ KERNEL_OPS = {
     "stream_write": {"stream_write"},
     "hc_read": {"stream_read"},
     "hc_write": {"stream_write"},
+    "hc_connect_backward": {"hc_pair_backward"},  # a backward: no backward operator of its own
 }
 # kernel name -> the autograd functions around its operators (calling their backward
 # operator themselves), whose nodes stand in the graph for the operators'
 KERNEL_FUNCTIONS = {
     "block_phase_1": {"_HandingOnBackward"},
     "block_phase_2": {"_PartialHandedOnBackward"},
+    "hc_connect_backward": {"_ConnectBackward"},
 }
 BACKWARD_NODES = {
     kernel: {f"GeneratedBackwardFor_t2train_{op}_defaultBackward" for op in ops}

@@ -1,5 +1,6 @@
 """HC's kernels at a preset's shapes, n = ``model.hc.expansion_rate`` streams: the read and
-the write with the weights as given (fp32, as the model computes them)."""
+the write with the weights as given (fp32, as the model computes them), and the backward of
+a write and the next read (compiled code's dynamic connections)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Iterator
 import torch
 
 from t2train.kernels.benchmark import Case, KernelShapes, Runtime, peers
+from t2train.residual.hc.compiled import HC_CONNECT_BACKWARD, Read, Write
 from t2train.residual.hc.layers import HC_READ, HC_WRITE
 
 
@@ -51,7 +53,40 @@ def read_and_write(shapes, rt, kernels, read: list, write: list, write_extra=(),
     )
 
 
+def _flat(gradients: tuple) -> list:
+    """(the state's, the write's, the read's) -> one list of tensors."""
+    state, write, read = gradients
+    return [state, *write, *read]
+
+
+def connect_backward_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
+    """The backward alone (its one mode, ``fwd``, is the call): the gradients of the new
+    streams, of x and of the handed-on logits in; bytes: the state, the output and their
+    gradients, the new streams' gradient and x's, each once (3n + 3 units)."""
+    n, tokens, hidden = shapes.model.hc.expansion_rate, (shapes.seq, shapes.batch), shapes.hidden
+    m = n + 2
+    wide = lambda *shape: torch.randn(*shape, device=rt.device, dtype=rt.dtype)  # noqa: E731
+    narrow = lambda *shape: torch.randn(*shape, device=rt.device) * 0.5  # noqa: E731
+    state, streams, grad_streams = (wide(n, *tokens, hidden) for _ in range(3))
+    out, grad_x = wide(*tokens, hidden), wide(*tokens, hidden)
+    write = Write(out, narrow(n, *tokens, m), narrow(n, n + 1), narrow(n), narrow(1), narrow(1))
+    read = Read(narrow(m, hidden), narrow(n, n + 1), narrow(1))
+    per_token = (narrow(n, *tokens, m), narrow(n, *tokens, 1).abs() + 0.5)
+    grads = (grad_streams, grad_x, narrow(n, *tokens, m))
+    arguments = (state, write, read, streams, *per_token, *grads)
+    unit = out.numel() * out.element_size()
+    yield Case(
+        HC_CONNECT_BACKWARD.name,
+        shapes.label,
+        f"s={shapes.seq} b={shapes.batch} h={hidden} n={n} (backward)",
+        peers(rt, HC_CONNECT_BACKWARD, lambda f: _flat(f(*arguments)), []),
+        {"fwd": (3 * n + 3) * unit},
+        "GB/s",
+    )
+
+
 # benchmark (``--only``) -> its cases, and the kernels of the table they time
 BENCHMARKS = {
     "hc_stream": (stream_cases, ("hc_read", "hc_write")),
+    "hc_connect_backward": (connect_backward_cases, ("hc_connect_backward",)),
 }

@@ -23,7 +23,9 @@ layer keeps anyway as the next write's input. A layer's first read hands the sta
 through itself, so that the first write's gradient of the state reaches its backward and
 is added there rather than in a pass of its own. ``t2train bench bytes``: 61.0 units per
 sublayer as two functions, 52.0 as one (with ``INDUCTOR_OPTIONS``, ``hc/__init__.py``),
-50.0 with the write's output gradient stacked after the state's (``_write_backward``).
+50.0 with the write's output gradient stacked after the state's (``_write_backward``), 44.1
+with a read's backward in a Triton kernel (``HC_CONNECT_BACKWARD``, where the GPU runs the
+kernels).
 
 Backward, with G = dL/dH' from after the pair and dx the read's gradient:
 
@@ -41,6 +43,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from t2train.kernels import dispatch
 from t2train.nn.functional import at_least_fp32
 from t2train.residual.unrolled import weighted_terms
 
@@ -143,23 +146,55 @@ class _Connect(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_streams, *grads):
         state, *saved = ctx.saved_tensors
-        # G_j, the gradient of the streams the read saw: one [..., h] tensor per stream, as
-        # in the forward, so that the compiler makes the read's and the write's backward one
-        # pass (a stacked [n, ..., h] expression would be a kernel of another size)
-        grad = list(grad_streams.unbind(0))
-        read_grads: tuple = ()
-        if ctx.has_read:
-            streams = saved.pop() if ctx.has_write else state
-            inverse_rms, logits = saved.pop(), saved.pop()
-            read = Read(*saved[-3:])
-            grad, read_grads = _read_backward(
-                list(streams.unbind(0)), read, logits, inverse_rms, grads[0], grads[1], grad
-            )
-        if not ctx.has_write:
-            grad_state = torch.stack([g.to(state.dtype) for g in grad])
-            return (grad_state, None, None, None, *read_grads)
-        grad_state, write_grads = _write_backward(state, Write(*saved[:6]), grad)
+        if not ctx.has_read:  # a layer's last write (one pass already: a kernel adds nothing)
+            grad = list(grad_streams.unbind(0))
+            grad_state, write_grads = _write_backward(state, Write(*saved[:6]), grad)
+            return (grad_state, None, None, None, *write_grads)
+        write = Write(*saved[:6]) if ctx.has_write else None
+        streams = saved.pop() if ctx.has_write else state
+        inverse_rms, logits = saved.pop(), saved.pop()
+        backward = dispatch.route(HC_CONNECT_BACKWARD, state)
+        grad_state, write_grads, read_grads = backward(
+            state, write, Read(*saved[-3:]), streams, logits, inverse_rms, grad_streams, *grads[:2]
+        )
         return (grad_state, None, None, None, *write_grads, *read_grads)
+
+
+def connect_backward(
+    state: Tensor,
+    write: Optional[Write],
+    read: Read,
+    streams: Tensor,
+    logits: Tensor,
+    inverse_rms: Tensor,
+    grad_streams: Tensor,
+    grad_x: Tensor,
+    grad_logits: Tensor,
+) -> tuple:
+    """The backward of a write (if any) and the next read: the state's gradient, the write's
+    inputs' gradients (none without a write) and the read's. ``streams``: what the read saw
+    (the new streams, or the state without a write), ``logits`` [n, ..., n + 2] and
+    ``inverse_rms`` [n, ..., 1] its forward's; the gradients of the new streams, of x and of
+    the logits handed on."""
+    # G_j, the gradient of the streams the read saw: one [..., h] tensor per stream, as in
+    # the forward, so that the compiler makes the read's and the write's backward one pass
+    # (a stacked [n, ..., h] expression would be a kernel of another size)
+    grad = list(grad_streams.unbind(0))
+    grad, read_grads = _read_backward(
+        list(streams.unbind(0)), read, logits, inverse_rms, grad_x, grad_logits, grad
+    )
+    if write is None:
+        return torch.stack([g.to(state.dtype) for g in grad]), (), read_grads
+    grad_state, write_grads = _write_backward(state, write, grad)
+    return grad_state, write_grads, read_grads
+
+
+# The backward above with its wide part (everything over the streams) in one Triton kernel
+# that reads the streams once and sums the projections' gradient in the same pass
+# (``t2train/kernels/hyper_connect.py``): compiled, that sum is a pass of its own.
+HC_CONNECT_BACKWARD = dispatch.Kernel(
+    "hc_connect_backward", "t2train.kernels.hyper_connect:connect_backward", connect_backward
+)
 
 
 def _accumulator(t: Tensor) -> torch.dtype:

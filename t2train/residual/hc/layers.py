@@ -11,7 +11,7 @@ from t2train.kernels import dispatch
 from t2train.nn.norm import RMSNorm
 from t2train.nn.precision import rms_fp32_logits
 from t2train.residual.base import mark_replicated
-from t2train.residual.hc.compiled import Read, Write, connect
+from t2train.residual.hc.compiled import HC_CONNECT_BACKWARD, Read, Write, connect
 from t2train.residual.hc.functional import (
     connection_weights,
     depth_write,
@@ -132,4 +132,5 @@ class HyperConnection(StreamMixResidual):
 KERNELS = (
     HC_READ,
     HC_WRITE,
+    HC_CONNECT_BACKWARD,
 )  # the fused kernels this design declares (the registry's kernel table)
