@@ -1,26 +1,29 @@
-"""Hyper-Connections' backward of one sublayer's write and the next sublayer's read, as one
-kernel that reads the streams once (``t2train/residual/hc/compiled.py`` has the forward, the
-formulas and the PyTorch reference this equals).
+"""Hyper-Connections' backward of one sublayer's write, the next sublayer's read and that
+sublayer's pre-norm, as one kernel that reads the streams once (``t2train/residual/hc/
+compiled.py`` has the forward, the formulas and the PyTorch reference this equals).
 
 Per token, with the write's input streams h_i, the sublayer output y, the read's input
-streams h'_j = sum_i A_r[i, j] h_i + B_j y, their gradient G_j from after the pair and the
-read's gradient dx:
+streams h'_j = sum_i A_r[i, j] h_i + B_j y, their gradient G_j from after the pair, the read
+x = sum_i A_m[i] h'_i and the normed input's gradient dc (the pre-norm c = x rho w, rho =
+(mean x^2 + eps)^(-1/2)):
 
+    dx = rho w dc - rho^3 mean(x w dc) x,   dw = sum over tokens of dc x rho
     dA_m[i] = h'_i . dx,   d_i0 = slope_i dA_m[i],   d_io = dL_io (o > 0, given)
     Gt_i = G_i + A_m[i] dx + r_i sum_o d_io F_o - (r_i^2 / h)(sum_o d_io L_io) h'_i
     dh_i = sum_j A_r[i, j] Gt_j,   dy = sum_j B_j Gt_j,   dA_r[i, j] = h_i . Gt_j,   dB_j = y . Gt_j
     dF_o = sum over tokens and streams of r_i d_io h'_i
 
-Why a kernel: compiled, the weight gradient dF is a sum over tokens that needs d_i0, itself a
-sum over h in the same pass; Inductor cannot fuse such a column reduction into the pass that
-computes the row reduction it depends on, so dF read the n streams again (4 units per
-sublayer at n = 4), and the read's streams h' were read as well as the write's h (n units
-more). Here one program owns blocks of tokens and walks the hidden dim twice per block: the
-first walk sums dA_m, the second writes the gradients and adds the block's share of dF to the
-program's own row of partial sums (its blocks in turn, so the sum's order is fixed: no
-atomics). h' is recomputed from h and y in both walks; the second walk's reads of a block's
-rows, just read by the first, come from the cache. Without a write (a layer's first read) the
-streams are the state, passed through: dh = Gt.
+Why a kernel: compiled, the weight gradients dF and dw are sums over tokens of terms that
+need sums over h of the same rows (d_i0, rho); Inductor cannot fuse such a column reduction
+into the pass that computes the row reduction it depends on, so each read the rows again,
+and the norm's backward was a pass of its own between the sublayer and the pair's. Here one
+program owns blocks of tokens and walks the hidden dim twice per block: the first sums what
+dA_m needs (h'_i . w dc, h'_i . x, x . x, x . w dc: dx expanded), the second writes the
+gradients and adds the block's shares of dF and dw to the program's own rows of partial
+sums (its blocks in turn, so the sums' order is fixed: no atomics). h' and x are recomputed
+in both walks from h and y (a layer keeps neither x nor h'); the second walk's reads of a
+block's rows, just read by the first, come from the cache. Without a write (a layer's first
+read) the streams are the state, passed through: dh = Gt.
 
 The mappings' own math (tanh, the static weights and scales) is per token: ``connect_backward``
 does it in PyTorch around the kernel, which takes and returns per-token numbers.
@@ -64,11 +67,22 @@ def _read_streams(H, Y, residual, gates, tile, row, ok3, ok, HAS_WRITE: tl.const
 
 
 @triton.jit
+def _normed_input(new, read, DN, W, row, cols, hidden, ok, dtype):
+    """x = sum_i A_m[i] h'_i (rounded as the forward stored it), the normed input's
+    gradient dc and w dc, each [t, k] fp32."""
+    x = tl.sum(read[:, :, None] * new, 1).to(dtype).to(tl.float32)
+    dn = tl.load(DN + row, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+    return x, dn, dn * w
+
+
+@triton.jit
 def _pair_bwd(
     H,
     Y,
     G,
-    DX,
+    DN,
+    W,
     F,
     RESIDUAL,
     GATES,
@@ -87,6 +101,7 @@ def _pair_bwd(
     hidden,
     n,
     m,
+    eps,
     blocks,
     programs,
     BLOCK_T: tl.constexpr,
@@ -116,16 +131,28 @@ def _pair_bwd(
         else:  # unused
             gates = read
             residual = read
-        # first walk: dA_m[i] = h'_i . dx
-        d_read = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        # first walk: the sums over h that dA_m[i] = h'_i . dx takes, with dx through the
+        # pre-norm: h'_i . (w dc), h'_i . x, x . x and x . (w dc)
+        new_scaled = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        new_x = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        x_x = tl.zeros([BLOCK_T], dtype=tl.float32)
+        x_scaled = tl.zeros([BLOCK_T], dtype=tl.float32)
         for start in range(0, hidden, BLOCK_H):
             cols = start + tl.arange(0, BLOCK_H)
             tile, row = _streams_tile(toks, cols, streams, hidden, plane)
             ok = t_ok[:, None] & (cols < hidden)[None, :]
             ok3 = n_ok[None, :, None] & ok[:, None, :]
             _, _, new = _read_streams(H, Y, residual, gates, tile, row, ok3, ok, HAS_WRITE)
-            dx = tl.load(DX + row, mask=ok, other=0.0).to(tl.float32)
-            d_read += tl.sum(new * dx[:, None, :], 2)
+            x, _, scaled_dn = _normed_input(
+                new, read, DN, W, row, cols, hidden, ok, H.dtype.element_ty
+            )
+            new_scaled += tl.sum(new * scaled_dn[:, None, :], 2)
+            new_x += tl.sum(new * x[:, None, :], 2)
+            x_x += tl.sum(x * x, 1)
+            x_scaled += tl.sum(x * scaled_dn, 1)
+        rho = 1.0 / tl.sqrt(x_x / hidden + eps)
+        pull = rho * rho * rho * x_scaled / hidden  # dx = rho w dc - pull x
+        d_read = rho[:, None] * new_scaled - pull[:, None] * new_x
         tl.store(DREAD + per_stream, d_read, mask=stream_ok)
         # the logits' gradients d [t, n, m], r d, and the norms' terms (r^2 / h) sum_o d L
         logit = per_stream[:, :, None] * m + outputs[None, None, :]
@@ -145,7 +172,11 @@ def _pair_bwd(
             ok = t_ok[:, None] & col_ok[None, :]
             ok3 = n_ok[None, :, None] & ok[:, None, :]
             h, y, new = _read_streams(H, Y, residual, gates, tile, row, ok3, ok, HAS_WRITE)
-            dx = tl.load(DX + row, mask=ok, other=0.0).to(tl.float32)
+            x, dn, scaled_dn = _normed_input(
+                new, read, DN, W, row, cols, hidden, ok, H.dtype.element_ty
+            )
+            dx = rho[:, None] * scaled_dn - pull[:, None] * x
+            dx = dx.to(H.dtype.element_ty).to(tl.float32)  # x's gradient, in x's dtype
             g = tl.load(G + tile, mask=ok3, other=0.0).to(tl.float32)
             f_offsets = outputs[:, None] * hidden + cols[None, :]
             f_ok = m_ok[:, None] & col_ok[None, :]
@@ -153,10 +184,14 @@ def _pair_bwd(
             total = g + read[:, :, None] * dx[:, None, :] - shrink[:, :, None] * new
             total += tl.sum(scaled[:, :, :, None] * f[None, None, :, :], 2)
             total = total.to(DH.dtype.element_ty).to(tl.float32)  # as autograd would add them
-            part = DF_PART + pid.to(tl.int64) * m * hidden + f_offsets
+            # the block's shares of dF (rows < m) and of the norm's dw (row m)
+            part = DF_PART + pid.to(tl.int64) * (m + 1) * hidden + f_offsets
             earlier = tl.load(part, mask=f_ok & (block > pid), other=0.0)
             share = tl.sum(tl.sum(scaled[:, :, :, None] * new[:, :, None, :], 1), 0)
             tl.store(part, earlier + share, mask=f_ok)
+            part_w = DF_PART + (pid.to(tl.int64) * (m + 1) + m) * hidden + cols
+            earlier_w = tl.load(part_w, mask=col_ok & (block > pid), other=0.0)
+            tl.store(part_w, earlier_w + tl.sum(dn * x * rho[:, None], 0), mask=col_ok)
             if HAS_WRITE:
                 d_h = tl.sum(residual[:, :, :, None] * total[:, None, :, :], 2)
                 tl.store(DH + tile, d_h.to(DH.dtype.element_ty), mask=ok3)
@@ -191,12 +226,14 @@ def _programs(blocks: int, device: torch.device) -> int:
     return min(blocks, 2 * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-@kernel_op("hc_pair_backward")
+@kernel_op("stream_connect_backward")
 def _pair_backward(
     state: Tensor,
     out: Optional[Tensor],
     grad_streams: Tensor,
-    grad_x: Tensor,
+    grad_normed: Tensor,
+    norm_weight: Tensor,
+    norm_eps: float,
     folded: Tensor,
     residual: Optional[Tensor],
     gates: Optional[Tensor],
@@ -206,11 +243,12 @@ def _pair_backward(
     logits: Tensor,
     grad_logits: Tensor,
 ) -> list[Tensor]:
-    """The wide part of the backward: state, grad_streams [n, ..., h]; out, grad_x [..., h];
-    folded [m, h] fp32; per token, fp32 and contiguous: residual [T, n, n], gates, read,
-    slope (s_a (1 - tanh^2) of the read's logit), inverse_rms [T, n], logits, grad_logits
-    [T, n, m]. Returns the state's gradient, the output's (empty without a write), dA_m
-    [T, n], dA_r [T, n, n] and dB [T, n] (empty without a write), and dF [m, h] fp32."""
+    """The wide part of the backward: state, grad_streams [n, ..., h]; out, grad_normed
+    [..., h]; the pre-norm's weight [h] and eps; folded [m, h] fp32; per token, fp32 and
+    contiguous: residual [T, n, n], gates, read, slope (s_a (1 - tanh^2) of the read's
+    logit), inverse_rms [T, n], logits, grad_logits [T, n, m]. Returns the state's gradient,
+    the output's (empty without a write), dA_m [T, n], dA_r [T, n, n] and dB [T, n] (empty
+    without a write), dF [m, h] and the pre-norm's dw [h], both fp32."""
     n, hidden = state.shape[0], state.shape[-1]
     tokens, m = read.shape[0], folded.shape[0]
     has_write = out is not None
@@ -220,19 +258,21 @@ def _pair_backward(
     grad_read = narrow(tokens, n)
     grad_residual = narrow(tokens if has_write else 0, n, n)
     grad_gates = narrow(tokens if has_write else 0, n)
-    grad_folded = narrow(m, hidden)
-    results = [grad_state, grad_out, grad_read, grad_residual, grad_gates, grad_folded]
+    grad_folded, grad_norm_weight = narrow(m, hidden), narrow(hidden)
+    results = [grad_state, grad_out, grad_read, grad_residual, grad_gates]
+    results += [grad_folded, grad_norm_weight]
     if tracing(state):
         return results
     blocks = triton.cdiv(tokens, BLOCK_T)
     programs = _programs(blocks, state.device)
-    partial = narrow(programs, m, hidden)
-    state, grad_streams, grad_x = (t.contiguous() for t in (state, grad_streams, grad_x))
+    partial = narrow(programs, m + 1, hidden)
+    state, grad_streams, grad_normed = (t.contiguous() for t in (state, grad_streams, grad_normed))
     _pair_bwd[(programs,)](
         state,
         out.contiguous() if out is not None else state,
         grad_streams,
-        grad_x,
+        grad_normed,
+        norm_weight.contiguous(),
         folded.contiguous(),
         residual if residual is not None else read,
         gates if gates is not None else read,
@@ -251,12 +291,14 @@ def _pair_backward(
         hidden,
         n,
         m,
+        norm_eps,
         blocks,
         programs,
         HAS_WRITE=has_write,
         **_blocks(n, m, hidden),
     )
-    torch.sum(partial, 0, out=grad_folded)
+    torch.sum(partial[:, :m], 0, out=grad_folded)
+    torch.sum(partial[:, m], 0, out=grad_norm_weight)
     return results
 
 
@@ -306,7 +348,16 @@ def _write_gradients(write, tanh, grad_out, grad_residual, grad_gates) -> tuple:
 
 
 def connect_backward(
-    state, write, read, streams, logits, inverse_rms, grad_streams, grad_x, grad_logits
+    state,
+    write,
+    read,
+    norm_eps,
+    streams,
+    logits,
+    inverse_rms,
+    grad_streams,
+    grad_normed,
+    grad_logits,
 ):
     """``hc``'s ``connect_backward`` (same arguments, same results) with its wide part in the
     kernel above. ``streams`` (the read's input) is recomputed from the state and the write's
@@ -317,11 +368,13 @@ def connect_backward(
     read_weights = (alpha[:, 0] + s_a * tanh[..., 0]).contiguous()
     slope = (s_a * (1 - tanh[..., 0] ** 2)).contiguous()
     mappings = None if write is None else _write_mappings(write)
-    grad_state, grad_out, grad_read, grad_residual, grad_gates, grad_folded = _pair_backward(
+    grads = _pair_backward(
         streams if write is None else state,
         None if write is None else write.out,
         grad_streams,
-        grad_x,
+        grad_normed,
+        read.norm_weight,
+        norm_eps,
         read.folded.float(),
         None if mappings is None else mappings[1],
         None if mappings is None else mappings[2],
@@ -331,11 +384,13 @@ def connect_backward(
         _per_token(logits),
         _per_token(grad_logits),
     )
+    grad_state, grad_out, grad_read, grad_residual, grad_gates, grad_folded, grad_weight = grads
     grad_static = torch.cat([grad_read.sum(0)[:, None], grad_read.new_zeros(n, n)], -1)
     read_grads = (
         grad_folded.to(read.folded.dtype),
         grad_static.to(read.static_alpha.dtype),
         (tanh[..., 0] * grad_read).sum().reshape(1).to(read.alpha_scale.dtype),
+        grad_weight.to(read.norm_weight.dtype),
     )
     if write is None or mappings is None:
         return grad_state, (), read_grads

@@ -94,8 +94,7 @@ class ResidualTransformerLayer(TransformerLayer):
         bias-dropout-add has it), so every design gets the same; its masks come from the
         generator of the hidden state's layout (ResidualDecoder forks the tensor-parallel one
         under sequence parallelism)."""
-        x = residual.read(state)
-        normed = norm(x)
+        x, normed = residual.read_normed(state, norm)
         out, bias = mixer(normed)
         out = out if bias is None else out + bias
         return residual.write(

@@ -71,6 +71,13 @@ class SublayerResidual(MegatronModule):
     def read(self, state: State) -> Tensor:
         raise NotImplementedError
 
+    def read_normed(self, state: State, norm) -> tuple[Tensor, Tensor]:
+        """The sublayer's input x = ``read(state)`` and ``norm(x)``, what the sublayer reads.
+        A design whose read applies the norm itself overrides it (compiled dynamic `hc`:
+        the norm's backward joins the read's, and x is rebuilt rather than kept)."""
+        x = self.read(state)
+        return x, norm(x)
+
     def write(self, state: State, x: Tensor, normed: Tensor, out: Tensor) -> State:
         raise NotImplementedError
 

@@ -111,26 +111,17 @@ def no_dropped_states(_model) -> int:
     return 0
 
 
-def keeps_no_read(_model) -> bool:
-    return False
-
-
-def saved_for(
-    section: str, fp32_per_sublayer, dropped_per_layer=no_dropped_states, keeps_read=keeps_no_read
-):
+def saved_for(section: str, fp32_per_sublayer, dropped_per_layer=no_dropped_states):
     def saved_per_token(model) -> SavedPerToken:
         """Per sublayer, the n streams its read and mixing take and the output its write
         scales, less the norm's input that `standard` keeps: in a compiled layer the read is
-        fused into the norm's pass (``t2train.residual.unrolled``) and its result rebuilt from
-        the streams in the backward, unless ``keeps_read(model)`` (then the norm keeps it, as
-        `standard`'s does); with ``fp32_per_sublayer`` fp32 numbers per token; the embedding
-        enters as n views of one unit; ``dropped_per_layer`` states of n units are rebuilt in
-        the backward."""
+        fused into the norm's pass (``t2train.residual.unrolled``, or `hc`'s width connection
+        applies the norm) and its result rebuilt from the streams in the backward; with
+        ``fp32_per_sublayer`` fp32 numbers per token; the embedding enters as n views of one
+        unit; ``dropped_per_layer`` states of n units are rebuilt in the backward."""
         n, h = getattr(model, section).expansion_rate, model.hidden_size
         dropped = dropped_per_layer(model) * model.num_layers
         units = sublayers(model) * n - (n - 1) - n * dropped
-        if keeps_read(model):
-            units += sublayers(model)
         return SavedPerToken(
             whole=units * h / model.num_layers,
             whole_fp32=len(sublayer_names(model)) * fp32_per_sublayer(model),
@@ -142,17 +133,12 @@ def saved_for(
 def mapping_logits(model) -> int:
     """Dynamic: the projections of the normed streams (n + 2 per stream) and each stream's
     inverse RMS, from which the width connection's backward rebuilds the mappings
-    (``hc/compiled.py``; the partitioner rebuilds the write's A_r and B from them too).
-    Static: none (the weights are parameters, the same for every token)."""
+    (``hc/compiled.py``; the partitioner rebuilds the write's A_r and B from them too), less
+    the pre-norm's inverse RMS that `standard`'s norm keeps: the width connection applies
+    the norm and its backward rebuilds it. Static: none (the weights are parameters, the
+    same for every token)."""
     n = model.hc.expansion_rate
-    return n * (n + 2) + n if model.hc.dynamic else 0
-
-
-def keeps_fused_read(model) -> bool:
-    """The dynamic width connection's read (``hc/compiled.py``) is an output of its own
-    backward's function, which the partitioner keeps for the norm's backward instead of
-    recomputing it from the n streams (one unit kept against n read)."""
-    return model.hc.dynamic
+    return n * (n + 2) + n - 1 if model.hc.dynamic else 0
 
 
 def stream_mix_traffic(section: str):
@@ -226,7 +212,7 @@ DESIGN = ResidualDesign(
     reference="Hyper-Connections, Zhu et al., ICLR 2025, arXiv 2409.19606",
     extra_parameters=extra_parameters,
     extra_flops_per_token=extra_flops_per_token,
-    saved_per_token=saved_for("hc", mapping_logits, keeps_read=keeps_fused_read),
+    saved_per_token=saved_for("hc", mapping_logits),
     selective_saved_per_token=scaled_output,  # its width connections are recomputed
     minimum_traffic=stream_mix_traffic("hc"),
     unit_ids=copies_of("hc"),

@@ -61,19 +61,21 @@ def _flat(gradients: tuple) -> list:
 
 def connect_backward_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
     """The backward alone (its one mode, ``fwd``, is the call): the gradients of the new
-    streams, of x and of the handed-on logits in; bytes: the state, the output and their
-    gradients, the new streams' gradient and x's, each once (3n + 3 units)."""
+    streams, of the normed input and of the handed-on logits in; bytes: the state, the
+    output and their gradients, the new streams' gradient and the normed input's, each once
+    (3n + 3 units)."""
     n, tokens, hidden = shapes.model.hc.expansion_rate, (shapes.seq, shapes.batch), shapes.hidden
     m = n + 2
     wide = lambda *shape: torch.randn(*shape, device=rt.device, dtype=rt.dtype)  # noqa: E731
     narrow = lambda *shape: torch.randn(*shape, device=rt.device) * 0.5  # noqa: E731
     state, streams, grad_streams = (wide(n, *tokens, hidden) for _ in range(3))
-    out, grad_x = wide(*tokens, hidden), wide(*tokens, hidden)
+    out, grad_normed = wide(*tokens, hidden), wide(*tokens, hidden)
     write = Write(out, narrow(n, *tokens, m), narrow(n, n + 1), narrow(n), narrow(1), narrow(1))
-    read = Read(narrow(m, hidden), narrow(n, n + 1), narrow(1))
+    norm_weight = (1 + narrow(hidden)).to(rt.dtype)
+    read = Read(narrow(m, hidden), narrow(n, n + 1), narrow(1), norm_weight)
     per_token = (narrow(n, *tokens, m), narrow(n, *tokens, 1).abs() + 0.5)
-    grads = (grad_streams, grad_x, narrow(n, *tokens, m))
-    arguments = (state, write, read, streams, *per_token, *grads)
+    grads = (grad_streams, grad_normed, narrow(n, *tokens, m))
+    arguments = (state, write, read, 1e-5, streams, *per_token, *grads)
     unit = out.numel() * out.element_size()
     yield Case(
         HC_CONNECT_BACKWARD.name,

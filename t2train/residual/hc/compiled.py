@@ -7,8 +7,11 @@ A layer's sublayers run ... -> read_k -> body_k -> write_k -> read_(k+1) -> body
     H' = A_r^T H + B^T y          (write_k: A_r, B from sublayer k's logits)
     r_i = (mean h'_i^2 + eps)^(-1/2),   L_io = r_i h'_i^T F_o,   t_io = tanh(L_io)
     A_m[i] = A_m0[i] + s_a t_i0,   x = sum_i A_m[i] h'_i        (read_(k+1))
+    c = x rho w,   rho = (mean x^2 + eps')^(-1/2)               (sublayer k + 1's pre-norm)
 
-with F [n + 2, h] the folded projections of sublayer k + 1 (``folded_projections``). The
+with F [n + 2, h] the folded projections of sublayer k + 1 (``folded_projections``) and w
+its pre-norm's weight: the pair hands the sublayer its normed input, so that the norm's
+backward joins the pair's and x is rebuilt from the streams rather than kept. The
 logits L [n, ..., n + 2] are handed on for sublayer k + 1's write, which takes from them
 A_r[i, j] = A_r0[i, j] + s_a t_i(1+j) and B[i] = B0[i] + s_b t_i(n+1).
 
@@ -25,10 +28,11 @@ is added there rather than in a pass of its own. ``t2train bench bytes``: 61.0 u
 sublayer as two functions, 52.0 as one (with ``INDUCTOR_OPTIONS``, ``hc/__init__.py``),
 50.0 with the write's output gradient stacked after the state's (``_write_backward``), 44.1
 with a read's backward in a Triton kernel (``HC_CONNECT_BACKWARD``, where the GPU runs the
-kernels).
+kernels), 40.1 with the pre-norm in the pair.
 
-Backward, with G = dL/dH' from after the pair and dx the read's gradient:
+Backward, with G = dL/dH' from after the pair and dc the normed input's gradient:
 
+    dx = rho w dc - rho^3 mean(x w dc) x,   dw = sum over tokens of dc x rho
     dA_m[i] = h'_i^T dx,   d_i0 = s_a (1 - t_i0^2) dA_m[i],   d_io = dL_io (o > 0, given)
     G_i += A_m[i] dx + r_i sum_o d_io F_o - (r_i^2 / h) (sum_o d_io L_io) h'_i
     dh_i = sum_j A_r[i, j] G_j,   dy = sum_j B_j G_j
@@ -61,11 +65,13 @@ class Write(NamedTuple):
 
 
 class Read(NamedTuple):
-    """Sublayer k + 1's width connection: its folded projections and its read's weights."""
+    """Sublayer k + 1's width connection: its folded projections, its read's weights and
+    its pre-norm's weight (the read hands on the normed input)."""
 
     folded: Tensor  # [n + 2, h], fp32
     static_alpha: Tensor  # [n, n + 1]
     alpha_scale: Tensor  # [1]
+    norm_weight: Tensor  # [h]
 
 
 def _column(t: Tensor, i: int, o: int) -> Tensor:
@@ -108,19 +114,19 @@ def _read_weights(read: Read, tanh: list) -> list:
 
 
 class _Connect(torch.autograd.Function):
-    """Tensors flat after ``state``: the write's six (if any), then the read's three."""
+    """Tensors flat after ``state``: the write's six (if any), then the read's four."""
 
     @staticmethod
-    def forward(ctx, state, eps, has_write, has_read, *tensors):
+    def forward(ctx, state, eps, norm_eps, has_write, has_read, *tensors):
         write = Write(*tensors[:6]) if has_write else None
-        read = Read(*tensors[len(tensors) - 3 :]) if has_read else None
+        read = Read(*tensors[len(tensors) - 4 :]) if has_read else None
         n = state.shape[0]
         streams = list(state.unbind(0))
         if write is not None:
             tanh = [[torch.tanh(c) for c in row] for row in _columns(write.logits)]
             residual, gates = _write_weights(write, tanh)
             streams = _written(state, write, residual, gates)
-        ctx.has_write, ctx.has_read = has_write, has_read
+        ctx.has_write, ctx.has_read, ctx.norm_eps = has_write, has_read, norm_eps
         # read alone: the state passes through, so that the gradient of the write that reads
         # it next reaches this backward (added there, not in a pass of its own)
         outputs = [torch.stack(streams) if write is not None else state.view_as(state)]
@@ -136,12 +142,15 @@ class _Connect(torch.autograd.Function):
         ]
         weights = _read_weights(read, [[torch.tanh(row[0])] for row in rows])
         x = weighted_terms(streams, weights).to(state.dtype)
+        normed = torch.nn.functional.rms_norm(x, x.shape[-1:], read.norm_weight, norm_eps)
         logits = torch.stack([torch.cat(row, -1) for row in rows])  # [n, ..., n + 2]
         saved_streams = outputs if write is not None else []
         ctx.save_for_backward(state, *tensors, logits, torch.stack(inverse_rms), *saved_streams)
         read_weights = torch.cat(weights, -1)
-        ctx.mark_non_differentiable(read_weights)  # for diagnostics only
-        return (*outputs, x, logits, read_weights)
+        # x is not saved (the backward rebuilds it from the streams) and has no gradient of
+        # its own: the sublayer reads the normed input
+        ctx.mark_non_differentiable(x, read_weights)
+        return (*outputs, x, normed, logits, read_weights)
 
     @staticmethod
     def backward(ctx, grad_streams, *grads):
@@ -149,39 +158,50 @@ class _Connect(torch.autograd.Function):
         if not ctx.has_read:  # a layer's last write (one pass already: a kernel adds nothing)
             grad = list(grad_streams.unbind(0))
             grad_state, write_grads = _write_backward(state, Write(*saved[:6]), grad)
-            return (grad_state, None, None, None, *write_grads)
+            return (grad_state, None, None, None, None, *write_grads)
         write = Write(*saved[:6]) if ctx.has_write else None
         streams = saved.pop() if ctx.has_write else state
         inverse_rms, logits = saved.pop(), saved.pop()
         backward = dispatch.route(HC_CONNECT_BACKWARD, state)
+        _, grad_normed, grad_logits, _ = grads
         grad_state, write_grads, read_grads = backward(
-            state, write, Read(*saved[-3:]), streams, logits, inverse_rms, grad_streams, *grads[:2]
+            state,
+            write,
+            Read(*saved[-4:]),
+            ctx.norm_eps,
+            streams,
+            logits,
+            inverse_rms,
+            grad_streams,
+            grad_normed,
+            grad_logits,
         )
-        return (grad_state, None, None, None, *write_grads, *read_grads)
+        return (grad_state, None, None, None, None, *write_grads, *read_grads)
 
 
 def connect_backward(
     state: Tensor,
     write: Optional[Write],
     read: Read,
+    norm_eps: float,
     streams: Tensor,
     logits: Tensor,
     inverse_rms: Tensor,
     grad_streams: Tensor,
-    grad_x: Tensor,
+    grad_normed: Tensor,
     grad_logits: Tensor,
 ) -> tuple:
     """The backward of a write (if any) and the next read: the state's gradient, the write's
     inputs' gradients (none without a write) and the read's. ``streams``: what the read saw
     (the new streams, or the state without a write), ``logits`` [n, ..., n + 2] and
-    ``inverse_rms`` [n, ..., 1] its forward's; the gradients of the new streams, of x and of
-    the logits handed on."""
+    ``inverse_rms`` [n, ..., 1] its forward's; the gradients of the new streams, of the
+    normed input and of the logits handed on."""
     # G_j, the gradient of the streams the read saw: one [..., h] tensor per stream, as in
     # the forward, so that the compiler makes the read's and the write's backward one pass
     # (a stacked [n, ..., h] expression would be a kernel of another size)
     grad = list(grad_streams.unbind(0))
     grad, read_grads = _read_backward(
-        list(streams.unbind(0)), read, logits, inverse_rms, grad_x, grad_logits, grad
+        list(streams.unbind(0)), read, norm_eps, logits, inverse_rms, grad_normed, grad_logits, grad
     )
     if write is None:
         return torch.stack([g.to(state.dtype) for g in grad]), (), read_grads
@@ -202,14 +222,30 @@ def _accumulator(t: Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _read_backward(streams, read: Read, logits, inverse_rms, grad_x, grad_logits, grad):
+def _norm_backward(x: Tensor, weight: Tensor, eps: float, grad_normed: Tensor):
+    """The pre-norm's backward as autograd computes torch's ``rms_norm``'s: x's gradient (in
+    x's dtype) and the weight's per-token terms (fp32; their sum over tokens is its
+    gradient)."""
+    xf, grad = at_least_fp32(x), at_least_fp32(grad_normed)
+    inverse_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    scaled = grad * weight
+    grad_x = scaled * inverse_rms - (inverse_rms**3 * (scaled * xf).mean(-1, keepdim=True)) * xf
+    return grad_x.to(x.dtype), grad * (xf * inverse_rms)
+
+
+def _read_backward(
+    streams, read: Read, norm_eps, logits, inverse_rms, grad_normed, grad_logits, grad
+):
     """G_i += the read's, the norms' and the projections' terms (each in the streams'
-    dtype, as autograd would add them), and the read's parameters' gradients."""
+    dtype, as autograd would add them), and the read's parameters' gradients; x, the read,
+    rebuilt from the streams for its norm's backward."""
     n, h = len(streams), streams[0].shape[-1]
     tokens = list(range(streams[0].dim() - 1))
     tanh = [[torch.tanh(_column(logits, i, 0))] for i in range(n)]  # A_m's alone
     s_a = at_least_fp32(read.alpha_scale)
     read_weights = _read_weights(read, tanh)
+    x = weighted_terms(streams, read_weights).to(streams[0].dtype)
+    grad_x, norm_terms = _norm_backward(x, read.norm_weight, norm_eps, grad_normed)
     grad_read = [  # dA_m[i]
         (s * grad_x).sum(-1, keepdim=True, dtype=_accumulator(s)) for s in streams
     ]
@@ -242,6 +278,7 @@ def _read_backward(streams, read: Read, logits, inverse_rms, grad_x, grad_logits
         grad_folded.to(read.folded.dtype),
         grad_static.to(read.static_alpha.dtype),
         grad_scale.reshape(1).to(read.alpha_scale.dtype),
+        norm_terms.sum(tokens).to(read.norm_weight.dtype),
     )
 
 
@@ -307,11 +344,17 @@ def _write_backward(state, write: Write, grad: list):
 
 
 def connect(
-    state: Tensor, eps: float, write: Optional[Write] = None, read: Optional[Read] = None
+    state: Tensor,
+    eps: float,
+    write: Optional[Write] = None,
+    read: Optional[Read] = None,
+    norm_eps: float = 0.0,
 ) -> tuple:
     """Sublayer k's write and sublayer k + 1's read of the streams [n, ..., h], either alone:
     (the new streams, or without ``write`` the state, through which the next write must
-    read it) + (x [..., h] in the state's dtype, the logits [n, ..., n + 2] for sublayer
-    k + 1's write, A_m [..., n] for diagnostics (not differentiable), if ``read``)."""
+    read it) + (x [..., h] in the state's dtype (not differentiable: the sublayer reads the
+    next), x normed by sublayer k + 1's pre-norm (RMSNorm with ``read.norm_weight`` and
+    ``norm_eps``), the logits [n, ..., n + 2] for sublayer k + 1's write, A_m [..., n] for
+    diagnostics (not differentiable), if ``read``). ``eps``: the streams' norms'."""
     tensors = (*(write or ()), *(read or ()))
-    return _Connect.apply(state, eps, write is not None, read is not None, *tensors)
+    return _Connect.apply(state, eps, norm_eps, write is not None, read is not None, *tensors)

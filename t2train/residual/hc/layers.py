@@ -61,9 +61,16 @@ class HyperConnection(StreamMixResidual):
         scales = (self.dynamic_alpha_scale, self.dynamic_beta_scale)
         return connection_weights(self.static_alpha, self.static_beta, tokens, logits, *scales)
 
+    def read_normed(self, state: Tensor, norm) -> tuple[Tensor, Tensor]:
+        if not (self.dynamic and torch.compiler.is_compiling()):
+            return super().read_normed(state, norm)
+        x, normed, self._pending = self._connected_read(state)
+        return x, normed
+
     def width_connection(self, state: Tensor) -> tuple[Tensor, tuple]:
         if self.dynamic and torch.compiler.is_compiling():
-            return self._connected_read(state)
+            # its x has no gradient: the norm's backward is the read's (``read_normed``)
+            raise RuntimeError("compiled dynamic hc reads through read_normed, not read")
         alpha, beta = self.weights(state)
         read, residual = alpha[..., 0], alpha[..., 1:]
         self._record(read, residual, beta)
@@ -83,13 +90,13 @@ class HyperConnection(StreamMixResidual):
     # Compiled, dynamic: each write computes the following sublayer's read with it
     # (``hc/compiled.py``) and hands it on; a layer's first read is computed alone.
 
-    def _connected_read(self, state: Tensor) -> tuple[Tensor, tuple]:
+    def _connected_read(self, state: Tensor) -> tuple[Tensor, Tensor, tuple]:
         handed, self._handed_on = self._handed_on, None
         if handed is None:  # a layer's first read: the state comes back through it
-            handed = connect(state, self._eps(), read=self._read_part())
-        streams, x, logits, read = handed
+            handed = connect(state, self._eps(), read=self._read_part(), norm_eps=self._norm_eps())
+        streams, x, normed, logits, read = handed
         self._record_logits(read, logits)
-        return x, (streams, logits)
+        return x, normed, (streams, logits)
 
     def _connected_write(self, _state: Tensor, pending: tuple, out: Tensor) -> Tensor:
         streams, logits = pending
@@ -105,16 +112,25 @@ class HyperConnection(StreamMixResidual):
         if following is None:  # the layer's last write
             (new,) = connect(streams, self._eps(), write=write)
             return new
-        handed = connect(streams, self._eps(), write=write, read=following._read_part())
+        handed = connect(
+            streams,
+            self._eps(),
+            write=write,
+            read=following._read_part(),
+            norm_eps=following._norm_eps(),
+        )
         following._handed_on = handed
         return handed[0]
 
     def _eps(self) -> float:
         return cast(float, self.norm.eps)
 
+    def _norm_eps(self) -> float:
+        return cast(float, self.pre_norm.eps)
+
     def _read_part(self) -> Read:
         folded = folded_projections(self.dynamic_alpha, self.dynamic_beta, self.norm.weight)
-        return Read(folded, self.static_alpha, self.dynamic_alpha_scale)
+        return Read(folded, self.static_alpha, self.dynamic_alpha_scale, self.pre_norm.weight)
 
     def _record_logits(self, read: Tensor, logits: Tensor) -> None:
         tokens = read.shape[:-1]
