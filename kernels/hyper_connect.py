@@ -348,16 +348,7 @@ def _write_gradients(write, tanh, grad_out, grad_residual, grad_gates) -> tuple:
 
 
 def connect_backward(
-    state,
-    write,
-    read,
-    norm_eps,
-    streams,
-    logits,
-    inverse_rms,
-    grad_streams,
-    grad_normed,
-    grad_logits,
+    state, write, read, norm_eps, streams, logits, inv_rms, grad_streams, grad_normed, grad_logits
 ):
     """``hc``'s ``connect_backward`` (same arguments, same results) with its wide part in the
     kernel above. ``streams`` (the read's input) is recomputed from the state and the write's
@@ -380,7 +371,7 @@ def connect_backward(
         None if mappings is None else mappings[2],
         read_weights,
         slope,
-        _per_token(inverse_rms)[..., 0].contiguous(),
+        _per_token(inv_rms)[..., 0].contiguous(),
         _per_token(logits),
         _per_token(grad_logits),
     )

@@ -25,7 +25,7 @@ KERNEL_OPS = {
     "stream_write": {"stream_write"},
     "hc_read": {"stream_read"},
     "hc_write": {"stream_write"},
-    "hc_connect_backward": {"stream_connect_backward"},  # a backward: no backward operator of its own
+    "hc_connect_backward": {"stream_connect_backward"},  # a backward: none of its own
 }
 # kernel name -> the autograd functions around its operators (calling their backward
 # operator themselves), whose nodes stand in the graph for the operators'

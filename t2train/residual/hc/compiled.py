@@ -186,7 +186,7 @@ def connect_backward(
     norm_eps: float,
     streams: Tensor,
     logits: Tensor,
-    inverse_rms: Tensor,
+    inv_rms: Tensor,
     grad_streams: Tensor,
     grad_normed: Tensor,
     grad_logits: Tensor,
@@ -194,14 +194,14 @@ def connect_backward(
     """The backward of a write (if any) and the next read: the state's gradient, the write's
     inputs' gradients (none without a write) and the read's. ``streams``: what the read saw
     (the new streams, or the state without a write), ``logits`` [n, ..., n + 2] and
-    ``inverse_rms`` [n, ..., 1] its forward's; the gradients of the new streams, of the
-    normed input and of the logits handed on."""
+    ``inv_rms`` [n, ..., 1] (the streams' inverse RMS) its forward's; the gradients of the
+    new streams, of the normed input and of the logits handed on."""
     # G_j, the gradient of the streams the read saw: one [..., h] tensor per stream, as in
     # the forward, so that the compiler makes the read's and the write's backward one pass
     # (a stacked [n, ..., h] expression would be a kernel of another size)
     grad = list(grad_streams.unbind(0))
     grad, read_grads = _read_backward(
-        list(streams.unbind(0)), read, norm_eps, logits, inverse_rms, grad_normed, grad_logits, grad
+        list(streams.unbind(0)), read, norm_eps, logits, inv_rms, grad_normed, grad_logits, grad
     )
     if write is None:
         return torch.stack([g.to(state.dtype) for g in grad]), (), read_grads
