@@ -80,10 +80,13 @@ def _judged(root: Path, *options: str) -> subprocess.CompletedProcess:
 
 
 def test_a_file_that_works_more_fails_naming_itself(recorded):
-    """Three times the work: its CPU-seconds say so whatever the machine's load. (At the
+    """Five times the work: its CPU-seconds say so whatever the machine's load. (At the
     recorded CPU speed: the calibration of two runs a second apart can differ by half on a
-    shared machine, which the speed ratio's own test covers.)"""
-    _suite(recorded, f"_work({3 * WORK_S})")
+    shared machine, which the speed ratio's own test covers.) The first test's CPU-seconds
+    include the collection's, which varies between runs on a busy machine: at three times
+    the work (against the record's 1.3 times plus 0.5 s) a CI run at a load ratio of 1.86
+    let the file pass."""
+    _suite(recorded, f"_work({5 * WORK_S})")
     proc = _judged(recorded, "--budget-speed-ratio", "1")
     assert proc.returncode == 1, proc.stdout
     assert "OVER BUDGET test_work.py:" in proc.stdout and "1 passed" in proc.stdout
