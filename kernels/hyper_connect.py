@@ -218,9 +218,9 @@ def _blocks(n: int, m: int, hidden: int) -> dict:
 
 
 def _programs(blocks: int, device: torch.device) -> int:
-    """Programs that share the blocks: a few per SM on a GPU (each holds a row of dF partial
-    sums, [m, h] fp32), or at most 2 in the interpreter, so that a test walks several blocks
-    in one program."""
+    """Programs that share the blocks: a few per SM on a GPU (each holds its partial sums of
+    dF and the norm's dw, [m + 1, h] fp32), or at most 2 in the interpreter, so that a test
+    walks several blocks in one program."""
     if device.type != "cuda":
         return min(blocks, 2)
     return min(blocks, 2 * torch.cuda.get_device_properties(device).multi_processor_count)
@@ -353,8 +353,8 @@ def connect_backward(
     """``hc``'s ``connect_backward`` (same arguments, same results) with its wide part in the
     kernel above. ``streams`` (the read's input) is recomputed from the state and the write's
     output; without a write it is the state."""
-    n = state.shape[0]
-    tanh = torch.tanh(_per_token(logits))
+    n, logits = state.shape[0], _per_token(logits)
+    tanh = torch.tanh(logits)
     alpha, s_a = read.static_alpha.float(), read.alpha_scale.float()
     read_weights = (alpha[:, 0] + s_a * tanh[..., 0]).contiguous()
     slope = (s_a * (1 - tanh[..., 0] ** 2)).contiguous()
@@ -372,7 +372,7 @@ def connect_backward(
         read_weights,
         slope,
         _per_token(inv_rms)[..., 0].contiguous(),
-        _per_token(logits),
+        logits,
         _per_token(grad_logits),
     )
     grad_state, grad_out, grad_read, grad_residual, grad_gates, grad_folded, grad_weight = grads
@@ -383,7 +383,7 @@ def connect_backward(
         (tanh[..., 0] * grad_read).sum().reshape(1).to(read.alpha_scale.dtype),
         grad_weight.to(read.norm_weight.dtype),
     )
-    if write is None or mappings is None:
+    if mappings is None:  # no write
         return grad_state, (), read_grads
     write_grads = _write_gradients(write, mappings[0], grad_out, grad_residual, grad_gates)
     return grad_state, write_grads, read_grads

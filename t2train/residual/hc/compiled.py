@@ -348,7 +348,7 @@ def connect(
     eps: float,
     write: Optional[Write] = None,
     read: Optional[Read] = None,
-    norm_eps: float = 0.0,
+    norm_eps: Optional[float] = None,
 ) -> tuple:
     """Sublayer k's write and sublayer k + 1's read of the streams [n, ..., h], either alone:
     (the new streams, or without ``write`` the state, through which the next write must
@@ -356,5 +356,7 @@ def connect(
     next), x normed by sublayer k + 1's pre-norm (RMSNorm with ``read.norm_weight`` and
     ``norm_eps``), the logits [n, ..., n + 2] for sublayer k + 1's write, A_m [..., n] for
     diagnostics (not differentiable), if ``read``). ``eps``: the streams' norms'."""
+    if read is not None and norm_eps is None:
+        raise ValueError("connect: a read needs norm_eps, the eps of its sublayer's pre-norm")
     tensors = (*(write or ()), *(read or ()))
     return _Connect.apply(state, eps, norm_eps, write is not None, read is not None, *tensors)
