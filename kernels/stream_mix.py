@@ -302,17 +302,59 @@ def _write_bwd(
         d_mixing = _sinkhorn_backward(
             m0, mixing, row_sums, column_sums, iterations, d_mixing, BLOCK_I
         )
+    _store_per_token(DPOST, DRES, d_post, d_mixing, toks, t_ok, streams, n_ok, n)
+
+
+@triton.jit
+def _store_per_token(P, M, per_stream, matrices, toks, t_ok, streams, n_ok, n):
+    """[tokens, n] values into P and [tokens, n, n] matrices into M (both [T, n(, n)])."""
     tl.store(
-        DPOST + toks[:, None] * n + streams[None, :],
-        d_post.to(DPOST.dtype.element_ty),
+        P + toks[:, None] * n + streams[None, :],
+        per_stream.to(P.dtype.element_ty),
         mask=t_ok[:, None] & n_ok[None, :],
     )
     offsets = toks[:, None, None] * n * n + streams[None, :, None] * n + streams[None, None, :]
     tl.store(
-        DRES + offsets,
-        d_mixing.to(DRES.dtype.element_ty),
+        M + offsets,
+        matrices.to(M.dtype.element_ty),
         mask=t_ok[:, None, None] & n_ok[None, :, None] & n_ok[None, None, :],
     )
+
+
+@triton.jit
+def _mappings_fwd(
+    POST, RES, GAINS, MIXING, tokens, n, iterations, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    toks, t_ok, streams, n_ok, _ = _block(tokens, 1, n, BLOCK_T, BLOCK_N)
+    m0, gains = _write_inputs(POST, RES, toks, t_ok, streams, n_ok, n, False)
+    mixing = _sinkhorn(m0, n_ok, iterations)
+    _store_per_token(GAINS, MIXING, gains, mixing, toks, t_ok, streams, n_ok, n)
+
+
+@triton.jit
+def _mappings_bwd(
+    POST,
+    RES,
+    DGAINS,
+    DMIXING,
+    DPOST,
+    DRES,
+    tokens,
+    n,
+    iterations,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    toks, t_ok, streams, n_ok, _ = _block(tokens, 1, n, BLOCK_T, BLOCK_N)
+    m0, gains = _write_inputs(POST, RES, toks, t_ok, streams, n_ok, n, False)
+    mixing, row_sums, column_sums = _sinkhorn_recorded(
+        m0, n_ok, iterations, BLOCK_T, BLOCK_N, BLOCK_I
+    )
+    d_mixing, d_gains = _write_inputs(DGAINS, DMIXING, toks, t_ok, streams, n_ok, n, True)
+    d_res = _sinkhorn_backward(m0, mixing, row_sums, column_sums, iterations, d_mixing, BLOCK_I)
+    d_post = d_gains * gains * (1.0 - 0.5 * gains)
+    _store_per_token(DPOST, DRES, d_post, d_res, toks, t_ok, streams, n_ok, n)
 
 
 BLOCK_T = 8  # tokens per program
@@ -442,6 +484,79 @@ def _write_grads(ctx, grad: Tensor) -> tuple:
 
 
 _stream_write.register_autograd(_write_grads, setup_context=_save_write)
+
+
+@kernel_op("stream_mappings")
+def _stream_mappings(post_logit: Tensor, res_logit: Tensor, iterations: int) -> list[Tensor]:
+    """post_logit [..., n], res_logit [..., n, n], contiguous -> 2 sigma(post_logit) and
+    SK(res_logit), in their dtypes."""
+    return _per_token(_mappings_fwd, post_logit, res_logit, (), iterations)
+
+
+@kernel_op("stream_mappings_backward")
+def _stream_mappings_backward(
+    post_logit: Tensor, res_logit: Tensor, grad_gains: Tensor, grad_mixing: Tensor, iterations: int
+) -> list[Tensor]:
+    grads = (grad_gains.contiguous(), grad_mixing.contiguous())
+    blocks = dict(BLOCK_I=triton.next_power_of_2(max(iterations, 1)))
+    return _per_token(_mappings_bwd, post_logit, res_logit, grads, iterations, **blocks)
+
+
+def _per_token(kernel, post_logit, res_logit, extra: tuple, iterations: int, **blocks) -> list:
+    """Launches a per-token kernel of the write's mappings: the logits and ``extra`` in, two
+    results shaped as the logits out (a token's n x n iterations in registers)."""
+    n = post_logit.shape[-1]
+    results = [torch.empty_like(post_logit), torch.empty_like(res_logit)]
+    if tracing(post_logit):
+        return results
+    tokens = post_logit.numel() // max(n, 1)
+    block_n = max(2, triton.next_power_of_2(n))
+    kernel[_grid(tokens)](
+        post_logit,
+        res_logit,
+        *extra,
+        *results,
+        tokens,
+        n,
+        iterations,
+        BLOCK_T=BLOCK_T,
+        BLOCK_N=block_n,
+        num_warps=1,
+        **blocks,
+    )
+    return results
+
+
+def _save_mappings(ctx, inputs: tuple, output) -> None:
+    *tensors, ctx.iterations = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _mappings_grads(ctx, grads: list) -> tuple:
+    post_logit, res_logit = ctx.saved_tensors
+    grad_gains, grad_mixing = grads
+    grad_gains = grad_gains if grad_gains is not None else torch.zeros_like(post_logit)
+    grad_mixing = grad_mixing if grad_mixing is not None else torch.zeros_like(res_logit)
+    grads = _stream_mappings_backward(
+        post_logit, res_logit, grad_gains, grad_mixing, ctx.iterations
+    )
+    return (*grads, None)
+
+
+_stream_mappings.register_autograd(_mappings_grads, setup_context=_save_mappings)
+
+
+def write_mappings(post_logit: Tensor, res_logit: Tensor, iterations: int) -> tuple:
+    """Triton ``t2train.residual.mhc.functional.write_mappings`` (same arguments, same
+    results): one narrow pass per token, forward and backward (the backward reruns the
+    iterations)."""
+    if tuple(res_logit.shape) != (*post_logit.shape, post_logit.shape[-1]):
+        raise ValueError(
+            f"post_logit {tuple(post_logit.shape)} and res_logit {tuple(res_logit.shape)} "
+            "disagree (expected post_logit [..., n] and res_logit [..., n, n])"
+        )
+    gains, mixing = _stream_mappings(post_logit.contiguous(), res_logit.contiguous(), iterations)
+    return gains, mixing
 
 
 def stream_read(state: Tensor, pre_logit: Tensor) -> Tensor:

@@ -55,25 +55,31 @@ FP32_PER_TOKEN = S * B * 4  # one fp32 number per token, bytes
 def test_mhc_keeps_its_n_streams_and_fp32_mappings_per_sublayer(n, mixer):
     """Per sublayer (attention, the MLP and the mixer's when on): the n streams and the
     sublayer output, less the norm's input standard keeps (the compiled read is rebuilt from
-    the streams): n units beyond standard's; and fp32 per token: H_post (n), H_res (n^2),
-    the normed projection that makes the mappings (n^2 + 2n) and its inverse RMS (1); the
-    embedding enters as n views of one unit (n - 1 units fewer)."""
+    the streams): n units beyond standard's; and fp32 per token: the normed projection that
+    makes the mappings (n^2 + 2n) and its inverse RMS, the mappings' logits and the mappings
+    (H~post, H~res, H_post, H_res: 2 (n + n^2)), less the pre-norm's inverse RMS (the read
+    applies the norm); the embedding enters as n views of one unit (n - 1 units fewer)."""
     on = ["model.shortswa.window=8"] if mixer else []
     sublayers = L * (3 if mixer else 2)
     added = _activations("model.residual=mhc", f"model.mhc.expansion_rate={n}", *on) - (
         _activations(*on)
     )
-    fp32 = (n + n * n) + (n * n + 2 * n) + 1
+    fp32 = (n * n + 2 * n) + 1 + 2 * (n + n * n) - 1
     expected = (sublayers * n - (n - 1)) * UNIT + sublayers * fp32 * FP32_PER_TOKEN
     assert added == pytest.approx(expected, abs=2)
+    eager = [*on, "model.fusions=none"]  # compiled layers keep the states
     dropped = _activations(
         "model.residual=mhc",
         f"model.mhc.expansion_rate={n}",
         "model.mhc.recompute_streams=true",
-        *on,
-    ) - _activations("model.residual=mhc", f"model.mhc.expansion_rate={n}", *on)
+        *eager,
+    ) - _activations("model.residual=mhc", f"model.mhc.expansion_rate={n}", *eager)
     between = 2 if mixer else 1  # the states between a layer's sublayers, rebuilt in backward
     assert dropped == pytest.approx(-L * between * n * UNIT, abs=2)
+    compiled = _activations(
+        "model.residual=mhc", f"model.mhc.expansion_rate={n}", "model.mhc.recompute_streams=true"
+    ) - _activations("model.residual=mhc", f"model.mhc.expansion_rate={n}")
+    assert compiled == 0
 
 
 def test_full_attention_residuals_keep_each_source_once_and_a_fresh_one_twice():

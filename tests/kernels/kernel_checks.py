@@ -23,6 +23,7 @@ KERNEL_OPS = {
     "block_phase_2": {"block_phase_2"},
     "stream_read": {"stream_read"},
     "stream_write": {"stream_write"},
+    "mhc_write_mappings": {"stream_mappings"},
     "hc_read": {"stream_read"},
     "hc_write": {"stream_write"},
     "hc_connect_backward": {"stream_connect_backward"},  # a backward: none of its own

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from t2train.residual.mhc.functional import stream_read, stream_write
-from t2train.residual.mhc.layers import read_streams, write_streams
+from t2train.residual.mhc.layers import read_streams, write_streams, write_weights
 
 from kernel_checks import DEVICE, assert_matches, run_kernels
 
@@ -74,6 +74,24 @@ def test_write_is_the_papers(n, iterations, hidden):
         _inputs(n, torch.float32, hidden),
         torch.float32,
         "stream_write",
+    )
+
+
+def _side_by_side(gains, mixing):
+    return torch.cat([gains, mixing.flatten(-2)], -1)
+
+
+@pytest.mark.parametrize("n, iterations", [(4, 20), (3, 7), (1, 3)])
+def test_write_mappings_are_the_papers(n, iterations):
+    """H_post = 2 sigma(H~post) and H_res = SK(H~res) alone (compiled code's write takes
+    them as given), fp32, the gradients through the iterations."""
+    _, _, post, res = _inputs(n, torch.float32)
+    assert_matches(
+        lambda *t: _side_by_side(*write_weights(*t, iterations)),
+        lambda post, res: _side_by_side(2 * torch.sigmoid(post), _paper_sinkhorn(res, iterations)),
+        (post, res),
+        torch.float32,
+        "mhc_write_mappings",
     )
 
 

@@ -95,12 +95,13 @@ def _write_weights(write: Write, tanh: list) -> tuple[list, list]:
     return residual, gates
 
 
-def _written(state: Tensor, write: Write, residual: list, gates: list) -> list:
-    """The new streams h'_j = sum_i A_r[i, j] h_i + B_j y, each in the state's dtype."""
+def written_streams(state: Tensor, out: Tensor, residual: list, gates: list) -> list:
+    """The new streams h'_j = sum_i A_r[i][j] h_i + B_j y, each in the state's dtype, from
+    per-token weights [..., 1] (fp32): one [..., h] tensor per stream (``connect``'s shape)."""
     n = state.shape[0]
     new = []
     for j in range(n):
-        total = gates[j] * write.out  # bf16 times fp32 is computed in fp32
+        total = gates[j] * out  # bf16 times fp32 is computed in fp32
         for i in range(n):
             total = total + residual[i][j] * state[i]
         new.append(total.to(state.dtype))
@@ -125,7 +126,7 @@ class _Connect(torch.autograd.Function):
         if write is not None:
             tanh = [[torch.tanh(c) for c in row] for row in _columns(write.logits)]
             residual, gates = _write_weights(write, tanh)
-            streams = _written(state, write, residual, gates)
+            streams = written_streams(state, write.out, residual, gates)
         ctx.has_write, ctx.has_read, ctx.norm_eps = has_write, has_read, norm_eps
         # read alone: the state passes through, so that the gradient of the write that reads
         # it next reaches this backward (added there, not in a pass of its own)
@@ -141,16 +142,9 @@ class _Connect(torch.autograd.Function):
             for i in range(n)
         ]
         weights = _read_weights(read, [[torch.tanh(row[0])] for row in rows])
-        x = weighted_terms(streams, weights).to(state.dtype)
-        normed = torch.nn.functional.rms_norm(x, x.shape[-1:], read.norm_weight, norm_eps)
         logits = torch.stack([torch.cat(row, -1) for row in rows])  # [n, ..., n + 2]
-        saved_streams = outputs if write is not None else []
-        ctx.save_for_backward(state, *tensors, logits, torch.stack(inverse_rms), *saved_streams)
-        read_weights = torch.cat(weights, -1)
-        # x is not saved (the backward rebuilds it from the streams) and has no gradient of
-        # its own: the sublayer reads the normed input
-        ctx.mark_non_differentiable(x, read_weights)
-        return (*outputs, x, normed, logits, read_weights)
+        saved = (state, *tensors, logits, torch.stack(inverse_rms))
+        return finish_read(ctx, outputs, write, streams, weights, read, norm_eps, saved, logits)
 
     @staticmethod
     def backward(ctx, grad_streams, *grads):
@@ -177,6 +171,19 @@ class _Connect(torch.autograd.Function):
             grad_logits,
         )
         return (grad_state, None, None, None, None, *write_grads, *read_grads)
+
+
+def finish_read(ctx, outputs: list, write, streams, weights, read, norm_eps, saved, handed_on):
+    """The end of a connect's forward: x = sum_i w_i h'_i, its pre-norm, what the backward
+    keeps (``saved``, and the new streams after a write) and the outputs. x is not saved (the
+    backward rebuilds it from the streams) and has no gradient of its own: the sublayer reads
+    the normed input; the read weights are for diagnostics."""
+    x = weighted_terms(streams, weights).to(streams[0].dtype)
+    normed = torch.nn.functional.rms_norm(x, x.shape[-1:], read.norm_weight, norm_eps)
+    ctx.save_for_backward(*saved, *(outputs if write is not None else []))
+    read_weights = torch.cat(weights, -1)
+    ctx.mark_non_differentiable(x, read_weights)
+    return (*outputs, x, normed, handed_on, read_weights)
 
 
 def connect_backward(
@@ -217,12 +224,12 @@ HC_CONNECT_BACKWARD = dispatch.Kernel(
 )
 
 
-def _accumulator(t: Tensor) -> torch.dtype:
+def accumulator(t: Tensor) -> torch.dtype:
     """Sums of bf16 products in fp32 (fp64 stays fp64)."""
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _norm_backward(x: Tensor, weight: Tensor, eps: float, grad_normed: Tensor):
+def norm_backward(x: Tensor, weight: Tensor, eps: float, grad_normed: Tensor):
     """The pre-norm's backward as autograd computes torch's ``rms_norm``'s: x's gradient (in
     x's dtype) and the weight's per-token terms (fp32; their sum over tokens is its
     gradient)."""
@@ -245,9 +252,9 @@ def _read_backward(
     s_a = at_least_fp32(read.alpha_scale)
     read_weights = _read_weights(read, tanh)
     x = weighted_terms(streams, read_weights).to(streams[0].dtype)
-    grad_x, norm_terms = _norm_backward(x, read.norm_weight, norm_eps, grad_normed)
+    grad_x, norm_terms = norm_backward(x, read.norm_weight, norm_eps, grad_normed)
     grad_read = [  # dA_m[i]
-        (s * grad_x).sum(-1, keepdim=True, dtype=_accumulator(s)) for s in streams
+        (s * grad_x).sum(-1, keepdim=True, dtype=accumulator(s)) for s in streams
     ]
     d = [  # the logits' gradients, d_io
         [s_a * (1 - tanh[i][0] * tanh[i][0]) * grad_read[i]]
@@ -288,26 +295,15 @@ def _write_backward(state, write: Write, grad: list):
     applied) and its parameters'."""
     n = state.shape[0]
     tokens = list(range(state.dim() - 2))
-    inputs = list(state.unbind(0))
     # the mappings rebuilt from the tanh of the stacked logits, not as the forward built
     # them: the partitioner would keep the forward's n^2 + n fp32 numbers per token beside
     # the logits
     tanh = _columns(torch.tanh(write.logits))
     residual, gates = _write_weights(write, tanh)
     s_a, s_b = at_least_fp32(write.alpha_scale), at_least_fp32(write.beta_scale)
-    # the output's gradient stacked after the state's: Inductor writes a result where it is
-    # first stored, and apart it was stored just before its GEMM, too far from the pass
-    # that reads G to share it (2 units)
-    grads = torch.stack(
-        [weighted_terms(grad, residual[i]).to(state.dtype) for i in range(n)]
-        + [weighted_terms(grad, gates).to(state.dtype)]
+    grad_state, grad_out, grad_residual, grad_gates = written_streams_backward(
+        state, write.out, residual, gates, grad
     )
-    grad_state, grad_out = grads[:n], grads[n].to(write.out.dtype)
-    accumulator = _accumulator(state)
-    grad_residual = [  # dA_r[i][j]
-        [(inputs[i] * g).sum(-1, keepdim=True, dtype=accumulator) for g in grad] for i in range(n)
-    ]
-    grad_gates = [(write.out * g).sum(-1, keepdim=True, dtype=accumulator) for g in grad]
     zero = torch.zeros_like(grad_gates[0])
     grad_logits = torch.stack(
         [
@@ -343,6 +339,28 @@ def _write_backward(state, write: Write, grad: list):
     )
 
 
+def written_streams_backward(state: Tensor, out: Tensor, residual: list, gates: list, grad):
+    """``written_streams``' backward given G_j (one [..., h] tensor per stream): the state's
+    gradient dh_i = sum_j A_r[i][j] G_j ([n, ..., h]) and the output's dy = sum_j B_j G_j,
+    in their dtypes, and dA_r[i][j] = h_i . G_j and dB_j = y . G_j ([..., 1], fp32)."""
+    n = state.shape[0]
+    inputs = list(state.unbind(0))
+    # the output's gradient stacked after the state's: Inductor writes a result where it is
+    # first stored, and apart it was stored just before its GEMM, too far from the pass
+    # that reads G to share it (2 units)
+    grads = torch.stack(
+        [weighted_terms(grad, residual[i]).to(state.dtype) for i in range(n)]
+        + [weighted_terms(grad, gates).to(state.dtype)]
+    )
+    grad_state, grad_out = grads[:n], grads[n].to(out.dtype)
+    total = accumulator(state)
+    grad_residual = [
+        [(inputs[i] * g).sum(-1, keepdim=True, dtype=total) for g in grad] for i in range(n)
+    ]
+    grad_gates = [(out * g).sum(-1, keepdim=True, dtype=total) for g in grad]
+    return grad_state, grad_out, grad_residual, grad_gates
+
+
 def connect(
     state: Tensor,
     eps: float,
@@ -356,7 +374,13 @@ def connect(
     next), x normed by sublayer k + 1's pre-norm (RMSNorm with ``read.norm_weight`` and
     ``norm_eps``), the logits [n, ..., n + 2] for sublayer k + 1's write, A_m [..., n] for
     diagnostics (not differentiable), if ``read``). ``eps``: the streams' norms'."""
+    return connected(_Connect, state, eps, write, read, norm_eps)
+
+
+def connected(function, state: Tensor, eps: float, write=None, read=None, norm_eps=None) -> tuple:
+    """``function`` (a write and a read as one autograd function) applied to the streams,
+    the write's tensors (if any) and then the read's (if any)."""
     if read is not None and norm_eps is None:
         raise ValueError("connect: a read needs norm_eps, the eps of its sublayer's pre-norm")
     tensors = (*(write or ()), *(read or ()))
-    return _Connect.apply(state, eps, norm_eps, write is not None, read is not None, *tensors)
+    return function.apply(state, eps, norm_eps, write is not None, read is not None, *tensors)

@@ -53,12 +53,15 @@ mappings' intermediates in the backward (Sec. 4.3), the n streams between a laye
 can be dropped after the forward and rebuilt by their write when the backward needs them
 (``_DroppedStates``: saved-tensor hooks around this design's own reads and writes); only the
 stream entering each layer is kept. Values are unchanged (the same kernel on the same
-inputs); it saves one n x [s, b, h] state per layer, two with the local mixer.
+inputs); it saves one n x [s, b, h] state per layer, two with the local mixer, where the
+layers run eagerly (``model.fusions=none``): a compiled layer keeps them.
 
 The read (H_pre) and the write (Sinkhorn, H_res and H_post) are one fused Triton pass each
-over the stream on CUDA (``kernels/stream_mix.py``, chosen by ``T2_KERNELS``); in a
-compiled layer the read is PyTorch the compiler fuses into the norm's pass
-(``t2train/residual/unrolled.py``), and the projection products summed over the streams.
+over the stream on CUDA (``kernels/stream_mix.py``, chosen by ``T2_KERNELS``). In a
+compiled layer a write and the next read are one function (``compiled.py``: the write, the
+flat norm, the projections, the read and the sublayer's pre-norm in one pass over the
+streams, and its backward written by hand), and the write's mappings one narrow Triton
+kernel each way (``write_weights``).
 Hops carry n units of [s, b, h] (unit ids None); all is per token, so sequence parallelism
 applies; parameters are replicated across tensor ranks.
 """
@@ -71,6 +74,7 @@ from typing import ClassVar
 from t2train.errors import require
 from t2train.residual.declaration import ResidualDesign, scaled_output
 from t2train.residual.hc import (
+    INDUCTOR_OPTIONS,
     copies_of,
     diagnostics_for,
     saved_for,
@@ -91,8 +95,8 @@ class MHCOptions:
     eps: float = 1e-6  # of the RMSNorm over the flattened stream
     # Keep the n streams for the backward only where a layer starts; the states between its
     # sublayers are recomputed from there in the backward (one stream write per dropped
-    # state: mHC's recomputation, Sec. 4.3, at the granularity of a layer). False, the
-    # default: keep every state (no recomputation).
+    # state: mHC's recomputation, Sec. 4.3, at the granularity of a layer), where the layers
+    # run eagerly (model.fusions=none). False, the default: keep every state.
     recompute_streams: bool = False
     # A resumed run may change these (initial values, recomputation).
     not_architecture: ClassVar[tuple] = ("gate_init", "recompute_streams")
@@ -142,33 +146,22 @@ def extra_flops_per_token(model) -> int:
 
 
 def mappings(model) -> int:
-    """H~post (n) and H~res (n^2), which the write's kernel takes (H_pre is rebuilt with the
-    read in the backward), the normed projection that makes the mappings (n^2 + 2n) and its
-    inverse RMS (``layers.normed_projection``: in a compiled layer one pass over the
-    streams, not recomputed)."""
+    """The normed projection (n^2 + 2n) and its inverse RMS, from which the read's backward
+    rebuilds H_pre; H~post and H~res (n + n^2), from which the mappings' kernel reruns the
+    Sinkhorn iterations in its backward, and H_post and H_res (n + n^2), which the write's
+    backward takes; less the pre-norm's inverse RMS that `standard`'s norm keeps: the read
+    applies the norm and its backward rebuilds it (``compiled.py``)."""
     n = model.mhc.expansion_rate
-    return (n * n + n) + (n * n + 2 * n) + 1
+    return (n * n + 2 * n) + 1 + 2 * (n * n + n) - 1
 
 
 def recomputed_states(model) -> int:
-    """With ``recompute_streams``: the states between a layer's sublayers."""
-    return len(sublayer_names(model)) - 1 if model.mhc.recompute_streams else 0
+    """With ``recompute_streams`` and layers run eagerly (``model.fusions=none``): the states
+    between a layer's sublayers. A compiled layer keeps them (its write and the next read are
+    one function, ``compiled.py``)."""
+    eager = model.fusions == "none"
+    return len(sublayer_names(model)) - 1 if model.mhc.recompute_streams and eager else 0
 
-
-# Inductor fuses a row and a column reduction of the same tensors into one kernel (a norm's
-# input gradient and its weight's). In mHC's backward that takes the normed projection's
-# weight gradient away from the pass of the streams' gradient, which then reads the streams
-# again in a pass of its own: 3 units per sublayer more (`t2train bench bytes`). The normed
-# projection's streams' gradient (``compiled.py``) is n sums of n^2 + 2n terms, stacked:
-# inlined into the pass that adds the state's other gradients (a stack of pointwise sums
-# as a pointwise expression, up to 200 ops and 64 reads), where it was written and read
-# back: 80.9 -> 72.9 units per sublayer.
-INDUCTOR_OPTIONS = {
-    "triton.mix_order_reduction": False,
-    "force_pointwise_cat": True,
-    "realize_opcount_threshold": 200,
-    "realize_acc_reads_threshold": 64,
-}
 
 DESIGN = ResidualDesign(
     name="mhc",
@@ -185,5 +178,5 @@ DESIGN = ResidualDesign(
     section="mhc",
     options=MHCOptions,
     write_diagnostics=diagnostics_for("mhc"),
-    inductor_options=INDUCTOR_OPTIONS,
+    inductor_options=INDUCTOR_OPTIONS,  # hc's: its write and read are shaped as hc's
 )

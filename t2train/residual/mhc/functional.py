@@ -53,6 +53,11 @@ def sinkhorn(logits: Tensor, iterations: int) -> Tensor:
     return m
 
 
+def write_mappings(post_logit: Tensor, res_logit: Tensor, iterations: int) -> tuple:
+    """H_post = 2 sigmoid(H~post) [..., n] and H_res = SK(H~res) [..., n, n] (Eq. 8-9)."""
+    return 2 * torch.sigmoid(post_logit), sinkhorn(res_logit, iterations)
+
+
 def stream_read(state: Tensor, pre_logit: Tensor) -> Tensor:
     """The sublayer's input sum_j sigmoid(pre_logit[..., j]) x_j.
 
@@ -72,8 +77,7 @@ def stream_write(
     state [n, ..., h]; out [..., h]; post_logit [..., n]; res_logit [..., n, n].
     """
     x = at_least_fp32(state)
-    mixing = sinkhorn(res_logit.to(x.dtype), iterations)
-    post = 2 * torch.sigmoid(post_logit.to(x.dtype))
+    post, mixing = write_mappings(post_logit.to(x.dtype), res_logit.to(x.dtype), iterations)
     y = torch.einsum("...ij,j...h->i...h", mixing, x) + torch.einsum(
         "...i,...h->i...h", post, at_least_fp32(out)
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 from torch import Tensor
@@ -13,28 +13,23 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from t2train.kernels import dispatch
 from t2train.residual.base import mark_replicated
-from t2train.residual.mhc.compiled import flat_rms_projection_fused
+from t2train.residual.mhc.compiled import Read, Write, connect
 from t2train.residual.mhc.functional import (
     flat_rms_projection,
     mapping_logits,
     sinkhorn,
     stream_read,
     stream_write,
+    write_mappings,
 )
 from t2train.residual.streams import StreamCopies, StreamMixResidual, record_weights
 from t2train.residual.sublayers import sublayer_names
-from t2train.residual.unrolled import weighted_sum
 
 
 def normed_projection(state: Tensor, projection: Tensor, eps: float) -> Tensor:
-    """``flat_rms_projection`` [s, b, outputs] (state [n, s, b, h]). Eagerly recomputed in
-    the backward: only the stream and the projection are kept for it, not the fp32 copy of
-    the n streams its einsum makes. Compiled, its products summed in one pass over the
-    streams, which the partitioner keeps no fp32 copy for (recomputing it would read the
-    streams again: ``t2train bench bytes``), their gradient written in the streams' dtype
-    (``compiled.py``)."""
-    if torch.compiler.is_compiling():
-        return flat_rms_projection_fused(state, projection, eps)
+    """``flat_rms_projection`` [s, b, outputs] (state [n, s, b, h]), recomputed in the
+    backward: only the stream and the projection are kept for it, not the fp32 copy of the
+    n streams its einsum makes. (Compiled, the read is ``compiled.connect``.)"""
     return checkpoint(flat_rms_projection, state, projection, eps, use_reentrant=False)
 
 
@@ -51,9 +46,18 @@ def write_streams(
     return write(state, out, post_logit, res_logit, iterations)
 
 
+def write_weights(post_logit: Tensor, res_logit: Tensor, iterations: int) -> tuple:
+    """``write_mappings`` (H_post, H_res), through the fused Triton kernel where ``T2_KERNELS``
+    routes it: one narrow kernel each way, where the iterations unrolled are dozens."""
+    return dispatch.route(WRITE_MAPPINGS, post_logit)(post_logit, res_logit, iterations)
+
+
 STREAM_READ = dispatch.Kernel("stream_read", "t2train.kernels.stream_mix:stream_read", stream_read)
 STREAM_WRITE = dispatch.Kernel(
     "stream_write", "t2train.kernels.stream_mix:stream_write", stream_write
+)
+WRITE_MAPPINGS = dispatch.Kernel(
+    "mhc_write_mappings", "t2train.kernels.stream_mix:write_mappings", write_mappings
 )
 
 
@@ -122,6 +126,7 @@ class ManifoldHyperConnection(StreamMixResidual):
         bias[:n] = -math.log(n - 1) if n > 1 else 0.0  # logit(1/n): H_pre sums to 1
         self.bias = torch.nn.Parameter(bias)
         self.gates = torch.nn.Parameter(torch.full((3,), options.gate_init, dtype=dtype))
+        self._handed_on: Optional[tuple] = None  # this read, computed by the previous write
         mark_replicated(self, config)
 
     def logits(self, state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -129,28 +134,75 @@ class ManifoldHyperConnection(StreamMixResidual):
         raw = normed_projection(state, self.projection, self.eps)
         return mapping_logits(raw, self.gates, self.bias, self.n)
 
+    def read_normed(self, state: Tensor, norm) -> tuple[Tensor, Tensor]:
+        if not torch.compiler.is_compiling():
+            return super().read_normed(state, norm)
+        x, normed, self._pending = self._connected_read(state)
+        return x, normed
+
     def width_connection(self, state: Tensor) -> tuple[Tensor, tuple]:
+        if torch.compiler.is_compiling():
+            # its x has no gradient: the norm's backward is the read's (``read_normed``)
+            raise RuntimeError("compiled mhc reads through read_normed, not read")
         with self._saving():
             pre, post, res = self.logits(state)
-            record_weights(
-                "mhc",
-                (self.layer_number, self.position),
-                torch.sigmoid(pre),
-                2 * torch.sigmoid(post),
-                lambda: sinkhorn(res, self.iterations),
-            )
-            if torch.compiler.is_compiling():  # fused into the norm that follows
-                x = weighted_sum(state, torch.sigmoid(pre)).to(state.dtype)
-                return x, (post, res)
+            self._record(torch.sigmoid(pre), post, res)
             return read_streams(state, pre), (post, res)
 
     def depth_connection(self, state: Tensor, pending: tuple, out: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():
+            return self._connected_write(pending, out)
         post, res = pending
         with self._saving():
             new = write_streams(state, out, post, res, self.iterations)
         if self.drops_its_output and self.dropped is not None and torch.is_grad_enabled():
             self.dropped.register(new, state, out, post, res, self.iterations)
         return new
+
+    # Compiled: each write computes the following sublayer's read with it (``compiled.py``)
+    # and hands it on; a layer's first read is computed alone.
+
+    def _connected_read(self, state: Tensor) -> tuple[Tensor, Tensor, tuple]:
+        handed, self._handed_on = self._handed_on, None
+        if handed is None:  # a layer's first read: the state comes back through it
+            handed = connect(state, self.eps, read=self._read_part(), norm_eps=self._norm_eps())
+        streams, x, normed, projected, read_weights = handed
+        _, post, res = mapping_logits(projected, self.gates, self.bias, self.n)
+        self._record(read_weights, post, res)
+        return x, normed, (streams, post, res)
+
+    def _connected_write(self, pending: tuple, out: Tensor) -> Tensor:
+        streams, post, res = pending
+        gains, mixing = write_weights(post, res, self.iterations)
+        write = Write(out, mixing, gains)
+        following = self.following
+        if following is None:  # the layer's last write
+            (new,) = connect(streams, self.eps, write=write)
+            return new
+        handed = connect(
+            streams,
+            self.eps,
+            write=write,
+            read=following._read_part(),
+            norm_eps=following._norm_eps(),
+        )
+        following._handed_on = handed
+        return handed[0]
+
+    def _read_part(self) -> Read:
+        return Read(self.projection, self.gates[:1], self.bias[: self.n], self.pre_norm.weight)
+
+    def _norm_eps(self) -> float:
+        return cast(float, self.pre_norm.eps)
+
+    def _record(self, read: Tensor, post: Tensor, res: Tensor) -> None:
+        record_weights(
+            "mhc",
+            (self.layer_number, self.position),
+            read,
+            2 * torch.sigmoid(post),
+            lambda: sinkhorn(res, self.iterations),
+        )
 
     def _saving(self):
         """Where the states this sublayer saves may be recipes (``recompute_streams``)."""
@@ -164,4 +216,5 @@ class ManifoldStreamCopies(StreamCopies):
 KERNELS = (
     STREAM_READ,
     STREAM_WRITE,
+    WRITE_MAPPINGS,
 )  # the fused kernels this design declares (the registry's kernel table)
