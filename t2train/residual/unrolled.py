@@ -1,4 +1,4 @@
-"""The n-stream read and write of `hc` and `mhc` as the compiler fuses them: sums over the n
+"""The n-stream read and write of static `hc` as the compiler fuses them: sums over the n
 streams written out term by term (n is a few), so each is pointwise over [..., h] and
 Inductor fuses it into the pass that reads or writes the streams anyway.
 
@@ -10,8 +10,8 @@ written over the stacked [n, ..., h] state (one weight per stream broadcast over
 pass over the new streams' gradient and the output, with the mixing weights' gradients as
 row reductions, and a streams' gradient the compiler computes inside the pass that writes
 the read's rather than writing it (autograd of the same sums writes fp32 [n, tokens, h]
-buffers). `mhc` keeps its Triton write: its Sinkhorn
-iterations in PyTorch would be some 90 narrow kernels (``docs/byte-account.md``).
+buffers). Dynamic `hc` and `mhc` write with the next read (``hc/compiled.py``,
+``mhc/compiled.py``) and take the helpers below.
 
 As the Triton kernels' custom operators (``kernels/stream_mix.py``) the read and the write
 are fusion barriers: each writes its result for the next pass to read again. An ``einsum``

@@ -1,4 +1,4 @@
-"""`hc`'s and `mhc`'s stream read and write for compiled code (``t2train/residual/unrolled.py``,
+"""`hc`'s stream read and write for compiled code (``t2train/residual/unrolled.py``,
 ``t2train/residual/hc/compiled.py``): forward and hand-written backward against autograd of
 the Hyper-Connections formulas, written out again here, in fp64 with weights off their init:
 the read alone (a layer's first), a write and the next read together, a write alone; and
