@@ -1,6 +1,7 @@
 """Hyper-Connections' backward of one sublayer's write, the next sublayer's read and that
 sublayer's pre-norm, as one kernel that reads the streams once (``t2train/residual/hc/
-compiled.py`` has the forward, the formulas and the PyTorch reference this equals).
+compiled.py`` has the forward, the formulas and the PyTorch reference this equals), and
+mHC's (``t2train/residual/mhc/compiled.py``), which differs where its read does (below).
 
 Per token, with the write's input streams h_i, the sublayer output y, the read's input
 streams h'_j = sum_i A_r[i, j] h_i + B_j y, their gradient G_j from after the pair, the read
@@ -27,11 +28,19 @@ read) the streams are the state, passed through: dh = Gt.
 
 The mappings' own math (tanh, the static weights and scales) is per token: ``connect_backward``
 does it in PyTorch around the kernel, which takes and returns per-token numbers.
+
+mHC (``_flat_pair_bwd``, ``flat_connect_backward``) has one RMS over the n h flattened
+streams per token (the shrink term is (r^2 / (n h)) sum_k d_k p_k, the same for every
+stream), a projection phi [m, n, h] with a row per stream (Gt_i += r sum_k d_k phi_ki), H_pre
+= sigmoid(a_pre p_i + b_pre_i) (slope a_pre P_i (1 - P_i) onto output i < n), and its write's
+A_r is H_res transposed. Its dphi = sum over tokens of r d_k h'_i is a GEMM of the kernel's
+per-token coefficients r d [T, m] with the streams the read saw, beside the kernel: summed
+per program as dF is, each program would re-read and re-write n m h fp32 partial sums (96 h
+at n = 4) for every block of 4 tokens, several times the streams' own traffic.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -77,7 +86,162 @@ def _normed_input(new, read, DN, W, row, cols, hidden, ok, dtype):
 
 
 @triton.jit
-def _pair_bwd(
+def _token_block(
+    block,
+    tokens,
+    n,
+    RESIDUAL,
+    GATES,
+    READ,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WRITE: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+):
+    """A block's tokens, their per-stream offsets and mask, the read's weights [t, n], the
+    offsets and mask of A_r [t, n, n] and the write's A_r and B [t, n] (the read's weights
+    stand in without a write). ``TRANSPOSED``: RESIDUAL holds A_r[i, j] at [t, j, i]."""
+    streams = tl.arange(0, BLOCK_N)
+    toks = (block * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_ok = toks < tokens
+    per_stream = toks[:, None] * n + streams[None, :]
+    stream_ok = t_ok[:, None] & (streams < n)[None, :]
+    read = tl.load(READ + per_stream, mask=stream_ok, other=0.0)
+    if TRANSPOSED:
+        square = (toks[:, None, None] * n + streams[None, None, :]) * n + streams[None, :, None]
+    else:
+        square = per_stream[:, :, None] * n + streams[None, None, :]
+    square_ok = stream_ok[:, :, None] & (streams < n)[None, None, :]
+    if HAS_WRITE:
+        gates = tl.load(GATES + per_stream, mask=stream_ok, other=0.0)
+        residual = tl.load(RESIDUAL + square, mask=square_ok, other=0.0)
+    else:  # unused
+        gates = read
+        residual = read
+    return toks, t_ok, per_stream, stream_ok, square, square_ok, read, residual, gates
+
+
+@triton.jit
+def _read_sums(
+    H,
+    Y,
+    DN,
+    W,
+    residual,
+    gates,
+    read,
+    toks,
+    t_ok,
+    n,
+    hidden,
+    plane,
+    eps,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_WRITE: tl.constexpr,
+):
+    """The first walk over a block's rows: the sums over h that dA_m[i] = h'_i . dx takes,
+    with dx through the pre-norm (h'_i . (w dc), h'_i . x, x . x and x . (w dc)). Returns
+    rho, the pull (dx = rho w dc - pull x) and dA_m [t, n]."""
+    streams = tl.arange(0, BLOCK_N)
+    new_scaled = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    new_x = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    x_x = tl.zeros([BLOCK_T], dtype=tl.float32)
+    x_scaled = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for start in range(0, hidden, BLOCK_H):
+        cols = start + tl.arange(0, BLOCK_H)
+        tile, row = _streams_tile(toks, cols, streams, hidden, plane)
+        ok = t_ok[:, None] & (cols < hidden)[None, :]
+        ok3 = (streams < n)[None, :, None] & ok[:, None, :]
+        _, _, new = _read_streams(H, Y, residual, gates, tile, row, ok3, ok, HAS_WRITE)
+        x, _, scaled_dn = _normed_input(new, read, DN, W, row, cols, hidden, ok, H.dtype.element_ty)
+        new_scaled += tl.sum(new * scaled_dn[:, None, :], 2)
+        new_x += tl.sum(new * x[:, None, :], 2)
+        x_x += tl.sum(x * x, 1)
+        x_scaled += tl.sum(x * scaled_dn, 1)
+    rho = 1.0 / tl.sqrt(x_x / hidden + eps)
+    pull = rho * rho * rho * x_scaled / hidden
+    return rho, pull, rho[:, None] * new_scaled - pull[:, None] * new_x
+
+
+@triton.jit
+def _gradient_tile(
+    H,
+    Y,
+    G,
+    DN,
+    W,
+    residual,
+    gates,
+    read,
+    rho,
+    pull,
+    toks,
+    t_ok,
+    cols,
+    n,
+    hidden,
+    plane,
+    BLOCK_N: tl.constexpr,
+    HAS_WRITE: tl.constexpr,
+):
+    """The second walk on one hidden block: the streams (recomputed), x, dc and dx (in x's
+    dtype), and G_i + A_m[i] dx, the read's own part of Gt [t, n, k]."""
+    streams = tl.arange(0, BLOCK_N)
+    tile, row = _streams_tile(toks, cols, streams, hidden, plane)
+    ok = t_ok[:, None] & (cols < hidden)[None, :]
+    ok3 = (streams < n)[None, :, None] & ok[:, None, :]
+    h, y, new = _read_streams(H, Y, residual, gates, tile, row, ok3, ok, HAS_WRITE)
+    x, dn, scaled_dn = _normed_input(new, read, DN, W, row, cols, hidden, ok, H.dtype.element_ty)
+    dx = rho[:, None] * scaled_dn - pull[:, None] * x
+    dx = dx.to(H.dtype.element_ty).to(tl.float32)  # x's gradient, in x's dtype
+    g = tl.load(G + tile, mask=ok3, other=0.0).to(tl.float32)
+    return h, y, new, x, dn, g + read[:, :, None] * dx[:, None, :], tile, row, ok, ok3
+
+
+@triton.jit
+def _add_to_partial(part, share, mask, later):
+    """The program's partial sum at ``part`` plus ``share`` (its first block, ``later``
+    false, writes it)."""
+    earlier = tl.load(part, mask=mask & later, other=0.0)
+    tl.store(part, earlier + share, mask=mask)
+
+
+@triton.jit
+def _store_write_gradients(
+    total,
+    h,
+    y,
+    residual,
+    gates,
+    d_residual,
+    d_gates,
+    DH,
+    DY,
+    tile,
+    row,
+    ok3,
+    ok,
+    HAS_WRITE: tl.constexpr,
+):
+    """Gt rounded as autograd would add it; dh = A_r Gt and dy = B . Gt stored, dA_r += h . Gt
+    and dB += y . Gt (a block's sums over h); without a write dh = Gt."""
+    total = total.to(DH.dtype.element_ty).to(tl.float32)
+    if HAS_WRITE:
+        d_h = tl.sum(residual[:, :, :, None] * total[:, None, :, :], 2)
+        tl.store(DH + tile, d_h.to(DH.dtype.element_ty), mask=ok3)
+        d_y = tl.sum(gates[:, :, None] * total, 1)
+        tl.store(DY + row, d_y.to(DY.dtype.element_ty), mask=ok)
+        d_residual += tl.sum(h[:, :, None, :] * total[:, None, :, :], 3)
+        d_gates += tl.sum(y[:, None, :] * total, 2)
+    else:
+        tl.store(DH + tile, total.to(DH.dtype.element_ty), mask=ok3)
+    return d_residual, d_gates
+
+
+@triton.jit
+def _connect_bwd(
     H,
     Y,
     G,
@@ -96,7 +260,8 @@ def _pair_bwd(
     DREAD,
     DRESIDUAL,
     DGATES,
-    DF_PART,
+    COEFFICIENTS,
+    PART,
     tokens,
     hidden,
     n,
@@ -109,99 +274,127 @@ def _pair_bwd(
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_WRITE: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
+    """HC (not ``FLAT``): per-stream norms and logits [t, n, m], the projections F [m, h]
+    shared by the streams, dF summed here (rows < m of a program's partial sums, dw row m).
+    mHC (``FLAT``): one norm per token, the projection [t, m] with phi [m, n, h], r d [t, m]
+    stored for dphi's GEMM (COEFFICIENTS), dw the one row of partial sums."""
     pid = tl.program_id(0)
     streams = tl.arange(0, BLOCK_N)
     outputs = tl.arange(0, BLOCK_M)
-    n_ok, m_ok = streams < n, outputs < m
     plane = (pid.to(tl.int64) * 0 + tokens) * hidden  # 64-bit: a stream can pass 2^31
     for block in range(pid, blocks, programs):
-        toks = (block * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-        t_ok = toks < tokens
-        per_stream = toks[:, None] * n + streams[None, :]
-        stream_ok = t_ok[:, None] & n_ok[None, :]
-        read = tl.load(READ + per_stream, mask=stream_ok, other=0.0)
+        toks, t_ok, per_stream, stream_ok, square, square_ok, read, residual, gates = _token_block(
+            block, tokens, n, RESIDUAL, GATES, READ, BLOCK_T, BLOCK_N, HAS_WRITE, FLAT
+        )
         slope = tl.load(SLOPE + per_stream, mask=stream_ok, other=0.0)
-        rms = tl.load(RMS + per_stream, mask=stream_ok, other=0.0)
-        square = per_stream[:, :, None] * n + streams[None, None, :]
-        square_ok = stream_ok[:, :, None] & n_ok[None, None, :]
-        if HAS_WRITE:
-            gates = tl.load(GATES + per_stream, mask=stream_ok, other=0.0)
-            residual = tl.load(RESIDUAL + square, mask=square_ok, other=0.0)
-        else:  # unused
-            gates = read
-            residual = read
-        # first walk: the sums over h that dA_m[i] = h'_i . dx takes, with dx through the
-        # pre-norm: h'_i . (w dc), h'_i . x, x . x and x . (w dc)
-        new_scaled = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-        new_x = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-        x_x = tl.zeros([BLOCK_T], dtype=tl.float32)
-        x_scaled = tl.zeros([BLOCK_T], dtype=tl.float32)
-        for start in range(0, hidden, BLOCK_H):
-            cols = start + tl.arange(0, BLOCK_H)
-            tile, row = _streams_tile(toks, cols, streams, hidden, plane)
-            ok = t_ok[:, None] & (cols < hidden)[None, :]
-            ok3 = n_ok[None, :, None] & ok[:, None, :]
-            _, _, new = _read_streams(H, Y, residual, gates, tile, row, ok3, ok, HAS_WRITE)
-            x, _, scaled_dn = _normed_input(
-                new, read, DN, W, row, cols, hidden, ok, H.dtype.element_ty
-            )
-            new_scaled += tl.sum(new * scaled_dn[:, None, :], 2)
-            new_x += tl.sum(new * x[:, None, :], 2)
-            x_x += tl.sum(x * x, 1)
-            x_scaled += tl.sum(x * scaled_dn, 1)
-        rho = 1.0 / tl.sqrt(x_x / hidden + eps)
-        pull = rho * rho * rho * x_scaled / hidden  # dx = rho w dc - pull x
-        d_read = rho[:, None] * new_scaled - pull[:, None] * new_x
+        rho, pull, d_read = _read_sums(
+            H,
+            Y,
+            DN,
+            W,
+            residual,
+            gates,
+            read,
+            toks,
+            t_ok,
+            n,
+            hidden,
+            plane,
+            eps,
+            BLOCK_T,
+            BLOCK_N,
+            BLOCK_H,
+            HAS_WRITE,
+        )
         tl.store(DREAD + per_stream, d_read, mask=stream_ok)
-        # the logits' gradients d [t, n, m], r d, and the norms' terms (r^2 / h) sum_o d L
-        logit = per_stream[:, :, None] * m + outputs[None, None, :]
-        logit_ok = stream_ok[:, :, None] & m_ok[None, None, :]
-        logits = tl.load(LOGITS + logit, mask=logit_ok, other=0.0)
-        d_logits = tl.load(DLOGITS + logit, mask=logit_ok, other=0.0)
-        d_logits = tl.where(outputs[None, None, :] == 0, (slope * d_read)[:, :, None], d_logits)
-        scaled = rms[:, :, None] * d_logits
-        shrink = rms * rms / hidden * tl.sum(d_logits * logits, 2)
-        # second walk: the gradients, and the block's share of dF
+        # the logits' gradients d, r d, and the norms' terms (r^2 / h) sum_o d L per stream
+        # (HC), or the projection's and (r^2 / (n h)) sum_k d_k p_k per token (mHC: output
+        # i < n adds the read's, through H_pre's sigmoid)
+        if FLAT:
+            rms = tl.load(RMS + toks, mask=t_ok, other=0.0)
+            flat = toks[:, None] * m + outputs[None, :]
+            flat_ok = t_ok[:, None] & (outputs < m)[None, :]
+            logits = tl.load(LOGITS + flat, mask=flat_ok, other=0.0)
+            d_logits = tl.load(DLOGITS + flat, mask=flat_ok, other=0.0)
+            onto = streams[None, :, None] == outputs[None, None, :]
+            d_logits += tl.sum(tl.where(onto, (slope * d_read)[:, :, None], 0.0), 1)
+            scaled = rms[:, None] * d_logits
+            tl.store(COEFFICIENTS + flat, scaled, mask=flat_ok)
+            shrink = (rms * rms / (n * hidden) * tl.sum(d_logits * logits, 1))[:, None]
+            part = PART + pid.to(tl.int64) * hidden
+            norm_row = part
+        else:
+            rms = tl.load(RMS + per_stream, mask=stream_ok, other=0.0)
+            logit = per_stream[:, :, None] * m + outputs[None, None, :]
+            logit_ok = stream_ok[:, :, None] & (outputs < m)[None, None, :]
+            logits = tl.load(LOGITS + logit, mask=logit_ok, other=0.0)
+            d_logits = tl.load(DLOGITS + logit, mask=logit_ok, other=0.0)
+            d_logits = tl.where(outputs[None, None, :] == 0, (slope * d_read)[:, :, None], d_logits)
+            scaled = rms[:, :, None] * d_logits
+            shrink = rms * rms / hidden * tl.sum(d_logits * logits, 2)
+            part = PART + pid.to(tl.int64) * (m + 1) * hidden
+            norm_row = part + m * hidden
+        # the second walk: the gradients, and the block's shares of the weight gradients
         d_residual = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_N], dtype=tl.float32)
         d_gates = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
         for start in range(0, hidden, BLOCK_H):
             cols = start + tl.arange(0, BLOCK_H)
-            col_ok = cols < hidden
-            tile, row = _streams_tile(toks, cols, streams, hidden, plane)
-            ok = t_ok[:, None] & col_ok[None, :]
-            ok3 = n_ok[None, :, None] & ok[:, None, :]
-            h, y, new = _read_streams(H, Y, residual, gates, tile, row, ok3, ok, HAS_WRITE)
-            x, dn, scaled_dn = _normed_input(
-                new, read, DN, W, row, cols, hidden, ok, H.dtype.element_ty
+            h, y, new, x, dn, total, tile, row, ok, ok3 = _gradient_tile(
+                H,
+                Y,
+                G,
+                DN,
+                W,
+                residual,
+                gates,
+                read,
+                rho,
+                pull,
+                toks,
+                t_ok,
+                cols,
+                n,
+                hidden,
+                plane,
+                BLOCK_N,
+                HAS_WRITE,
             )
-            dx = rho[:, None] * scaled_dn - pull[:, None] * x
-            dx = dx.to(H.dtype.element_ty).to(tl.float32)  # x's gradient, in x's dtype
-            g = tl.load(G + tile, mask=ok3, other=0.0).to(tl.float32)
-            f_offsets = outputs[:, None] * hidden + cols[None, :]
-            f_ok = m_ok[:, None] & col_ok[None, :]
-            f = tl.load(F + f_offsets, mask=f_ok, other=0.0)
-            total = g + read[:, :, None] * dx[:, None, :] - shrink[:, :, None] * new
-            total += tl.sum(scaled[:, :, :, None] * f[None, None, :, :], 2)
-            total = total.to(DH.dtype.element_ty).to(tl.float32)  # as autograd would add them
-            # the block's shares of dF (rows < m) and of the norm's dw (row m)
-            part = DF_PART + pid.to(tl.int64) * (m + 1) * hidden + f_offsets
-            earlier = tl.load(part, mask=f_ok & (block > pid), other=0.0)
-            share = tl.sum(tl.sum(scaled[:, :, :, None] * new[:, :, None, :], 1), 0)
-            tl.store(part, earlier + share, mask=f_ok)
-            part_w = DF_PART + (pid.to(tl.int64) * (m + 1) + m) * hidden + cols
-            earlier_w = tl.load(part_w, mask=col_ok & (block > pid), other=0.0)
-            tl.store(part_w, earlier_w + tl.sum(dn * x * rho[:, None], 0), mask=col_ok)
-            if HAS_WRITE:
-                d_h = tl.sum(residual[:, :, :, None] * total[:, None, :, :], 2)
-                tl.store(DH + tile, d_h.to(DH.dtype.element_ty), mask=ok3)
-                d_y = tl.sum(gates[:, :, None] * total, 1)
-                tl.store(DY + row, d_y.to(DY.dtype.element_ty), mask=ok)
-                d_residual += tl.sum(h[:, :, None, :] * total[:, None, :, :], 3)
-                d_gates += tl.sum(y[:, None, :] * total, 2)
-            else:
-                tl.store(DH + tile, total.to(DH.dtype.element_ty), mask=ok3)
-        if HAS_WRITE:
+            if FLAT:  # Gt_i += r sum_k d_k phi_ki
+                rows = outputs[:, None, None] * n + streams[None, :, None]
+                phi_ok = (outputs < m)[:, None, None] & (streams < n)[None, :, None]
+                phi_ok = phi_ok & (cols < hidden)[None, None, :]
+                phi = tl.load(F + rows * hidden + cols[None, None, :], mask=phi_ok, other=0.0)
+                phi = phi.to(tl.float32)
+                total += tl.sum(scaled[:, :, None, None] * phi[None, :, :, :], 1)
+            else:  # Gt_i += r_i sum_o d_io F_o, and the block's share of dF
+                f_offsets = outputs[:, None] * hidden + cols[None, :]
+                f_ok = (outputs < m)[:, None] & (cols < hidden)[None, :]
+                f = tl.load(F + f_offsets, mask=f_ok, other=0.0).to(tl.float32)
+                total += tl.sum(scaled[:, :, :, None] * f[None, None, :, :], 2)
+                share = tl.sum(tl.sum(scaled[:, :, :, None] * new[:, :, None, :], 1), 0)
+                _add_to_partial(part + f_offsets, share, f_ok, block > pid)
+            total -= shrink[:, :, None] * new
+            share_w = tl.sum(dn * x * rho[:, None], 0)
+            _add_to_partial(norm_row + cols, share_w, cols < hidden, block > pid)
+            d_residual, d_gates = _store_write_gradients(
+                total,
+                h,
+                y,
+                residual,
+                gates,
+                d_residual,
+                d_gates,
+                DH,
+                DY,
+                tile,
+                row,
+                ok3,
+                ok,
+                HAS_WRITE,
+            )
+        if HAS_WRITE:  # mHC's dH_res[j, i] = dA_r[i, j]
             tl.store(DRESIDUAL + square, d_residual, mask=square_ok)
             tl.store(DGATES + per_stream, d_gates, mask=stream_ok)
 
@@ -218,12 +411,61 @@ def _blocks(n: int, m: int, hidden: int) -> dict:
 
 
 def _programs(blocks: int, device: torch.device) -> int:
-    """Programs that share the blocks: a few per SM on a GPU (each holds its partial sums of
-    dF and the norm's dw, [m + 1, h] fp32), or at most 2 in the interpreter, so that a test
-    walks several blocks in one program."""
+    """Programs that share the blocks: a few per SM on a GPU (each holds its partial sums,
+    hc's of dF and the norm's dw, [m + 1, h] fp32, mHC's of dw), or at most 2 in the
+    interpreter, so that a test walks several blocks in one program."""
     if device.type != "cuda":
         return min(blocks, 2)
     return min(blocks, 2 * torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _stream_gradients(state: Tensor, out: Optional[Tensor], tokens: int) -> list[Tensor]:
+    """What both kernels return first: the state's gradient, the output's (empty without a
+    write), dA_m [T, n], dA_r [T, n, n] and dB [T, n] (empty without a write)."""
+    n, written = state.shape[0], tokens if out is not None else 0
+    return [
+        torch.empty_like(state, memory_format=torch.contiguous_format),
+        torch.empty_like(out) if out is not None else state.new_empty(0),
+        state.new_empty(tokens, n, dtype=torch.float32),
+        state.new_empty(written, n, n, dtype=torch.float32),
+        state.new_empty(written, n, dtype=torch.float32),
+    ]
+
+
+def _launch(state, out, wide: list, per_token: list, results: list, partial, norm_eps, flat):
+    """The kernel (mHC's read if ``flat``) over the streams [n, ..., h] and the output (if
+    any): ``wide`` (the gradients of the streams and of the normed input, the pre-norm's
+    weight, the projections), ``per_token`` (the write's A_r and B, or None, then the read's
+    numbers), into ``results`` (the stream gradients first, then mHC's coefficients) and the
+    programs' ``partial`` sums."""
+    n, hidden = state.shape[0], state.shape[-1]
+    residual, gates, read = per_token[:3]
+    tokens, m = read.shape[0], wide[-1].shape[0]
+    wide = [t.contiguous() for t in wide]
+    grad_state, grad_out = results[:2]
+    _connect_bwd[(partial.shape[0],)](
+        state.contiguous(),
+        out.contiguous() if out is not None else state,
+        *wide,
+        residual if residual is not None else read,
+        gates if gates is not None else read,
+        *per_token[2:],
+        grad_state,
+        grad_out if out is not None else grad_state,
+        *results[2:],
+        *(() if flat else (partial,)),  # no coefficients: the partial sums stand in
+        partial,
+        tokens,
+        hidden,
+        n,
+        m,
+        norm_eps,
+        triton.cdiv(tokens, BLOCK_T),
+        partial.shape[0],
+        HAS_WRITE=out is not None,
+        FLAT=flat,
+        **_blocks(n, m, hidden),
+    )
 
 
 @kernel_op("stream_connect_backward")
@@ -243,63 +485,59 @@ def _pair_backward(
     logits: Tensor,
     grad_logits: Tensor,
 ) -> list[Tensor]:
-    """The wide part of the backward: state, grad_streams [n, ..., h]; out, grad_normed
+    """HC's wide part of the backward: state, grad_streams [n, ..., h]; out, grad_normed
     [..., h]; the pre-norm's weight [h] and eps; folded [m, h] fp32; per token, fp32 and
     contiguous: residual [T, n, n], gates, read, slope (s_a (1 - tanh^2) of the read's
     logit), inverse_rms [T, n], logits, grad_logits [T, n, m]. Returns the state's gradient,
     the output's (empty without a write), dA_m [T, n], dA_r [T, n, n] and dB [T, n] (empty
     without a write), dF [m, h] and the pre-norm's dw [h], both fp32."""
-    n, hidden = state.shape[0], state.shape[-1]
-    tokens, m = read.shape[0], folded.shape[0]
-    has_write = out is not None
-    narrow = functools.partial(torch.empty, device=state.device, dtype=torch.float32)
-    grad_state = torch.empty_like(state, memory_format=torch.contiguous_format)
-    grad_out = torch.empty_like(out) if out is not None else state.new_empty(0)
-    grad_read = narrow(tokens, n)
-    grad_residual = narrow(tokens if has_write else 0, n, n)
-    grad_gates = narrow(tokens if has_write else 0, n)
-    grad_folded, grad_norm_weight = narrow(m, hidden), narrow(hidden)
-    results = [grad_state, grad_out, grad_read, grad_residual, grad_gates]
-    results += [grad_folded, grad_norm_weight]
+    hidden, tokens, m = state.shape[-1], read.shape[0], folded.shape[0]
+    results = _stream_gradients(state, out, tokens)
+    grad_folded, grad_norm_weight = folded.new_empty(m, hidden), folded.new_empty(hidden)
     if tracing(state):
-        return results
-    blocks = triton.cdiv(tokens, BLOCK_T)
-    programs = _programs(blocks, state.device)
-    partial = narrow(programs, m + 1, hidden)
-    state, grad_streams, grad_normed = (t.contiguous() for t in (state, grad_streams, grad_normed))
-    _pair_bwd[(programs,)](
-        state,
-        out.contiguous() if out is not None else state,
-        grad_streams,
-        grad_normed,
-        norm_weight.contiguous(),
-        folded.contiguous(),
-        residual if residual is not None else read,
-        gates if gates is not None else read,
-        read,
-        slope,
-        inverse_rms,
-        logits,
-        grad_logits,
-        grad_state,
-        grad_out if out is not None else grad_state,
-        grad_read,
-        grad_residual,
-        grad_gates,
-        partial,
-        tokens,
-        hidden,
-        n,
-        m,
-        norm_eps,
-        blocks,
-        programs,
-        HAS_WRITE=has_write,
-        **_blocks(n, m, hidden),
-    )
+        return [*results, grad_folded, grad_norm_weight]
+    partial = folded.new_empty(_programs(triton.cdiv(tokens, BLOCK_T), state.device), m + 1, hidden)
+    per_token = [residual, gates, read, slope, inverse_rms, logits, grad_logits]
+    wide = [grad_streams, grad_normed, norm_weight, folded]
+    _launch(state, out, wide, per_token, results, partial, norm_eps, flat=False)
     torch.sum(partial[:, :m], 0, out=grad_folded)
     torch.sum(partial[:, m], 0, out=grad_norm_weight)
-    return results
+    return [*results, grad_folded, grad_norm_weight]
+
+
+@kernel_op("flat_stream_connect_backward")
+def _flat_pair_backward(
+    state: Tensor,
+    out: Optional[Tensor],
+    grad_streams: Tensor,
+    grad_normed: Tensor,
+    norm_weight: Tensor,
+    norm_eps: float,
+    projection: Tensor,
+    mixing: Optional[Tensor],
+    gains: Optional[Tensor],
+    read: Tensor,
+    slope: Tensor,
+    inverse_rms: Tensor,
+    projected: Tensor,
+    grad_projected: Tensor,
+) -> list[Tensor]:
+    """mHC's wide part of the backward: as ``_pair_backward``, with projection phi
+    [m, n h] (the parameter's dtype), the write's H_res [T, n, n] and H_post [T, n] (fp32),
+    slope a_pre P (1 - P) [T, n] (H_pre = P), the flat norm's inverse_rms [T] and the normed
+    projection and its gradient [T, m]. Returns the stream gradients (dH_res [T, n, n] in
+    H_res' layout), r d [T, m] (dphi's coefficients) and the pre-norm's dw [h], fp32."""
+    hidden, tokens, m = state.shape[-1], read.shape[0], projection.shape[0]
+    results = _stream_gradients(state, out, tokens)
+    coefficients, grad_norm_weight = projected.new_empty(tokens, m), projected.new_empty(hidden)
+    if tracing(state):
+        return [*results, coefficients, grad_norm_weight]
+    partial = projected.new_empty(_programs(triton.cdiv(tokens, BLOCK_T), state.device), hidden)
+    per_token = [mixing, gains, read, slope, inverse_rms, projected, grad_projected]
+    wide = [grad_streams, grad_normed, norm_weight, projection]
+    _launch(state, out, wide, per_token, [*results, coefficients], partial, norm_eps, flat=True)
+    torch.sum(partial, 0, out=grad_norm_weight)
+    return [*results, coefficients, grad_norm_weight]
 
 
 def _per_token(t: Tensor) -> Tensor:
@@ -386,4 +624,68 @@ def connect_backward(
     if mappings is None:  # no write
         return grad_state, (), read_grads
     write_grads = _write_gradients(write, mappings[0], grad_out, grad_residual, grad_gates)
+    return grad_state, write_grads, read_grads
+
+
+def flat_connect_backward(
+    state,
+    write,
+    read,
+    norm_eps,
+    streams,
+    normed_projection,
+    inverse_rms,
+    grad_streams,
+    grad_normed,
+    grad_projection,
+):
+    """mHC's ``connect_backward`` (same arguments, same results) with its wide part in the
+    kernel above, and dphi_ki = sum over tokens of r d_k h'_i as one GEMM of the kernel's
+    coefficients with the streams the read saw (``streams``: the new streams a layer keeps,
+    or the state): summed in the kernel, each program's partial dphi would be n (n^2 + 2n) h
+    fp32 numbers, re-read and re-written for every block of tokens."""
+    n, hidden = state.shape[0], state.shape[-1]
+    m = read.projection.shape[0]
+    projected = normed_projection.reshape(-1, m).float().contiguous()
+    gate, bias = read.pre_gate.float(), read.pre_bias.float()
+    pre = torch.sigmoid(gate * projected[:, :n] + bias)
+    pre_slope = pre * (1 - pre)
+    mixing = gains = None  # the kernel reads A_r[i, j] = H_res[j, i] (stream j reads i)
+    if write is not None:
+        mixing = write.mixing.reshape(-1, n, n).float().contiguous()
+        gains = write.gains.reshape(-1, n).float().contiguous()
+    grads = _flat_pair_backward(
+        streams if write is None else state,
+        None if write is None else write.out,
+        grad_streams,
+        grad_normed,
+        read.norm_weight,
+        norm_eps,
+        read.projection.contiguous(),
+        mixing,
+        gains,
+        pre.contiguous(),
+        (gate * pre_slope).contiguous(),
+        inverse_rms.reshape(-1).float().contiguous(),
+        projected,
+        grad_projection.reshape(-1, m).float().contiguous(),
+    )
+    grad_state, grad_out, grad_read, grad_mixing, grad_gains, coefficients, grad_weight = grads
+    tokens = coefficients.shape[0]
+    by_stream = streams.reshape(n, tokens, hidden)
+    grad_rows = torch.matmul(coefficients.t().to(streams.dtype), by_stream)  # [n, m, h]
+    grad_pre = pre_slope * grad_read  # d(a_pre p_i + b_pre_i)
+    read_grads = (
+        grad_rows.transpose(0, 1).reshape(read.projection.shape).to(read.projection.dtype),
+        (grad_pre * projected[:, :n]).sum().reshape(1).to(read.pre_gate.dtype),
+        grad_pre.sum(0).to(read.pre_bias.dtype),
+        grad_weight.to(read.norm_weight.dtype),
+    )
+    if write is None:
+        return grad_state, (), read_grads
+    write_grads = (
+        grad_out,
+        grad_mixing.reshape(write.mixing.shape).to(write.mixing.dtype),
+        grad_gains.reshape(write.gains.shape).to(write.gains.dtype),
+    )
     return grad_state, write_grads, read_grads

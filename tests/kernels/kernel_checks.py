@@ -27,6 +27,7 @@ KERNEL_OPS = {
     "hc_read": {"stream_read"},
     "hc_write": {"stream_write"},
     "hc_connect_backward": {"stream_connect_backward"},  # a backward: none of its own
+    "mhc_connect_backward": {"flat_stream_connect_backward"},  # likewise
 }
 # kernel name -> the autograd functions around its operators (calling their backward
 # operator themselves), whose nodes stand in the graph for the operators'
@@ -34,6 +35,7 @@ KERNEL_FUNCTIONS = {
     "block_phase_1": {"_HandingOnBackward"},
     "block_phase_2": {"_PartialHandedOnBackward"},
     "hc_connect_backward": {"_ConnectBackward"},
+    "mhc_connect_backward": {"_ConnectBackward"},
 }
 BACKWARD_NODES = {
     kernel: {f"GeneratedBackwardFor_t2train_{op}_defaultBackward" for op in ops}

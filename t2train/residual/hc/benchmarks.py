@@ -53,7 +53,7 @@ def read_and_write(shapes, rt, kernels, read: list, write: list, write_extra=(),
     )
 
 
-def _flat(gradients: tuple) -> list:
+def _flat_gradients(gradients: tuple) -> list:
     """(the state's, the write's, the read's) -> one list of tensors."""
     state, write, read = gradients
     return [state, *write, *read]
@@ -66,23 +66,37 @@ def connect_backward_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
     (3n + 3 units)."""
     n, tokens, hidden = shapes.model.hc.expansion_rate, (shapes.seq, shapes.batch), shapes.hidden
     m = n + 2
+    wide, narrow = backward_inputs(rt)
+    logits, static = narrow(n, *tokens, m), (narrow(n, n + 1), narrow(n))
+    write = Write(wide(*tokens, hidden), logits, *static, narrow(1), narrow(1))
+    read = Read(narrow(m, hidden), narrow(n, n + 1), narrow(1), (1 + narrow(hidden)).to(rt.dtype))
+    per_token = (narrow(n, *tokens, m), narrow(n, *tokens, 1).abs() + 0.5)
+    yield backward_case(shapes, rt, HC_CONNECT_BACKWARD, n, (write, read, per_token), 3 * n + 3)
+
+
+def backward_inputs(rt: Runtime) -> tuple:
+    """Makers of a backward's inputs: wide ones in the run's dtype, narrow ones fp32."""
     wide = lambda *shape: torch.randn(*shape, device=rt.device, dtype=rt.dtype)  # noqa: E731
     narrow = lambda *shape: torch.randn(*shape, device=rt.device) * 0.5  # noqa: E731
+    return wide, narrow
+
+
+def backward_case(shapes: KernelShapes, rt: Runtime, kernel, n: int, parts, units: int) -> Case:
+    """A connect's backward (``kernel``) over n streams timed alone, given ``parts``: its
+    write and its read, and the per-token numbers the read handed on and kept; the states and
+    the gradients random. Bytes: ``units`` [tokens, h] tensors."""
+    write, read, per_token = parts
+    tokens, hidden = (shapes.seq, shapes.batch), shapes.hidden
+    wide, narrow = backward_inputs(rt)
     state, streams, grad_streams = (wide(n, *tokens, hidden) for _ in range(3))
-    out, grad_normed = wide(*tokens, hidden), wide(*tokens, hidden)
-    write = Write(out, narrow(n, *tokens, m), narrow(n, n + 1), narrow(n), narrow(1), narrow(1))
-    norm_weight = (1 + narrow(hidden)).to(rt.dtype)
-    read = Read(narrow(m, hidden), narrow(n, n + 1), narrow(1), norm_weight)
-    per_token = (narrow(n, *tokens, m), narrow(n, *tokens, 1).abs() + 0.5)
-    grads = (grad_streams, grad_normed, narrow(n, *tokens, m))
+    grads = (grad_streams, wide(*tokens, hidden), narrow(*per_token[0].shape))
     arguments = (state, write, read, 1e-5, streams, *per_token, *grads)
-    unit = out.numel() * out.element_size()
-    yield Case(
-        HC_CONNECT_BACKWARD.name,
+    return Case(
+        kernel.name,
         shapes.label,
         f"s={shapes.seq} b={shapes.batch} h={hidden} n={n} (backward)",
-        peers(rt, HC_CONNECT_BACKWARD, lambda f: _flat(f(*arguments)), []),
-        {"fwd": (3 * n + 3) * unit},
+        peers(rt, kernel, lambda f: _flat_gradients(f(*arguments)), []),
+        {"fwd": units * write.out.numel() * write.out.element_size()},
         "GB/s",
     )
 

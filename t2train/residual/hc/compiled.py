@@ -148,29 +148,38 @@ class _Connect(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_streams, *grads):
-        state, *saved = ctx.saved_tensors
-        if not ctx.has_read:  # a layer's last write (one pass already: a kernel adds nothing)
-            grad = list(grad_streams.unbind(0))
-            grad_state, write_grads = _write_backward(state, Write(*saved[:6]), grad)
-            return (grad_state, None, None, None, None, *write_grads)
-        write = Write(*saved[:6]) if ctx.has_write else None
-        streams = saved.pop() if ctx.has_write else state
-        inverse_rms, logits = saved.pop(), saved.pop()
-        backward = dispatch.route(HC_CONNECT_BACKWARD, state)
-        _, grad_normed, grad_logits, _ = grads
-        grad_state, write_grads, read_grads = backward(
-            state,
-            write,
-            Read(*saved[-4:]),
-            ctx.norm_eps,
-            streams,
-            logits,
-            inverse_rms,
-            grad_streams,
-            grad_normed,
-            grad_logits,
-        )
-        return (grad_state, None, None, None, None, *write_grads, *read_grads)
+        parts = (Write, Read, HC_CONNECT_BACKWARD, _write_backward)
+        return connect_function_backward(ctx, grad_streams, grads, *parts)
+
+
+def connect_function_backward(ctx, grad_streams, grads, write_type, read_type, kernel, write_back):
+    """The backward of a write and a read as one autograd function (``hc``'s and ``mhc``'s,
+    their saved tensors as ``finish_read`` keeps them): a write alone in ``write_back`` (one
+    pass already: a kernel adds nothing), else ``kernel`` (routed to Triton or its reference)
+    for the write, if any, and the read."""
+    state, *saved = ctx.saved_tensors
+    write_parts, read_parts = len(write_type._fields), len(read_type._fields)
+    if not ctx.has_read:  # a layer's last write
+        grad = list(grad_streams.unbind(0))
+        grad_state, write_grads = write_back(state, write_type(*saved[:write_parts]), grad)
+        return (grad_state, None, None, None, None, *write_grads)
+    write = write_type(*saved[:write_parts]) if ctx.has_write else None
+    streams = saved.pop() if ctx.has_write else state
+    inverse_rms, handed_on = saved.pop(), saved.pop()
+    _, grad_normed, grad_handed_on, _ = grads
+    grad_state, write_grads, read_grads = dispatch.route(kernel, state)(
+        state,
+        write,
+        read_type(*saved[-read_parts:]),
+        ctx.norm_eps,
+        streams,
+        handed_on,
+        inverse_rms,
+        grad_streams,
+        grad_normed,
+        grad_handed_on,
+    )
+    return (grad_state, None, None, None, None, *write_grads, *read_grads)
 
 
 def finish_read(ctx, outputs: list, write, streams, weights, read, norm_eps, saved, handed_on):
@@ -203,16 +212,43 @@ def connect_backward(
     (the new streams, or the state without a write), ``logits`` [n, ..., n + 2] and
     ``inv_rms`` [n, ..., 1] (the streams' inverse RMS) its forward's; the gradients of the
     new streams, of the normed input and of the logits handed on."""
-    # G_j, the gradient of the streams the read saw: one [..., h] tensor per stream, as in
-    # the forward, so that the compiler makes the read's and the write's backward one pass
-    # (a stacked [n, ..., h] expression would be a kernel of another size)
-    grad = list(grad_streams.unbind(0))
-    grad, read_grads = _read_backward(
-        list(streams.unbind(0)), read, norm_eps, logits, inv_rms, grad_normed, grad_logits, grad
+    return composed_backward(
+        _read_backward,
+        _write_backward,
+        state,
+        write,
+        read,
+        norm_eps,
+        streams,
+        logits,
+        inv_rms,
+        grad_streams,
+        grad_normed,
+        grad_logits,
+    )
+
+
+def composed_backward(read_back, write_back, state, write, read, norm_eps, streams, *rest):
+    """A connect's backward in PyTorch: ``read_back``'s (given ``streams``, the read's
+    handed-on numbers and inverse RMS, the gradients of the normed input and of the handed-on
+    numbers, and G_j, the new streams' gradient) and then ``write_back``'s, if there is a
+    write. G_j is one [..., h] tensor per stream, as in the forward, so that the compiler
+    makes the read's and the write's backward one pass (a stacked [n, ..., h] expression
+    would be a kernel of another size)."""
+    handed_on, inverse_rms, grad_streams, grad_normed, grad_handed_on = rest
+    grad, read_grads = read_back(
+        streams,
+        read,
+        norm_eps,
+        handed_on,
+        inverse_rms,
+        grad_normed,
+        grad_handed_on,
+        list(grad_streams.unbind(0)),
     )
     if write is None:
         return torch.stack([g.to(state.dtype) for g in grad]), (), read_grads
-    grad_state, write_grads = _write_backward(state, write, grad)
+    grad_state, write_grads = write_back(state, write, grad)
     return grad_state, write_grads, read_grads
 
 
@@ -241,11 +277,12 @@ def norm_backward(x: Tensor, weight: Tensor, eps: float, grad_normed: Tensor):
 
 
 def _read_backward(
-    streams, read: Read, norm_eps, logits, inverse_rms, grad_normed, grad_logits, grad
+    seen: Tensor, read: Read, norm_eps, logits, inverse_rms, grad_normed, grad_logits, grad
 ):
     """G_i += the read's, the norms' and the projections' terms (each in the streams'
     dtype, as autograd would add them), and the read's parameters' gradients; x, the read,
-    rebuilt from the streams for its norm's backward."""
+    rebuilt from the streams it saw (``seen``, [n, ..., h]) for its norm's backward."""
+    streams = list(seen.unbind(0))
     n, h = len(streams), streams[0].shape[-1]
     tokens = list(range(streams[0].dim() - 1))
     tanh = [[torch.tanh(_column(logits, i, 0))] for i in range(n)]  # A_m's alone

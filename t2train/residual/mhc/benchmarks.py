@@ -1,7 +1,8 @@
 """mHC's kernels at a preset's shapes: the stream read and write (Sinkhorn with
 ``model.mhc.sinkhorn_iterations``, n = ``model.mhc.expansion_rate`` streams: the paper's
-defaults 20 and 4) over one micro-batch, and the write's mappings alone (compiled code's);
-the mixing logits are fp32, as the model computes them."""
+defaults 20 and 4) over one micro-batch, and compiled code's: the write's mappings alone,
+and the backward of a write and the next read; the mixing logits are fp32, as the model
+computes them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Iterator
 import torch
 
 from t2train.kernels.benchmark import Case, KernelShapes, Runtime, peers
-from t2train.residual.hc.benchmarks import read_and_write
+from t2train.residual.hc.benchmarks import backward_case, backward_inputs, read_and_write
+from t2train.residual.mhc.compiled import MHC_CONNECT_BACKWARD, Read, Write
 from t2train.residual.mhc.layers import STREAM_READ, STREAM_WRITE, WRITE_MAPPINGS
 
 
@@ -53,8 +55,25 @@ def mapping_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
     )
 
 
+def connect_backward_cases(shapes: KernelShapes, rt: Runtime) -> Iterator[Case]:
+    """The backward alone (its one mode, ``fwd``, is the call): the gradients of the new
+    streams, of the normed input and of the handed-on projection in; bytes: the state, the
+    output and their gradients, the new streams' gradient and the normed input's, each once,
+    and dphi's read of the new streams (4n + 3 units)."""
+    n, tokens, hidden = shapes.model.mhc.expansion_rate, (shapes.seq, shapes.batch), shapes.hidden
+    m = n * n + 2 * n
+    wide, narrow = backward_inputs(rt)
+    mixing = torch.softmax(narrow(*tokens, n, n), -1)
+    write = Write(wide(*tokens, hidden), mixing, 1 + narrow(*tokens, n))
+    norm_weight = (1 + narrow(hidden)).to(rt.dtype)
+    read = Read(narrow(m, n * hidden) / hidden**0.5, 1 + narrow(1), narrow(n), norm_weight)
+    per_token = (narrow(*tokens, m), narrow(*tokens, 1).abs() + 0.5)
+    yield backward_case(shapes, rt, MHC_CONNECT_BACKWARD, n, (write, read, per_token), 4 * n + 3)
+
+
 # benchmark (``--only``) -> its cases, and the kernels of the table they time
 BENCHMARKS = {
     "stream_mix": (stream_cases, ("stream_read", "stream_write")),
     "mhc_write_mappings": (mapping_cases, ("mhc_write_mappings",)),
+    "mhc_connect_backward": (connect_backward_cases, ("mhc_connect_backward",)),
 }

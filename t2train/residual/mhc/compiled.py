@@ -24,18 +24,28 @@ the projection's from the write that uses it:
     G_i += P_i dx + r sum_k d_k phi_ki - (r^2 / (n h)) (sum_k d_k p_k) h'_i
     dphi_ki = sum over tokens of r d_k h'_i
     dh_j = sum_i M_ij G_i,   dy = sum_i B_i G_i,   dM_ij = h_j . G_i,   dB_i = y . G_i
+
+Where the GPU runs the kernels, the backward of a read (with the write before it) is one
+Triton kernel that reads the streams once and dphi one GEMM beside it
+(``MHC_CONNECT_BACKWARD``, ``t2train/kernels/hyper_connect.py``); ``t2train bench bytes``:
+59.2 -> 44.3 units per sublayer (the PyTorch backward made the read's sums and the gradients
+two passes, wrote the pair's G out for the first read's pass, and dphi and the pre-norm's
+dw passes of their own).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
+from t2train.kernels import dispatch
 from t2train.nn.functional import at_least_fp32
 from t2train.residual.hc.compiled import (
     accumulator,
+    composed_backward,
+    connect_function_backward,
     connected,
     finish_read,
     norm_backward,
@@ -118,29 +128,41 @@ class _Connect(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_streams, *grads):
-        state, *saved = ctx.saved_tensors
-        write = Write(*saved[:3]) if ctx.has_write else None
-        grad = list(grad_streams.unbind(0))
-        read_grads: tuple = ()
-        if ctx.has_read:
-            streams = saved.pop() if ctx.has_write else state
-            inverse_rms, normed_projection = saved.pop(), saved.pop()
-            _, grad_normed, grad_projection, _ = grads
-            grad, read_grads = _read_backward(
-                streams,
-                Read(*saved[-4:]),
-                ctx.norm_eps,
-                normed_projection,
-                inverse_rms,
-                grad_normed,
-                grad_projection,
-                grad,
-            )
-        if write is None:
-            grad_state = torch.stack([g.to(state.dtype) for g in grad])
-            return (grad_state, None, None, None, None, *read_grads)
-        grad_state, write_grads = _write_backward(state, write, grad)
-        return (grad_state, None, None, None, None, *write_grads, *read_grads)
+        parts = (Write, Read, MHC_CONNECT_BACKWARD, _write_backward)
+        return connect_function_backward(ctx, grad_streams, grads, *parts)
+
+
+def connect_backward(
+    state: Tensor,
+    write: Optional[Write],
+    read: Read,
+    norm_eps: float,
+    streams: Tensor,
+    normed_projection: Tensor,
+    inverse_rms: Tensor,
+    grad_streams: Tensor,
+    grad_normed: Tensor,
+    grad_projection: Tensor,
+) -> tuple:
+    """The backward of a write (if any) and the next read: the state's gradient, the write's
+    inputs' gradients (none without a write) and the read's. ``streams``: what the read saw
+    (the new streams, or the state without a write); ``normed_projection`` [..., m] and
+    ``inverse_rms`` [..., 1] its forward's; the gradients of the new streams, of the normed
+    input and of the projection handed on."""
+    return composed_backward(
+        _read_backward,
+        _write_backward,
+        state,
+        write,
+        read,
+        norm_eps,
+        streams,
+        normed_projection,
+        inverse_rms,
+        grad_streams,
+        grad_normed,
+        grad_projection,
+    )
 
 
 def _read_backward(
@@ -204,6 +226,16 @@ def _write_backward(state: Tensor, write: Write, grad: list) -> tuple[Tensor, tu
         grad_mixing.unflatten(-1, (n, n)).to(write.mixing.dtype),
         torch.cat(grad_gains, -1).to(write.gains.dtype),
     )
+
+
+# The backward above with its wide part (everything over the streams but dphi) in one
+# Triton kernel that reads the streams once (``t2train/kernels/hyper_connect.py``) and
+# dphi as one GEMM beside it.
+MHC_CONNECT_BACKWARD = dispatch.Kernel(
+    "mhc_connect_backward",
+    "t2train.kernels.hyper_connect:flat_connect_backward",
+    connect_backward,
+)
 
 
 def connect(state: Tensor, eps: float, **parts) -> tuple:

@@ -13,7 +13,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from t2train.kernels import dispatch
 from t2train.residual.base import mark_replicated
-from t2train.residual.mhc.compiled import Read, Write, connect
+from t2train.residual.mhc.compiled import MHC_CONNECT_BACKWARD, Read, Write, connect
 from t2train.residual.mhc.functional import (
     flat_rms_projection,
     mapping_logits,
@@ -217,4 +217,5 @@ KERNELS = (
     STREAM_READ,
     STREAM_WRITE,
     WRITE_MAPPINGS,
+    MHC_CONNECT_BACKWARD,
 )  # the fused kernels this design declares (the registry's kernel table)
