@@ -180,12 +180,12 @@ def _read_backward(
     n, h = streams.shape[0], streams.shape[-1]
     tokens = list(range(streams.dim() - 2))
     outputs = normed_projection.shape[-1]
-    wide = list(streams.unbind(0))
+    each = list(streams.unbind(0))  # [..., h] per stream, in the streams' dtype
     projected = [_column(normed_projection, k) for k in range(outputs)]
     weights = _read_weights(read, projected)
-    x = weighted_terms(wide, weights).to(streams.dtype)
+    x = weighted_terms(each, weights).to(streams.dtype)
     grad_x, norm_terms = norm_backward(x, read.norm_weight, norm_eps, grad_normed)
-    grad_weights = [(s * grad_x).sum(-1, keepdim=True, dtype=accumulator(s)) for s in wide]
+    grad_weights = [(s * grad_x).sum(-1, keepdim=True, dtype=accumulator(s)) for s in each]
     grad_pre = [w * (1 - w) * g for w, g in zip(weights, grad_weights)]  # d of a_pre p + b
     gate = at_least_fp32(read.pre_gate)
     d = [_column(grad_projection, k) for k in range(outputs)]
@@ -195,7 +195,7 @@ def _read_backward(
     rows = _rows(read, n)
     total = []
     for i in range(n):
-        term = grad[i] + weights[i] * grad_x - shrink * wide[i]
+        term = grad[i] + weights[i] * grad_x - shrink * each[i]
         term = term + weighted_terms(list(rows[:, i]), coefficients)
         total.append(term.to(streams.dtype))
     # dphi as a sum over tokens of every output's coefficient times a token's streams
