@@ -361,13 +361,13 @@ def _connect_bwd(
                 BLOCK_N,
                 HAS_WRITE,
             )
-            if FLAT:  # Gt_i += r sum_k d_k phi_ki
-                rows = outputs[:, None, None] * n + streams[None, :, None]
-                phi_ok = (outputs < m)[:, None, None] & (streams < n)[None, :, None]
-                phi_ok = phi_ok & (cols < hidden)[None, None, :]
-                phi = tl.load(F + rows * hidden + cols[None, None, :], mask=phi_ok, other=0.0)
-                phi = phi.to(tl.float32)
-                total += tl.sum(scaled[:, :, None, None] * phi[None, :, :, :], 1)
+            if FLAT:  # Gt_i += r sum_k d_k phi_ki, output by output: no [t, m, n, k] tile
+                phi_ok = (streams < n)[:, None] & (cols < hidden)[None, :]
+                for k in range(m):
+                    d_k = tl.sum(tl.where(outputs[None, :] == k, scaled, 0.0), 1)
+                    rows = (k * n + streams[:, None]) * hidden + cols[None, :]
+                    phi = tl.load(F + rows, mask=phi_ok, other=0.0).to(tl.float32)
+                    total += d_k[:, None, None] * phi[None, :, :]
             else:  # Gt_i += r_i sum_o d_io F_o, and the block's share of dF
                 f_offsets = outputs[:, None] * hidden + cols[None, :]
                 f_ok = (outputs < m)[:, None] & (cols < hidden)[None, :]
@@ -402,11 +402,13 @@ def _connect_bwd(
 BLOCK_T = 4  # tokens per block
 
 
-def _blocks(n: int, m: int, hidden: int) -> dict:
+def _blocks(n: int, m: int, hidden: int, flat: bool) -> dict:
     block_n = max(2, triton.next_power_of_2(n))
     block_m = max(2, triton.next_power_of_2(m))
-    # the widest tile is [tokens, n, m, hidden block]
-    block_h = min(triton.next_power_of_2(hidden), max(16, 8192 // (BLOCK_T * block_n * block_m)))
+    # the widest tile is [tokens, n, m, hidden block] (HC's projections), or [tokens, n, n,
+    # hidden block] (the write's gradient; mHC's projections go output by output)
+    widest = BLOCK_T * block_n * (block_n if flat else block_m)
+    block_h = min(triton.next_power_of_2(hidden), max(16, 8192 // widest))
     return dict(BLOCK_T=BLOCK_T, BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=4)
 
 
@@ -464,7 +466,7 @@ def _launch(state, out, wide: list, per_token: list, results: list, partial, nor
         partial.shape[0],
         HAS_WRITE=out is not None,
         FLAT=flat,
-        **_blocks(n, m, hidden),
+        **_blocks(n, m, hidden, flat),
     )
 
 
