@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -96,6 +97,8 @@ def main(argv=None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Every case at every preset's shapes, nothing skipped for time."""
+    if args.dry_run:  # before any kernel's module is imported: Triton reads it then
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     # Imported here: `t2train --help` builds this command's parser without torch.
     import torch
 

@@ -12,10 +12,14 @@ def test_without_cuda_it_says_so(capsys, monkeypatch):
     assert "no CUDA device" in capsys.readouterr().out
 
 
-def test_dry_run_runs_every_asked_case_on_the_cpu(tmp_path, capsys):
+def test_dry_run_runs_every_asked_case_on_the_cpu(tmp_path, capsys, monkeypatch):
     """``--dry-run``: the separate invocation's cases at the dry-run shapes on the CPU, every
-    Triton row timed, the rows written as JSON."""
+    Triton row timed, the rows written as JSON; it asks for the interpreter itself (read
+    when a kernel's module is first imported, which a fresh process does in the run)."""
     import json
+    import os
+
+    monkeypatch.delenv("TRITON_INTERPRET")
 
     assert (
         kernels.main(
@@ -38,6 +42,7 @@ def test_dry_run_runs_every_asked_case_on_the_cpu(tmp_path, capsys):
     assert set(triton) == {"stream_read", "stream_write", "hc_read", "hc_write"}
     assert all(row["ms"] is not None and not row["error"] for row in triton.values()), triton
     assert "| stream_write | tiny |" in capsys.readouterr().out
+    assert os.environ["TRITON_INTERPRET"] == "1"
 
 
 def test_the_cli_command_runs_it_and_refuses_an_unknown_kernel_naming_the_known(capsys):
