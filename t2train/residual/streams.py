@@ -3,7 +3,7 @@ reads a mix of the streams and writes into all of them."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, cast
 
 import torch
 from torch import Tensor
@@ -38,6 +38,7 @@ class StreamMixResidual(SublayerResidual):
     def __init__(self, config, model, layer_number: int = 1, position: int = 0):
         super().__init__(config, model, layer_number, position)
         self._pending: Optional[tuple] = None  # the read's mappings, for the write
+        self._handed_on: Optional[tuple] = None  # compiled: this read, made by the last write
 
     def read(self, state: Tensor) -> Tensor:
         x, self._pending = self.width_connection(state)
@@ -55,6 +56,40 @@ class StreamMixResidual(SublayerResidual):
 
     def depth_connection(self, state: Tensor, pending: tuple, out: Tensor) -> Tensor:
         raise NotImplementedError
+
+    # Compiled (dynamic `hc`, `mhc`): each write computes the following sublayer's read with
+    # it (the design's ``connect``, a write and a read as one function) and hands it on; a
+    # layer's first read is computed alone.
+
+    def handed_read(self, connect: Callable, state: Tensor, eps: float) -> tuple:
+        """``connect``'s outputs for this sublayer's read: handed on by the write before it,
+        or at a layer's first read computed alone (the state comes back through it)."""
+        handed, self._handed_on = self._handed_on, None
+        if handed is None:
+            handed = connect(state, eps, read=self.read_part(), norm_eps=self.norm_eps())
+        return handed
+
+    def write_handing_on(self, connect: Callable, streams: Tensor, eps: float, write) -> Tensor:
+        """The new streams of ``write`` (the design's ``Write``), with the following
+        sublayer's read computed in the same function and handed on to it; the layer's last
+        write alone."""
+        following = cast(Optional[StreamMixResidual], self.following)
+        if following is None:
+            (new,) = connect(streams, eps, write=write)
+            return new
+        handed = connect(
+            streams, eps, write=write, read=following.read_part(), norm_eps=following.norm_eps()
+        )
+        following._handed_on = handed
+        return handed[0]
+
+    def read_part(self):
+        """The design's ``Read`` of this sublayer for ``connect``."""
+        raise NotImplementedError
+
+    def norm_eps(self) -> float:
+        """The eps of this sublayer's pre-norm, which the read applies."""
+        return cast(float, self.pre_norm.eps)
 
 
 class StreamCopies(ResidualStream):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, cast
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -32,7 +32,6 @@ class HyperConnection(StreamMixResidual):
         options = self.model.hc
         n, h, dtype = options.expansion_rate, config.hidden_size, config.params_dtype
         self.n, self.dynamic = n, options.dynamic
-        self._handed_on: Optional[tuple] = None  # this read, computed by the previous write
         alpha = torch.zeros(n, n + 1, dtype=dtype)  # [A_m | A_r]
         alpha[sublayer_index(self.model, layer_number, position) % n, 0] = 1.0
         alpha[:, 1:] = torch.eye(n, dtype=dtype)
@@ -87,14 +86,10 @@ class HyperConnection(StreamMixResidual):
         write = dispatch.route(HC_WRITE, state, out)
         return write(state, residual, beta, out)
 
-    # Compiled, dynamic: each write computes the following sublayer's read with it
-    # (``hc/compiled.py``) and hands it on; a layer's first read is computed alone.
+    # Compiled, dynamic: reads and writes as ``connect`` (``hc/compiled.py``) pairs them.
 
     def _connected_read(self, state: Tensor) -> tuple[Tensor, Tensor, tuple]:
-        handed, self._handed_on = self._handed_on, None
-        if handed is None:  # a layer's first read: the state comes back through it
-            handed = connect(state, self._eps(), read=self._read_part(), norm_eps=self._norm_eps())
-        streams, x, normed, logits, read = handed
+        streams, x, normed, logits, read = self.handed_read(connect, state, self._eps())
         self._record_logits(read, logits)
         return x, normed, (streams, logits)
 
@@ -108,27 +103,12 @@ class HyperConnection(StreamMixResidual):
             self.dynamic_alpha_scale,
             self.dynamic_beta_scale,
         )
-        following = self.following
-        if following is None:  # the layer's last write
-            (new,) = connect(streams, self._eps(), write=write)
-            return new
-        handed = connect(
-            streams,
-            self._eps(),
-            write=write,
-            read=following._read_part(),
-            norm_eps=following._norm_eps(),
-        )
-        following._handed_on = handed
-        return handed[0]
+        return self.write_handing_on(connect, streams, self._eps(), write)
 
     def _eps(self) -> float:
         return cast(float, self.norm.eps)
 
-    def _norm_eps(self) -> float:
-        return cast(float, self.pre_norm.eps)
-
-    def _read_part(self) -> Read:
+    def read_part(self) -> Read:
         folded = folded_projections(self.dynamic_alpha, self.dynamic_beta, self.norm.weight)
         return Read(folded, self.static_alpha, self.dynamic_alpha_scale, self.pre_norm.weight)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional, cast
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -126,7 +126,6 @@ class ManifoldHyperConnection(StreamMixResidual):
         bias[:n] = -math.log(n - 1) if n > 1 else 0.0  # logit(1/n): H_pre sums to 1
         self.bias = torch.nn.Parameter(bias)
         self.gates = torch.nn.Parameter(torch.full((3,), options.gate_init, dtype=dtype))
-        self._handed_on: Optional[tuple] = None  # this read, computed by the previous write
         mark_replicated(self, config)
 
     def logits(self, state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -159,14 +158,10 @@ class ManifoldHyperConnection(StreamMixResidual):
             self.dropped.register(new, state, out, post, res, self.iterations)
         return new
 
-    # Compiled: each write computes the following sublayer's read with it (``compiled.py``)
-    # and hands it on; a layer's first read is computed alone.
+    # Compiled: reads and writes as ``connect`` (``compiled.py``) pairs them.
 
     def _connected_read(self, state: Tensor) -> tuple[Tensor, Tensor, tuple]:
-        handed, self._handed_on = self._handed_on, None
-        if handed is None:  # a layer's first read: the state comes back through it
-            handed = connect(state, self.eps, read=self._read_part(), norm_eps=self._norm_eps())
-        streams, x, normed, projected, read_weights = handed
+        streams, x, normed, projected, read_weights = self.handed_read(connect, state, self.eps)
         _, post, res = mapping_logits(projected, self.gates, self.bias, self.n)
         self._record(read_weights, post, res)
         return x, normed, (streams, post, res)
@@ -174,26 +169,10 @@ class ManifoldHyperConnection(StreamMixResidual):
     def _connected_write(self, pending: tuple, out: Tensor) -> Tensor:
         streams, post, res = pending
         gains, mixing = write_weights(post, res, self.iterations)
-        write = Write(out, mixing, gains)
-        following = self.following
-        if following is None:  # the layer's last write
-            (new,) = connect(streams, self.eps, write=write)
-            return new
-        handed = connect(
-            streams,
-            self.eps,
-            write=write,
-            read=following._read_part(),
-            norm_eps=following._norm_eps(),
-        )
-        following._handed_on = handed
-        return handed[0]
+        return self.write_handing_on(connect, streams, self.eps, Write(out, mixing, gains))
 
-    def _read_part(self) -> Read:
+    def read_part(self) -> Read:
         return Read(self.projection, self.gates[:1], self.bias[: self.n], self.pre_norm.weight)
-
-    def _norm_eps(self) -> float:
-        return cast(float, self.pre_norm.eps)
 
     def _record(self, read: Tensor, post: Tensor, res: Tensor) -> None:
         record_weights(
